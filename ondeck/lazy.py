@@ -1,0 +1,453 @@
+"""A proxy that stands in for one pipeline component until it is needed."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import LoadError
+
+__all__ = ["ComponentSpec", "LazyModule", "is_lazy", "is_loaded", "module_nbytes"]
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """What is known about a component without reading its weights."""
+
+    cls: type | None = None
+    config: Any = None
+    dtype: Any = None
+    device: Any = None
+    nbytes: int | None = None
+
+    def with_updates(self, **changes: Any) -> ComponentSpec:
+        return replace(self, **changes)
+
+
+# Methods whose calls change how the loaded component is placed or behaves. They are
+# recorded and replayed after every reload, so a release costs latency, never state.
+_REPLAYED_METHODS = frozenset(
+    {
+        "to",
+        "cuda",
+        "cpu",
+        "float",
+        "half",
+        "bfloat16",
+        "double",
+        "type",
+        "eval",
+        "train",
+        "requires_grad_",
+    }
+)
+
+# Attributes that integrations probe with hasattr() to detect hooks; an unloaded
+# component has none of them, so answering must not load it.
+_ABSENT_WHILE_UNLOADED = frozenset({"_hf_hook", "_diffusers_hook", "hf_device_map", "_ondeck_hook"})
+
+_INTERNAL = (
+    "_ondeck_name",
+    "_ondeck_loader",
+    "_ondeck_spec",
+    "_ondeck_module",
+    "_ondeck_lock",
+    "_ondeck_loading_thread",
+    "_ondeck_transforms",
+    "_ondeck_release_callbacks",
+    "_ondeck_replay",
+    "_ondeck_observers",
+    "_ondeck_pins",
+    "_ondeck_pins_changed",
+    "_ondeck_load_count",
+    "_ondeck_free_storage",
+)
+
+
+def is_lazy(obj: Any) -> bool:
+    """True for a LazyModule proxy, loaded or not. Never loads anything."""
+    return issubclass(type(obj), LazyModule)
+
+
+def is_loaded(obj: Any) -> bool:
+    """True when ``obj`` is not a proxy, or is a proxy whose component is resident."""
+    if not is_lazy(obj):
+        return True
+    return object.__getattribute__(obj, "_ondeck_module") is not None
+
+
+def module_nbytes(module: Any) -> int:
+    """Bytes held by a module's parameters and buffers, counting shared storage once."""
+    import torch
+
+    if isinstance(module, torch.Tensor):
+        return module.untyped_storage().nbytes()
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    storages: dict[tuple[str, int], int] = {}
+    for tensor in _module_tensors(module):
+        if tensor.device.type == "meta":
+            continue
+        storage = tensor.untyped_storage()
+        storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _module_tensors(module: Any):
+    yield from module.parameters(recurse=True)
+    yield from module.buffers(recurse=True)
+
+
+def _free_storages(module: Any) -> None:
+    """Give the memory of a module's tensors back now, even if a stray reference survives.
+
+    Only used for modules the loader built fresh: the storage would otherwise stay
+    alive as long as any forgotten hook, closure or cache still points at the module.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        return
+    for tensor in _module_tensors(module):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and tensor.device.type != "meta" and storage.resizable():
+            storage.resize_(0)
+
+
+def _call_with_optional_module(fn: Callable, module: Any) -> Any:
+    """Call a user callback with the module when it takes an argument, else with none."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn(module)
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return fn(module) if positional else fn()
+
+
+class LazyModule:
+    """Stands in for a component and loads it on first real use.
+
+    Construction, ``repr``, :func:`is_lazy`, :func:`is_loaded` and reads of what the
+    spec knows (``config``, ``dtype``, ``device``, ``isinstance`` against ``spec.cls``)
+    never load. Anything else loads the component once, then forwards to it.
+    """
+
+    def __init__(self, name: str, loader: Callable[[], Any], *, spec: ComponentSpec | None = None):
+        if not callable(loader):
+            raise TypeError(f"component '{name}': loader must be a zero-argument callable")
+        setter = object.__setattr__
+        setter(self, "_ondeck_name", name)
+        setter(self, "_ondeck_loader", loader)
+        setter(self, "_ondeck_spec", spec or ComponentSpec())
+        setter(self, "_ondeck_module", None)
+        setter(self, "_ondeck_lock", threading.RLock())
+        setter(self, "_ondeck_loading_thread", None)
+        setter(self, "_ondeck_transforms", [])
+        setter(self, "_ondeck_release_callbacks", [])
+        setter(self, "_ondeck_replay", {})
+        setter(self, "_ondeck_observers", [])
+        setter(self, "_ondeck_pins", {})
+        setter(self, "_ondeck_pins_changed", threading.Condition(threading.Lock()))
+        setter(self, "_ondeck_load_count", 0)
+        setter(self, "_ondeck_free_storage", bool(getattr(loader, "returns_fresh_module", False)))
+
+    # -- what is known without loading ------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is not None and hasattr(module, "name"):
+            return module.name
+        return object.__getattribute__(self, "_ondeck_name")
+
+    @property
+    def spec(self) -> ComponentSpec:
+        return object.__getattribute__(self, "_ondeck_spec")
+
+    @property
+    def load_count(self) -> int:
+        """How many times the loader has run successfully."""
+        return object.__getattribute__(self, "_ondeck_load_count")
+
+    @property
+    def __class__(self):  # noqa: D401 - answers isinstance() without loading
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is not None:
+            return type(module)
+        declared = object.__getattribute__(self, "_ondeck_spec").cls
+        return declared if declared is not None else LazyModule
+
+    @property
+    def config(self) -> Any:
+        return self._spec_or_loaded("config")
+
+    @property
+    def dtype(self) -> Any:
+        return self._spec_or_loaded("dtype")
+
+    @property
+    def device(self) -> Any:
+        return self._spec_or_loaded("device")
+
+    def _spec_or_loaded(self, attribute: str) -> Any:
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is None:
+            known = getattr(object.__getattribute__(self, "_ondeck_spec"), attribute)
+            if known is not None:
+                return known
+            module = self.materialize()
+        return getattr(module, attribute)
+
+    def __repr__(self) -> str:
+        name = object.__getattribute__(self, "_ondeck_name")
+        spec = object.__getattribute__(self, "_ondeck_spec")
+        loaded = object.__getattribute__(self, "_ondeck_module") is not None
+        parts = [repr(name), "loaded" if loaded else "unloaded"]
+        if spec.cls is not None:
+            parts.append(spec.cls.__name__)
+        if spec.nbytes is not None:
+            parts.append(f"{spec.nbytes / 2**30:.2f} GiB")
+        return f"LazyModule({', '.join(parts)})"
+
+    def __bool__(self) -> bool:
+        return True
+
+    # -- loading ------------------------------------------------------------------------
+
+    def materialize(self) -> Any:
+        """Return the loaded component, loading it first if needed."""
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is not None:
+            return module
+        with object.__getattribute__(self, "_ondeck_lock"):
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is not None:
+                return module
+            return self._load_locked()
+
+    def _load_locked(self) -> Any:
+        name = object.__getattribute__(self, "_ondeck_name")
+        if object.__getattribute__(self, "_ondeck_loading_thread") is threading.get_ident():
+            raise LoadError(
+                f"component '{name}': its loader touched the component it is loading",
+                component=name,
+            )
+        observers = list(object.__getattribute__(self, "_ondeck_observers"))
+        for observer in observers:
+            observer.before_load(self)
+        object.__setattr__(self, "_ondeck_loading_thread", threading.get_ident())
+        started = time.perf_counter()
+        try:
+            module = self._run_loader(name)
+        finally:
+            object.__setattr__(self, "_ondeck_loading_thread", None)
+        seconds = time.perf_counter() - started
+        object.__setattr__(self, "_ondeck_module", module)
+        object.__setattr__(self, "_ondeck_load_count", self.load_count + 1)
+        nbytes = module_nbytes(module)
+        for observer in observers:
+            observer.after_load(self, nbytes, seconds)
+        return module
+
+    def _run_loader(self, name: str) -> Any:
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        try:
+            module = loader()
+        except LoadError as error:
+            if error.component is None:
+                error.component = name
+            raise
+        except Exception as error:
+            raise LoadError(
+                f"component '{name}': loader failed with {type(error).__name__}: {error}",
+                component=name,
+            ) from error
+        if module is None:
+            raise LoadError(f"component '{name}': loader returned None", component=name)
+        try:
+            for transform in object.__getattribute__(self, "_ondeck_transforms"):
+                module = transform(module)
+                if module is None:
+                    raise LoadError(f"component '{name}': transform {transform!r} returned None")
+            for method, (args, kwargs) in object.__getattribute__(self, "_ondeck_replay").items():
+                result = getattr(module, method)(*args, **kwargs)
+                if method != "requires_grad_" and result is not None:
+                    module = result
+        except LoadError as error:
+            error.component = name
+            self._discard(module)
+            raise
+        except Exception as error:
+            self._discard(module)
+            raise LoadError(
+                f"component '{name}': applying transforms after load failed with "
+                f"{type(error).__name__}: {error}",
+                component=name,
+            ) from error
+        return module
+
+    def _discard(self, module: Any) -> None:
+        if object.__getattribute__(self, "_ondeck_free_storage"):
+            _free_storages(module)
+
+    # -- releasing ----------------------------------------------------------------------
+
+    def release(self) -> int:
+        """Drop every reference the runtime holds and free the memory.
+
+        Returns the bytes freed, 0 when nothing was loaded. The next access loads again.
+        """
+        self._wait_until_unpinned()
+        with object.__getattribute__(self, "_ondeck_lock"):
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is None:
+                return 0
+            nbytes = module_nbytes(module)
+            object.__setattr__(self, "_ondeck_module", None)
+            first_error: BaseException | None = None
+            for callback in list(object.__getattribute__(self, "_ondeck_release_callbacks")):
+                try:
+                    _call_with_optional_module(callback, module)
+                except Exception as error:  # every callback runs; the first error is raised
+                    first_error = first_error or error
+            unload = getattr(object.__getattribute__(self, "_ondeck_loader"), "unload", None)
+            if unload is not None:
+                try:
+                    unload(module)
+                except Exception as error:
+                    first_error = first_error or error
+            self._discard(module)
+            del module
+        for observer in list(object.__getattribute__(self, "_ondeck_observers")):
+            observer.after_release(self, nbytes)
+        if first_error is not None:
+            raise first_error
+        return nbytes
+
+    def _wait_until_unpinned(self) -> None:
+        """A stage that still runs holds its components: wait for other threads' stages."""
+        me = threading.get_ident()
+        changed = object.__getattribute__(self, "_ondeck_pins_changed")
+        pins = object.__getattribute__(self, "_ondeck_pins")
+        with changed:
+            changed.wait_for(lambda: all(owner == me for owner in pins))
+
+    def _pin(self) -> None:
+        changed = object.__getattribute__(self, "_ondeck_pins_changed")
+        pins = object.__getattribute__(self, "_ondeck_pins")
+        me = threading.get_ident()
+        with changed:
+            pins[me] = pins.get(me, 0) + 1
+
+    def _unpin(self) -> None:
+        changed = object.__getattribute__(self, "_ondeck_pins_changed")
+        pins = object.__getattribute__(self, "_ondeck_pins")
+        me = threading.get_ident()
+        with changed:
+            pins[me] -= 1
+            if pins[me] == 0:
+                del pins[me]
+            changed.notify_all()
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def add_transform(self, fn: Callable[[Any], Any]) -> LazyModule:
+        """Apply ``fn(module) -> module`` after every load, in registration order.
+
+        If the component is already loaded, ``fn`` is applied to it now as well.
+        """
+        with object.__getattribute__(self, "_ondeck_lock"):
+            object.__getattribute__(self, "_ondeck_transforms").append(fn)
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is not None:
+                transformed = fn(module)
+                if transformed is None:
+                    raise LoadError(
+                        f"component '{self._ondeck_name}': transform {fn!r} returned None"
+                    )
+                object.__setattr__(self, "_ondeck_module", transformed)
+        return self
+
+    def on_release(self, fn: Callable[..., Any]) -> LazyModule:
+        """Call ``fn`` (with the module, if it takes an argument) on every release."""
+        object.__getattribute__(self, "_ondeck_release_callbacks").append(fn)
+        return self
+
+    def add_observer(self, observer: Any) -> None:
+        observers = object.__getattribute__(self, "_ondeck_observers")
+        if observer not in observers:
+            observers.append(observer)
+
+    def remove_observer(self, observer: Any) -> None:
+        observers = object.__getattribute__(self, "_ondeck_observers")
+        if observer in observers:
+            observers.remove(observer)
+
+    # -- forwarding ---------------------------------------------------------------------
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in _INTERNAL:
+            raise AttributeError(attribute)
+        if (
+            attribute in _ABSENT_WHILE_UNLOADED
+            and object.__getattribute__(self, "_ondeck_module") is None
+        ):
+            raise AttributeError(attribute)
+        module = self.materialize()
+        value = getattr(module, attribute)
+        if inspect.ismethod(value) and value.__self__ is module:
+            return self._wrap_method(attribute, value)
+        return value
+
+    def _wrap_method(self, attribute: str, method: Callable) -> Callable:
+        proxy = self
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if attribute in _REPLAYED_METHODS:
+                replay = object.__getattribute__(proxy, "_ondeck_replay")
+                replay.pop(attribute, None)
+                replay[attribute] = (args, kwargs)
+            if result is method.__self__:
+                # Return the proxy, not the module: a strong reference to the module
+                # held by the caller could never be released.
+                current = object.__getattribute__(proxy, "_ondeck_module")
+                if current is method.__self__:
+                    return proxy
+            return result
+
+        return call
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        if attribute in _INTERNAL:
+            object.__setattr__(self, attribute, value)
+            return
+        setattr(self.materialize(), attribute, value)
+
+    def __delattr__(self, attribute: str) -> None:
+        delattr(self.materialize(), attribute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.materialize()(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.materialize())
+
+    def __iter__(self):
+        return iter(self.materialize())
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.materialize()[key]
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.materialize()
