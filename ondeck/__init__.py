@@ -1,0 +1,35 @@
+"""ondeck: run multi-stage generative pipelines in the memory of their largest stage.
+
+Importing ondeck does not import diffusers; ``import ondeck.diffusers`` does.
+"""
+
+from .errors import BudgetError, ConcurrentRunError, LoadError, OndeckError
+from .lazy import ComponentSpec, LazyModule, is_lazy, is_loaded
+from .memory import MemoryTracker, format_bytes, parse_bytes
+from .plan import Plan, plan
+from .policy import BudgetPolicy, EagerPolicy, Policy, ReleasePolicy
+from .stages import Pipeline, Stage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError",
+    "BudgetPolicy",
+    "ComponentSpec",
+    "ConcurrentRunError",
+    "EagerPolicy",
+    "LazyModule",
+    "LoadError",
+    "MemoryTracker",
+    "OndeckError",
+    "Pipeline",
+    "Plan",
+    "Policy",
+    "ReleasePolicy",
+    "Stage",
+    "format_bytes",
+    "is_lazy",
+    "is_loaded",
+    "parse_bytes",
+    "plan",
+]

@@ -1,0 +1,335 @@
+"""Device facts, byte budgets, and the timeline of what was resident when."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """``"24GiB"`` -> 25769803776. Plain numbers are bytes; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 24GiB, 500MB or 1e9")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    if nbytes is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the runtime needs to know about the device weights will live on."""
+
+    device: str
+    unified: bool
+    total_bytes: int
+    available_bytes: int
+
+
+def resolve_device(device: Any = None) -> Any:
+    import torch
+
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def host_available_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def device_facts(device: Any = None) -> DeviceFacts:
+    """Unified memory (integrated GPUs, Apple silicon, the CPU itself) and free bytes.
+
+    On CUDA, free bytes honour ``torch.cuda.set_per_process_memory_fraction``, so an
+    emulated smaller card is seen as that card.
+    """
+    import psutil
+    import torch
+
+    device = resolve_device(device)
+    if device.type == "cuda":
+        index = device.index or 0
+        properties = torch.cuda.get_device_properties(index)
+        if getattr(properties, "is_integrated", False):
+            return DeviceFacts(
+                str(device), True, psutil.virtual_memory().total, host_available_bytes()
+            )
+        free, total = torch.cuda.mem_get_info(index)
+        fraction = _memory_fraction(index)
+        if fraction < 1.0:
+            total = int(total * fraction)
+            free = max(0, total - torch.cuda.memory_reserved(index))
+        return DeviceFacts(str(device), False, int(total), int(free))
+    unified = device.type in ("cpu", "mps")
+    return DeviceFacts(str(device), unified, psutil.virtual_memory().total, host_available_bytes())
+
+
+def _memory_fraction(index: int) -> float:
+    import torch
+
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        try:
+            return float(getter(index))
+        except Exception:
+            return 1.0
+    return float(os.environ.get("ONDECK_MEMORY_FRACTION", "1.0"))
+
+
+def measured_device_bytes(device: Any) -> int:
+    """Bytes allocated on the device right now; on the CPU, the process's resident set."""
+    import torch
+
+    device = resolve_device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return process_rss_bytes()
+
+
+def process_rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return process_rss_bytes()
+
+
+@dataclass
+class Event:
+    seconds: float
+    kind: str  # load | release | stage_start | stage_end | wait
+    name: str
+    nbytes: int
+    resident_bytes: int
+    measured_bytes: int | None = None
+    duration_seconds: float | None = None
+
+
+@dataclass
+class StageRecord:
+    run: int
+    stage: str
+    seconds: float
+    exposed_load_seconds: float
+    resident_bytes_at_start: int
+    peak_measured_bytes: int | None
+    activation_bytes: int | None
+
+
+@dataclass
+class MemoryTracker:
+    """Records every load, release and stage boundary with resident and measured bytes.
+
+    Holds names and numbers only, never a module: the tracker must not keep anything
+    alive that a release is meant to free.
+    """
+
+    device: str = "cpu"
+    events: list[Event] = field(default_factory=list)
+    stages: list[StageRecord] = field(default_factory=list)
+    resident: dict[str, int] = field(default_factory=dict)
+    peak_resident_bytes: int = 0
+    bytes_loaded: int = 0
+    runs: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = time.perf_counter()
+        self._stage_started: float | None = None
+        self._exposed: float = 0.0
+        self._stage_resident_at_start = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident.values())
+
+    def _measure(self) -> int | None:
+        try:
+            return measured_device_bytes(self.device)
+        except Exception:
+            return None
+
+    def _record(self, kind: str, name: str, nbytes: int, duration: float | None = None) -> None:
+        self.events.append(
+            Event(
+                seconds=time.perf_counter() - self._start,
+                kind=kind,
+                name=name,
+                nbytes=nbytes,
+                resident_bytes=self.resident_bytes,
+                measured_bytes=self._measure(),
+                duration_seconds=duration,
+            )
+        )
+
+    def loaded(self, name: str, nbytes: int, seconds: float, *, exposed: bool = True) -> None:
+        with self._lock:
+            self.resident[name] = nbytes
+            self.bytes_loaded += nbytes
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            if exposed and self._stage_started is not None:
+                self._exposed += seconds
+            self._record("load", name, nbytes, seconds)
+
+    def released(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.resident.pop(name, None)
+            self._record("release", name, nbytes)
+
+    def waited(self, name: str, seconds: float) -> None:
+        with self._lock:
+            if self._stage_started is not None:
+                self._exposed += seconds
+            self._record("wait", name, 0, seconds)
+
+    def run_started(self) -> None:
+        self.runs += 1
+
+    def stage_started(self, stage: str) -> None:
+        import torch
+
+        with self._lock:
+            if str(self.device).startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._stage_started = time.perf_counter()
+            self._exposed = 0.0
+            self._stage_resident_at_start = self.resident_bytes
+            self._record("stage_start", stage, 0)
+
+    def stage_finished(self, stage: str) -> StageRecord:
+        import torch
+
+        with self._lock:
+            started = self._stage_started or time.perf_counter()
+            peak = None
+            if str(self.device).startswith("cuda"):
+                peak = int(torch.cuda.max_memory_allocated(self.device))
+            activation = None
+            if peak is not None:
+                activation = max(0, peak - self.resident_bytes)
+            record = StageRecord(
+                run=self.runs,
+                stage=stage,
+                seconds=time.perf_counter() - started,
+                exposed_load_seconds=self._exposed,
+                resident_bytes_at_start=self._stage_resident_at_start,
+                peak_measured_bytes=peak,
+                activation_bytes=activation,
+            )
+            self.stages.append(record)
+            self._stage_started = None
+            self._record("stage_end", stage, 0)
+            return record
+
+    def exposed_load_seconds(self, run: int | None = None) -> float:
+        return sum(s.exposed_load_seconds for s in self.stages if run is None or s.run == run)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "runs": self.runs,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "bytes_loaded": self.bytes_loaded,
+            "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
+            "process_peak_rss_bytes": process_peak_rss_bytes(),
+            "exposed_load_seconds": self.exposed_load_seconds(),
+            "stages": [asdict(s) for s in self.stages],
+            "events": [asdict(e) for e in self.events],
+        }
+
+    def write_json(self, path: str | os.PathLike, **extra: Any) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({**self.to_dict(), **extra}, indent=2))
+        return path
+
+    def plot(self, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
+        """A PNG of resident component bytes (and measured bytes) over time."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        times = [0.0] + [e.seconds for e in self.events]
+        resident = [0] + [e.resident_bytes / 2**30 for e in self.events]
+        measured = [e.measured_bytes for e in self.events]
+        figure, axes = plt.subplots(figsize=(9, 4))
+        axes.step(times, resident, where="post", label="resident components", linewidth=2)
+        if any(m is not None for m in measured):
+            axes.plot(
+                [e.seconds for e in self.events],
+                [(m or 0) / 2**30 for m in measured],
+                ".",
+                alpha=0.6,
+                label="measured device bytes",
+            )
+        for event in self.events:
+            if event.kind in ("load", "release"):
+                axes.annotate(
+                    f"{event.kind} {event.name}",
+                    (event.seconds, event.resident_bytes / 2**30),
+                    fontsize=7,
+                    rotation=30,
+                )
+            if event.kind == "stage_start":
+                axes.axvline(event.seconds, color="grey", alpha=0.3, linewidth=0.8)
+        axes.set_xlabel("seconds")
+        axes.set_ylabel("GiB")
+        axes.set_title(title)
+        axes.legend(loc="upper right", fontsize=8)
+        figure.tight_layout()
+        path = Path(path)
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        return path

@@ -1,0 +1,372 @@
+"""Predicted residency, from specs alone: which component is where, stage by stage.
+
+Everything here is a pure function of names, bytes and which stage holds what. The
+budget policy makes its decisions with the same functions the plan simulates, so the
+predicted peak is the peak the run will have.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .memory import format_bytes, parse_bytes
+
+__all__ = ["Plan", "StageUse", "plan", "release_schedule"]
+
+
+@dataclass(frozen=True)
+class StageUse:
+    """A top-level stage and the deferred components it holds."""
+
+    name: str
+    components: tuple[str, ...]
+
+
+def release_schedule(uses: Sequence[StageUse]) -> dict[str, list[str]]:
+    """``{stage: [components whose last holder it is]}``, in stage order."""
+    last_holder: dict[str, int] = {}
+    for index, use in enumerate(uses):
+        for component in use.components:
+            last_holder[component] = index
+    schedule: dict[str, list[str]] = {use.name: [] for use in uses}
+    for component, index in last_holder.items():
+        schedule[uses[index].name].append(component)
+    return schedule
+
+
+def release_residency(uses: Sequence[StageUse]) -> list[frozenset[str]]:
+    """Resident set per stage when each component loads at first use, frees after last."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for index, use in enumerate(uses):
+        for component in use.components:
+            first.setdefault(component, index)
+            last[component] = index
+    return [
+        frozenset(c for c in first if first[c] <= index <= last[c]) for index in range(len(uses))
+    ]
+
+
+def next_use_distance(component: str, uses: Sequence[StageUse], index: int) -> float:
+    """Stages from ``index`` until ``component`` is next needed, wrapping into the next run."""
+    count = len(uses)
+    for step in range(1, count + 1):
+        if component in uses[(index + step) % count].components:
+            return step
+    return math.inf
+
+
+def _total(names: Iterable[str], nbytes: Mapping[str, int]) -> int:
+    return sum(nbytes[name] for name in set(names))
+
+
+def choose_evictions(
+    resident: Iterable[str],
+    keep: Iterable[str],
+    incoming: Iterable[str],
+    *,
+    uses: Sequence[StageUse],
+    index: int,
+    nbytes: Mapping[str, int],
+    limit: int,
+    protect_within: float = math.inf,
+) -> list[str] | None:
+    """Which resident components to evict so ``resident + incoming`` fits ``limit``.
+
+    Evicts the component whose next use is farthest away first (larger first on ties).
+    Components in ``keep`` are never chosen, nor any needed within ``protect_within``
+    stages. Returns None when no choice of evictions makes it fit.
+    """
+    resident = set(resident)
+    keep = set(keep)
+    wanted = resident | set(incoming)
+    evicted: list[str] = []
+    candidates = sorted(
+        (c for c in resident if c not in keep),
+        key=lambda c: (next_use_distance(c, uses, index), nbytes[c]),
+        reverse=True,
+    )
+    for candidate in candidates:
+        if _total(wanted, nbytes) <= limit:
+            break
+        if next_use_distance(candidate, uses, index) <= protect_within:
+            break
+        wanted.discard(candidate)
+        evicted.append(candidate)
+    if _total(wanted, nbytes) > limit:
+        return None
+    return evicted
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """What the budget policy does around one stage."""
+
+    evict: tuple[str, ...]
+    load: tuple[str, ...]
+    prefetch_evict: tuple[str, ...]
+    prefetch: tuple[str, ...]
+
+
+def next_stage_with_loads(
+    uses: Sequence[StageUse], index: int, resident: Iterable[str]
+) -> int | None:
+    """The first later stage in this run that needs a component not yet resident."""
+    resident = set(resident)
+    for later in range(index + 1, len(uses)):
+        if set(uses[later].components) - resident:
+            return later
+    return None
+
+
+def budget_step(
+    resident: Iterable[str],
+    index: int,
+    *,
+    uses: Sequence[StageUse],
+    nbytes: Mapping[str, int],
+    budget: int,
+    activation: Mapping[str, int | None],
+    prefetch: bool,
+) -> StageStep:
+    """Decide evictions and loads before stage ``index``, and what to prefetch during it.
+
+    Raises ``ValueError`` when the stage's own components and activations cannot fit.
+    """
+    resident = set(resident)
+    use = uses[index]
+    headroom = activation.get(use.name) or 0
+    needed = set(use.components)
+    required = _total(needed, nbytes) + headroom
+    if required > budget:
+        raise ValueError(
+            f"stage '{use.name}' needs {format_bytes(required)} "
+            f"({', '.join(sorted(needed)) or 'no components'} plus "
+            f"{format_bytes(headroom)} of activations), "
+            f"{format_bytes(required - budget)} more than the budget of {format_bytes(budget)}"
+        )
+    missing = [c for c in use.components if c not in resident]
+    evict = choose_evictions(
+        resident,
+        needed,
+        missing,
+        uses=uses,
+        index=index,
+        nbytes=nbytes,
+        limit=budget - headroom,
+    )
+    assert evict is not None  # the stage alone fits, so evicting everything else fits
+    resident = (resident - set(evict)) | needed
+    prefetch_evict: list[str] = []
+    prefetched: list[str] = []
+    if prefetch:
+        later = next_stage_with_loads(uses, index, resident)
+        if later is not None:
+            incoming = [c for c in uses[later].components if c not in resident]
+            choice = choose_evictions(
+                resident,
+                needed | set(uses[later].components),
+                incoming,
+                uses=uses,
+                index=index,
+                nbytes=nbytes,
+                limit=budget - headroom,
+                protect_within=later - index,
+            )
+            if choice is not None:
+                prefetch_evict, prefetched = choice, incoming
+    return StageStep(tuple(evict), tuple(missing), tuple(prefetch_evict), tuple(prefetched))
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    run: int
+    name: str
+    resident: tuple[str, ...]
+    resident_bytes: int
+    activation_bytes: int | None
+
+
+def simulate(
+    uses: Sequence[StageUse],
+    nbytes: Mapping[str, int],
+    *,
+    policy: str,
+    budget: int | None = None,
+    activation: Mapping[str, int | None] | None = None,
+    prefetch: bool = True,
+    runs: int = 2,
+) -> list[PlannedStage]:
+    """Resident components during each stage over ``runs`` consecutive runs."""
+    activation = activation or {}
+    planned: list[PlannedStage] = []
+    everything = {c for use in uses for c in use.components}
+    if policy == "eager":
+        sets = [frozenset(everything)] * len(uses)
+        per_run = [sets] * runs
+    elif policy == "release":
+        per_run = [release_residency(uses)] * runs
+    elif policy == "budget":
+        if budget is None:
+            raise ValueError("the budget policy needs a budget")
+        per_run = []
+        resident: set[str] = set()
+        for _ in range(runs):
+            sets = []
+            for index in range(len(uses)):
+                step = budget_step(
+                    resident,
+                    index,
+                    uses=uses,
+                    nbytes=nbytes,
+                    budget=budget,
+                    activation=activation,
+                    prefetch=prefetch,
+                )
+                resident = (resident - set(step.evict)) | set(step.load)
+                resident = (resident - set(step.prefetch_evict)) | set(step.prefetch)
+                sets.append(frozenset(resident))
+            per_run.append(sets)
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+    for run, sets in enumerate(per_run, start=1):
+        for use, resident_set in zip(uses, sets, strict=True):
+            planned.append(
+                PlannedStage(
+                    run=run,
+                    name=use.name,
+                    resident=tuple(sorted(resident_set)),
+                    resident_bytes=_total(resident_set, nbytes),
+                    activation_bytes=activation.get(use.name),
+                )
+            )
+    return planned
+
+
+@dataclass
+class Plan:
+    """The predicted residency of a pipeline, before a byte is loaded."""
+
+    policy: str
+    budget: int | None
+    component_bytes: dict[str, int]
+    stages: list[tuple[str, list[str], int]]
+    peak_bytes: int
+    activation_bytes: dict[str, int | None]
+    uses: list[StageUse] = field(default_factory=list)
+    activation_note: str = ""
+    runs: list[PlannedStage] = field(default_factory=list)
+
+    def stage_requirements(self) -> list[tuple[str, int]]:
+        """Bytes each stage needs by itself: its own components plus activations."""
+        return [
+            (
+                use.name,
+                _total(use.components, self.component_bytes)
+                + (self.activation_bytes.get(use.name) or 0),
+            )
+            for use in self.uses
+        ]
+
+    def overflow(self, budget: int | str | None = None) -> tuple[str, int] | None:
+        """The stage that overflows ``budget`` the most, and by how many bytes."""
+        budget = parse_bytes(budget) if budget is not None else self.budget
+        if budget is None:
+            return None
+        worst = max(self.stage_requirements(), key=lambda item: item[1], default=None)
+        if worst is None or worst[1] <= budget:
+            return None
+        return worst[0], worst[1] - budget
+
+    def fits(self, budget: int | str | None = None) -> bool:
+        """Whether every stage's own components and known activations fit ``budget``."""
+        budget = parse_bytes(budget) if budget is not None else self.budget
+        if budget is None:
+            return True
+        return self.overflow(budget) is None
+
+    @property
+    def sum_bytes(self) -> int:
+        return sum(self.component_bytes.values())
+
+    def __str__(self) -> str:
+        lines = [
+            f"policy: {self.policy}"
+            + (f", budget {format_bytes(self.budget)}" if self.budget is not None else ""),
+            "components:",
+        ]
+        for name, nbytes in self.component_bytes.items():
+            lines.append(f"  {name:<24} {format_bytes(nbytes):>12}")
+        lines.append(f"  {'sum':<24} {format_bytes(self.sum_bytes):>12}")
+        lines.append("stages:")
+        lines.append(f"  {'stage':<24} {'resident':>12} {'activations':>12}  components")
+        for name, resident, nbytes in self.stages:
+            activation = self.activation_bytes.get(name)
+            shown = format_bytes(activation) if activation is not None else "unknown"
+            lines.append(
+                f"  {name:<24} {format_bytes(nbytes):>12} {shown:>12}  {', '.join(resident)}"
+            )
+        lines.append(f"predicted component peak: {format_bytes(self.peak_bytes)}")
+        if self.activation_note:
+            lines.append(self.activation_note)
+        if self.budget is not None:
+            overflow = self.overflow()
+            if overflow is None:
+                lines.append(f"fits {format_bytes(self.budget)}")
+            else:
+                lines.append(
+                    f"does not fit {format_bytes(self.budget)}: stage '{overflow[0]}' "
+                    f"overflows by {format_bytes(overflow[1])}"
+                )
+        return "\n".join(lines)
+
+
+def build_plan(
+    uses: Sequence[StageUse],
+    component_bytes: Mapping[str, int],
+    *,
+    policy: str,
+    budget: int | None = None,
+    activation: Mapping[str, int | None] | None = None,
+    activation_note: str = "",
+    prefetch: bool = True,
+) -> Plan:
+    activation = dict(activation or {use.name: None for use in uses})
+    plan_ = Plan(
+        policy=policy,
+        budget=budget,
+        component_bytes=dict(component_bytes),
+        stages=[],
+        peak_bytes=0,
+        activation_bytes=activation,
+        uses=list(uses),
+        activation_note=activation_note,
+    )
+    if policy == "budget" and not plan_.fits(budget):
+        policy = "release"  # what would run if the budget allowed; the overflow is reported
+    runs = simulate(
+        uses,
+        component_bytes,
+        policy=policy,
+        budget=budget,
+        activation=activation,
+        prefetch=prefetch,
+    )
+    last_run = [stage for stage in runs if stage.run == runs[-1].run]
+    plan_.stages = [(s.name, list(s.resident), s.resident_bytes) for s in last_run]
+    plan_.peak_bytes = max((s.resident_bytes for s in runs), default=0)
+    plan_.runs = runs
+    return plan_
+
+
+def plan(source: Any, budget: int | str | None = None, **options: Any) -> Plan:
+    """Predict residency for a pipeline or a model folder without reading any weights."""
+    if isinstance(source, (str, os.PathLike)):
+        from .pipelines import pipeline_for_folder
+
+        source = pipeline_for_folder(source, **options)
+    return source.plan(budget=budget)

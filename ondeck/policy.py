@@ -1,0 +1,329 @@
+"""Residency policies: what to load, prefetch, keep or release at stage boundaries.
+
+A policy is an object the pipeline consults at each boundary; decisions about
+budgets come from the pure functions in ``plan.py``, so the plan predicts them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .errors import BudgetError
+from .memory import device_facts, format_bytes, parse_bytes
+from .plan import budget_step
+
+if TYPE_CHECKING:
+    from .memory import StageRecord
+    from .stages import Pipeline
+
+__all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "make_policy"]
+
+# Share of the device kept free by the automatic budget: allocator fragmentation,
+# workspace buffers and whatever else shares the device.
+AUTO_HEADROOM_FRACTION = 0.08
+AUTO_HEADROOM_MIN_BYTES = 1 << 30
+
+
+class Policy:
+    """The base policy: loads on first use and never releases on its own."""
+
+    name = "base"
+    plan_name = "release"
+    prefetch = False
+
+    def __init__(self) -> None:
+        self.pipeline: Pipeline | None = None
+        self.budget_bytes: int | None = None
+        self.reason = f"policy '{self.name}' was asked for"
+        self.activation: dict[str, int] = {}
+
+    def attach(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def before_run(self) -> None:
+        pass
+
+    def before_stage(self, index: int) -> None:
+        pass
+
+    def after_stage(self, index: int, *, failed: bool) -> None:
+        pass
+
+    def after_run(self) -> None:
+        pass
+
+    def before_load(self, name: str) -> None:
+        pass
+
+    def recover_from_oom(self, index: int) -> bool:
+        return False
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+    def in_prefetch_thread(self) -> bool:
+        return False
+
+    def stage_measured(self, index: int, record: StageRecord) -> None:
+        """Keep the largest activation peak measured per stage (device bytes)."""
+        if record.activation_bytes is None:
+            return
+        previous = self.activation.get(record.stage, 0)
+        self.activation[record.stage] = max(previous, record.activation_bytes)
+
+    def activation_estimate(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
+        """Activation peaks per stage: measured in this process, else from a profile."""
+        estimate: dict[str, int | None] = {}
+        for use in pipeline.stage_uses():
+            estimate[use.name] = self.activation.get(use.name)
+        profile = getattr(pipeline, "activation_profile", None)
+        note = ""
+        if profile is not None:
+            stored, note = profile()
+            for stage, nbytes in stored.items():
+                if estimate.get(stage) is None:
+                    estimate[stage] = nbytes
+        if all(value is None for value in estimate.values()):
+            note = note or "activations: unknown (no profile yet; run once to measure them)"
+        return estimate, note
+
+
+class EagerPolicy(Policy):
+    """Load every component up front and keep it, like a plain loader."""
+
+    name = "eager"
+    plan_name = "eager"
+
+    def attach(self, pipeline: Pipeline) -> None:
+        super().attach(pipeline)
+        for proxy in pipeline.deferred.values():
+            proxy.materialize()
+
+    def before_run(self) -> None:
+        for proxy in self.pipeline.deferred.values():
+            proxy.materialize()
+
+
+class ReleasePolicy(Policy):
+    """Load on first use, free after the last stage that holds the component."""
+
+    name = "release"
+    plan_name = "release"
+
+    def after_stage(self, index: int, *, failed: bool) -> None:
+        pipeline = self.pipeline
+        stage = pipeline.stages[index]
+        first_error: Exception | None = None
+        for name in pipeline.schedule.get(stage.name, ()):
+            try:
+                pipeline.deferred[name].release()
+            except Exception as error:  # release the others before reporting
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+
+class BudgetPolicy(Policy):
+    """Keep components resident across runs while they fit ``budget`` bytes.
+
+    When a load would overflow, the resident component whose next use is farthest
+    away goes first. With ``prefetch``, the next stage's components load on a
+    background thread while the current stage computes.
+    """
+
+    name = "budget"
+    plan_name = "budget"
+
+    def __init__(self, budget: int | str, *, prefetch: bool = True):
+        super().__init__()
+        self.budget_bytes = parse_bytes(budget)
+        self.prefetch = prefetch
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
+        self._local = threading.local()
+
+    def _nbytes(self) -> dict[str, int]:
+        return {name: value or 0 for name, value in self.pipeline.component_bytes().items()}
+
+    def _resident(self) -> set[str]:
+        return set(self.pipeline.resident()) | set(self._pending)
+
+    def before_run(self) -> None:
+        plan = self.pipeline.plan(self.budget_bytes)
+        overflow = plan.overflow()
+        if overflow is not None:
+            raise BudgetError(
+                f"stage '{overflow[0]}' needs {format_bytes(overflow[1])} more than the budget "
+                f"of {format_bytes(self.budget_bytes)}; nothing was loaded.\n{plan}",
+                plan=plan,
+            )
+
+    def before_stage(self, index: int) -> None:
+        pipeline = self.pipeline
+        self._wait_for(pipeline.stage_uses()[index].components)
+        activation, _ = self.activation_estimate(pipeline)
+        try:
+            step = budget_step(
+                self._resident(),
+                index,
+                uses=pipeline.stage_uses(),
+                nbytes=self._nbytes(),
+                budget=self.budget_bytes,
+                activation=activation,
+                prefetch=self.prefetch,
+            )
+        except ValueError as error:
+            raise BudgetError(f"{error}; nothing more was loaded") from error
+        for name in step.evict:
+            self._evict(name)
+        for name in step.load:
+            pipeline.deferred[name].materialize()
+        for name in step.prefetch_evict:
+            self._evict(name)
+        for name in step.prefetch:
+            self._start_prefetch(name)
+
+    def _evict(self, name: str) -> None:
+        self._wait_for((name,))
+        self.pipeline.deferred[name].release()
+
+    def _start_prefetch(self, name: str) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-prefetch")
+        proxy = self.pipeline.deferred[name]
+
+        def load() -> None:
+            self._local.prefetching = True
+            try:
+                proxy.materialize()
+            finally:
+                self._local.prefetching = False
+
+        self._pending[name] = self._executor.submit(load)
+
+    def _wait_for(self, names: Any) -> None:
+        for name in names:
+            future = self._pending.pop(name, None)
+            if future is None:
+                continue
+            started = time.perf_counter()
+            try:
+                future.result()
+            except Exception as error:
+                # The stage's own access retries the load and reports the error itself.
+                warnings.warn(f"prefetching '{name}' failed: {error!r}", stacklevel=3)
+            waited = time.perf_counter() - started
+            if waited > 1e-4:
+                self.pipeline.tracker.waited(name, waited)
+
+    def in_prefetch_thread(self) -> bool:
+        return getattr(self._local, "prefetching", False)
+
+    def cancel_prefetch(self) -> None:
+        for name in list(self._pending):
+            self._wait_for((name,))
+
+    def after_run(self) -> None:
+        self.cancel_prefetch()
+
+    def before_load(self, name: str) -> None:
+        """A load outside the plan (an unexpected access): make room for it first."""
+        if self.in_prefetch_thread() or self.pipeline._current_index is None:
+            return
+        nbytes = self._nbytes()
+        resident = set(self.pipeline.resident())
+        if sum(nbytes[c] for c in resident | {name}) <= self.budget_bytes:
+            return
+        from .plan import choose_evictions
+
+        index = self.pipeline._current_index
+        uses = self.pipeline.stage_uses()
+        keep = set(uses[index].components) | {name}
+        for victim in (
+            choose_evictions(
+                resident,
+                keep,
+                [name],
+                uses=uses,
+                index=index,
+                nbytes=nbytes,
+                limit=self.budget_bytes,
+            )
+            or ()
+        ):
+            self.pipeline.deferred[victim].release()
+
+    def recover_from_oom(self, index: int) -> bool:
+        """Out of memory inside a stage: free everything it does not hold, retry once."""
+        import gc
+
+        import torch
+
+        pipeline = self.pipeline
+        self.cancel_prefetch()
+        keep = set(pipeline.stage_uses()[index].components)
+        freed = [name for name in list(pipeline.resident()) if name not in keep]
+        for name in freed:
+            pipeline.deferred[name].release()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return bool(freed)
+
+
+def auto_budget_bytes(device: Any) -> tuple[int, bool]:
+    """The budget ``auto`` plans against, and whether the device is unified memory."""
+    facts = device_facts(device)
+    headroom = max(AUTO_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_HEADROOM_FRACTION))
+    return max(0, facts.available_bytes - headroom), facts.unified
+
+
+def make_policy(
+    policy: Any,
+    *,
+    budget: Any = None,
+    prefetch: bool = True,
+    device: Any = None,
+    component_bytes: dict[str, int | None] | None = None,
+) -> Policy:
+    """Turn ``policy=`` (a name or a Policy) into a policy object.
+
+    ``auto`` picks ``budget`` when a budget is given or every component fits what the
+    device has free (``MemAvailable`` on unified memory), and ``release`` otherwise.
+    """
+    if isinstance(policy, Policy):
+        return policy
+    budget = parse_bytes(budget)
+    if policy == "auto":
+        if budget is not None:
+            chosen: Policy = BudgetPolicy(budget, prefetch=prefetch)
+            chosen.reason = "auto chose 'budget': a budget was given"
+            return chosen
+        available, unified = auto_budget_bytes(device)
+        sizes = list((component_bytes or {}).values())
+        total = sum(size or 0 for size in sizes)
+        where = "unified memory" if unified else "the device"
+        if None not in sizes and total <= available:
+            chosen = BudgetPolicy(available, prefetch=prefetch)
+            verdict = "fit"
+        else:
+            chosen = ReleasePolicy()
+            verdict = "do not fit" if None not in sizes else "have unknown sizes and may not fit"
+        chosen.reason = (
+            f"auto chose '{chosen.name}': components ({format_bytes(total)}) {verdict} "
+            f"the {format_bytes(available)} {where} has free"
+        )
+        return chosen
+    if policy == "eager":
+        return EagerPolicy()
+    if policy == "release":
+        return ReleasePolicy()
+    if policy == "budget":
+        if budget is None:
+            budget, _ = auto_budget_bytes(device)
+        return BudgetPolicy(budget, prefetch=prefetch)
+    raise ValueError(f"unknown policy {policy!r}; choose auto, eager, release or budget")

@@ -1,0 +1,424 @@
+"""Stages, pipelines, and the release schedule derived from which stage holds what."""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .errors import ConcurrentRunError
+from .lazy import LazyModule, is_lazy, is_loaded
+from .memory import MemoryTracker, resolve_device
+from .plan import Plan, StageUse, build_plan, release_schedule
+
+__all__ = ["Stage", "Pipeline", "held_components"]
+
+_CONTAINERS = (list, tuple, set, frozenset)
+
+
+def held_components(holder: Any) -> list[LazyModule]:
+    """Every proxy reachable from ``holder`` through stage attributes and containers.
+
+    Never loads: values are tested with ``is_lazy`` before anything else, because
+    ``isinstance`` on a proxy answers for the declared class.
+    """
+    found: list[LazyModule] = []
+    seen: set[int] = set()
+
+    def walk(value: Any) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if is_lazy(value):
+            found.append(value)
+        elif isinstance(value, Stage) or type(value) is types.SimpleNamespace:
+            for attribute, item in vars(value).items():
+                if not attribute.startswith("_ondeck_"):
+                    walk(item)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, _CONTAINERS):
+            for item in value:
+                walk(item)
+
+    walk(holder)
+    return found
+
+
+class Stage:
+    """One step of a pipeline. Subclass it and implement ``forward(state) -> state``.
+
+    Calling a stage runs ``forward`` and then releases the components whose last
+    holder it is, also when ``forward`` raised. The hook lives here, not in the
+    pipeline's loop, so a pipeline that runs its stages its own way still frees.
+    """
+
+    _ondeck_pipeline: Pipeline | None = None
+    _ondeck_stage_name: str | None = None
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_ondeck_pipeline", None)
+
+    @property
+    def name(self) -> str:
+        return self._ondeck_stage_name or type(self).__name__
+
+    @name.setter
+    def name(self, value: str) -> None:
+        object.__setattr__(self, "_ondeck_stage_name", value)
+
+    def forward(self, state: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(state)")
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        object.__setattr__(self, attribute, value)
+        pipeline = self._ondeck_pipeline
+        if pipeline is not None and not attribute.startswith("_ondeck_"):
+            pipeline.invalidate_schedule()
+
+    def __call__(self, state: Any) -> Any:
+        pipeline = self._ondeck_pipeline
+        if pipeline is None:
+            return self.forward(state)
+        return pipeline._run_stage(self, state)
+
+    def __repr__(self) -> str:
+        return f"<Stage {self.name}>"
+
+
+class _Components(dict):
+    """The pipeline's component map; assigning a name wraps the value and rebuilds."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__()
+        self._pipeline = pipeline
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        old = self.get(name)
+        if old is not None and is_lazy(old) and old is not value:
+            old.release()
+            old.remove_observer(self._pipeline)
+        super().__setitem__(name, self._pipeline._wrap_component(name, value))
+        if self._pipeline._stages_built:
+            self._pipeline._rebuild_stages()
+
+
+class Pipeline:
+    """A sequence of stages over named components, some of them deferred.
+
+    ``lazy_components`` lists the names that load on demand; ``create_stages``
+    returns the stages, reading components from ``self.components``.
+    """
+
+    lazy_components: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        components: Mapping[str, Any],
+        *,
+        policy: Any = "auto",
+        budget: int | str | None = None,
+        device: Any = None,
+        prefetch: bool = True,
+    ):
+        from .policy import make_policy
+
+        self.device = resolve_device(device)
+        self.tracker = MemoryTracker(device=str(self.device))
+        self.training = False
+        self._run_lock = threading.Lock()
+        self._running_thread: int | None = None
+        self._schedule: dict[str, list[str]] | None = None
+        self._uses: list[StageUse] | None = None
+        self._warned_unheld: set[str] = set()
+        self._stages_built = False
+        self._extra_stages: list[Stage] = []
+        self._current_index: int | None = None
+        self._measured_bytes: dict[str, int] = {}
+        self.components = _Components(self)
+        for name, value in components.items():
+            self.components[name] = value
+        self._rebuild_stages()
+        self.policy = make_policy(
+            policy,
+            budget=budget,
+            prefetch=prefetch,
+            device=self.device,
+            component_bytes=self.component_bytes(),
+        )
+        self.policy.attach(self)
+
+    # -- components ---------------------------------------------------------------------
+
+    def _wrap_component(self, name: str, value: Any) -> Any:
+        if name in self.lazy_components:
+            if _is_loader(value):
+                value = LazyModule(name, value, spec=getattr(value, "spec", None))
+            if is_lazy(value):
+                value.add_observer(self)
+            return value
+        if is_lazy(value):
+            value.materialize()
+        elif _is_loader(value):
+            value = value()
+        return value
+
+    @property
+    def deferred(self) -> dict[str, LazyModule]:
+        """The components that load on demand and can be released."""
+        return {
+            name: value
+            for name, value in self.components.items()
+            if name in self.lazy_components and is_lazy(value)
+        }
+
+    def create_stages(self) -> list[Stage]:
+        raise NotImplementedError(f"{type(self).__name__} must implement create_stages()")
+
+    def _rebuild_stages(self) -> None:
+        stages = list(self.create_stages()) + self._extra_stages
+        for stage in stages:
+            if not isinstance(stage, Stage):
+                raise TypeError(f"create_stages returned {stage!r}, which is not an ondeck.Stage")
+            object.__setattr__(stage, "_ondeck_pipeline", self)
+        self.stages = stages
+        self._stages_built = True
+        self.invalidate_schedule()
+
+    def add_stage(self, stage: Stage) -> None:
+        """Append a stage; the schedule is rebuilt on next use."""
+        object.__setattr__(stage, "_ondeck_pipeline", self)
+        self._extra_stages.append(stage)
+        self.stages.append(stage)
+        self.invalidate_schedule()
+
+    # -- schedule -----------------------------------------------------------------------
+
+    def invalidate_schedule(self) -> None:
+        self._schedule = None
+        self._uses = None
+
+    def stage_uses(self) -> list[StageUse]:
+        """Each top-level stage with the deferred components it holds. Never loads."""
+        if self._uses is None:
+            names = {id(proxy): name for name, proxy in self.deferred.items()}
+            uses = []
+            for stage in self.stages:
+                held = [names[id(p)] for p in held_components(stage) if id(p) in names]
+                uses.append(StageUse(stage.name, tuple(dict.fromkeys(held))))
+            held_anywhere = {c for use in uses for c in use.components}
+            for name in names.values():
+                if name not in held_anywhere and name not in self._warned_unheld:
+                    self._warned_unheld.add(name)
+                    warnings.warn(
+                        f"deferred component '{name}' is held by no stage, so it is never "
+                        "released; give it to a stage or drop it from lazy_components",
+                        stacklevel=2,
+                    )
+            self._uses = uses
+        return self._uses
+
+    @property
+    def schedule(self) -> dict[str, list[str]]:
+        """``{stage name: [components released after it]}``, computed without loading."""
+        if self._schedule is None:
+            self._schedule = release_schedule(self.stage_uses())
+        return self._schedule
+
+    def component_bytes(self) -> dict[str, int | None]:
+        """Bytes per deferred component: measured once loaded, else from its spec."""
+        known = dict(self.tracker.resident)
+        result: dict[str, int | None] = {}
+        for name, proxy in self.deferred.items():
+            result[name] = known.get(name, proxy.spec.nbytes)
+            if result[name] is None:
+                result[name] = self._measured_bytes.get(name)
+        return result
+
+    def plan(self, budget: int | str | None = None) -> Plan:
+        """Predicted residency under the policy this pipeline (or ``budget``) implies."""
+        from .memory import parse_bytes
+
+        budget = parse_bytes(budget) if budget is not None else self.policy.budget_bytes
+        policy = "budget" if budget is not None else self.policy.plan_name
+        nbytes = {name: value or 0 for name, value in self.component_bytes().items()}
+        activation, note = self.policy.activation_estimate(self)
+        return build_plan(
+            self.stage_uses(),
+            nbytes,
+            policy=policy,
+            budget=budget,
+            activation=activation,
+            activation_note=note,
+            prefetch=self.policy.prefetch,
+        )
+
+    # -- running ------------------------------------------------------------------------
+
+    def __call__(self, state: Any = None) -> Any:
+        me = threading.get_ident()
+        if self._running_thread == me:
+            raise ConcurrentRunError(
+                f"{type(self).__name__} was called again from inside its own run"
+            )
+        # Concurrent calls from other threads queue here and run one after another.
+        with self._run_lock:
+            self._running_thread = me
+            try:
+                return self._run(state)
+            finally:
+                self._running_thread = None
+
+    def _run(self, state: Any) -> Any:
+        self.stage_uses()
+        self.tracker.run_started()
+        self.policy.before_run()
+        try:
+            for index, stage in enumerate(self.stages):
+                self._current_index = index
+                state = stage(state)
+        except BaseException:
+            self._release_deferred_quietly()
+            raise
+        finally:
+            self._current_index = None
+        self.policy.after_run()
+        return state
+
+    def _stage_index(self, stage: Stage) -> int | None:
+        if self._current_index is not None and self.stages[self._current_index] is stage:
+            return self._current_index
+        for index, candidate in enumerate(self.stages):
+            if candidate is stage:
+                return index
+        return None
+
+    def _run_stage(self, stage: Stage, state: Any) -> Any:
+        index = self._stage_index(stage)
+        if index is None:  # a nested stage: its top-level stage owns the schedule
+            return stage.forward(state)
+        uses = self.stage_uses()[index]
+        held = [self.deferred[name] for name in uses.components]
+        self.tracker.stage_started(stage.name)
+        failed = True
+        try:
+            self.policy.before_stage(index)
+            for proxy in held:
+                proxy._pin()
+            try:
+                state = self._forward_with_recovery(stage, index, state)
+            finally:
+                for proxy in held:
+                    proxy._unpin()
+            failed = False
+        finally:
+            record = self.tracker.stage_finished(stage.name)
+            self.policy.stage_measured(index, record)
+            self._after_stage(index, failed)
+        return state
+
+    def _forward_with_recovery(self, stage: Stage, index: int, state: Any) -> Any:
+        try:
+            return stage.forward(state)
+        except Exception as error:
+            if not _is_out_of_memory(error) or not self.policy.recover_from_oom(index):
+                raise
+        return stage.forward(state)
+
+    def _after_stage(self, index: int, failed: bool) -> None:
+        """Release what the schedule says; never let a release error mask the stage's."""
+        if self.training:
+            return
+        try:
+            self.policy.after_stage(index, failed=failed)
+        except Exception as error:
+            if not failed:
+                raise
+            warnings.warn(f"releasing after a failed stage also failed: {error!r}", stacklevel=3)
+
+    def _release_deferred_quietly(self) -> None:
+        for name, proxy in self.deferred.items():
+            try:
+                proxy.release()
+            except Exception as error:
+                warnings.warn(
+                    f"releasing '{name}' after a failed run failed: {error!r}", stacklevel=3
+                )
+
+    def release_all(self) -> int:
+        """Release every deferred component; returns the bytes freed."""
+        self.policy.cancel_prefetch()
+        return sum(proxy.release() for proxy in self.deferred.values())
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Training keeps every component resident: gradients need the weights."""
+        if mode and self.deferred:
+            warnings.warn(
+                "training mode keeps every component resident; deferred components are "
+                "not released until eval()",
+                stacklevel=2,
+            )
+        self.training = mode
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    # -- observer of its proxies --------------------------------------------------------
+
+    def _name_of(self, proxy: LazyModule) -> str:
+        for name, value in self.deferred.items():
+            if value is proxy:
+                return name
+        return object.__getattribute__(proxy, "_ondeck_name")
+
+    def before_load(self, proxy: LazyModule) -> None:
+        self.policy.before_load(self._name_of(proxy))
+
+    def after_load(self, proxy: LazyModule, nbytes: int, seconds: float) -> None:
+        name = self._name_of(proxy)
+        self._measured_bytes[name] = nbytes
+        self.tracker.loaded(name, nbytes, seconds, exposed=not self.policy.in_prefetch_thread())
+
+    def after_release(self, proxy: LazyModule, nbytes: int) -> None:
+        self.tracker.released(self._name_of(proxy), nbytes)
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def resident(self) -> Iterator[str]:
+        return (name for name, proxy in self.deferred.items() if is_loaded(proxy))
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "pipeline": type(self).__name__,
+            "policy": self.policy.name,
+            "budget_bytes": self.policy.budget_bytes,
+            "schedule": self.schedule,
+            "component_bytes": self.component_bytes(),
+            **self.tracker.to_dict(),
+        }
+
+
+def _is_loader(value: Any) -> bool:
+    """A zero-argument loader, as opposed to a component given already loaded.
+
+    Modules, tensors and library objects such as tokenizers and schedulers are
+    callable too, but they are the component itself.
+    """
+    import torch
+
+    if is_lazy(value) or not callable(value):
+        return False
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return False
+    return not (hasattr(value, "from_pretrained") or hasattr(value, "save_pretrained"))
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(error, oom) or "out of memory" in str(error).lower()

@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("ONDECK_PROGRESS", "0")

@@ -1,0 +1,72 @@
+"""Tiny modules and counting loaders shared by the core tests."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import ondeck
+
+
+class CountingLoader:
+    """A zero-argument loader that counts its calls and builds a fresh Linear."""
+
+    def __init__(self, features: int = 64, delay: float = 0.0):
+        self.features = features
+        self.delay = delay
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> torch.nn.Module:
+        if self.delay:
+            import time
+
+            time.sleep(self.delay)
+        with self._lock:
+            self.calls += 1
+        torch.manual_seed(self.features)
+        return torch.nn.Linear(self.features, self.features)
+
+
+def lazy_linear(
+    name: str = "m", features: int = 64, **spec
+) -> tuple[ondeck.LazyModule, CountingLoader]:
+    loader = CountingLoader(features)
+    spec.setdefault("cls", torch.nn.Linear)
+    return ondeck.LazyModule(name, loader, spec=ondeck.ComponentSpec(**spec)), loader
+
+
+class Apply(ondeck.Stage):
+    """A stage that runs one component on state['x']."""
+
+    def __init__(self, component, name: str | None = None):
+        super().__init__()
+        self.component = component
+        if name:
+            self.name = name
+
+    def forward(self, state):
+        state["x"] = self.component(state["x"])
+        state.setdefault("order", []).append(self.name)
+        return state
+
+
+class ThreeStages(ondeck.Pipeline):
+    lazy_components = ("encoder", "denoiser", "decoder")
+
+    def create_stages(self):
+        c = self.components
+        return [
+            Apply(c["encoder"], "Encode"),
+            Apply(c["denoiser"], "Denoise"),
+            Apply(c["decoder"], "Decode"),
+        ]
+
+
+def three_loaders(features: int = 32) -> dict[str, CountingLoader]:
+    return {name: CountingLoader(features) for name in ("encoder", "denoiser", "decoder")}
+
+
+def state(features: int = 32) -> dict:
+    return {"x": torch.ones(2, features)}
