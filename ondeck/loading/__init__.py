@@ -1,0 +1,23 @@
+"""Safetensors reading for diffusers-format folders: headers, specs, and fast loads."""
+
+from .components import ComponentLoader, load_auxiliary, load_component
+from .folder import ModelFolder
+from .host_cache import HostCache
+from .reader import ReadJob, ReadStats, copy_from_host, read_into
+from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
+
+__all__ = [
+    "ComponentLoader",
+    "HostCache",
+    "ModelFolder",
+    "ReadJob",
+    "ReadStats",
+    "SafetensorsHeader",
+    "TensorInfo",
+    "copy_from_host",
+    "load_auxiliary",
+    "load_component",
+    "parse_header",
+    "read_header",
+    "read_into",
+]

@@ -1,0 +1,284 @@
+"""Load one component of a model folder straight into its final place and dtype."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from ..lazy import ComponentSpec
+from . import reader
+from .folder import ModelFolder
+from .host_cache import HostCache
+from .safetensors_format import TensorInfo
+from .skeleton import Skeleton, Slot, _get
+
+__all__ = ["ComponentLoader", "load_auxiliary", "load_component"]
+
+
+class ComponentLoader:
+    """A zero-argument loader for one model component, usable as a ``LazyModule`` loader.
+
+    Each call builds the module on the meta device, allocates every tensor directly on
+    ``device`` in its final dtype, and streams the weights in. Any failure, interrupts
+    included, frees what the load took before it propagates.
+    """
+
+    # Each call builds a new module, so a LazyModule may free its storage on release.
+    returns_fresh_module = True
+
+    def __init__(
+        self,
+        folder: ModelFolder | str | os.PathLike,
+        name: str,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        host_cache: HostCache | None = None,
+        progress: bool = True,
+        threads: int | None = None,
+        buffer_bytes: int = reader.DEFAULT_BUFFER_BYTES,
+        buffer_count: int = reader.DEFAULT_BUFFER_COUNT,
+    ):
+        self.folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+        self.name = name
+        self.device = torch.device(device)
+        self.dtype = self.folder.resolve_dtype(name, dtype)
+        self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
+        self.progress = progress
+        self.threads = threads
+        self.buffer_bytes = buffer_bytes
+        self.buffer_count = buffer_count
+        self.last_load_bytes = 0
+        self.last_load_seconds = 0.0
+        self.last_source: str | None = None
+
+    def __repr__(self) -> str:
+        return f"ComponentLoader({str(self.folder.path)!r}, {self.name!r}, {self.device}, {self.dtype})"
+
+    @property
+    def spec(self) -> ComponentSpec:
+        return self.folder.spec(self.name, self.dtype, self.device)
+
+    def __call__(self) -> torch.nn.Module:
+        started = time.perf_counter()
+        tensors = self.folder.tensors(self.name)
+        skeleton = self.folder.skeleton(self.name, self.dtype)
+        allocated: list[torch.Tensor] = []
+        try:
+            sources = _match(skeleton, tensors, self.name)
+            jobs = _allocate(skeleton, sources, self.device, allocated)
+            self._fill(jobs, tensors)
+            module = skeleton.module
+            _finish(module, self.name)
+        except BaseException as error:
+            # Give the memory back now, and drop the half-built module: the traceback's
+            # frames would otherwise keep it alive for as long as the caller keeps the error.
+            for tensor in allocated:
+                _free(tensor)
+            allocated.clear()
+            skeleton = module = jobs = None  # noqa: F841
+            traceback.clear_frames(error.__traceback__)
+            raise
+        self.last_load_seconds = time.perf_counter() - started
+        return module
+
+    def _fill(self, jobs: list[reader.ReadJob], tensors: dict[str, TensorInfo]) -> None:
+        cache, key = self.host_cache, None
+        if cache is not None:
+            key = _cache_key(self.folder, self.name, tensors)
+            raw = cache.get(key)
+            if raw is not None:
+                stats = reader.copy_from_host(
+                    [(job.info, raw[job.info.name], job.destination) for job in jobs],
+                    progress=self.progress,
+                )
+                self._record(stats)
+                return
+        captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
+        if captured is not None:
+            for job in jobs:
+                job.capture = captured[job.info.name]
+        try:
+            stats = reader.read_into(
+                jobs,
+                threads=self.threads,
+                buffer_bytes=self.buffer_bytes,
+                buffer_count=self.buffer_count,
+                progress=self.progress,
+                component=self.name,
+            )
+        except BaseException:
+            if captured is not None:
+                cache.discard(key)
+            raise
+        if captured is not None:
+            cache.commit(key, captured)
+        self._record(stats)
+
+    def _record(self, stats: reader.ReadStats) -> None:
+        self.last_load_bytes = stats.nbytes
+        self.last_source = stats.source
+
+
+def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
+    # A rewritten file must not be served from memory: the key carries each file's identity.
+    signature = []
+    for path in sorted({info.path for info in tensors.values()}):
+        status = os.stat(path)
+        signature.append((path, status.st_size, status.st_mtime_ns))
+    return (str(folder.path.resolve()), name, tuple(signature))
+
+
+def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str):
+    """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
+    prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
+    sources: list[tuple[Slot, TensorInfo]] = []
+    used: set[str] = set()
+    missing: list[str] = []
+    for slot in skeleton.slots:
+        key = _find_key(slot.names, tensors, prefix)
+        if key is None:
+            missing.append(slot.names[0])
+            continue
+        info = tensors[key]
+        used.add(key)
+        if tuple(info.shape) != tuple(slot.shape):
+            raise LoadError(
+                f"component '{component}' from {info.path}: tensor '{key}' has shape "
+                f"{list(info.shape)}, the model expects {list(slot.shape)}",
+                component=component,
+                path=info.path,
+            )
+        sources.append((slot, info))
+    if missing:
+        files = ", ".join(sorted({info.path for info in tensors.values()})) or "no weight files"
+        raise LoadError(
+            f"component '{component}' from {files}: {len(missing)} tensor(s) the model needs "
+            f"are missing: {_some(missing)}",
+            component=component,
+        )
+    extra_names = {name for names in skeleton.extra_buffers.values() for name in names}
+    unexpected = [
+        key
+        for key in tensors
+        if key not in used
+        and key not in extra_names
+        and not any(re.search(pattern, key) for pattern in skeleton.ignored_unexpected)
+    ]
+    if unexpected:
+        info = tensors[unexpected[0]]
+        raise LoadError(
+            f"component '{component}' from {info.path}: {len(unexpected)} tensor(s) the model "
+            f"does not have: {_some(unexpected)}",
+            component=component,
+            path=info.path,
+        )
+    return sources
+
+
+def _find_key(names: list[str], tensors: dict[str, TensorInfo], prefix: str) -> str | None:
+    for name in names:
+        if name in tensors:
+            return name
+    if prefix:
+        # transformers checkpoints may be saved with or without the base model's prefix.
+        for name in names:
+            for candidate in (f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+                if candidate in tensors:
+                    return candidate
+    return None
+
+
+def _allocate(skeleton: Skeleton, sources, device: torch.device, allocated: list) -> list:
+    """Put a real, empty tensor in every slot of the module, on the device, in its dtype."""
+    module = skeleton.module
+    jobs: list[reader.ReadJob] = []
+    for slot, info in sources:
+        tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        allocated.append(tensor)
+        if slot.is_parameter:
+            value = torch.nn.Parameter(tensor, requires_grad=slot.requires_grad)
+            allocated.append(value)
+        else:
+            value = tensor
+        for name in slot.names:
+            _install(module, name, value, parameter=slot.is_parameter)
+        jobs.append(reader.ReadJob(info, tensor))
+    for names in skeleton.extra_buffers.values():
+        # Not in the file: computed by __init__ on the host; moved, compactly, like the rest.
+        buffer = _get(module, names[0])
+        moved = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+        allocated.append(moved)
+        moved.copy_(buffer)
+        for name in names:
+            _install(module, name, moved, parameter=False)
+    return jobs
+
+
+def _install(module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool) -> None:
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if parameter:
+        owner._parameters[attribute] = value
+    else:
+        owner._buffers[attribute] = value
+
+
+def _finish(module: torch.nn.Module, component: str) -> None:
+    if hasattr(module, "tie_weights") and hasattr(module, "all_tied_weights_keys"):
+        module.tie_weights()
+    for kind, named in (("parameter", module.named_parameters), ("buffer", module.named_buffers)):
+        for name, tensor in named():
+            if tensor.device.type == "meta":
+                raise LoadError(
+                    f"component '{component}': {kind} '{name}' was not filled from the files",
+                    component=component,
+                )
+    module.eval()
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() and storage.resizable():
+        storage.resize_(0)
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
+    """Load a part without weights (tokenizer, scheduler, feature extractor) from its folder."""
+    folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+    cls = folder.component_class(name)
+    directory = folder.directory(name)
+    loader = getattr(cls, "from_pretrained", None)
+    if loader is None:
+        raise LoadError(
+            f"component '{name}': {cls.__name__} has no from_pretrained to load it with",
+            component=name,
+        )
+    try:
+        return loader(str(directory), local_files_only=True)
+    except Exception as error:
+        raise LoadError(
+            f"component '{name}' from {directory}: {cls.__name__}.from_pretrained failed with "
+            f"{type(error).__name__}: {error}",
+            component=name,
+            path=str(directory),
+        ) from error
+
+
+def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:
+    """Load any component: models through :class:`ComponentLoader`, other parts as they are."""
+    folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+    if folder.is_model(name):
+        return ComponentLoader(folder, name, **options)()
+    return load_auxiliary(folder, name)

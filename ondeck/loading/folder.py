@@ -1,0 +1,352 @@
+"""A diffusers-format model folder: its components, configs and weight layout, no weights read."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from ..lazy import ComponentSpec
+from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
+
+__all__ = ["ModelFolder"]
+
+# Preferred weight file stems, in order: diffusers models, then transformers models.
+_WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+# Config files of the parts that are not models, tried when the class does not say.
+_CONFIG_NAMES = (
+    "config.json",
+    "scheduler_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "tokenizer_config.json",
+)
+
+
+class ModelFolder:
+    """What a diffusers-format folder holds, known from its JSON files and headers alone."""
+
+    def __init__(self, path: Path, model_index: dict[str, Any], *, variant: str | None = None):
+        self.path = path
+        self.model_index = model_index
+        self.variant = variant
+        self._entries: dict[str, tuple[str, str]] = {}
+        for name, entry in model_index.items():
+            if name.startswith("_") or not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                continue
+            library, class_name = entry
+            if library is None or class_name is None:
+                continue
+            self._entries[name] = (str(library), str(class_name))
+        self._lock = threading.RLock()
+        self._headers: dict[str, list[SafetensorsHeader]] = {}
+        self._specs: dict[tuple[str, Any], tuple[Any, int]] = {}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, variant: str | None = None) -> ModelFolder:
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise LoadError(
+                f"model folder {path} does not exist or is not a folder", path=str(path)
+            )
+        index_path = path / "model_index.json"
+        if not index_path.is_file():
+            raise LoadError(
+                f"model folder {path}: no model_index.json (not a diffusers-format folder?)",
+                path=str(index_path),
+            )
+        model_index = _read_json(index_path, component=None)
+        return cls(path, model_index, variant=variant)
+
+    def __repr__(self) -> str:
+        return f"ModelFolder({str(self.path)!r}, {self.pipeline_class_name})"
+
+    # -- components ---------------------------------------------------------------------
+
+    @property
+    def pipeline_class_name(self) -> str | None:
+        return self.model_index.get("_class_name")
+
+    @property
+    def component_names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def library_and_class(self, name: str) -> tuple[str, str]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise LoadError(
+                f"component '{name}' is not in {self.path / 'model_index.json'} "
+                f"(it lists {', '.join(self._entries) or 'nothing'})",
+                component=name,
+                path=str(self.path / "model_index.json"),
+            ) from None
+
+    def directory(self, name: str) -> Path:
+        self.library_and_class(name)
+        directory = self.path / name
+        if not directory.is_dir():
+            raise LoadError(
+                f"component '{name}': folder {directory} is missing",
+                component=name,
+                path=str(directory),
+            )
+        return directory
+
+    def component_class(self, name: str) -> type:
+        """Import the class model_index.json names for ``name``."""
+        library, class_name = self.library_and_class(name)
+        try:
+            module = importlib.import_module(library)
+        except ImportError as error:
+            raise LoadError(
+                f"component '{name}': library '{library}' for class {class_name} is not "
+                f"installed ({error})",
+                component=name,
+            ) from error
+        try:
+            found = getattr(module, class_name)
+        except (AttributeError, ImportError, RuntimeError) as error:
+            version = getattr(module, "__version__", "unknown version")
+            raise LoadError(
+                f"component '{name}': class {class_name} is not in {library} {version} "
+                f"(model_index.json names it; a newer {library} may have it)",
+                component=name,
+            ) from error
+        if not isinstance(found, type):
+            raise LoadError(f"component '{name}': {library}.{class_name} is not a class")
+        return found
+
+    def is_model(self, name: str) -> bool:
+        """True for components with weights (an nn.Module class or safetensors files)."""
+        try:
+            if issubclass(self.component_class(name), torch.nn.Module):
+                return True
+        except LoadError:
+            pass
+        directory = self.path / name
+        return directory.is_dir() and bool(_weight_candidates(directory))
+
+    def config_path(self, name: str) -> Path:
+        directory = self.directory(name)
+        names: list[str] = []
+        try:
+            declared = getattr(self.component_class(name), "config_name", None)
+            if isinstance(declared, str):
+                names.append(declared)
+        except LoadError:
+            pass
+        if not names and self.is_model(name):
+            names.append("config.json")
+        names += [candidate for candidate in _CONFIG_NAMES if candidate not in names]
+        for candidate in names:
+            if (directory / candidate).is_file():
+                return directory / candidate
+        raise LoadError(
+            f"component '{name}': {directory / names[0]} is missing",
+            component=name,
+            path=str(directory / names[0]),
+        )
+
+    def config_dict(self, name: str) -> dict[str, Any]:
+        return _read_json(self.config_path(name), component=name)
+
+    # -- weights ------------------------------------------------------------------------
+
+    def headers(self, name: str) -> list[SafetensorsHeader]:
+        """The parsed headers of every weight file of ``name`` (empty for parts without)."""
+        with self._lock:
+            if name not in self._headers:
+                self._headers[name] = self._read_headers(name)
+            return self._headers[name]
+
+    def tensors(self, name: str) -> dict[str, TensorInfo]:
+        """Every tensor of the component by name; each ``TensorInfo.path`` names its file."""
+        tensors: dict[str, TensorInfo] = {}
+        for header in self.headers(name):
+            for key, info in header.tensors.items():
+                if key in tensors:
+                    raise LoadError(
+                        f"component '{name}': tensor '{key}' is in both {tensors[key].path} "
+                        f"and {header.path}",
+                        component=name,
+                        path=header.path,
+                    )
+                tensors[key] = info
+        return tensors
+
+    def weight_files(self, name: str) -> list[str]:
+        return [header.path for header in self.headers(name)]
+
+    def file_bytes(self, name: str) -> int:
+        """Bytes of tensor data in the component's weight files."""
+        return sum(header.data_nbytes for header in self.headers(name))
+
+    def _read_headers(self, name: str) -> list[SafetensorsHeader]:
+        directory = self.directory(name)
+        files, weight_map = _select_weights(directory, self.variant, name)
+        headers = [read_header(path, component=name) for path in files]
+        by_file = {os.path.basename(header.path): header for header in headers}
+        for key, filename in (weight_map or {}).items():
+            if key not in by_file[filename].tensors:
+                raise LoadError(
+                    f"component '{name}': the shard index puts tensor '{key}' in {filename}, "
+                    "but that file does not hold it",
+                    component=name,
+                    path=by_file[filename].path,
+                )
+        return headers
+
+    # -- specs --------------------------------------------------------------------------
+
+    def default_dtype(self, name: str) -> torch.dtype | None:
+        """The floating dtype holding most of the component's bytes in its files."""
+        weights = Counter()
+        for info in self.tensors(name).values():
+            if info.dtype.is_floating_point:
+                weights[info.dtype] += info.nbytes
+        return weights.most_common(1)[0][0] if weights else None
+
+    def resolve_dtype(self, name: str, dtype: torch.dtype | str | None) -> torch.dtype:
+        if isinstance(dtype, str):
+            resolved = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(resolved, torch.dtype):
+                raise LoadError(f"component '{name}': unknown dtype {dtype!r}", component=name)
+            return resolved
+        return dtype or self.default_dtype(name) or torch.float32
+
+    def skeleton(self, name: str, dtype: torch.dtype | str | None = None):
+        """A fresh module for ``name`` on the meta device, with its slots to fill."""
+        from .skeleton import build_skeleton
+
+        cls = self.component_class(name)
+        self.config_path(name)
+        return build_skeleton(
+            cls,
+            self.directory(name),
+            self.resolve_dtype(name, dtype),
+            file_keys=self.tensors(name).keys(),
+            component=name,
+        )
+
+    def spec(
+        self,
+        name: str,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> ComponentSpec:
+        """What the loaded component will be, from configs and headers only."""
+        cls = self.component_class(name)
+        device = torch.device(device) if device is not None else None
+        if not issubclass(cls, torch.nn.Module):
+            config = self.config_dict(name) if self._has_config(name) else None
+            return ComponentSpec(cls=cls, config=config, dtype=None, device=device, nbytes=0)
+        resolved = self.resolve_dtype(name, dtype)
+        with self._lock:
+            cached = self._specs.get((name, resolved))
+        if cached is None:
+            skeleton = self.skeleton(name, resolved)
+            cached = (skeleton.module.config, skeleton.nbytes)
+            del skeleton
+            with self._lock:
+                self._specs[(name, resolved)] = cached
+        config, nbytes = cached
+        return ComponentSpec(cls=cls, config=config, dtype=resolved, device=device, nbytes=nbytes)
+
+    def _has_config(self, name: str) -> bool:
+        try:
+            self.config_path(name)
+        except LoadError:
+            return False
+        return True
+
+
+def _read_json(path: Path, *, component: str | None) -> dict[str, Any]:
+    where = f"component '{component}': {path}" if component else str(path)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise LoadError(
+            f"{where}: cannot read ({error.strerror or error})", component=component, path=str(path)
+        ) from error
+    except (ValueError, UnicodeDecodeError) as error:
+        raise LoadError(
+            f"{where}: not valid JSON ({error})", component=component, path=str(path)
+        ) from error
+    if not isinstance(document, dict):
+        raise LoadError(f"{where}: expected a JSON object", component=component, path=str(path))
+    return document
+
+
+def _weight_candidates(directory: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.name.endswith(".safetensors")
+        or (".safetensors.index." in p.name and p.name.endswith(".json"))
+    )
+
+
+def _select_weights(
+    directory: Path, variant: str | None, component: str
+) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files of one component: a single file, or the shards an index names."""
+    names = {p.name for p in _weight_candidates(directory)}
+    if not names:
+        return [], None
+    variants = [variant, None] if variant else [None]
+    for wanted in variants:
+        for stem in _WEIGHT_STEMS:
+            index = (
+                f"{stem}.safetensors.index.{wanted}.json"
+                if wanted
+                else f"{stem}.safetensors.index.json"
+            )
+            single = f"{stem}.{wanted}.safetensors" if wanted else f"{stem}.safetensors"
+            if index in names:
+                return _shards(directory / index, component)
+            if single in names:
+                return [str(directory / single)], None
+    # No preferred name: one unambiguous file or index, e.g. a single-variant folder.
+    indexes = sorted(n for n in names if n.endswith(".json"))
+    if len(indexes) == 1:
+        return _shards(directory / indexes[0], component)
+    singles = sorted(n for n in names if n.endswith(".safetensors"))
+    if len(singles) == 1:
+        return [str(directory / singles[0])], None
+    raise LoadError(
+        f"component '{component}': cannot tell which weights in {directory} to load "
+        f"({', '.join(sorted(names))}); pass variant=",
+        component=component,
+        path=str(directory),
+    )
+
+
+def _shards(index_path: Path, component: str) -> tuple[list[str], dict[str, str]]:
+    index = _read_json(index_path, component=component)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise LoadError(
+            f"component '{component}': {index_path} has no valid weight_map",
+            component=component,
+            path=str(index_path),
+        )
+    files: list[str] = []
+    for filename in dict.fromkeys(weight_map.values()):
+        shard = index_path.parent / filename
+        if not shard.is_file():
+            raise LoadError(
+                f"component '{component}': {index_path.name} names shard {filename}, "
+                f"but {shard} is missing",
+                component=component,
+                path=str(shard),
+            )
+        files.append(str(shard))
+    return files, weight_map

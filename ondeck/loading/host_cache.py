@@ -1,0 +1,139 @@
+"""Components' raw file bytes kept in (pinned) host memory, so a reload is one copy per tensor.
+
+The bytes are kept exactly as the file holds them, before any cast or transform, so
+transforms re-applied after each load (LoRA, compile) see what a fresh load would.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from .safetensors_format import TensorInfo
+
+__all__ = ["HostCache", "default_budget_bytes"]
+
+GiB = 2**30
+
+
+def default_budget_bytes() -> int:
+    """Half of what the OS says is available, less 4 GiB of headroom; never negative."""
+    import psutil
+
+    return max(0, psutil.virtual_memory().available // 2 - 4 * GiB)
+
+
+def _is_unified(device: torch.device) -> bool:
+    if device.type == "mps":
+        return True
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return bool(getattr(torch.cuda.get_device_properties(index), "is_integrated", False))
+    return False
+
+
+class HostCache:
+    """Least-recently-used store of raw component bytes in host memory, within a budget.
+
+    A key is usually ``(folder path, component, file signature)``. Entries are filled
+    while a first load streams (the cache buffer is the staging buffer), then serve later
+    loads of the same component.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
+        self._entries: OrderedDict[Hashable, dict[str, torch.Tensor]] = OrderedDict()
+        self._sizes: dict[Hashable, int] = {}
+        self._pending: dict[Hashable, int] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"HostCache({len(self._entries)} entries, {self.resident_bytes / GiB:.2f} of "
+            f"{self.budget_bytes / GiB:.2f} GiB, {self.hits} hits, {self.misses} misses)"
+        )
+
+    @staticmethod
+    def enabled_for(device: torch.device | str) -> bool:
+        """False where a host copy would be the same memory twice: CPU and unified memory."""
+        device = torch.device(device)
+        return device.type != "cpu" and not _is_unified(device)
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def get(self, key: Hashable) -> dict[str, torch.Tensor] | None:
+        """The raw tensors of ``key`` (flat uint8, by tensor name), counting a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def reserve(self, key: Hashable, infos: Iterable[TensorInfo]) -> dict[str, torch.Tensor] | None:
+        """Host buffers to capture ``infos`` into while they load; None if they cannot fit.
+
+        Evicts least recently used entries to make room. Call :meth:`commit` once the
+        buffers are full, or :meth:`discard` if the load failed.
+        """
+        infos = list(infos)
+        nbytes = sum(info.nbytes for info in infos)
+        with self._lock:
+            if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
+                return None
+            while self._entries and self._used() + nbytes > self.budget_bytes:
+                evicted, _ = self._entries.popitem(last=False)
+                self._sizes.pop(evicted, None)
+            if self._used() + nbytes > self.budget_bytes:
+                return None
+            self._pending[key] = nbytes
+        try:
+            pin = torch.cuda.is_available()
+            return {
+                info.name: torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
+                for info in infos
+            }
+        except BaseException:
+            self.discard(key)
+            raise
+
+    def commit(self, key: Hashable, buffers: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            nbytes = self._pending.pop(key, None)
+            if nbytes is None:
+                return
+            self._entries[key] = buffers
+            self._sizes[key] = nbytes
+
+    def discard(self, key: Hashable) -> None:
+        """Forget a reservation or an entry."""
+        with self._lock:
+            self._pending.pop(key, None)
+            self._entries.pop(key, None)
+            self._sizes.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._sizes.clear()
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._entries)
+
+    def _used(self) -> int:
+        return sum(self._sizes.values()) + sum(self._pending.values())

@@ -1,0 +1,318 @@
+"""Stream safetensors data into tensors that already sit where they will live.
+
+Threads read with ``os.preadv`` (the GIL is released) in chunks. A CPU destination of the
+file's dtype is read into directly, with no copy. Anything else is staged through a small
+ring of host buffers (pinned for CUDA) and copied, on a side stream for CUDA, so the next
+read overlaps the current copy. Host memory a load takes is the ring, never the file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LoadError
+from .page_cache import describe_source
+from .safetensors_format import TensorInfo
+
+__all__ = ["ReadJob", "ReadStats", "read_into", "copy_from_host", "DEFAULT_BUFFER_BYTES"]
+
+DEFAULT_BUFFER_BYTES = 16 * 2**20
+DEFAULT_BUFFER_COUNT = 8
+# Below this, a progress bar is noise.
+PROGRESS_MIN_BYTES = 64 * 2**20
+_BAR_LOCK = threading.Lock()
+
+
+@dataclass
+class ReadJob:
+    """Fill ``destination`` from ``info``; also keep the raw file bytes in ``capture`` if given.
+
+    ``capture`` is a flat uint8 host tensor of ``info.nbytes`` (a host cache entry); it then
+    serves as the staging buffer itself.
+    """
+
+    info: TensorInfo
+    destination: torch.Tensor
+    capture: torch.Tensor | None = None
+
+
+@dataclass
+class ReadStats:
+    nbytes: int
+    seconds: float
+    source: str
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Chunk:
+    job: ReadJob
+    target: torch.Tensor  # contiguous, the destination's dtype; the destination or a temporary
+    lo: int  # byte range within the tensor's file data, element aligned
+    hi: int
+    direct: bool
+
+
+def read_into(
+    jobs: Sequence[ReadJob],
+    *,
+    threads: int | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    buffer_count: int = DEFAULT_BUFFER_COUNT,
+    progress: bool = True,
+    component: str | None = None,
+) -> ReadStats:
+    """Read every job's tensor from its file into its destination. Blocks until done.
+
+    Every failure raises :class:`LoadError` naming the file and tensor; worker threads
+    have stopped and pending device copies have finished before it propagates.
+    """
+    started = time.perf_counter()
+    total = sum(job.info.nbytes for job in jobs)
+    paths = sorted({job.info.path for job in jobs if job.info.nbytes})
+    source = describe_source(paths) if paths else "disk"
+    buffer_bytes = max(buffer_bytes, 64)
+    chunks, temporaries = _plan(jobs, buffer_bytes, component)
+    devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    streams = _side_streams(devices)
+    needs_ring = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
+    ring = _Ring(buffer_bytes, buffer_count, pinned=bool(devices)) if needs_ring else None
+    files: dict[str, int] = {}
+    bar = _progress_bar(total, progress, component, source)
+    stop = threading.Event()
+    try:
+        for path in paths:
+            files[path] = _open(path, component)
+        worker_count = threads or min(8, max(2, os.cpu_count() or 2))
+        with ThreadPoolExecutor(worker_count, thread_name_prefix="ondeck-read") as pool:
+            try:
+                futures = [
+                    pool.submit(_run_chunk, chunk, files, ring, streams, stop, bar, component)
+                    for chunk in chunks
+                ]
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()
+            finally:
+                # Workers write into memory the caller frees on failure: stop them first.
+                stop.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+        for target, job in temporaries:
+            job.destination.copy_(target)
+    finally:
+        for stream in streams.values():
+            stream.synchronize()
+        for fd in files.values():
+            os.close(fd)
+        if bar is not None:
+            bar.close()
+    return ReadStats(total, time.perf_counter() - started, source)
+
+
+def copy_from_host(
+    pairs: Sequence[tuple[TensorInfo, torch.Tensor, torch.Tensor]], *, progress: bool = True
+) -> ReadStats:
+    """Copy raw file bytes kept in host memory into destinations: ``(info, raw, destination)``."""
+    started = time.perf_counter()
+    total = sum(info.nbytes for info, _, _ in pairs)
+    bar = _progress_bar(total, progress, None, "host cache")
+    devices = {dst.device for _, _, dst in pairs if dst.device.type == "cuda"}
+    streams = _side_streams(devices)
+    try:
+        for info, raw, destination in pairs:
+            if info.nbytes:
+                source = raw.view(info.dtype).reshape(info.shape)
+                stream = streams.get(destination.device)
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        destination.copy_(source, non_blocking=True)
+                else:
+                    destination.copy_(source)
+            if bar is not None:
+                bar.update(info.nbytes)
+    finally:
+        for stream in streams.values():
+            stream.synchronize()
+        if bar is not None:
+            bar.close()
+    return ReadStats(total, time.perf_counter() - started, "host cache")
+
+
+def _side_streams(devices) -> dict[torch.device, torch.cuda.Stream]:
+    streams = {}
+    for device in devices:
+        stream = torch.cuda.Stream(device)
+        # Destinations may reuse memory the current stream still reads: start after it.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        streams[device] = stream
+    return streams
+
+
+def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
+    chunks: list[_Chunk] = []
+    temporaries: list[tuple[torch.Tensor, ReadJob]] = []
+    for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
+        info, destination = job.info, job.destination
+        if destination.numel() != info.numel:
+            raise LoadError(
+                f"{_where(info, component)}: file holds shape {list(info.shape)}, destination "
+                f"has shape {list(destination.shape)}",
+                component=component,
+                path=info.path,
+            )
+        if job.capture is not None and job.capture.numel() != info.nbytes:
+            raise LoadError(f"{_where(info, component)}: capture buffer has the wrong size")
+        if info.nbytes == 0:
+            continue
+        target = destination
+        if not destination.is_contiguous():
+            target = torch.empty(
+                destination.shape, dtype=destination.dtype, device=destination.device
+            )
+            temporaries.append((target, job))
+        direct = (
+            destination.device.type == "cpu"
+            and destination.dtype == info.dtype
+            and job.capture is None
+        )
+        itemsize = info.dtype.itemsize
+        step = max(itemsize, buffer_bytes // itemsize * itemsize)
+        for lo in range(0, info.nbytes, step):
+            chunks.append(_Chunk(job, target, lo, min(lo + step, info.nbytes), direct))
+    return chunks, temporaries
+
+
+def _run_chunk(chunk, files, ring, streams, stop, bar, component) -> None:
+    if stop.is_set():
+        return
+    job, info = chunk.job, chunk.job.info
+    length = chunk.hi - chunk.lo
+    fd = files[info.path]
+    if chunk.direct:
+        address = chunk.target.data_ptr() + chunk.lo
+        _pread_exact(fd, address, length, info.start + chunk.lo, info, component)
+    elif job.capture is not None:
+        staged = job.capture[chunk.lo : chunk.hi]
+        _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
+        _deliver(chunk, staged, streams)
+    else:
+        buffer, event = ring.acquire(), None
+        try:
+            staged = buffer[:length]
+            _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
+            event = _deliver(chunk, staged, streams)
+        finally:
+            ring.release(buffer, event)
+    if bar is not None:
+        with _BAR_LOCK:
+            bar.update(length)
+
+
+def _deliver(chunk: _Chunk, staged: torch.Tensor, streams) -> torch.cuda.Event | None:
+    """Copy staged file bytes into the chunk's part of the target, casting if needed."""
+    itemsize = chunk.job.info.dtype.itemsize
+    source = staged.view(chunk.job.info.dtype)
+    target = chunk.target.view(-1)[chunk.lo // itemsize : chunk.hi // itemsize]
+    stream = streams.get(chunk.target.device)
+    if stream is None:
+        target.copy_(source)
+        return None
+    with torch.cuda.stream(stream):
+        target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+def _pread_exact(fd: int, address: int, length: int, offset: int, info, component) -> None:
+    done = 0
+    while done < length:
+        view = (ctypes.c_char * (length - done)).from_address(address + done)
+        try:
+            count = os.preadv(fd, [view], offset + done)
+        except OSError as error:
+            raise LoadError(
+                f"{_where(info, component)}: read failed at byte {offset + done}: "
+                f"{error.strerror or error}",
+                component=component,
+                path=info.path,
+            ) from error
+        if count == 0:
+            raise LoadError(
+                f"{_where(info, component)}: file ended at byte {offset + done}, the header "
+                f"places the tensor up to byte {info.end} (truncated download?)",
+                component=component,
+                path=info.path,
+            )
+        done += count
+
+
+class _Ring:
+    """A few reusable staging buffers; a buffer is handed out again only once its copy ends."""
+
+    def __init__(self, buffer_bytes: int, count: int, *, pinned: bool):
+        self._buffer_bytes = buffer_bytes
+        self._pinned = pinned and torch.cuda.is_available()
+        self._free: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._remaining = max(1, count)
+
+    def acquire(self) -> torch.Tensor:
+        with self._lock:
+            grow = self._free.empty() and self._remaining > 0
+            if grow:
+                self._remaining -= 1
+        if grow:
+            return torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        buffer, event = self._free.get()
+        if event is not None:
+            event.synchronize()
+        return buffer
+
+    def release(self, buffer: torch.Tensor, event) -> None:
+        self._free.put((buffer, event))
+
+
+def _open(path: str, component: str | None) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as error:
+        where = f"component '{component}' from {path}" if component else path
+        raise LoadError(
+            f"{where}: cannot open ({error.strerror or error})", component=component, path=path
+        ) from error
+
+
+def _progress_bar(total: int, wanted: bool, component: str | None, source: str):
+    if not wanted or total < PROGRESS_MIN_BYTES or os.environ.get("ONDECK_PROGRESS") == "0":
+        return None
+    from tqdm.auto import tqdm
+
+    label = f"{component} from {source}" if component else f"from {source}"
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        file=sys.stderr,
+        leave=False,
+    )
+
+
+def _where(info: TensorInfo, component: str | None) -> str:
+    place = f"{info.path}, tensor '{info.name}'"
+    return f"component '{component}' from {place}" if component else place
