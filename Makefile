@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/ondeck generate
+	$(VENV)/bin/ondeck generate --policy release
 
 test: $(STAMP)
 	$(PY) -m pytest -q

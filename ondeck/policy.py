@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError
@@ -47,7 +48,7 @@ class Policy:
     def before_run(self) -> None:
         pass
 
-    def before_stage(self, index: int) -> None:
+    def before_stage(self, index: int, state: Any = None) -> None:
         pass
 
     def after_stage(self, index: int, *, failed: bool) -> None:
@@ -162,15 +163,19 @@ class BudgetPolicy(Policy):
                 plan=plan,
             )
 
-    def before_stage(self, index: int) -> None:
+    def before_stage(self, index: int, state: Any = None) -> None:
         pipeline = self.pipeline
-        self._wait_for(pipeline.stage_uses()[index].components)
+        uses = pipeline.stage_uses()
+        self._wait_for(uses[index].components)
+        if not pipeline.stages[index].needs_components(state):
+            uses = list(uses)
+            uses[index] = replace(uses[index], components=())
         activation, _ = self.activation_estimate(pipeline)
         try:
             step = budget_step(
                 self._resident(),
                 index,
-                uses=pipeline.stage_uses(),
+                uses=uses,
                 nbytes=self._nbytes(),
                 budget=self.budget_bytes,
                 activation=activation,

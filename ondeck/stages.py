@@ -73,6 +73,13 @@ class Stage:
     def forward(self, state: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(state)")
 
+    def needs_components(self, state: Any) -> bool:
+        """Whether this run of the stage will touch its components (a cache may answer).
+
+        Policies that load ahead of use skip a stage's components when this is False.
+        """
+        return True
+
     def __setattr__(self, attribute: str, value: Any) -> None:
         object.__setattr__(self, attribute, value)
         pipeline = self._ondeck_pipeline
@@ -305,7 +312,7 @@ class Pipeline:
         self.tracker.stage_started(stage.name)
         failed = True
         try:
-            self.policy.before_stage(index)
+            self.policy.before_stage(index, state)
             for proxy in held:
                 proxy._pin()
             try:

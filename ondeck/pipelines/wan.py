@@ -1,0 +1,376 @@
+"""Wan 2.1 text-to-video on ondeck stages.
+
+Text encoder, transformer and VAE are deferred: each loads when its stage first
+touches it and (under ``release``) is freed after its last stage, so the three
+are never resident together. For the same folder, seed and inputs the frames
+match ``diffusers.WanPipeline``.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..stages import Pipeline, Stage
+
+__all__ = ["WanTextToVideo", "PromptCache", "WanGeometry"]
+
+
+def clean_prompt(text: str) -> str:
+    """The same normalisation diffusers applies before tokenising a Wan prompt."""
+    try:
+        import ftfy
+
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class PromptCache:
+    """Encoded prompts by (prompt, negative prompt, max length, encoder identity).
+
+    A repeated prompt is answered here and never touches (or reloads) the encoder.
+    """
+
+    def __init__(self, max_entries: int = 32):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: tuple, value: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._entries
+
+
+@dataclass(frozen=True)
+class WanGeometry:
+    """Scalars the stages need, read from the component configs, never the weights."""
+
+    latent_channels: int
+    patch_size: tuple[int, int, int]
+    scale_temporal: int
+    scale_spatial: int
+    z_dim: int
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+
+    @classmethod
+    def from_configs(cls, transformer_config: Any, vae_config: Any) -> WanGeometry:
+        return cls(
+            latent_channels=int(transformer_config.in_channels),
+            patch_size=tuple(transformer_config.patch_size),
+            scale_temporal=int(getattr(vae_config, "scale_factor_temporal", None) or 4),
+            scale_spatial=int(getattr(vae_config, "scale_factor_spatial", None) or 8),
+            z_dim=int(vae_config.z_dim),
+            latents_mean=tuple(vae_config.latents_mean),
+            latents_std=tuple(vae_config.latents_std),
+        )
+
+    def snap(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
+        """Round a requested shape the way diffusers does: frames = 4k+1, sides to patches."""
+        if frames % self.scale_temporal != 1:
+            frames = frames // self.scale_temporal * self.scale_temporal + 1
+        frames = max(frames, 1)
+        h_step = self.scale_spatial * self.patch_size[1]
+        w_step = self.scale_spatial * self.patch_size[2]
+        return height // h_step * h_step, width // w_step * w_step, frames
+
+    def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
+        return (
+            batch,
+            self.latent_channels,
+            (frames - 1) // self.scale_temporal + 1,
+            height // self.scale_spatial,
+            width // self.scale_spatial,
+        )
+
+
+class EncodePrompt(Stage):
+    """Prompt and negative prompt to embeddings, through the cache."""
+
+    def __init__(self, tokenizer: Any, text_encoder: Any, cache: PromptCache, identity: str):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.cache = cache
+        self.identity = identity
+
+    def _key(self, state: dict) -> tuple:
+        return (
+            state["prompt"],
+            state["negative_prompt"] if state["guidance_scale"] > 1.0 else None,
+            state["max_sequence_length"],
+            self.identity,
+            str(state["device"]),
+        )
+
+    def needs_components(self, state: dict) -> bool:
+        return self._key(state) not in self.cache
+
+    def forward(self, state: dict) -> dict:
+        key = self._key(state)
+        cached = self.cache.get(key)
+        if cached is None:
+            positive = self._encode(state["prompt"], state)
+            negative = None
+            if state["guidance_scale"] > 1.0:
+                negative = self._encode(state["negative_prompt"], state)
+            cached = (positive, negative)
+            self.cache.put(key, cached)
+        state["prompt_embeds"], state["negative_prompt_embeds"] = cached
+        return state
+
+    @torch.no_grad()
+    def _encode(self, prompt: str, state: dict) -> torch.Tensor:
+        length = state["max_sequence_length"]
+        tokens = self.tokenizer(
+            [clean_prompt(prompt)],
+            padding="max_length",
+            max_length=length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        device = self.text_encoder.device
+        mask = tokens.attention_mask
+        hidden = self.text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
+        hidden = hidden.to(dtype=self.text_encoder.dtype, device=state["device"])
+        used = int(mask.gt(0).sum())
+        embeds = torch.cat([hidden[0, :used], hidden.new_zeros(length - used, hidden.shape[-1])])
+        return embeds.unsqueeze(0)
+
+
+class PrepareLatents(Stage):
+    """Initial noise; shapes come from the geometry, so nothing is loaded here."""
+
+    def __init__(self, geometry: WanGeometry):
+        super().__init__()
+        self.geometry = geometry
+
+    def forward(self, state: dict) -> dict:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = self.geometry.latent_shape(1, state["height"], state["width"], state["num_frames"])
+        if state.get("latents") is not None:
+            state["latents"] = state["latents"].to(device=state["device"], dtype=torch.float32)
+        else:
+            state["latents"] = randn_tensor(
+                shape, generator=state.get("generator"), device=state["device"], dtype=torch.float32
+            )
+        return state
+
+
+class Denoise(Stage):
+    """Flow-matching denoising with classifier-free guidance."""
+
+    def __init__(self, transformer: Any, scheduler: Any):
+        super().__init__()
+        self.transformer = transformer
+        self.scheduler = scheduler
+
+    @torch.no_grad()
+    def forward(self, state: dict) -> dict:
+        dtype = self.transformer.dtype
+        positive = state["prompt_embeds"].to(dtype)
+        negative = state["negative_prompt_embeds"]
+        negative = negative.to(dtype) if negative is not None else None
+        scheduler = self.scheduler
+        scheduler.set_timesteps(state["num_inference_steps"], device=state["device"])
+        scheduler.set_begin_index(0)
+        latents = state["latents"]
+        guidance = state["guidance_scale"]
+        progress = state.get("progress")
+        for timestep in scheduler.timesteps:
+            model_input = latents.to(dtype)
+            batch_timestep = timestep.expand(latents.shape[0])
+            noise = self.transformer(
+                hidden_states=model_input,
+                timestep=batch_timestep,
+                encoder_hidden_states=positive,
+                return_dict=False,
+            )[0]
+            if negative is not None:
+                unconditional = self.transformer(
+                    hidden_states=model_input,
+                    timestep=batch_timestep,
+                    encoder_hidden_states=negative,
+                    return_dict=False,
+                )[0]
+                noise = unconditional + guidance * (noise - unconditional)
+            latents = scheduler.step(noise, timestep, latents, return_dict=False)[0]
+            if progress is not None:
+                progress.update(1)
+        state["latents"] = latents
+        return state
+
+
+class Decode(Stage):
+    """Latents to frames with the VAE."""
+
+    def __init__(self, vae: Any, geometry: WanGeometry):
+        super().__init__()
+        self.vae = vae
+        self.geometry = geometry
+
+    @torch.no_grad()
+    def forward(self, state: dict) -> dict:
+        if state.get("output_type") == "latent":
+            state["frames"] = state["latents"]
+            return state
+        from diffusers.video_processor import VideoProcessor
+
+        latents = state["latents"].to(self.vae.device, dtype=self.vae.dtype)
+        view = (1, self.geometry.z_dim, 1, 1, 1)
+        mean = torch.tensor(self.geometry.latents_mean).view(view).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(self.geometry.latents_std).view(view).to(
+            latents.device, latents.dtype
+        )
+        latents = latents / inverse_std + mean
+        video = self.vae.decode(latents, return_dict=False)[0]
+        processor = VideoProcessor(vae_scale_factor=self.geometry.scale_spatial)
+        state["frames"] = processor.postprocess_video(
+            video, output_type=state.get("output_type", "np")
+        )
+        return state
+
+
+class WanTextToVideo(Pipeline):
+    """Wan 2.1 text-to-video with its text encoder, transformer and VAE on demand."""
+
+    lazy_components = ("text_encoder", "transformer", "vae")
+
+    def __init__(self, components: dict[str, Any], *, identity: str = "wan", **options: Any):
+        self.identity = identity
+        self.prompt_cache = PromptCache()
+        self.model_path: Path | None = options.pop("model_path", None)
+        super().__init__(components, **options)
+
+    @classmethod
+    def from_folder(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        policy: Any = "auto",
+        budget: Any = None,
+        prefetch: bool = True,
+        host_cache: Any = None,
+        progress: bool = True,
+    ) -> WanTextToVideo:
+        """Build the pipeline over a diffusers-format Wan folder; reads no weights."""
+        from ..loading import ComponentLoader, ModelFolder, load_auxiliary
+        from ..memory import resolve_device
+
+        device = resolve_device(device)
+        folder = ModelFolder.open(path)
+        components: dict[str, Any] = {}
+        for name in ("text_encoder", "transformer", "vae"):
+            component_dtype = dtype
+            if name == "vae" and dtype is not None:
+                component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
+            components[name] = ComponentLoader(
+                folder,
+                name,
+                device=device,
+                dtype=component_dtype,
+                host_cache=host_cache,
+                progress=progress,
+            )
+        components["tokenizer"] = load_auxiliary(folder, "tokenizer")
+        components["scheduler"] = load_auxiliary(folder, "scheduler")
+        identity = f"{Path(path).resolve()}:{dtype}"
+        return cls(
+            components,
+            identity=identity,
+            model_path=Path(path),
+            device=device,
+            policy=policy,
+            budget=budget,
+            prefetch=prefetch,
+        )
+
+    @property
+    def geometry(self) -> WanGeometry:
+        c = self.components
+        return WanGeometry.from_configs(c["transformer"].config, c["vae"].config)
+
+    def create_stages(self) -> list[Stage]:
+        c = self.components
+        geometry = self.geometry
+        return [
+            EncodePrompt(c["tokenizer"], c["text_encoder"], self.prompt_cache, self.identity),
+            PrepareLatents(geometry),
+            Denoise(c["transformer"], c["scheduler"]),
+            Decode(c["vae"], geometry),
+        ]
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str = "",
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        latents: torch.Tensor | None = None,
+        max_sequence_length: int = 512,
+        output_type: str = "np",
+        progress: Any = None,
+    ) -> Any:
+        """Generate one video; returns frames as diffusers would (``np``: B×F×H×W×C)."""
+        height, width, num_frames = self.geometry.snap(height, width, num_frames)
+        if generator is None and seed is not None:
+            generator = torch.Generator("cpu").manual_seed(seed)
+        state = {
+            "prompt": prompt,
+            "negative_prompt": negative_prompt,
+            "height": height,
+            "width": width,
+            "num_frames": num_frames,
+            "num_inference_steps": num_inference_steps,
+            "guidance_scale": guidance_scale,
+            "generator": generator,
+            "latents": latents,
+            "max_sequence_length": max_sequence_length,
+            "output_type": output_type,
+            "device": self.device,
+            "progress": progress,
+        }
+        return self(state)["frames"]
+
+
+def is_wan_folder(model_index: dict) -> bool:
+    return model_index.get("_class_name") == "WanPipeline" and not model_index.get("transformer_2")

@@ -1,0 +1,158 @@
+"""The ondeck Wan pipeline against diffusers.WanPipeline on a tiny folder."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import ondeck
+from ondeck.cli import main as cli_main
+from ondeck.embedded import build_wan_folder
+from ondeck.pipelines.wan import WanTextToVideo
+
+SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    return build_wan_folder(tmp_path_factory.mktemp("wan") / "tiny", preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def diffusers_frames(wan_folder):
+    from diffusers import WanPipeline
+
+    reference = WanPipeline.from_pretrained(wan_folder, torch_dtype=torch.float32)
+    frames = {}
+    for prompt in ("a fox", "a heron"):
+        generator = torch.Generator("cpu").manual_seed(7)
+        frames[prompt] = reference(
+            prompt, negative_prompt="blurry", generator=generator, **SHAPE
+        ).frames
+    return frames
+
+
+def wan(folder, policy, **options):
+    return WanTextToVideo.from_folder(
+        folder, policy=policy, dtype=torch.float32, device="cpu", progress=False, **options
+    )
+
+
+@pytest.mark.parametrize("policy, options", [("release", {}), ("budget", {"budget": "1GiB"})])
+def test_frames_match_diffusers_across_consecutive_runs(
+    wan_folder, diffusers_frames, policy, options
+):
+    pipe = wan(wan_folder, policy, **options)
+    for prompt in ("a fox", "a heron"):
+        frames = pipe.generate(prompt, negative_prompt="blurry", seed=7, **SHAPE)
+        assert np.array_equal(frames, diffusers_frames[prompt])
+
+
+def test_release_peak_is_below_the_sum_and_eager_peak_is_the_sum(wan_folder):
+    released = wan(wan_folder, "release")
+    released.generate("a fox", seed=0, **SHAPE)
+    eager = wan(wan_folder, "eager")
+    eager.generate("a fox", seed=0, **SHAPE)
+    sizes = released.component_bytes()
+    total = sum(sizes.values())
+    assert released.tracker.peak_resident_bytes == max(sizes.values()) < total
+    assert eager.tracker.peak_resident_bytes == total
+    assert not any(ondeck.is_loaded(p) for p in released.deferred.values())
+
+
+def test_decoding_does_not_hold_the_transformer(wan_folder):
+    pipe = wan(wan_folder, "release")
+    assert pipe.schedule == {
+        "EncodePrompt": ["text_encoder"],
+        "PrepareLatents": [],
+        "Denoise": ["transformer"],
+        "Decode": ["vae"],
+    }
+
+
+def test_building_and_preparing_latents_load_nothing(wan_folder):
+    pipe = wan(wan_folder, "release")
+    state = {
+        "height": 32,
+        "width": 32,
+        "num_frames": 5,
+        "device": torch.device("cpu"),
+        "generator": torch.Generator().manual_seed(0),
+    }
+    state = pipe.stages[1](state)
+    assert state["latents"].shape == (1, 16, 2, 4, 4)
+    assert all(proxy.load_count == 0 for proxy in pipe.deferred.values())
+
+
+def test_cached_prompt_does_not_reload_the_text_encoder(wan_folder):
+    for policy, options in (("release", {}), ("budget", {"budget": "1GiB"})):
+        pipe = wan(wan_folder, policy, **options)
+        pipe.generate("a fox", seed=0, **SHAPE)
+        if policy == "budget":
+            pipe.components["text_encoder"].release()
+        loads = pipe.components["text_encoder"].load_count
+        pipe.generate("a fox", seed=1, **SHAPE)
+        assert pipe.components["text_encoder"].load_count == loads
+        assert pipe.prompt_cache.hits >= 1
+
+
+def test_budget_keeps_components_across_runs_and_loads_nothing_the_second_time(wan_folder):
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    pipe.generate("a fox", seed=0, **SHAPE)
+    loaded = pipe.tracker.bytes_loaded
+    pipe.generate("a heron", seed=0, **SHAPE)
+    assert pipe.tracker.bytes_loaded == loaded
+    assert all(ondeck.is_loaded(p) for p in pipe.deferred.values())
+
+
+def test_plan_predicts_the_measured_resident_peak(wan_folder):
+    for policy, options in (("release", {}), ("eager", {}), ("budget", {"budget": "1GiB"})):
+        pipe = wan(wan_folder, policy, **options)
+        predicted = pipe.plan().peak_bytes
+        pipe.generate("a fox", seed=0, **SHAPE)
+        pipe.generate("a heron", seed=0, **SHAPE)
+        assert pipe.tracker.peak_resident_bytes == predicted, policy
+
+
+def test_missing_model_index_is_a_load_error_naming_the_file(tmp_path):
+    with pytest.raises(ondeck.LoadError, match="model_index.json"):
+        WanTextToVideo.from_folder(tmp_path)
+
+
+def test_generate_command_writes_video_report_and_plot(wan_folder, tmp_path):
+    out = tmp_path / "out"
+    code = cli_main(
+        [
+            "generate",
+            str(wan_folder),
+            "--policy",
+            "release",
+            "--device",
+            "cpu",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--frames",
+            "5",
+            "--steps",
+            "2",
+            "--output",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["peak_resident_bytes"] < report["sum_bytes"]
+    assert (out / "video.mp4").stat().st_size > 0
+    assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_command_reports_overflow_before_loading(wan_folder, capsys):
+    code = cli_main(["plan", str(wan_folder), "--budget", "100KB", "--device", "cpu"])
+    output = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit" in output and "overflows by" in output
