@@ -45,7 +45,7 @@ class ComponentLoader:
         buffer_bytes: int = reader.DEFAULT_BUFFER_BYTES,
         buffer_count: int = reader.DEFAULT_BUFFER_COUNT,
     ):
-        self.folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+        self.folder = _open_folder(folder, name)
         self.name = name
         self.device = torch.device(device)
         self.dtype = self.folder.resolve_dtype(name, dtype)
@@ -124,6 +124,15 @@ class ComponentLoader:
     def _record(self, stats: reader.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes
         self.last_source = stats.source
+
+
+def _open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:
+    if isinstance(folder, ModelFolder):
+        return folder
+    try:
+        return ModelFolder.open(folder)
+    except LoadError as error:
+        raise LoadError(f"component '{name}': {error}", component=name, path=error.path) from None
 
 
 def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
@@ -256,7 +265,7 @@ def _some(names: list[str], limit: int = 5) -> str:
 
 def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
     """Load a part without weights (tokenizer, scheduler, feature extractor) from its folder."""
-    folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+    folder = _open_folder(folder, name)
     cls = folder.component_class(name)
     directory = folder.directory(name)
     loader = getattr(cls, "from_pretrained", None)
@@ -278,7 +287,7 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
 
 def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:
     """Load any component: models through :class:`ComponentLoader`, other parts as they are."""
-    folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+    folder = _open_folder(folder, name)
     if folder.is_model(name):
         return ComponentLoader(folder, name, **options)()
     return load_auxiliary(folder, name)

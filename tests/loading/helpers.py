@@ -1,0 +1,104 @@
+"""Safetensors files written byte by byte, so tests control layout, alignment and damage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ondeck.loading.safetensors_format import DTYPE_NAMES
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def header_bytes(entries: dict, metadata: dict | None = None, *, pad: int = 0) -> bytes:
+    document = dict(entries)
+    if metadata is not None:
+        document["__metadata__"] = metadata
+    text = json.dumps(document).encode() + b" " * pad
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], *, pad: int = 0) -> Path:
+    """Write tensors in the given order, back to back: odd sizes leave later ones unaligned."""
+    entries, chunks, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        data = raw_bytes(tensor)
+        entries[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        chunks.append(data)
+        offset += len(data)
+    path.write_bytes(header_bytes(entries, pad=pad) + b"".join(chunks))
+    return path
+
+
+def write_raw(path: Path, entries: dict, data: bytes) -> Path:
+    path.write_bytes(header_bytes(entries) + data)
+    return path
+
+
+def random_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
+    """Random bit patterns of any dtype (NaNs included for floats: compare bytes, not values)."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def weights_file(component_dir: Path) -> Path:
+    return next(component_dir.glob("*.safetensors"))
+
+
+def rewrite_weights(component_dir: Path, edit) -> Path:
+    """Load a component's single weight file, let ``edit`` change the dict, save it back."""
+    path = weights_file(component_dir)
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def shard(component_dir: Path, parts: int = 2) -> list[Path]:
+    """Split a component's single weight file into ``parts`` shards plus an index."""
+    path = weights_file(component_dir)
+    stem = path.name.removesuffix(".safetensors")
+    tensors = load_file(str(path))
+    names = sorted(tensors)
+    weight_map, files = {}, []
+    for part in range(parts):
+        filename = f"{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {name: tensors[name] for name in names[part::parts]}
+        save_file(chunk, str(component_dir / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, filename))
+        files.append(component_dir / filename)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (component_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index))
+    path.unlink()
+    return files
+
+
+def copy_folder(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    return destination
