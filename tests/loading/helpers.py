@@ -102,3 +102,38 @@ def shard(component_dir: Path, parts: int = 2) -> list[Path]:
 def copy_folder(source: Path, destination: Path) -> Path:
     shutil.copytree(source, destination)
     return destination
+
+
+def _models():
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    return {
+        "transformer": WanTransformer3DModel,
+        "vae": AutoencoderKLWan,
+        "text_encoder": UMT5EncoderModel,
+    }
+
+
+MODELS = _models()
+
+
+def from_pretrained(folder, name, dtype):
+    """The same component loaded the usual way, for comparison."""
+    cls = MODELS[name]
+    keyword = "dtype" if name == "text_encoder" else "torch_dtype"
+    return cls.from_pretrained(str(folder / name), **{keyword: dtype})
+
+
+def assert_same_state(loaded, reference):
+    """Same keys, dtypes and values, buffers included (non-persistent ones too)."""
+    ours, theirs = loaded.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype, key
+        assert torch.equal(ours[key], theirs[key]), key
+    for (name, ours_buffer), (_, their_buffer) in zip(
+        loaded.named_buffers(), reference.named_buffers(), strict=True
+    ):
+        assert ours_buffer.dtype == their_buffer.dtype, name
+        assert torch.equal(ours_buffer, their_buffer), name

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ondeck.loading import ComponentLoader, HostCache, TensorInfo
+from ondeck.loading import host_cache as host_cache_module
+from ondeck.loading import reader as reader_module
+
+from .helpers import assert_same_state, from_pretrained
+
+
+def info(name: str, nbytes: int) -> TensorInfo:
+    return TensorInfo(name, torch.uint8, (nbytes,), 0, nbytes, "f.safetensors")
+
+
+def fill(cache: HostCache, key, nbytes: int) -> bool:
+    buffers = cache.reserve(key, [info("t", nbytes)])
+    if buffers is None:
+        return False
+    cache.commit(key, buffers)
+    return True
+
+
+@pytest.fixture
+def cache_on_cpu(monkeypatch):
+    """Let the cache serve CPU loads, which it normally refuses, so its path runs here."""
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    return HostCache(budget_bytes=2**30)
+
+
+def test_disabled_for_cpu_targets():
+    assert not HostCache.enabled_for("cpu")
+    assert not HostCache.enabled_for(torch.device("cpu"))
+    assert HostCache.enabled_for("cuda") == (
+        not host_cache_module._is_unified(torch.device("cuda"))
+    )
+
+
+def test_loader_ignores_a_cache_for_cpu_targets(wan_template):
+    cache = HostCache(budget_bytes=2**30)
+    loader = ComponentLoader(wan_template, "vae", device="cpu", host_cache=cache)
+    loader()
+    loader()
+    assert loader.host_cache is None
+    assert (cache.hits, cache.misses, cache.resident_bytes) == (0, 0, 0)
+
+
+def test_default_budget_is_never_negative():
+    assert host_cache_module.default_budget_bytes() >= 0
+    assert HostCache().budget_bytes >= 0
+
+
+def test_second_load_is_a_hit_and_identical(wan_template, cache_on_cpu, monkeypatch):
+    loader = ComponentLoader(wan_template, "transformer", host_cache=cache_on_cpu)
+    first = loader()
+    assert (cache_on_cpu.hits, cache_on_cpu.misses) == (0, 1)
+    assert loader.last_source in ("page cache", "disk")
+    assert cache_on_cpu.resident_bytes == loader.folder.file_bytes("transformer")
+
+    def no_file_reads(*args, **kwargs):
+        raise AssertionError("a cache hit read the file")
+
+    monkeypatch.setattr(reader_module, "read_into", no_file_reads)
+    second = loader()
+    assert (cache_on_cpu.hits, cache_on_cpu.misses) == (1, 1)
+    assert loader.last_source == "host cache"
+    assert_same_state(second, first)
+
+
+def test_cached_bytes_are_the_files_not_the_cast(wan_template, cache_on_cpu):
+    ComponentLoader(wan_template, "vae", dtype=torch.float32, host_cache=cache_on_cpu)()
+    loader = ComponentLoader(wan_template, "vae", dtype=torch.bfloat16, host_cache=cache_on_cpu)
+    loaded = loader()
+    assert loader.last_source == "host cache"
+    assert_same_state(loaded, from_pretrained(wan_template, "vae", torch.bfloat16))
+
+
+def test_failed_first_load_leaves_no_entry(wan_template, cache_on_cpu, monkeypatch):
+    from ondeck.errors import LoadError
+
+    def broken(*args, **kwargs):
+        raise LoadError("disk vanished")
+
+    monkeypatch.setattr(reader_module, "_pread_exact", broken)
+    loader = ComponentLoader(wan_template, "vae", host_cache=cache_on_cpu)
+    with pytest.raises(LoadError):
+        loader()
+    assert cache_on_cpu.keys() == [] and cache_on_cpu.resident_bytes == 0
+
+
+def test_lru_eviction_respects_the_budget():
+    cache = HostCache(budget_bytes=1000)
+    assert fill(cache, "a", 400) and fill(cache, "b", 400)
+    assert cache.get("a") is not None  # "a" is now the most recently used
+    assert fill(cache, "c", 400)
+    assert cache.keys() == ["a", "c"]
+    assert cache.resident_bytes == 800 <= cache.budget_bytes
+
+
+def test_entry_larger_than_the_budget_is_not_kept():
+    cache = HostCache(budget_bytes=100)
+    assert fill(cache, "a", 60)
+    assert not fill(cache, "huge", 101)
+    assert cache.keys() == ["a"]
+
+
+def test_hits_and_misses_are_counted():
+    cache = HostCache(budget_bytes=100)
+    assert cache.get("a") is None
+    fill(cache, "a", 10)
+    assert cache.get("a") is not None
+    assert (cache.hits, cache.misses) == (1, 1)
