@@ -1,0 +1,106 @@
+"""The same contracts on a CUDA device: pinned staging, side-stream copies, host cache."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ondeck.errors import LoadError
+from ondeck.lazy import module_nbytes
+from ondeck.loading import ComponentLoader, HostCache, ModelFolder, ReadJob, read_header, read_into
+from ondeck.loading import reader as reader_module
+
+from .helpers import (
+    MODELS,
+    assert_same_state,
+    from_pretrained,
+    random_tensor,
+    same_bits,
+    write_safetensors,
+)
+from .test_reader import DTYPES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def read_to_cuda(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
+    jobs = [
+        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype, device="cuda"))
+        for info in read_header(path).tensors.values()
+    ]
+    read_into(jobs, progress=False, **options)
+    return {job.info.name: job.destination for job in jobs}
+
+
+@pytest.mark.parametrize("buffer_bytes", [reader_module.DEFAULT_BUFFER_BYTES, 64])
+def test_every_dtype_reaches_the_gpu_bit_identical(tmp_path, buffer_bytes):
+    tensors = {f"t{i}": random_tensor(d, (33, 7), i) for i, d in enumerate(DTYPES)}
+    path = tmp_path / "all.safetensors"
+    save_file(tensors, str(path))
+    loaded = read_to_cuda(path, buffer_bytes=buffer_bytes, buffer_count=2, threads=4)
+    for name, tensor in load_file(str(path)).items():
+        assert loaded[name].device.type == "cuda"
+        assert same_bits(loaded[name].cpu(), tensor), name
+
+
+def test_unaligned_chunked_and_cast_reads_on_the_gpu(tmp_path):
+    tensors = {
+        "bytes": random_tensor(torch.uint8, (7,), 1),
+        "big": torch.randn(1000, 33),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 3),
+    }
+    path = write_safetensors(tmp_path / "odd.safetensors", tensors, pad=1)
+    loaded = read_to_cuda(path, buffer_bytes=4096, buffer_count=2, threads=4)
+    for name, tensor in tensors.items():
+        assert same_bits(loaded[name].cpu(), tensor), name
+    cast = read_to_cuda(path, dtype=torch.float64, buffer_bytes=4096)
+    assert torch.equal(cast["big"].cpu(), tensors["big"].double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_component_on_the_gpu_equals_from_pretrained(wan_template, name, dtype):
+    folder = ModelFolder.open(wan_template)
+    loaded = ComponentLoader(folder, name, device="cuda", dtype=dtype, buffer_bytes=512)()
+    assert all(p.device.type == "cuda" for p in loaded.parameters())
+    assert all(b.device.type == "cuda" for b in loaded.buffers())
+    assert folder.spec(name, dtype=dtype, device="cuda").nbytes == module_nbytes(loaded)
+    assert_same_state(loaded.cpu(), from_pretrained(wan_template, name, dtype))
+
+
+def test_host_cache_serves_the_second_gpu_load(wan_template):
+    cache = HostCache(budget_bytes=2**30)
+    loader = ComponentLoader(wan_template, "vae", device="cuda", host_cache=cache)
+    first = loader()
+    assert loader.last_source in ("page cache", "disk")
+    second = loader()
+    assert loader.last_source == "host cache"
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert all(t.is_pinned() for entry in cache._entries.values() for t in entry.values())
+    assert_same_state(second.cpu(), first.cpu())
+
+
+def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
+    loader = ComponentLoader(wan_template, "transformer", device="cuda")
+    loader()  # warm the allocator and any lazy CUDA state
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    original = reader_module._pread_exact
+    calls = {"n": 0}
+
+    def pread(*args):
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise LoadError("disk vanished")
+        return original(*args)
+
+    monkeypatch.setattr(reader_module, "_pread_exact", pread)
+    with pytest.raises(LoadError):
+        loader()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == baseline
