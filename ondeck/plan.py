@@ -73,7 +73,7 @@ def choose_evictions(
     index: int,
     nbytes: Mapping[str, int],
     limit: int,
-    protect_within: float = math.inf,
+    protect_within: float = 0,
 ) -> list[str] | None:
     """Which resident components to evict so ``resident + incoming`` fits ``limit``.
 

@@ -1,0 +1,219 @@
+"""Shared by the GPU benchmarks: building Wan 2.1 14B-shaped folders, measuring, tables.
+
+The weights are random (pixels are noise) but the shapes, dtypes and byte counts are
+those of Wan 2.1 T2V 14B, so memory and speed are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GiB = 2**30
+
+
+def umt5_xxl_config():
+    from transformers import UMT5Config
+
+    return UMT5Config(
+        vocab_size=256384,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        feed_forward_proj="gated-gelu",
+        dense_act_fn="gelu_new",
+        is_gated_act=True,
+        tie_word_embeddings=False,
+    )
+
+
+def _randomise(module) -> None:
+    import torch
+
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0, 0.02)
+
+
+def build_transformer_folder(path: Path, *, num_layers: int = 40) -> Path:
+    """A WanTransformer3DModel (14B config, fewer layers if asked) in bf16, diffusers format."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    if (path / "model_index.json").exists():
+        return path
+    with torch.device("cuda"):
+        transformer = WanTransformer3DModel(num_layers=num_layers).to(torch.bfloat16)
+    _randomise(transformer)
+    transformer.save_pretrained(path / "transformer", max_shard_size="5GB")
+    del transformer
+    torch.cuda.empty_cache()
+    index = {
+        "_class_name": "WanTransformerOnly",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+    }
+    (path / "model_index.json").write_text(json.dumps(index))
+    return path
+
+
+def build_wan14b_folder(path: Path) -> Path:
+    """The full Wan 2.1 T2V 14B-shaped pipeline folder (text encoder, transformer, VAE)."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import ByT5Tokenizer, UMT5EncoderModel
+
+    if (path / "model_index.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.device("cuda"):
+        text_encoder = UMT5EncoderModel(umt5_xxl_config()).to(torch.bfloat16)
+    _randomise(text_encoder)
+    text_encoder.save_pretrained(path / "text_encoder", max_shard_size="5GB")
+    del text_encoder
+    with torch.device("cuda"):
+        transformer = WanTransformer3DModel().to(torch.bfloat16)
+    _randomise(transformer)
+    transformer.save_pretrained(path / "transformer", max_shard_size="5GB")
+    del transformer
+    with torch.device("cuda"):
+        vae = AutoencoderKLWan()
+    _randomise(vae)
+    vae.save_pretrained(path / "vae")
+    del vae
+    torch.cuda.empty_cache()
+    ByT5Tokenizer().save_pretrained(path / "tokenizer")
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    ).save_pretrained(path / "scheduler")
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": "0.42.1",
+        "tokenizer": ["transformers", "ByT5Tokenizer"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    }
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
+def folder_bytes(path: Path) -> dict[str, int]:
+    return {
+        sub.name: sum(f.stat().st_size for f in sub.glob("*.safetensors"))
+        for sub in sorted(path.iterdir())
+        if sub.is_dir()
+    }
+
+
+def drop_page_cache(paths) -> None:
+    """Evict files from the page cache (clean pages), so the next read comes from disk."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        pass
+
+
+def warm_page_cache(paths) -> None:
+    for path in paths:
+        with open(path, "rb") as handle:
+            while handle.read(64 << 20):
+                pass
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM so the next reading is the peak of what follows."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5\n")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return rss_bytes()
+
+
+class RssSampler:
+    """Samples RSS every few milliseconds; ``.peak`` is the largest reading."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def run_child(args: list[str], *, timeout: float) -> dict:
+    """Run one benchmark mode in its own process (clean peaks) and read its JSON line."""
+    command = [sys.executable, *args]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s", "args": args}
+    result = None
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    if result is None:
+        tail = (done.stdout + done.stderr)[-3000:]
+        result = {"error": f"exit {done.returncode}", "tail": tail}
+    result["process_seconds"] = time.perf_counter() - started
+    result["args"] = args
+    return result
+
+
+def emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result, default=str), flush=True)
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT") or "bench-out")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,255 @@
+"""How fast a DiT-sized checkpoint reaches the GPU: ceilings, common loaders, ondeck.
+
+Run on a CUDA machine:  python benchmarks/load_throughput.py [--folder DIR] [--layers 24]
+
+Builds (once) a WanTransformer3DModel at the 14B width with ``--layers`` blocks in bf16
+(24 blocks: about 16 GiB), then measures, median of ``--repeats``:
+  ceilings   pinned host->device copy; raw O_DIRECT read of the files (1 and 8 threads)
+  baselines  safetensors.torch.load_file(device="cuda"); diffusers from_pretrained(device_map)
+             fastsafetensors (if importable)
+  ondeck     ComponentLoader from a dropped page cache, a warm page cache, the host cache
+and the peak host RSS each ondeck load adds. Writes load_throughput.json to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import mmap
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    RssSampler,
+    build_transformer_folder,
+    drop_page_cache,
+    median,
+    out_dir,
+    rss_bytes,
+    warm_page_cache,
+)
+
+GB = 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del result
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def pinned_copy_seconds(nbytes: int) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del host, device
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def o_direct_read_seconds(files, threads: int, block: int = 64 << 20) -> float:
+    """Read every file with O_DIRECT into an aligned buffer; ``threads`` readers at once."""
+    jobs = []
+    for path in files:
+        size = os.path.getsize(path)
+        jobs += [(path, offset) for offset in range(0, size, block)]
+    buffers = [mmap.mmap(-1, block) for _ in range(threads)]
+
+    def read(job_and_slot):
+        (path, offset), slot = job_and_slot
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [buffers[slot]], offset)
+        finally:
+            os.close(fd)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        # Each slot is used by one job at a time: jobs are handed out in waves.
+        for wave in range(0, len(jobs), threads):
+            batch = jobs[wave : wave + threads]
+            list(pool.map(read, [(job, slot) for slot, job in enumerate(batch)]))
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", default=".bench-data/dit16")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from ondeck.loading import ComponentLoader, HostCache, ModelFolder
+
+    started = time.perf_counter()
+    folder_path = build_transformer_folder(Path(args.folder), num_layers=args.layers)
+    build_seconds = time.perf_counter() - started
+    files = sorted(str(p) for p in (folder_path / "transformer").glob("*.safetensors"))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    folder = ModelFolder.open(folder_path)
+    largest_tensor = max(info.nbytes for info in folder.tensors("transformer").values())
+    print(
+        f"checkpoint: {len(files)} files, {nbytes / 2**30:.2f} GiB (built in {build_seconds:.0f}s)"
+    )
+    results: dict[str, dict] = {}
+
+    def record(name: str, seconds_list: list[float], moved: int = nbytes, **extra) -> None:
+        seconds = median(seconds_list)
+        results[name] = {
+            "median_seconds": seconds,
+            "all_seconds": seconds_list,
+            "gb_per_second": moved / seconds / GB,
+            **extra,
+        }
+        print(f"{name:<40} {moved / seconds / GB:7.2f} GB/s  ({seconds:.2f}s)", flush=True)
+
+    record(
+        "ceiling: pinned host->device",
+        [pinned_copy_seconds(4 << 30) for _ in range(args.repeats)],
+        moved=4 << 30,
+    )
+    for threads in (1, 8):
+        runs = []
+        for _ in range(args.repeats):
+            drop_page_cache(files)
+            runs.append(o_direct_read_seconds(files, threads))
+        record(f"ceiling: O_DIRECT read, {threads} thread(s)", runs)
+
+    warm_page_cache(files)
+
+    def safetensors_load():
+        from safetensors.torch import load_file
+
+        return [load_file(f, device="cuda") for f in files]
+
+    record(
+        "safetensors load_file(cuda), warm", [timed(safetensors_load) for _ in range(args.repeats)]
+    )
+
+    def diffusers_load():
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel.from_pretrained(
+            folder_path / "transformer", torch_dtype=torch.bfloat16, device_map="cuda"
+        )
+
+    record(
+        "diffusers from_pretrained(device_map), warm",
+        [timed(diffusers_load) for _ in range(args.repeats)],
+    )
+
+    try:
+        from fastsafetensors import fastsafe_open
+
+        def fast_load():
+            with fastsafe_open(filenames=files, device="cuda:0", nogds=True) as handle:
+                return {key: handle.get_tensor(key) for key in handle.keys()}
+
+        record("fastsafetensors (nogds), warm", [timed(fast_load) for _ in range(args.repeats)])
+    except Exception as error:  # absent or failing: say so, keep going
+        results["fastsafetensors (nogds), warm"] = {"error": repr(error)}
+        print(f"fastsafetensors: {error!r}")
+
+    loader = ComponentLoader(
+        folder, "transformer", device="cuda", dtype=torch.bfloat16, progress=False
+    )
+    ring_bytes = loader.buffer_bytes * loader.buffer_count
+
+    def ondeck_runs(prepare, count) -> tuple[list[float], list[int]]:
+        seconds, added = [], []
+        for _ in range(count):
+            prepare()
+            gc.collect()
+            before = rss_bytes()
+            with RssSampler() as sampler:
+                seconds.append(timed(loader))
+            added.append(sampler.peak - before)
+        return seconds, added
+
+    cold, cold_rss = ondeck_runs(lambda: drop_page_cache(files), args.repeats)
+    record("ondeck, dropped page cache", cold, rss_added=cold_rss)
+    warm_page_cache(files)
+    warm, warm_rss = ondeck_runs(lambda: None, args.repeats)
+    record("ondeck, warm page cache", warm, rss_added=warm_rss)
+
+    cache = HostCache(int(nbytes * 1.05))
+    cached_loader = ComponentLoader(
+        folder, "transformer", device="cuda", dtype=torch.bfloat16, host_cache=cache, progress=False
+    )
+    fill_seconds = timed(cached_loader)
+    loader = cached_loader
+    hot, _ = ondeck_runs(lambda: None, args.repeats)
+    record("ondeck, host cache", hot, fill_seconds=fill_seconds, cache=repr(cache))
+
+    # Bit-identity spot check against safetensors on the device.
+    from safetensors.torch import load_file
+
+    module = loader()
+    state = module.state_dict()
+    reference = load_file(files[0], device="cuda")
+    mismatched = [k for k, v in reference.items() if not torch.equal(state[k].to(v.dtype), v)]
+    del module, state, reference
+    torch.cuda.empty_cache()
+
+    ceiling_read = max(
+        results["ceiling: O_DIRECT read, 1 thread(s)"]["gb_per_second"],
+        results["ceiling: O_DIRECT read, 8 thread(s)"]["gb_per_second"],
+    )
+    ratios = {
+        "cold / best raw O_DIRECT read (target >= 0.9)": results["ondeck, dropped page cache"][
+            "gb_per_second"
+        ]
+        / ceiling_read,
+        "warm / safetensors load_file (target >= 5)": results["ondeck, warm page cache"][
+            "gb_per_second"
+        ]
+        / results["safetensors load_file(cuda), warm"]["gb_per_second"],
+        "host cache / pinned copy (target >= 0.8)": results["ondeck, host cache"]["gb_per_second"]
+        / results["ceiling: pinned host->device"]["gb_per_second"],
+        "peak RSS added / (ring + largest tensor) (target <= 1.1)": max(cold_rss + warm_rss)
+        / (ring_bytes + largest_tensor),
+    }
+    summary = {
+        "checkpoint_bytes": nbytes,
+        "files": len(files),
+        "largest_tensor_bytes": largest_tensor,
+        "ring_bytes": ring_bytes,
+        "results": results,
+        "ratios": ratios,
+        "mismatched_tensors_vs_safetensors": mismatched,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (out_dir() / "load_throughput.json").write_text(json.dumps(summary, indent=2, default=str))
+    print()
+    print(f"{'what':<42} {'GB/s':>8}")
+    for name, row in results.items():
+        if "gb_per_second" in row:
+            print(f"{name:<42} {row['gb_per_second']:8.2f}")
+    for name, value in ratios.items():
+        print(f"{name:<60} {value:6.2f}")
+    print(f"tensors differing from safetensors: {len(mismatched)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""One benchmark mode on a Wan 2.1 14B-shaped folder, in its own process.
+
+    python benchmarks/wan_modes.py --folder DIR --mode ondeck-release [--memory-gib 48]
+
+Generates ``--runs`` videos with different prompts (480x832, 33 frames, 4 steps, guidance
+on by default) and prints one ``RESULT {json}`` line: wall time per run, peak device
+memory allocated per run, peak host RSS, and for ondeck modes the exposed load seconds,
+bytes loaded per run, predicted and measured resident peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, peak_rss_bytes, reset_peak_rss  # noqa: E402
+
+PROMPTS = [
+    "a red fox trotting through fresh snow at dawn",
+    "a grey heron standing in a misty river",
+    "a neon-lit city street in the rain at night",
+]
+DIFFUSERS_MODES = ("diffusers-eager", "diffusers-model-offload", "diffusers-group-offload")
+
+
+def emulate_device(memory_gib: float | None) -> None:
+    import torch
+
+    if memory_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib * 2**30 / total))
+
+
+def diffusers_pipeline(folder: Path, mode: str):
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(folder, vae=vae, torch_dtype=torch.bfloat16)
+    if mode == "diffusers-eager":
+        pipe.to("cuda")
+    elif mode == "diffusers-model-offload":
+        pipe.enable_model_cpu_offload()
+    elif mode == "diffusers-group-offload":
+        pipe.enable_group_offload(
+            onload_device=torch.device("cuda"),
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+        )
+    return pipe
+
+
+def ondeck_pipeline(folder: Path, mode: str, args):
+    import torch
+
+    from ondeck.loading import HostCache
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    policy = mode.removeprefix("ondeck-")
+    prefetch = policy == "budget-prefetch"
+    if policy.startswith("budget"):
+        policy = "budget"
+    host_cache = HostCache(int(args.host_cache_gib * 2**30)) if args.host_cache_gib else None
+    return WanTextToVideo.from_folder(
+        folder,
+        device="cuda",
+        dtype=torch.bfloat16,
+        policy=policy,
+        budget=f"{args.budget_gib}GiB" if args.budget_gib else None,
+        prefetch=prefetch,
+        host_cache=host_cache,
+        progress=False,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", required=True)
+    parser.add_argument("--mode", required=True)
+    parser.add_argument("--memory-gib", type=float, help="emulate a device of this size")
+    parser.add_argument("--budget-gib", type=float, help="explicit budget for ondeck-budget")
+    parser.add_argument("--host-cache-gib", type=float, default=0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--png", help="write the ondeck memory timeline here")
+    args = parser.parse_args()
+
+    import torch
+
+    folder = Path(args.folder)
+    emulate_device(args.memory_gib)
+    result: dict = {"mode": args.mode, "memory_gib": args.memory_gib, "runs": []}
+    reset_peak_rss()
+    started = time.perf_counter()
+    try:
+        if args.mode in DIFFUSERS_MODES:
+            pipe = diffusers_pipeline(folder, args.mode)
+        else:
+            pipe = ondeck_pipeline(folder, args.mode, args)
+            result["policy_reason"] = pipe.policy.reason
+            result["predicted_peak_bytes"] = pipe.plan().peak_bytes
+        torch.cuda.synchronize()
+        result["setup_seconds"] = time.perf_counter() - started
+        for run, prompt in enumerate(PROMPTS[: args.runs]):
+            torch.cuda.reset_peak_memory_stats()
+            loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
+            started = time.perf_counter()
+            if args.mode in DIFFUSERS_MODES:
+                generator = torch.Generator("cpu").manual_seed(run)
+                frames = pipe(
+                    prompt,
+                    height=args.height,
+                    width=args.width,
+                    num_frames=args.frames,
+                    num_inference_steps=args.steps,
+                    generator=generator,
+                ).frames
+            else:
+                frames = pipe.generate(
+                    prompt,
+                    height=args.height,
+                    width=args.width,
+                    num_frames=args.frames,
+                    num_inference_steps=args.steps,
+                    seed=run,
+                )
+            torch.cuda.synchronize()
+            row = {
+                "seconds": time.perf_counter() - started,
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "frames_shape": list(frames.shape),
+                "frames_mean": float(frames.mean()),
+            }
+            if hasattr(pipe, "tracker"):
+                row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(run + 1)
+                row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
+            result["runs"].append(row)
+            print(f"{args.mode} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
+            del frames
+            gc.collect()
+        if hasattr(pipe, "tracker"):
+            result["measured_resident_peak_bytes"] = pipe.tracker.peak_resident_bytes
+            result["stages"] = [vars(s) for s in pipe.tracker.stages]
+            if args.png:
+                pipe.tracker.plot(
+                    args.png, title=f"ondeck {args.mode} at {args.memory_gib or 139} GiB"
+                )
+    except Exception as error:
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+        result["traceback"] = traceback.format_exc()[-3000:]
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_allocated_bytes"] = max(
+        [r["peak_allocated_bytes"] for r in result["runs"]] or [torch.cuda.max_memory_allocated()]
+    )
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
