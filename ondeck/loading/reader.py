@@ -27,7 +27,7 @@ from .safetensors_format import TensorInfo
 __all__ = ["ReadJob", "ReadStats", "read_into", "copy_from_host", "DEFAULT_BUFFER_BYTES"]
 
 DEFAULT_BUFFER_BYTES = 16 * 2**20
-DEFAULT_BUFFER_COUNT = 8
+DEFAULT_BUFFER_COUNT = 16
 # Below this, a progress bar is noise.
 PROGRESS_MIN_BYTES = 64 * 2**20
 _BAR_LOCK = threading.Lock()
@@ -96,7 +96,7 @@ def read_into(
     try:
         for path in paths:
             files[path] = _open(path, component)
-        worker_count = threads or min(8, max(2, os.cpu_count() or 2))
+        worker_count = threads or min(16, max(4, os.cpu_count() or 4))
         with ThreadPoolExecutor(worker_count, thread_name_prefix="ondeck-read") as pool:
             try:
                 futures = [
