@@ -47,7 +47,7 @@ class ModelFolder:
             self._entries[name] = (str(library), str(class_name))
         self._lock = threading.RLock()
         self._headers: dict[str, list[SafetensorsHeader]] = {}
-        self._specs: dict[tuple[str, Any], tuple[Any, int]] = {}
+        self._templates: dict[tuple[str, torch.dtype], Any] = {}
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, variant: str | None = None) -> ModelFolder:
@@ -224,17 +224,28 @@ class ModelFolder:
 
     def skeleton(self, name: str, dtype: torch.dtype | str | None = None):
         """A fresh module for ``name`` on the meta device, with its slots to fill."""
+        return self._template(name, self.resolve_dtype(name, dtype)).fresh()
+
+    def _template(self, name: str, dtype: torch.dtype):
+        # Built once per (component, dtype); loads copy it. Building changes process-wide
+        # torch state for a moment, so it should happen when the spec is first asked for
+        # (pipeline setup), not in a loader thread while another thread computes.
         from .skeleton import build_skeleton
 
-        cls = self.component_class(name)
-        self.config_path(name)
-        return build_skeleton(
-            cls,
-            self.directory(name),
-            self.resolve_dtype(name, dtype),
-            file_keys=self.tensors(name).keys(),
-            component=name,
-        )
+        with self._lock:
+            template = self._templates.get((name, dtype))
+            if template is None:
+                cls = self.component_class(name)
+                self.config_path(name)
+                template = build_skeleton(
+                    cls,
+                    self.directory(name),
+                    dtype,
+                    file_keys=self.tensors(name).keys(),
+                    component=name,
+                )
+                self._templates[(name, dtype)] = template
+            return template
 
     def spec(
         self,
@@ -246,19 +257,28 @@ class ModelFolder:
         cls = self.component_class(name)
         device = torch.device(device) if device is not None else None
         if not issubclass(cls, torch.nn.Module):
-            config = self.config_dict(name) if self._has_config(name) else None
+            config = self._auxiliary_config(name, cls)
             return ComponentSpec(cls=cls, config=config, dtype=None, device=device, nbytes=0)
         resolved = self.resolve_dtype(name, dtype)
-        with self._lock:
-            cached = self._specs.get((name, resolved))
-        if cached is None:
-            skeleton = self.skeleton(name, resolved)
-            cached = (skeleton.module.config, skeleton.nbytes)
-            del skeleton
-            with self._lock:
-                self._specs[(name, resolved)] = cached
-        config, nbytes = cached
-        return ComponentSpec(cls=cls, config=config, dtype=resolved, device=device, nbytes=nbytes)
+        template = self._template(name, resolved)
+        return ComponentSpec(
+            cls=cls,
+            config=template.module.config,
+            dtype=resolved,
+            device=device,
+            nbytes=template.nbytes,
+        )
+
+    def _auxiliary_config(self, name: str, cls: type) -> Any:
+        if not self._has_config(name):
+            return None
+        config = self.config_dict(name)
+        if hasattr(cls, "load_config"):
+            # diffusers parts answer attribute reads on their config (scheduler.config.x).
+            from diffusers.configuration_utils import FrozenDict
+
+            return FrozenDict(config)
+        return config
 
     def _has_config(self, name: str) -> bool:
         try:

@@ -6,6 +6,7 @@ the prediction and the loaded module cannot disagree.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import threading
@@ -49,6 +50,15 @@ class Skeleton:
     slots: list[Slot]
     extra_buffers: dict[int, list[str]] = field(default_factory=dict)
     ignored_unexpected: tuple[str, ...] = ()
+    library: str = "torch"
+    dtype: torch.dtype = torch.float32
+    file_keys: frozenset[str] = frozenset()
+
+    def fresh(self) -> Skeleton:
+        """An independent copy to fill. Copying touches no process-wide state, unlike a
+        build (which sets torch's default dtype and patches nn.Module for a moment), so a
+        load in a background thread cannot disturb the thread running the model."""
+        return _describe(copy.deepcopy(self.module), self.library, self.dtype, self.file_keys)
 
     @property
     def nbytes(self) -> int:
@@ -107,7 +117,7 @@ def build_skeleton(
             component=component,
             path=directory,
         ) from error
-    return _describe(module, library, dtype, set(file_keys))
+    return _describe(module, library, dtype, frozenset(file_keys))
 
 
 def _build_diffusers(cls: type, directory: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -137,7 +147,7 @@ def _build_transformers(cls: type, directory: str, dtype: torch.dtype) -> torch.
 
 
 def _describe(
-    module: torch.nn.Module, library: str, dtype: torch.dtype, file_keys: set[str]
+    module: torch.nn.Module, library: str, dtype: torch.dtype, file_keys: frozenset[str]
 ) -> Skeleton:
     groups: dict[int, Slot] = {}
     extra_buffers: dict[int, list[str]] = {}
@@ -160,7 +170,7 @@ def _describe(
         key = next((name for name in slot.names if name in file_keys), slot.names[0])
         slot.dtype = _target_dtype(slot.dtype, key, dtype, fp32_rule, library)
     ignored = tuple(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
-    return Skeleton(module, slots, extra_buffers, ignored)
+    return Skeleton(module, slots, extra_buffers, ignored, library, dtype, file_keys)
 
 
 def _add(groups: dict[int, Slot], key: int, name: str, tensor, *, is_parameter: bool) -> None:

@@ -84,6 +84,17 @@ def test_loader_works_as_a_lazy_module_loader(wan_template):
     assert vae.release() == loader.spec.nbytes
 
 
+def test_release_then_reload_gives_the_same_module(wan_template):
+    loader = ComponentLoader(wan_template, "transformer")
+    transformer = LazyModule("transformer", loader, spec=loader.spec)
+    before = {k: v.clone() for k, v in transformer.materialize().state_dict().items()}
+    buffers = [b.clone() for b in transformer.materialize().buffers()]
+    assert transformer.release() > 0
+    reloaded = transformer.materialize()
+    assert all(torch.equal(before[k], v) for k, v in reloaded.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, reloaded.buffers(), strict=True))
+
+
 def test_load_component_handles_models_and_other_parts(wan_template):
     from diffusers import UniPCMultistepScheduler
     from transformers import ByT5Tokenizer

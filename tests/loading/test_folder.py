@@ -91,6 +91,7 @@ def test_spec_of_a_part_without_weights(wan_template):
     spec = ModelFolder.open(wan_template).spec("scheduler")
     assert spec.cls is UniPCMultistepScheduler and spec.nbytes == 0
     assert spec.config["_class_name"] == "UniPCMultistepScheduler"
+    assert spec.config.prediction_type == "flow_prediction"
 
 
 def test_specs_never_read_tensor_data(wan_template, monkeypatch):
@@ -134,13 +135,31 @@ def test_specs_never_read_tensor_data(wan_template, monkeypatch):
     assert 0 < sum(header_bytes_read) <= headers
 
 
-def test_spec_is_cached_per_dtype(wan_template, monkeypatch):
+def test_module_is_built_once_per_dtype_and_copied_for_loads(wan_template, monkeypatch):
+    from ondeck.loading import skeleton as skeleton_module
+
+    builds = []
+    real_build = skeleton_module.build_skeleton
+
+    def counting_build(*args, **kwargs):
+        builds.append(args[2])
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(skeleton_module, "build_skeleton", counting_build)
     folder = ModelFolder.open(wan_template)
-    first = folder.spec("vae", dtype=torch.float32)
-    calls = []
-    monkeypatch.setattr(folder, "skeleton", lambda *a, **k: calls.append(a))
-    assert folder.spec("vae", dtype=torch.float32).nbytes == first.nbytes
-    assert calls == []
+    folder.spec("vae", dtype=torch.float32)
+    folder.spec("vae", dtype=torch.float32)
+    assert builds == [torch.float32]
+
+    # Loads copy the module built for the spec: torch's process-wide default dtype, which
+    # a thread running the model relies on, is never touched by a load.
+    default_changes = []
+    monkeypatch.setattr(torch, "set_default_dtype", default_changes.append)
+    first = ComponentLoader(folder, "vae", dtype=torch.float32)()
+    second = ComponentLoader(folder, "vae", dtype=torch.float32)()
+    assert builds == [torch.float32] and default_changes == []
+    assert first is not second and first.config is not second.config
+    assert first.decoder.conv_in.weight is not second.decoder.conv_in.weight
 
 
 def test_sharded_weights_are_found_through_their_index(wan_folder):
