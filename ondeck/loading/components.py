@@ -97,6 +97,7 @@ class ComponentLoader:
                 stats = reader.copy_from_host(
                     [(job.info, raw[job.info.name], job.destination) for job in jobs],
                     progress=self.progress,
+                    component=self.name,
                 )
                 self._record(stats)
                 return

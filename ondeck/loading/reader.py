@@ -110,6 +110,8 @@ def read_into(
                 # Workers write into memory the caller frees on failure: stop them first.
                 stop.set()
                 pool.shutdown(wait=True, cancel_futures=True)
+        for stream in streams.values():
+            stream.synchronize()  # the temporaries below were filled on the side stream
         for target, job in temporaries:
             job.destination.copy_(target)
     finally:
@@ -123,12 +125,15 @@ def read_into(
 
 
 def copy_from_host(
-    pairs: Sequence[tuple[TensorInfo, torch.Tensor, torch.Tensor]], *, progress: bool = True
+    pairs: Sequence[tuple[TensorInfo, torch.Tensor, torch.Tensor]],
+    *,
+    progress: bool = True,
+    component: str | None = None,
 ) -> ReadStats:
     """Copy raw file bytes kept in host memory into destinations: ``(info, raw, destination)``."""
     started = time.perf_counter()
     total = sum(info.nbytes for info, _, _ in pairs)
-    bar = _progress_bar(total, progress, None, "host cache")
+    bar = _progress_bar(total, progress, component, "host cache")
     devices = {dst.device for _, _, dst in pairs if dst.device.type == "cuda"}
     streams = _side_streams(devices)
     try:

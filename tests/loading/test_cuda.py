@@ -61,6 +61,14 @@ def test_unaligned_chunked_and_cast_reads_on_the_gpu(tmp_path):
     assert torch.equal(cast["big"].cpu(), tensors["big"].double())
 
 
+def test_non_contiguous_gpu_destination_is_filled(tmp_path):
+    tensor = torch.randn(64, 48)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    destination = torch.empty(48, 64, device="cuda").t()
+    read_into([ReadJob(read_header(path).tensors["w"], destination)], progress=False)
+    assert torch.equal(destination.cpu(), tensor)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_component_on_the_gpu_equals_from_pretrained(wan_template, name, dtype):
