@@ -1,0 +1,356 @@
+"""ondeck.diffusers.from_pretrained: the genuine pipeline, same outputs, components on demand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ondeck
+import ondeck.diffusers
+from ondeck.errors import OndeckError
+
+from .tiny_pipelines import FAMILIES, run
+
+FAMILY_NAMES = list(FAMILIES)
+
+
+def load(path, **options):
+    pipe = ondeck.diffusers.from_pretrained(path, **options)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def loads(pipe) -> dict[str, int]:
+    return {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
+
+
+def resident(pipe) -> set[str]:
+    return {name for name, proxy in pipe.ondeck.deferred.items() if ondeck.is_loaded(proxy)}
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_outputs_equal_diffusers_across_two_calls(family, policy, folders, references):
+    pipe = load(folders[family], policy=policy)
+
+    for call, expected in enumerate(references[family]):
+        output = run(pipe, FAMILIES[family])
+        assert np.array_equal(output, expected), f"{family} call {call + 1} under {policy}"
+        if policy == "release":
+            assert resident(pipe) == set(), "release leaves nothing resident after a call"
+        else:
+            assert resident(pipe) == set(pipe.ondeck.deferred), "everything fits the budget"
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_pipeline_is_the_diffusers_class_with_its_config(family, folders):
+    import diffusers
+
+    pipe = load(folders[family], policy="release")
+    cls = FAMILIES[family].pipeline_type()
+    plain_config = diffusers.DiffusionPipeline.load_config(folders[family])
+
+    assert isinstance(pipe, cls)
+    assert type(pipe).__name__ == cls.__name__
+    assert pipe.ondeck.deferred, "heavy components are deferred"
+    for name in pipe.ondeck.deferred:
+        assert tuple(pipe.config[name]) == tuple(plain_config[name])
+        assert isinstance(getattr(pipe, name), torch.nn.Module)
+        assert ondeck.is_lazy(getattr(pipe, name))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_reading_configs_dtypes_and_devices_loads_nothing(family, folders):
+    pipe = load(folders[family], policy="release")
+
+    pipe.components
+    assert pipe.device == torch.device("cpu")
+    assert pipe._execution_device == torch.device("cpu")
+    assert pipe.dtype == torch.float32
+    for name in pipe.ondeck.deferred:
+        component = getattr(pipe, name)
+        component.config
+        assert component.dtype is not None
+        assert component.device == torch.device("cpu")
+        assert not hasattr(component, "_hf_hook")
+        repr(component)
+    pipe.ondeck.plan()
+    pipe.ondeck.schedule
+
+    assert set(loads(pipe).values()) == {0}
+    assert pipe.ondeck.tracker.bytes_loaded == 0
+
+
+def test_a_release_call_leaves_the_transformer_unloaded(folders):
+    pipe = load(folders["wan"], policy="release")
+    run(pipe, FAMILIES["wan"])
+
+    assert not ondeck.is_loaded(pipe.transformer)
+    assert loads(pipe) == {"text_encoder": 1, "transformer": 1, "vae": 1}
+    releases = [e["name"] for e in pipe.ondeck.report()["events"] if e["kind"] == "release"]
+    assert releases == ["text_encoder", "transformer", "vae"], "each goes when the next starts"
+
+
+def test_a_component_passed_in_is_used_as_given_and_stays_resident(folders, references):
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(folders["wan"] / "vae")
+    pipe = load(folders["wan"], policy="release", vae=vae)
+
+    assert pipe.vae is vae
+    assert "vae" not in pipe.ondeck.deferred
+    for expected in references["wan"]:
+        assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert pipe.vae is vae
+    assert vae.decoder.conv_in.weight.untyped_storage().nbytes() > 0
+
+
+def test_a_transform_survives_release_and_reload(folders):
+    from diffusers import WanPipeline
+
+    def double_output_projection(module):
+        with torch.no_grad():
+            module.proj_out.weight.mul_(2.0)
+        return module
+
+    plain = WanPipeline.from_pretrained(folders["wan"])
+    plain.set_progress_bar_config(disable=True)
+    double_output_projection(plain.transformer)
+    expected = run(plain, FAMILIES["wan"])
+
+    pipe = load(folders["wan"], policy="release")
+    pipe.ondeck.add_transform("transformer", double_output_projection)
+    first, second = run(pipe, FAMILIES["wan"]), run(pipe, FAMILIES["wan"])
+
+    assert np.array_equal(first, expected)
+    assert np.array_equal(second, expected)
+    assert pipe.transformer.load_count == 2
+
+
+@pytest.fixture(scope="module")
+def wan_lora(folders, tmp_path_factory):
+    pytest.importorskip("peft")
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = WanTransformer3DModel.from_pretrained(folders["wan"] / "transformer")
+    torch.manual_seed(5)
+    transformer.add_adapter(
+        LoraConfig(
+            r=4,
+            lora_alpha=4,
+            target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+            init_lora_weights=False,
+        )
+    )
+    path = tmp_path_factory.mktemp("lora")
+    WanPipeline.save_lora_weights(
+        path, transformer_lora_layers=get_peft_model_state_dict(transformer)
+    )
+    return path
+
+
+def test_lora_loaded_through_the_pipeline_survives_release(folders, references, wan_lora):
+    from diffusers import WanPipeline
+
+    plain = WanPipeline.from_pretrained(folders["wan"])
+    plain.set_progress_bar_config(disable=True)
+    plain.load_lora_weights(wan_lora, adapter_name="style")
+    expected = run(plain, FAMILIES["wan"])
+    assert not np.array_equal(expected, references["wan"][0]), "the LoRA changes the output"
+
+    pipe = load(folders["wan"], policy="release")
+    pipe.load_lora_weights(wan_lora, adapter_name="style")
+    assert loads(pipe)["transformer"] == 0, "loading a LoRA loads nothing"
+
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert pipe.transformer.load_count == 2
+
+
+def test_adapter_weights_set_through_the_pipeline_survive_release(folders, wan_lora):
+    from diffusers import WanPipeline
+
+    plain = WanPipeline.from_pretrained(folders["wan"])
+    plain.set_progress_bar_config(disable=True)
+    plain.load_lora_weights(wan_lora, adapter_name="style")
+    plain.set_adapters(["style"], [0.5])
+    expected = run(plain, FAMILIES["wan"])
+
+    pipe = load(folders["wan"], policy="release")
+    pipe.load_lora_weights(wan_lora, adapter_name="style")
+    pipe.set_adapters(["style"], [0.5])
+    pipe.ondeck.release_all()
+
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+
+
+def test_settings_made_through_a_component_survive_release_without_loading(folders):
+    pipe = load(folders["wan"], policy="release")
+    pipe.vae.enable_slicing()
+    pipe.vae.use_tiling = True
+    pipe.transformer.eval()
+    assert set(loads(pipe).values()) == {0}
+
+    run(pipe, FAMILIES["wan"], height=16, width=16)
+    assert not ondeck.is_loaded(pipe.vae)
+    assert pipe.vae.use_slicing is True
+    assert pipe.vae.use_tiling is True
+
+
+def test_a_budget_below_the_sum_evicts_prefetches_and_matches(folders, references):
+    sizes = ondeck.plan(folders["wan"], policy="release").component_bytes
+    budget = sum(sizes.values()) - min(sizes.values())
+    pipe = load(folders["wan"], policy="budget", budget=budget)
+
+    for expected in references["wan"]:
+        assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    tracker = pipe.ondeck.tracker
+    assert tracker.peak_resident_bytes <= budget
+    assert any(e.kind == "release" for e in tracker.events), "something had to go"
+    assert pipe.ondeck.plan().peak_bytes <= budget
+
+
+def test_encoders_used_again_stay_until_their_last_use(folders, references):
+    """SD3 encodes the prompt and then the negative prompt with all three encoders."""
+    pipe = load(folders["sd3"], policy="release")
+    run(pipe, FAMILIES["sd3"])
+    after_first = loads(pipe)
+    second = run(pipe, FAMILIES["sd3"])
+
+    assert np.array_equal(second, references["sd3"][1])
+    assert {
+        name: count - after_first[name] for name, count in loads(pipe).items()
+    } == dict.fromkeys(pipe.ondeck.deferred, 1), (
+        "after the first call, each component loads once per call"
+    )
+    released_after_encoding = set(pipe.ondeck.schedule["text_encoder_3"])
+    assert released_after_encoding == {"text_encoder", "text_encoder_2", "text_encoder_3"}
+
+
+def test_plan_report_and_policy_reason(folders):
+    pipe = load(folders["wan"], policy="release")
+    plan = pipe.ondeck.plan()
+    run(pipe, FAMILIES["wan"])
+    report = pipe.ondeck.report()
+
+    assert [stage for stage, _, _ in plan.stages] == ["text_encoder", "transformer", "vae"]
+    assert plan.peak_bytes == max(plan.component_bytes.values())
+    assert report["pipeline"] == "WanPipeline"
+    assert report["peak_resident_bytes"] == plan.peak_bytes
+    assert pipe.ondeck.policy.name == "release"
+    assert "release" in pipe.ondeck.policy.reason
+    assert pipe.ondeck.plan(budget="1GiB").policy == "budget"
+
+
+def test_auto_chooses_a_policy_and_says_why(folders):
+    pipe = load(folders["wan"])
+
+    assert pipe.ondeck.policy.name in ("budget", "release")
+    assert pipe.ondeck.policy.reason.startswith("auto chose")
+
+
+def test_generate_seeds_on_the_cpu_and_returns_frames(folders, references):
+    pipe = load(folders["wan"], policy="release")
+    call = FAMILIES["wan"].call
+    frames = pipe.ondeck.generate(
+        call["prompt"],
+        height=call["height"],
+        width=call["width"],
+        num_frames=call["num_frames"],
+        num_inference_steps=call["num_inference_steps"],
+        guidance_scale=call["guidance_scale"],
+        negative_prompt=call["negative_prompt"],
+        seed=0,
+        max_sequence_length=call["max_sequence_length"],
+    )
+    assert np.array_equal(frames, references["wan"][0])
+
+
+def test_generate_returns_images_as_one_frame_videos(folders, references):
+    pipe = load(folders["flux"], policy="release")
+    call = FAMILIES["flux"].call
+    frames = pipe.ondeck.generate(
+        call["prompt"],
+        height=call["height"],
+        width=call["width"],
+        num_frames=33,
+        num_inference_steps=call["num_inference_steps"],
+        guidance_scale=call["guidance_scale"],
+        seed=0,
+        max_sequence_length=call["max_sequence_length"],
+        negative_prompt="",
+    )
+    assert np.array_equal(frames, references["flux"][0][:, None])
+
+
+def test_progress_advances_once_per_step(folders):
+    class Bar:
+        count = 0
+
+        def update(self, n):
+            self.count += n
+
+    pipe = load(folders["wan"], policy="release")
+    bar = Bar()
+    pipe.ondeck.generate(
+        "a fox", height=16, width=16, num_frames=5, num_inference_steps=3, seed=0, progress=bar
+    )
+    assert bar.count == 3
+
+
+def test_folders_of_other_families_plan_and_generate_through_the_integration(folders):
+    from ondeck.integrations.diffusers import DiffusersRuntime
+    from ondeck.pipelines import pipeline_for_folder
+
+    runtime = pipeline_for_folder(folders["ltx"], policy="release")
+    plan = ondeck.plan(folders["ltx"], policy="release")
+
+    assert isinstance(runtime, DiffusersRuntime)
+    assert [stage for stage, _, _ in plan.stages] == ["text_encoder", "transformer", "vae"]
+    assert set(loads(runtime.pipe).values()) == {0}, (
+        "the VAE's compression ratio came from its config"
+    )
+    frames = runtime.generate(
+        "a fox", height=32, width=32, num_frames=9, num_inference_steps=1, seed=0
+    )
+    assert frames.shape == (1, 9, 32, 32, 3)
+
+
+def test_pipe_to_redirects_future_loads_without_loading(folders):
+    pipe = load(folders["wan"], policy="release")
+    pipe.to("cpu")
+    pipe.to(torch.bfloat16)
+
+    assert set(loads(pipe).values()) == {0}
+    assert pipe.transformer.dtype == torch.bfloat16
+    assert pipe.transformer.materialize().proj_out.weight.dtype == torch.bfloat16
+
+
+def test_a_failed_call_releases_everything_and_the_next_call_works(folders, references):
+    def fail(pipe, step, timestep, tensors):
+        raise RuntimeError("stop")
+
+    pipe = load(folders["wan"], policy="budget")
+    with pytest.raises(RuntimeError, match="stop"):
+        run(pipe, FAMILIES["wan"], callback_on_step_end=fail)
+
+    assert resident(pipe) == set()
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), references["wan"][0])
+
+
+def test_offload_hooks_are_refused_with_a_reason(folders):
+    pipe = load(folders["wan"], policy="release")
+    with pytest.raises(OndeckError, match="policy"):
+        pipe.enable_model_cpu_offload()
+
+
+def test_importing_ondeck_does_not_import_diffusers():
+    code = "import sys, ondeck; assert 'diffusers' not in sys.modules, 'diffusers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
