@@ -589,6 +589,18 @@ class DiffusersRuntime(Pipeline):
         except Exception as error:
             warnings.warn(f"waiting for a prefetch failed: {error!r}", stacklevel=2)
 
+    def swap(self, name: str, value: Any) -> None:
+        """``pipe.<name> = value`` after loading: the old proxy is released and the new
+        value takes its turn; a module given ready-made is no longer deferred."""
+        if self.components.get(name) is value:
+            return
+        if self._running_thread is not None:
+            raise OndeckError(f"component '{name}' cannot be replaced while a call runs")
+        self.cancel_prefetch_quietly()
+        self.components[name] = value
+        if issubclass(type(value), PipelineComponent):
+            object.__setattr__(value, "_ondeck_runtime", self)
+
     # -- transforms ---------------------------------------------------------------------
 
     def add_transform(self, name: str, fn: Callable[[Any], Any]) -> None:
@@ -719,6 +731,9 @@ def _build_pipeline_class(cls: type) -> type:
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         base_setattr(self, name, value)
+        runtime = _runtime(self)
+        if runtime is not None and name in runtime.components:
+            runtime.swap(name, value)
         if not is_lazy(value):
             return
         # diffusers records (library, class) from value.__module__, which for a proxy

@@ -354,3 +354,56 @@ def test_offload_hooks_are_refused_with_a_reason(folders):
 def test_importing_ondeck_does_not_import_diffusers():
     code = "import sys, ondeck; assert 'diffusers' not in sys.modules, 'diffusers imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_replacing_a_component_stops_deferring_it(folders, references):
+    from diffusers import AutoencoderKLWan
+
+    pipe = load(folders["wan"], policy="release")
+    vae = AutoencoderKLWan.from_pretrained(folders["wan"] / "vae")
+    pipe.vae = vae
+
+    assert "vae" not in pipe.ondeck.deferred
+    assert tuple(pipe.config["vae"]) == ("diffusers", "AutoencoderKLWan")
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), references["wan"][0])
+    assert pipe.vae is vae
+
+
+def test_released_modules_leave_no_reference_behind(folders, wan_lora):
+    import gc
+    import weakref
+
+    pipe = load(folders["wan"], policy="release")
+    pipe.load_lora_weights(wan_lora, adapter_name="style")
+    pipe.vae.enable_slicing()
+    seen = []
+
+    def capture(pipeline, step, timestep, tensors):
+        seen.append(weakref.ref(pipeline.transformer.materialize()))
+        return {}
+
+    run(pipe, FAMILIES["wan"], callback_on_step_end=capture)
+    seen.append(weakref.ref(pipe.vae.materialize()))
+    pipe.ondeck.release_all()
+    gc.collect()
+
+    assert seen and all(ref() is None for ref in seen)
+
+
+def test_compile_survives_release(folders, references):
+    pipe = load(folders["wan"], policy="release")
+    pipe.transformer.compile(backend="eager")
+    assert pipe.transformer.load_count == 0, "recorded, not applied to a loaded module"
+
+    for expected in references["wan"]:
+        assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert pipe.transformer.materialize()._compiled_call_impl is not None
+    assert pipe.transformer.load_count == 3
+
+
+def test_a_budget_too_small_for_one_component_fails_before_loading(folders):
+    pipe = load(folders["wan"], policy="budget", budget=1000)
+
+    with pytest.raises(ondeck.BudgetError):
+        run(pipe, FAMILIES["wan"])
+    assert set(loads(pipe).values()) == {0}
