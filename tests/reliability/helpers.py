@@ -1,0 +1,295 @@
+"""Damage, fault injection and memory measurement shared by the reliability tests."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import gc
+import json
+import os
+import struct
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from safetensors.torch import load_file, save_file
+
+import ondeck
+from ondeck.lazy import module_nbytes
+from ondeck.loading import ComponentLoader, ModelFolder
+from ondeck.loading import components as components_module
+from ondeck.pipelines.wan import WanTextToVideo
+
+MiB = 2**20
+# Captured before any test wraps ``_allocate``: faults recognise the loader's own calls.
+_ALLOCATE_CODE = components_module._allocate.__code__
+# Small enough that a run takes a fraction of a second even on the default preset.
+SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=2)
+PROMPT = "a fox in the snow"
+MODELS = ("text_encoder", "transformer", "vae")
+
+
+def wan(folder: Path, policy: str = "release", **options: Any) -> WanTextToVideo:
+    return WanTextToVideo.from_folder(
+        folder, policy=policy, dtype=torch.float32, device="cpu", progress=False, **options
+    )
+
+
+def generate(pipe: WanTextToVideo, prompt: str = PROMPT, seed: int = 0):
+    return pipe.generate(prompt, negative_prompt="blurry", seed=seed, **SHAPE)
+
+
+# -- memory ------------------------------------------------------------------------------
+
+_libc = None
+
+
+def malloc_trim() -> None:
+    """Ask glibc to hand freed heap pages back to the OS.
+
+    Without it, RSS keeps memory glibc has freed but holds in its arenas (small and
+    mid-sized blocks below the mmap threshold), and readings drift by megabytes.
+    """
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name) if name else False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
+def settled_rss() -> int:
+    """Process resident set size after a full collection and a heap trim (bytes)."""
+    gc.collect()
+    malloc_trim()
+    return psutil.Process().memory_info().rss
+
+
+class Watcher:
+    """Weak references to every module skeleton and weight tensor the loader builds.
+
+    After a failed load every one of them must be dead once ``gc.collect()`` ran, even
+    while the caller still holds the error and its traceback.
+    """
+
+    def __init__(self, monkeypatch) -> None:
+        self.refs: list[tuple[str, weakref.ref]] = []
+        real_skeleton = ModelFolder.skeleton
+        real_allocate = components_module._allocate
+        watcher = self
+
+        def skeleton(folder, name, dtype=None):
+            built = real_skeleton(folder, name, dtype)
+            watcher.refs.append((f"{name} module", weakref.ref(built.module)))
+            return built
+
+        def allocate(skeleton, sources, device, allocated):
+            try:
+                return real_allocate(skeleton, sources, device, allocated)
+            finally:
+                watcher.refs.extend(("weight tensor", weakref.ref(t)) for t in allocated)
+
+        monkeypatch.setattr(ModelFolder, "skeleton", skeleton)
+        monkeypatch.setattr(components_module, "_allocate", allocate)
+
+    def alive(self) -> list[str]:
+        """Modules still alive, and weight tensors still holding bytes of memory."""
+        gc.collect()
+        found = []
+        for what, ref in self.refs:
+            value = ref()
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() == 0:
+                continue  # an empty husk: its memory is back
+            found.append(what)
+        return found
+
+    def alive_objects(self) -> list[str]:
+        """Every module or tensor object still alive, empty or not."""
+        gc.collect()
+        return [what for what, ref in self.refs if ref() is not None]
+
+    def built_modules(self) -> int:
+        return sum(1 for what, _ in self.refs if what.endswith("module"))
+
+
+class LoaderCalls:
+    """Counts ComponentLoader calls per component name."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: dict[str, int] = {}
+        real_call = ComponentLoader.__call__
+        counts = self.calls
+
+        def call(loader):
+            counts[loader.name] = counts.get(loader.name, 0) + 1
+            return real_call(loader)
+
+        monkeypatch.setattr(ComponentLoader, "__call__", call)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def loaded_names(pipe: ondeck.Pipeline) -> set[str]:
+    return {name for name, proxy in pipe.deferred.items() if ondeck.is_loaded(proxy)}
+
+
+def assert_tracker_agrees(pipe: ondeck.Pipeline) -> None:
+    """The tracker's resident map names exactly what is loaded, with its measured bytes."""
+    assert set(pipe.tracker.resident) == loaded_names(pipe)
+    for name in loaded_names(pipe):
+        module = pipe.deferred[name].materialize()
+        assert pipe.tracker.resident[name] == module_nbytes(module)
+
+
+def assert_nothing_resident(pipe: ondeck.Pipeline) -> None:
+    assert loaded_names(pipe) == set()
+    assert pipe.tracker.resident == {}
+
+
+# -- damage ------------------------------------------------------------------------------
+
+
+def weights_file(component_dir: Path) -> Path:
+    return next(component_dir.glob("*.safetensors"))
+
+
+def read_raw_header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write_raw_header(path: Path, document: dict, data: bytes) -> None:
+    text = json.dumps(document).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def edit_header(component_dir: Path, edit: Callable[[dict], None]) -> Path:
+    """Let ``edit`` change a component's parsed header in place; the data stays as it was."""
+    path = weights_file(component_dir)
+    document, data = read_raw_header(path)
+    edit(document)
+    write_raw_header(path, document, data)
+    return path
+
+
+def tensor_entries(document: dict) -> list[tuple[str, dict]]:
+    """A header's tensor entries in file order."""
+    entries = [(k, v) for k, v in document.items() if k != "__metadata__"]
+    return sorted(entries, key=lambda item: item[1]["data_offsets"][0])
+
+
+def rewrite_weights(component_dir: Path, edit: Callable[[dict], None]) -> Path:
+    path = weights_file(component_dir)
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def shard(component_dir: Path, parts: int = 2) -> list[Path]:
+    """Split a component's weight file into shards plus an index, as save_pretrained does."""
+    path = weights_file(component_dir)
+    stem = path.name.removesuffix(".safetensors")
+    tensors = load_file(str(path))
+    names = sorted(tensors)
+    weight_map, files = {}, []
+    for part in range(parts):
+        filename = f"{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {name: tensors[name] for name in names[part::parts]}
+        save_file(chunk, str(component_dir / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, filename))
+        files.append(component_dir / filename)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (component_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index))
+    path.unlink()
+    return files
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+
+
+# -- faults ------------------------------------------------------------------------------
+
+
+def fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+class ReadFault:
+    """Makes ``os.preadv`` act out ``action`` when the reader reaches one chosen tensor.
+
+    ``action`` is called with no argument in the reading thread; it may raise (an I/O
+    error) or do something else (send a signal) and return, the read then proceeding.
+    """
+
+    def __init__(self, monkeypatch, path: str, start: int, end: int, action: Callable) -> None:
+        self.fired = 0
+        real_preadv = os.preadv
+        fault = self
+
+        def preadv(fd, buffers, offset, *args):
+            if start <= offset < end and fd_path(fd) == path and not fault.fired:
+                fault.fired += 1
+                action()
+            return real_preadv(fd, buffers, offset, *args)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+
+def io_error() -> None:
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+class AllocationFault:
+    """Makes the loader's ``at``-th ``torch.empty`` for a weight of ``component`` raise.
+
+    Only calls made by the loader's allocation step count, so everything else that
+    allocates (the model's forward, the reader's buffers) runs as usual.
+    """
+
+    def __init__(
+        self, monkeypatch, at: int, error: BaseException, *, component: str | None = None
+    ) -> None:
+        self.calls = 0
+        self.fired = 0
+        real_empty = torch.empty
+        real_call = ComponentLoader.__call__
+        code = _ALLOCATE_CODE
+        fault = self
+        # Which component is loading, per thread. Never read frame locals to find out:
+        # that snapshots them into a dict which outlives the frame's own clean-up.
+        current = threading.local()
+
+        def call(loader):
+            current.name = loader.name
+            try:
+                return real_call(loader)
+            finally:
+                current.name = None
+
+        def empty(*args, **kwargs):
+            loading = getattr(current, "name", None)
+            if sys._getframe(1).f_code is code and component in (None, loading):
+                fault.calls += 1
+                if fault.calls == at and not fault.fired:
+                    fault.fired += 1
+                    raise error
+            return real_empty(*args, **kwargs)
+
+        monkeypatch.setattr(ComponentLoader, "__call__", call)
+        monkeypatch.setattr(torch, "empty", empty)

@@ -1,0 +1,245 @@
+"""Faults in the middle of a load: I/O errors, allocator failures, interrupts.
+
+After each one nothing is half-resident (the proxy unloaded, the tracker empty for it,
+no skeleton or weight memory alive), the tracker agrees with what is loaded, and the
+next run succeeds with the frames of an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ondeck
+from ondeck.loading import ModelFolder
+
+from .helpers import (
+    MODELS,
+    AllocationFault,
+    MiB,
+    ReadFault,
+    Watcher,
+    assert_nothing_resident,
+    assert_tracker_agrees,
+    generate,
+    io_error,
+    settled_rss,
+    wan,
+)
+
+SEEDS = (0, 1)
+
+
+def random_tensor(folder, component: str, seed: int):
+    """A tensor with data, picked at random from the component's files."""
+    tensors = ModelFolder.open(folder).tensors(component)
+    names = sorted(name for name, info in tensors.items() if info.nbytes)
+    return tensors[random.Random(f"{component}-{seed}").choice(names)]
+
+
+def slot_count(folder, component: str) -> int:
+    return len(ModelFolder.open(folder).skeleton(component, torch.float32).slots)
+
+
+def assert_clean_after_fault(pipe, watcher) -> None:
+    assert_nothing_resident(pipe)
+    assert_tracker_agrees(pipe)
+    assert watcher.alive() == []
+
+
+def assert_next_run_is_clean(pipe, frames) -> None:
+    assert np.array_equal(generate(pipe), frames)
+    assert_tracker_agrees(pipe)
+    assert_nothing_resident(pipe)
+
+
+def runtime_error() -> None:
+    raise RuntimeError("reader bug")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("component", MODELS)
+@pytest.mark.parametrize("fault", [io_error, runtime_error], ids=["eio", "bug"])
+def test_read_failure_at_a_random_tensor_leaves_nothing_resident(
+    tiny_template, clean_frames, monkeypatch, component, seed, fault
+):
+    info = random_tensor(tiny_template, component, seed)
+    pipe = wan(tiny_template)
+    watcher = Watcher(monkeypatch)
+    injected = ReadFault(monkeypatch, info.path, info.start, info.end, fault)
+    with pytest.raises(ondeck.LoadError) as excinfo:
+        generate(pipe)
+    assert injected.fired == 1
+    message = str(excinfo.value)
+    assert f"component '{component}'" in message
+    if fault is io_error:
+        assert info.path in message and f"tensor '{info.name}'" in message
+        assert "Input/output error" in message
+    else:  # an unexpected exception is wrapped, named, and chained as it was
+        assert "RuntimeError: reader bug" in message
+        assert isinstance(excinfo.value.__cause__, RuntimeError)
+    assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("component", MODELS)
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()],
+    ids=["torch-oom", "memory-error"],
+)
+def test_allocator_failure_at_a_random_tensor_leaves_nothing_resident(
+    tiny_template, clean_frames, monkeypatch, component, seed, error
+):
+    at = random.Random(f"{component}-{seed}").randint(1, slot_count(tiny_template, component))
+    pipe = wan(tiny_template)
+    watcher = Watcher(monkeypatch)
+    # Other components allocate too; fail only inside this one's load.
+    fault = AllocationFault(monkeypatch, at, error, component=component)
+    with pytest.raises(ondeck.LoadError) as excinfo:
+        generate(pipe)
+    assert fault.fired == 1
+    assert f"component '{component}'" in str(excinfo.value)
+    assert excinfo.value.__cause__ is error
+    assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+@pytest.mark.parametrize("component", MODELS)
+def test_interrupt_during_allocation_leaves_nothing_resident(
+    tiny_template, clean_frames, monkeypatch, component
+):
+    at = random.Random(component).randint(1, slot_count(tiny_template, component))
+    pipe = wan(tiny_template)
+    watcher = Watcher(monkeypatch)
+    AllocationFault(monkeypatch, at, KeyboardInterrupt(), component=component)
+    with pytest.raises(KeyboardInterrupt):
+        generate(pipe)
+    assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+def interrupt_main_thread() -> None:
+    """What Ctrl-C does: SIGINT to the process, handled by the main thread.
+
+    The reading thread then holds on a moment, so the main thread is still waiting for
+    this read when the signal lands.
+    """
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize("component", MODELS)
+def test_ctrl_c_while_reading_leaves_nothing_resident(
+    tiny_template, clean_frames, monkeypatch, component
+):
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    info = random_tensor(tiny_template, component, seed=0)
+    pipe = wan(tiny_template)
+    watcher = Watcher(monkeypatch)
+    fault = ReadFault(monkeypatch, info.path, info.start, info.end, interrupt_main_thread)
+    with pytest.raises(KeyboardInterrupt):
+        generate(pipe)
+    assert fault.fired == 1
+    assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+def test_interrupt_between_load_and_bookkeeping_keeps_the_tracker_honest(
+    tiny_template, clean_frames, monkeypatch
+):
+    """The module is built and handed over, then the interrupt lands before it is recorded."""
+    pipe = wan(tiny_template)
+    watcher = Watcher(monkeypatch)
+    real_loaded = pipe.tracker.loaded
+
+    def loaded(name, *args, **kwargs):
+        if name == "transformer":
+            raise KeyboardInterrupt
+        return real_loaded(name, *args, **kwargs)
+
+    monkeypatch.setattr(pipe.tracker, "loaded", loaded)
+    with pytest.raises(KeyboardInterrupt):
+        generate(pipe)
+    monkeypatch.setattr(pipe.tracker, "loaded", real_loaded)
+    assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+def test_failed_prefetch_is_retried_by_its_stage(tiny_template, clean_frames, monkeypatch):
+    """Under ``budget`` the transformer loads on the prefetch thread during the encoder's
+    stage; an allocator failure there is reported as a warning and the stage loads it."""
+    pipe = wan(tiny_template, "budget", budget="1GiB")
+    fault = AllocationFault(
+        monkeypatch, 1, torch.OutOfMemoryError("out of memory"), component="transformer"
+    )
+    with pytest.warns(UserWarning, match="prefetching 'transformer' failed"):
+        frames = generate(pipe)
+    assert fault.fired == 1
+    assert np.array_equal(frames, clean_frames)
+    assert pipe.components["transformer"].load_count == 1
+    assert_tracker_agrees(pipe)
+
+
+def test_out_of_memory_in_a_stage_under_budget_evicts_and_retries(
+    tiny_template, clean_frames, monkeypatch
+):
+    """Out of memory inside the denoiser frees what that stage does not hold (the text
+    encoder) and runs the stage once more; the run then gives the usual frames."""
+    from diffusers import WanTransformer3DModel
+
+    pipe = wan(tiny_template, "budget", budget="1GiB", prefetch=False)
+    real_forward = WanTransformer3DModel.forward
+    raised = []
+
+    def forward(self, *args, **kwargs):
+        if not raised:
+            raised.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanTransformer3DModel, "forward", forward)
+    frames = generate(pipe)
+    assert raised
+    assert np.array_equal(frames, clean_frames)
+    assert not ondeck.is_loaded(pipe.components["text_encoder"])
+    assert ondeck.is_loaded(pipe.components["transformer"])
+    assert_tracker_agrees(pipe)
+
+
+# -- large components: the resident set must come back too ------------------------------
+
+
+def late_tensor(folder, component: str):
+    """The tensor whose data ends last in the file: most of the file is read before it."""
+    tensors = ModelFolder.open(folder).tensors(component)
+    return max(tensors.values(), key=lambda info: info.end)
+
+
+@pytest.mark.parametrize("fault", [io_error, interrupt_main_thread], ids=["eio", "ctrl-c"])
+def test_fault_late_in_a_large_load_gives_the_memory_back(
+    default_template, clean_default_frames, monkeypatch, fault
+):
+    pipe = wan(default_template)
+    component_bytes = pipe.component_bytes()["transformer"]
+    generate(pipe)
+    watcher = Watcher(monkeypatch)
+    info = late_tensor(default_template, "transformer")
+    before = settled_rss()
+    for _ in range(2):
+        ReadFault(monkeypatch, info.path, info.start, info.end, fault)
+        with pytest.raises((ondeck.LoadError, KeyboardInterrupt)):
+            generate(pipe)
+        assert_clean_after_fault(pipe, watcher)
+    grown = settled_rss() - before
+    assert component_bytes > 100 * MiB
+    assert grown < 16 * MiB, f"resident set grew {grown / MiB:.1f} MiB"
+    monkeypatch.undo()
+    assert_next_run_is_clean(pipe, clean_default_frames)
