@@ -184,8 +184,8 @@ class PipelineComponent(LazyModule):
                 return self._deferred_replay(attribute)
             stand_in = object.__getattribute__(self, "_ondeck_stand_in")
             if stand_in is not None:
-                value = getattr(stand_in(), attribute, None)
-                if value is not None and _is_plain(value):
+                value = stand_in.plain_attribute(attribute)
+                if value is not None:
                     return value
         return LazyModule.__getattr__(self, attribute)
 
@@ -1033,12 +1033,18 @@ class _ConfigShape:
     def __init__(self, proxy: PipelineComponent):
         self.proxy = proxy
         self.module: Any = None
+        self.failed = False
 
-    def __call__(self) -> Any:
-        if self.module is None:
+    def plain_attribute(self, attribute: str) -> Any:
+        """The attribute's value when it is a plain value (a number, a flag), else None."""
+        if self.module is None and not self.failed:
             loader = object.__getattribute__(self.proxy, "_ondeck_loader")
-            self.module = loader.folder.skeleton(loader.name, loader.dtype).module
-        return self.module
+            try:
+                self.module = loader.folder.skeleton(loader.name, loader.dtype).module
+            except (LoadError, AttributeError):
+                self.failed = True  # the real component will answer, loaded
+        value = getattr(self.module, attribute, None) if self.module is not None else None
+        return value if _is_plain(value) else None
 
 
 @contextlib.contextmanager

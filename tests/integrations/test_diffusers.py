@@ -215,6 +215,9 @@ def test_a_budget_below_the_sum_evicts_prefetches_and_matches(folders, reference
     assert tracker.peak_resident_bytes <= budget
     assert any(e.kind == "release" for e in tracker.events), "something had to go"
     assert pipe.ondeck.plan().peak_bytes <= budget
+    events = [(e.kind, e.name) for e in tracker.events]
+    last_vae_turn = len(events) - 1 - events[::-1].index(("stage_start", "vae"))
+    assert ("load", "vae") in events[:last_vae_turn][-3:], "prefetched during the transformer"
 
 
 def test_encoders_used_again_stay_until_their_last_use(folders, references):
@@ -247,6 +250,15 @@ def test_plan_report_and_policy_reason(folders):
     assert pipe.ondeck.policy.name == "release"
     assert "release" in pipe.ondeck.policy.reason
     assert pipe.ondeck.plan(budget="1GiB").policy == "budget"
+
+
+def test_eager_loads_everything_up_front_and_matches(folders, references):
+    pipe = load(folders["wan"], policy="eager")
+    assert resident(pipe) == set(pipe.ondeck.deferred)
+
+    for expected in references["wan"]:
+        assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert set(loads(pipe).values()) == {1}
 
 
 def test_auto_chooses_a_policy_and_says_why(folders):
