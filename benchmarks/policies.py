@@ -20,7 +20,7 @@ from wan_suite import run_suite  # noqa: E402
 SIZES = {
     139: ["ondeck-eager", "ondeck-release", "ondeck-budget"],
     48: ["ondeck-release", "ondeck-budget", "ondeck-budget-prefetch"],
-    32: ["ondeck-eager", "ondeck-auto", "ondeck-budget-prefetch"],
+    32: ["ondeck-eager", "ondeck-auto"],
 }
 
 
@@ -28,11 +28,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", default=".bench-data/wan14b")
     parser.add_argument("--only", default="139,48,32")
+    parser.add_argument("--skip", default="", help="comma-separated size:mode pairs to leave out")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     modes = []
     for size in (int(s) for s in args.only.split(",")):
         for mode in SIZES[size]:
+            if f"{size}:{mode}" in args.skip.split(","):
+                continue
             spec = {"mode": mode, "memory_gib": None if size == 139 else size}
             if size == 48 and mode == "ondeck-budget-prefetch":
                 spec["png"] = "timeline-48gib.png"
