@@ -145,6 +145,10 @@ def main() -> None:
                 "frames_mean": float(frames.mean()),
             }
             if hasattr(pipe, "tracker"):
+                # The tracker resets peak statistics per stage and keeps each stage's peak.
+                row["peak_allocated_bytes"] = max(
+                    row["peak_allocated_bytes"], pipe.tracker.run_peak_measured_bytes(run + 1) or 0
+                )
                 row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(run + 1)
                 row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
             result["runs"].append(row)

@@ -119,6 +119,19 @@ def _free_storages(module: Any) -> None:
             storage.resize_(0)
 
 
+def _describe_failure(error: Exception, spec: ComponentSpec) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if "out of memory" not in text.lower():
+        return f"loader failed with {text}"
+    size = f" ({spec.nbytes / 2**30:.2f} GiB)" if spec.nbytes else ""
+    first_line = text.splitlines()[0][:300]
+    return (
+        f"out of memory while loading{size}. The device cannot hold it beside what is "
+        "already resident: use policy='release' or 'auto', or give a budget "
+        f"(`ondeck plan MODEL_DIR --budget ...` shows what fits). Cause: {first_line}"
+    )
+
+
 def _call_with_optional_module(fn: Callable, module: Any) -> Any:
     """Call a user callback with the module when it takes an argument, else with none."""
     try:
@@ -268,8 +281,7 @@ class LazyModule:
             raise
         except Exception as error:
             raise LoadError(
-                f"component '{name}': loader failed with {type(error).__name__}: {error}",
-                component=name,
+                f"component '{name}': {_describe_failure(error, self.spec)}", component=name
             ) from error
         if module is None:
             raise LoadError(f"component '{name}': loader returned None", component=name)

@@ -183,6 +183,7 @@ class MemoryTracker:
     peak_resident_bytes: int = 0
     bytes_loaded: int = 0
     runs: int = 0
+    peak_measured_bytes: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -190,6 +191,8 @@ class MemoryTracker:
         self._stage_started: float | None = None
         self._exposed: float = 0.0
         self._stage_resident_at_start = 0
+        self._compute_resident = 0
+        self._peak_before_compute: int | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -219,6 +222,7 @@ class MemoryTracker:
             self.resident[name] = nbytes
             self.bytes_loaded += nbytes
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            self._compute_resident = max(self._compute_resident, self.resident_bytes)
             if exposed and self._stage_started is not None:
                 self._exposed += seconds
             self._record("load", name, nbytes, seconds)
@@ -237,28 +241,46 @@ class MemoryTracker:
     def run_started(self) -> None:
         self.runs += 1
 
-    def stage_started(self, stage: str) -> None:
+    def _device_peak(self) -> int | None:
         import torch
 
+        if str(self.device).startswith("cuda"):
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    def stage_started(self, stage: str) -> None:
+        """A stage begins: the policy may now load or evict before it computes."""
         with self._lock:
-            if str(self.device).startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats(self.device)
             self._stage_started = time.perf_counter()
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
             self._record("stage_start", stage, 0)
 
-    def stage_finished(self, stage: str) -> StageRecord:
+    def compute_started(self) -> None:
+        """The stage's own work begins; device peaks from here on are its activations.
+
+        Resets the device's peak statistics, after keeping the peak reached since the
+        last reset, so nothing between two stages goes unmeasured.
+        """
         import torch
 
         with self._lock:
-            started = self._stage_started or time.perf_counter()
-            peak = None
+            self._peak_before_compute = self._device_peak()
             if str(self.device).startswith("cuda"):
-                peak = int(torch.cuda.max_memory_allocated(self.device))
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._compute_resident = self.resident_bytes
+
+    def stage_finished(self, stage: str) -> StageRecord:
+        with self._lock:
+            started = self._stage_started or time.perf_counter()
+            compute_peak = self._device_peak()
             activation = None
-            if peak is not None:
-                activation = max(0, peak - self.resident_bytes)
+            peak = compute_peak
+            if compute_peak is not None:
+                # Weights resident at any point of the stage are not activations.
+                activation = max(0, compute_peak - self._compute_resident)
+                peak = max(compute_peak, self._peak_before_compute or 0)
+                self.peak_measured_bytes = max(self.peak_measured_bytes, peak)
             record = StageRecord(
                 run=self.runs,
                 stage=stage,
@@ -270,8 +292,15 @@ class MemoryTracker:
             )
             self.stages.append(record)
             self._stage_started = None
+            self._peak_before_compute = None
             self._record("stage_end", stage, 0)
             return record
+
+    def run_peak_measured_bytes(self, run: int) -> int | None:
+        """Peak device bytes allocated during ``run`` (CUDA only)."""
+        peaks = [s.peak_measured_bytes for s in self.stages if s.run == run]
+        peaks = [p for p in peaks if p is not None]
+        return max(peaks) if peaks else None
 
     def exposed_load_seconds(self, run: int | None = None) -> float:
         return sum(s.exposed_load_seconds for s in self.stages if run is None or s.run == run)

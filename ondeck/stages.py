@@ -313,6 +313,7 @@ class Pipeline:
         failed = True
         try:
             self.policy.before_stage(index, state)
+            self.tracker.compute_started()
             for proxy in held:
                 proxy._pin()
             try:

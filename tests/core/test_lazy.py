@@ -237,3 +237,12 @@ def test_hook_probes_do_not_load():
     proxy, loader = lazy_linear()
     assert not hasattr(proxy, "_hf_hook")
     assert loader.calls == 0
+
+
+def test_out_of_memory_while_loading_says_what_to_do():
+    def too_big():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 136.00 MiB.")
+
+    proxy = ondeck.LazyModule("transformer", too_big, spec=ondeck.ComponentSpec(nbytes=2**30))
+    with pytest.raises(ondeck.LoadError, match="out of memory while loading.*policy='release'"):
+        proxy.materialize()
