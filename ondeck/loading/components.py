@@ -68,13 +68,23 @@ class ComponentLoader:
     def __call__(self) -> torch.nn.Module:
         started = time.perf_counter()
         tensors = self.folder.tensors(self.name)
-        skeleton = self.folder.skeleton(self.name, self.dtype)
+        template = self.folder.template(self.name, self.dtype)
         allocated: list[torch.Tensor] = []
+        built: dict[str, torch.nn.Module] = {}
+
+        def build() -> None:
+            # Copying the skeleton is CPU work: from the host cache it overlaps the copies.
+            skeleton = template.fresh()
+            _install(skeleton, sources, values, self.device, allocated)
+            built["module"] = skeleton.module
+
         try:
-            sources = _match(skeleton, tensors, self.name)
-            jobs = _allocate(skeleton, sources, self.device, allocated)
-            self._fill(jobs, tensors)
-            module = skeleton.module
+            sources = _match(template, tensors, self.name)
+            jobs, values = _allocate(sources, self.device, allocated)
+            self._fill(jobs, tensors, while_copying=build)
+            if "module" not in built:
+                build()
+            module = built.pop("module")
             _finish(module, self.name)
         except BaseException as error:
             # Give the memory back now, and drop the half-built module: the traceback's
@@ -82,13 +92,16 @@ class ComponentLoader:
             for tensor in allocated:
                 _free(tensor)
             allocated.clear()
-            skeleton = module = jobs = None  # noqa: F841
+            built.clear()
+            module = jobs = values = None  # noqa: F841
             traceback.clear_frames(error.__traceback__)
             raise
         self.last_load_seconds = time.perf_counter() - started
         return module
 
-    def _fill(self, jobs: list[reader.ReadJob], tensors: dict[str, TensorInfo]) -> None:
+    def _fill(
+        self, jobs: list[reader.ReadJob], tensors: dict[str, TensorInfo], *, while_copying=None
+    ) -> None:
         cache, key = self.host_cache, None
         if cache is not None:
             key = _cache_key(self.folder, self.name, tensors)
@@ -98,6 +111,7 @@ class ComponentLoader:
                     [(job.info, raw[job.info.name], job.destination) for job in jobs],
                     progress=self.progress,
                     component=self.name,
+                    while_copying=while_copying,
                 )
                 self._record(stats)
                 return
@@ -205,10 +219,10 @@ def _find_key(names: list[str], tensors: dict[str, TensorInfo], prefix: str) -> 
     return None
 
 
-def _allocate(skeleton: Skeleton, sources, device: torch.device, allocated: list) -> list:
-    """Put a real, empty tensor in every slot of the module, on the device, in its dtype."""
-    module = skeleton.module
+def _allocate(sources, device: torch.device, allocated: list) -> tuple[list, list]:
+    """A real, empty tensor on the device, in its final dtype, for every slot."""
     jobs: list[reader.ReadJob] = []
+    values: list[torch.Tensor] = []
     for slot, info in sources:
         tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         allocated.append(tensor)
@@ -217,9 +231,17 @@ def _allocate(skeleton: Skeleton, sources, device: torch.device, allocated: list
             allocated.append(value)
         else:
             value = tensor
-        for name in slot.names:
-            _install(module, name, value, parameter=slot.is_parameter)
+        values.append(value)
         jobs.append(reader.ReadJob(info, tensor))
+    return jobs, values
+
+
+def _install(skeleton: Skeleton, sources, values, device: torch.device, allocated: list) -> None:
+    """Put the allocated tensors in the skeleton's module, and move the buffers the file lacks."""
+    module = skeleton.module
+    for (slot, _), value in zip(sources, values, strict=True):
+        for name in slot.names:
+            _set_tensor(module, name, value, parameter=slot.is_parameter)
     for names in skeleton.extra_buffers.values():
         # Not in the file: computed by __init__ on the host; moved, compactly, like the rest.
         buffer = _get(module, names[0])
@@ -227,11 +249,12 @@ def _allocate(skeleton: Skeleton, sources, device: torch.device, allocated: list
         allocated.append(moved)
         moved.copy_(buffer)
         for name in names:
-            _install(module, name, moved, parameter=False)
-    return jobs
+            _set_tensor(module, name, moved, parameter=False)
 
 
-def _install(module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool) -> None:
+def _set_tensor(
+    module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool
+) -> None:
     owner_name, _, attribute = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if parameter:

@@ -226,6 +226,10 @@ class ModelFolder:
         """A fresh module for ``name`` on the meta device, with its slots to fill."""
         return self._template(name, self.resolve_dtype(name, dtype)).fresh()
 
+    def template(self, name: str, dtype: torch.dtype | str | None = None):
+        """The shared skeleton for ``name``: read it, never fill it (``.fresh()`` to fill)."""
+        return self._template(name, self.resolve_dtype(name, dtype))
+
     def _template(self, name: str, dtype: torch.dtype):
         # Built once per (component, dtype); loads copy it. Building changes process-wide
         # torch state for a moment, so it should happen when the spec is first asked for

@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -129,8 +129,13 @@ def copy_from_host(
     *,
     progress: bool = True,
     component: str | None = None,
+    while_copying: Callable[[], None] | None = None,
 ) -> ReadStats:
-    """Copy raw file bytes kept in host memory into destinations: ``(info, raw, destination)``."""
+    """Copy raw file bytes kept in host memory into destinations: ``(info, raw, destination)``.
+
+    On CUDA the copies are issued asynchronously; ``while_copying`` runs on this thread
+    once they are all issued, before waiting for them.
+    """
     started = time.perf_counter()
     total = sum(info.nbytes for info, _, _ in pairs)
     bar = _progress_bar(total, progress, component, "host cache")
@@ -148,6 +153,8 @@ def copy_from_host(
                     destination.copy_(source)
             if bar is not None:
                 bar.update(info.nbytes)
+        if while_copying is not None:
+            while_copying()
     finally:
         for stream in streams.values():
             stream.synchronize()

@@ -152,14 +152,15 @@ class Spy:
     def __init__(self, monkeypatch, folder: ModelFolder):
         self.modules: list[weakref.ref] = []
         self.destinations: list[torch.Tensor] = []
-        original = folder.skeleton
+        template = folder.template("transformer")
+        original = type(template).fresh
 
-        def skeleton(*args, **kwargs):
-            built = original(*args, **kwargs)
+        def fresh(skeleton):
+            built = original(skeleton)
             self.modules.append(weakref.ref(built.module))
             return built
 
-        monkeypatch.setattr(folder, "skeleton", skeleton)
+        monkeypatch.setattr(type(template), "fresh", fresh)
 
 
 def fail_reads(monkeypatch, error: BaseException, after: int, spy: Spy | None = None):
@@ -187,9 +188,16 @@ def fail_reads(monkeypatch, error: BaseException, after: int, spy: Spy | None = 
 
 @pytest.mark.parametrize("error", [LoadError("disk vanished"), KeyboardInterrupt(), MemoryError()])
 def test_failed_load_leaves_nothing_referenced(wan_template, monkeypatch, error):
+    from ondeck.loading import components
+
     folder = ModelFolder.open(wan_template)
     spy = Spy(monkeypatch, folder)
-    fail_reads(monkeypatch, error, after=random.Random(0).randrange(1, 20))
+
+    def fail_after_building(module, component):
+        raise error
+
+    # Fail once the module is built and filled: the last moment a load can fail.
+    monkeypatch.setattr(components, "_finish", fail_after_building)
     loader = ComponentLoader(folder, "transformer", threads=2)
     with pytest.raises(type(error)) as caught:
         loader()
