@@ -75,21 +75,20 @@ class Policy:
             return
         previous = self.activation.get(record.stage, 0)
         self.activation[record.stage] = max(previous, record.activation_bytes)
+        self.pipeline.record_activation(record.stage, record.activation_bytes)
 
     def activation_estimate(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
-        """Activation peaks per stage: measured in this process, else from a profile."""
+        """Activation peaks per stage: from the profile of this model and shape when the
+        pipeline knows its shape, else as measured in this process."""
+        stored, note = pipeline.activation_profile()
+        measured = {} if note else self.activation
         estimate: dict[str, int | None] = {}
         for use in pipeline.stage_uses():
-            estimate[use.name] = self.activation.get(use.name)
-        profile = getattr(pipeline, "activation_profile", None)
-        note = ""
-        if profile is not None:
-            stored, note = profile()
-            for stage, nbytes in stored.items():
-                if estimate.get(stage) is None:
-                    estimate[stage] = nbytes
+            estimate[use.name] = stored.get(use.name, measured.get(use.name))
         if all(value is None for value in estimate.values()):
-            note = note or "activations: unknown (no profile yet; run once to measure them)"
+            note = "activations: unknown (no profile yet; run once to measure them)"
+        elif not note:
+            note = "activations: measured in this process"
         return estimate, note
 
 

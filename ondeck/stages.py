@@ -121,6 +121,8 @@ class Pipeline:
     """
 
     lazy_components: tuple[str, ...] = ()
+    # Names the model for activation profiles; pipelines that know their shape set it.
+    profile_model: str | None = None
 
     def __init__(
         self,
@@ -145,6 +147,7 @@ class Pipeline:
         self._extra_stages: list[Stage] = []
         self._current_index: int | None = None
         self._measured_bytes: dict[str, int] = {}
+        self._profile_shape: dict[str, Any] | None = None
         self.components = _Components(self)
         for name, value in components.items():
             self.components[name] = value
@@ -279,7 +282,27 @@ class Pipeline:
             finally:
                 self._running_thread = None
 
+    def profile_shape(self, state: Any) -> dict[str, Any] | None:
+        """The input shape activations depend on (height, width, frames...), if known."""
+        return None
+
+    def activation_profile(self) -> tuple[dict[str, int], str]:
+        """Per-stage activation bytes measured earlier for this model and shape."""
+        if self.profile_model is None or self._profile_shape is None:
+            return {}, ""
+        from .profiles import default_profiles
+
+        return default_profiles().lookup(self.profile_model, self._profile_shape)
+
+    def record_activation(self, stage: str, nbytes: int) -> None:
+        if self.profile_model is None or self._profile_shape is None:
+            return
+        from .profiles import default_profiles
+
+        default_profiles().record(self.profile_model, self._profile_shape, stage, nbytes)
+
     def _run(self, state: Any) -> Any:
+        self._profile_shape = self.profile_shape(state) or self._profile_shape
         self.stage_uses()
         self.tracker.run_started()
         self.policy.before_run()

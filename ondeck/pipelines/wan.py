@@ -269,6 +269,7 @@ class WanTextToVideo(Pipeline):
 
     def __init__(self, components: dict[str, Any], *, identity: str = "wan", **options: Any):
         self.identity = identity
+        self.profile_model = identity
         self.prompt_cache = PromptCache()
         self.model_path: Path | None = options.pop("model_path", None)
         super().__init__(components, **options)
@@ -317,6 +318,23 @@ class WanTextToVideo(Pipeline):
             budget=budget,
             prefetch=prefetch,
         )
+
+    def profile_shape(self, state: dict) -> dict[str, Any]:
+        return {
+            "height": state["height"],
+            "width": state["width"],
+            "frames": state["num_frames"],
+            "guidance": state["guidance_scale"] > 1.0,
+            "device": _device_name(self.device),
+        }
+
+    def set_plan_shape(
+        self, *, height: int | None = None, width: int | None = None, frames: int | None = None
+    ) -> None:
+        """The shape ``plan()`` looks up activation profiles for (defaults: 480x832, 81)."""
+        height, width, frames = self.geometry.snap(height or 480, width or 832, frames or 81)
+        state = {"height": height, "width": width, "num_frames": frames, "guidance_scale": 5.0}
+        self._profile_shape = self.profile_shape(state)
 
     @property
     def geometry(self) -> WanGeometry:
@@ -370,6 +388,12 @@ class WanTextToVideo(Pipeline):
             "progress": progress,
         }
         return self(state)["frames"]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
 def is_wan_folder(model_index: dict) -> bool:

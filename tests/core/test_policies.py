@@ -164,3 +164,32 @@ def test_auto_chooses_budget_when_everything_fits(monkeypatch):
     pipe = ThreeStages(loaders)
     assert pipe.policy.name == "budget"
     assert "fit" in pipe.policy.reason
+
+
+def test_stored_activation_profile_shapes_the_first_run(monkeypatch, tmp_path):
+    from ondeck import profiles
+
+    store = profiles.ActivationProfiles(tmp_path / "profiles.json")
+    monkeypatch.setattr(profiles, "_default", store)
+
+    class Profiled(ThreeStages):
+        profile_model = "three"
+
+        def profile_shape(self, state):
+            return {"width": state["x"].shape[1]}
+
+    store.record("three", {"width": 32}, "Decode", 2 * ONE)
+    pipe = with_sizes(
+        Profiled(
+            {n: CountingLoader(32) for n in ("encoder", "denoiser", "decoder")},
+            policy="budget",
+            budget=3 * ONE,
+            prefetch=False,
+        )
+    )
+    pipe(state())
+    # Decode needs its own component plus two components' worth of activations, so the
+    # other two were evicted before it ran, on the very first run.
+    decode = [e for e in pipe.tracker.events if e.kind == "release"]
+    assert {e.name for e in decode} >= {"encoder", "denoiser"}
+    assert pipe.plan().activation_bytes["Decode"] == 2 * ONE
