@@ -324,39 +324,50 @@ class MemoryTracker:
         return path
 
     def plot(self, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
-        """A PNG of resident component bytes (and measured bytes) over time."""
+        """A PNG: resident bytes per component, stacked, over time, with the stages marked."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        times = [0.0] + [e.seconds for e in self.events]
-        resident = [0] + [e.resident_bytes / 2**30 for e in self.events]
-        measured = [e.measured_bytes for e in self.events]
-        figure, axes = plt.subplots(figsize=(9, 4))
-        axes.step(times, resident, where="post", label="resident components", linewidth=2)
-        if any(m is not None for m in measured):
+        end = self.events[-1].seconds if self.events else 1.0
+        names = list(dict.fromkeys(e.name for e in self.events if e.kind == "load"))
+        times = sorted({0.0, end, *(e.seconds for e in self.events)})
+        sizes: dict[str, list[float]] = {name: [] for name in names}
+        current = dict.fromkeys(names, 0.0)
+        pending = iter(self.events)
+        event = next(pending, None)
+        for moment in times:
+            while event is not None and event.seconds <= moment:
+                if event.kind == "load":
+                    current[event.name] = event.nbytes / 2**30
+                elif event.kind == "release":
+                    current[event.name] = 0.0
+                event = next(pending, None)
+            for name in names:
+                sizes[name].append(current[name])
+        figure, axes = plt.subplots(figsize=(10, 4.2))
+        if names:
+            axes.stackplot(times, *[sizes[n] for n in names], labels=names, step="post", alpha=0.8)
+        measured = [(e.seconds, e.measured_bytes) for e in self.events if e.measured_bytes]
+        if measured and str(self.device).startswith("cuda"):
             axes.plot(
-                [e.seconds for e in self.events],
-                [(m or 0) / 2**30 for m in measured],
-                ".",
-                alpha=0.6,
-                label="measured device bytes",
+                [t for t, _ in measured],
+                [b / 2**30 for _, b in measured],
+                "k.",
+                markersize=3,
+                label="device bytes allocated",
             )
-        for event in self.events:
-            if event.kind in ("load", "release"):
-                axes.annotate(
-                    f"{event.kind} {event.name}",
-                    (event.seconds, event.resident_bytes / 2**30),
-                    fontsize=7,
-                    rotation=30,
-                )
-            if event.kind == "stage_start":
-                axes.axvline(event.seconds, color="grey", alpha=0.3, linewidth=0.8)
+        top = axes.get_ylim()[1]
+        starts = [e for e in self.events if e.kind == "stage_start"]
+        for event in starts:
+            axes.axvline(event.seconds, color="grey", alpha=0.35, linewidth=0.8)
+            axes.text(event.seconds, top, f" {event.name}", rotation=90, va="top", fontsize=7)
+        axes.set_xlim(0, end)
         axes.set_xlabel("seconds")
-        axes.set_ylabel("GiB")
+        axes.set_ylabel("resident GiB")
         axes.set_title(title)
-        axes.legend(loc="upper right", fontsize=8)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         figure.tight_layout()
         path = Path(path)
         figure.savefig(path, dpi=110)
