@@ -24,11 +24,11 @@ import ondeck
 from ondeck.lazy import module_nbytes
 from ondeck.loading import ComponentLoader, ModelFolder
 from ondeck.loading import components as components_module
+from ondeck.loading.skeleton import Skeleton
 from ondeck.pipelines.wan import WanTextToVideo
 
 MiB = 2**20
-# Captured before any test wraps ``_allocate``: faults recognise the loader's own calls.
-_ALLOCATE_CODE = components_module._allocate.__code__
+_COMPONENTS_FILE = components_module.__file__
 # Small enough that a run takes a fraction of a second even on the default preset.
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=2)
 PROMPT = "a fox in the snow"
@@ -71,32 +71,55 @@ def settled_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-class Watcher:
-    """Weak references to every module skeleton and weight tensor the loader builds.
+def called_from_the_loader(depth: int = 2) -> bool:
+    """Whether the caller ``depth`` frames up is code in ``ondeck/loading/components.py``.
 
-    After a failed load every one of them must be dead once ``gc.collect()`` ran, even
-    while the caller still holds the error and its traceback.
+    Matched by file, not by function, so faults and watches survive refactors there.
+    """
+    return sys._getframe(depth).f_code.co_filename == _COMPONENTS_FILE
+
+
+class Watcher:
+    """Weak references to every module the loader fills and every weight tensor it makes.
+
+    Modules: each fresh skeleton copy a load fills (the shared, all-meta templates a
+    folder caches are not half-built modules and are not watched). Tensors: every
+    ``torch.empty`` made by the component loader. After a failed load every one of them
+    must be dead once ``gc.collect()`` ran, even while the caller still holds the error.
     """
 
     def __init__(self, monkeypatch) -> None:
         self.refs: list[tuple[str, weakref.ref]] = []
-        real_skeleton = ModelFolder.skeleton
-        real_allocate = components_module._allocate
         watcher = self
+        real_empty = torch.empty
 
-        def skeleton(folder, name, dtype=None):
-            built = real_skeleton(folder, name, dtype)
-            watcher.refs.append((f"{name} module", weakref.ref(built.module)))
-            return built
+        def empty(*args, **kwargs):
+            tensor = real_empty(*args, **kwargs)
+            if called_from_the_loader():
+                watcher.refs.append(("weight tensor", weakref.ref(tensor)))
+            return tensor
 
-        def allocate(skeleton, sources, device, allocated):
-            try:
-                return real_allocate(skeleton, sources, device, allocated)
-            finally:
-                watcher.refs.extend(("weight tensor", weakref.ref(t)) for t in allocated)
+        monkeypatch.setattr(torch, "empty", empty)
+        if hasattr(Skeleton, "fresh"):
+            real_fresh = Skeleton.fresh
 
-        monkeypatch.setattr(ModelFolder, "skeleton", skeleton)
-        monkeypatch.setattr(components_module, "_allocate", allocate)
+            def fresh(skeleton):
+                copy = real_fresh(skeleton)
+                watcher.refs.append(
+                    (f"{type(copy.module).__name__} module", weakref.ref(copy.module))
+                )
+                return copy
+
+            monkeypatch.setattr(Skeleton, "fresh", fresh)
+        else:
+            real_skeleton = ModelFolder.skeleton
+
+            def skeleton(folder, name, dtype=None):
+                built = real_skeleton(folder, name, dtype)
+                watcher.refs.append((f"{name} module", weakref.ref(built.module)))
+                return built
+
+            monkeypatch.setattr(ModelFolder, "skeleton", skeleton)
 
     def alive(self) -> list[str]:
         """Modules still alive, and weight tensors still holding bytes of memory."""
@@ -116,7 +139,7 @@ class Watcher:
         gc.collect()
         return [what for what, ref in self.refs if ref() is not None]
 
-    def built_modules(self) -> int:
+    def modules_watched(self) -> int:
         return sum(1 for what, _ in self.refs if what.endswith("module"))
 
 
@@ -256,10 +279,10 @@ def io_error() -> None:
 
 
 class AllocationFault:
-    """Makes the loader's ``at``-th ``torch.empty`` for a weight of ``component`` raise.
+    """Makes the ``at``-th ``torch.empty`` of ``component``'s load raise ``error``.
 
-    Only calls made by the loader's allocation step count, so everything else that
-    allocates (the model's forward, the reader's buffers) runs as usual.
+    Only the component loader's own allocations count (matched by file), so everything
+    else that allocates (the model's forward, the reader's buffers) runs as usual.
     """
 
     def __init__(
@@ -269,7 +292,6 @@ class AllocationFault:
         self.fired = 0
         real_empty = torch.empty
         real_call = ComponentLoader.__call__
-        code = _ALLOCATE_CODE
         fault = self
         # Which component is loading, per thread. Never read frame locals to find out:
         # that snapshots them into a dict which outlives the frame's own clean-up.
@@ -284,7 +306,7 @@ class AllocationFault:
 
         def empty(*args, **kwargs):
             loading = getattr(current, "name", None)
-            if sys._getframe(1).f_code is code and component in (None, loading):
+            if called_from_the_loader() and component in (None, loading):
                 fault.calls += 1
                 if fault.calls == at and not fault.fired:
                     fault.fired += 1
