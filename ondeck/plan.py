@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import format_bytes, parse_bytes
+from .streaming import StreamingInputs, StreamLayout, plan_streaming
 
 __all__ = ["Plan", "StageUse", "plan", "release_schedule"]
 
@@ -260,15 +261,26 @@ class Plan:
     uses: list[StageUse] = field(default_factory=list)
     activation_note: str = ""
     runs: list[PlannedStage] = field(default_factory=list)
+    # Components whose blocks stream because their stage cannot hold them whole.
+    streamed: dict[str, StreamLayout] = field(default_factory=dict)
+    streaming_notes: list[str] = field(default_factory=list)
+    transfer_bytes_per_second: float | None = None
+    transfer_source: str = ""
+
+    @property
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes each component takes on the device; for a streamed one, its non-block
+        parts, resident blocks and slots."""
+        sizes = dict(self.component_bytes)
+        for name, layout in self.streamed.items():
+            sizes[name] = layout.device_bytes
+        return sizes
 
     def stage_requirements(self) -> list[tuple[str, int]]:
         """Bytes each stage needs by itself: its own components plus activations."""
+        sizes = self.device_bytes
         return [
-            (
-                use.name,
-                _total(use.components, self.component_bytes)
-                + (self.activation_bytes.get(use.name) or 0),
-            )
+            (use.name, _total(use.components, sizes) + (self.activation_bytes.get(use.name) or 0))
             for use in self.uses
         ]
 
@@ -313,6 +325,13 @@ class Plan:
         lines.append(f"predicted component peak: {format_bytes(self.peak_bytes)}")
         if self.activation_note:
             lines.append(self.activation_note)
+        if self.streamed:
+            lines.append("streaming (blocks that do not fit come from pinned host memory):")
+            for name, layout in self.streamed.items():
+                lines.extend(
+                    layout.describe(name, self.transfer_bytes_per_second or 0, self.transfer_source)
+                )
+        lines.extend(self.streaming_notes)
         if self.budget is not None:
             overflow = self.overflow()
             if overflow is None:
@@ -334,23 +353,40 @@ def build_plan(
     activation: Mapping[str, int | None] | None = None,
     activation_note: str = "",
     prefetch: bool = True,
+    streaming: StreamingInputs | None = None,
 ) -> Plan:
+    """The plan; under a budget, with ``streaming``, a stage too large for it streams the
+    repeated blocks of its largest component (``Plan.streamed``)."""
     activation = dict(activation or {use.name: None for use in uses})
+    component_bytes = dict(component_bytes)
+    streamed: dict[str, StreamLayout] = {}
+    notes: list[str] = []
+    if policy == "budget" and budget is not None and streaming is not None:
+        for name, blocks in streaming.candidates.items():
+            if name in component_bytes:  # the whole component, even while loaded streamed
+                component_bytes[name] = blocks.total_bytes
+        streamed, notes = plan_streaming(
+            uses, component_bytes, budget=budget, activation=activation, inputs=streaming
+        )
     plan_ = Plan(
         policy=policy,
         budget=budget,
-        component_bytes=dict(component_bytes),
+        component_bytes=component_bytes,
         stages=[],
         peak_bytes=0,
         activation_bytes=activation,
         uses=list(uses),
         activation_note=activation_note,
+        streamed=streamed,
+        streaming_notes=notes,
     )
+    if streamed:
+        plan_.transfer_bytes_per_second, plan_.transfer_source = streaming.bandwidth()
     if policy == "budget" and not plan_.fits(budget):
         policy = "release"  # what would run if the budget allowed; the overflow is reported
     runs = simulate(
         uses,
-        component_bytes,
+        plan_.device_bytes,
         policy=policy,
         budget=budget,
         activation=activation,

@@ -20,6 +20,7 @@ from .plan import budget_step
 if TYPE_CHECKING:
     from .memory import StageRecord
     from .stages import Pipeline
+    from .streaming import StreamingInputs, StreamOptions
 
 __all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "make_policy"]
 
@@ -68,6 +69,10 @@ class Policy:
 
     def in_prefetch_thread(self) -> bool:
         return False
+
+    def streaming_inputs(self, pipeline: Pipeline) -> StreamingInputs | None:
+        """What the plan may stream (only the budget policy streams blocks)."""
+        return None
 
     def stage_measured(self, index: int, record: StageRecord) -> None:
         """Keep the largest activation peak measured per stage (device bytes)."""
@@ -132,22 +137,44 @@ class BudgetPolicy(Policy):
 
     When a load would overflow, the resident component whose next use is farthest
     away goes first. With ``prefetch``, the next stage's components load on a
-    background thread while the current stage computes.
+    background thread while the current stage computes. With ``streaming`` (on by
+    default; a ``StreamOptions`` tunes it), a stage too large for the budget keeps what
+    fits of its largest component's repeated blocks on the device and streams the rest
+    from pinned host memory (``ondeck.streaming``); not on unified memory, where it
+    would free nothing.
     """
 
     name = "budget"
     plan_name = "budget"
 
-    def __init__(self, budget: int | str, *, prefetch: bool = True):
+    def __init__(
+        self,
+        budget: int | str,
+        *,
+        prefetch: bool = True,
+        streaming: bool | StreamOptions = True,
+    ):
+        from .streaming import BlockStreaming, StreamOptions
+
         super().__init__()
         self.budget_bytes = parse_bytes(budget)
         self.prefetch = prefetch
+        self.streaming: BlockStreaming | None = None
+        if streaming:
+            options = streaming if isinstance(streaming, StreamOptions) else None
+            self.streaming = BlockStreaming(options)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
         self._local = threading.local()
 
     def _nbytes(self) -> dict[str, int]:
-        return {name: value or 0 for name, value in self.pipeline.component_bytes().items()}
+        nbytes = {name: value or 0 for name, value in self.pipeline.component_bytes().items()}
+        if self.streaming is not None:
+            nbytes.update(self.streaming.device_bytes())
+        return nbytes
+
+    def streaming_inputs(self, pipeline: Pipeline) -> StreamingInputs | None:
+        return self.streaming.inputs(pipeline) if self.streaming is not None else None
 
     def _resident(self) -> set[str]:
         return set(self.pipeline.resident()) | set(self._pending)
@@ -161,6 +188,8 @@ class BudgetPolicy(Policy):
                 f"of {format_bytes(self.budget_bytes)}; nothing was loaded.\n{plan}",
                 plan=plan,
             )
+        if self.streaming is not None:
+            self.streaming.apply(self.pipeline, plan.streamed)
 
     def before_stage(self, index: int, state: Any = None) -> None:
         pipeline = self.pipeline

@@ -264,6 +264,7 @@ class Pipeline:
             activation=activation,
             activation_note=note,
             prefetch=self.policy.prefetch,
+            streaming=self.policy.streaming_inputs(self),
         )
 
     # -- running ------------------------------------------------------------------------

@@ -27,6 +27,12 @@ class ComponentLoader:
     Each call builds the module on the meta device, allocates every tensor directly on
     ``device`` in its final dtype, and streams the weights in. Any failure, interrupts
     included, frees what the load took before it propagates.
+
+    ``placement`` (optional) may put some tensors elsewhere than ``device``: its
+    ``destination(slot)`` returns ``(tensor, already_filled)``, or None for the usual
+    place; ``finish(module)`` runs after a successful load, ``abort()`` after a failed
+    one, ``unload(module)`` on release. Block streaming keeps streamed blocks in host
+    memory this way (``ondeck.streaming``).
     """
 
     # Each call builds a new module, so a LazyModule may free its storage on release.
@@ -44,6 +50,7 @@ class ComponentLoader:
         threads: int | None = None,
         buffer_bytes: int = reader.DEFAULT_BUFFER_BYTES,
         buffer_count: int = reader.DEFAULT_BUFFER_COUNT,
+        placement: Any = None,
     ):
         self.folder = _open_folder(folder, name)
         self.name = name
@@ -54,6 +61,7 @@ class ComponentLoader:
         self.threads = threads
         self.buffer_bytes = buffer_bytes
         self.buffer_count = buffer_count
+        self.placement = placement
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
         self.last_source: str | None = None
@@ -71,6 +79,7 @@ class ComponentLoader:
         template = self.folder.template(self.name, self.dtype)
         allocated: list[torch.Tensor] = []
         built: dict[str, torch.nn.Module] = {}
+        placement = self.placement
 
         def build() -> None:
             # Copying the skeleton is CPU work: from the host cache it overlaps the copies.
@@ -80,13 +89,28 @@ class ComponentLoader:
 
         try:
             sources = _match(template, tensors, self.name)
-            jobs, values = _allocate(sources, self.device, allocated)
-            self._fill(jobs, tensors, while_copying=build)
+            jobs, values, placed = _allocate(sources, self.device, allocated, placement)
+            self._fill(jobs, tensors, while_copying=build, placement=placement)
+            if placed:
+                # The placement's own memory: read once, never captured in the host cache.
+                stats = reader.read_into(
+                    placed,
+                    threads=self.threads,
+                    buffer_bytes=self.buffer_bytes,
+                    buffer_count=self.buffer_count,
+                    progress=self.progress,
+                    component=self.name,
+                )
+                self.last_load_bytes += stats.nbytes
             if "module" not in built:
                 build()
             module = built.pop("module")
             _finish(module, self.name)
+            if placement is not None:
+                placement.finish(module)
         except BaseException as error:
+            if placement is not None:
+                placement.abort()
             # Give the memory back now, and drop the half-built module: the traceback's
             # frames would otherwise keep it alive for as long as the caller keeps the error.
             for tensor in allocated:
@@ -99,12 +123,24 @@ class ComponentLoader:
         self.last_load_seconds = time.perf_counter() - started
         return module
 
+    def unload(self, module: torch.nn.Module) -> None:
+        """Called on release: the placement takes back what it attached to the module."""
+        if self.placement is not None:
+            self.placement.unload(module)
+
     def _fill(
-        self, jobs: list[reader.ReadJob], tensors: dict[str, TensorInfo], *, while_copying=None
+        self,
+        jobs: list[reader.ReadJob],
+        tensors: dict[str, TensorInfo],
+        *,
+        while_copying=None,
+        placement: Any = None,
     ) -> None:
         cache, key = self.host_cache, None
         if cache is not None:
             key = _cache_key(self.folder, self.name, tensors)
+            if placement is not None:
+                key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
             raw = cache.get(key)
             if raw is not None:
                 stats = reader.copy_from_host(
@@ -219,21 +255,37 @@ def _find_key(names: list[str], tensors: dict[str, TensorInfo], prefix: str) -> 
     return None
 
 
-def _allocate(sources, device: torch.device, allocated: list) -> tuple[list, list]:
-    """A real, empty tensor on the device, in its final dtype, for every slot."""
+def _allocate(
+    sources, device: torch.device, allocated: list, placement: Any = None
+) -> tuple[list, list, list]:
+    """A real, empty tensor on the device, in its final dtype, for every slot.
+
+    Where the placement gives a tensor instead, that one is used (and never freed here).
+    Returns the reads into device tensors, the values to install, and the reads into
+    placed tensors that do not hold their weights yet.
+    """
     jobs: list[reader.ReadJob] = []
     values: list[torch.Tensor] = []
+    placed: list[reader.ReadJob] = []
     for slot, info in sources:
-        tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        allocated.append(tensor)
+        given = placement.destination(slot) if placement is not None else None
+        if given is None:
+            tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+            allocated.append(tensor)
+        else:
+            tensor, filled = given
         if slot.is_parameter:
             value = torch.nn.Parameter(tensor, requires_grad=slot.requires_grad)
-            allocated.append(value)
+            if given is None:
+                allocated.append(value)
         else:
             value = tensor
         values.append(value)
-        jobs.append(reader.ReadJob(info, tensor))
-    return jobs, values
+        if given is None:
+            jobs.append(reader.ReadJob(info, tensor))
+        elif not filled:
+            placed.append(reader.ReadJob(info, tensor))
+    return jobs, values, placed
 
 
 def _install(skeleton: Skeleton, sources, values, device: torch.device, allocated: list) -> None:

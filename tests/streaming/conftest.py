@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ondeck.embedded import PRESETS, build_wan_folder
+
+BLOCKS = 6
+
+
+def build_six_block_folder(path: Path) -> Path:
+    """The tiny Wan folder with a six-block transformer: enough blocks to keep some
+    resident and stream the others."""
+    from diffusers import WanTransformer3DModel
+
+    build_wan_folder(path, preset="tiny")
+    # Wider than the tiny preset, so the transformer is the largest component.
+    config = dict(
+        PRESETS["tiny"]["transformer"], attention_head_dim=24, ffn_dim=96, num_layers=BLOCKS
+    )
+    generator = torch.Generator().manual_seed(1)
+    transformer = WanTransformer3DModel(**config).eval()
+    with torch.no_grad():
+        for parameter in transformer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    for old in (path / "transformer").glob("*"):
+        old.unlink()
+    transformer.save_pretrained(path / "transformer")
+    return path
+
+
+@pytest.fixture(scope="session")
+def six_block_folder(tmp_path_factory) -> Path:
+    return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
