@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import ondeck
+from ondeck.loading import ModelFolder
 from ondeck.pipelines import wan as wan_module
 
-from .helpers import LoaderCalls, assert_tracker_agrees, generate, wan
+from .helpers import LoaderCalls, ReadFault, assert_tracker_agrees, generate, io_error, wan
 
 JOBS = [("a fox", 0), ("a heron", 1), ("a fox", 2), ("an owl", 3)]
 
@@ -220,3 +221,35 @@ def test_concurrent_first_access_to_different_components_loads_each_once(
     # Loaded from three threads at once, the components compute what a clean run does.
     assert np.array_equal(generate(pipe), clean_frames)
     assert calls.total == 3
+
+
+def test_a_failed_first_load_under_concurrent_access_is_retried_once(
+    tiny_template, clean_frames, monkeypatch
+):
+    """The first load fails (an I/O error) while other threads wait for it: the waiting
+    threads retry, one load succeeds, and they all share its module."""
+    calls = LoaderCalls(monkeypatch)
+    pipe = wan(tiny_template)
+    transformer = pipe.components["transformer"]
+    info = max(ModelFolder.open(tiny_template).tensors("transformer").values(), key=lambda i: i.end)
+    ReadFault(monkeypatch, info.path, info.start, info.end, io_error)
+    threads = 6
+    barrier = threading.Barrier(threads)
+
+    def first_access(_):
+        barrier.wait()
+        try:
+            return transformer.materialize()
+        except ondeck.LoadError as error:
+            return error
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(first_access, range(threads)))
+    errors = [r for r in results if isinstance(r, ondeck.LoadError)]
+    modules = [r for r in results if not isinstance(r, ondeck.LoadError)]
+    assert len(errors) == 1 and "Input/output error" in str(errors[0])
+    assert len(modules) == threads - 1 and all(m is modules[0] for m in modules)
+    assert calls.calls == {"transformer": 2}
+    assert [e.name for e in pipe.tracker.events if e.kind == "load"] == ["transformer"]
+    assert_tracker_agrees(pipe)
+    assert np.array_equal(generate(pipe), clean_frames)
