@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--runs", type=int, default=1, help="generate this many times in a row")
     generate.add_argument("--output", default="ondeck-out", help="folder for video and report")
+    generate.add_argument(
+        "--shard",
+        action="append",
+        default=[],
+        metavar="COMPONENT",
+        help="split this component's weights across the processes of a torchrun launch "
+        "(FSDP2), e.g. `torchrun --nproc-per-node 2 -m ondeck generate MODEL_DIR --shard "
+        "transformer`; repeat or comma-separate for more (text_encoder)",
+    )
     _add_runtime(generate)
 
     plan = commands.add_parser("plan", help="predict memory per stage without loading weights")
@@ -89,32 +99,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _model_dir(args: argparse.Namespace) -> tuple[Path, bool]:
+def _model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
     if args.model_dir:
         return Path(args.model_dir), False
     from .embedded import embedded_default
 
-    print("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
-    print("        model with random weights: its output is noise). For a real video, point it")
-    print(
+    say("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
+    say("        model with random weights: its output is noise). For a real video, point it")
+    say(
         "        at a diffusers-format checkpoint: ondeck generate /path/to/Wan2.1-T2V-14B-Diffusers"
     )
     path, built = embedded_default()
     if built:
-        print(f"ondeck: built the embedded default in {path}")
+        say(f"ondeck: built the embedded default in {path}")
     return path, True
 
 
 def _pipeline(args: argparse.Namespace, path: Path) -> Any:
     from .loading import HostCache
     from .memory import resolve_device
-    from .pipelines import pipeline_for_folder
+    from .pipelines import pipeline_for_folder, read_model_index
+    from .pipelines.wan import is_wan_folder
 
     device = resolve_device(args.device)
     host_cache = None
     if args.host_cache is not None and parse_bytes(args.host_cache):
         host_cache = HostCache(parse_bytes(args.host_cache))
     policy = "budget" if args.budget and args.policy == "auto" else args.policy
+    shard = _shard_names(args)
+    if shard and not is_wan_folder(read_model_index(path)):
+        raise OndeckError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
     return pipeline_for_folder(
         path,
         device=device,
@@ -123,28 +137,55 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         budget=args.budget,
         prefetch=not args.no_prefetch,
         host_cache=host_cache,
+        **({"shard": shard} if shard else {}),
     )
+
+
+def _shard_names(args: argparse.Namespace) -> tuple[str, ...]:
+    names = [
+        part.strip() for value in getattr(args, "shard", None) or () for part in value.split(",")
+    ]
+    return tuple(dict.fromkeys(name for name in names if name))
+
+
+def _start_distributed(args: argparse.Namespace) -> bool:
+    """Join torchrun's process group when sharding or launched by it; True when joined."""
+    from . import distributed
+
+    if not _shard_names(args) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    distributed.init()
+    return True
 
 
 def generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    path, embedded = _model_dir(args)
+    from . import distributed
+
+    # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.
+    joined = _start_distributed(args)
+    main = distributed.is_main()
+    say = print if main else (lambda *_, **__: None)
+    with distributed.main_first():  # rank 0 builds the embedded default, if needed, alone
+        path, embedded = _model_dir(args, say)
     shape = EMBEDDED_SHAPE if embedded else REAL_SHAPE
     height = args.height or shape["height"]
     width = args.width or shape["width"]
     frames = args.frames or shape["frames"]
     steps = args.steps or shape["steps"]
     pipe = _pipeline(args, path)
-    print(f"ondeck: {pipe.policy.reason}")
+    say(f"ondeck: {pipe.policy.reason}")
     plan_ = pipe.plan()
-    print(plan_)
+    say(plan_)
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
     timings = []
     for run in range(args.runs):
         started = time.perf_counter()
-        with tqdm(total=steps, desc=f"run {run + 1}/{args.runs} denoising", unit="step") as bar:
+        label = f"run {run + 1}/{args.runs} denoising"
+        with tqdm(total=steps, desc=label, unit="step", disable=not main) as bar:
             frames_out = pipe.generate(
                 args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -155,10 +196,10 @@ def generate(args: argparse.Namespace) -> int:
                 guidance_scale=args.guidance,
                 seed=args.seed,
                 progress=bar,
+                # Only rank 0 writes the video; the others decode only when sharing the VAE.
+                output_type="np" if main or "vae" in _shard_names(args) else "latent",
             )
         timings.append(time.perf_counter() - started)
-    video_path = out / "video.mp4"
-    _write_video(frames_out[0], video_path)
     report = pipe.report()
     report.update(
         model_dir=str(path),
@@ -169,6 +210,13 @@ def generate(args: argparse.Namespace) -> int:
         sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
         predicted_peak_bytes=plan_.peak_bytes,
     )
+    if joined:
+        report = distributed.merged_report(pipe, report)  # collective: every rank sends
+        if not main:
+            distributed.shutdown()
+            return 0
+    video_path = out / "video.mp4"
+    _write_video(frames_out[0], video_path)
     report_path = out / "report.json"
     report_path.write_text(json.dumps(report, indent=2, default=str))
     plot_path = pipe.tracker.plot(
@@ -180,9 +228,23 @@ def generate(args: argparse.Namespace) -> int:
         f"under '{pipe.policy.name}'; runs took {', '.join(f'{t:.1f}s' for t in timings)}"
     )
     print(f"ondeck: wrote {video_path}, {report_path}, {plot_path}")
+    if joined:
+        _print_ranks(report["ranks"])
+        distributed.shutdown()
     if embedded:
         print("ondeck: (embedded default: random weights, so the video is noise)")
     return 0
+
+
+def _print_ranks(ranks: list[dict]) -> None:
+    for summary in ranks:
+        allocated = summary["peak_allocated_bytes"]
+        allocated = f", peak allocated {format_bytes(allocated)}" if allocated else ""
+        print(
+            f"ondeck: rank {summary['rank']} ({summary['device']}): peak resident "
+            f"{format_bytes(summary['peak_resident_bytes'])}{allocated}, read "
+            f"{format_bytes(summary['bytes_read_from_files_total'])} from files"
+        )
 
 
 def _write_video(frames: Any, path: Path, fps: int = 16) -> None:

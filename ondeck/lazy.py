@@ -98,9 +98,13 @@ def module_nbytes(module: Any) -> int:
     return sum(storages.values())
 
 
-def _module_tensors(module: Any):
-    yield from module.parameters(recurse=True)
-    yield from module.buffers(recurse=True)
+def _module_tensors(module: Any) -> list:
+    import torch
+
+    tensors = [*module.parameters(recurse=True), *module.buffers(recurse=True)]
+    with torch.no_grad():
+        # A sharded (DTensor) parameter has no storage of its own: its local shard has.
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 def _free_storages(module: Any) -> None:

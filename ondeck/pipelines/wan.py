@@ -272,6 +272,8 @@ class WanTextToVideo(Pipeline):
         self.profile_model = identity
         self.prompt_cache = PromptCache()
         self.model_path: Path | None = options.pop("model_path", None)
+        # The model components' loaders, by name: their counters go into reports.
+        self.loaders: dict[str, Any] = options.pop("loaders", {})
         super().__init__(components, **options)
 
     @classmethod
@@ -286,26 +288,47 @@ class WanTextToVideo(Pipeline):
         prefetch: bool = True,
         host_cache: Any = None,
         progress: bool = True,
+        shard: tuple[str, ...] | list[str] = (),
     ) -> WanTextToVideo:
-        """Build the pipeline over a diffusers-format Wan folder; reads no weights."""
+        """Build the pipeline over a diffusers-format Wan folder; reads no weights.
+
+        ``shard`` names components to split across the ranks of ``torch.distributed``
+        (FSDP2; see ``ondeck.loading.sharded``): each rank then holds and reads only its
+        share of their weights. Every rank builds the pipeline and runs it on the same
+        inputs.
+        """
         from ..loading import ComponentLoader, ModelFolder, load_auxiliary
         from ..memory import resolve_device
 
+        models = ("text_encoder", "transformer", "vae")
+        shard = tuple(shard)
+        unknown = sorted(set(shard) - set(models))
+        if unknown:
+            raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
+        if shard:
+            from ..distributed import device_mesh, init
+            from ..loading.sharded import ShardedComponentLoader
+
+            init()  # before resolving the device: it selects this rank's GPU
         device = resolve_device(device)
+        mesh = device_mesh(device) if shard else None
         folder = ModelFolder.open(path)
         components: dict[str, Any] = {}
-        for name in ("text_encoder", "transformer", "vae"):
+        for name in models:
             component_dtype = dtype
             if name == "vae" and dtype is not None:
                 component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
-            components[name] = ComponentLoader(
-                folder,
-                name,
-                device=device,
-                dtype=component_dtype,
-                host_cache=host_cache,
-                progress=progress,
+            options = dict(
+                device=device, dtype=component_dtype, host_cache=host_cache, progress=progress
             )
+            if shard:
+                # Unsharded components load whole on every rank, counting what they read.
+                components[name] = ShardedComponentLoader(
+                    folder, name, mesh=mesh if name in shard else None, **options
+                )
+            else:
+                components[name] = ComponentLoader(folder, name, **options)
+        loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
@@ -313,6 +336,7 @@ class WanTextToVideo(Pipeline):
             components,
             identity=identity,
             model_path=Path(path),
+            loaders=loaders,
             device=device,
             policy=policy,
             budget=budget,

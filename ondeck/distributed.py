@@ -1,0 +1,194 @@
+"""Running one pipeline across several processes: the process group, the mesh, the report.
+
+Each process (a rank) drives its own device and runs the same stages on the same
+inputs; components named for sharding hold only this rank's share of their weights
+(see ``loading/sharded.py``). Everything here is a thin layer over
+``torch.distributed``: NCCL between CUDA devices, gloo between CPU processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from .errors import OndeckError
+
+__all__ = [
+    "device_mesh",
+    "init",
+    "is_active",
+    "is_main",
+    "launched_with_torchrun",
+    "main_first",
+    "merged_report",
+    "rank",
+    "rank_summary",
+    "shutdown",
+    "world_size",
+]
+
+# NVLink SHARP (multicast) is off for everything ondeck starts: FSDP's all-gathers do not
+# need it, and on shared multi-GPU hosts a program using it can take the GPUs out of
+# service. Set before the process group exists, since NCCL reads it once; an explicit
+# value in the environment wins.
+NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0"}
+
+_state: dict[str, Any] = {"owned": False, "meshes": {}}
+
+
+def launched_with_torchrun() -> bool:
+    """True in a process started by ``torchrun`` (or anything that sets the same variables)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def is_active() -> bool:
+    """True once a process group exists in this process."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if is_active() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if is_active() else 1
+
+
+def is_main() -> bool:
+    """The rank that prints, writes the video and writes the merged report."""
+    return rank() == 0
+
+
+def init(backend: str | None = None) -> None:
+    """Join the process group ``torchrun`` describes; a no-op when one already exists.
+
+    ``backend`` defaults to ``nccl`` when CUDA is present (each rank then uses the GPU
+    ``LOCAL_RANK`` names) and ``gloo`` otherwise.
+    """
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    if is_active():
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise OndeckError("this torch build has no torch.distributed; sharding needs it")
+    if not launched_with_torchrun():
+        raise OndeckError(
+            "sharding needs one process per device: launch with "
+            "`torchrun --nproc-per-node N -m ondeck generate MODEL_DIR --shard transformer`, "
+            "or initialise torch.distributed before building the pipeline"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    _state["owned"] = True
+
+
+def shutdown() -> None:
+    """Leave the process group, if :func:`init` created it."""
+    import torch.distributed as dist
+
+    _state["meshes"].clear()
+    if _state["owned"] and is_active():
+        dist.destroy_process_group()
+    _state["owned"] = False
+
+
+def device_mesh(device: Any) -> Any:
+    """The one-dimensional mesh of every rank, for devices of ``device``'s type.
+
+    Built once per device type, in the calling thread: creating a mesh is collective,
+    while a load that shards over it (maybe on a prefetch thread) is not.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not is_active():
+        init()
+    device_type = torch.device(device).type
+    mesh = _state["meshes"].get(device_type)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (world_size(),))
+        _state["meshes"][device_type] = mesh
+    return mesh
+
+
+@contextlib.contextmanager
+def main_first():
+    """Rank 0 runs the block before the others (building a shared cache folder, say)."""
+    if not is_active():
+        yield
+        return
+    import torch.distributed as dist
+
+    if not is_main():
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            dist.barrier()
+
+
+def rank_summary(pipeline: Any) -> dict[str, Any]:
+    """This rank's memory and disk figures: what the tracker saw and what the loaders read."""
+    from .memory import process_peak_rss_bytes
+
+    tracker = pipeline.tracker
+    loaders = getattr(pipeline, "loaders", None) or {}
+    bytes_read = {
+        name: getattr(loader, "bytes_read", None) for name, loader in sorted(loaders.items())
+    }
+    return {
+        "rank": rank(),
+        "device": str(pipeline.device),
+        "component_bytes": pipeline.component_bytes(),
+        "peak_resident_bytes": tracker.peak_resident_bytes,
+        # Device bytes allocated (torch.cuda.max_memory_allocated per stage); None on CPU.
+        "peak_allocated_bytes": tracker.peak_measured_bytes or None,
+        "process_peak_rss_bytes": process_peak_rss_bytes(),
+        "bytes_loaded": tracker.bytes_loaded,
+        # None where a loader does not count (a plain ComponentLoader).
+        "bytes_read_from_files": bytes_read,
+        "bytes_read_from_files_total": (
+            None if None in bytes_read.values() else sum(bytes_read.values())
+        ),
+    }
+
+
+def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | None:
+    """``report`` (rank 0's) with every rank's summary under ``ranks``; None off rank 0.
+
+    Collective: every rank must call it, in the same order as the others.
+    """
+    summary = rank_summary(pipeline)
+    if not is_active():
+        return {**report, "world_size": 1, "ranks": [summary]}
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * world_size() if is_main() else None
+    dist.gather_object(summary, gathered, dst=0)
+    if not is_main():
+        return None
+    return {
+        **report,
+        "world_size": world_size(),
+        "backend": str(dist.get_backend()),
+        "sharded": sorted(
+            name
+            for name, loader in (getattr(pipeline, "loaders", None) or {}).items()
+            if getattr(loader, "mesh", None) is not None
+        ),
+        "ranks": gathered,
+    }

@@ -1,0 +1,229 @@
+"""Load one rank's share of a component: FSDP2 over a device mesh, reading only its bytes.
+
+The module is built on the meta device and sharded with ``fully_shard`` (each block,
+then the root) before any memory is allocated. FSDP2 splits every parameter along dim
+0 the way ``torch.chunk`` does, so this rank's shard is a run of whole rows: one
+contiguous byte range of the safetensors file, which the reader streams straight into
+the local shard. No rank ever holds, or reads, a full copy of a sharded parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from ..lazy import ComponentSpec, _free_storages
+from . import reader
+from .components import ComponentLoader, _match
+from .safetensors_format import TensorInfo
+from .skeleton import Skeleton, _get
+
+__all__ = ["ShardedComponentLoader", "shard_rows", "shard_units", "rows_of"]
+
+
+def shard_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(first row, row count)`` of ``rank``'s shard of a dim of ``rows``, as FSDP2 splits it.
+
+    Shards are ``ceil(rows / world_size)`` rows; the last ranks may get fewer, or none.
+    """
+    per_rank = math.ceil(rows / world_size) if rows else 0
+    first = min(rank * per_rank, rows)
+    return first, min(per_rank, rows - first)
+
+
+def rows_of(info: TensorInfo, first: int, count: int) -> TensorInfo:
+    """The entry for rows ``[first, first + count)`` of a tensor: a narrower byte range."""
+    row_nbytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+    start = info.start + first * row_nbytes
+    return dataclasses.replace(
+        info, shape=(count, *info.shape[1:]), start=start, end=start + count * row_nbytes
+    )
+
+
+def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules that get their own ``fully_shard``: each gathers its weights alone.
+
+    The model's ``_no_split_modules`` (transformer blocks, encoder layers) when it names
+    any, else the items of its module lists; outermost matches only.
+    """
+    wanted = set(getattr(module, "_no_split_modules", None) or ())
+    found: list[tuple[str, torch.nn.Module]] = []
+    if wanted:
+        for name, submodule in module.named_modules():
+            if name and type(submodule).__name__ in wanted:
+                found.append((name, submodule))
+    if not found:
+        for name, submodule in module.named_modules():
+            if isinstance(submodule, torch.nn.ModuleList):
+                found += [(f"{name}.{index}", item) for index, item in enumerate(submodule)]
+    units: list[torch.nn.Module] = []
+    kept: list[str] = []
+    for name, submodule in found:
+        if not any(name.startswith(f"{outer}.") for outer in kept):
+            kept.append(name)
+            units.append(submodule)
+    return units
+
+
+class ShardedComponentLoader(ComponentLoader):
+    """Loads this rank's shard of a component, as an FSDP2 module over ``mesh``.
+
+    ``mesh`` is a one-dimensional device mesh of every rank
+    (:func:`ondeck.distributed.device_mesh`). Each load builds a fresh module, shards
+    it, allocates only the local shards on ``device`` and reads only their byte ranges.
+    With ``mesh=None`` the component loads whole, as :class:`ComponentLoader` loads it.
+    Either way ``bytes_read`` counts the bytes this process has read from the files.
+    """
+
+    def __init__(self, folder: Any, name: str, *, mesh: Any = None, **options: Any):
+        if mesh is not None:
+            # The host cache keeps whole files; a rank needs only its share of them.
+            options.pop("host_cache", None)
+        super().__init__(folder, name, **options)
+        self.mesh = mesh
+        self.bytes_read = 0
+        self._shard_nbytes: int | None = None
+        if mesh is not None:
+            if mesh.ndim != 1:
+                raise ValueError(f"component '{name}': shard over a 1-D mesh, got {mesh.ndim}-D")
+            if torch.device(mesh.device_type).type != self.device.type:
+                raise ValueError(
+                    f"component '{name}': the mesh is of {mesh.device_type} devices, the "
+                    f"component loads onto {self.device}"
+                )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.progress = self.progress and torch.distributed.get_rank() == 0
+
+    def __repr__(self) -> str:
+        shards = f", {self.mesh.size()} shards" if self.mesh is not None else ""
+        return f"ShardedComponentLoader({str(self.folder.path)!r}, {self.name!r}, {self.device}{shards})"
+
+    @property
+    def spec(self) -> ComponentSpec:
+        """As :class:`ComponentLoader`'s, with ``nbytes`` this rank's share of the weights."""
+        whole = super().spec
+        if self.mesh is None:
+            return whole
+        if self._shard_nbytes is None:
+            template = self.folder.template(self.name, self.dtype)
+            self._shard_nbytes = shard_nbytes(template, self.mesh.size())
+        return whole.with_updates(nbytes=self._shard_nbytes)
+
+    def __call__(self) -> torch.nn.Module:
+        if self.mesh is None:
+            module = super().__call__()
+            if self.last_source != "host cache":
+                self.bytes_read += self.last_load_bytes
+            return module
+        started = time.perf_counter()
+        module = None
+        try:
+            module, sources, computed = self._build_sharded()
+            jobs = self._shard_jobs(module, sources, computed)
+            stats = reader.read_into(
+                jobs,
+                threads=self.threads,
+                buffer_bytes=self.buffer_bytes,
+                buffer_count=self.buffer_count,
+                progress=self.progress,
+                component=self.name,
+            )
+            module.eval()
+        except BaseException as error:
+            # Give this rank's shards back now; the traceback would keep them alive.
+            if module is not None:
+                _free_storages(module)
+            module = jobs = None
+            traceback.clear_frames(error.__traceback__)
+            raise
+        self.bytes_read += stats.nbytes
+        self.last_load_bytes = stats.nbytes
+        self.last_source = stats.source
+        self.last_load_seconds = time.perf_counter() - started
+        return module
+
+    def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
+        """The module sharded over the mesh, its local shards allocated but not filled."""
+        from torch.distributed.fsdp import fully_shard
+
+        tensors = self.folder.tensors(self.name)
+        skeleton = self.folder.skeleton(self.name, self.dtype)
+        sources = _match(skeleton, tensors, self.name)
+        module = skeleton.module
+        # Final dtypes before sharding: FSDP2 keeps each parameter's dtype as it finds it.
+        # Frozen parameters: FSDP2 gathers a block of mixed dtypes (float32 norms beside
+        # bf16 weights) only when none of them is trainable.
+        for slot, _ in sources:
+            value = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
+            if slot.is_parameter:
+                value = torch.nn.Parameter(value, requires_grad=False)
+            for name in slot.names:
+                _set_tensor(module, name, value, parameter=slot.is_parameter)
+        # Buffers the files lack were computed on the host by __init__; to_empty below
+        # replaces every tensor, so keep them to copy back.
+        computed = [(names, _get(module, names[0])) for names in skeleton.extra_buffers.values()]
+        for unit in shard_units(module):
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
+        # Allocates each parameter's local shard only (FSDP2 pads uneven ones to equal
+        # sizes), and every buffer whole.
+        module.to_empty(device=self.device)
+        return module, sources, computed
+
+    def _shard_jobs(self, module: torch.nn.Module, sources: list, computed: list) -> list:
+        """A read job for this rank's rows of every parameter and for every buffer."""
+        rank, world_size = self.mesh.get_local_rank(), self.mesh.size()
+        jobs: list[reader.ReadJob] = []
+        with torch.no_grad():
+            for slot, info in sources:
+                tensor = _get(module, slot.names[0])
+                if not slot.is_parameter:
+                    # Buffers are not sharded; to_empty gave each name its own tensor.
+                    for name in slot.names[1:]:
+                        _set_tensor(module, name, tensor, parameter=False)
+                    jobs.append(reader.ReadJob(info, tensor))
+                    continue
+                local = tensor.to_local()
+                first, count = shard_rows(slot.shape[0], rank, world_size)
+                if tuple(local.shape) != (count, *slot.shape[1:]):
+                    raise LoadError(
+                        f"component '{self.name}': parameter '{slot.names[0]}' has a local "
+                        f"shard of shape {list(local.shape)} on rank {rank}; ondeck reads "
+                        f"dim-0 shards of {count} rows",
+                        component=self.name,
+                    )
+                if count:
+                    jobs.append(reader.ReadJob(rows_of(info, first, count), local))
+            for names, host_value in computed:
+                moved = _get(module, names[0])
+                moved.copy_(host_value)
+                for name in names[1:]:
+                    _set_tensor(module, name, moved, parameter=False)
+        return jobs
+
+
+def shard_nbytes(skeleton: Skeleton, world_size: int) -> int:
+    """Bytes one rank holds: padded dim-0 shards of the parameters, buffers whole."""
+    total = skeleton.nbytes
+    for slot in skeleton.slots:
+        if slot.is_parameter and slot.shape:
+            rows = math.ceil(slot.shape[0] / world_size)
+            total += rows * (slot.nbytes // slot.shape[0] if slot.shape[0] else 0) - slot.nbytes
+    return total
+
+
+def _set_tensor(
+    module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool
+) -> None:
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if parameter:
+        owner._parameters[attribute] = value
+    else:
+        owner._buffers[attribute] = value

@@ -1,0 +1,62 @@
+"""One rank of the sharded-pipeline tests. Run under torchrun; writes what this rank saw.
+
+torchrun --standalone --nproc-per-node 2 rank_worker.py WAN_FOLDER OUT_DIR
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from ondeck import distributed
+from ondeck.pipelines.wan import WanTextToVideo
+
+SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
+RUNS = {
+    "transformer": ("transformer",),
+    "transformer+text_encoder": ("transformer", "text_encoder"),
+}
+
+
+def main(folder: str, out: Path) -> None:
+    distributed.init()
+    rank = distributed.rank()
+    seen: dict = {"rank": rank, "world_size": distributed.world_size(), "runs": {}}
+    for label, shard in RUNS.items():
+        pipe = WanTextToVideo.from_folder(
+            folder, shard=shard, policy="release", dtype=torch.float32, device="cpu", progress=False
+        )
+        frames = pipe.generate("a fox", negative_prompt="blurry", seed=7, **SHAPE)
+        np.save(out / f"{label}-rank{rank}.npy", frames)
+        seen["runs"][label] = {
+            "component_bytes": pipe.component_bytes(),
+            "bytes_read": {name: loader.bytes_read for name, loader in pipe.loaders.items()},
+            "report": distributed.merged_report(pipe, pipe.report()),
+        }
+
+    proxy = pipe.components["transformer"]
+    seen["fsdp_while_unloaded"] = isinstance(proxy, FSDPModule)
+    module = proxy.materialize()
+    seen["fsdp_once_loaded"] = isinstance(proxy, FSDPModule)
+    shards = [parameter.to_local() for parameter in module.parameters()]
+    seen["shard_storage_bytes_loaded"] = sum(s.untyped_storage().nbytes() for s in shards)
+    alive = weakref.ref(module)
+    del module
+    seen["released_bytes"] = proxy.release()
+    gc.collect()
+    seen["module_alive_after_release"] = alive() is not None
+    seen["shard_storage_bytes_released"] = sum(s.untyped_storage().nbytes() for s in shards)
+    seen["fsdp_after_release"] = isinstance(proxy, FSDPModule)
+    (out / f"rank{rank}.json").write_text(json.dumps(seen, default=str))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
