@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +33,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, build_wan14b_folder, emit, folder_bytes, out_dir, run_child  # noqa: E402
+from common import GiB, build_wan14b_folder, emit, folder_bytes, out_dir  # noqa: E402
 
 HERE = Path(__file__).resolve()
 PROMPTS = ["a red fox trotting through fresh snow at dawn", "a grey heron in a misty river"]
@@ -65,6 +66,7 @@ def child(args: argparse.Namespace) -> None:
             progress=False,
         )
         result["setup_seconds"] = time.perf_counter() - started
+        single_reads = None if shard else count_reads(pipe)
         for run, prompt in enumerate(PROMPTS[: args.runs]):
             if cuda:
                 torch.cuda.synchronize()
@@ -91,6 +93,9 @@ def child(args: argparse.Namespace) -> None:
             if main and run == 0:
                 np.save(args.frames_out, frames)
         result["summary"] = distributed.rank_summary(pipe)
+        if single_reads is not None:  # plain loaders do not count: the observer did
+            result["summary"]["bytes_read_from_files"] = single_reads
+            result["summary"]["bytes_read_from_files_total"] = sum(single_reads.values())
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -106,6 +111,60 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = {"shard": shard, "world_size": 1, "ranks": [result]}
     emit(result)
+
+
+def count_reads(pipe) -> dict[str, int]:
+    """Bytes each plain ComponentLoader reads, summed over every load (the single run)."""
+    reads = {name: 0 for name in pipe.deferred}
+
+    class Observer:
+        def before_load(self, proxy) -> None:
+            pass
+
+        def after_release(self, proxy, nbytes) -> None:
+            pass
+
+        def after_load(self, proxy, nbytes, seconds) -> None:
+            for name, candidate in pipe.deferred.items():
+                loader = pipe.loaders[name]
+                if candidate is proxy and loader.last_source != "host cache":
+                    reads[name] += loader.last_load_bytes
+
+    for proxy in pipe.deferred.values():
+        proxy.add_observer(Observer())
+    return reads
+
+
+def run_variant(args: list[str], *, timeout: float) -> dict:
+    """Run one variant's process (torchrun or plain) and read its ``RESULT`` line.
+
+    On timeout, SIGTERM first: torchrun then stops its workers, which run in sessions of
+    their own and would otherwise keep their GPUs busy after a SIGKILL.
+    """
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        error = None if process.returncode == 0 else f"exit {process.returncode}"
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        error = f"timed out after {timeout:.0f}s"
+    result: dict = {}
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    if error:
+        result.update(error=error, tail=(stdout + stderr)[-3000:])
+    result["process_seconds"] = time.perf_counter() - started
+    result["args"] = args
+    return result
 
 
 def compare_frames(reference: Path, candidate: Path) -> dict:
@@ -194,7 +253,7 @@ def main() -> None:
                 continue
             launcher = ["-m", "torch.distributed.run", "--standalone"]
             variant = [*launcher, f"--nproc-per-node={args.gpus}", *variant]
-        result = run_child(variant, timeout=args.timeout)
+        result = run_variant(variant, timeout=args.timeout)
         if shard:
             result["frames_vs_single"] = compare_frames(frames_dir / "single.npy", frames_out)
         report["variants"][label] = result
