@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import format_bytes, parse_bytes
-from .streaming import StreamingInputs, StreamLayout, plan_streaming
+from .streaming.layout import StreamingInputs, StreamLayout, plan_streaming
 
 __all__ = ["Plan", "StageUse", "plan", "release_schedule"]
 

@@ -34,3 +34,18 @@ def build_six_block_folder(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def six_block_folder(tmp_path_factory) -> Path:
     return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
+
+
+def transformer_blocks(folder: Path):
+    """The six-block transformer's sizes, from its meta skeleton (float32, as in the tests)."""
+    from ondeck.loading import ModelFolder
+    from ondeck.streaming import describe_blocks, find_blocks
+
+    template = ModelFolder.open(folder).template("transformer", torch.float32)
+    sizes, _ = describe_blocks(template, find_blocks(template.module))
+    return sizes
+
+
+def budget_keeping(sizes, resident: int, slots: int = 2) -> int:
+    """The budget under which exactly ``resident`` blocks fit beside the slots."""
+    return sizes.other_bytes + resident * max(sizes.block_bytes) + slots * max(sizes.packed_bytes)

@@ -1,0 +1,39 @@
+"""Block streaming: run a component whose repeated blocks do not all fit the device.
+
+A denoising step calls a transformer's blocks in the same order every time. When a
+stage cannot hold its component within the budget, the blocks that fit stay resident,
+evenly spaced along the list, and the others wait in pinned host memory (read once
+from the files) and are copied into a few device slots: the next streamed block on a
+side stream while the current one computes. On unified memory nothing streams: a host
+copy there frees nothing.
+
+``layout`` is the pure arithmetic the plan uses; ``host`` holds the host copies;
+``streamer`` is the runtime for one component; ``pipeline`` connects them to the
+budget policy.
+"""
+
+from .layout import (
+    BlockSizes,
+    StreamingInputs,
+    StreamLayout,
+    evenly_spaced,
+    plan_streaming,
+    stream_layout,
+)
+from .pipeline import BlockStreaming, StreamOptions
+from .streamer import BlockStreamer, StreamStats, describe_blocks, find_blocks
+
+__all__ = [
+    "BlockSizes",
+    "BlockStreamer",
+    "BlockStreaming",
+    "StreamLayout",
+    "StreamOptions",
+    "StreamStats",
+    "StreamingInputs",
+    "describe_blocks",
+    "evenly_spaced",
+    "find_blocks",
+    "plan_streaming",
+    "stream_layout",
+]

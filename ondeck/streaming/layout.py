@@ -1,0 +1,244 @@
+"""The arithmetic of block streaming, from sizes alone: which blocks stay resident,
+what a component then takes on the device, and how many bytes cross per forward pass.
+
+Pure functions of bytes and stage uses (no torch): the plan and the budget policy
+decide with them, so the plan predicts exactly what the run will hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..memory import format_bytes
+
+__all__ = [
+    "BlockSizes",
+    "StreamLayout",
+    "StreamingInputs",
+    "evenly_spaced",
+    "packed_offsets",
+    "plan_streaming",
+    "stream_layout",
+]
+
+# Offsets of tensors packed in one buffer: enough for vectorised kernels on any dtype.
+ALIGNMENT_BYTES = 256
+DEFAULT_SLOTS = 2
+# Pinned host-to-device copy bandwidth on an H200 (PCIe Gen5 x16), measured with
+# benchmarks/load_throughput.py. Used where nothing better is known (no CUDA device).
+DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND = 55e9
+DEFAULT_BANDWIDTH_SOURCE = "default: pinned host to H200"
+# Activations of a stage that has not run yet are unknown; a streamed component would
+# otherwise take every byte of the budget. This share of the budget stays free for them.
+UNMEASURED_ACTIVATION_FRACTION = 0.10
+
+
+def aligned(nbytes: int, alignment: int = ALIGNMENT_BYTES) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def packed_offsets(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """Offsets of tensors of ``sizes`` bytes laid out back to back at aligned offsets."""
+    offsets, end = [], 0
+    for nbytes in sizes:
+        offsets.append(end)
+        end += aligned(nbytes)
+    return tuple(offsets), end
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """A component's repeated blocks, known from its meta skeleton: what streaming needs."""
+
+    path: str  # the ModuleList, e.g. "blocks"
+    block_bytes: tuple[int, ...]  # each block's tensors, exactly
+    packed_bytes: tuple[int, ...]  # each block packed in one buffer (a slot, a host copy)
+    other_bytes: int  # everything outside the blocks: always resident
+
+    @property
+    def block_count(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.other_bytes + sum(self.block_bytes)
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Which blocks of a component stay on the device and which are streamed each pass."""
+
+    path: str
+    block_count: int
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    slot_count: int
+    slot_bytes: int
+    device_bytes: int  # non-block parts + resident blocks + slots
+    bytes_per_pass: int  # copied host to device per forward pass (= host copy bytes)
+
+    def transfer_seconds(self, bytes_per_second: float) -> float:
+        return self.bytes_per_pass / bytes_per_second if bytes_per_second > 0 else float("inf")
+
+    def describe(self, component: str, bytes_per_second: float, source: str) -> list[str]:
+        return [
+            f"  {component}.{self.path}: {len(self.resident)} of {self.block_count} blocks "
+            f"resident (evenly spaced), {len(self.streamed)} streamed through "
+            f"{self.slot_count} slots of {format_bytes(self.slot_bytes)}",
+            f"    {format_bytes(self.bytes_per_pass)} host to device per forward pass, "
+            f"{_seconds(self.transfer_seconds(bytes_per_second))} per pass at "
+            f"{bytes_per_second / 1e9:.1f} GB/s ({source})",
+            f"    on the device {format_bytes(self.device_bytes)}; pinned host copies "
+            f"{format_bytes(self.bytes_per_pass)}; streamed blocks {list(self.streamed)}",
+        ]
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
+
+
+def evenly_spaced(count: int, chosen: int) -> tuple[int, ...]:
+    """``chosen`` indices of ``range(count)`` spread evenly (28 of 40 leave gaps of 1 or 2)."""
+    if chosen <= 0:
+        return ()
+    chosen = min(chosen, count)
+    return tuple((2 * i + 1) * count // (2 * chosen) for i in range(chosen))
+
+
+def stream_layout(
+    sizes: BlockSizes, available_bytes: int, *, slots: int = DEFAULT_SLOTS
+) -> StreamLayout | None:
+    """The most resident blocks that fit ``available_bytes`` with the slots streaming needs.
+
+    Everything resident when the whole component fits. None when even streaming every
+    block does not fit (the non-block parts and the slots alone are too large).
+    """
+    count = sizes.block_count
+    if sizes.total_bytes <= available_bytes:
+        return StreamLayout(sizes.path, count, tuple(range(count)), (), 0, 0, sizes.total_bytes, 0)
+    for kept in range(count - 1, -1, -1):
+        resident = evenly_spaced(count, kept)
+        keep = set(resident)
+        streamed = tuple(i for i in range(count) if i not in keep)
+        slot_count = max(1, min(slots, len(streamed)))
+        slot_bytes = max(sizes.packed_bytes[i] for i in streamed)
+        device = (
+            sizes.other_bytes
+            + sum(sizes.block_bytes[i] for i in resident)
+            + slot_count * slot_bytes
+        )
+        if device <= available_bytes:
+            return StreamLayout(
+                sizes.path,
+                count,
+                resident,
+                streamed,
+                slot_count,
+                slot_bytes,
+                device,
+                sum(sizes.packed_bytes[i] for i in streamed),
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class StreamingInputs:
+    """What the planner may stream: per component, its blocks; and how fast copies go."""
+
+    candidates: Mapping[str, BlockSizes] = field(default_factory=dict)
+    slots: int = DEFAULT_SLOTS
+    bytes_per_second: float = DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND
+    bandwidth_source: str = DEFAULT_BANDWIDTH_SOURCE
+    unmeasured_activation_fraction: float = UNMEASURED_ACTIVATION_FRACTION
+    unavailable: str | None = None  # why nothing can stream here (unified memory)
+    # Measures the copy bandwidth; called only when something streams.
+    measure: Callable[[], tuple[float, str]] | None = None
+
+    def bandwidth(self) -> tuple[float, str]:
+        if self.measure is not None:
+            return self.measure()
+        return self.bytes_per_second, self.bandwidth_source
+
+
+def plan_streaming(
+    uses: Sequence[Any],
+    nbytes: Mapping[str, int],
+    *,
+    budget: int,
+    activation: Mapping[str, int | None],
+    inputs: StreamingInputs,
+) -> tuple[dict[str, StreamLayout], list[str]]:
+    """Which components to stream, and how, so that every stage fits ``budget``.
+
+    ``uses`` are the stages (``name``, ``components``) in order. A stage whose components
+    and activations overflow streams its largest component with repeated blocks; that
+    component gets what the tightest stage holding it leaves free. Returns the layouts
+    and notes a person can read (why something could not stream, what was assumed).
+    """
+    notes: list[str] = []
+    chosen: list[str] = []
+    for use in uses:
+        held = set(use.components)
+        required = sum(nbytes[c] for c in held) + (activation.get(use.name) or 0)
+        if required <= budget:
+            continue
+        if inputs.unavailable:
+            note = f"streaming blocks cannot help: {inputs.unavailable}"
+            if note not in notes:
+                notes.append(note)
+            continue
+        streamable = [c for c in use.components if c in inputs.candidates]
+        if not streamable:
+            notes.append(
+                f"stage '{use.name}': none of its components "
+                f"({', '.join(use.components) or 'none'}) has repeated blocks to stream"
+            )
+            continue
+        pick = max(streamable, key=lambda c: (nbytes[c], c))
+        if pick not in chosen:
+            chosen.append(pick)
+
+    layouts: dict[str, StreamLayout] = {}
+    guessed: list[str] = []
+    for component in chosen:
+        sizes = inputs.candidates[component]
+        available, tightest = None, None
+        for use in uses:
+            if component not in use.components:
+                continue
+            measured = activation.get(use.name)
+            headroom = measured
+            if measured is None:
+                headroom = int(budget * inputs.unmeasured_activation_fraction)
+                if headroom and use.name not in guessed:
+                    guessed.append(use.name)
+            others = sum(nbytes[c] for c in set(use.components) if c != component)
+            room = budget - headroom - others
+            if available is None or room < available:
+                available, tightest = room, (use.name, others, headroom)
+        layout = stream_layout(sizes, available, slots=inputs.slots)
+        if layout is None:
+            stage, others, headroom = tightest
+            smallest = sizes.other_bytes + max(1, min(inputs.slots, sizes.block_count)) * max(
+                sizes.packed_bytes
+            )
+            notes.append(
+                f"stage '{stage}': even streaming every block, '{component}' needs "
+                f"{format_bytes(smallest)} on the device (its non-block parts and "
+                f"{inputs.slots} slots), and only {format_bytes(max(0, available))} is left "
+                f"beside {format_bytes(others)} of other components and "
+                f"{format_bytes(headroom)} of activations"
+            )
+            continue
+        if layout.streamed:
+            layouts[component] = layout
+    for stage in guessed:
+        notes.append(
+            f"activations of '{stage}' not measured yet: "
+            f"{format_bytes(int(budget * inputs.unmeasured_activation_fraction))} "
+            f"({inputs.unmeasured_activation_fraction:.0%} of the budget) kept free for them "
+            "while its component streams"
+        )
+    return layouts, notes

@@ -1,0 +1,180 @@
+"""Block streaming for a pipeline's components, as the budget policy uses it.
+
+``BlockStreaming.inputs`` tells the planner which components have repeated blocks (and
+their sizes, from the meta skeleton); ``apply`` gives each component's loader the plan's
+layout before anything loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .host import host_to_device_bytes_per_second
+from .layout import (
+    DEFAULT_BANDWIDTH_SOURCE,
+    DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND,
+    DEFAULT_SLOTS,
+    UNMEASURED_ACTIVATION_FRACTION,
+    BlockSizes,
+    StreamingInputs,
+    StreamLayout,
+)
+from .streamer import BlockStreamer, describe_blocks, find_blocks
+
+__all__ = ["BlockStreaming", "StreamOptions"]
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How the budget policy streams blocks.
+
+    ``unified``: None asks the device; False treats it as a discrete device (the CPU
+    then emulates one: the tests run the streaming path that way). ``keep_host_copies``
+    keeps streamed blocks' host copies across releases, so a reload reads only the
+    resident part from the files; ``BlockStreaming.drop_host_copies()`` frees them.
+    """
+
+    slots: int = DEFAULT_SLOTS
+    bytes_per_second: float | None = None  # None: measured once on CUDA, else the default
+    unified: bool | None = None
+    unmeasured_activation_fraction: float = UNMEASURED_ACTIVATION_FRACTION
+    keep_host_copies: bool = True
+
+
+class BlockStreaming:
+    """Block streaming for one pipeline's components, driven by the budget policy.
+
+    ``inputs`` tells the planner what could stream; ``apply`` puts the plan's layouts on
+    the components' loaders (placements), releasing a component loaded another way.
+    """
+
+    def __init__(self, options: StreamOptions | None = None):
+        self.options = options or StreamOptions()
+        self.streamers: dict[str, BlockStreamer] = {}
+        self._candidates: dict[str, tuple[Any, BlockStreamer | None]] = {}
+        self._lock = threading.Lock()
+
+    def inputs(self, pipeline: Any) -> StreamingInputs:
+        from ..memory import device_facts
+
+        options = self.options
+        unified = options.unified
+        if unified is None:
+            unified = device_facts(pipeline.device).unified
+        if unified:
+            return StreamingInputs(
+                slots=options.slots,
+                unavailable=(
+                    f"{pipeline.device} is unified memory: host and device are one pool, so "
+                    "moving blocks to host memory frees nothing"
+                ),
+            )
+        hints = getattr(pipeline, "streamable_blocks", None) or {}
+        candidates: dict[str, BlockSizes] = {}
+        for name, proxy in pipeline.deferred.items():
+            if name in hints and not hints[name]:
+                continue
+            streamer = self._streamer_for(name, proxy, hints.get(name))
+            if streamer is not None:
+                candidates[name] = streamer.sizes
+        measure = None
+        if options.bytes_per_second:
+            bandwidth, source = options.bytes_per_second, "given"
+        else:
+            bandwidth, source = DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND, DEFAULT_BANDWIDTH_SOURCE
+            measure = functools.partial(host_to_device_bytes_per_second, pipeline.device)
+        return StreamingInputs(
+            candidates=candidates,
+            slots=options.slots,
+            bytes_per_second=bandwidth,
+            bandwidth_source=source,
+            unmeasured_activation_fraction=options.unmeasured_activation_fraction,
+            measure=measure,
+        )
+
+    def _streamer_for(self, name: str, proxy: Any, hint: str | None) -> BlockStreamer | None:
+        loader = object.__getattribute__(proxy, "_ondeck_loader")
+        if not hasattr(loader, "placement") or not hasattr(loader, "folder"):
+            return None  # only ComponentLoader can place weights in host memory
+        with self._lock:
+            known = self._candidates.get(name)
+            if known is not None and known[0] is loader:
+                return known[1]
+            streamer = None
+            try:
+                skeleton = loader.folder.template(loader.name, loader.dtype)
+                path = find_blocks(skeleton.module, hint)
+                if path is not None:
+                    sizes, tensors = describe_blocks(skeleton, path)
+                    streamer = BlockStreamer(
+                        name,
+                        sizes,
+                        tensors,
+                        loader.device,
+                        keep_host_copies=self.options.keep_host_copies,
+                    )
+            except Exception:
+                streamer = None  # the load itself reports what is wrong with the folder
+            self._candidates[name] = (loader, streamer)
+            return streamer
+
+    def apply(self, pipeline: Any, layouts: Mapping[str, StreamLayout]) -> None:
+        """Give each component's loader its layout (or none) before anything loads."""
+        from ..lazy import is_loaded
+
+        for name, proxy in pipeline.deferred.items():
+            known = self._candidates.get(name)
+            if known is None:
+                continue
+            loader, streamer = known
+            if streamer is None:
+                continue
+            layout = layouts.get(name)
+            if loader.placement is streamer and streamer.layout == layout:
+                continue
+            if loader.placement is None and layout is None:
+                continue
+            # Loaded another way: release it, the next load places it the new way.
+            if is_loaded(proxy):
+                proxy.release()
+            if layout is None:
+                loader.placement = None
+                streamer.drop_host_copies()
+                self.streamers.pop(name, None)
+            else:
+                streamer.use_layout(layout)
+                loader.placement = streamer
+                self.streamers[name] = streamer
+
+    def device_bytes(self) -> dict[str, int]:
+        """What each streamed component takes on the device under its layout."""
+        return {
+            name: streamer.layout.device_bytes
+            for name, streamer in self.streamers.items()
+            if streamer.layout is not None
+        }
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        result = {}
+        for name, streamer in self.streamers.items():
+            layout = streamer.layout
+            result[name] = {
+                "resident_blocks": list(layout.resident) if layout else [],
+                "streamed_blocks": list(layout.streamed) if layout else [],
+                "bytes_per_pass": layout.bytes_per_pass if layout else 0,
+                "device_bytes": layout.device_bytes if layout else 0,
+                "host_copy_bytes": streamer.host_bytes,
+                "passes": streamer.stats.passes,
+                "copies": streamer.stats.copies,
+                "bytes_copied": streamer.stats.bytes_copied,
+                "host_bytes_read": streamer.stats.host_bytes_read,
+            }
+        return result
+
+    def drop_host_copies(self) -> int:
+        """Free host copies of components not loaded now; returns the bytes freed."""
+        return sum(streamer.drop_host_copies() for streamer in self.streamers.values())

@@ -1,0 +1,486 @@
+"""The runtime of block streaming for one component.
+
+During a load, ``BlockStreamer`` (the loader's placement) puts streamed blocks' tensors
+in host memory. Once loaded, the module is armed: a few device slots, forward hooks on
+the streamed blocks, and their parameters bound to views of a slot. A block's pre-hook
+waits for its copy and binds it; it also starts copying the next streamed block into a
+slot whose block has finished, on a side CUDA stream. A slot is rewritten only after an
+event says the compute that read it is done. Release removes hooks and slots.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .host import HostCopies
+from .layout import BlockSizes, StreamLayout, packed_offsets
+
+__all__ = ["BlockStreamer", "StreamStats", "describe_blocks", "find_blocks"]
+
+
+@dataclass
+class StreamStats:
+    passes: int = 0  # forward passes of the component
+    copies: int = 0  # block copies host to device
+    bytes_copied: int = 0
+    host_bytes_read: int = 0  # read from files into host copies
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor of a block: where it sits in the block's packed buffer."""
+
+    names: tuple[str, ...]  # full names in the component; several when tied
+    offset: int
+    nbytes: int
+    dtype: Any
+    shape: tuple[int, ...]
+    is_parameter: bool
+    requires_grad: bool
+
+
+def find_blocks(module: Any, path: str | None = None) -> str | None:
+    """The ModuleList of repeated blocks: ``path`` if given, else the largest ModuleList
+    (by parameter bytes) of two or more children that all share one class."""
+    import torch
+
+    if path:
+        found = module.get_submodule(path)
+        if not isinstance(found, torch.nn.ModuleList) or len(found) == 0:
+            raise ValueError(f"'{path}' is not a non-empty ModuleList")
+        return path
+    best: tuple[int, str] | None = None
+    for name, child in module.named_modules():
+        if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
+            continue
+        if len({type(block) for block in child}) != 1:
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in child.parameters())
+        if nbytes and (best is None or nbytes > best[0]):
+            best = (nbytes, name)
+    return best[1] if best else None
+
+
+def _block_index(names: Iterable[str], prefix: str) -> int | None:
+    index = None
+    for name in names:
+        if not name.startswith(prefix):
+            return None
+        head = name[len(prefix) :].split(".", 1)[0]
+        if not head.isdigit() or (index is not None and int(head) != index):
+            return None
+        index = int(head)
+    return index
+
+
+def describe_blocks(skeleton: Any, path: str) -> tuple[BlockSizes, tuple[tuple[_Tensor, ...], ...]]:
+    """Bytes per block and each block's packed tensor layout, from a meta skeleton."""
+    count = len(skeleton.module.get_submodule(path))
+    members: list[list[Any]] = [[] for _ in range(count)]
+    for slot in skeleton.slots:
+        index = _block_index(slot.names, f"{path}.")
+        if index is not None:
+            members[index].append(slot)
+    tensors, block_bytes, packed = [], [], []
+    for slots in members:
+        offsets, end = packed_offsets([slot.nbytes for slot in slots])
+        tensors.append(
+            tuple(
+                _Tensor(
+                    tuple(slot.names),
+                    offset,
+                    slot.nbytes,
+                    slot.dtype,
+                    tuple(slot.shape),
+                    slot.is_parameter,
+                    slot.requires_grad,
+                )
+                for slot, offset in zip(slots, offsets, strict=True)
+            )
+        )
+        block_bytes.append(sum(slot.nbytes for slot in slots))
+        packed.append(end)
+    other = skeleton.nbytes - sum(block_bytes)
+    return BlockSizes(path, tuple(block_bytes), tuple(packed), other), tuple(tensors)
+
+
+class BlockStreamer:
+    """Places one component's streamed blocks in host memory and streams them at run time.
+
+    It is the ``placement`` of the component's ``ComponentLoader``: during a load it hands
+    out host buffers for streamed blocks' tensors (``destination``), then arms the loaded
+    module (``finish``): device slots, forward hooks, and streamed parameters bound to
+    slot views. ``unload`` removes all of it when the component is released.
+    """
+
+    def __init__(
+        self,
+        component: str,
+        sizes: BlockSizes,
+        tensors: tuple[tuple[_Tensor, ...], ...],
+        device: Any,
+        *,
+        keep_host_copies: bool = True,
+    ):
+        import torch
+
+        self.component = component
+        self.sizes = sizes
+        self.path = sizes.path
+        self.device = torch.device(device)
+        self.keep_host_copies = keep_host_copies
+        self.layout: StreamLayout | None = None
+        self.stats = StreamStats()
+        self._tensors = tensors
+        self._by_name = {
+            tensor.names[0]: (block, tensor)
+            for block, block_tensors in enumerate(tensors)
+            for tensor in block_tensors
+        }
+        self._streamed: frozenset[int] = frozenset()
+        self._host = HostCopies(pinned=self.device.type == "cuda")
+        self._armed: _Armed | None = None
+        self._reading = 0
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        layout = self.layout
+        shown = f"{len(layout.streamed)} of {layout.block_count} streamed" if layout else "idle"
+        return f"BlockStreamer({self.component!r}.{self.path}, {shown})"
+
+    @property
+    def host_bytes(self) -> int:
+        return self._host.nbytes
+
+    @property
+    def armed(self) -> bool:
+        return self._armed is not None
+
+    def use_layout(self, layout: StreamLayout) -> None:
+        """Stream by ``layout`` from the next load on. The component must not be loaded."""
+        with self._lock:
+            if self._armed is not None:
+                raise RuntimeError(
+                    f"component '{self.component}' is loaded; release it before changing "
+                    "which blocks stream"
+                )
+            self.layout = layout
+            self._streamed = frozenset(layout.streamed)
+            self._host.keep_only({b: self.sizes.packed_bytes[b] for b in layout.streamed})
+
+    def drop_host_copies(self) -> int:
+        """Free the host copies (not while the component is loaded); returns the bytes."""
+        with self._lock:
+            if self._armed is not None:
+                return 0
+            return self._host.clear()
+
+    # -- placement protocol (called by ComponentLoader) ------------------------------------
+
+    @property
+    def cache_tag(self) -> tuple:
+        """Distinguishes host-cache entries of differently placed loads of one component."""
+        return ("streamed blocks", self.path, self.layout.streamed if self.layout else ())
+
+    def destination(self, slot: Any) -> tuple[Any, bool] | None:
+        """Where a tensor of a streamed block goes (a host view), and whether it is there
+        already; None for every other tensor (it goes to the device as usual)."""
+        found = self._by_name.get(slot.names[0])
+        if found is None or found[0] not in self._streamed:
+            return None
+        block, tensor = found
+        view = _view(self._host.region(block), tensor)
+        filled = block in self._host.filled
+        if not filled:
+            self._reading += tensor.nbytes
+        return view, filled
+
+    def finish(self, module: Any) -> None:
+        """The load succeeded: arm the module for streaming."""
+        with self._lock:
+            if self._armed is not None:
+                self._armed.detach()
+            self._armed = _Armed(self, module)
+            self._host.filled.update(self._streamed)
+            self.stats.host_bytes_read += self._reading
+            self._reading = 0
+
+    def abort(self) -> None:
+        """The load failed: forget host regions it left half filled."""
+        with self._lock:
+            self._reading = 0
+            self._host.drop_unfilled()
+
+    def unload(self, module: Any) -> None:
+        """The component is being released: slots and hooks go; host copies stay if kept."""
+        with self._lock:
+            armed, self._armed = self._armed, None
+            if armed is not None:
+                armed.detach()
+            if not self.keep_host_copies:
+                self._host.clear()
+
+    # -- used by the armed module ----------------------------------------------------------
+
+    def host_region(self, block: int) -> Any:
+        return self._host.region(block)
+
+    def block_tensors(self, block: int) -> tuple[_Tensor, ...]:
+        return self._tensors[block]
+
+
+def _view(buffer: Any, tensor: _Tensor) -> Any:
+    return (
+        buffer[tensor.offset : tensor.offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+    )
+
+
+class _DeviceCopies:
+    """Copies on a side CUDA stream, ordered against the compute stream by events."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.allocation_stream = torch.cuda.current_stream(device)
+        self._streams_seen = {self.allocation_stream}
+
+    def event(self) -> Any:
+        return self.torch.cuda.Event()
+
+    def start_after_current(self) -> None:
+        # Slots may reuse memory kernels queued on the current stream still read.
+        self.stream.wait_stream(self.torch.cuda.current_stream(self.device))
+
+    def copy(self, destination: Any, source: Any, *, after: Any, done: Any) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)  # the compute that read this slot has finished
+            destination.copy_(source, non_blocking=True)
+            done.record(self.stream)
+
+    def wait(self, event: Any, buffers: Sequence[Any]) -> None:
+        current = self.torch.cuda.current_stream(self.device)
+        if current not in self._streams_seen:
+            # Computing on another stream than the slots were allocated on: tell the
+            # allocator, so a release never hands their memory out under running kernels.
+            self._streams_seen.add(current)
+            for buffer in buffers:
+                buffer.record_stream(current)
+        current.wait_event(event)
+
+    def record(self, event: Any) -> None:
+        event.record(self.torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class _ImmediateCopies:
+    """The host stands in for the device (tests): copies happen at once, events are None."""
+
+    def event(self) -> None:
+        return None
+
+    def start_after_current(self) -> None:
+        pass
+
+    def copy(self, destination: Any, source: Any, *, after: Any, done: Any) -> None:
+        destination.copy_(source)
+
+    def wait(self, event: Any, buffers: Sequence[Any]) -> None:
+        pass
+
+    def record(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Slot:
+    def __init__(self, buffer: Any, copies: Any):
+        self.buffer = buffer
+        self.ready = copies.event()  # recorded after the copy into the slot
+        self.free = copies.event()  # recorded after the compute that read the slot
+        self.block: int | None = None
+        self.used = False  # its block has been bound for compute since the copy
+        self.busy = False  # its block is computing (between the block's hooks)
+        self.used_at = -1
+        self.bound: dict[int, list[Any]] = {}  # block -> parameters viewing this slot
+
+
+class _Armed:
+    """One loaded module set up for streaming: slots, hooks and bindings."""
+
+    def __init__(self, streamer: BlockStreamer, module: Any):
+        import torch
+
+        layout = streamer.layout
+        self.streamer = streamer
+        self.stats = streamer.stats
+        self.module = module
+        device = streamer.device
+        self.copies = _DeviceCopies(device) if device.type == "cuda" else _ImmediateCopies()
+        self.slots = [
+            _Slot(torch.empty(layout.slot_bytes, dtype=torch.uint8, device=device), self.copies)
+            for _ in range(layout.slot_count)
+        ]
+        self.copies.start_after_current()
+        self.order = layout.streamed
+        self.position = {block: index for index, block in enumerate(self.order)}
+        self.clock = 0
+        blocks = module.get_submodule(streamer.path)
+        self.targets: dict[int, list[tuple[Any, str, bool]]] = {}
+        self.placeholders: list[tuple[Any, str, bool, Any]] = []
+        self.sources = {block: streamer.host_region(block) for block in self.order}
+        self.nbytes = {block: streamer.sizes.packed_bytes[block] for block in self.order}
+        for block in self.order:
+            targets = []
+            for tensor in streamer.block_tensors(block):
+                for name in tensor.names:
+                    owner_name, _, attribute = name.rpartition(".")
+                    owner = module.get_submodule(owner_name)
+                    targets.append((owner, attribute, tensor.is_parameter))
+                    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    if tensor.is_parameter:
+                        meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                    self.placeholders.append((owner, attribute, tensor.is_parameter, meta))
+            self.targets[block] = targets
+            # Parameters viewing each slot, made once here, outside any inference mode.
+            for slot in self.slots:
+                slot.bound[block] = self._views(block, slot)
+            # Until the block first runs, its tensors view slot 0: right shape, dtype and
+            # device (so .device, .dtype and .to() behave), never computed on unbound.
+            self._bind(block, self.slots[0])
+        # Registered as buffers, the slots count in the component's measured bytes.
+        self.slot_names = []
+        for index, slot in enumerate(self.slots):
+            name = f"_ondeck_stream_slot{index}"
+            module.register_buffer(name, slot.buffer, persistent=False)
+            self.slot_names.append(name)
+        self.handles = [module.register_forward_pre_hook(self._pass_starts)]
+        for block in self.order:
+            child = blocks[block]
+            self.handles.append(
+                child.register_forward_pre_hook(functools.partial(self._block_starts, block))
+            )
+            self.handles.append(
+                child.register_forward_hook(functools.partial(self._block_ends, block))
+            )
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _pass_starts(self, module: Any, args: Any) -> None:
+        self.stats.passes += 1
+        for slot in self.slots:
+            if slot.busy:  # a pass that raised never reached the block's end hook
+                self.copies.record(slot.free)
+                slot.busy = False
+        self._prefetch(0, len(self.slots))
+
+    def _block_starts(self, block: int, module: Any, args: Any) -> None:
+        slot = self._holding(block)
+        if slot is None:  # not prefetched (first pass, or blocks ran out of order)
+            slot = self._free_slot() or self._idle_slot()
+            if slot is None:
+                raise RuntimeError(
+                    f"component '{self.streamer.component}': all {len(self.slots)} streaming "
+                    "slots hold blocks that are still computing (nested block calls?)"
+                )
+            self._issue(block, slot)
+        self.copies.wait(slot.ready, [s.buffer for s in self.slots])
+        self._bind(block, slot)
+        slot.busy, slot.used = True, True
+        self.clock += 1
+        slot.used_at = self.clock
+        self._prefetch(self.position[block] + 1, len(self.slots) - 1)
+
+    def _block_ends(self, block: int, module: Any, args: Any, output: Any) -> None:
+        slot = self._holding(block)
+        if slot is not None and slot.busy:
+            self.copies.record(slot.free)
+            slot.busy = False
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def _holding(self, block: int) -> _Slot | None:
+        for slot in self.slots:
+            if slot.block == block:
+                return slot
+        return None
+
+    def _free_slot(self) -> _Slot | None:
+        """An idle slot whose block has been used (or that holds none), least recent first."""
+        free = [s for s in self.slots if not s.busy and (s.block is None or s.used)]
+        return min(free, key=lambda s: s.used_at) if free else None
+
+    def _idle_slot(self) -> _Slot | None:
+        idle = [s for s in self.slots if not s.busy]
+        return min(idle, key=lambda s: s.used_at) if idle else None
+
+    def _prefetch(self, start: int, count: int) -> None:
+        streamed = len(self.order)
+        for step in range(min(count, streamed)):
+            upcoming = self.order[(start + step) % streamed]
+            if self._holding(upcoming) is not None:
+                continue
+            slot = self._free_slot()
+            if slot is None:
+                return
+            self._issue(upcoming, slot)
+
+    def _issue(self, block: int, slot: _Slot) -> None:
+        nbytes = self.nbytes[block]
+        slot.block, slot.used = block, False
+        self.copies.copy(
+            slot.buffer[:nbytes], self.sources[block], after=slot.free, done=slot.ready
+        )
+        self.stats.copies += 1
+        self.stats.bytes_copied += nbytes
+
+    def _views(self, block: int, slot: _Slot) -> list[Any]:
+        import torch
+
+        values = []
+        for tensor in self.streamer.block_tensors(block):
+            view = _view(slot.buffer, tensor)
+            if tensor.is_parameter:
+                view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
+            values.extend([view] * len(tensor.names))
+        return values
+
+    def _bind(self, block: int, slot: _Slot) -> None:
+        for (owner, attribute, is_parameter), value in zip(
+            self.targets[block], slot.bound[block], strict=True
+        ):
+            if is_parameter:
+                owner._parameters[attribute] = value
+            else:
+                owner._buffers[attribute] = value
+
+    def detach(self) -> None:
+        """Remove hooks and slots; streamed tensors become meta placeholders."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.copies.synchronize()  # a prefetch may still be writing into a slot
+        for owner, attribute, is_parameter, placeholder in self.placeholders:
+            if is_parameter:
+                owner._parameters[attribute] = placeholder
+            else:
+                owner._buffers[attribute] = placeholder
+        for name in self.slot_names:
+            self.module._buffers.pop(name, None)
+        for slot in self.slots:
+            slot.bound.clear()
+        self.slots.clear()
+        self.placeholders.clear()
+        self.targets.clear()
+        self.sources.clear()
+        self.module = None

@@ -1,0 +1,149 @@
+"""The layout arithmetic, from sizes alone: which blocks stay, what streams, what it costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ondeck.plan import StageUse, build_plan
+from ondeck.streaming import (
+    BlockSizes,
+    StreamingInputs,
+    evenly_spaced,
+    plan_streaming,
+    stream_layout,
+)
+from ondeck.streaming.host import pack_arenas
+
+GiB = 2**30
+
+# Wan 2.1 14B's transformer, in round numbers: 40 blocks of 0.66 GiB, 0.4 GiB outside.
+BLOCK = int(0.66 * GiB)
+WAN14B = BlockSizes("blocks", (BLOCK,) * 40, (BLOCK + 4096,) * 40, int(0.4 * GiB))
+USES = [
+    StageUse("EncodePrompt", ("text_encoder",)),
+    StageUse("PrepareLatents", ()),
+    StageUse("Denoise", ("transformer",)),
+    StageUse("Decode", ("vae",)),
+]
+SIZES = {"text_encoder": int(10.6 * GiB), "transformer": WAN14B.total_bytes, "vae": GiB // 2}
+INPUTS = StreamingInputs({"transformer": WAN14B}, unmeasured_activation_fraction=0.0)
+
+
+def test_evenly_spaced_indices_leave_gaps_of_one_or_two():
+    resident = evenly_spaced(40, 28)
+    assert len(resident) == len(set(resident)) == 28
+    streamed = [i for i in range(40) if i not in resident]
+    assert max(b - a for a, b in zip(streamed, streamed[1:], strict=False)) <= 4
+    assert evenly_spaced(6, 3) == (1, 3, 5)
+    assert evenly_spaced(6, 1) == (3,)
+    assert evenly_spaced(5, 5) == (0, 1, 2, 3, 4)
+    assert evenly_spaced(5, 0) == ()
+
+
+def test_layout_keeps_as_many_blocks_as_fit_beside_the_slots():
+    sizes = BlockSizes("blocks", (100,) * 10, (128,) * 10, 50)
+    available = 50 + 2 * 128 + 5 * 100
+    layout = stream_layout(sizes, available, slots=2)
+    assert layout.resident == evenly_spaced(10, 5)
+    assert len(layout.streamed) == 5
+    assert layout.slot_count == 2 and layout.slot_bytes == 128
+    assert layout.device_bytes == available
+    assert stream_layout(sizes, available - 1, slots=2).resident == evenly_spaced(10, 4)
+
+
+def test_bytes_per_pass_are_the_streamed_blocks_packed():
+    layout = stream_layout(WAN14B, 20 * GiB)
+    assert layout.bytes_per_pass == len(layout.streamed) * (BLOCK + 4096)
+    assert set(layout.resident) | set(layout.streamed) == set(range(40))
+    assert layout.transfer_seconds(55e9) == pytest.approx(layout.bytes_per_pass / 55e9)
+
+
+def test_a_component_that_fits_keeps_every_block():
+    layout = stream_layout(WAN14B, WAN14B.total_bytes)
+    assert layout.streamed == () and layout.slot_count == 0
+    assert layout.device_bytes == WAN14B.total_bytes
+
+
+def test_no_layout_when_even_streaming_every_block_does_not_fit():
+    smallest = WAN14B.other_bytes + 2 * (BLOCK + 4096)
+    assert stream_layout(WAN14B, smallest - 1) is None
+    assert stream_layout(WAN14B, smallest).resident == ()
+
+
+def test_a_24_gib_card_streams_the_transformer_and_keeps_most_blocks():
+    layouts, notes = plan_streaming(
+        USES, SIZES, budget=22 * GiB, activation={"Denoise": 2 * GiB}, inputs=INPUTS
+    )
+    layout = layouts["transformer"]
+    assert set(layouts) == {"transformer"} and notes == []
+    # 22 GiB - 2 GiB activations - 0.4 GiB other - 2 slots of 0.66 GiB: 27 blocks.
+    assert len(layout.resident) == 27
+    assert layout.device_bytes <= 20 * GiB
+
+
+def test_unmeasured_activations_get_a_share_of_the_budget():
+    inputs = StreamingInputs({"transformer": WAN14B}, unmeasured_activation_fraction=0.1)
+    layouts, notes = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
+    assert layouts["transformer"].device_bytes <= 18 * GiB
+    assert any("not measured yet" in note and "'Denoise'" in note for note in notes)
+
+
+def test_unified_memory_streams_nothing_and_says_why():
+    inputs = StreamingInputs(unavailable="cpu is unified memory: nothing to free")
+    layouts, notes = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
+    assert layouts == {}
+    assert notes == ["streaming blocks cannot help: cpu is unified memory: nothing to free"]
+
+
+def test_a_stage_without_blocks_is_named():
+    layouts, notes = plan_streaming(
+        USES,
+        SIZES,
+        budget=8 * GiB,
+        activation={},
+        inputs=INPUTS,
+    )
+    assert "transformer" in layouts
+    assert any("'EncodePrompt'" in note and "repeated blocks" in note for note in notes)
+
+
+def test_plan_text_shows_resident_blocks_bytes_per_pass_and_transfer_time():
+    plan = build_plan(
+        USES,
+        SIZES,
+        policy="budget",
+        budget=22 * GiB,
+        activation={"Denoise": 2 * GiB},
+        streaming=INPUTS,
+    )
+    layout = plan.streamed["transformer"]
+    text = str(plan)
+    assert plan.fits()
+    assert plan.component_bytes["transformer"] == WAN14B.total_bytes
+    assert plan.device_bytes["transformer"] == layout.device_bytes
+    assert "transformer.blocks: 27 of 40 blocks resident" in text
+    assert "13 streamed through 2 slots" in text
+    assert f"{layout.bytes_per_pass / GiB:.2f} GiB host to device per forward pass" in text
+    assert f"{layout.bytes_per_pass / 55e9 * 1000:.1f} ms per pass at 55.0 GB/s" in text
+    assert dict((name, nbytes) for name, _, nbytes in plan.stages)["Denoise"] == (
+        layout.device_bytes
+    )
+
+
+def test_without_streaming_inputs_the_plan_is_unchanged():
+    plan = build_plan(USES, SIZES, policy="budget", budget=22 * GiB, activation={})
+    assert plan.streamed == {} and not plan.fits()
+
+
+def test_pinned_arenas_are_powers_of_two_and_waste_little():
+    sizes = dict.fromkeys(range(13), BLOCK + 4096)
+    arenas = pack_arenas(sizes, round_to_power_of_two=True)
+    assert all(capacity & (capacity - 1) == 0 for capacity, _ in arenas)
+    placed = {block for _, members in arenas for block in members}
+    assert placed == set(range(13))
+    total = sum(capacity for capacity, _ in arenas)
+    assert total < 1.1 * sum(sizes.values())
+    for capacity, members in arenas:
+        ends = [offset + sizes[block] for block, offset in members.items()]
+        assert max(ends) <= capacity
+    assert pack_arenas(sizes, round_to_power_of_two=False)[0][0] >= sum(sizes.values())
