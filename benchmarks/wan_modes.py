@@ -5,7 +5,9 @@
 Generates ``--runs`` videos with different prompts (480x832, 33 frames, 4 steps, guidance
 on by default) and prints one ``RESULT {json}`` line: wall time per run, peak device
 memory allocated per run, peak host RSS, and for ondeck modes the exposed load seconds,
-bytes loaded per run, predicted and measured resident peaks.
+bytes loaded per run, predicted and measured resident peaks. ``ondeck-stream`` is the
+budget policy on the (emulated) device, streaming the transformer's blocks that do not
+fit; it also records the layout and the bytes streamed per run.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def ondeck_pipeline(folder: Path, mode: str, args):
     from ondeck.pipelines.wan import WanTextToVideo
 
     policy = mode.removeprefix("ondeck-")
-    prefetch = policy == "budget-prefetch"
-    if policy.startswith("budget"):
+    prefetch = policy in ("budget-prefetch", "stream")
+    if policy.startswith("budget") or policy == "stream":
         policy = "budget"
     host_cache = HostCache(int(args.host_cache_gib * 2**30)) if args.host_cache_gib else None
     return WanTextToVideo.from_folder(
@@ -80,6 +82,31 @@ def ondeck_pipeline(folder: Path, mode: str, args):
         host_cache=host_cache,
         progress=False,
     )
+
+
+def bytes_streamed(pipe) -> int:
+    """Block bytes copied host to device so far (ondeck streaming), 0 otherwise."""
+    streaming = getattr(getattr(pipe, "policy", None), "streaming", None)
+    if streaming is None:
+        return 0
+    return sum(stats["bytes_copied"] for stats in streaming.stats().values())
+
+
+def streaming_summary(plan) -> dict:
+    return {
+        name: {
+            "resident_blocks": len(layout.resident),
+            "streamed_blocks": len(layout.streamed),
+            "bytes_per_pass": layout.bytes_per_pass,
+            "device_bytes": layout.device_bytes,
+            "predicted_seconds_per_pass": layout.transfer_seconds(
+                plan.transfer_bytes_per_second or 0
+            ),
+            "bandwidth_bytes_per_second": plan.transfer_bytes_per_second,
+            "bandwidth_source": plan.transfer_source,
+        }
+        for name, layout in plan.streamed.items()
+    }
 
 
 def main() -> None:
@@ -110,12 +137,17 @@ def main() -> None:
         else:
             pipe = ondeck_pipeline(folder, args.mode, args)
             result["policy_reason"] = pipe.policy.reason
-            result["predicted_peak_bytes"] = pipe.plan().peak_bytes
+            plan = pipe.plan()
+            result["predicted_peak_bytes"] = plan.peak_bytes
+            if plan.streamed:
+                result["planned_streaming"] = streaming_summary(plan)
+                print(plan, file=sys.stderr, flush=True)
         torch.cuda.synchronize()
         result["setup_seconds"] = time.perf_counter() - started
         for run, prompt in enumerate(PROMPTS[: args.runs]):
             torch.cuda.reset_peak_memory_stats()
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
+            streamed_before = bytes_streamed(pipe)
             started = time.perf_counter()
             if args.mode in DIFFUSERS_MODES:
                 generator = torch.Generator("cpu").manual_seed(run)
@@ -151,6 +183,10 @@ def main() -> None:
                 )
                 row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(run + 1)
                 row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
+            streaming = getattr(getattr(pipe, "policy", None), "streaming", None)
+            if streaming is not None and streaming.streamers:
+                row["bytes_streamed"] = bytes_streamed(pipe) - streamed_before
+                row["streaming"] = streaming.stats()
             result["runs"].append(row)
             print(f"{args.mode} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
             del frames

@@ -1,0 +1,155 @@
+"""Block streaming against diffusers' offloading, on a Wan 2.1 14B-shaped folder.
+
+    python benchmarks/streaming.py [--folder DIR] [--modes stream-24,stream-16,eager,...]
+
+The transformer alone (26.6 GiB) does not fit a 24 GiB card, so ``release`` cannot run
+it; ondeck's budget policy streams the blocks that do not fit. Compared in one run, each
+mode in its own process (480x832, 33 frames, 4 steps, guidance on, three generations):
+
+    eager          diffusers, everything on the GPU (the reference time; ~55 s)
+    group-offload  diffusers enable_group_offload(block_level, 1 block, use_stream) (~140 s)
+    model-offload  diffusers enable_model_cpu_offload() (~150 s)
+    stream-24      ondeck, policy budget on a device emulated at 24 GiB
+    stream-16      ondeck, policy budget on a device emulated at 16 GiB
+
+Per mode: wall time of runs 2-3, peak device bytes allocated, peak host RSS (VmHWM),
+bytes streamed per generation. Building the folder takes ~55 s. Modes run in the order
+given; one that would not finish before ``--deadline-s`` (counted from the start) is
+skipped and named, with the command that runs it. Results go to $OUT/streaming.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GiB, build_wan14b_folder, folder_bytes, out_dir, run_child, warm_page_cache  # noqa: E402
+from wan_suite import summary_line  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+# name: (wan_modes mode, emulated device GiB or None, seconds the mode takes on an H200)
+MODES = {
+    "stream-24": ("ondeck-stream", 24, 100),
+    "stream-16": ("ondeck-stream", 16, 110),
+    "eager": ("diffusers-eager", None, 65),
+    "group-offload": ("diffusers-group-offload", None, 155),
+    "model-offload": ("diffusers-model-offload", None, 165),
+}
+DEFAULT_MODES = ["stream-24", "stream-16", "eager", "group-offload", "model-offload"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b"))
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, in order: {', '.join(MODES)}",
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=510)
+    args = parser.parse_args()
+    modes = [name.strip() for name in args.modes.split(",") if name.strip()]
+    unknown = [name for name in modes if name not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+
+    # The same allocator settings for every mode; fewer fragments under an emulated cap.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    started = time.perf_counter()
+    path = build_wan14b_folder(Path(args.folder))
+    sizes = folder_bytes(path)
+    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
+    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    print(f"(folder ready and in the page cache after {time.perf_counter() - started:.0f}s)")
+    print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
+
+    rows, skipped = [], []
+    for name in modes:
+        mode, memory_gib, expected = MODES[name]
+        left = args.deadline_s - (time.perf_counter() - started)
+        if left < expected:
+            skipped.append((name, expected, left))
+            print(f"{name}: skipped, needs ~{expected:.0f}s and {max(0, left):.0f}s are left")
+            continue
+        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode]
+        command += ["--runs", str(args.runs)]
+        if memory_gib:
+            command += ["--memory-gib", str(memory_gib)]
+            command += ["--png", str(out_dir() / f"streaming-{name}.png")]
+        row = run_child(command, timeout=max(30.0, left - 5))
+        row["label"] = f"{mode} @ {memory_gib or 139} GiB"
+        row["name"] = name
+        rows.append(row)
+        print(summary_line(row), flush=True)
+        write(rows, skipped, sizes)
+    print()
+    print_table(rows)
+    if skipped:
+        names = ",".join(name for name, _, _ in skipped)
+        print(f"\nskipped for time: {names}; run them with")
+        print(f"  python benchmarks/streaming.py --folder {path} --modes {names}")
+    print(
+        f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'streaming.json'}"
+    )
+
+
+def write(rows: list[dict], skipped: list, sizes: dict) -> None:
+    document = {
+        "folder_bytes": sizes,
+        "rows": rows,
+        "skipped": [name for name, _, _ in skipped],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (out_dir() / "streaming.json").write_text(json.dumps(document, indent=2, default=str))
+
+
+def print_table(rows: list[dict]) -> None:
+    reference = next(
+        (later_seconds(r) for r in rows if r.get("name") == "eager" and r.get("runs")), None
+    )
+    print(
+        f"{'mode':<34} {'runs 2-3 s':>10} {'vs eager':>8} {'peak alloc':>10} {'peak RSS':>9} "
+        f"{'streamed/gen':>12} {'resident blocks':>15}"
+    )
+    for row in rows:
+        runs = row.get("runs", [])
+        if not runs:
+            print(f"{row['label']:<34} failed: {str(row.get('error', ''))[:90]}")
+            continue
+        seconds = later_seconds(row)
+        ratio = f"{seconds / reference:.2f}x" if reference else "-"
+        streamed = [r.get("bytes_streamed") for r in runs[1:] or runs]
+        streamed_text = "-"
+        if streamed and None not in streamed:
+            streamed_text = f"{sum(streamed) / len(streamed) / GiB:.1f} GiB"
+        layout = (runs[-1].get("streaming") or {}).get("transformer")
+        resident = "-"
+        if layout:
+            total = len(layout["resident_blocks"]) + len(layout["streamed_blocks"])
+            resident = f"{len(layout['resident_blocks'])}/{total}"
+        print(
+            f"{row['label']:<34} {seconds:>10.1f} {ratio:>8} "
+            f"{row['peak_allocated_bytes'] / GiB:>9.1f}G {row['peak_rss_bytes'] / GiB:>8.1f}G "
+            f"{streamed_text:>12} {resident:>15}"
+        )
+        if row.get("error"):
+            print(f"{'':<34} error: {str(row['error'])[:200]}")
+
+
+def later_seconds(row: dict) -> float:
+    """Mean wall time of runs 2 and later (run 1 when there is only one)."""
+    runs = row["runs"]
+    later = [r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]]
+    return sum(later) / len(later)
+
+
+if __name__ == "__main__":
+    main()
