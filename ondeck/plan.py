@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import format_bytes, parse_bytes
-from .streaming.layout import StreamingInputs, StreamLayout, plan_streaming
+from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, plan_streaming
 
 __all__ = ["Plan", "StageUse", "plan", "release_schedule"]
 
@@ -59,6 +59,10 @@ def next_use_distance(component: str, uses: Sequence[StageUse], index: int) -> f
         if component in uses[(index + step) % count].components:
             return step
     return math.inf
+
+
+def _known(values: Mapping[str, int | None]) -> dict[str, int]:
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _total(names: Iterable[str], nbytes: Mapping[str, int]) -> int:
@@ -264,6 +268,8 @@ class Plan:
     # Components whose blocks stream because their stage cannot hold them whole.
     streamed: dict[str, StreamLayout] = field(default_factory=dict)
     streaming_notes: list[str] = field(default_factory=list)
+    # Activations kept free for stages that stream before their activations are measured.
+    reserved_activation_bytes: dict[str, int] = field(default_factory=dict)
     transfer_bytes_per_second: float | None = None
     transfer_source: str = ""
 
@@ -276,11 +282,16 @@ class Plan:
             sizes[name] = layout.device_bytes
         return sizes
 
+    @property
+    def headroom_bytes(self) -> dict[str, int | None]:
+        """Activation bytes each stage keeps free: measured, or reserved while streaming."""
+        return {**self.reserved_activation_bytes, **_known(self.activation_bytes)}
+
     def stage_requirements(self) -> list[tuple[str, int]]:
         """Bytes each stage needs by itself: its own components plus activations."""
-        sizes = self.device_bytes
+        sizes, headroom = self.device_bytes, self.headroom_bytes
         return [
-            (use.name, _total(use.components, sizes) + (self.activation_bytes.get(use.name) or 0))
+            (use.name, _total(use.components, sizes) + (headroom.get(use.name) or 0))
             for use in self.uses
         ]
 
@@ -319,6 +330,8 @@ class Plan:
         for name, resident, nbytes in self.stages:
             activation = self.activation_bytes.get(name)
             shown = format_bytes(activation) if activation is not None else "unknown"
+            if activation is None and name in self.reserved_activation_bytes:
+                shown = f"~{format_bytes(self.reserved_activation_bytes[name])}"
             lines.append(
                 f"  {name:<24} {format_bytes(nbytes):>12} {shown:>12}  {', '.join(resident)}"
             )
@@ -359,13 +372,12 @@ def build_plan(
     repeated blocks of its largest component (``Plan.streamed``)."""
     activation = dict(activation or {use.name: None for use in uses})
     component_bytes = dict(component_bytes)
-    streamed: dict[str, StreamLayout] = {}
-    notes: list[str] = []
+    choice = StreamingChoice()
     if policy == "budget" and budget is not None and streaming is not None:
         for name, blocks in streaming.candidates.items():
             if name in component_bytes:  # the whole component, even while loaded streamed
                 component_bytes[name] = blocks.total_bytes
-        streamed, notes = plan_streaming(
+        choice = plan_streaming(
             uses, component_bytes, budget=budget, activation=activation, inputs=streaming
         )
     plan_ = Plan(
@@ -377,10 +389,11 @@ def build_plan(
         activation_bytes=activation,
         uses=list(uses),
         activation_note=activation_note,
-        streamed=streamed,
-        streaming_notes=notes,
+        streamed=choice.layouts,
+        streaming_notes=choice.notes,
+        reserved_activation_bytes=choice.reserved,
     )
-    if streamed:
+    if choice.layouts:
         plan_.transfer_bytes_per_second, plan_.transfer_source = streaming.bandwidth()
     if policy == "budget" and not plan_.fits(budget):
         policy = "release"  # what would run if the budget allowed; the overflow is reported
@@ -389,7 +402,7 @@ def build_plan(
         plan_.device_bytes,
         policy=policy,
         budget=budget,
-        activation=activation,
+        activation=plan_.headroom_bytes,
         prefetch=prefetch,
     )
     last_run = [stage for stage in runs if stage.run == runs[-1].run]

@@ -189,7 +189,7 @@ class BudgetPolicy(Policy):
                 plan=plan,
             )
         if self.streaming is not None:
-            self.streaming.apply(self.pipeline, plan.streamed)
+            self.streaming.apply(self.pipeline, plan)
 
     def before_stage(self, index: int, state: Any = None) -> None:
         pipeline = self.pipeline
@@ -199,6 +199,8 @@ class BudgetPolicy(Policy):
             uses = list(uses)
             uses[index] = replace(uses[index], components=())
         activation, _ = self.activation_estimate(pipeline)
+        if self.streaming is not None:
+            activation = self.streaming.with_reserved(activation)
         try:
             step = budget_step(
                 self._resident(),

@@ -14,6 +14,7 @@ budget policy.
 
 from .layout import (
     BlockSizes,
+    StreamingChoice,
     StreamingInputs,
     StreamLayout,
     evenly_spaced,
@@ -29,6 +30,7 @@ __all__ = [
     "BlockStreaming",
     "StreamLayout",
     "StreamOptions",
+    "StreamingChoice",
     "StreamStats",
     "StreamingInputs",
     "describe_blocks",

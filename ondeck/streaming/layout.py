@@ -16,6 +16,7 @@ from ..memory import format_bytes
 __all__ = [
     "BlockSizes",
     "StreamLayout",
+    "StreamingChoice",
     "StreamingInputs",
     "evenly_spaced",
     "packed_offsets",
@@ -162,6 +163,17 @@ class StreamingInputs:
         return self.bytes_per_second, self.bandwidth_source
 
 
+@dataclass(frozen=True)
+class StreamingChoice:
+    """What the planner decided: layouts, activation bytes kept free, notes for people."""
+
+    layouts: dict[str, StreamLayout] = field(default_factory=dict)
+    # Stages holding a streamed component whose activations are not measured yet: the
+    # bytes kept free for them, in the layout and in every residency decision.
+    reserved: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
 def plan_streaming(
     uses: Sequence[Any],
     nbytes: Mapping[str, int],
@@ -169,15 +181,15 @@ def plan_streaming(
     budget: int,
     activation: Mapping[str, int | None],
     inputs: StreamingInputs,
-) -> tuple[dict[str, StreamLayout], list[str]]:
+) -> StreamingChoice:
     """Which components to stream, and how, so that every stage fits ``budget``.
 
     ``uses`` are the stages (``name``, ``components``) in order. A stage whose components
     and activations overflow streams its largest component with repeated blocks; that
-    component gets what the tightest stage holding it leaves free. Returns the layouts
-    and notes a person can read (why something could not stream, what was assumed).
+    component gets what the tightest stage holding it leaves free.
     """
-    notes: list[str] = []
+    choice = StreamingChoice()
+    notes = choice.notes
     chosen: list[str] = []
     for use in uses:
         held = set(use.components)
@@ -200,20 +212,17 @@ def plan_streaming(
         if pick not in chosen:
             chosen.append(pick)
 
-    layouts: dict[str, StreamLayout] = {}
-    guessed: list[str] = []
+    guess = int(budget * inputs.unmeasured_activation_fraction)
     for component in chosen:
         sizes = inputs.candidates[component]
-        available, tightest = None, None
+        available, tightest, guessed = None, None, []
         for use in uses:
             if component not in use.components:
                 continue
-            measured = activation.get(use.name)
-            headroom = measured
-            if measured is None:
-                headroom = int(budget * inputs.unmeasured_activation_fraction)
-                if headroom and use.name not in guessed:
-                    guessed.append(use.name)
+            headroom = activation.get(use.name)
+            if headroom is None:
+                headroom = guess
+                guessed.append(use.name)
             others = sum(nbytes[c] for c in set(use.components) if c != component)
             room = budget - headroom - others
             if available is None or room < available:
@@ -232,13 +241,15 @@ def plan_streaming(
                 f"{format_bytes(headroom)} of activations"
             )
             continue
-        if layout.streamed:
-            layouts[component] = layout
-    for stage in guessed:
-        notes.append(
-            f"activations of '{stage}' not measured yet: "
-            f"{format_bytes(int(budget * inputs.unmeasured_activation_fraction))} "
-            f"({inputs.unmeasured_activation_fraction:.0%} of the budget) kept free for them "
-            "while its component streams"
-        )
-    return layouts, notes
+        if not layout.streamed:
+            continue
+        choice.layouts[component] = layout
+        for stage in guessed:
+            if guess and stage not in choice.reserved:
+                choice.reserved[stage] = guess
+                notes.append(
+                    f"activations of '{stage}' not measured yet: {format_bytes(guess)} "
+                    f"({inputs.unmeasured_activation_fraction:.0%} of the budget) kept free "
+                    "for them while its component streams"
+                )
+    return choice

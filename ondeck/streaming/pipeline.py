@@ -56,6 +56,7 @@ class BlockStreaming:
         self.options = options or StreamOptions()
         self.streamers: dict[str, BlockStreamer] = {}
         self._candidates: dict[str, tuple[Any, BlockStreamer | None]] = {}
+        self.reserved: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def inputs(self, pipeline: Any) -> StreamingInputs:
@@ -122,10 +123,13 @@ class BlockStreaming:
             self._candidates[name] = (loader, streamer)
             return streamer
 
-    def apply(self, pipeline: Any, layouts: Mapping[str, StreamLayout]) -> None:
-        """Give each component's loader its layout (or none) before anything loads."""
+    def apply(self, pipeline: Any, plan: Any) -> None:
+        """Give each component's loader the plan's layout (or none) before anything loads,
+        and keep the activation bytes the plan reserves for streaming stages."""
         from ..lazy import is_loaded
 
+        layouts: Mapping[str, StreamLayout] = plan.streamed
+        self.reserved = dict(plan.reserved_activation_bytes)
         for name, proxy in pipeline.deferred.items():
             known = self._candidates.get(name)
             if known is None:
@@ -149,6 +153,14 @@ class BlockStreaming:
                 streamer.use_layout(layout)
                 loader.placement = streamer
                 self.streamers[name] = streamer
+
+    def with_reserved(self, activation: Mapping[str, int | None]) -> dict[str, int | None]:
+        """Activation estimates, with the reserve for streaming stages not yet measured."""
+        merged = dict(activation)
+        for stage, nbytes in self.reserved.items():
+            if merged.get(stage) is None:
+                merged[stage] = nbytes
+        return merged
 
     def device_bytes(self) -> dict[str, int]:
         """What each streamed component takes on the device under its layout."""

@@ -71,11 +71,12 @@ def test_no_layout_when_even_streaming_every_block_does_not_fit():
 
 
 def test_a_24_gib_card_streams_the_transformer_and_keeps_most_blocks():
-    layouts, notes = plan_streaming(
+    choice = plan_streaming(
         USES, SIZES, budget=22 * GiB, activation={"Denoise": 2 * GiB}, inputs=INPUTS
     )
-    layout = layouts["transformer"]
-    assert set(layouts) == {"transformer"} and notes == []
+    layout = choice.layouts["transformer"]
+    assert set(choice.layouts) == {"transformer"} and choice.notes == []
+    assert choice.reserved == {}
     # 22 GiB - 2 GiB activations - 0.4 GiB other - 2 slots of 0.66 GiB: 27 blocks.
     assert len(layout.resident) == 27
     assert layout.device_bytes <= 20 * GiB
@@ -83,28 +84,23 @@ def test_a_24_gib_card_streams_the_transformer_and_keeps_most_blocks():
 
 def test_unmeasured_activations_get_a_share_of_the_budget():
     inputs = StreamingInputs({"transformer": WAN14B}, unmeasured_activation_fraction=0.1)
-    layouts, notes = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
-    assert layouts["transformer"].device_bytes <= 18 * GiB
-    assert any("not measured yet" in note and "'Denoise'" in note for note in notes)
+    choice = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
+    assert choice.layouts["transformer"].device_bytes <= 18 * GiB
+    assert choice.reserved == {"Denoise": 2 * GiB}
+    assert any("not measured yet" in note and "'Denoise'" in note for note in choice.notes)
 
 
 def test_unified_memory_streams_nothing_and_says_why():
     inputs = StreamingInputs(unavailable="cpu is unified memory: nothing to free")
-    layouts, notes = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
-    assert layouts == {}
-    assert notes == ["streaming blocks cannot help: cpu is unified memory: nothing to free"]
+    choice = plan_streaming(USES, SIZES, budget=20 * GiB, activation={}, inputs=inputs)
+    assert choice.layouts == {}
+    assert choice.notes == ["streaming blocks cannot help: cpu is unified memory: nothing to free"]
 
 
 def test_a_stage_without_blocks_is_named():
-    layouts, notes = plan_streaming(
-        USES,
-        SIZES,
-        budget=8 * GiB,
-        activation={},
-        inputs=INPUTS,
-    )
-    assert "transformer" in layouts
-    assert any("'EncodePrompt'" in note and "repeated blocks" in note for note in notes)
+    choice = plan_streaming(USES, SIZES, budget=8 * GiB, activation={}, inputs=INPUTS)
+    assert "transformer" in choice.layouts
+    assert any("'EncodePrompt'" in n and "repeated blocks" in n for n in choice.notes)
 
 
 def test_plan_text_shows_resident_blocks_bytes_per_pass_and_transfer_time():
@@ -147,3 +143,15 @@ def test_pinned_arenas_are_powers_of_two_and_waste_little():
         ends = [offset + sizes[block] for block, offset in members.items()]
         assert max(ends) <= capacity
     assert pack_arenas(sizes, round_to_power_of_two=False)[0][0] >= sum(sizes.values())
+
+
+def test_activations_not_measured_yet_stay_free_in_every_decision():
+    inputs = StreamingInputs({"transformer": WAN14B}, unmeasured_activation_fraction=0.1)
+    budget = 22 * GiB
+    plan = build_plan(USES, SIZES, policy="budget", budget=budget, activation={}, streaming=inputs)
+    reserve = plan.reserved_activation_bytes["Denoise"]
+    assert reserve == int(budget * 0.1)
+    denoise = next(stage for stage in plan.stages if stage[0] == "Denoise")
+    assert denoise[2] + reserve <= budget
+    assert "vae" not in denoise[1]  # not prefetched into the room kept for activations
+    assert f"~{reserve / GiB:.2f} GiB" in str(plan)

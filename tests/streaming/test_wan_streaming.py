@@ -208,7 +208,7 @@ def test_a_pipeline_can_name_its_blocks_or_turn_streaming_off(six_block_folder):
 
 def test_a_pass_that_raises_midway_leaves_the_next_pass_exact(six_block_folder):
     pipe = streaming(six_block_folder, resident=2)
-    pipe.policy.streaming.apply(pipe, pipe.plan().streamed)
+    pipe.policy.streaming.apply(pipe, pipe.plan())
     module = pipe.components["transformer"].materialize()
     reference = ComponentLoader(six_block_folder, "transformer", dtype=torch.float32)()
     generator = torch.Generator().manual_seed(0)
