@@ -235,3 +235,13 @@ def test_a_pass_that_raises_midway_leaves_the_next_pass_exact(six_block_folder):
             assert torch.equal(module(**inputs)[0], expected)
     handle.remove()
     pipe.release_all()
+
+
+def test_ondeck_plan_on_the_cpu_says_why_nothing_streams(six_block_folder, capsys):
+    from ondeck.cli import main
+
+    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
+    code = main(["plan", str(six_block_folder), "--budget", str(budget), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit" in out and "unified memory" in out and "frees nothing" in out
