@@ -109,8 +109,10 @@ class BlockStreaming:
             try:
                 skeleton = loader.folder.template(loader.name, loader.dtype)
                 path = find_blocks(skeleton.module, hint)
-                if path is not None:
-                    sizes, tensors = describe_blocks(skeleton, path)
+                sizes, tensors = describe_blocks(skeleton, path) if path else (None, None)
+                # A loader that loads a share of the component (one rank's shards) does
+                # not stream: its blocks are not whole on this device.
+                if sizes is not None and loader.spec.nbytes == sizes.total_bytes:
                     streamer = BlockStreamer(
                         name,
                         sizes,
