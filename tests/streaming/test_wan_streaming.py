@@ -30,7 +30,7 @@ def wan(folder, policy, cls=WanTextToVideo):
 
 
 def streaming(folder, resident: int = 2, cls=WanTextToVideo, **options):
-    budget = budget_keeping(transformer_blocks(folder), resident)
+    budget = budget_keeping(transformer_blocks(folder), resident, options.get("slots", 2))
     policy = BudgetPolicy(budget, streaming=StreamOptions(**{**DISCRETE, **options}))
     return wan(folder, policy, cls)
 
@@ -245,3 +245,25 @@ def test_ondeck_plan_on_the_cpu_says_why_nothing_streams(six_block_folder, capsy
     out = capsys.readouterr().out
     assert code == 1
     assert "does not fit" in out and "unified memory" in out and "frees nothing" in out
+
+
+def test_the_plan_does_not_change_while_the_component_is_loaded_streamed(six_block_folder):
+    pipe = streaming(six_block_folder, resident=2)
+    before = pipe.plan()
+    pipe.policy.streaming.apply(pipe, before)
+    pipe.components["transformer"].materialize()
+    after = pipe.plan()
+    assert after.streamed == before.streamed
+    assert after.component_bytes == before.component_bytes
+    assert pipe.tracker.resident["transformer"] == before.streamed["transformer"].device_bytes
+    pipe.release_all()
+
+
+def test_three_slots_fetch_two_blocks_ahead(six_block_folder, reference_frames):
+    pipe = streaming(six_block_folder, resident=1, slots=3)
+    layout = pipe.plan().streamed["transformer"]
+    assert layout.slot_count == 3 and len(layout.streamed) == 5
+    assert np.array_equal(generate(pipe, "a fox"), reference_frames["a fox"])
+    counted = stats(pipe)
+    block = layout.bytes_per_pass // len(layout.streamed)
+    assert counted["bytes_copied"] == counted["passes"] * layout.bytes_per_pass + 2 * block
