@@ -142,9 +142,13 @@ class EncodePrompt(Stage):
             negative = None
             if state["guidance_scale"] > 1.0:
                 negative = self._encode(state["negative_prompt"], state)
-            cached = (positive, negative)
+            # Kept in host memory: a cache must not hold device memory the stages need.
+            cached = (positive.cpu(), negative.cpu() if negative is not None else None)
             self.cache.put(key, cached)
-        state["prompt_embeds"], state["negative_prompt_embeds"] = cached
+        device = state["device"]
+        positive, negative = cached
+        state["prompt_embeds"] = positive.to(device)
+        state["negative_prompt_embeds"] = negative.to(device) if negative is not None else None
         return state
 
     @torch.no_grad()
