@@ -173,7 +173,7 @@ class LazyModule:
         setter(self, "_ondeck_replay", {})
         setter(self, "_ondeck_observers", [])
         setter(self, "_ondeck_pins", {})
-        setter(self, "_ondeck_pins_changed", threading.Condition(threading.Lock()))
+        setter(self, "_ondeck_pins_changed", threading.Condition(threading.RLock()))
         setter(self, "_ondeck_load_count", 0)
         setter(self, "_ondeck_free_storage", bool(getattr(loader, "returns_fresh_module", False)))
 
@@ -309,6 +309,11 @@ class LazyModule:
                 f"{type(error).__name__}: {error}",
                 component=name,
             ) from error
+        except BaseException:
+            # Ctrl-C during a transform (torch.compile, say): the fresh module's bytes
+            # must not live on in the traceback's frames.
+            self._discard(module)
+            raise
         return module
 
     def _discard(self, module: Any) -> None:
@@ -322,40 +327,54 @@ class LazyModule:
 
         Returns the bytes freed, 0 when nothing was loaded. The next access loads again.
         """
-        self._wait_until_unpinned()
-        with object.__getattribute__(self, "_ondeck_lock"):
-            module = object.__getattribute__(self, "_ondeck_module")
-            if module is None:
-                return 0
-            nbytes = module_nbytes(module)
-            object.__setattr__(self, "_ondeck_module", None)
-            first_error: BaseException | None = None
-            for callback in list(object.__getattribute__(self, "_ondeck_release_callbacks")):
+        # Held from the pin check to the end: a stage cannot pin in between and then
+        # lose its component mid-forward. A stage that pins after this reloads.
+        with object.__getattribute__(self, "_ondeck_pins_changed"):
+            self._wait_until_unpinned()
+            with object.__getattribute__(self, "_ondeck_lock"):
+                module = object.__getattribute__(self, "_ondeck_module")
+                if module is None:
+                    return 0
+                nbytes = module_nbytes(module)
+                object.__setattr__(self, "_ondeck_module", None)
                 try:
-                    _call_with_optional_module(callback, module)
-                except Exception as error:  # every callback runs; the first error is raised
-                    first_error = first_error or error
-            unload = getattr(object.__getattribute__(self, "_ondeck_loader"), "unload", None)
-            if unload is not None:
-                try:
-                    unload(module)
-                except Exception as error:
-                    first_error = first_error or error
-            self._discard(module)
-            del module
-        for observer in list(object.__getattribute__(self, "_ondeck_observers")):
-            observer.after_release(self, nbytes)
+                    first_error = self._run_release_hooks(module)
+                finally:
+                    # Even under Ctrl-C: the bytes go, and the observers hear of it.
+                    self._discard(module)
+                    del module
+                    for observer in list(object.__getattribute__(self, "_ondeck_observers")):
+                        observer.after_release(self, nbytes)
         if first_error is not None:
             raise first_error
         return nbytes
 
+    def _run_release_hooks(self, module: Any) -> BaseException | None:
+        """Every callback and the loader's ``unload`` run; the first error is returned."""
+        first_error: BaseException | None = None
+        hooks = [
+            lambda fn=fn: _call_with_optional_module(fn, module)
+            for fn in object.__getattribute__(self, "_ondeck_release_callbacks")
+        ]
+        unload = getattr(object.__getattribute__(self, "_ondeck_loader"), "unload", None)
+        if unload is not None:
+            hooks.append(lambda: unload(module))
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as error:
+                first_error = first_error or error
+        return first_error
+
     def _wait_until_unpinned(self) -> None:
-        """A stage that still runs holds its components: wait for other threads' stages."""
+        """A stage that still runs holds its components: wait for other threads' stages.
+
+        The caller holds ``_ondeck_pins_changed``.
+        """
         me = threading.get_ident()
         changed = object.__getattribute__(self, "_ondeck_pins_changed")
         pins = object.__getattribute__(self, "_ondeck_pins")
-        with changed:
-            changed.wait_for(lambda: all(owner == me for owner in pins))
+        changed.wait_for(lambda: all(owner == me for owner in pins))
 
     def _pin(self) -> None:
         changed = object.__getattribute__(self, "_ondeck_pins_changed")

@@ -155,6 +155,7 @@ class Event:
     resident_bytes: int
     measured_bytes: int | None = None
     duration_seconds: float | None = None
+    run: int = 0
 
 
 @dataclass
@@ -184,6 +185,7 @@ class MemoryTracker:
     bytes_loaded: int = 0
     runs: int = 0
     peak_measured_bytes: int = 0
+    keep_runs: int = 4
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -214,6 +216,7 @@ class MemoryTracker:
                 resident_bytes=self.resident_bytes,
                 measured_bytes=self._measure(),
                 duration_seconds=duration,
+                run=self.runs,
             )
         )
 
@@ -239,7 +242,17 @@ class MemoryTracker:
             self._record("wait", name, 0, seconds)
 
     def run_started(self) -> None:
-        self.runs += 1
+        """A run begins; events and stage records of older runs than ``keep_runs`` go.
+
+        Totals (peaks, bytes loaded) cover every run; the timeline covers the last ones,
+        so a long-lived process does not grow with every generation.
+        """
+        with self._lock:
+            self.runs += 1
+            oldest = self.runs - self.keep_runs + 1
+            if self.stages and self.stages[0].run < oldest:
+                self.stages = [s for s in self.stages if s.run >= oldest]
+                self.events = [e for e in self.events if e.run >= oldest]
 
     def _device_peak(self) -> int | None:
         import torch

@@ -259,6 +259,10 @@ class BudgetPolicy(Policy):
         return getattr(self._local, "prefetching", False)
 
     def cancel_prefetch(self) -> None:
+        """Drop prefetches not started yet; wait for those already loading."""
+        for name, future in list(self._pending.items()):
+            if future.cancel():
+                self._pending.pop(name, None)
         for name in list(self._pending):
             self._wait_for((name,))
 

@@ -312,6 +312,7 @@ class Pipeline:
                 self._current_index = index
                 state = stage(state)
         except BaseException:
+            self._abort_prefetch_quietly()
             self._release_deferred_quietly()
             raise
         finally:
@@ -370,6 +371,13 @@ class Pipeline:
             if not failed:
                 raise
             warnings.warn(f"releasing after a failed stage also failed: {error!r}", stacklevel=3)
+
+    def _abort_prefetch_quietly(self) -> None:
+        """No prefetch may load after an aborted run has released everything."""
+        try:
+            self.policy.cancel_prefetch()
+        except Exception as error:
+            warnings.warn(f"stopping prefetches after a failed run failed: {error!r}", stacklevel=3)
 
     def _release_deferred_quietly(self) -> None:
         for name, proxy in self.deferred.items():

@@ -88,7 +88,7 @@ class ComponentLoader:
             built["module"] = skeleton.module
 
         try:
-            sources = _match(template, tensors, self.name)
+            sources = _match(template, tensors, self.name, self.folder.directory(self.name))
             jobs, values, placed = _allocate(sources, self.device, allocated, placement)
             self._fill(jobs, tensors, while_copying=build, placement=placement)
             if placed:
@@ -195,7 +195,7 @@ def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
     return (str(folder.path.resolve()), name, tuple(signature))
 
 
-def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str):
+def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, directory=None):
     """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
     prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
     sources: list[tuple[Slot, TensorInfo]] = []
@@ -217,7 +217,15 @@ def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str):
             )
         sources.append((slot, info))
     if missing:
-        files = ", ".join(sorted({info.path for info in tensors.values()})) or "no weight files"
+        files = ", ".join(sorted({info.path for info in tensors.values()}))
+        if not files:
+            raise LoadError(
+                f"component '{component}' from {directory}: no safetensors weights there "
+                f"(expected diffusion_pytorch_model.safetensors, model.safetensors or a "
+                f"*.safetensors.index.json); the model needs {len(missing)} tensor(s)",
+                component=component,
+                path=str(directory),
+            )
         raise LoadError(
             f"component '{component}' from {files}: {len(missing)} tensor(s) the model needs "
             f"are missing: {_some(missing)}",

@@ -154,7 +154,7 @@ class ShardedComponentLoader(ComponentLoader):
 
         tensors = self.folder.tensors(self.name)
         skeleton = self.folder.skeleton(self.name, self.dtype)
-        sources = _match(skeleton, tensors, self.name)
+        sources = _match(skeleton, tensors, self.name, self.folder.directory(self.name))
         module = skeleton.module
         # Final dtypes before sharding: FSDP2 keeps each parameter's dtype as it finds it.
         # Frozen parameters: FSDP2 gathers a block of mixed dtypes (float32 norms beside
