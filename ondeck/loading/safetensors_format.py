@@ -208,7 +208,8 @@ def _check_layout(tensors: dict[str, TensorInfo], data_start: int, file_size: in
                 f"tensor '{current.name}' overlaps tensor '{previous.name}' "
                 f"(bytes {current.start - data_start}.. and ..{previous.end - data_start})"
             )
-    data_end = max((info.end for info in regions), default=data_start)
+    # Empty tensors count too: an offset past the end is a damaged header either way.
+    data_end = max((info.end for info in tensors.values()), default=data_start)
     if data_end > file_size:
         raise fail(
             f"header says {format_bytes(data_end - data_start)} of data, file holds "

@@ -106,7 +106,8 @@ def check(raw: bytes, file_size: int) -> None:
         assert previous.end <= current.start
 
 
-@settings(max_examples=400, deadline=None, database=None)
+# Derandomized in the suite so a run is repeatable; the soak variant explores at random.
+@settings(max_examples=400, deadline=None, database=None, derandomize=True)
 @given(headers())
 def test_any_header_parses_or_raises_load_error(case):
     check(*case)
@@ -122,3 +123,15 @@ def test_any_header_parses_or_raises_load_error(case):
 @given(headers())
 def test_a_million_headers_parse_or_raise_load_error(case):
     check(*case)
+
+
+def test_an_empty_tensor_placed_past_the_end_is_refused():
+    # Found by the fuzzer: an empty tensor's offsets were not checked against the file.
+    document = {
+        "t0": {"dtype": "BF16", "shape": [0], "data_offsets": [7, 7]},
+        "t1": {"dtype": "BF16", "shape": [], "data_offsets": [0, 2]},
+    }
+    text = json.dumps(document).encode()
+    raw = struct.pack("<Q", len(text)) + text
+    with pytest.raises(LoadError, match="truncated"):
+        parse_header(raw, len(raw) + 2, "fuzz.safetensors")

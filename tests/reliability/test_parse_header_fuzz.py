@@ -235,6 +235,7 @@ def fuzz(tiny_template, data) -> None:
     max_examples=300,
     deadline=None,
     database=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(data=st.data())
