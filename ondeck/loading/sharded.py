@@ -20,7 +20,7 @@ import torch
 from ..errors import LoadError
 from ..lazy import ComponentSpec, _free_storages
 from . import reader
-from .components import ComponentLoader, _match
+from .components import ComponentLoader, _match, _set_tensor
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, _get
 
@@ -216,14 +216,3 @@ def shard_nbytes(skeleton: Skeleton, world_size: int) -> int:
             rows = math.ceil(slot.shape[0] / world_size)
             total += rows * (slot.nbytes // slot.shape[0] if slot.shape[0] else 0) - slot.nbytes
     return total
-
-
-def _set_tensor(
-    module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool
-) -> None:
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if parameter:
-        owner._parameters[attribute] = value
-    else:
-        owner._buffers[attribute] = value
