@@ -133,8 +133,6 @@ class Pipeline:
         device: Any = None,
         prefetch: bool = True,
     ):
-        from .policy import make_policy
-
         self.device = resolve_device(device)
         self.tracker = MemoryTracker(device=str(self.device))
         self.training = False
@@ -152,6 +150,14 @@ class Pipeline:
         for name, value in components.items():
             self.components[name] = value
         self._rebuild_stages()
+        self._requested_policy = (policy, budget, prefetch)
+        self._choose_policy()
+
+    def _choose_policy(self) -> None:
+        """Build the policy asked for at construction against what is known now."""
+        from .policy import make_policy
+
+        policy, budget, prefetch = self._requested_policy
         self.policy = make_policy(
             policy,
             budget=budget,
@@ -312,7 +318,7 @@ class Pipeline:
                 self._current_index = index
                 state = stage(state)
         except BaseException:
-            self._abort_prefetch_quietly()
+            self.cancel_prefetch_quietly()
             self._release_deferred_quietly()
             raise
         finally:
@@ -372,12 +378,12 @@ class Pipeline:
                 raise
             warnings.warn(f"releasing after a failed stage also failed: {error!r}", stacklevel=3)
 
-    def _abort_prefetch_quietly(self) -> None:
-        """No prefetch may load after an aborted run has released everything."""
+    def cancel_prefetch_quietly(self) -> None:
+        """Stop prefetches (none may load after an abort); a failure only warns."""
         try:
             self.policy.cancel_prefetch()
         except Exception as error:
-            warnings.warn(f"stopping prefetches after a failed run failed: {error!r}", stacklevel=3)
+            warnings.warn(f"stopping a prefetch failed: {error!r}", stacklevel=3)
 
     def _release_deferred_quietly(self) -> None:
         for name, proxy in self.deferred.items():

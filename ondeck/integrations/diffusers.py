@@ -42,7 +42,6 @@ import torch
 from ..errors import LoadError, OndeckError
 from ..lazy import _INTERNAL, _REPLAYED_METHODS, ComponentSpec, LazyModule, is_lazy
 from ..memory import resolve_device
-from ..policy import make_policy
 from ..stages import Pipeline, Stage
 
 __all__ = ["DiffusersRuntime", "PipelineComponent", "ComponentTurn", "from_pretrained"]
@@ -398,7 +397,6 @@ class DiffusersRuntime(Pipeline):
         self._learned_from: set[str] | None = None
         self._record: _CallRecord | None = None
         self._acting = 0
-        self._requested = (policy, budget, prefetch)
         super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
         for proxy in components.values():
             object.__setattr__(proxy, "_ondeck_runtime", self)
@@ -572,22 +570,9 @@ class DiffusersRuntime(Pipeline):
             self._choose_policy()
 
     def _choose_policy(self) -> None:
-        self.cancel_prefetch_quietly()
-        policy, budget, prefetch = self._requested
-        self.policy = make_policy(
-            policy,
-            budget=budget,
-            prefetch=prefetch,
-            device=self.device,
-            component_bytes=self.component_bytes(),
-        )
-        self.policy.attach(self)
-
-    def cancel_prefetch_quietly(self) -> None:
-        try:
-            self.policy.cancel_prefetch()
-        except Exception as error:
-            warnings.warn(f"waiting for a prefetch failed: {error!r}", stacklevel=2)
+        if getattr(self, "policy", None) is not None:
+            self.cancel_prefetch_quietly()
+        super()._choose_policy()
 
     def swap(self, name: str, value: Any) -> None:
         """``pipe.<name> = value`` after loading: the old proxy is released and the new
