@@ -7,17 +7,21 @@ next run succeeds with the frames of an undisturbed run.
 
 from __future__ import annotations
 
+import gc
 import random
 import signal
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 import ondeck
+from ondeck.lazy import LazyModule, module_nbytes
 from ondeck.loading import ModelFolder
+from ondeck.pipelines import wan as wan_module
 
 from .helpers import (
     MODELS,
@@ -29,6 +33,7 @@ from .helpers import (
     assert_tracker_agrees,
     generate,
     io_error,
+    loaded_names,
     settled_rss,
     wan,
 )
@@ -181,6 +186,73 @@ def test_interrupt_between_load_and_bookkeeping_keeps_the_tracker_honest(
         generate(pipe)
     monkeypatch.setattr(pipe.tracker, "loaded", real_loaded)
     assert_clean_after_fault(pipe, watcher)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+def test_an_aborted_run_leaves_no_prefetch_behind(tiny_template, monkeypatch):
+    """A run that fails while the next component is still queued for prefetch must not
+    have that prefetch load it after the run has released everything."""
+    pipe = wan(tiny_template, "budget", budget="1GiB")
+    real_materialize = LazyModule.materialize
+
+    def slow_to_start(self):
+        if threading.current_thread().name.startswith("ondeck-prefetch"):
+            time.sleep(0.2)  # a busy machine: the prefetch thread starts late
+        return real_materialize(self)
+
+    def failing_denoise(self, state):
+        raise RuntimeError("the denoiser failed")
+
+    monkeypatch.setattr(LazyModule, "materialize", slow_to_start)
+    monkeypatch.setattr(wan_module.Denoise, "forward", failing_denoise)
+    with pytest.raises(RuntimeError, match="the denoiser failed"):
+        generate(pipe)
+    time.sleep(0.5)
+    assert loaded_names(pipe) == set()
+    assert pipe.tracker.resident == {}
+
+
+def test_an_interrupt_during_release_keeps_the_tracker_honest(tiny_template, clean_frames):
+    """Ctrl-C inside a release (here: in a release hook) still frees the component and
+    tells the tracker."""
+    pipe = wan(tiny_template)
+    interrupted = []
+
+    def on_release():
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+    pipe.components["text_encoder"].on_release(on_release)
+    with pytest.raises(KeyboardInterrupt):
+        generate(pipe)
+    assert interrupted
+    assert_nothing_resident(pipe)
+    assert_next_run_is_clean(pipe, clean_frames)
+
+
+def test_an_interrupt_in_a_transform_gives_the_memory_back(tiny_template, clean_frames):
+    """Ctrl-C during a transform (torch.compile, say) frees the freshly loaded module even
+    while the caller keeps the KeyboardInterrupt and its traceback."""
+    pipe = wan(tiny_template)
+    built = []
+
+    def transform(module):
+        built.append(weakref.ref(module))
+        if len(built) == 1:
+            raise KeyboardInterrupt
+        return module
+
+    pipe.components["transformer"].add_transform(transform)
+    with pytest.raises(KeyboardInterrupt) as excinfo:
+        generate(pipe)
+    gc.collect()
+    module = built[0]()
+    held = module_nbytes(module) if module is not None else 0
+    del module
+    assert excinfo.value is not None  # still held
+    assert held == 0, f"{held} bytes of the interrupted load are still held"
+    assert_nothing_resident(pipe)
     assert_next_run_is_clean(pipe, clean_frames)
 
 
