@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,15 @@ def clean_frames(tiny_template):
 @pytest.fixture(scope="session")
 def clean_default_frames(default_template):
     return generate(wan(default_template))
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test.
+
+    A process started in the background by a non-interactive shell inherits SIGINT
+    ignored, and Python then leaves it ignored: Ctrl-C would not be simulated at all.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -8,6 +8,8 @@ next run succeeds with the frames of an undisturbed run.
 from __future__ import annotations
 
 import gc
+import json
+import math
 import random
 import signal
 import threading
@@ -129,18 +131,6 @@ def test_interrupt_during_allocation_leaves_nothing_resident(
         generate(pipe)
     assert_clean_after_fault(pipe, watcher)
     assert_next_run_is_clean(pipe, clean_frames)
-
-
-@pytest.fixture
-def python_sigint():
-    """Python's own SIGINT handler for the test.
-
-    A process started in the background by a non-interactive shell inherits SIGINT
-    ignored, and Python then leaves it ignored: Ctrl-C would not be simulated at all.
-    """
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def interrupt_main_thread() -> None:
@@ -326,3 +316,64 @@ def test_fault_late_in_a_large_load_gives_the_memory_back(
     assert grown < 16 * MiB, f"resident set grew {grown / MiB:.1f} MiB"
     monkeypatch.undo()
     assert_next_run_is_clean(pipe, clean_default_frames)
+
+
+# -- Ctrl-C at any moment -------------------------------------------------------------
+
+
+def interrupt_at_random_moments(pipe, frames, trials: int, seed: int) -> dict:
+    """Send SIGINT to the main thread at a random moment of each of ``trials`` runs.
+
+    After every trial the pipeline must be usable: under ``release`` nothing is left
+    loaded, and the next run, undisturbed, gives the frames of a clean run.
+    """
+    run_seconds = math.inf
+    for _ in range(2):  # the second run is the steady state (under budget: no loads)
+        started = time.perf_counter()
+        assert np.array_equal(generate(pipe), frames)
+        run_seconds = min(run_seconds, time.perf_counter() - started)
+    rng = random.Random(seed)
+    main = threading.main_thread().ident
+    outcome = {"interrupted": 0, "completed": 0, "stale_tracker": 0}
+    for trial in range(trials):
+        timer = threading.Timer(
+            rng.uniform(0, 0.9 * run_seconds), signal.pthread_kill, (main, signal.SIGINT)
+        )
+        try:
+            timer.start()
+            try:
+                generate(pipe, prompt=f"take {trial % 3}", seed=trial)
+            finally:
+                timer.cancel()
+                timer.join()
+            outcome["completed"] += 1
+        except KeyboardInterrupt:
+            outcome["interrupted"] += 1
+        if pipe.policy.name == "release":
+            assert loaded_names(pipe) == set()
+        if set(pipe.tracker.resident) != loaded_names(pipe):
+            outcome["stale_tracker"] += 1
+        assert np.array_equal(generate(pipe), frames)
+    return outcome
+
+
+@pytest.mark.parametrize("policy, options", [("release", {}), ("budget", {"budget": "1GiB"})])
+def test_ctrl_c_at_a_random_moment_leaves_a_usable_pipeline(
+    tiny_template, clean_frames, python_sigint, policy, options
+):
+    outcome = interrupt_at_random_moments(
+        wan(tiny_template, policy, **options), clean_frames, 15, 0
+    )
+    assert outcome["interrupted"] >= 10, outcome
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("policy, options", [("release", {}), ("budget", {"budget": "1GiB"})])
+def test_ctrl_c_at_five_hundred_random_moments(
+    tiny_template, clean_frames, python_sigint, policy, options
+):
+    outcome = interrupt_at_random_moments(
+        wan(tiny_template, policy, **options), clean_frames, 500, 1
+    )
+    print(json.dumps({"policy": policy, **outcome}))
+    assert outcome["interrupted"] >= 400, outcome
