@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 soak: $(STAMP)
-	$(PY) -m pytest -q -m soak tests/reliability
+	$(PY) -m pytest -q -s -m soak tests/reliability --hypothesis-show-statistics
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ondeck tests benchmarks
