@@ -104,7 +104,7 @@ def edit_document(document: dict, rng: random.Random) -> None:
     for _ in range(rng.randint(1, 4)):
         name = rng.choice(names)
         entry = document.get(name)
-        edit = rng.randrange(12)
+        edit = rng.randrange(13)
         if not isinstance(entry, dict) or edit == 0:
             document[rng.choice([name, "", "\ud800", "t" * rng.randint(1, 3)])] = odd_value(rng)
         elif edit == 1:
@@ -137,6 +137,10 @@ def edit_document(document: dict, rng: random.Random) -> None:
             document["__metadata__"] = rng.choice([odd_value(rng), {"format": "pt"}, {"a": 1}])
         elif edit == 10:
             entry["shape"] = [rng.choice(ODD_COUNTS) for _ in range(rng.randint(0, 4))]
+        elif edit == 11:  # an empty tensor, anywhere: inside, at the end, past the end
+            entry["shape"] = [0, *(entry.get("shape") or [])][: rng.randint(1, 3)]
+            at = rng.choice([0, rng.randint(0, 2**20), 2**64 - 1, rng.randint(0, 4096)])
+            entry["data_offsets"] = [at, at]
         else:
             entry[rng.choice(["x", "dtype ", "offsets"])] = odd_value(rng)
 
