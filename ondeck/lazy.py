@@ -123,9 +123,21 @@ def _free_storages(module: Any) -> None:
             storage.resize_(0)
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or MemoryError (the CPU and unified memory run out so)."""
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    while error is not None:
+        if isinstance(error, (oom, MemoryError)) or "out of memory" in str(error).lower():
+            return True
+        error = error.__cause__
+    return False
+
+
 def _describe_failure(error: Exception, spec: ComponentSpec) -> str:
     text = f"{type(error).__name__}: {error}"
-    if "out of memory" not in text.lower():
+    if not is_out_of_memory(error):
         return f"loader failed with {text}"
     size = f" ({spec.nbytes / 2**30:.2f} GiB)" if spec.nbytes else ""
     first_line = text.splitlines()[0][:300]
@@ -337,14 +349,15 @@ class LazyModule:
                     return 0
                 nbytes = module_nbytes(module)
                 object.__setattr__(self, "_ondeck_module", None)
+                # Observers hear first: a Ctrl-C landing in what follows cannot leave
+                # them listing a component that is no longer there.
+                for observer in list(object.__getattribute__(self, "_ondeck_observers")):
+                    observer.after_release(self, nbytes)
                 try:
                     first_error = self._run_release_hooks(module)
                 finally:
-                    # Even under Ctrl-C: the bytes go, and the observers hear of it.
-                    self._discard(module)
+                    self._discard(module)  # even under Ctrl-C: the bytes go
                     del module
-                    for observer in list(object.__getattribute__(self, "_ondeck_observers")):
-                        observer.after_release(self, nbytes)
         if first_error is not None:
             raise first_error
         return nbytes

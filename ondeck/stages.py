@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .errors import ConcurrentRunError
-from .lazy import LazyModule, is_lazy, is_loaded
+from .lazy import LazyModule, is_lazy, is_loaded, is_out_of_memory
 from .memory import MemoryTracker, resolve_device
 from .plan import Plan, StageUse, build_plan, release_schedule
 
@@ -320,6 +320,7 @@ class Pipeline:
         except BaseException:
             self.cancel_prefetch_quietly()
             self._release_deferred_quietly()
+            self._forget_what_is_not_loaded()
             raise
         finally:
             self._current_index = None
@@ -363,7 +364,7 @@ class Pipeline:
         try:
             return stage.forward(state)
         except Exception as error:
-            if not _is_out_of_memory(error) or not self.policy.recover_from_oom(index):
+            if not is_out_of_memory(error) or not self.policy.recover_from_oom(index):
                 raise
         return stage.forward(state)
 
@@ -393,6 +394,14 @@ class Pipeline:
                 warnings.warn(
                     f"releasing '{name}' after a failed run failed: {error!r}", stacklevel=3
                 )
+
+    def _forget_what_is_not_loaded(self) -> None:
+        """After an abort the tracker lists only what is really loaded, whatever an
+        interrupt cut short."""
+        for name in list(self.tracker.resident):
+            proxy = self.deferred.get(name)
+            if proxy is not None and not is_loaded(proxy):
+                self.tracker.released(name, 0)
 
     def release_all(self) -> int:
         """Release every deferred component; returns the bytes freed."""
@@ -461,10 +470,3 @@ def _is_loader(value: Any) -> bool:
     if isinstance(value, (torch.nn.Module, torch.Tensor)):
         return False
     return not (hasattr(value, "from_pretrained") or hasattr(value, "save_pretrained"))
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    import torch
-
-    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
-    return isinstance(error, oom) or "out of memory" in str(error).lower()

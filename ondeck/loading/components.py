@@ -115,6 +115,7 @@ class ComponentLoader:
             # frames would otherwise keep it alive for as long as the caller keeps the error.
             for tensor in allocated:
                 _free(tensor)
+            tensor = None  # noqa: F841 - this frame is the one clear_frames cannot reach
             allocated.clear()
             built.clear()
             module = jobs = values = None  # noqa: F841

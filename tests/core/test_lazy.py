@@ -246,3 +246,12 @@ def test_out_of_memory_while_loading_says_what_to_do():
     proxy = ondeck.LazyModule("transformer", too_big, spec=ondeck.ComponentSpec(nbytes=2**30))
     with pytest.raises(ondeck.LoadError, match="out of memory while loading.*policy='release'"):
         proxy.materialize()
+
+
+def test_memory_error_while_loading_is_out_of_memory_too():
+    def host_full():
+        raise MemoryError("cannot allocate 1 GiB")
+
+    proxy = ondeck.LazyModule("vae", host_full)
+    with pytest.raises(ondeck.LoadError, match="out of memory while loading"):
+        proxy.materialize()

@@ -312,3 +312,43 @@ def test_component_in_use_is_not_released_by_another_thread():
     runner.join()
     releaser.join()
     assert released_while_running == [False]
+
+
+def test_ctrl_c_while_freeing_leaves_the_tracker_honest(monkeypatch):
+    from ondeck import lazy
+
+    pipe = release_pipeline()
+    for proxy in pipe.deferred.values():
+        object.__setattr__(proxy, "_ondeck_free_storage", True)
+
+    def interrupted(module):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lazy, "_free_storages", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipe(state())
+    assert pipe.tracker.resident == {}
+    assert not any(ondeck.is_loaded(p) for p in pipe.deferred.values())
+
+
+def test_memory_error_in_a_stage_evicts_and_retries_under_budget():
+    loaders = three_loaders()
+    pipe = ThreeStages(loaders, policy="budget", budget="1GiB")
+    failures = []
+
+    class Hungry(Apply):
+        def forward(self, state):
+            if not failures:
+                failures.append(True)
+                raise MemoryError("host memory exhausted")
+            return super().forward(state)
+
+    pipe(state())  # everything resident afterwards
+    hungry = Hungry(pipe.components["decoder"], "Decode")
+    object.__setattr__(hungry, "_ondeck_pipeline", pipe)
+    pipe.stages[2] = hungry
+    pipe.invalidate_schedule()
+    result = pipe(state())
+    assert failures == [True]
+    assert result["order"][-1] == "Decode"
+    assert not ondeck.is_loaded(pipe.components["encoder"])  # evicted to make room
