@@ -93,14 +93,7 @@ class ComponentLoader:
             self._fill(jobs, tensors, while_copying=build, placement=placement)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
-                stats = reader.read_into(
-                    placed,
-                    threads=self.threads,
-                    buffer_bytes=self.buffer_bytes,
-                    buffer_count=self.buffer_count,
-                    progress=self.progress,
-                    component=self.name,
-                )
+                stats = self._read(placed)
                 self.last_load_bytes += stats.nbytes
             if "module" not in built:
                 build()
@@ -157,14 +150,7 @@ class ComponentLoader:
             for job in jobs:
                 job.capture = captured[job.info.name]
         try:
-            stats = reader.read_into(
-                jobs,
-                threads=self.threads,
-                buffer_bytes=self.buffer_bytes,
-                buffer_count=self.buffer_count,
-                progress=self.progress,
-                component=self.name,
-            )
+            stats = self._read(jobs)
         except BaseException:
             if captured is not None:
                 cache.discard(key)
@@ -172,6 +158,16 @@ class ComponentLoader:
         if captured is not None:
             cache.commit(key, captured)
         self._record(stats)
+
+    def _read(self, jobs: list[reader.ReadJob]) -> reader.ReadStats:
+        return reader.read_into(
+            jobs,
+            threads=self.threads,
+            buffer_bytes=self.buffer_bytes,
+            buffer_count=self.buffer_count,
+            progress=self.progress,
+            component=self.name,
+        )
 
     def _record(self, stats: reader.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes

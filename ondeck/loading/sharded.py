@@ -126,14 +126,7 @@ class ShardedComponentLoader(ComponentLoader):
         try:
             module, sources, computed = self._build_sharded()
             jobs = self._shard_jobs(module, sources, computed)
-            stats = reader.read_into(
-                jobs,
-                threads=self.threads,
-                buffer_bytes=self.buffer_bytes,
-                buffer_count=self.buffer_count,
-                progress=self.progress,
-                component=self.name,
-            )
+            stats = self._read(jobs)
             module.eval()
         except BaseException as error:
             # Give this rank's shards back now; the traceback would keep them alive.
