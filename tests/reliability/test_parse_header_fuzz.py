@@ -138,7 +138,8 @@ def edit_document(document: dict, rng: random.Random) -> None:
         elif edit == 10:
             entry["shape"] = [rng.choice(ODD_COUNTS) for _ in range(rng.randint(0, 4))]
         elif edit == 11:  # an empty tensor, anywhere: inside, at the end, past the end
-            entry["shape"] = [0, *(entry.get("shape") or [])][: rng.randint(1, 3)]
+            shape = entry.get("shape") if isinstance(entry.get("shape"), list) else []
+            entry["shape"] = [0, *shape][: rng.randint(1, 3)]
             at = rng.choice([0, rng.randint(0, 2**20), 2**64 - 1, rng.randint(0, 4096)])
             entry["data_offsets"] = [at, at]
         else:
