@@ -261,11 +261,18 @@ def test_failed_prefetch_is_retried_by_its_stage(tiny_template, clean_frames, mo
     assert_tracker_agrees(pipe)
 
 
+@pytest.mark.parametrize(
+    "error",
+    [lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"), MemoryError],
+    ids=["torch-oom", "memory-error"],
+)
 def test_out_of_memory_in_a_stage_under_budget_evicts_and_retries(
-    tiny_template, clean_frames, monkeypatch
+    tiny_template, clean_frames, monkeypatch, error
 ):
     """Out of memory inside the denoiser frees what that stage does not hold (the text
-    encoder) and runs the stage once more; the run then gives the usual frames."""
+    encoder) and runs the stage once more; the run then gives the usual frames.
+
+    ``MemoryError`` is how an allocation fails on the CPU and on unified memory."""
     from diffusers import WanTransformer3DModel
 
     pipe = wan(tiny_template, "budget", budget="1GiB", prefetch=False)
@@ -275,7 +282,7 @@ def test_out_of_memory_in_a_stage_under_budget_evicts_and_retries(
     def forward(self, *args, **kwargs):
         if not raised:
             raised.append(True)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            raise error()
         return real_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(WanTransformer3DModel, "forward", forward)
@@ -358,13 +365,14 @@ def interrupt_at_random_moments(pipe, frames, trials: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("policy, options", [("release", {}), ("budget", {"budget": "1GiB"})])
-def test_ctrl_c_at_a_random_moment_leaves_a_usable_pipeline(
+def test_ctrl_c_at_a_random_moment_leaves_a_usable_pipeline_and_an_honest_tracker(
     tiny_template, clean_frames, python_sigint, policy, options
 ):
     outcome = interrupt_at_random_moments(
         wan(tiny_template, policy, **options), clean_frames, 15, 0
     )
     assert outcome["interrupted"] >= 10, outcome
+    assert outcome["stale_tracker"] == 0, outcome
 
 
 @pytest.mark.soak
@@ -377,3 +385,4 @@ def test_ctrl_c_at_five_hundred_random_moments(
     )
     print(json.dumps({"policy": policy, **outcome}))
     assert outcome["interrupted"] >= 400, outcome
+    assert outcome["stale_tracker"] == 0, outcome
