@@ -3,11 +3,27 @@
     python benchmarks/wan_modes.py --folder DIR --mode ondeck-release [--memory-gib 48]
 
 Generates ``--runs`` videos with different prompts (480x832, 33 frames, 4 steps, guidance
-on by default) and prints one ``RESULT {json}`` line: wall time per run, peak device
-memory allocated per run, peak host RSS, and for ondeck modes the exposed load seconds,
-bytes loaded per run, predicted and measured resident peaks. ``ondeck-stream`` is the
-budget policy on the (emulated) device, streaming the transformer's blocks that do not
-fit; it also records the layout and the bytes streamed per run.
+on by default) and prints one ``RESULT {json}`` line, last: wall time per run, peak device
+memory allocated per run, peak host RSS (over everything, and over the generations
+alone), and for ondeck modes the exposed load seconds, bytes loaded per run, predicted
+and measured resident peaks. ``ondeck-stream`` is the budget policy on the (emulated)
+device, streaming the transformer's blocks that do not fit; it also records the layout
+and the bytes streamed per run.
+
+``--memory-gib`` emulates a smaller device (``set_per_process_memory_fraction``); an
+ondeck budget mode given no ``--budget-gib`` then plans against that device's free
+memory (the automatic budget), recorded as ``budget_bytes``. ``--host-cache-gib`` gives
+ondeck a host cache of that size: components it releases are read back from host memory
+rather than from the files, e.g. ``--mode ondeck-budget-prefetch --memory-gib 32
+--host-cache-gib 64``.
+
+``diffusers-*`` modes are stock ``WanPipeline.from_pretrained`` (VAE float32, the rest
+bfloat16). ``mmgp-1`` and ``mmgp-2`` build the same pipeline on the CPU and hand it to
+mmgp (the memory manager behind Wan2GP): ``offload.profile(pipe, HighRAM_HighVRAM)``
+resp. ``HighRAM_LowVRAM``, with ``quantizeTransformer=False``; mmgp then moves the models
+itself. mmgp casts float32 weights to bfloat16 by default; the VAE is kept in float32
+like every other mode unless ``--mmgp-vae-bf16`` (mmgp's default) is given. Load and
+profile count in ``setup_seconds``.
 """
 
 from __future__ import annotations
@@ -22,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, peak_rss_bytes, reset_peak_rss  # noqa: E402
+from common import emit, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 PROMPTS = [
     "a red fox trotting through fresh snow at dawn",
@@ -30,6 +46,10 @@ PROMPTS = [
     "a neon-lit city street in the rain at night",
 ]
 DIFFUSERS_MODES = ("diffusers-eager", "diffusers-model-offload", "diffusers-group-offload")
+# mode: mmgp profile_type member
+MMGP_MODES = {"mmgp-1": "HighRAM_HighVRAM", "mmgp-2": "HighRAM_LowVRAM"}
+# Modes whose pipeline is a diffusers WanPipeline, called as pipe(...).
+PIPE_CALL_MODES = (*DIFFUSERS_MODES, *MMGP_MODES)
 
 
 def emulate_device(memory_gib: float | None) -> None:
@@ -59,6 +79,43 @@ def diffusers_pipeline(folder: Path, mode: str):
             use_stream=True,
         )
     return pipe
+
+
+def mmgp_pipeline(folder: Path, mode: str, vae_bf16: bool):
+    """The diffusers-eager pipeline left on the CPU, then handed to an mmgp profile."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(folder / "vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(folder, vae=vae, torch_dtype=torch.bfloat16)
+    # Only now: mmgp replaces safetensors' loading on import, which breaks diffusers
+    # 0.42's safe_open if it is imported before the pipeline is loaded.
+    from mmgp import offload, profile_type
+
+    if not vae_bf16:
+        # mmgp casts every float32 weight to convertWeightsFloatTo (bfloat16 by default);
+        # a model's own _convertWeightsFloatTo overrides it and None keeps float32. Not
+        # convertWeightsFloatTo=None for every model: mmgp asserts a single dtype per
+        # model, and diffusers keeps a few of the transformer's modules in float32.
+        pipe.vae._convertWeightsFloatTo = None
+    profile = MMGP_MODES[mode]
+    offload.profile(pipe, getattr(profile_type, profile), quantizeTransformer=False, verboseLevel=0)
+    info = {
+        "profile": profile,
+        "overrides": {"quantizeTransformer": False, "verboseLevel": 0},
+        "vae_float32_kept": not vae_bf16,
+        "dtypes": {
+            name: sorted({str(p.dtype) for p in getattr(pipe, name).parameters()})
+            for name in ("text_encoder", "transformer", "vae")
+        },
+    }
+    try:
+        from importlib.metadata import version
+
+        info["version"] = version("mmgp")
+    except Exception:
+        pass
+    return pipe, info
 
 
 def ondeck_pipeline(folder: Path, mode: str, args):
@@ -109,6 +166,12 @@ def streaming_summary(plan) -> dict:
     }
 
 
+def restart_peak_rss() -> bool:
+    """Reset VmHWM after setup; False where the kernel does not allow it."""
+    reset_peak_rss()
+    return peak_rss_bytes() <= rss_bytes() + (64 << 20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", required=True)
@@ -122,6 +185,11 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=33)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--png", help="write the ondeck memory timeline here")
+    parser.add_argument(
+        "--mmgp-vae-bf16",
+        action="store_true",
+        help="mmgp modes: let mmgp cast the VAE to bfloat16 (its default); float32 otherwise",
+    )
     args = parser.parse_args()
 
     import torch
@@ -129,14 +197,19 @@ def main() -> None:
     folder = Path(args.folder)
     emulate_device(args.memory_gib)
     result: dict = {"mode": args.mode, "memory_gib": args.memory_gib, "runs": []}
+    if args.host_cache_gib:
+        result["host_cache_gib"] = args.host_cache_gib
     reset_peak_rss()
     started = time.perf_counter()
     try:
         if args.mode in DIFFUSERS_MODES:
             pipe = diffusers_pipeline(folder, args.mode)
+        elif args.mode in MMGP_MODES:
+            pipe, result["mmgp"] = mmgp_pipeline(folder, args.mode, args.mmgp_vae_bf16)
         else:
             pipe = ondeck_pipeline(folder, args.mode, args)
             result["policy_reason"] = pipe.policy.reason
+            result["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)
             plan = pipe.plan()
             result["predicted_peak_bytes"] = plan.peak_bytes
             if plan.streamed:
@@ -144,12 +217,15 @@ def main() -> None:
                 print(plan, file=sys.stderr, flush=True)
         torch.cuda.synchronize()
         result["setup_seconds"] = time.perf_counter() - started
+        result["setup_peak_rss_bytes"] = peak_rss_bytes()
+        if restart_peak_rss():
+            result["generation_peak_rss_bytes"] = None  # filled in after the runs
         for run, prompt in enumerate(PROMPTS[: args.runs]):
             torch.cuda.reset_peak_memory_stats()
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
             streamed_before = bytes_streamed(pipe)
             started = time.perf_counter()
-            if args.mode in DIFFUSERS_MODES:
+            if args.mode in PIPE_CALL_MODES:
                 generator = torch.Generator("cpu").manual_seed(run)
                 frames = pipe(
                     prompt,
@@ -201,7 +277,9 @@ def main() -> None:
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
-    result["peak_rss_bytes"] = peak_rss_bytes()
+    if "generation_peak_rss_bytes" in result:
+        result["generation_peak_rss_bytes"] = peak_rss_bytes()
+    result["peak_rss_bytes"] = max(result.get("setup_peak_rss_bytes", 0), peak_rss_bytes())
     result["peak_allocated_bytes"] = max(
         [r["peak_allocated_bytes"] for r in result["runs"]] or [torch.cuda.max_memory_allocated()]
     )

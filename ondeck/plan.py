@@ -18,6 +18,10 @@ from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, pl
 
 __all__ = ["Plan", "StageUse", "plan", "release_schedule"]
 
+# Components smaller than this share of the budget load at their own stage rather than
+# early, where loading early would raise the run's peak (see ``_worth_prefetching``).
+SMALL_PREFETCH_FRACTION = 0.05
+
 
 @dataclass(frozen=True)
 class StageUse:
@@ -119,13 +123,28 @@ class StageStep:
 
 def next_stage_with_loads(
     uses: Sequence[StageUse], index: int, resident: Iterable[str]
-) -> int | None:
-    """The first later stage in this run that needs a component not yet resident."""
+) -> tuple[int, int] | None:
+    """The next stage that needs a component not yet resident, and how many stages away
+    it is. After the last stage this looks into the next run: a pipeline that runs again
+    (a new prompt) needs its first stages' components then, and the budget policy keeps
+    what it loaded between runs."""
     resident = set(resident)
-    for later in range(index + 1, len(uses)):
+    count = len(uses)
+    for step in range(1, count):
+        later = (index + step) % count
         if set(uses[later].components) - resident:
-            return later
+            return later, step
     return None
+
+
+def unavoidable_peak(
+    uses: Sequence[StageUse], nbytes: Mapping[str, int], activation: Mapping[str, int | None]
+) -> int:
+    """The largest stage's own components and activations: no schedule peaks lower."""
+    return max(
+        (_total(use.components, nbytes) + (activation.get(use.name) or 0) for use in uses),
+        default=0,
+    )
 
 
 def budget_step(
@@ -166,11 +185,15 @@ def budget_step(
     )
     assert evict is not None  # the stage alone fits, so evicting everything else fits
     resident = (resident - set(evict)) | needed
+    guard = _PeakGuard(uses, nbytes, budget, activation)
+    evict = [*evict, *guard.idle_to_drop(resident, needed, headroom)]
+    resident -= set(evict)
     prefetch_evict: list[str] = []
     prefetched: list[str] = []
     if prefetch:
-        later = next_stage_with_loads(uses, index, resident)
-        if later is not None:
+        found = next_stage_with_loads(uses, index, resident)
+        if found is not None:
+            later, distance = found
             incoming = [c for c in uses[later].components if c not in resident]
             choice = choose_evictions(
                 resident,
@@ -180,11 +203,52 @@ def budget_step(
                 index=index,
                 nbytes=nbytes,
                 limit=budget - headroom,
-                protect_within=later - index,
+                protect_within=distance,
             )
-            if choice is not None:
+            if choice is not None and guard.worth_prefetching(
+                (resident - set(choice)) | set(incoming), incoming, headroom
+            ):
                 prefetch_evict, prefetched = choice, incoming
     return StageStep(tuple(evict), tuple(missing), tuple(prefetch_evict), tuple(prefetched))
+
+
+class _PeakGuard:
+    """Keeps small components from lifting the run's peak when components move anyway.
+
+    When everything fits the budget at once, everything stays (nothing moves after the
+    first run). Otherwise the peak is the largest stage's own need where possible: a small
+    component, whose load at its own stage takes milliseconds, is neither loaded early nor
+    held through a stage that does not use it if that would lift the peak above it.
+    """
+
+    def __init__(self, uses, nbytes: Mapping[str, int], budget: int, activation) -> None:
+        self.nbytes = nbytes
+        everything = {c for use in uses for c in use.components}
+        largest_activation = max((activation.get(use.name) or 0 for use in uses), default=0)
+        self.active = _total(everything, nbytes) + largest_activation > budget
+        self.peak = unavoidable_peak(uses, nbytes, activation)
+        self.small = SMALL_PREFETCH_FRACTION * budget
+
+    def _lifts(self, resident: Iterable[str], headroom: int) -> bool:
+        return self.active and _total(resident, self.nbytes) + headroom > self.peak
+
+    def idle_to_drop(self, resident: set[str], needed: set[str], headroom: int) -> list[str]:
+        resident = set(resident)
+        dropped = []
+        idle = [c for c in resident - needed if self.nbytes[c] < self.small]
+        for component in sorted(idle, key=lambda c: (-self.nbytes[c], c)):
+            if not self._lifts(resident, headroom):
+                break
+            resident.discard(component)
+            dropped.append(component)
+        return dropped
+
+    def worth_prefetching(
+        self, resident_after: set[str], incoming: Sequence[str], headroom: int
+    ) -> bool:
+        return not self._lifts(resident_after, headroom) or _total(incoming, self.nbytes) >= (
+            self.small
+        )
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,23 @@ class Policy:
         self.activation[record.stage] = max(previous, record.activation_bytes)
         self.pipeline.record_activation(record.stage, record.activation_bytes)
 
-    def activation_estimate(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
+    def activation_estimate(
+        self, pipeline: Pipeline, budget: int | None = None
+    ) -> tuple[dict[str, int | None], str]:
         """Activation peaks per stage: from the profile of this model and shape when the
-        pipeline knows its shape, else as measured in this process."""
+        pipeline knows its shape, else as measured in this process. Under a ``budget``, a
+        stage that can work in pieces (a tiled decode) is counted at what it will take in
+        the room its components leave it."""
         stored, note = pipeline.activation_profile()
         measured = {} if note else self.activation
         estimate: dict[str, int | None] = {}
-        for use in pipeline.stage_uses():
-            estimate[use.name] = stored.get(use.name, measured.get(use.name))
+        nbytes = pipeline.component_bytes()
+        for stage, use in zip(pipeline.stages, pipeline.stage_uses(), strict=True):
+            need = stored.get(use.name, measured.get(use.name))
+            if need is not None and budget is not None:
+                room = budget - sum(nbytes.get(c) or 0 for c in use.components)
+                need = stage.fit_activations(need, room)
+            estimate[use.name] = need
         if all(value is None for value in estimate.values()):
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
@@ -165,6 +174,7 @@ class BudgetPolicy(Policy):
             self.streaming = BlockStreaming(options)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
+        self._skipped: set[int] = set()
         self._local = threading.local()
 
     def _nbytes(self) -> dict[str, int]:
@@ -180,6 +190,7 @@ class BudgetPolicy(Policy):
         return set(self.pipeline.resident()) | set(self._pending)
 
     def before_run(self) -> None:
+        self._skipped: set[int] = set()
         plan = self.pipeline.plan(self.budget_bytes)
         overflow = plan.overflow()
         if overflow is not None:
@@ -196,9 +207,11 @@ class BudgetPolicy(Policy):
         uses = pipeline.stage_uses()
         self._wait_for(uses[index].components)
         if not pipeline.stages[index].needs_components(state):
-            uses = list(uses)
-            uses[index] = replace(uses[index], components=())
-        activation, _ = self.activation_estimate(pipeline)
+            self._skipped.add(index)
+        # A stage that did without its components this run (a cached prompt) is taken
+        # to do so next run too: nothing is loaded or kept for it.
+        uses = [replace(u, components=()) if i in self._skipped else u for i, u in enumerate(uses)]
+        activation, _ = self.activation_estimate(pipeline, self.budget_bytes)
         if self.streaming is not None:
             activation = self.streaming.with_reserved(activation)
         try:

@@ -73,6 +73,12 @@ class Stage:
     def forward(self, state: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(state)")
 
+    def fit_activations(self, need: int, room: int) -> int:
+        """Activation bytes this stage takes when ``room`` is what is left for them and
+        ``need`` what it measured with room to spare. A stage that can work in pieces
+        (a tiled decode) answers less than ``need``; by default a stage cannot."""
+        return need
+
     def needs_components(self, state: Any) -> bool:
         """Whether this run of the stage will touch its components (a cache may answer).
 
@@ -261,7 +267,7 @@ class Pipeline:
         budget = parse_bytes(budget) if budget is not None else self.policy.budget_bytes
         policy = "budget" if budget is not None else self.policy.plan_name
         nbytes = {name: value or 0 for name, value in self.component_bytes().items()}
-        activation, note = self.policy.activation_estimate(self)
+        activation, note = self.policy.activation_estimate(self, budget)
         return build_plan(
             self.stage_uses(),
             nbytes,
@@ -300,6 +306,37 @@ class Pipeline:
         from .profiles import default_profiles
 
         return default_profiles().lookup(self.profile_model, self._profile_shape)
+
+    def activation_need(self, stage: str) -> int | None:
+        """The largest activation peak measured for ``stage`` at this shape, if any."""
+        stored, note = self.activation_profile()
+        if stage in stored:
+            return stored[stage]
+        return None if note else self.policy.activation.get(stage)
+
+    def activation_room(self) -> int | None:
+        """Device bytes the running stage may still take for activations: the budget
+        less what is resident, else what the device has left; None where unknown."""
+        import torch
+
+        budget = self.policy.budget_bytes
+        if budget is not None:
+            return budget - self.tracker.resident_bytes
+        device = self.device
+        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fraction = 1.0
+        read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if read_fraction is not None:
+            fraction = read_fraction(index)
+        total = torch.cuda.get_device_properties(index).total_memory
+        allocated = torch.cuda.memory_allocated(index)
+        free, _ = torch.cuda.mem_get_info(index)
+        # What this process may still allocate, and what the device has: the smaller.
+        within_fraction = int(total * fraction) - allocated
+        on_device = free + torch.cuda.memory_reserved(index) - allocated
+        return min(within_fraction, on_device)
 
     def record_activation(self, stage: str, nbytes: int) -> None:
         if self.profile_model is None or self._profile_shape is None:

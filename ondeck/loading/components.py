@@ -89,8 +89,29 @@ class ComponentLoader:
 
         try:
             sources = _match(template, tensors, self.name, self.folder.directory(self.name))
-            jobs, values, placed = _allocate(sources, self.device, allocated, placement)
-            self._fill(jobs, tensors, while_copying=build, placement=placement)
+            key, raw = self._cached(tensors, placement)
+            if raw is not None:
+                # Each destination's copy is issued as soon as it is allocated.
+                copy = reader.HostCopy(
+                    sum(t.numel() for t in raw.values()),
+                    progress=self.progress,
+                    component=self.name,
+                )
+                try:
+                    jobs, values, placed = _allocate(
+                        sources,
+                        self.device,
+                        allocated,
+                        placement,
+                        on_job=lambda job: copy.add(job.info, raw[job.info.name], job.destination),
+                    )
+                except BaseException:
+                    copy.close()
+                    raise
+                self._record(copy.finish(while_copying=build))
+            else:
+                jobs, values, placed = _allocate(sources, self.device, allocated, placement)
+                self._read_files(jobs, key)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
                 stats = self._read(placed)
@@ -122,29 +143,19 @@ class ComponentLoader:
         if self.placement is not None:
             self.placement.unload(module)
 
-    def _fill(
-        self,
-        jobs: list[reader.ReadJob],
-        tensors: dict[str, TensorInfo],
-        *,
-        while_copying=None,
-        placement: Any = None,
-    ) -> None:
-        cache, key = self.host_cache, None
-        if cache is not None:
-            key = _cache_key(self.folder, self.name, tensors)
-            if placement is not None:
-                key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
-            raw = cache.get(key)
-            if raw is not None:
-                stats = reader.copy_from_host(
-                    [(job.info, raw[job.info.name], job.destination) for job in jobs],
-                    progress=self.progress,
-                    component=self.name,
-                    while_copying=while_copying,
-                )
-                self._record(stats)
-                return
+    def _cached(self, tensors: dict[str, TensorInfo], placement: Any):
+        """The host cache key of this load (None without a cache) and its entry, if held."""
+        cache = self.host_cache
+        if cache is None:
+            return None, None
+        key = _cache_key(self.folder, self.name, tensors)
+        if placement is not None:
+            key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
+        return key, cache.get(key)
+
+    def _read_files(self, jobs: list[reader.ReadJob], key: Any) -> None:
+        """Read from the files, capturing the raw bytes into the host cache where it has room."""
+        cache = self.host_cache
         captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
         if captured is not None:
             for job in jobs:
@@ -261,13 +272,14 @@ def _find_key(names: list[str], tensors: dict[str, TensorInfo], prefix: str) -> 
 
 
 def _allocate(
-    sources, device: torch.device, allocated: list, placement: Any = None
+    sources, device: torch.device, allocated: list, placement: Any = None, on_job=None
 ) -> tuple[list, list, list]:
     """A real, empty tensor on the device, in its final dtype, for every slot.
 
     Where the placement gives a tensor instead, that one is used (and never freed here).
     Returns the reads into device tensors, the values to install, and the reads into
-    placed tensors that do not hold their weights yet.
+    placed tensors that do not hold their weights yet. ``on_job`` sees each read into a
+    device tensor as soon as that tensor exists.
     """
     jobs: list[reader.ReadJob] = []
     values: list[torch.Tensor] = []
@@ -288,6 +300,8 @@ def _allocate(
         values.append(value)
         if given is None:
             jobs.append(reader.ReadJob(info, tensor))
+            if on_job is not None:
+                on_job(jobs[-1])
         elif not filled:
             placed.append(reader.ReadJob(info, tensor))
     return jobs, values, placed

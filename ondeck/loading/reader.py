@@ -24,7 +24,14 @@ from ..errors import LoadError
 from .page_cache import describe_source
 from .safetensors_format import TensorInfo
 
-__all__ = ["ReadJob", "ReadStats", "read_into", "copy_from_host", "DEFAULT_BUFFER_BYTES"]
+__all__ = [
+    "ReadJob",
+    "ReadStats",
+    "HostCopy",
+    "read_into",
+    "copy_from_host",
+    "DEFAULT_BUFFER_BYTES",
+]
 
 DEFAULT_BUFFER_BYTES = 16 * 2**20
 DEFAULT_BUFFER_COUNT = 16
@@ -124,6 +131,75 @@ def read_into(
     return ReadStats(total, time.perf_counter() - started, source)
 
 
+# Host-cache copies are issued in batches of about this many bytes: each batch's side
+# stream first waits for work queued so far on the current stream, whose freed memory the
+# batch's destinations may reuse.
+HOST_COPY_BATCH_BYTES = 256 * 2**20
+
+
+class HostCopy:
+    """Copies of raw file bytes kept in host memory into their destinations, issued as
+    the destinations are allocated, so allocating the next overlaps copying the last.
+
+    ``add`` each ``(info, raw, destination)``, then ``finish``. On CUDA the copies run
+    asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
+    issued, then waits for them.
+    """
+
+    def __init__(self, total: int, *, progress: bool = True, component: str | None = None):
+        self.total = total
+        self._started = time.perf_counter()
+        self._bar = _progress_bar(total, progress, component, "host cache")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._batch: list[tuple[TensorInfo, torch.Tensor, torch.Tensor]] = []
+        self._batch_bytes = 0
+        self._copied = 0
+
+    def add(self, info: TensorInfo, raw: torch.Tensor, destination: torch.Tensor) -> None:
+        self._batch.append((info, raw, destination))
+        self._batch_bytes += info.nbytes
+        if self._batch_bytes >= HOST_COPY_BATCH_BYTES:
+            self._issue()
+
+    def _issue(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        for device in {dst.device for _, _, dst in batch if dst.device.type == "cuda"}:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        for info, raw, destination in batch:
+            if info.nbytes:
+                source = raw.view(info.dtype).reshape(info.shape)
+                stream = self._streams.get(destination.device)
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        destination.copy_(source, non_blocking=True)
+                else:
+                    destination.copy_(source)
+            self._copied += info.nbytes
+            if self._bar is not None:
+                self._bar.update(info.nbytes)
+
+    def finish(self, while_copying: Callable[[], None] | None = None) -> ReadStats:
+        try:
+            self._issue()
+            if while_copying is not None:
+                while_copying()
+        finally:
+            self.close()
+        return ReadStats(self._copied, time.perf_counter() - self._started, "host cache")
+
+    def close(self) -> None:
+        """Wait for what was issued (also after a failure: nothing may copy into freed
+        memory later)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
 def copy_from_host(
     pairs: Sequence[tuple[TensorInfo, torch.Tensor, torch.Tensor]],
     *,
@@ -136,31 +212,16 @@ def copy_from_host(
     On CUDA the copies are issued asynchronously; ``while_copying`` runs on this thread
     once they are all issued, before waiting for them.
     """
-    started = time.perf_counter()
-    total = sum(info.nbytes for info, _, _ in pairs)
-    bar = _progress_bar(total, progress, component, "host cache")
-    devices = {dst.device for _, _, dst in pairs if dst.device.type == "cuda"}
-    streams = _side_streams(devices)
+    copy = HostCopy(
+        sum(info.nbytes for info, _, _ in pairs), progress=progress, component=component
+    )
     try:
         for info, raw, destination in pairs:
-            if info.nbytes:
-                source = raw.view(info.dtype).reshape(info.shape)
-                stream = streams.get(destination.device)
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        destination.copy_(source, non_blocking=True)
-                else:
-                    destination.copy_(source)
-            if bar is not None:
-                bar.update(info.nbytes)
-        if while_copying is not None:
-            while_copying()
-    finally:
-        for stream in streams.values():
-            stream.synchronize()
-        if bar is not None:
-            bar.close()
-    return ReadStats(total, time.perf_counter() - started, "host cache")
+            copy.add(info, raw, destination)
+    except BaseException:
+        copy.close()
+        raise
+    return copy.finish(while_copying)
 
 
 def _side_streams(devices) -> dict[torch.device, torch.cuda.Stream]:

@@ -9,6 +9,7 @@ match ``diffusers.WanPipeline``.
 from __future__ import annotations
 
 import html
+import math
 import os
 import re
 from collections import OrderedDict
@@ -236,13 +237,94 @@ class Denoise(Stage):
         return state
 
 
-class Decode(Stage):
-    """Latents to frames with the VAE."""
+# Decoding in tiles: what is kept free for allocations the estimate does not see, the
+# overlap blended between tiles (pixels), and the most tiles along either side.
+TILE_SAFETY = 0.85
+TILE_OVERLAP = 64
+MAX_TILES_PER_SIDE = 8
 
-    def __init__(self, vae: Any, geometry: WanGeometry):
+
+@dataclass(frozen=True)
+class Tiles:
+    """A tiled decode's tile and stride, in pixels; ``area`` is one tile's share of a frame."""
+
+    height: int
+    width: int
+    stride_height: int
+    stride_width: int
+    count: int
+    area: float
+
+
+def decode_tiles(height: int, width: int, fraction: float, *, scale: int = 8) -> Tiles | None:
+    """The fewest tiles whose area is at most ``fraction`` of a ``height`` x ``width``
+    frame; None when no split down to ``MAX_TILES_PER_SIDE`` per side is that small.
+
+    Strides are whole latent pixels (``scale``); neighbouring tiles overlap by
+    ``TILE_OVERLAP`` pixels (less on small frames), blended so that no seam shows.
+    """
+    # Fewest tiles first; among as many, the squarest.
+    splits = sorted(
+        (rows * cols, abs(height / rows - width / cols), rows, cols)
+        for rows in range(1, MAX_TILES_PER_SIDE + 1)
+        for cols in range(1, MAX_TILES_PER_SIDE + 1)
+        if rows * cols > 1
+    )
+    for count, _, rows, cols in splits:
+        stride_height, tile_height = _tile_side(height, rows, scale)
+        stride_width, tile_width = _tile_side(width, cols, scale)
+        area = min(tile_height, height) * min(tile_width, width) / (height * width)
+        if area <= fraction:
+            return Tiles(tile_height, tile_width, stride_height, stride_width, count, area)
+    return None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return math.ceil(value / multiple) * multiple
+
+
+def _tile_side(length: int, pieces: int, scale: int) -> tuple[int, int]:
+    if pieces == 1:
+        whole = _round_up(length, scale)
+        return whole, whole
+    stride = _round_up(math.ceil(length / pieces), scale)
+    return stride, stride + min(TILE_OVERLAP, stride // 2 // scale * scale)
+
+
+class Decode(Stage):
+    """Latents to frames with the VAE.
+
+    When the activations a whole-frame decode needs (measured at this shape) do not fit
+    the room the budget or the device leaves, the VAE decodes in overlapping tiles sized
+    to fit; a whole-frame decode that runs out of memory is retried in tiles. ``tiling``
+    False always decodes whole frames, True as needed (the default).
+    """
+
+    def __init__(self, vae: Any, geometry: WanGeometry, *, tiling: bool = True):
         super().__init__()
         self.vae = vae
         self.geometry = geometry
+        self.tiling = tiling
+        self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
+
+    def fit_activations(self, need: int, room: int) -> int:
+        if not self.tiling or need <= room:
+            return need
+        pipeline = self._ondeck_pipeline
+        shape = (pipeline._profile_shape or {}) if pipeline is not None else {}
+        if not shape.get("height") or not shape.get("width"):
+            return need
+        tiles = decode_tiles(shape["height"], shape["width"], TILE_SAFETY * room / need)
+        return need if tiles is None else int(need * tiles.area)
+
+    def _planned_tiles(self, height: int, width: int) -> Tiles | None:
+        pipeline = self._ondeck_pipeline
+        if not self.tiling or pipeline is None:
+            return None
+        need, room = pipeline.activation_need(self.name), pipeline.activation_room()
+        if need is None or room is None or need <= room:
+            return None
+        return decode_tiles(height, width, TILE_SAFETY * max(room, 0) / need)
 
     @torch.no_grad()
     def forward(self, state: dict) -> dict:
@@ -251,6 +333,9 @@ class Decode(Stage):
             return state
         from diffusers.video_processor import VideoProcessor
 
+        from ..errors import LoadError
+        from ..lazy import is_out_of_memory
+
         latents = state["latents"].to(self.vae.device, dtype=self.vae.dtype)
         view = (1, self.geometry.z_dim, 1, 1, 1)
         mean = torch.tensor(self.geometry.latents_mean).view(view).to(latents.device, latents.dtype)
@@ -258,12 +343,65 @@ class Decode(Stage):
             latents.device, latents.dtype
         )
         latents = latents / inverse_std + mean
-        video = self.vae.decode(latents, return_dict=False)[0]
-        processor = VideoProcessor(vae_scale_factor=self.geometry.scale_spatial)
+        scale = self.geometry.scale_spatial
+        height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
+        tiles = self._planned_tiles(height, width)
+        fraction = 1.0
+        while True:
+            try:
+                video = self._decode(latents, tiles)
+                break
+            except Exception as error:
+                # A load that ran out of memory is the policy's to handle, not tiling's.
+                if not self.tiling or isinstance(error, LoadError) or not is_out_of_memory(error):
+                    raise
+            # Out of memory (the traceback is gone with the except block): half the area.
+            fraction = (tiles.area if tiles is not None else fraction) / 2
+            tiles = decode_tiles(height, width, fraction, scale=scale)
+            _free_cached_memory()
+            if tiles is None:
+                raise torch.OutOfMemoryError(
+                    f"decoding {height}x{width} frames ran out of memory even in "
+                    f"{MAX_TILES_PER_SIDE}x{MAX_TILES_PER_SIDE} tiles"
+                )
+        object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
+        processor = VideoProcessor(vae_scale_factor=scale)
         state["frames"] = processor.postprocess_video(
             video, output_type=state.get("output_type", "np")
         )
         return state
+
+    def _decode(self, latents: torch.Tensor, tiles: Tiles | None) -> torch.Tensor:
+        if tiles is None:
+            return self.vae.decode(latents, return_dict=False)[0]
+        vae = self.vae
+        names = (
+            "use_tiling",
+            "tile_sample_min_height",
+            "tile_sample_min_width",
+            "tile_sample_stride_height",
+            "tile_sample_stride_width",
+        )
+        saved = {name: getattr(vae, name) for name in names}
+        try:
+            vae.enable_tiling(
+                tile_sample_min_height=tiles.height,
+                tile_sample_min_width=tiles.width,
+                tile_sample_stride_height=tiles.stride_height,
+                tile_sample_stride_width=tiles.stride_width,
+            )
+            return vae.decode(latents, return_dict=False)[0]
+        finally:
+            for name, value in saved.items():
+                setattr(vae, name, value)
+
+
+def _free_cached_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class WanTextToVideo(Pipeline):
@@ -278,6 +416,8 @@ class WanTextToVideo(Pipeline):
         self.model_path: Path | None = options.pop("model_path", None)
         # The model components' loaders, by name: their counters go into reports.
         self.loaders: dict[str, Any] = options.pop("loaders", {})
+        # Decode in tiles when whole frames would not fit (see ``Decode``).
+        self.vae_tiling: bool = options.pop("vae_tiling", True)
         super().__init__(components, **options)
 
     @classmethod
@@ -293,13 +433,15 @@ class WanTextToVideo(Pipeline):
         host_cache: Any = None,
         progress: bool = True,
         shard: tuple[str, ...] | list[str] = (),
+        vae_tiling: bool = True,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
         ``shard`` names components to split across the ranks of ``torch.distributed``
         (FSDP2; see ``ondeck.loading.sharded``): each rank then holds and reads only its
         share of their weights. Every rank builds the pipeline and runs it on the same
-        inputs.
+        inputs. ``vae_tiling`` lets the VAE decode in tiles when whole frames would not
+        fit the memory left (see ``Decode``); False always decodes whole frames.
         """
         from ..loading import ComponentLoader, ModelFolder, load_auxiliary
         from ..memory import resolve_device
@@ -345,6 +487,7 @@ class WanTextToVideo(Pipeline):
             policy=policy,
             budget=budget,
             prefetch=prefetch,
+            vae_tiling=vae_tiling,
         )
 
     def profile_shape(self, state: dict) -> dict[str, Any]:
@@ -376,7 +519,7 @@ class WanTextToVideo(Pipeline):
             EncodePrompt(c["tokenizer"], c["text_encoder"], self.prompt_cache, self.identity),
             PrepareLatents(geometry),
             Denoise(c["transformer"], c["scheduler"]),
-            Decode(c["vae"], geometry),
+            Decode(c["vae"], geometry, tiling=self.vae_tiling),
         ]
 
     def generate(

@@ -1,0 +1,313 @@
+"""ondeck against mmgp 3.8.2 (the memory manager behind Wan2GP) on a Wan 2.1 14B-shaped folder.
+
+    python benchmarks/vs_mmgp.py [--folder DIR] [--modes eager,mmgp-1,...] [--mmgp-vae-bf16]
+
+mmgp (``pip install mmgp==3.8.2``, with optimum-quanto and accelerate) is given the stock
+diffusers WanPipeline loaded on the CPU and moves the models itself. Compared in one run,
+each mode in its own process (480x832, 33 frames, 4 steps, guidance on, three
+generations):
+
+    eager      diffusers, everything on the GPU (the reference time; ~65 s)
+    mmgp-1     mmgp profile HighRAM_HighVRAM, no quantization (~80 s)
+    mmgp-2     mmgp profile HighRAM_LowVRAM, no quantization (~95 s)
+    release    ondeck release, no host cache: weights from the page cache (~60 s)
+    budget-32  ondeck budget + prefetch on a device emulated at 32 GiB, the budget
+               automatic from that device, 64 GiB host cache (~70 s)
+    stream-8   ondeck budget on a device emulated at 8 GiB, streaming the transformer's
+               blocks that do not fit (~90 s)
+
+mmgp is told to keep the VAE in float32 like every other mode (its default casts every
+float32 weight to bfloat16; ``--mmgp-vae-bf16`` lets it). Per mode: wall time of runs 2-3 (median), the
+ratio to eager's, peak device bytes allocated, peak host RSS (VmHWM, setup included, and
+over the generations alone), exposed load seconds (ondeck), setup seconds (load, and
+for mmgp its profile). Then three targets, PASS or MISS from these numbers (n/a where a
+mode they compare against did not run or failed):
+
+    budget-32 no slower than mmgp-1, and a peak allocated no higher
+    release within 1.2x eager's time, and a peak RSS at most 1/4 of mmgp-1's
+    stream-8 no slower than mmgp-2, and a peak RSS below mmgp-2's
+
+Building the folder takes ~80 s. Modes run in the order given; one that would not finish
+before ``--deadline-s`` (counted from the start) is skipped and named, with the command
+that runs it, and no mode runs past the deadline. Every mode runs with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the variable is already set.
+Results go to $OUT/vs_mmgp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    GiB,
+    build_wan14b_folder,
+    folder_bytes,
+    median,
+    out_dir,
+    run_child,
+    warm_page_cache,
+)
+from wan_suite import summary_line  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+# name: (wan_modes mode, emulated device GiB or None, extra arguments, seconds on an H200)
+MODES = {
+    "eager": ("diffusers-eager", None, [], 65),
+    "mmgp-1": ("mmgp-1", None, [], 80),
+    "mmgp-2": ("mmgp-2", None, [], 95),
+    "release": ("ondeck-release", None, [], 60),
+    "budget-32": ("ondeck-budget-prefetch", 32, ["--host-cache-gib", "64"], 70),
+    "stream-8": ("ondeck-stream", 8, [], 90),
+}
+DEFAULT_MODES = ["eager", "mmgp-1", "mmgp-2", "release", "budget-32", "stream-8"]
+# Whose peak host RSS the release target is held against.
+MMGP_RSS_REFERENCE = "mmgp-1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b"))
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, in order: {', '.join(MODES)}",
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=560)
+    parser.add_argument(
+        "--mmgp-vae-bf16",
+        action="store_true",
+        help="let mmgp cast the VAE to bfloat16 (its default); float32 otherwise",
+    )
+    args = parser.parse_args()
+    modes = [name.strip() for name in args.modes.split(",") if name.strip()]
+    unknown = [name for name in modes if name not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+
+    # The same allocator settings for every mode; fewer fragments under an emulated cap.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    started = time.perf_counter()
+    path = build_wan14b_folder(Path(args.folder))
+    sizes = folder_bytes(path)
+    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
+    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    print(f"(folder ready and in the page cache after {time.perf_counter() - started:.0f}s)")
+    print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
+
+    missing = [m for m in ("mmgp", "optimum.quanto", "accelerate") if not importable(m)]
+    rows, skipped = [], []
+    for name in modes:
+        mode, memory_gib, extra, expected = MODES[name]
+        if mode.startswith("mmgp") and missing:
+            # Not worth a load of the whole pipeline to find out.
+            error = f"mmgp cannot be imported: no {', '.join(missing)}"
+            rows.append({"name": name, "label": f"{name} ({mode})", "error": error})
+            print(f"{name}: {error}")
+            continue
+        left = args.deadline_s - (time.perf_counter() - started)
+        if left < expected:
+            skipped.append((name, expected, left))
+            print(f"{name}: skipped, needs ~{expected:.0f}s and {max(0, left):.0f}s are left")
+            continue
+        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode]
+        command += ["--runs", str(args.runs), *extra]
+        if memory_gib:
+            command += ["--memory-gib", str(memory_gib)]
+            command += ["--png", str(out_dir() / f"vs_mmgp-{name}.png")]
+        if mode.startswith("mmgp") and args.mmgp_vae_bf16:
+            command += ["--mmgp-vae-bf16"]
+        row = run_child(command, timeout=max(30.0, left - 5))
+        row["label"] = f"{name} ({mode} @ {memory_gib or 139} GiB)"
+        row["name"] = name
+        row["runs_asked"] = args.runs
+        rows.append(row)
+        print(summary_line(row), flush=True)
+        write(rows, skipped, sizes, args)
+    print()
+    print_table(rows)
+    results = targets(rows)
+    print()
+    print_targets(results)
+    write(rows, skipped, sizes, args, results)
+    if skipped:
+        names = ",".join(name for name, _, _ in skipped)
+        print(f"\nskipped for time: {names}; run them with")
+        flags = " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else ""
+        print(f"  python benchmarks/vs_mmgp.py --folder {path} --modes {names}{flags}")
+    print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'vs_mmgp.json'}")
+
+
+def write(
+    rows: list[dict], skipped: list, sizes: dict, args, results: list[dict] | None = None
+) -> None:
+    document = {
+        "folder_bytes": sizes,
+        "rows": rows,
+        "skipped": [name for name, _, _ in skipped],
+        "targets": results,
+        "mmgp_vae": "bfloat16 (mmgp default)" if args.mmgp_vae_bf16 else "float32",
+        "mmgp_rss_reference": MMGP_RSS_REFERENCE,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (out_dir() / "vs_mmgp.json").write_text(json.dumps(document, indent=2, default=str))
+
+
+def print_table(rows: list[dict]) -> None:
+    reference = next((later_seconds(r) for r in rows if r.get("name") == "eager" and ok(r)), None)
+    print(
+        f"{'mode':<46} {'runs 2-3 s':>10} {'vs eager':>8} {'peak alloc':>10} {'peak RSS':>9} "
+        f"{'gen RSS':>8} {'exposed s':>9} {'setup s':>7}"
+    )
+    for row in rows:
+        runs = row.get("runs", [])
+        if not runs:
+            print(f"{row['label']:<46} failed: {str(row.get('error', ''))[:90]}")
+            continue
+        seconds = later_seconds(row)
+        ratio = f"{seconds / reference:.2f}x" if reference else "-"
+        generation_rss = row.get("generation_peak_rss_bytes")
+        generation_rss_text = f"{generation_rss / GiB:.1f}G" if generation_rss else "-"
+        exposed = exposed_seconds(row)
+        exposed_text = "-" if exposed is None else f"{exposed:.2f}"
+        setup = row.get("setup_seconds")
+        setup_text = "-" if setup is None else f"{setup:.1f}"
+        print(
+            f"{row['label']:<46} {seconds:>10.1f} {ratio:>8} "
+            f"{row['peak_allocated_bytes'] / GiB:>9.1f}G {row['peak_rss_bytes'] / GiB:>8.1f}G "
+            f"{generation_rss_text:>8} {exposed_text:>9} {setup_text:>7}"
+        )
+        if row.get("error"):
+            print(f"{'':<46} error: {str(row['error'])[:200]}")
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The three targets, each PASS, MISS, or n/a where a row it needs is missing."""
+    by_name = {row["name"]: row for row in rows}
+
+    def time_of(name):
+        return later_seconds(by_name[name])
+
+    def alloc_of(name):
+        return by_name[name]["peak_allocated_bytes"] / GiB
+
+    def rss_of(name):
+        return by_name[name]["peak_rss_bytes"] / GiB
+
+    mmgp = MMGP_RSS_REFERENCE
+    specs = [
+        (
+            "budget-32 vs mmgp-1",
+            "budget-32",
+            ["mmgp-1"],
+            lambda: [
+                ("runs 2-3 s", time_of("budget-32"), "<=", time_of("mmgp-1"), "mmgp-1"),
+                ("peak alloc GiB", alloc_of("budget-32"), "<=", alloc_of("mmgp-1"), "mmgp-1"),
+            ],
+        ),
+        (
+            f"release vs eager and {mmgp}",
+            "release",
+            ["eager", mmgp],
+            lambda: [
+                ("runs 2-3 s", time_of("release"), "<=", 1.2 * time_of("eager"), "1.2x eager"),
+                ("peak RSS GiB", rss_of("release"), "<=", rss_of(mmgp) / 4, f"1/4 {mmgp}"),
+            ],
+        ),
+        (
+            "stream-8 vs mmgp-2",
+            "stream-8",
+            ["mmgp-2"],
+            lambda: [
+                ("runs 2-3 s", time_of("stream-8"), "<=", time_of("mmgp-2"), "mmgp-2"),
+                ("peak RSS GiB", rss_of("stream-8"), "<", rss_of("mmgp-2"), "mmgp-2"),
+            ],
+        ),
+    ]
+    results = []
+    for title, subject, references, compute in specs:
+        result: dict = {"target": title, "checks": []}
+        absent = [name for name in [subject, *references] if name not in by_name]
+        failed_references = [
+            name for name in references if name in by_name and not ok(by_name[name])
+        ]
+        if absent:
+            result.update(verdict="n/a", reason=f"no result for {', '.join(absent)}")
+        elif not ok(by_name[subject]):
+            error = str(by_name[subject].get("error", ""))[:120]
+            result.update(verdict="MISS", reason=f"{subject} failed: {error}")
+        elif failed_references:
+            result.update(verdict="n/a", reason=f"{', '.join(failed_references)} failed")
+        else:
+            for what, value, op, bound, against in compute():
+                held = value <= bound if op == "<=" else value < bound
+                result["checks"].append(
+                    {
+                        "what": what,
+                        "value": value,
+                        "op": op,
+                        "bound": bound,
+                        "against": against,
+                        "held": held,
+                    }
+                )
+            passed = all(check["held"] for check in result["checks"])
+            result["verdict"] = "PASS" if passed else "MISS"
+        results.append(result)
+    return results
+
+
+def print_targets(results: list[dict]) -> None:
+    print(f"targets (mmgp's peak RSS taken from {MMGP_RSS_REFERENCE}):")
+    for result in results:
+        if not result["checks"]:
+            print(f"  {result['verdict']:<4}  {result['target']}: {result['reason']}")
+            continue
+        checks = "; ".join(
+            f"{c['what']} {c['value']:.1f} {c['op']} {c['bound']:.1f} ({c['against']}) "
+            f"{'yes' if c['held'] else 'NO'}"
+            for c in result["checks"]
+        )
+        print(f"  {result['verdict']:<4}  {result['target']}: {checks}")
+
+
+def importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def ok(row: dict) -> bool:
+    """Ran every generation (an error after the last one, e.g. plotting, is tolerated)."""
+    runs = row.get("runs") or []
+    return bool(runs) and (not row.get("error") or len(runs) >= row.get("runs_asked", 0))
+
+
+def later_seconds(row: dict) -> float:
+    """Median wall time of runs 2 and later (run 1 when there is only one)."""
+    runs = row["runs"]
+    return median([r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]])
+
+
+def exposed_seconds(row: dict) -> float | None:
+    """Mean exposed load seconds of runs 2 and later (ondeck rows), else None."""
+    runs = row["runs"]
+    exposed = [r.get("exposed_load_seconds") for r in runs[1:] or runs]
+    if not exposed or None in exposed:
+        return None
+    return sum(exposed) / len(exposed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Decoding in tiles when whole frames would not fit what the budget or device leaves."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ondeck.embedded import build_wan_folder
+from ondeck.errors import BudgetError
+from ondeck.pipelines.wan import Decode, WanTextToVideo, decode_tiles
+
+SHAPE = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    return build_wan_folder(tmp_path_factory.mktemp("wan") / "tiny", preset="tiny")
+
+
+def wan(folder, policy, **options):
+    return WanTextToVideo.from_folder(
+        folder, policy=policy, dtype=torch.float32, device="cpu", progress=False, **options
+    )
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch):
+    """Activation profiles of this test alone."""
+    import ondeck.profiles
+
+    monkeypatch.setattr(
+        ondeck.profiles, "_default", ondeck.profiles.ActivationProfiles(tmp_path / "profiles.json")
+    )
+
+
+def as_if_decode_measured(pipe, nbytes: int) -> None:
+    """Record a whole-frame decode of ``nbytes`` at SHAPE, as an earlier run would have."""
+    pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
+    pipe.record_activation(decode_stage(pipe).name, nbytes)
+
+
+def decode_stage(pipe) -> Decode:
+    return next(stage for stage in pipe.stages if isinstance(stage, Decode))
+
+
+@pytest.mark.parametrize("height, width", [(480, 832), (720, 1280), (64, 64)])
+@pytest.mark.parametrize("fraction", [0.9, 0.5, 0.2, 0.06])
+def test_tiles_are_no_larger_than_asked_and_stride_whole_latent_pixels(height, width, fraction):
+    tiles = decode_tiles(height, width, fraction)
+    if tiles is None:
+        assert (height, width) == (64, 64) and fraction < 0.2  # too small a frame to split so
+        return
+    assert tiles.area <= fraction
+    assert tiles.area == pytest.approx(
+        min(tiles.height, height) * min(tiles.width, width) / (height * width)
+    )
+    assert tiles.stride_height % 8 == 0 and tiles.stride_width % 8 == 0
+    assert tiles.height >= tiles.stride_height and tiles.width >= tiles.stride_width
+    # The strides cover the frame in at most the tiles counted.
+    assert math.ceil(height / tiles.stride_height) * math.ceil(width / tiles.stride_width) <= (
+        tiles.count
+    )
+
+
+def test_fewest_tiles_first_split_along_the_longer_side():
+    tiles = decode_tiles(480, 832, 0.7)
+    assert tiles.count == 2
+    assert tiles.height == 480 and tiles.width < 832
+    assert decode_tiles(480, 832, 1e-4) is None
+
+
+@pytest.fixture(scope="module")
+def whole_frames(wan_folder):
+    pipe = wan(wan_folder, "release")
+    frames = pipe.generate("a fox", seed=3, **SHAPE)
+    assert decode_stage(pipe).last_tiles is None
+    return frames
+
+
+def close(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).mean())
+
+
+def test_decode_runs_in_tiles_when_the_budget_leaves_too_little_room(
+    wan_folder, whole_frames, profiles
+):
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    room = pipe.policy.budget_bytes - pipe.component_bytes()["vae"]
+    as_if_decode_measured(pipe, 3 * room)
+    frames = pipe.generate("a fox", seed=3, **SHAPE)
+    tiles = decode_stage(pipe).last_tiles
+    assert tiles is not None and tiles.area <= 0.85 / 3
+    assert frames.shape == whole_frames.shape
+    assert close(frames, whole_frames) < 0.05
+
+
+def test_plan_counts_a_tiled_decode_at_what_fits(wan_folder, profiles):
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    budget = pipe.policy.budget_bytes
+    as_if_decode_measured(pipe, 3 * budget)
+    plan = pipe.plan()
+    assert plan.overflow() is None
+    assert plan.peak_bytes <= budget
+
+    fixed = wan(wan_folder, "budget", budget="1GiB", vae_tiling=False)
+    fixed.set_plan_shape(height=64, width=64, frames=5)
+    assert fixed.plan().overflow() is not None
+    with pytest.raises(BudgetError, match="Decode"):
+        fixed.generate("a fox", seed=3, **SHAPE)
+
+
+def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
+    wan_folder, whole_frames, monkeypatch
+):
+    from diffusers import AutoencoderKLWan
+
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        attempts.append(self.use_tiling)
+        if not self.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release")
+    frames = pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [False, True]
+    assert decode_stage(pipe).last_tiles.area <= 0.5
+    assert close(frames, whole_frames) < 0.05
+    # The VAE is left as it was found: whole frames by default.
+    assert pipe.components["vae"].use_tiling is False
+
+
+def test_without_tiling_out_of_memory_in_decode_is_raised(wan_folder, monkeypatch):
+    from diffusers import AutoencoderKLWan
+
+    def decode(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release", vae_tiling=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        pipe.generate("a fox", seed=3, **SHAPE)
