@@ -81,6 +81,13 @@ def is_loaded(obj: Any) -> bool:
     return object.__getattribute__(obj, "_ondeck_module") is not None
 
 
+def is_loading(obj: Any) -> bool:
+    """True while a proxy's loader runs (in any thread)."""
+    if not is_lazy(obj):
+        return False
+    return object.__getattribute__(obj, "_ondeck_loading_thread") is not None
+
+
 def module_nbytes(module: Any) -> int:
     """Bytes held by a module's parameters and buffers, counting shared storage once."""
     import torch

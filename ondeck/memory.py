@@ -283,15 +283,19 @@ class MemoryTracker:
                 torch.cuda.reset_peak_memory_stats(self.device)
             self._compute_resident = self.resident_bytes
 
-    def stage_finished(self, stage: str) -> StageRecord:
+    def stage_finished(self, stage: str, loading_bytes: int = 0) -> StageRecord:
+        """The stage is done. ``loading_bytes``: components still loading in the
+        background (a prefetch), whose tensors the device peak may already hold."""
         with self._lock:
             started = self._stage_started or time.perf_counter()
             compute_peak = self._device_peak()
             activation = None
             peak = compute_peak
             if compute_peak is not None:
-                # Weights resident at any point of the stage are not activations.
-                activation = max(0, compute_peak - self._compute_resident)
+                # Weights resident, or arriving, at any point of the stage are not
+                # activations.
+                weights = max(self._compute_resident, self.resident_bytes + loading_bytes)
+                activation = max(0, compute_peak - weights)
                 peak = max(compute_peak, self._peak_before_compute or 0)
                 self.peak_measured_bytes = max(self.peak_measured_bytes, peak)
             record = StageRecord(

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .errors import ConcurrentRunError
-from .lazy import LazyModule, is_lazy, is_loaded, is_out_of_memory
+from .lazy import LazyModule, is_lazy, is_loaded, is_loading, is_out_of_memory
 from .memory import MemoryTracker, resolve_device
 from .plan import Plan, StageUse, build_plan, release_schedule
 
@@ -392,7 +392,7 @@ class Pipeline:
                     proxy._unpin()
             failed = False
         finally:
-            record = self.tracker.stage_finished(stage.name)
+            record = self.tracker.stage_finished(stage.name, self._loading_bytes())
             self.policy.stage_measured(index, record)
             self._after_stage(index, failed)
         return state
@@ -404,6 +404,10 @@ class Pipeline:
             if not is_out_of_memory(error) or not self.policy.recover_from_oom(index):
                 raise
         return stage.forward(state)
+
+    def _loading_bytes(self) -> int:
+        """Bytes of the components loading right now (a prefetch in the background)."""
+        return sum(proxy.spec.nbytes or 0 for proxy in self.deferred.values() if is_loading(proxy))
 
     def _after_stage(self, index: int, failed: bool) -> None:
         """Release what the schedule says; never let a release error mask the stage's."""

@@ -497,7 +497,7 @@ class DiffusersRuntime(Pipeline):
         self.policy.before_stage(index)
 
     def _finish_turn(self, index: int) -> None:
-        record = self.tracker.stage_finished(self.stages[index].name)
+        record = self.tracker.stage_finished(self.stages[index].name, self._loading_bytes())
         self.policy.stage_measured(index, record)
         self._after_stage(index, failed=False)
 

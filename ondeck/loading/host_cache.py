@@ -35,6 +35,22 @@ def _is_unified(device: torch.device) -> bool:
     return False
 
 
+def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, int]]]:
+    """Where each tensor's bytes go: ``(arena bytes, {tensor index: offset})``.
+
+    Pinned memory comes from torch's caching host allocator, which rounds every request
+    up to a power of two: one buffer per tensor would hold half as much again (a 14B
+    transformer: 40.7 GiB for 26.6). Packed into power-of-two arenas, little is lost.
+    """
+    if not pinned:  # pageable memory is not rounded: a buffer per tensor, exactly
+        return [(info.nbytes, {index: 0}) for index, info in enumerate(infos)]
+    from ..streaming.host import pack_arenas
+
+    return pack_arenas(
+        {index: info.nbytes for index, info in enumerate(infos)}, round_to_power_of_two=True
+    )
+
+
 class HostCache:
     """Least-recently-used store of raw component bytes in host memory, within a budget.
 
@@ -91,7 +107,9 @@ class HostCache:
         buffers are full, or :meth:`discard` if the load failed.
         """
         infos = list(infos)
-        nbytes = sum(info.nbytes for info in infos)
+        pin = torch.cuda.is_available()
+        arenas = _arenas(infos, pin)
+        nbytes = sum(capacity for capacity, _ in arenas)
         with self._lock:
             if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
                 return None
@@ -102,11 +120,12 @@ class HostCache:
                 return None
             self._pending[key] = nbytes
         try:
-            pin = torch.cuda.is_available()
-            return {
-                info.name: torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
-                for info in infos
-            }
+            buffers: dict[str, torch.Tensor] = {}
+            for capacity, members in arenas:
+                arena = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+                for index, offset in members.items():
+                    buffers[infos[index].name] = arena[offset : offset + infos[index].nbytes]
+            return buffers
         except BaseException:
             self.discard(key)
             raise
