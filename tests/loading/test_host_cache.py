@@ -137,7 +137,9 @@ def test_pinned_entries_pack_tensors_into_power_of_two_arenas():
         for index, offset in members.items()
     )
     assert len(placed) == len(sizes)
-    for (arena, offset, nbytes), (next_arena, next_offset, _) in zip(placed, placed[1:]):
+    for (arena, offset, nbytes), (next_arena, next_offset, _) in zip(
+        placed, placed[1:], strict=False
+    ):
         assert offset % 256 == 0
         if arena == next_arena:
             assert offset + nbytes <= next_offset
