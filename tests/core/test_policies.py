@@ -83,6 +83,59 @@ def test_prefetch_loads_the_next_stage_beside_the_current_one():
     assert step.prefetch == ()  # would not fit beside the running text encoder
 
 
+def test_prefetch_after_the_last_stage_loads_the_next_runs_first_components():
+    # Decoding (VAE, 1, plus 8 of activations) leaves room for the text encoder (10)
+    # within 30: it is loaded during decoding for the next run's first stage.
+    step = budget_step(
+        {"vae"}, 3, uses=USES, nbytes=SIZES, budget=30, activation={"Decode": 8}, prefetch=True
+    )
+    assert step.prefetch == ("text_encoder",)
+    stages = simulate(
+        USES, SIZES, policy="budget", budget=30, activation={"Decode": 8}, prefetch=True, runs=2
+    )
+    assert [s.resident for s in stages if s.name == "Decode"] == [("text_encoder", "vae")] * 2
+
+
+def test_a_small_component_does_not_lift_the_peak_when_components_move():
+    # 37 GiB of components do not fit 32 at once, so they move every run. The VAE (1 of
+    # 32: small) kept through denoising would lift the peak above denoising's own need
+    # (26 + 2): it is dropped there and loaded again at decoding.
+    activation = {"Encode": 0, "Latents": 0, "Denoise": 2, "Decode": 8}
+    step = budget_step(
+        {"transformer", "vae"},
+        2,
+        uses=USES,
+        nbytes=SIZES,
+        budget=32,
+        activation=activation,
+        prefetch=True,
+    )
+    assert step.evict == ("vae",)
+    assert step.prefetch == ()  # not prefetched back during denoising either
+    stages = simulate(
+        USES, SIZES, policy="budget", budget=32, activation=activation, prefetch=True, runs=3
+    )
+    denoising = [s for s in stages if s.name == "Denoise"]
+    assert all(s.resident == ("transformer",) for s in denoising)
+    assert max(s.resident_bytes + (s.activation_bytes or 0) for s in stages) == 28
+
+
+def test_a_large_component_is_prefetched_even_if_it_lifts_the_peak():
+    # With a budget of 38, the transformer (26) is prefetched beside the text encoder:
+    # the peak rises above denoising's own 26, but it saves the largest load of a run.
+    step = budget_step(
+        {"text_encoder"}, 0, uses=USES, nbytes=SIZES, budget=38, activation={}, prefetch=True
+    )
+    assert step.prefetch == ("transformer",)
+
+
+def test_when_everything_fits_small_components_stay():
+    stages = simulate(
+        USES, SIZES, policy="budget", budget=48, activation={"Denoise": 2, "Decode": 8}, runs=2
+    )
+    assert all(s.resident == ("text_encoder", "transformer", "vae") for s in stages[4:])
+
+
 def budget_pipeline(loaders=None, *, budget, prefetch=False):
     return ThreeStages(
         loaders or {n: CountingLoader(32) for n in ("encoder", "denoiser", "decoder")},
