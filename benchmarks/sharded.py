@@ -1,6 +1,7 @@
 """Wan 2.1 14B-shaped pipeline on one GPU against the same pipeline sharded over two.
 
     python benchmarks/sharded.py [--folder .bench-data/wan14b] [--steps 4] [--runs 2]
+                                 [--variants single,transformer,transformer+text_encoder]
 
 Builds the 14B-shaped folder once, then runs each variant in fresh processes, all
 under ``release`` in bf16 at 480x832, 33 frames:
@@ -167,6 +168,11 @@ def run_variant(args: list[str], *, timeout: float) -> dict:
     return result
 
 
+def variant_key(shard: tuple[str, ...]) -> str:
+    """A variant's name on the command line: ``single``, ``transformer+text_encoder``."""
+    return "+".join(shard) or "single"
+
+
 def compare_frames(reference: Path, candidate: Path) -> dict:
     import numpy as np
 
@@ -211,6 +217,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per variant")
     parser.add_argument("--deadline", type=float, default=330, help="start no variant after this")
+    parser.add_argument(
+        "--variants",
+        default=",".join(variant_key(shard) for _, shard in VARIANTS),
+        help="which to run, comma-separated: "
+        + ", ".join(variant_key(shard) for _, shard in VARIANTS),
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", default="", help=argparse.SUPPRESS)
     parser.add_argument("--frames-out", help=argparse.SUPPRESS)
@@ -241,7 +253,13 @@ def main() -> None:
     common += ["--height", str(args.height)]
     common += ["--width", str(args.width), "--frames", str(args.frames)]
     common += ["--steps", str(args.steps), "--runs", str(args.runs)]
+    wanted = {name.strip() for name in args.variants.split(",") if name.strip()}
+    unknown = wanted - {variant_key(shard) for _, shard in VARIANTS}
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}")
     for label, shard in VARIANTS:
+        if variant_key(shard) not in wanted:
+            continue
         if time.perf_counter() - started > args.deadline:
             report["variants"][label] = {"skipped": f"past the {args.deadline:.0f}s deadline"}
             continue
