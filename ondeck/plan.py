@@ -157,7 +157,8 @@ def budget_step(
     activation: Mapping[str, int | None],
     prefetch: bool,
 ) -> StageStep:
-    """Decide evictions and loads before stage ``index``, and what to prefetch during it.
+    """Decide evictions and loads before stage ``index``, and what to prefetch during it
+    (the next stage that needs a load, in the next run after the last stage).
 
     Raises ``ValueError`` when the stage's own components and activations cannot fit.
     """

@@ -146,7 +146,9 @@ class BudgetPolicy(Policy):
 
     When a load would overflow, the resident component whose next use is farthest
     away goes first. With ``prefetch``, the next stage's components load on a
-    background thread while the current stage computes. With ``streaming`` (on by
+    background thread while the current stage computes; after the last stage, the next
+    run's first ones. Small components are not loaded early, nor kept idle, where that
+    would raise the run's peak (``plan.budget_step``). With ``streaming`` (on by
     default; a ``StreamOptions`` tunes it), a stage too large for the budget keeps what
     fits of its largest component's repeated blocks on the device and streams the rest
     from pinned host memory (``ondeck.streaming``); not on unified memory, where it
