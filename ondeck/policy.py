@@ -92,18 +92,24 @@ class Policy:
         stored, note = pipeline.activation_profile()
         measured = {} if note else self.activation
         estimate: dict[str, int | None] = {}
+        fitted: list[str] = []
         nbytes = pipeline.component_bytes()
         for stage, use in zip(pipeline.stages, pipeline.stage_uses(), strict=True):
             need = stored.get(use.name, measured.get(use.name))
+            estimate[use.name] = need
             if need is not None and budget is not None:
                 room = budget - sum(nbytes.get(c) or 0 for c in use.components)
-                need = stage.fit_activations(need, room)
-            estimate[use.name] = need
+                estimate[use.name] = stage.fit_activations(need, room)
+                if estimate[use.name] < need:
+                    fitted.append(
+                        f"'{use.name}' works in pieces to fit: "
+                        f"{format_bytes(estimate[use.name])} of activations, not {format_bytes(need)}"
+                    )
         if all(value is None for value in estimate.values()):
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
-        return estimate, note
+        return estimate, "\n".join([note, *fitted])
 
 
 class EagerPolicy(Policy):

@@ -104,6 +104,7 @@ def test_plan_counts_a_tiled_decode_at_what_fits(wan_folder, profiles):
     plan = pipe.plan()
     assert plan.overflow() is None
     assert plan.peak_bytes <= budget
+    assert "'Decode' works in pieces to fit" in str(plan)
 
     fixed = wan(wan_folder, "budget", budget="1GiB", vae_tiling=False)
     fixed.set_plan_shape(height=64, width=64, frames=5)
