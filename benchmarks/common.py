@@ -181,6 +181,33 @@ class RssSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
+def parse_modes(parser, text: str, known) -> list[str]:
+    """The comma-separated mode names of ``text``, in order; an unknown one is a usage error."""
+    modes = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in modes if name not in known]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(known)}")
+    return modes
+
+
+def ready_wan14b_folder(folder: Path) -> tuple[Path, dict[str, int]]:
+    """Build the Wan 2.1 14B-shaped folder (once) and read it into the page cache, so every
+    mode starts from the same warm files. Returns its path and bytes per component."""
+    started = time.perf_counter()
+    path = build_wan14b_folder(Path(folder))
+    sizes = folder_bytes(path)
+    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
+    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    print(f"(folder ready and in the page cache after {time.perf_counter() - started:.0f}s)")
+    return path, sizes
+
+
+def later_seconds(row: dict) -> float:
+    """Median wall time of a mode's runs 2 and later (run 1 when there is only one)."""
+    runs = row["runs"]
+    return median([r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]])
+
+
 def median(values):
     ordered = sorted(values)
     middle = len(ordered) // 2

@@ -31,7 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, build_wan14b_folder, folder_bytes, out_dir, run_child, warm_page_cache  # noqa: E402
+from common import (  # noqa: E402
+    GiB,
+    later_seconds,
+    out_dir,
+    parse_modes,
+    ready_wan14b_folder,
+    run_child,
+)
 from wan_suite import summary_line  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -58,19 +65,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--deadline-s", type=float, default=500)
     args = parser.parse_args()
-    modes = [name.strip() for name in args.modes.split(",") if name.strip()]
-    unknown = [name for name in modes if name not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    modes = parse_modes(parser, args.modes, MODES)
 
     # The same allocator settings for every mode; fewer fragments under an emulated cap.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
-    path = build_wan14b_folder(Path(args.folder))
-    sizes = folder_bytes(path)
-    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
-    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
-    print(f"(folder ready and in the page cache after {time.perf_counter() - started:.0f}s)")
+    path, sizes = ready_wan14b_folder(Path(args.folder))
     print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
 
     rows, skipped = [], []
@@ -144,13 +144,6 @@ def print_table(rows: list[dict]) -> None:
         )
         if row.get("error"):
             print(f"{'':<34} error: {str(row['error'])[:200]}")
-
-
-def later_seconds(row: dict) -> float:
-    """Mean wall time of runs 2 and later (run 1 when there is only one)."""
-    runs = row["runs"]
-    later = [r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]]
-    return sum(later) / len(later)
 
 
 if __name__ == "__main__":

@@ -48,12 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     GiB,
-    build_wan14b_folder,
-    folder_bytes,
-    median,
+    later_seconds,
     out_dir,
+    parse_modes,
+    ready_wan14b_folder,
     run_child,
-    warm_page_cache,
 )
 from wan_suite import summary_line  # noqa: E402
 
@@ -89,19 +88,12 @@ def main() -> None:
         help="let mmgp cast the VAE to bfloat16 (its default); float32 otherwise",
     )
     args = parser.parse_args()
-    modes = [name.strip() for name in args.modes.split(",") if name.strip()]
-    unknown = [name for name in modes if name not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    modes = parse_modes(parser, args.modes, MODES)
 
     # The same allocator settings for every mode; fewer fragments under an emulated cap.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
-    path = build_wan14b_folder(Path(args.folder))
-    sizes = folder_bytes(path)
-    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
-    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
-    print(f"(folder ready and in the page cache after {time.perf_counter() - started:.0f}s)")
+    path, sizes = ready_wan14b_folder(Path(args.folder))
     print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
 
     missing = [m for m in ("mmgp", "optimum.quanto", "accelerate") if not importable(m)]
@@ -292,12 +284,6 @@ def ok(row: dict) -> bool:
     """Ran every generation (an error after the last one, e.g. plotting, is tolerated)."""
     runs = row.get("runs") or []
     return bool(runs) and (not row.get("error") or len(runs) >= row.get("runs_asked", 0))
-
-
-def later_seconds(row: dict) -> float:
-    """Median wall time of runs 2 and later (run 1 when there is only one)."""
-    runs = row["runs"]
-    return median([r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]])
 
 
 def exposed_seconds(row: dict) -> float | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, build_wan14b_folder, folder_bytes, out_dir, run_child, warm_page_cache  # noqa: E402
+from common import GiB, later_seconds, out_dir, ready_wan14b_folder, run_child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -19,12 +19,7 @@ def run_suite(
 ) -> list[dict]:
     """``modes``: dicts with ``mode`` and optional ``memory_gib``, ``budget_gib``,
     ``host_cache_gib``, ``png``. Returns the result rows and writes ``{name}.json``."""
-    started = time.perf_counter()
-    path = build_wan14b_folder(Path(folder))
-    sizes = folder_bytes(path)
-    print(f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v))
-    print(f"(ready in {time.perf_counter() - started:.0f}s)", flush=True)
-    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    path, sizes = ready_wan14b_folder(Path(folder))
     rows = []
     for spec in modes:
         args = [
@@ -76,7 +71,6 @@ def print_table(rows: list[dict]) -> None:
         if not runs:
             print(f"{row['label']:<38} failed: {row.get('error', '')[:90]}")
             continue
-        later = [r["seconds"] for r in runs[1:]] or [runs[0]["seconds"]]
         exposed = [r.get("exposed_load_seconds") for r in runs[1:]]
         loaded = [r.get("bytes_loaded") for r in runs[1:]]
         exposed_text = (
@@ -89,7 +83,7 @@ def print_table(rows: list[dict]) -> None:
         if row.get("predicted_peak_bytes") is not None:
             peaks = f"{row['predicted_peak_bytes'] / GiB:.2f}/{row.get('measured_resident_peak_bytes', 0) / GiB:.2f}"
         print(
-            f"{row['label']:<38} {runs[0]['seconds']:>8.1f} {sum(later) / len(later):>10.1f} "
+            f"{row['label']:<38} {runs[0]['seconds']:>8.1f} {later_seconds(row):>10.1f} "
             f"{row['peak_allocated_bytes'] / GiB:>9.1f}G {row['peak_rss_bytes'] / GiB:>8.1f}G "
             f"{exposed_text:>9} {loaded_text:>10} {peaks:>15}"
         )
