@@ -18,7 +18,9 @@ from typing import Any
 
 import psutil
 import torch
-from safetensors.torch import load_file, save_file
+
+# Rewriting and sharding checkpoints: the loading tests' helpers.
+from loading.helpers import rewrite_weights, shard, weights_file  # noqa: F401
 
 import ondeck
 from ondeck.lazy import module_nbytes
@@ -182,10 +184,6 @@ def assert_nothing_resident(pipe: ondeck.Pipeline) -> None:
 # -- damage ------------------------------------------------------------------------------
 
 
-def weights_file(component_dir: Path) -> Path:
-    return next(component_dir.glob("*.safetensors"))
-
-
 def read_raw_header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
@@ -211,33 +209,6 @@ def tensor_entries(document: dict) -> list[tuple[str, dict]]:
     """A header's tensor entries in file order."""
     entries = [(k, v) for k, v in document.items() if k != "__metadata__"]
     return sorted(entries, key=lambda item: item[1]["data_offsets"][0])
-
-
-def rewrite_weights(component_dir: Path, edit: Callable[[dict], None]) -> Path:
-    path = weights_file(component_dir)
-    tensors = load_file(str(path))
-    edit(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return path
-
-
-def shard(component_dir: Path, parts: int = 2) -> list[Path]:
-    """Split a component's weight file into shards plus an index, as save_pretrained does."""
-    path = weights_file(component_dir)
-    stem = path.name.removesuffix(".safetensors")
-    tensors = load_file(str(path))
-    names = sorted(tensors)
-    weight_map, files = {}, []
-    for part in range(parts):
-        filename = f"{stem}-{part + 1:05d}-of-{parts:05d}.safetensors"
-        chunk = {name: tensors[name] for name in names[part::parts]}
-        save_file(chunk, str(component_dir / filename), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(chunk, filename))
-        files.append(component_dir / filename)
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (component_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index))
-    path.unlink()
-    return files
 
 
 def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
