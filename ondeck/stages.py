@@ -317,26 +317,25 @@ class Pipeline:
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget
         less what is resident, else what the device has left; None where unknown."""
-        import torch
-
         budget = self.policy.budget_bytes
         if budget is not None:
             return budget - self.tracker.resident_bytes
-        device = self.device
-        if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        if self.device is None or self.device.type != "cuda":
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        fraction = 1.0
-        read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if read_fraction is not None:
-            fraction = read_fraction(index)
-        total = torch.cuda.get_device_properties(index).total_memory
-        allocated = torch.cuda.memory_allocated(index)
-        free, _ = torch.cuda.mem_get_info(index)
-        # What this process may still allocate, and what the device has: the smaller.
-        within_fraction = int(total * fraction) - allocated
-        on_device = free + torch.cuda.memory_reserved(index) - allocated
-        return min(within_fraction, on_device)
+        import torch
+
+        from .memory import device_facts
+
+        facts = device_facts(self.device)
+        if facts.unified:
+            return None
+        # Free on the device (within an emulated card's share), plus what the caching
+        # allocator holds but no tensor uses.
+        return (
+            facts.available_bytes
+            + torch.cuda.memory_reserved(self.device)
+            - torch.cuda.memory_allocated(self.device)
+        )
 
     def record_activation(self, stage: str, nbytes: int) -> None:
         if self.profile_model is None or self._profile_shape is None:

@@ -308,21 +308,25 @@ class Decode(Stage):
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
 
     def fit_activations(self, need: int, room: int) -> int:
-        if not self.tiling or need <= room:
-            return need
         pipeline = self._ondeck_pipeline
         shape = (pipeline._profile_shape or {}) if pipeline is not None else {}
         if not shape.get("height") or not shape.get("width"):
             return need
-        tiles = decode_tiles(shape["height"], shape["width"], TILE_SAFETY * room / need)
+        tiles = self._tiles(shape["height"], shape["width"], need, room)
         return need if tiles is None else int(need * tiles.area)
 
     def _planned_tiles(self, height: int, width: int) -> Tiles | None:
         pipeline = self._ondeck_pipeline
-        if not self.tiling or pipeline is None:
+        if pipeline is None:
             return None
-        need, room = pipeline.activation_need(self.name), pipeline.activation_room()
-        if need is None or room is None or need <= room:
+        return self._tiles(
+            height, width, pipeline.activation_need(self.name), pipeline.activation_room()
+        )
+
+    def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
+        """Tiles for a decode whose whole frames take ``need`` bytes when ``room`` is left;
+        None for whole frames (they fit, nothing is known, or tiling is off)."""
+        if not self.tiling or need is None or room is None or need <= room:
             return None
         return decode_tiles(height, width, TILE_SAFETY * max(room, 0) / need)
 
