@@ -19,7 +19,7 @@ from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, pl
 __all__ = ["Plan", "StageUse", "plan", "release_schedule"]
 
 # Components smaller than this share of the budget load at their own stage rather than
-# early, where loading early would raise the run's peak (see ``_worth_prefetching``).
+# early, where loading early would raise the run's peak (see ``_PeakGuard``).
 SMALL_PREFETCH_FRACTION = 0.05
 
 

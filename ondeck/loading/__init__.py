@@ -3,18 +3,18 @@
 from .components import ComponentLoader, load_auxiliary, load_component
 from .folder import ModelFolder
 from .host_cache import HostCache
-from .reader import ReadJob, ReadStats, copy_from_host, read_into
+from .reader import HostCopy, ReadJob, ReadStats, read_into
 from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
 
 __all__ = [
     "ComponentLoader",
     "HostCache",
+    "HostCopy",
     "ModelFolder",
     "ReadJob",
     "ReadStats",
     "SafetensorsHeader",
     "TensorInfo",
-    "copy_from_host",
     "load_auxiliary",
     "load_component",
     "parse_header",

@@ -29,7 +29,6 @@ __all__ = [
     "ReadStats",
     "HostCopy",
     "read_into",
-    "copy_from_host",
     "DEFAULT_BUFFER_BYTES",
 ]
 
@@ -141,13 +140,13 @@ class HostCopy:
     """Copies of raw file bytes kept in host memory into their destinations, issued as
     the destinations are allocated, so allocating the next overlaps copying the last.
 
-    ``add`` each ``(info, raw, destination)``, then ``finish``. On CUDA the copies run
+    ``add`` each ``(info, raw, destination)``, then ``finish`` (or ``close``, after a
+    failure); ``total`` bytes is for the progress bar. On CUDA the copies run
     asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
     issued, then waits for them.
     """
 
     def __init__(self, total: int, *, progress: bool = True, component: str | None = None):
-        self.total = total
         self._started = time.perf_counter()
         self._bar = _progress_bar(total, progress, component, "host cache")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -198,30 +197,6 @@ class HostCopy:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def copy_from_host(
-    pairs: Sequence[tuple[TensorInfo, torch.Tensor, torch.Tensor]],
-    *,
-    progress: bool = True,
-    component: str | None = None,
-    while_copying: Callable[[], None] | None = None,
-) -> ReadStats:
-    """Copy raw file bytes kept in host memory into destinations: ``(info, raw, destination)``.
-
-    On CUDA the copies are issued asynchronously; ``while_copying`` runs on this thread
-    once they are all issued, before waiting for them.
-    """
-    copy = HostCopy(
-        sum(info.nbytes for info, _, _ in pairs), progress=progress, component=component
-    )
-    try:
-        for info, raw, destination in pairs:
-            copy.add(info, raw, destination)
-    except BaseException:
-        copy.close()
-        raise
-    return copy.finish(while_copying)
 
 
 def _side_streams(devices) -> dict[torch.device, torch.cuda.Stream]:
