@@ -82,20 +82,29 @@ class Policy:
         self.activation[record.stage] = max(previous, record.activation_bytes)
         self.pipeline.record_activation(record.stage, record.activation_bytes)
 
+    def activation_needs(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
+        """The largest activation peak measured per stage, with room to spare: from the
+        profile of this model and shape when the pipeline knows its shape, else as
+        measured in this process; and a note on where they come from."""
+        stored, note = pipeline.activation_profile()
+        measured = {} if note else self.activation
+        needs = {
+            use.name: stored.get(use.name, measured.get(use.name)) for use in pipeline.stage_uses()
+        }
+        return needs, note
+
     def activation_estimate(
         self, pipeline: Pipeline, budget: int | None = None
     ) -> tuple[dict[str, int | None], str]:
-        """Activation peaks per stage: from the profile of this model and shape when the
-        pipeline knows its shape, else as measured in this process. Under a ``budget``, a
-        stage that can work in pieces (a tiled decode) is counted at what it will take in
-        the room its components leave it."""
-        stored, note = pipeline.activation_profile()
-        measured = {} if note else self.activation
+        """Activation peaks per stage (``activation_needs``). Under a ``budget``, a stage
+        that can work in pieces (a tiled decode) is counted at what it will take in the
+        room its components leave it."""
+        needs, note = self.activation_needs(pipeline)
         estimate: dict[str, int | None] = {}
         fitted: list[str] = []
         nbytes = pipeline.component_bytes()
         for stage, use in zip(pipeline.stages, pipeline.stage_uses(), strict=True):
-            need = stored.get(use.name, measured.get(use.name))
+            need = needs[use.name]
             estimate[use.name] = need
             if need is not None and budget is not None:
                 room = budget - sum(nbytes.get(c) or 0 for c in use.components)
@@ -198,7 +207,7 @@ class BudgetPolicy(Policy):
         return set(self.pipeline.resident()) | set(self._pending)
 
     def before_run(self) -> None:
-        self._skipped: set[int] = set()
+        self._skipped = set()
         plan = self.pipeline.plan(self.budget_bytes)
         overflow = plan.overflow()
         if overflow is not None:

@@ -309,10 +309,8 @@ class Pipeline:
 
     def activation_need(self, stage: str) -> int | None:
         """The largest activation peak measured for ``stage`` at this shape, if any."""
-        stored, note = self.activation_profile()
-        if stage in stored:
-            return stored[stage]
-        return None if note else self.policy.activation.get(stage)
+        needs, _ = self.policy.activation_needs(self)
+        return needs.get(stage)
 
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget
