@@ -1,0 +1,253 @@
+"""Where the time of a warm page-cache load goes: the pieces of the read path, one at a time.
+
+Run on a CUDA machine:  python benchmarks/read_path.py [--folder DIR] [--layers 24]
+
+Uses the checkpoint load_throughput.py builds (built here if absent), warm in the page
+cache, and measures, each the median of ``--repeats``:
+  memory     host memcpy bandwidth (torch CPU copy) with 1..16 threads
+  pread      page cache -> host buffers only (pinned and pageable), threads x buffer size
+  register   cudaHostRegister of mapped page-cache pages, then one DMA per chunk
+  read_into  ondeck's reader end to end, threads x buffer size x buffer count
+Writes read_path.json to $OUT; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import build_transformer_folder, median, out_dir, warm_page_cache  # noqa: E402
+
+GB = 1e9
+MiB = 2**20
+
+
+def host_facts() -> dict:
+    facts = {"kernel": platform.release(), "cpus": os.cpu_count()}
+    for command in (["lscpu"], ["df", "-T", "."], ["nvidia-smi", "topo", "-m"]):
+        try:
+            facts[command[0]] = subprocess.run(
+                command, capture_output=True, text=True, timeout=20
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as error:
+            facts[command[0]] = repr(error)
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    facts["numa_nodes"] = {node.name: (node / "cpulist").read_text().strip() for node in nodes}
+    try:
+        facts["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
+    return facts
+
+
+def memcpy_gbps(nbytes: int, threads: int, repeats: int) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8)
+    source.fill_(1)
+    target = torch.empty_like(source)
+    target.fill_(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            target.copy_(source)
+            runs.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return nbytes / median(runs) / GB
+
+
+def chunks_of(files: list[str], size: int) -> list[tuple[str, int, int]]:
+    jobs = []
+    for path in files:
+        total = os.path.getsize(path)
+        jobs += [(path, lo, min(size, total - lo)) for lo in range(0, total, size)]
+    return jobs
+
+
+def pread_seconds(files: list[str], threads: int, buffer_bytes: int, pinned: bool) -> float:
+    """Every byte of the files read into per-thread buffers; nothing else."""
+    jobs = chunks_of(files, buffer_bytes)
+    buffers = [
+        torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)
+    ]
+    for buffer in buffers:
+        buffer.fill_(0)  # fault the pages in before timing
+    fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    cursor = iter(jobs)
+    lock = threading.Lock()
+
+    def work(buffer: torch.Tensor) -> None:
+        while True:
+            with lock:
+                job = next(cursor, None)
+            if job is None:
+                return
+            path, offset, length = job
+            view = (ctypes.c_char * length).from_address(buffer.data_ptr())
+            done = 0
+            while done < length:
+                done += os.preadv(fds[path], [memoryview(view)[done:]], offset + done)
+
+    workers = [threading.Thread(target=work, args=(b,)) for b in buffers]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - started
+    for fd in fds.values():
+        os.close(fd)
+    return seconds
+
+
+def register_phases(files: list[str], chunk: int) -> dict:
+    """Map each file, pin its page-cache pages chunk by chunk with cudaHostRegister
+    (read-only), DMA each chunk to the device, unregister. Seconds of each phase."""
+    import mmap
+
+    from ondeck.loading.page_cache import _LIBC
+
+    cudart = torch.cuda.cudart()
+    read_only = 8  # cudaHostRegisterReadOnly
+    phases = {"register": 0.0, "copy": 0.0, "unregister": 0.0, "bytes": 0}
+    device = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    for path in files:
+        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
+        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        try:
+            page = mmap.PAGESIZE
+            for lo in range(0, size, chunk):
+                start = lo // page * page
+                length = min(chunk, size - start)
+                t0 = time.perf_counter()
+                error = cudart.cudaHostRegister(address + start, length, read_only)
+                t1 = time.perf_counter()
+                if int(error) != 0:
+                    return {"error": f"cudaHostRegister returned {error}"}
+                host = torch.frombuffer(
+                    (ctypes.c_uint8 * length).from_address(address + start), dtype=torch.uint8
+                )
+                device[:length].copy_(host, non_blocking=True)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                cudart.cudaHostUnregister(address + start)
+                t3 = time.perf_counter()
+                phases["register"] += t1 - t0
+                phases["copy"] += t2 - t1
+                phases["unregister"] += t3 - t2
+                phases["bytes"] += length
+        finally:
+            _LIBC.munmap(address, size)
+            os.close(fd)
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", default=".bench-data/dit16")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from ondeck.loading import ComponentLoader, ModelFolder
+
+    folder_path = build_transformer_folder(Path(args.folder), num_layers=args.layers)
+    files = sorted(str(p) for p in (folder_path / "transformer").glob("*.safetensors"))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    results: dict = {"facts": host_facts(), "checkpoint_bytes": nbytes}
+    print(results["facts"].get("lscpu", ""))
+    print(results["facts"].get("nvidia-smi", ""))
+    print({k: v for k, v in results["facts"].items() if k in ("kernel", "numa_nodes", "thp")})
+    rows: list[tuple[str, float]] = []
+
+    def row(name: str, gbps: float) -> None:
+        rows.append((name, gbps))
+        print(f"{name:<48} {gbps:7.2f} GB/s", flush=True)
+
+    for threads in (1, 4, 8, 16):
+        row(f"memcpy 2 GiB, {threads} threads", memcpy_gbps(2 << 30, threads, args.repeats))
+
+    warm_page_cache(files)
+    for pinned in (True, False):
+        for threads in (4, 8, 16, 32):
+            for buffer_mib in (4, 16, 64):
+                if not pinned and buffer_mib != 16:
+                    continue
+                seconds = median(
+                    [
+                        pread_seconds(files, threads, buffer_mib * MiB, pinned)
+                        for _ in range(args.repeats)
+                    ]
+                )
+                kind = "pinned" if pinned else "pageable"
+                row(f"pread {kind}, {threads} thr, {buffer_mib} MiB", nbytes / seconds / GB)
+
+    for chunk_mib in (64, 512):
+        try:
+            phases = register_phases(files, chunk_mib * MiB)
+        except Exception as error:  # an unsupported mapping must not end the profile
+            phases = {"error": repr(error)}
+        results[f"register {chunk_mib} MiB"] = phases
+        print(f"register {chunk_mib} MiB: {phases}", flush=True)
+        if "bytes" in phases:
+            for phase in ("register", "copy", "unregister"):
+                row(f"register {chunk_mib} MiB: {phase} only", phases["bytes"] / phases[phase] / GB)
+
+    folder = ModelFolder.open(folder_path)
+    for threads, buffer_mib, count in (
+        (16, 16, 16),
+        (8, 16, 16),
+        (24, 16, 32),
+        (32, 16, 48),
+        (16, 4, 48),
+        (16, 64, 24),
+        (32, 4, 64),
+    ):
+        loader = ComponentLoader(
+            folder,
+            "transformer",
+            device="cuda",
+            dtype=torch.bfloat16,
+            progress=False,
+            threads=threads,
+            buffer_bytes=buffer_mib * MiB,
+            buffer_count=count,
+        )
+        runs = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            module = loader()
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - started)
+            del module
+            torch.cuda.empty_cache()
+        row(f"read_into {threads} thr, {buffer_mib} MiB x {count}", nbytes / median(runs) / GB)
+
+    results["rows"] = dict(rows)
+    results["date"] = time.strftime("%Y-%m-%d")
+    results["torch"] = torch.__version__
+    (out_dir() / "read_path.json").write_text(json.dumps(results, indent=2, default=str))
+    print()
+    print(f"{'what':<48} {'GB/s':>8}")
+    for name, gbps in rows:
+        print(f"{name:<48} {gbps:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
