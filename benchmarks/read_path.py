@@ -7,7 +7,8 @@ cache, and measures, each the median of ``--repeats``:
   memory     host memcpy bandwidth (torch CPU copy) with 1..16 threads
   pread      page cache -> host buffers only (pinned and pageable), threads x buffer size
   register   cudaHostRegister of mapped page-cache pages, then one DMA per chunk
-  read_into  ondeck's reader end to end, threads x buffer size x buffer count
+  reader     ComponentLoader end to end, threads x buffer size x buffer count, with the
+             time of each step (allocate, build, read_into; reads, ring waits, copy issue)
 Writes read_path.json to $OUT; prints a table last.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -157,12 +159,81 @@ def register_phases(files: list[str], chunk: int) -> dict:
     return phases
 
 
+class Phases:
+    """Time the load's steps by wrapping them: allocating destinations, building the
+    module, read_into, and inside it reads, waits for a ring buffer and copy issues.
+    With ``copy=False`` the copier issues no device copies (reads alone)."""
+
+    def __init__(self, copy: bool = True):
+        self.copy = copy
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def _timed(self, name: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(name, time.perf_counter() - started)
+
+        return wrapper
+
+    def __enter__(self):
+        from ondeck.loading import components, reader
+
+        self._saved = [
+            (reader, "_pread_exact", "pread"),
+            (reader, "_deliver", "copy issue"),
+            (reader._Ring, "acquire", "ring wait"),
+            (reader, "read_into", "read_into"),
+            (components, "_allocate", "allocate"),
+            (components, "_install", "install"),
+        ]
+        self._saved = [
+            (owner, attr, name, getattr(owner, attr)) for owner, attr, name in self._saved
+        ]
+        for owner, attr, name, original in self._saved:
+            if attr == "_deliver" and not self.copy:
+                original = _deliver_nothing
+            setattr(owner, attr, self._timed(name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, _, original in self._saved:
+            setattr(owner, attr, original)
+
+    def summary(self, loads: int) -> dict:
+        """Per load: seconds (thread-seconds for steps on several threads), calls, mean µs."""
+        return {
+            name: {
+                "seconds_per_load": round(total / loads, 4),
+                "calls_per_load": self.counts[name] // loads,
+                "mean_us": round(total / self.counts[name] * 1e6, 1),
+            }
+            for name, total in self.totals.items()
+        }
+
+
+def _deliver_nothing(chunk, staged, streams):
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", default=".bench-data/dit16")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sections", default="memory,pread,register,reader")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
 
     from ondeck.loading import ComponentLoader, ModelFolder
 
@@ -179,14 +250,14 @@ def main() -> None:
         rows.append((name, gbps))
         print(f"{name:<48} {gbps:7.2f} GB/s", flush=True)
 
-    for threads in (1, 4, 8, 16):
+    for threads in (1, 8, 16) if "memory" in sections else ():
         row(f"memcpy 2 GiB, {threads} threads", memcpy_gbps(2 << 30, threads, args.repeats))
 
     warm_page_cache(files)
-    for pinned in (True, False):
-        for threads in (4, 8, 16, 32):
-            for buffer_mib in (4, 16, 64):
-                if not pinned and buffer_mib != 16:
+    for pinned in (True, False) if "pread" in sections else ():
+        for threads in (8, 16):
+            for buffer_mib in (4, 8, 16):
+                if not pinned and buffer_mib != 8:
                     continue
                 seconds = median(
                     [
@@ -197,7 +268,7 @@ def main() -> None:
                 kind = "pinned" if pinned else "pageable"
                 row(f"pread {kind}, {threads} thr, {buffer_mib} MiB", nbytes / seconds / GB)
 
-    for chunk_mib in (64, 512):
+    for chunk_mib in (64, 512) if "register" in sections else ():
         try:
             phases = register_phases(files, chunk_mib * MiB)
         except Exception as error:  # an unsupported mapping must not end the profile
@@ -208,36 +279,42 @@ def main() -> None:
             for phase in ("register", "copy", "unregister"):
                 row(f"register {chunk_mib} MiB: {phase} only", phases["bytes"] / phases[phase] / GB)
 
-    folder = ModelFolder.open(folder_path)
-    for threads, buffer_mib, count in (
-        (16, 16, 16),
-        (8, 16, 16),
-        (24, 16, 32),
-        (32, 16, 48),
-        (16, 4, 48),
-        (16, 64, 24),
-        (32, 4, 64),
-    ):
-        loader = ComponentLoader(
-            folder,
-            "transformer",
-            device="cuda",
-            dtype=torch.bfloat16,
-            progress=False,
-            threads=threads,
-            buffer_bytes=buffer_mib * MiB,
-            buffer_count=count,
-        )
-        runs = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            module = loader()
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - started)
-            del module
-            torch.cuda.empty_cache()
-        row(f"read_into {threads} thr, {buffer_mib} MiB x {count}", nbytes / median(runs) / GB)
+    if "reader" in sections:
+        folder = ModelFolder.open(folder_path)
+        for copy, threads, buffer_mib, count in (
+            (True, 16, 8, 32),
+            (True, 16, 16, 16),
+            (True, 16, 4, 64),
+            (True, 8, 8, 32),
+            (True, 12, 4, 64),
+            (True, 16, 64, 8),
+            (False, 16, 8, 32),
+        ):
+            loader = ComponentLoader(
+                folder,
+                "transformer",
+                device="cuda",
+                dtype=torch.bfloat16,
+                progress=False,
+                threads=threads,
+                buffer_bytes=buffer_mib * MiB,
+                buffer_count=count,
+            )
+            with Phases(copy) as phases:
+                runs = []
+                for _ in range(args.repeats):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    module = loader()
+                    torch.cuda.synchronize()
+                    runs.append(time.perf_counter() - started)
+                    del module
+                    torch.cuda.empty_cache()
+            what = "load" if copy else "load without device copies"
+            name = f"{what}: {threads} thr, {buffer_mib} MiB x {count}"
+            row(name, nbytes / median(runs) / GB)
+            results[name] = phases.summary(args.repeats)
+            print("   ", results[name], flush=True)
 
     results["rows"] = dict(rows)
     results["date"] = time.strftime("%Y-%m-%d")

@@ -6,6 +6,7 @@ import os
 import re
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ class ComponentLoader:
         placement = self.placement
 
         def build() -> None:
-            # Copying the skeleton is CPU work: from the host cache it overlaps the copies.
+            # Copying the skeleton is CPU work: it overlaps the reads or the copies.
             skeleton = template.fresh()
             _install(skeleton, sources, values, self.device, allocated)
             built["module"] = skeleton.module
@@ -111,7 +112,7 @@ class ComponentLoader:
                 self._record(copy.finish(while_copying=build))
             else:
                 jobs, values, placed = _allocate(sources, self.device, allocated, placement)
-                self._read_files(jobs, key)
+                self._read_files(jobs, key, while_reading=build)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
                 stats = self._read(placed)
@@ -153,7 +154,9 @@ class ComponentLoader:
             key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
         return key, cache.get(key)
 
-    def _read_files(self, jobs: list[reader.ReadJob], key: Any) -> None:
+    def _read_files(
+        self, jobs: list[reader.ReadJob], key: Any, while_reading: Callable[[], None]
+    ) -> None:
         """Read from the files, capturing the raw bytes into the host cache where it has room."""
         cache = self.host_cache
         captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
@@ -161,7 +164,7 @@ class ComponentLoader:
             for job in jobs:
                 job.capture = captured[job.info.name]
         try:
-            stats = self._read(jobs)
+            stats = self._read(jobs, while_reading)
         except BaseException:
             if captured is not None:
                 cache.discard(key)
@@ -170,9 +173,12 @@ class ComponentLoader:
             cache.commit(key, captured)
         self._record(stats)
 
-    def _read(self, jobs: list[reader.ReadJob]) -> reader.ReadStats:
+    def _read(
+        self, jobs: list[reader.ReadJob], while_reading: Callable[[], None] | None = None
+    ) -> reader.ReadStats:
         return reader.read_into(
             jobs,
+            while_reading=while_reading,
             threads=self.threads,
             buffer_bytes=self.buffer_bytes,
             buffer_count=self.buffer_count,

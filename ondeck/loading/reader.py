@@ -2,8 +2,11 @@
 
 Threads read with ``os.preadv`` (the GIL is released) in chunks. A CPU destination of the
 file's dtype is read into directly, with no copy. Anything else is staged through a small
-ring of host buffers (pinned for CUDA) and copied, on a side stream for CUDA, so the next
-read overlaps the current copy. Host memory a load takes is the ring, never the file.
+ring of host buffers (pinned for CUDA) and copied, so the next read overlaps the current
+copy. Device copies are all issued by one copier thread, on a side stream: the reading
+threads make no CUDA calls, since many threads issuing copies and waiting on events
+contend in the driver and ran at a third of the rate one thread does. Host memory a load
+takes is the ring, never the file.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -32,8 +36,8 @@ __all__ = [
     "DEFAULT_BUFFER_BYTES",
 ]
 
-DEFAULT_BUFFER_BYTES = 16 * 2**20
-DEFAULT_BUFFER_COUNT = 16
+DEFAULT_BUFFER_BYTES = 8 * 2**20
+DEFAULT_BUFFER_COUNT = 32
 # Below this, a progress bar is noise.
 PROGRESS_MIN_BYTES = 64 * 2**20
 _BAR_LOCK = threading.Lock()
@@ -80,11 +84,14 @@ def read_into(
     buffer_count: int = DEFAULT_BUFFER_COUNT,
     progress: bool = True,
     component: str | None = None,
+    while_reading: Callable[[], None] | None = None,
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
-    Every failure raises :class:`LoadError` naming the file and tensor; worker threads
-    have stopped and pending device copies have finished before it propagates.
+    ``while_reading`` runs on the calling thread once every read is queued (CPU work that
+    overlaps the reads). Every failure raises :class:`LoadError` naming the file and
+    tensor; worker threads have stopped and pending device copies have finished before
+    it propagates.
     """
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
@@ -99,23 +106,33 @@ def read_into(
     files: dict[str, int] = {}
     bar = _progress_bar(total, progress, component, source)
     stop = threading.Event()
+    copier = _Copier(streams, ring, stop) if streams else None
     try:
         for path in paths:
             files[path] = _open(path, component)
         worker_count = threads or min(16, max(4, os.cpu_count() or 4))
-        with ThreadPoolExecutor(worker_count, thread_name_prefix="ondeck-read") as pool:
-            try:
-                futures = [
-                    pool.submit(_run_chunk, chunk, files, ring, streams, stop, bar, component)
-                    for chunk in chunks
-                ]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    future.result()
-            finally:
+        finished = False
+        pool = ThreadPoolExecutor(worker_count, thread_name_prefix="ondeck-read")
+        try:
+            futures = [
+                pool.submit(_run_chunk, chunk, files, ring, copier, stop, bar, component)
+                for chunk in chunks
+            ]
+            if while_reading is not None:
+                while_reading()
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()
+            finished = True
+        finally:
+            if not finished:
                 # Workers write into memory the caller frees on failure: stop them first.
                 stop.set()
-                pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
+            if copier is not None:
+                copier.close()  # issues what the workers handed over, unless stopped
+        if copier is not None:
+            copier.raise_failure()
         for stream in streams.values():
             stream.synchronize()  # the temporaries below were filled on the side stream
         for target, job in temporaries:
@@ -128,6 +145,67 @@ def read_into(
         if bar is not None:
             bar.close()
     return ReadStats(total, time.perf_counter() - started, source)
+
+
+class _Copier:
+    """The one thread that issues device copies of staged chunks, in the order handed over,
+    and gives each ring buffer back once its copy has finished on the device."""
+
+    def __init__(self, streams: dict, ring: _Ring | None, stop: threading.Event):
+        self._streams = streams
+        self._ring = ring
+        self._stop = stop
+        self._handed: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ondeck-copy", daemon=True)
+        self._thread.start()
+
+    def hand(self, chunk: _Chunk, staged: torch.Tensor, buffer: torch.Tensor | None) -> None:
+        """Copy ``staged`` into the chunk's target; ``buffer`` (a ring buffer) goes back after."""
+        self._handed.put((chunk, staged, buffer))
+
+    def close(self) -> None:
+        self._handed.put(None)
+        self._thread.join()
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _run(self) -> None:
+        in_flight: deque = deque()  # (event, ring buffer) of copies still running
+        try:
+            while True:
+                while in_flight and in_flight[0][0].query():
+                    self._ring.release(in_flight.popleft()[1])
+                try:
+                    item = self._handed.get(block=not in_flight)
+                except queue.Empty:
+                    # Nothing to issue: wait for the oldest copy, a reader may need its buffer.
+                    event, buffer = in_flight.popleft()
+                    event.synchronize()
+                    self._ring.release(buffer)
+                    continue
+                if item is None:
+                    return
+                chunk, staged, buffer = item
+                event = None
+                if not self._stop.is_set():
+                    try:
+                        event = _deliver(chunk, staged, self._streams)
+                    except BaseException as error:  # keep serving: readers wait for buffers
+                        self._failure = self._failure or error
+                        self._stop.set()
+                if buffer is None:
+                    continue
+                if event is None:
+                    self._ring.release(buffer)
+                else:
+                    in_flight.append((event, buffer))
+        finally:
+            for event, buffer in in_flight:
+                event.synchronize()
+                self._ring.release(buffer)
 
 
 # Host-cache copies are issued in batches of about this many bytes: each batch's side
@@ -243,27 +321,39 @@ def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
     return chunks, temporaries
 
 
-def _run_chunk(chunk, files, ring, streams, stop, bar, component) -> None:
+def _run_chunk(chunk, files, ring, copier, stop, bar, component) -> None:
     if stop.is_set():
         return
     job, info = chunk.job, chunk.job.info
     length = chunk.hi - chunk.lo
     fd = files[info.path]
+    on_device = chunk.target.device.type == "cuda"
     if chunk.direct:
         address = chunk.target.data_ptr() + chunk.lo
         _pread_exact(fd, address, length, info.start + chunk.lo, info, component)
     elif job.capture is not None:
         staged = job.capture[chunk.lo : chunk.hi]
         _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
-        _deliver(chunk, staged, streams)
+        if on_device:
+            copier.hand(chunk, staged, None)
+        else:
+            _deliver(chunk, staged, {})
     else:
-        buffer, event = ring.acquire(), None
+        buffer = ring.acquire(stop)
+        if buffer is None:
+            return  # stopped while waiting
+        handed = False
         try:
             staged = buffer[:length]
             _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
-            event = _deliver(chunk, staged, streams)
+            if on_device:
+                copier.hand(chunk, staged, buffer)
+                handed = True
+            else:
+                _deliver(chunk, staged, {})
         finally:
-            ring.release(buffer, event)
+            if not handed:
+                ring.release(buffer)
     if bar is not None:
         with _BAR_LOCK:
             bar.update(length)
@@ -309,29 +399,33 @@ def _pread_exact(fd: int, address: int, length: int, offset: int, info, componen
 
 
 class _Ring:
-    """A few reusable staging buffers; a buffer is handed out again only once its copy ends."""
+    """A few reusable staging buffers, made as first needed; one is handed out again only
+    once it is released (for a device copy: once that copy has finished)."""
 
     def __init__(self, buffer_bytes: int, count: int, *, pinned: bool):
         self._buffer_bytes = buffer_bytes
         self._pinned = pinned and torch.cuda.is_available()
-        self._free: queue.Queue = queue.Queue()
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._remaining = max(1, count)
 
-    def acquire(self) -> torch.Tensor:
+    def acquire(self, stop: threading.Event) -> torch.Tensor | None:
+        """A free buffer, or None once ``stop`` is set."""
         with self._lock:
             grow = self._free.empty() and self._remaining > 0
             if grow:
                 self._remaining -= 1
         if grow:
             return torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-        buffer, event = self._free.get()
-        if event is not None:
-            event.synchronize()
-        return buffer
+        while not stop.is_set():
+            try:
+                return self._free.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return None
 
-    def release(self, buffer: torch.Tensor, event) -> None:
-        self._free.put((buffer, event))
+    def release(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
 
 
 def _open(path: str, component: str | None) -> int:

@@ -112,3 +112,21 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
         loader()
     gc.collect()
     assert torch.cuda.memory_allocated() == baseline
+
+
+def test_failed_device_copy_stops_the_read_and_raises(tmp_path, monkeypatch):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(1000, 64)})
+    original = reader_module._deliver
+    calls = {"n": 0}
+
+    def deliver(*args):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise RuntimeError("copy engine fault")
+        return original(*args)
+
+    monkeypatch.setattr(reader_module, "_deliver", deliver)
+    with pytest.raises(RuntimeError, match="copy engine fault"):
+        read_to_cuda(path, buffer_bytes=4096, buffer_count=2, threads=4)
+    # Stopped early: not every one of the 63 chunks was copied.
+    assert calls["n"] < 60
