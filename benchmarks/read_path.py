@@ -192,7 +192,7 @@ class Phases:
         self._saved = [
             (reader, "_pread_exact", "pread"),
             (reader, "_deliver", "copy issue"),
-            (reader._Ring, "acquire", "ring wait"),
+            (reader._Slot, "wait", "ring wait"),
             (reader, "read_into", "read_into"),
             (components, "_allocate", "allocate"),
             (components, "_install", "install"),
@@ -283,11 +283,10 @@ def main() -> None:
         folder = ModelFolder.open(folder_path)
         for copy, threads, buffer_mib, count in (
             (True, 16, 8, 32),
-            (True, 16, 16, 16),
-            (True, 16, 4, 64),
-            (True, 8, 8, 32),
-            (True, 12, 4, 64),
-            (True, 16, 64, 8),
+            (True, 16, 4, 32),
+            (True, 16, 16, 32),
+            (True, 8, 8, 16),
+            (True, 16, 8, 48),
             (False, 16, 8, 32),
         ):
             loader = ComponentLoader(

@@ -3,23 +3,24 @@
 Threads read with ``os.preadv`` (the GIL is released) in chunks. A CPU destination of the
 file's dtype is read into directly, with no copy. Anything else is staged through a small
 ring of host buffers (pinned for CUDA) and copied, so the next read overlaps the current
-copy. Device copies are all issued by one copier thread, on a side stream: the reading
-threads make no CUDA calls, since many threads issuing copies and waiting on events
-contend in the driver and ran at a third of the rate one thread does. Host memory a load
-takes is the ring, never the file.
+copy. Host memory a load takes is the ring, never the file.
+
+Each thread owns its share of the ring and its own side stream, and issues its own
+copies: a chunk costs a handful of GIL hand-overs and nothing is passed between threads.
+Every hand-over is contended by all the readers, so this is what sets the rate from a
+warm page cache (a shared ring with a copier thread ran at a third of it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
-import queue
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +71,13 @@ class ReadStats:
 @dataclass
 class _Chunk:
     job: ReadJob
-    target: torch.Tensor  # contiguous, the destination's dtype; the destination or a temporary
+    # This chunk's part of the destination (or of its contiguous temporary), flat: raw
+    # bytes when the file's dtype is kept, elements of the destination's dtype when cast.
+    target: torch.Tensor
     lo: int  # byte range within the tensor's file data, element aligned
     hi: int
     direct: bool
+    cast: bool
 
 
 def read_into(
@@ -88,10 +92,10 @@ def read_into(
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
-    ``while_reading`` runs on the calling thread once every read is queued (CPU work that
-    overlaps the reads). Every failure raises :class:`LoadError` naming the file and
-    tensor; worker threads have stopped and pending device copies have finished before
-    it propagates.
+    ``while_reading`` runs on the calling thread once the reads have started (CPU work
+    that overlaps them). Every failure raises :class:`LoadError` naming the file and
+    tensor; worker threads have stopped and their device copies have finished before it
+    propagates.
     """
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
@@ -100,46 +104,52 @@ def read_into(
     buffer_bytes = max(buffer_bytes, 64)
     chunks, temporaries = _plan(jobs, buffer_bytes, component)
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
-    streams = _side_streams(devices)
-    needs_ring = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
-    ring = _Ring(buffer_bytes, buffer_count, pinned=bool(devices)) if needs_ring else None
+    worker_count = threads or min(16, max(4, os.cpu_count() or 4))
+    staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
+    if staging:
+        # Each thread owns at least one ring buffer: the ring, not the threads, bounds memory.
+        worker_count = min(worker_count, max(1, buffer_count // 2), buffer_count)
+    worker_count = max(1, min(worker_count, len(chunks)))
     files: dict[str, int] = {}
     bar = _progress_bar(total, progress, component, source)
-    stop = threading.Event()
-    copier = _Copier(streams, ring, stop) if streams else None
+    state = _ReadState(
+        chunks=chunks,
+        files=files,
+        fences=_fences(devices),
+        buffer_bytes=buffer_bytes,
+        buffers_per_thread=max(1, buffer_count // worker_count),
+        pinned=bool(devices) and torch.cuda.is_available(),
+        bar=bar,
+        component=component,
+    )
+    workers: list[threading.Thread] = []
     try:
         for path in paths:
             files[path] = _open(path, component)
-        worker_count = threads or min(16, max(4, os.cpu_count() or 4))
-        finished = False
-        pool = ThreadPoolExecutor(worker_count, thread_name_prefix="ondeck-read")
+        for index in range(worker_count if chunks else 0):
+            worker = threading.Thread(
+                target=_read_chunks, args=(state,), name=f"ondeck-read-{index}", daemon=True
+            )
+            worker.start()
+            workers.append(worker)
         try:
-            futures = [
-                pool.submit(_run_chunk, chunk, files, ring, copier, stop, bar, component)
-                for chunk in chunks
-            ]
             if while_reading is not None:
                 while_reading()
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()
-            finished = True
-        finally:
-            if not finished:
-                # Workers write into memory the caller frees on failure: stop them first.
-                stop.set()
-            pool.shutdown(wait=True, cancel_futures=True)
-            if copier is not None:
-                copier.close()  # issues what the workers handed over, unless stopped
-        if copier is not None:
-            copier.raise_failure()
-        for stream in streams.values():
-            stream.synchronize()  # the temporaries below were filled on the side stream
+        except BaseException as error:
+            # Workers write into memory the caller frees on failure: stop them first.
+            state.fail(error)
+        for worker in workers:
+            worker.join()  # each waits for its own device copies before it ends
+        workers.clear()
+        if state.failure is not None:
+            raise state.failure
         for target, job in temporaries:
             job.destination.copy_(target)
     finally:
-        for stream in streams.values():
-            stream.synchronize()
+        if workers:  # interrupted while waiting: still let no worker outlive the read
+            state.fail(KeyboardInterrupt())
+            for worker in workers:
+                worker.join()
         for fd in files.values():
             os.close(fd)
         if bar is not None:
@@ -147,65 +157,112 @@ def read_into(
     return ReadStats(total, time.perf_counter() - started, source)
 
 
-class _Copier:
-    """The one thread that issues device copies of staged chunks, in the order handed over,
-    and gives each ring buffer back once its copy has finished on the device."""
+@dataclass
+class _ReadState:
+    """What every reading thread shares: the chunks, handed out in order, and the outcome."""
 
-    def __init__(self, streams: dict, ring: _Ring | None, stop: threading.Event):
-        self._streams = streams
-        self._ring = ring
-        self._stop = stop
-        self._handed: queue.SimpleQueue = queue.SimpleQueue()
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ondeck-copy", daemon=True)
-        self._thread.start()
+    chunks: list
+    files: dict
+    fences: dict  # device -> event on the caller's stream that copies must start after
+    buffer_bytes: int
+    buffers_per_thread: int
+    pinned: bool
+    bar: object
+    component: str | None
 
-    def hand(self, chunk: _Chunk, staged: torch.Tensor, buffer: torch.Tensor | None) -> None:
-        """Copy ``staged`` into the chunk's target; ``buffer`` (a ring buffer) goes back after."""
-        self._handed.put((chunk, staged, buffer))
+    def __post_init__(self):
+        self.next_index = itertools.count()  # atomic under the GIL
+        self.stop = threading.Event()
+        self.failure: BaseException | None = None
+        self._lock = threading.Lock()
 
-    def close(self) -> None:
-        self._handed.put(None)
-        self._thread.join()
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = error
+        self.stop.set()
 
-    def raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
 
-    def _run(self) -> None:
-        in_flight: deque = deque()  # (event, ring buffer) of copies still running
-        try:
-            while True:
-                while in_flight and in_flight[0][0].query():
-                    self._ring.release(in_flight.popleft()[1])
-                try:
-                    item = self._handed.get(block=not in_flight)
-                except queue.Empty:
-                    # Nothing to issue: wait for the oldest copy, a reader may need its buffer.
-                    event, buffer = in_flight.popleft()
-                    event.synchronize()
-                    self._ring.release(buffer)
-                    continue
-                if item is None:
-                    return
-                chunk, staged, buffer = item
-                event = None
-                if not self._stop.is_set():
-                    try:
-                        event = _deliver(chunk, staged, self._streams)
-                    except BaseException as error:  # keep serving: readers wait for buffers
-                        self._failure = self._failure or error
-                        self._stop.set()
-                if buffer is None:
-                    continue
-                if event is None:
-                    self._ring.release(buffer)
+class _Slot:
+    """One ring buffer and the event of the device copy that last read from it."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.event: torch.cuda.Event | None = None
+        self.event_device: torch.device | None = None
+        self.copying = False
+
+    def wait(self) -> None:
+        if self.copying:
+            self.event.synchronize()
+            self.copying = False
+
+    def mark_copying(self, stream: torch.cuda.Stream) -> None:
+        if self.event is None or self.event_device != stream.device:
+            self.event, self.event_device = torch.cuda.Event(), stream.device
+        self.event.record(stream)
+        self.copying = True
+
+
+def _fences(devices) -> dict:
+    """Destinations may reuse memory the caller's stream still reads: copies start after it."""
+    fences = {}
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        fences[device] = event
+    return fences
+
+
+def _read_chunks(state: _ReadState) -> None:
+    """A reading thread: take the next chunk until none are left or the read has failed."""
+    streams = {}
+    for device, fence in state.fences.items():
+        stream = torch.cuda.Stream(device)
+        stream.wait_event(fence)
+        torch.cuda.set_stream(stream)  # this thread's copies to that device go there
+        streams[device] = stream
+    slots: deque[_Slot] = deque()
+    made = 0
+    try:
+        while not state.stop.is_set():
+            index = next(state.next_index)
+            if index >= len(state.chunks):
+                return
+            chunk = state.chunks[index]
+            job, info = chunk.job, chunk.job.info
+            length = chunk.hi - chunk.lo
+            offset = info.start + chunk.lo
+            fd = state.files[info.path]
+            if chunk.direct:
+                _pread_exact(fd, chunk.target.data_ptr(), length, offset, info, state.component)
+            elif job.capture is not None:
+                staged = job.capture[chunk.lo : chunk.hi]
+                _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
+                _deliver(chunk, staged, streams)
+            else:
+                if made < state.buffers_per_thread:
+                    made += 1
+                    slot = _Slot(
+                        torch.empty(state.buffer_bytes, dtype=torch.uint8, pin_memory=state.pinned)
+                    )
                 else:
-                    in_flight.append((event, buffer))
-        finally:
-            for event, buffer in in_flight:
-                event.synchronize()
-                self._ring.release(buffer)
+                    slot = slots.popleft()
+                    slot.wait()
+                slots.append(slot)
+                staged = slot.buffer if length == state.buffer_bytes else slot.buffer[:length]
+                _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
+                stream = _deliver(chunk, staged, streams)
+                if stream is not None:
+                    slot.mark_copying(stream)
+            if state.bar is not None:
+                with _BAR_LOCK:
+                    state.bar.update(length)
+    except BaseException as error:
+        state.fail(error)
+    finally:
+        for stream in streams.values():
+            stream.synchronize()
 
 
 # Host-cache copies are issued in batches of about this many bytes: each batch's side
@@ -277,16 +334,6 @@ class HostCopy:
             self._bar = None
 
 
-def _side_streams(devices) -> dict[torch.device, torch.cuda.Stream]:
-    streams = {}
-    for device in devices:
-        stream = torch.cuda.Stream(device)
-        # Destinations may reuse memory the current stream still reads: start after it.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        streams[device] = stream
-    return streams
-
-
 def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
     chunks: list[_Chunk] = []
     temporaries: list[tuple[torch.Tensor, ReadJob]] = []
@@ -314,65 +361,26 @@ def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
             and destination.dtype == info.dtype
             and job.capture is None
         )
+        cast = destination.dtype != info.dtype
+        flat = target.reshape(-1)
+        if not cast:
+            flat = flat.view(torch.uint8)
         itemsize = info.dtype.itemsize
         step = max(itemsize, buffer_bytes // itemsize * itemsize)
         for lo in range(0, info.nbytes, step):
-            chunks.append(_Chunk(job, target, lo, min(lo + step, info.nbytes), direct))
+            hi = min(lo + step, info.nbytes)
+            part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
+            chunks.append(_Chunk(job, part, lo, hi, direct, cast))
     return chunks, temporaries
 
 
-def _run_chunk(chunk, files, ring, copier, stop, bar, component) -> None:
-    if stop.is_set():
-        return
-    job, info = chunk.job, chunk.job.info
-    length = chunk.hi - chunk.lo
-    fd = files[info.path]
-    on_device = chunk.target.device.type == "cuda"
-    if chunk.direct:
-        address = chunk.target.data_ptr() + chunk.lo
-        _pread_exact(fd, address, length, info.start + chunk.lo, info, component)
-    elif job.capture is not None:
-        staged = job.capture[chunk.lo : chunk.hi]
-        _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
-        if on_device:
-            copier.hand(chunk, staged, None)
-        else:
-            _deliver(chunk, staged, {})
-    else:
-        buffer = ring.acquire(stop)
-        if buffer is None:
-            return  # stopped while waiting
-        handed = False
-        try:
-            staged = buffer[:length]
-            _pread_exact(fd, staged.data_ptr(), length, info.start + chunk.lo, info, component)
-            if on_device:
-                copier.hand(chunk, staged, buffer)
-                handed = True
-            else:
-                _deliver(chunk, staged, {})
-        finally:
-            if not handed:
-                ring.release(buffer)
-    if bar is not None:
-        with _BAR_LOCK:
-            bar.update(length)
-
-
-def _deliver(chunk: _Chunk, staged: torch.Tensor, streams) -> torch.cuda.Event | None:
-    """Copy staged file bytes into the chunk's part of the target, casting if needed."""
-    itemsize = chunk.job.info.dtype.itemsize
-    source = staged.view(chunk.job.info.dtype)
-    target = chunk.target.view(-1)[chunk.lo // itemsize : chunk.hi // itemsize]
+def _deliver(chunk: _Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:
+    """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
+    issued on this thread's stream for the device, which is returned."""
+    source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     stream = streams.get(chunk.target.device)
-    if stream is None:
-        target.copy_(source)
-        return None
-    with torch.cuda.stream(stream):
-        target.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
+    chunk.target.copy_(source, non_blocking=stream is not None)
+    return stream
 
 
 def _pread_exact(fd: int, address: int, length: int, offset: int, info, component) -> None:
@@ -396,36 +404,6 @@ def _pread_exact(fd: int, address: int, length: int, offset: int, info, componen
                 path=info.path,
             )
         done += count
-
-
-class _Ring:
-    """A few reusable staging buffers, made as first needed; one is handed out again only
-    once it is released (for a device copy: once that copy has finished)."""
-
-    def __init__(self, buffer_bytes: int, count: int, *, pinned: bool):
-        self._buffer_bytes = buffer_bytes
-        self._pinned = pinned and torch.cuda.is_available()
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._remaining = max(1, count)
-
-    def acquire(self, stop: threading.Event) -> torch.Tensor | None:
-        """A free buffer, or None once ``stop`` is set."""
-        with self._lock:
-            grow = self._free.empty() and self._remaining > 0
-            if grow:
-                self._remaining -= 1
-        if grow:
-            return torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-        while not stop.is_set():
-            try:
-                return self._free.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        return None
-
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.put(buffer)
 
 
 def _open(path: str, component: str | None) -> int:

@@ -132,24 +132,28 @@ def test_sharded_checkpoint_reads_every_shard(wan_folder):
 
 def test_cpu_reads_of_the_file_dtype_need_no_staging_buffer(tmp_path, monkeypatch):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(100, 100)})
-    monkeypatch.setattr(reader_module, "_Ring", None)  # any staging would fail
+    monkeypatch.setattr(reader_module, "_Slot", None)  # any staging would fail
     assert read_all(path, buffer_bytes=1024)["w"].shape == (100, 100)
 
 
 def test_staging_never_exceeds_the_ring(tmp_path, monkeypatch):
-    handed_out = []
-    original = reader_module._Ring.acquire
+    buffers, reads = [], []
+    original_slot, original_pread = reader_module._Slot.__init__, reader_module._pread_exact
 
-    def recording_acquire(ring, stop):
-        buffer = original(ring, stop)
-        handed_out.append(buffer.data_ptr())
-        return buffer
+    def recording_slot(slot, buffer):
+        buffers.append(buffer.nbytes)
+        original_slot(slot, buffer)
 
-    monkeypatch.setattr(reader_module._Ring, "acquire", recording_acquire)
+    def counting_pread(*args):
+        reads.append(args[2])
+        return original_pread(*args)
+
+    monkeypatch.setattr(reader_module._Slot, "__init__", recording_slot)
+    monkeypatch.setattr(reader_module, "_pread_exact", counting_pread)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300, 100)})
     read_all(path, dtype=torch.float64, buffer_bytes=1024, buffer_count=3, threads=4)
-    assert len(handed_out) > 3  # the 120 kB tensor went through the 3 kB ring many times
-    assert len(set(handed_out)) <= 3
+    assert len(reads) > 3 * len(buffers)  # the 120 kB tensor went through the ring many times
+    assert 1 <= len(buffers) <= 3 and set(buffers) == {1024}
 
 
 def test_shape_mismatch_is_a_load_error(tmp_path):
