@@ -188,19 +188,19 @@ def main() -> None:
     ring_bytes = loader.buffer_bytes * loader.buffer_count
 
     def ondeck_runs(prepare, count) -> tuple[list[float], list[int]]:
-        """``count`` timed loads, then one more under the RSS sampler (its thread would
-        take the GIL from the readers in the timed ones)."""
-        seconds, added = [], []
-        for _ in range(count):
-            prepare()
-            gc.collect()
-            seconds.append(timed(loader))
+        """One load under the RSS sampler (the first, which allocates the ring), then
+        ``count`` timed loads without it: its thread would take the GIL from the readers."""
         prepare()
         gc.collect()
         before = rss_bytes()
         with RssSampler() as sampler:
             timed(loader)
-        added.append(sampler.peak - before)
+        added = [sampler.peak - before]
+        seconds = []
+        for _ in range(count):
+            prepare()
+            gc.collect()
+            seconds.append(timed(loader))
         return seconds, added
 
     cold_rss: list[int] = []

@@ -8,7 +8,7 @@ cache, and measures, each the median of ``--repeats``:
   pread      page cache -> host buffers only (pinned and pageable), threads x buffer size
   register   cudaHostRegister of mapped page-cache pages, then one DMA per chunk
   reader     ComponentLoader end to end, threads x buffer size x buffer count, with the
-             time of each step (allocate, install, finish; reads, ring waits, copy issue)
+             time of each step (allocate, install, read_into; reads, ring waits, copy issue)
 Writes read_path.json to $OUT; prints a table last.
 """
 
@@ -160,9 +160,9 @@ def register_phases(files: list[str], chunk: int) -> dict:
 
 
 class Phases:
-    """Time the load's steps by wrapping them: allocating destinations (reads start
-    meanwhile), installing them in the module, the rest of the read, and within it reads,
-    waits for a ring buffer and copy issues.
+    """Time the load's steps by wrapping them: allocating destinations, read_into (the
+    module is installed meanwhile), and within it reads, waits for a ring buffer and copy
+    issues.
     With ``copy=False`` the copier issues no device copies (reads alone)."""
 
     def __init__(self, copy: bool = True):
@@ -194,7 +194,7 @@ class Phases:
             (reader, "_pread_exact", "pread"),
             (reader, "_deliver", "copy issue"),
             (reader._Slot, "wait", "ring wait"),
-            (reader.FileRead, "finish", "finish (reads left after allocating)"),
+            (reader, "read_into", "read_into"),
             (components, "_allocate", "allocate"),
             (components, "_install", "install"),
         ]

@@ -3,12 +3,11 @@
 from .components import ComponentLoader, load_auxiliary, load_component
 from .folder import ModelFolder
 from .host_cache import HostCache
-from .reader import FileRead, HostCopy, ReadJob, ReadStats, read_into
+from .reader import HostCopy, ReadJob, ReadStats, read_into
 from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
 
 __all__ = [
     "ComponentLoader",
-    "FileRead",
     "HostCache",
     "HostCopy",
     "ModelFolder",

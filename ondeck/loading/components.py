@@ -82,7 +82,7 @@ class ComponentLoader:
         built: dict[str, torch.nn.Module] = {}
         placement = self.placement
 
-        def build(values: list[torch.Tensor]) -> None:
+        def build() -> None:
             # Copying the skeleton is CPU work: it overlaps the reads or the copies.
             skeleton = template.fresh()
             _install(skeleton, sources, values, self.device, allocated)
@@ -90,8 +90,6 @@ class ComponentLoader:
 
         try:
             sources = _match(template, tensors, self.name, self.folder.directory(self.name))
-            # In file order: reads start as destinations are allocated, and go front to back.
-            sources.sort(key=lambda source: (source[1].path or "", source[1].start))
             key, raw = self._cached(tensors, placement)
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
@@ -111,15 +109,16 @@ class ComponentLoader:
                 except BaseException:
                     copy.close()
                     raise
-                self._record(copy.finish(while_copying=lambda: build(values)))
+                self._record(copy.finish(while_copying=build))
             else:
-                values, placed = self._read_files(sources, allocated, key, build)
+                jobs, values, placed = _allocate(sources, self.device, allocated, placement)
+                self._read_files(jobs, key, while_reading=build)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
                 stats = self._read(placed)
                 self.last_load_bytes += stats.nbytes
             if "module" not in built:
-                build(values)
+                build()
             module = built.pop("module")
             _finish(module, self.name)
             if placement is not None:
@@ -155,44 +154,17 @@ class ComponentLoader:
             key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
         return key, cache.get(key)
 
-    def _read_files(self, sources, allocated: list, key: Any, build: Callable[[list], None]):
-        """Allocate every destination and read it from the files, capturing the raw bytes
-        into the host cache where it has room. Reads start as destinations are allocated
-        and ``build`` runs while they go on. Returns the values to install and the reads
-        into placed tensors still to do."""
-        cache, placement = self.host_cache, self.placement
-        if placement is None:
-            infos = [info for _, info in sources]
-        else:
-            # A placement decides per tensor where it goes: allocate first, then read.
-            jobs, values, placed = _allocate(sources, self.device, allocated, placement)
-            infos = [job.info for job in jobs]
-        captured = cache.reserve(key, infos) if cache is not None else None
+    def _read_files(
+        self, jobs: list[reader.ReadJob], key: Any, while_reading: Callable[[], None]
+    ) -> None:
+        """Read from the files, capturing the raw bytes into the host cache where it has room."""
+        cache = self.host_cache
+        captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
+        if captured is not None:
+            for job in jobs:
+                job.capture = captured[job.info.name]
         try:
-            read = reader.FileRead(
-                infos,
-                threads=self.threads,
-                buffer_bytes=self.buffer_bytes,
-                buffer_count=self.buffer_count,
-                progress=self.progress,
-                component=self.name,
-            )
-            try:
-
-                def add(job: reader.ReadJob) -> None:
-                    if captured is not None:
-                        job.capture = captured[job.info.name]
-                    read.add(job)
-
-                if placement is None:
-                    _, values, placed = _allocate(sources, self.device, allocated, on_job=add)
-                else:
-                    for job in jobs:
-                        add(job)
-            except BaseException:
-                read.close()
-                raise
-            stats = read.finish(while_reading=lambda: build(values))
+            stats = self._read(jobs, while_reading)
         except BaseException:
             if captured is not None:
                 cache.discard(key)
@@ -200,7 +172,6 @@ class ComponentLoader:
         if captured is not None:
             cache.commit(key, captured)
         self._record(stats)
-        return values, placed
 
     def _read(
         self, jobs: list[reader.ReadJob], while_reading: Callable[[], None] | None = None

@@ -14,8 +14,8 @@ warm page cache (a shared ring with a copier thread ran at a third of it).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
-import queue
 import sys
 import threading
 import time
@@ -30,7 +30,6 @@ from .page_cache import describe_source
 from .safetensors_format import TensorInfo
 
 __all__ = [
-    "FileRead",
     "ReadJob",
     "ReadStats",
     "HostCopy",
@@ -79,7 +78,6 @@ class _Chunk:
     hi: int
     direct: bool
     cast: bool
-    fence: torch.cuda.Event | None = None  # copies start after it (a device target only)
 
 
 def read_into(
@@ -99,165 +97,81 @@ def read_into(
     tensor; worker threads have stopped and their device copies have finished before it
     propagates.
     """
-    read = FileRead(
-        [job.info for job in jobs],
-        threads=threads,
+    started = time.perf_counter()
+    total = sum(job.info.nbytes for job in jobs)
+    paths = sorted({job.info.path for job in jobs if job.info.nbytes})
+    source = describe_source(paths) if paths else "disk"
+    buffer_bytes = max(buffer_bytes, 64)
+    chunks, temporaries = _plan(jobs, buffer_bytes, component)
+    devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    worker_count = threads or min(16, max(4, os.cpu_count() or 4))
+    staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
+    if staging:
+        # Each thread owns at least one ring buffer: the ring, not the threads, bounds memory.
+        worker_count = min(worker_count, max(1, buffer_count // 2), buffer_count)
+    worker_count = max(1, min(worker_count, len(chunks)))
+    files: dict[str, int] = {}
+    bar = _progress_bar(total, progress, component, source)
+    state = _ReadState(
+        chunks=chunks,
+        files=files,
+        fences=_fences(devices),
         buffer_bytes=buffer_bytes,
-        buffer_count=buffer_count,
-        progress=progress,
+        buffers_per_thread=max(1, buffer_count // worker_count),
+        pinned=bool(devices) and torch.cuda.is_available(),
+        bar=bar,
         component=component,
     )
+    workers: list[threading.Thread] = []
     try:
-        for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
-            read.add(job)
-    except BaseException:
-        read.close()
-        raise
-    return read.finish(while_reading)
-
-
-# Chunks are handed to the reading threads in batches of about this many bytes, each after
-# a fence on the caller's stream: destinations allocated so far may reuse memory that work
-# already queued there still reads.
-READ_BATCH_BYTES = 256 * 2**20
-
-
-class FileRead:
-    """Reads from the files into destinations as they are added, so allocating the next
-    destination overlaps reading into the last.
-
-    Built from the :class:`TensorInfo` of everything the read will hold (for the source
-    and the progress bar); then ``add`` each :class:`ReadJob` and ``finish`` (or ``close``
-    after a failure, which stops the threads and waits for their copies).
-    """
-
-    def __init__(
-        self,
-        infos: Sequence[TensorInfo],
-        *,
-        threads: int | None = None,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        buffer_count: int = DEFAULT_BUFFER_COUNT,
-        progress: bool = True,
-        component: str | None = None,
-    ):
-        self._started = time.perf_counter()
-        self._total = sum(info.nbytes for info in infos)
-        paths = sorted({info.path for info in infos if info.nbytes})
-        self._source = describe_source(paths) if paths else "disk"
-        self._component = component
-        self._buffer_bytes = max(buffer_bytes, 64)
-        self._temporaries: list[tuple[torch.Tensor, ReadJob]] = []
-        self._batch: list[_Chunk] = []
-        self._batch_bytes = 0
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._bar = _progress_bar(self._total, progress, component, self._source)
-        self._workers: list[threading.Thread] = []
-        self._closed = False
-        self._state = _ReadState(
-            work=self._work,
-            files={},
-            buffer_bytes=self._buffer_bytes,
-            buffers_per_thread=1,
-            bar=self._bar,
-            component=component,
-        )
-        try:
-            for path in paths:
-                self._state.files[path] = _open(path, component)
-        except BaseException:
-            self.close()
-            raise
-        worker_count = threads or min(16, max(4, os.cpu_count() or 4))
-        # Each thread owns at least one ring buffer: the ring, not the threads, bounds memory.
-        worker_count = min(worker_count, max(1, buffer_count // 2))
-        worker_count = max(1, min(worker_count, -(-self._total // self._buffer_bytes)))
-        self._state.buffers_per_thread = max(1, buffer_count // worker_count)
-        self._worker_count = worker_count if self._total else 0
-
-    def add(self, job: ReadJob) -> None:
-        """Queue ``job``'s reads; its destination must not be used until ``finish``."""
-        chunks = _plan_job(job, self._buffer_bytes, self._component, self._temporaries)
-        self._batch += chunks
-        self._batch_bytes += job.info.nbytes
-        if self._batch_bytes >= READ_BATCH_BYTES:
-            self._release_batch()
-
-    def finish(self, while_reading: Callable[[], None] | None = None) -> ReadStats:
-        """Read what was added, running ``while_reading`` meanwhile; raise the first failure."""
-        try:
-            self._release_batch()
-            try:
-                if while_reading is not None:
-                    while_reading()
-            except BaseException as error:
-                # Workers write into memory the caller frees on failure: stop them first.
-                self._state.fail(error)
-            self._join()
-            if self._state.failure is not None:
-                raise self._state.failure
-            for target, job in self._temporaries:
-                job.destination.copy_(target)
-        finally:
-            self.close()
-        return ReadStats(self._total, time.perf_counter() - self._started, self._source)
-
-    def close(self) -> None:
-        """Stop reading (if still going), wait for the threads and their copies, close files."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._workers:
-            self._state.fail(LoadError("the read was abandoned", component=self._component))
-            self._join()
-        for fd in self._state.files.values():
-            os.close(fd)
-        if self._bar is not None:
-            self._bar.close()
-
-    def _release_batch(self) -> None:
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
-        if not batch:
-            return
-        fences = {}
-        for device in {
-            chunk.target.device for chunk in batch if chunk.target.device.type == "cuda"
-        }:
-            fences[device] = torch.cuda.Event()
-            fences[device].record(torch.cuda.current_stream(device))
-        for chunk in batch:
-            chunk.fence = fences.get(chunk.target.device)
-            self._work.put(chunk)
-        while len(self._workers) < self._worker_count:
+        for path in paths:
+            files[path] = _open(path, component)
+        for index in range(worker_count if chunks else 0):
             worker = threading.Thread(
-                target=_read_chunks,
-                args=(self._state,),
-                name=f"ondeck-read-{len(self._workers)}",
-                daemon=True,
+                target=_read_chunks, args=(state,), name=f"ondeck-read-{index}", daemon=True
             )
             worker.start()
-            self._workers.append(worker)
-
-    def _join(self) -> None:
-        for _ in self._workers:
-            self._work.put(None)
-        for worker in self._workers:
+            workers.append(worker)
+        try:
+            if while_reading is not None:
+                while_reading()
+        except BaseException as error:
+            # Workers write into memory the caller frees on failure: stop them first.
+            state.fail(error)
+        for worker in workers:
             worker.join()  # each waits for its own device copies before it ends
-        self._workers.clear()
+        workers.clear()
+        if state.failure is not None:
+            raise state.failure
+        for target, job in temporaries:
+            job.destination.copy_(target)
+    finally:
+        if workers:  # interrupted while waiting: still let no worker outlive the read
+            state.fail(KeyboardInterrupt())
+            for worker in workers:
+                worker.join()
+        for fd in files.values():
+            os.close(fd)
+        if bar is not None:
+            bar.close()
+    return ReadStats(total, time.perf_counter() - started, source)
 
 
 @dataclass
 class _ReadState:
-    """What every reading thread shares: the queue of chunks, the files and the outcome."""
+    """What every reading thread shares: the chunks, handed out in order, and the outcome."""
 
-    work: queue.SimpleQueue
+    chunks: list
     files: dict
+    fences: dict  # device -> event on the caller's stream that copies must start after
     buffer_bytes: int
     buffers_per_thread: int
+    pinned: bool
     bar: object
     component: str | None
 
     def __post_init__(self):
+        self.next_index = itertools.count()  # atomic under the GIL
         self.stop = threading.Event()
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
@@ -290,28 +204,36 @@ class _Slot:
         self.copying = True
 
 
+def _fences(devices) -> dict:
+    """Destinations may reuse memory the caller's stream still reads: copies start after it."""
+    fences = {}
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        fences[device] = event
+    return fences
+
+
 def _read_chunks(state: _ReadState) -> None:
-    """A reading thread: take the next chunk until told to stop or the read has failed."""
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-    fenced: dict[torch.device, torch.cuda.Event] = {}
+    """A reading thread: take the next chunk until none are left or the read has failed."""
+    streams = {}
+    for device, fence in state.fences.items():
+        stream = torch.cuda.Stream(device)
+        stream.wait_event(fence)
+        torch.cuda.set_stream(stream)  # this thread's copies to that device go there
+        streams[device] = stream
     slots: deque[_Slot] = deque()
+    made = 0
     try:
-        while True:
-            chunk = state.work.get()
-            if chunk is None or state.stop.is_set():
+        while not state.stop.is_set():
+            index = next(state.next_index)
+            if index >= len(state.chunks):
                 return
+            chunk = state.chunks[index]
             job, info = chunk.job, chunk.job.info
             length = chunk.hi - chunk.lo
             offset = info.start + chunk.lo
             fd = state.files[info.path]
-            device = chunk.target.device
-            if chunk.fence is not None and fenced.get(device) is not chunk.fence:
-                stream = streams.get(device)
-                if stream is None:
-                    stream = streams[device] = torch.cuda.Stream(device)
-                    torch.cuda.set_stream(stream)  # this thread's copies to it go there
-                stream.wait_event(chunk.fence)
-                fenced[device] = chunk.fence
             if chunk.direct:
                 _pread_exact(fd, chunk.target.data_ptr(), length, offset, info, state.component)
             elif job.capture is not None:
@@ -319,10 +241,10 @@ def _read_chunks(state: _ReadState) -> None:
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
                 _deliver(chunk, staged, streams)
             else:
-                if len(slots) < state.buffers_per_thread:
-                    pinned = device.type == "cuda"
+                if made < state.buffers_per_thread:
+                    made += 1
                     slot = _Slot(
-                        torch.empty(state.buffer_bytes, dtype=torch.uint8, pin_memory=pinned)
+                        torch.empty(state.buffer_bytes, dtype=torch.uint8, pin_memory=state.pinned)
                     )
                 else:
                     slot = slots.popleft()
@@ -412,38 +334,44 @@ class HostCopy:
             self._bar = None
 
 
-def _plan_job(job: ReadJob, buffer_bytes: int, component: str | None, temporaries: list):
-    """The chunks of one job, each with its part of the target prepared."""
-    info, destination = job.info, job.destination
-    if destination.numel() != info.numel:
-        raise LoadError(
-            f"{_where(info, component)}: file holds shape {list(info.shape)}, destination "
-            f"has shape {list(destination.shape)}",
-            component=component,
-            path=info.path,
+def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
+    chunks: list[_Chunk] = []
+    temporaries: list[tuple[torch.Tensor, ReadJob]] = []
+    for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
+        info, destination = job.info, job.destination
+        if destination.numel() != info.numel:
+            raise LoadError(
+                f"{_where(info, component)}: file holds shape {list(info.shape)}, destination "
+                f"has shape {list(destination.shape)}",
+                component=component,
+                path=info.path,
+            )
+        if job.capture is not None and job.capture.numel() != info.nbytes:
+            raise LoadError(f"{_where(info, component)}: capture buffer has the wrong size")
+        if info.nbytes == 0:
+            continue
+        target = destination
+        if not destination.is_contiguous():
+            target = torch.empty(
+                destination.shape, dtype=destination.dtype, device=destination.device
+            )
+            temporaries.append((target, job))
+        direct = (
+            destination.device.type == "cpu"
+            and destination.dtype == info.dtype
+            and job.capture is None
         )
-    if job.capture is not None and job.capture.numel() != info.nbytes:
-        raise LoadError(f"{_where(info, component)}: capture buffer has the wrong size")
-    if info.nbytes == 0:
-        return []
-    target = destination
-    if not destination.is_contiguous():
-        target = torch.empty(destination.shape, dtype=destination.dtype, device=destination.device)
-        temporaries.append((target, job))
-    direct = destination.device.type == "cpu" and destination.dtype == info.dtype
-    direct = direct and job.capture is None
-    cast = destination.dtype != info.dtype
-    flat = target.reshape(-1)
-    if not cast:
-        flat = flat.view(torch.uint8)
-    itemsize = info.dtype.itemsize
-    step = max(itemsize, buffer_bytes // itemsize * itemsize)
-    chunks = []
-    for lo in range(0, info.nbytes, step):
-        hi = min(lo + step, info.nbytes)
-        part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
-        chunks.append(_Chunk(job, part, lo, hi, direct, cast))
-    return chunks
+        cast = destination.dtype != info.dtype
+        flat = target.reshape(-1)
+        if not cast:
+            flat = flat.view(torch.uint8)
+        itemsize = info.dtype.itemsize
+        step = max(itemsize, buffer_bytes // itemsize * itemsize)
+        for lo in range(0, info.nbytes, step):
+            hi = min(lo + step, info.nbytes)
+            part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
+            chunks.append(_Chunk(job, part, lo, hi, direct, cast))
+    return chunks, temporaries
 
 
 def _deliver(chunk: _Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:

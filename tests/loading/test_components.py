@@ -176,13 +176,13 @@ def fail_reads(monkeypatch, error: BaseException, after: int, spy: Spy | None = 
 
     monkeypatch.setattr(reader_module, "_pread_exact", pread)
     if spy is not None:
-        original_add = reader_module.FileRead.add
+        original_read = reader_module.read_into
 
-        def add(read, job):
-            spy.destinations.append(job.destination)
-            return original_add(read, job)
+        def read_into(jobs, **kwargs):
+            spy.destinations.extend(job.destination for job in jobs)
+            return original_read(jobs, **kwargs)
 
-        monkeypatch.setattr(reader_module.FileRead, "add", add)
+        monkeypatch.setattr(reader_module, "read_into", read_into)
     return calls
 
 

@@ -124,7 +124,7 @@ def test_specs_never_read_tensor_data(wan_template, monkeypatch):
         raise AssertionError("a spec read tensor data")
 
     monkeypatch.setattr(safetensors_format, "open", counting_open, raising=False)
-    monkeypatch.setattr(reader_module.FileRead, "add", no_reads)
+    monkeypatch.setattr(reader_module, "read_into", no_reads)
     monkeypatch.setattr(reader_module.os, "preadv", no_reads)
     folder = ModelFolder.open(wan_template)
     for name in ("transformer", "vae", "text_encoder"):

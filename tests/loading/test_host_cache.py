@@ -61,7 +61,7 @@ def test_second_load_is_a_hit_and_identical(wan_template, cache_on_cpu, monkeypa
     def no_file_reads(*args, **kwargs):
         raise AssertionError("a cache hit read the file")
 
-    monkeypatch.setattr(reader_module.FileRead, "add", no_file_reads)
+    monkeypatch.setattr(reader_module, "read_into", no_file_reads)
     second = loader()
     assert (cache_on_cpu.hits, cache_on_cpu.misses) == (1, 1)
     assert loader.last_source == "host cache"

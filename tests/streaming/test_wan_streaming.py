@@ -62,18 +62,18 @@ class Runs:
         self.first = dict(stats(self.pipe))
         self.loads_after_first = self.pipe.components["transformer"].load_count
         self.read: list[str] = []
-        original = reader.FileRead.add
+        original = reader.read_into
 
-        def watch(read, job):
-            self.read.append(job.info.name)
-            return original(read, job)
+        def watch(jobs, **options):
+            self.read.extend(job.info.name for job in jobs)
+            return original(jobs, **options)
 
-        reader.FileRead.add = watch
+        reader.read_into = watch
         try:
             # A new prompt: the encoder comes back, so the transformer went and returns.
             self.frames["a heron"] = generate(self.pipe, "a heron")
         finally:
-            reader.FileRead.add = original
+            reader.read_into = original
         self.second = dict(stats(self.pipe))
 
     def inspect(self, module):
