@@ -59,8 +59,11 @@ class HostCache:
     loads of the same component.
     """
 
-    def __init__(self, budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int | None = None, *, pin: bool | None = None):
         self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
+        # Pinned (the default where CUDA is): a reload is one DMA per tensor. The budget
+        # counts the bytes really held, arenas rounded up included.
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self._entries: OrderedDict[Hashable, dict[str, torch.Tensor]] = OrderedDict()
         self._sizes: dict[Hashable, int] = {}
         self._pending: dict[Hashable, int] = {}
@@ -107,7 +110,7 @@ class HostCache:
         buffers are full, or :meth:`discard` if the load failed.
         """
         infos = list(infos)
-        pin = torch.cuda.is_available()
+        pin = self.pin
         arenas = _arenas(infos, pin)
         nbytes = sum(capacity for capacity, _ in arenas)
         with self._lock:

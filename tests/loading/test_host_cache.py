@@ -26,7 +26,7 @@ def fill(cache: HostCache, key, nbytes: int) -> bool:
 def cache_on_cpu(monkeypatch):
     """Let the cache serve CPU loads, which it normally refuses, so its path runs here."""
     monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
-    return HostCache(budget_bytes=2**30)
+    return HostCache(budget_bytes=2**30, pin=False)
 
 
 def test_disabled_for_cpu_targets():
@@ -90,7 +90,7 @@ def test_failed_first_load_leaves_no_entry(wan_template, cache_on_cpu, monkeypat
 
 
 def test_lru_eviction_respects_the_budget():
-    cache = HostCache(budget_bytes=1000)
+    cache = HostCache(budget_bytes=1000, pin=False)
     assert fill(cache, "a", 400) and fill(cache, "b", 400)
     assert cache.get("a") is not None  # "a" is now the most recently used
     assert fill(cache, "c", 400)
@@ -99,14 +99,14 @@ def test_lru_eviction_respects_the_budget():
 
 
 def test_entry_larger_than_the_budget_is_not_kept():
-    cache = HostCache(budget_bytes=100)
+    cache = HostCache(budget_bytes=100, pin=False)
     assert fill(cache, "a", 60)
     assert not fill(cache, "huge", 101)
     assert cache.keys() == ["a"]
 
 
 def test_hits_and_misses_are_counted():
-    cache = HostCache(budget_bytes=100)
+    cache = HostCache(budget_bytes=100, pin=False)
     assert cache.get("a") is None
     fill(cache, "a", 10)
     assert cache.get("a") is not None
