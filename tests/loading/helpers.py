@@ -137,3 +137,19 @@ def assert_same_state(loaded, reference):
     ):
         assert ours_buffer.dtype == their_buffer.dtype, name
         assert torch.equal(ours_buffer, their_buffer), name
+
+
+def raise_after(monkeypatch, owner, attribute: str, calls: int, error: BaseException) -> dict:
+    """Let ``owner.attribute`` run ``calls`` times, then raise ``error`` on every call.
+    Returns the live call count ({"n": ...})."""
+    original = getattr(owner, attribute)
+    count = {"n": 0}
+
+    def failing(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise error
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attribute, failing)
+    return count

@@ -13,7 +13,14 @@ from ondeck.lazy import LazyModule, module_nbytes
 from ondeck.loading import ComponentLoader, ModelFolder, load_auxiliary, load_component
 from ondeck.loading import reader as reader_module
 
-from .helpers import MODELS, assert_same_state, from_pretrained, rewrite_weights, shard
+from .helpers import (
+    MODELS,
+    assert_same_state,
+    from_pretrained,
+    raise_after,
+    rewrite_weights,
+    shard,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -165,16 +172,7 @@ class Spy:
 
 def fail_reads(monkeypatch, error: BaseException, after: int, spy: Spy | None = None):
     """Make the reader raise ``error`` after ``after`` successful tensor reads."""
-    original = reader_module._pread_exact
-    calls = {"n": 0}
-
-    def pread(fd, address, length, offset, info, component):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise error
-        return original(fd, address, length, offset, info, component)
-
-    monkeypatch.setattr(reader_module, "_pread_exact", pread)
+    calls = raise_after(monkeypatch, reader_module, "_pread_exact", after, error)
     if spy is not None:
         original_read = reader_module.read_into
 

@@ -17,6 +17,7 @@ from .helpers import (
     MODELS,
     assert_same_state,
     from_pretrained,
+    raise_after,
     random_tensor,
     same_bits,
     write_safetensors,
@@ -98,16 +99,7 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    original = reader_module._pread_exact
-    calls = {"n": 0}
-
-    def pread(*args):
-        calls["n"] += 1
-        if calls["n"] > 10:
-            raise LoadError("disk vanished")
-        return original(*args)
-
-    monkeypatch.setattr(reader_module, "_pread_exact", pread)
+    raise_after(monkeypatch, reader_module, "_pread_exact", 10, LoadError("disk vanished"))
     with pytest.raises(LoadError):
         loader()
     gc.collect()
@@ -116,16 +108,9 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
 
 def test_failed_device_copy_stops_the_read_and_raises(tmp_path, monkeypatch):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(1000, 64)})
-    original = reader_module._deliver
-    calls = {"n": 0}
-
-    def deliver(*args):
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise RuntimeError("copy engine fault")
-        return original(*args)
-
-    monkeypatch.setattr(reader_module, "_deliver", deliver)
+    calls = raise_after(
+        monkeypatch, reader_module, "_deliver", 5, RuntimeError("copy engine fault")
+    )
     with pytest.raises(RuntimeError, match="copy engine fault"):
         read_to_cuda(path, buffer_bytes=4096, buffer_count=2, threads=4)
     # Stopped early: not every one of the 63 chunks was copied.
