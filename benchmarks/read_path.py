@@ -7,6 +7,9 @@ cache, and measures, each the median of ``--repeats``:
   memory     host memcpy bandwidth (torch CPU copy) with 1..16 threads
   pread      page cache -> host buffers only (pinned and pageable), threads x buffer size
   register   cudaHostRegister of mapped page-cache pages, then one DMA per chunk
+  mapped     whole files to the device through windows of their mapping, on 1-8 threads:
+             copied from pageable memory, or registered (torch's or a ctypes cudart
+             binding) around each window's copy; a sample checked against the files
   reader     ComponentLoader end to end, threads x buffer size x buffer count, with the
              time of each step (allocate, install, read_into; reads, ring waits, copy issue)
 Writes read_path.json to $OUT; prints a table last.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import itertools
 import json
 import os
 import platform
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -159,6 +164,126 @@ def register_phases(files: list[str], chunk: int) -> dict:
     return phases
 
 
+READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+class MappedFiles:
+    """The files mapped read-only (address space only: nothing is read until touched),
+    cut into page-aligned windows laid end to end in one destination."""
+
+    def __init__(self, files: list[str]):
+        import mmap
+
+        from ondeck.loading.page_cache import _LIBC
+
+        self._libc = _LIBC
+        self.maps: list[tuple[int, int, int]] = []  # (fd, address, size)
+        self.total = 0
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            size = os.path.getsize(path)
+            address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            self.maps.append((fd, address, size))
+            self.total += size
+
+    def windows(self, window: int) -> list[tuple[int, int, int]]:
+        """(address, length, offset in the destination) of every window."""
+        found, base = [], 0
+        for _, address, size in self.maps:
+            found += [
+                (address + lo, min(window, size - lo), base + lo) for lo in range(0, size, window)
+            ]
+            base += size
+        return found
+
+    def close(self) -> None:
+        for fd, address, size in self.maps:
+            self._libc.munmap(address, size)
+            os.close(fd)
+
+
+def loaded_cudart():
+    """libcudart as already loaded in this process, through ctypes (which lets go of the
+    GIL for every call); None where it cannot be found."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1] if "libcudart" in line else ""
+        if path.startswith("/"):
+            library = ctypes.CDLL(path)
+            library.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            library.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+            return library
+    return None
+
+
+def window_copy_seconds(files: list[str], window: int, threads: int, register) -> dict:
+    """Every file to one device buffer through windows of its mapped page cache, ``threads``
+    windows at a time, each on its thread's stream. ``register`` is None (copy from
+    pageable memory: the driver stages it) or a (register, unregister) pair, called
+    around each window's copy. Also checks a sample of windows against the files."""
+    mapped = MappedFiles(files)
+    try:
+        windows = mapped.windows(window)
+        destination = torch.empty(mapped.total, dtype=torch.uint8, device="cuda")
+        counter = itertools.count()
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            stream = torch.cuda.Stream()
+            torch.cuda.set_stream(stream)
+            in_flight: deque = deque()
+            try:
+                while not errors:
+                    index = next(counter)
+                    if index >= len(windows):
+                        return
+                    address, length, at = windows[index]
+                    if register is not None:
+                        error = register[0](address, length, READ_ONLY)
+                        if int(error) != 0:
+                            raise RuntimeError(f"cudaHostRegister returned {error}")
+                    host = torch.frombuffer(
+                        (ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8
+                    )
+                    destination[at : at + length].copy_(host, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    in_flight.append((event, address))
+                    if len(in_flight) > 1:
+                        done, done_address = in_flight.popleft()
+                        done.synchronize()
+                        if register is not None:
+                            register[1](done_address)
+            except BaseException as error:
+                errors.append(error)
+            finally:
+                for done, done_address in in_flight:
+                    done.synchronize()
+                    if register is not None:
+                        register[1](done_address)
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        if errors:
+            return {"error": repr(errors[0])}
+        step = max(1, len(windows) // 8)
+        for address, length, at in windows[::step]:
+            expected = torch.frombuffer(
+                bytearray((ctypes.c_uint8 * length).from_address(address)), dtype=torch.uint8
+            )
+            if not torch.equal(destination[at : at + length].cpu(), expected):
+                return {"error": f"window at {at} differs from the file"}
+        return {"seconds": seconds, "gb_per_second": mapped.total / seconds / GB}
+    finally:
+        mapped.close()
+
+
 class Phases:
     """Time the load's steps by wrapping them: allocating destinations, read_into (the
     module is installed meanwhile), and within it reads, waits for a ring buffer and copy
@@ -232,7 +357,7 @@ def main() -> None:
     parser.add_argument("--folder", default=".bench-data/dit16")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sections", default="memory,pread,register,reader")
+    parser.add_argument("--sections", default="memory,pread,register,mapped,reader")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
@@ -279,6 +404,29 @@ def main() -> None:
         if "bytes" in phases:
             for phase in ("register", "copy", "unregister"):
                 row(f"register {chunk_mib} MiB: {phase} only", phases["bytes"] / phases[phase] / GB)
+
+    if "mapped" in sections:
+        cudart = torch.cuda.cudart()
+        callers = {
+            "pageable": None,
+            "torch cudart": (cudart.cudaHostRegister, cudart.cudaHostUnregister),
+        }
+        library = loaded_cudart()
+        if library is not None:
+            callers["ctypes cudart"] = (library.cudaHostRegister, library.cudaHostUnregister)
+        for caller, register in callers.items():
+            for window_mib, threads in ((64, 1), (64, 4), (64, 8), (256, 4)):
+                try:
+                    outcome = window_copy_seconds(files, window_mib * MiB, threads, register)
+                except Exception as error:  # an unsupported mapping must not end the profile
+                    outcome = {"error": repr(error)}
+                torch.cuda.empty_cache()
+                name = f"mapped, {caller}: {threads} thr, {window_mib} MiB windows"
+                results[name] = outcome
+                if "gb_per_second" in outcome:
+                    row(name, outcome["gb_per_second"])
+                else:
+                    print(f"{name}: {outcome}", flush=True)
 
     if "reader" in sections:
         folder = ModelFolder.open(folder_path)
