@@ -1,0 +1,297 @@
+"""Proxies for a diffusers pipeline's components: configuring calls become transforms
+that survive a release, placement calls redirect future loads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...errors import OndeckError
+from ...lazy import _INTERNAL, _REPLAYED_METHODS, ComponentSpec, LazyModule
+
+# Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
+# use it: answering them must neither load the component nor start its turn.
+_PROBES = frozenset(
+    {"_hf_hook", "_diffusers_hook", "hf_device_map", "_ondeck_hook", "_reset_stateful_cache"}
+)
+
+# Methods that configure a component rather than compute with it. Called through the
+# proxy they become transforms: applied now if the component is loaded, and after
+# every later load, so a release never loses them; an unloaded component stays so.
+_CONFIGURING_METHODS = frozenset(
+    {
+        # PEFT adapters (diffusers' PeftAdapterMixin)
+        "load_lora_adapter",
+        "add_adapter",
+        "set_adapter",
+        "set_adapters",
+        "enable_adapters",
+        "disable_adapters",
+        "delete_adapters",
+        "fuse_lora",
+        "unfuse_lora",
+        "unload_lora",
+        "enable_lora",
+        "disable_lora",
+        "enable_lora_hotswap",
+        # attention, memory and speed settings
+        "compile",
+        "set_attn_processor",
+        "set_default_attn_processor",
+        "set_attention_backend",
+        "reset_attention_backend",
+        "fuse_qkv_projections",
+        "unfuse_qkv_projections",
+        "enable_tiling",
+        "disable_tiling",
+        "enable_slicing",
+        "disable_slicing",
+        "enable_forward_chunking",
+        "disable_forward_chunking",
+        "enable_layerwise_casting",
+        "enable_cache",
+        "disable_cache",
+        "enable_xformers_memory_efficient_attention",
+        "disable_xformers_memory_efficient_attention",
+    }
+)
+
+# Placement methods: on a proxy they redirect where (and in which dtype) the loader
+# puts the weights, so a reload lands there directly instead of moving afterwards.
+_PLACEMENT_METHODS = {
+    "to": None,
+    "cuda": None,
+    "cpu": None,
+    "half": torch.float16,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+}
+
+_PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_plain(item) for item in value)
+    return isinstance(value, _PLAIN_TYPES)
+
+
+def _fresh(value: Any) -> Any:
+    """Tensors copied, containers rebuilt: a replayed call must not share storage with
+    the module it built before, since a release frees that module's storage."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((key, _fresh(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_fresh(item) for item in value)
+    return value
+
+
+def _nothing_to_reset(*args: Any, **kwargs: Any) -> None:
+    """An unloaded component has no stateful hooks to reset."""
+
+
+class PipelineComponent(LazyModule):
+    """A :class:`~ondeck.LazyModule` that belongs to a diffusers pipeline.
+
+    It tells the pipeline's runtime when a call touches it, answers diffusers' hook
+    probes without loading, records configuring calls as transforms, and turns
+    placement calls into a new target for its loader.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        loader: Callable[[], Any],
+        *,
+        spec: ComponentSpec | None = None,
+        make_loader: Callable[[torch.device, torch.dtype], Any] | None = None,
+    ):
+        super().__init__(name, loader, spec=spec)
+        setter = object.__setattr__
+        setter(self, "_ondeck_runtime", None)
+        setter(self, "_ondeck_stand_in", None)
+        setter(self, "_ondeck_make_loader", make_loader)
+        setter(self, "_ondeck_settings", {})
+
+    # -- touches ------------------------------------------------------------------------
+
+    def materialize(self) -> Any:
+        runtime = object.__getattribute__(self, "_ondeck_runtime")
+        if runtime is not None:
+            runtime.component_touched(self)
+        return LazyModule.materialize(self)
+
+    # -- attribute access ---------------------------------------------------------------
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in _INTERNAL or attribute.startswith("_ondeck_"):
+            raise AttributeError(attribute)
+        module = object.__getattribute__(self, "_ondeck_module")
+        declared = object.__getattribute__(self, "_ondeck_spec").cls
+        if attribute in _PROBES:
+            if module is not None:
+                return getattr(module, attribute)
+            if attribute == "_reset_stateful_cache" and hasattr(declared, attribute):
+                return _nothing_to_reset
+            raise AttributeError(attribute)
+        if attribute in _PLACEMENT_METHODS and self._can_retarget():
+            return self._placement_call(attribute)
+        if attribute in _CONFIGURING_METHODS and hasattr(declared or type(module), attribute):
+            return self._recorded_call(attribute)
+        if module is None:
+            if attribute in _REPLAYED_METHODS:
+                return self._deferred_replay(attribute)
+            stand_in = object.__getattribute__(self, "_ondeck_stand_in")
+            if stand_in is not None:
+                value = stand_in.plain_attribute(attribute)
+                if value is not None:
+                    return value
+        return LazyModule.__getattr__(self, attribute)
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        if attribute in _INTERNAL or attribute.startswith("_ondeck_"):
+            object.__setattr__(self, attribute, value)
+            return
+        if not _is_plain(value):
+            LazyModule.__setattr__(self, attribute, value)
+            return
+        # A plain setting (a flag, a size) is kept and set again after every load.
+        settings = object.__getattribute__(self, "_ondeck_settings")
+        first = not settings
+        settings[attribute] = value
+        if first:
+            self._add_transform_checked(_apply_settings(settings))
+        else:
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is not None:
+                setattr(module, attribute, value)
+
+    # -- recorded calls -----------------------------------------------------------------
+
+    def _recorded_call(self, method: str) -> Callable[..., None]:
+        proxy = self
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            if "_pipeline" in kwargs:
+                # diffusers hands the pipeline over to manage offload hooks; probing it
+                # would load every component, and ondeck places nothing with hooks.
+                kwargs["_pipeline"] = None
+
+            def apply(module: Any) -> Any:
+                getattr(module, method)(*_fresh(args), **_fresh(kwargs))
+                return module
+
+            apply.__qualname__ = f"{method} (recorded)"
+            proxy._add_transform_checked(apply)
+
+        call.__name__ = method
+        return call
+
+    def _add_transform_checked(self, fn: Callable[[Any], Any]) -> None:
+        """Register ``fn`` after every load; a call that fails is not kept.
+
+        Applied now when loaded, so a mistake raises at once. When it only fails at a
+        later load, that load raises and the transform is dropped, so the next
+        access loads without it.
+        """
+        transforms = object.__getattribute__(self, "_ondeck_transforms")
+
+        def guarded(module: Any) -> Any:
+            try:
+                return fn(module)
+            except BaseException:
+                if guarded in transforms:
+                    transforms.remove(guarded)
+                raise
+
+        guarded.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+        with object.__getattribute__(self, "_ondeck_lock"):
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is not None:
+                result = fn(module)
+                if result is not None and result is not module:
+                    object.__setattr__(self, "_ondeck_module", result)
+            transforms.append(guarded)
+
+    def _deferred_replay(self, method: str) -> Callable[..., Any]:
+        """``eval()``, ``requires_grad_(False)``, ... on an unloaded component: remembered
+        and applied at load, like the base proxy does after loading."""
+        proxy = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with object.__getattribute__(proxy, "_ondeck_lock"):
+                if object.__getattribute__(proxy, "_ondeck_module") is not None:
+                    return LazyModule.__getattr__(proxy, method)(*args, **kwargs)
+                replay = object.__getattribute__(proxy, "_ondeck_replay")
+                replay.pop(method, None)
+                replay[method] = (args, kwargs)
+            return proxy
+
+        call.__name__ = method
+        return call
+
+    # -- placement ----------------------------------------------------------------------
+
+    def _can_retarget(self) -> bool:
+        return object.__getattribute__(self, "_ondeck_make_loader") is not None
+
+    def _placement_call(self, method: str) -> Callable[..., Any]:
+        proxy = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            device, dtype = _placement_of(method, args, kwargs)
+            with object.__getattribute__(proxy, "_ondeck_lock"):
+                proxy.retarget(device, dtype)
+                module = object.__getattribute__(proxy, "_ondeck_module")
+                if module is not None:
+                    getattr(module, method)(*args, **kwargs)
+            return proxy
+
+        call.__name__ = method
+        return call
+
+    def retarget(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        """Load onto ``device`` in ``dtype`` from now on (None keeps the current one).
+
+        Does not move a loaded module; callers that want that move it themselves.
+        """
+        make_loader = object.__getattribute__(self, "_ondeck_make_loader")
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        if make_loader is None:
+            raise OndeckError(f"component '{self._ondeck_name}' has no loader to retarget")
+        new_device = torch.device(device) if device is not None else loader.device
+        new_dtype = dtype if dtype is not None else loader.dtype
+        if new_device == loader.device and new_dtype == loader.dtype:
+            return
+        new_loader = make_loader(new_device, new_dtype)
+        object.__setattr__(self, "_ondeck_loader", new_loader)
+        object.__setattr__(self, "_ondeck_spec", new_loader.spec)
+
+
+def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:
+    def apply(module: Any) -> Any:
+        for attribute, value in settings.items():
+            setattr(module, attribute, value)
+        return module
+
+    apply.__qualname__ = "attribute settings (recorded)"
+    return apply
+
+
+def _placement_of(method: str, args: tuple, kwargs: dict) -> tuple[Any, torch.dtype | None]:
+    if method == "to":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return device, dtype
+    if method == "cuda":
+        index = args[0] if args else kwargs.get("device")
+        if isinstance(index, torch.device):
+            return index, None
+        return (torch.device("cuda", index) if index is not None else torch.device("cuda")), None
+    if method == "cpu":
+        return torch.device("cpu"), None
+    return None, _PLACEMENT_METHODS[method]

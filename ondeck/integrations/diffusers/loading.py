@@ -1,0 +1,212 @@
+"""``from_pretrained``: a diffusers pipeline whose heavy components load on demand."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import LoadError
+from ...lazy import is_lazy
+from ...memory import resolve_device
+from .component import PipelineComponent, _is_plain
+from .pipeline_class import ondeck_pipeline_class
+from .runtime import DiffusersRuntime
+
+_HUB_OPTIONS = (
+    "cache_dir",
+    "force_download",
+    "proxies",
+    "local_files_only",
+    "token",
+    "revision",
+    "variant",
+    "use_safetensors",
+)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
+    device: Any = None,
+    policy: Any = "auto",
+    budget: int | str | None = None,
+    prefetch: bool = True,
+    host_cache: Any = None,
+    *,
+    progress: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Load a diffusers pipeline with its heavy components on demand.
+
+    Returns the genuine diffusers pipeline (``isinstance(pipe, diffusers.WanPipeline)``
+    holds for a Wan folder): its ``nn.Module`` components with safetensors weights are
+    :class:`PipelineComponent` proxies that load straight onto ``device`` when a call
+    first needs them; tokenizers, schedulers and other parts load as diffusers loads
+    them. Components passed in ``kwargs`` are used as given and stay resident.
+    ``pipe.ondeck`` is the runtime: ``plan()``, ``report()``, ``policy``,
+    ``release_all()``, ``add_transform()``, ``generate()``.
+
+    ``torch_dtype`` (or ``dtype``) follows diffusers: one dtype, or a dict by component
+    name with a ``"default"``; when omitted, diffusers models load in float32 and
+    transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
+    present. ``policy``, ``budget`` and ``prefetch`` are those of :class:`ondeck.Pipeline`;
+    ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
+    """
+    import diffusers
+
+    from ...loading import ModelFolder
+
+    dtype = kwargs.pop("dtype", None)
+    if torch_dtype is not None and dtype is not None:
+        raise ValueError("pass torch_dtype or dtype, not both")
+    dtype = dtype if dtype is not None else torch_dtype
+    path = _local_folder(path, kwargs)
+    folder = ModelFolder.open(path, variant=kwargs.get("variant"))
+    base_class = _pipeline_class(diffusers, folder)
+    device = resolve_device(device)
+
+    components: dict[str, PipelineComponent] = {}
+    for name in folder.component_names:
+        if name in kwargs or not _can_defer(folder, name):
+            continue
+        component = _deferred_component(
+            folder, name, device, _component_dtype(dtype, name, folder), host_cache, progress
+        )
+        if component is not None:
+            components[name] = component
+
+    pipeline_class = ondeck_pipeline_class(base_class)
+    options = dict(kwargs)
+    if dtype is not None:
+        options["dtype"] = dtype
+    with _shaped_from_configs(components.values()):
+        pipe = pipeline_class.from_pretrained(str(path), **components, **options)
+    _place_loaded_by_diffusers(pipe, folder, skip=set(components) | set(kwargs), device=device)
+    pipe.ondeck = DiffusersRuntime(
+        pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
+    )
+    return pipe
+
+
+def _local_folder(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
+    if Path(path).expanduser().is_dir():
+        return Path(path).expanduser()
+    from diffusers import DiffusionPipeline
+
+    # A hub id: diffusers fetches the snapshot (files only; nothing is loaded yet).
+    options = {key: kwargs[key] for key in _HUB_OPTIONS if key in kwargs}
+    return Path(DiffusionPipeline.download(str(path), **options))
+
+
+def _pipeline_class(diffusers: Any, folder: Any) -> type:
+    name = folder.pipeline_class_name
+    found = getattr(diffusers, name, None) if name else None
+    if not isinstance(found, type) or not issubclass(found, diffusers.DiffusionPipeline):
+        raise LoadError(
+            f"{folder.path / 'model_index.json'}: _class_name {name!r} is not a diffusers "
+            f"pipeline in diffusers {diffusers.__version__}",
+            path=str(folder.path / "model_index.json"),
+        )
+    return found
+
+
+def _can_defer(folder: Any, name: str) -> bool:
+    """Models ondeck can build from a config and fill from safetensors files."""
+    from ...loading.skeleton import library_of
+
+    try:
+        cls = folder.component_class(name)
+        return (
+            issubclass(cls, torch.nn.Module)
+            and library_of(cls) in ("diffusers", "transformers")
+            and bool(folder.weight_files(name))
+        )
+    except LoadError:
+        return False
+
+
+def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
+    from ...loading.skeleton import library_of
+
+    if isinstance(dtype, dict):
+        return dtype.get(name, dtype.get("default", torch.float32))
+    if dtype is not None:
+        return dtype
+    # As diffusers: its own models load in float32, transformers models as saved.
+    return torch.float32 if library_of(folder.component_class(name)) == "diffusers" else None
+
+
+def _deferred_component(
+    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+) -> PipelineComponent | None:
+    from ...loading import ComponentLoader
+
+    def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
+        return ComponentLoader(
+            folder,
+            name,
+            device=target_device,
+            dtype=target_dtype,
+            host_cache=host_cache,
+            progress=progress,
+        )
+
+    try:
+        loader = make_loader(device, dtype)
+        spec = loader.spec
+    except LoadError as error:
+        warnings.warn(
+            f"component '{name}' loads with diffusers and stays resident: {error}", stacklevel=3
+        )
+        return None
+    return PipelineComponent(name, loader, spec=spec, make_loader=make_loader)
+
+
+class _ConfigShape:
+    """The component built without weights, for attributes a pipeline's __init__ reads
+    (LTX reads ``vae.spatial_compression_ratio``); built once, on first need."""
+
+    def __init__(self, proxy: PipelineComponent):
+        self.proxy = proxy
+        self.module: Any = None
+        self.failed = False
+
+    def plain_attribute(self, attribute: str) -> Any:
+        """The attribute's value when it is a plain value (a number, a flag), else None."""
+        if self.module is None and not self.failed:
+            loader = object.__getattribute__(self.proxy, "_ondeck_loader")
+            try:
+                self.module = loader.folder.skeleton(loader.name, loader.dtype).module
+            except (LoadError, AttributeError):
+                self.failed = True  # the real component will answer, loaded
+        value = getattr(self.module, attribute, None) if self.module is not None else None
+        return value if _is_plain(value) else None
+
+
+@contextlib.contextmanager
+def _shaped_from_configs(proxies: Any) -> Iterator[None]:
+    proxies = list(proxies)
+    for proxy in proxies:
+        object.__setattr__(proxy, "_ondeck_stand_in", _ConfigShape(proxy))
+    try:
+        yield
+    finally:
+        for proxy in proxies:
+            object.__setattr__(proxy, "_ondeck_stand_in", None)
+
+
+def _place_loaded_by_diffusers(pipe: Any, folder: Any, *, skip: set[str], device: Any) -> None:
+    """Models diffusers loaded itself (no safetensors, say) go where the others load."""
+    for name in folder.component_names:
+        if name in skip:
+            continue
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module) and not is_lazy(module):
+            if getattr(module, "device", device) != device:
+                module.to(device)

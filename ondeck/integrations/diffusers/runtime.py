@@ -1,0 +1,362 @@
+"""The runtime behind ``pipe.ondeck``: a diffusers call modelled as ondeck stages, one
+per component, in the order the call first touches them."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ...errors import OndeckError
+from ...lazy import LazyModule, is_lazy
+from ...memory import resolve_device
+from ...stages import Pipeline, Stage
+from .component import PipelineComponent
+
+
+class ComponentTurn(Stage):
+    """The stretch of a diffusers call that starts when ``name`` is first touched.
+
+    It holds every component the call touches before the next turn starts. The call
+    itself runs the work; this stage only marks where residency decisions fall.
+    """
+
+    def __init__(self, name: str, components: list[LazyModule]):
+        super().__init__()
+        self.name = name
+        self.components = components
+
+    def forward(self, state: Any) -> Any:
+        return state
+
+
+class _CallRecord:
+    """What one call did: components in first-touch order, and what each turn touched."""
+
+    def __init__(self) -> None:
+        self.first_touch: list[str] = []
+        self.held: dict[str, list[str]] = {}
+
+    def touched(self, name: str) -> None:
+        if name not in self.held:
+            self.first_touch.append(name)
+            self.held[name] = [name]
+            return
+        turn = self.held[self.first_touch[-1]]
+        if name not in turn:
+            turn.append(name)
+
+    def turns(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [(name, tuple(self.held[name])) for name in self.first_touch]
+
+
+class DiffusersRuntime(Pipeline):
+    """ondeck's runtime for one diffusers pipeline: available as ``pipe.ondeck``.
+
+    Each component's turn is a stage; ``plan()``, ``report()``, ``tracker``,
+    ``policy``, ``release_all()`` and ``schedule`` work as for any ondeck pipeline.
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        components: dict[str, PipelineComponent],
+        *,
+        policy: Any = "auto",
+        budget: Any = None,
+        device: Any = None,
+        prefetch: bool = True,
+    ):
+        self.pipe = pipe
+        self.lazy_components = tuple(components)
+        sequence = [
+            name
+            for name in (type(pipe).model_cpu_offload_seq or "").split("->")
+            if name in components
+        ]
+        order = sequence + [name for name in components if name not in sequence]
+        self._turns: list[tuple[str, tuple[str, ...]]] = [(name, (name,)) for name in order]
+        self._learned_from: set[str] | None = None
+        self._record: _CallRecord | None = None
+        self._acting = 0
+        super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
+        for proxy in components.values():
+            object.__setattr__(proxy, "_ondeck_runtime", self)
+
+    # -- stages -------------------------------------------------------------------------
+
+    def create_stages(self) -> list[Stage]:
+        return [
+            ComponentTurn(name, [self.components[held] for held in holding])
+            for name, holding in self._turns
+        ]
+
+    @property
+    def order(self) -> list[str]:
+        """The components' turns, in the order a call starts them."""
+        return [name for name, _ in self._turns]
+
+    def _turn_index(self, name: str) -> int | None:
+        for index, stage in enumerate(self.stages):
+            if stage.name == name:
+                return index
+        return None
+
+    # -- calls --------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the diffusers pipeline."""
+        return self.pipe(*args, **kwargs)
+
+    def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one call of the pipeline (``call(*args, **kwargs)``) under the policy."""
+        me = threading.get_ident()
+        if self._running_thread == me:  # a pipeline calling itself: part of the outer call
+            return call(*args, **kwargs)
+        # Concurrent calls from other threads queue here and run one after another.
+        with self._run_lock:
+            self._running_thread = me
+            try:
+                self._begin_call()
+                try:
+                    result = call(*args, **kwargs)
+                except BaseException:
+                    self._abort_call()
+                    raise
+                self._end_call()
+                return result
+            finally:
+                self._record = None
+                self._current_index = None
+                self._running_thread = None
+
+    @contextlib.contextmanager
+    def _deciding(self) -> Iterator[None]:
+        """Loads the policy makes are the policy's, not touches by the call."""
+        self._acting += 1
+        try:
+            yield
+        finally:
+            self._acting -= 1
+
+    def _begin_call(self) -> None:
+        self.stage_uses()
+        self._current_index = None
+        with self._deciding():
+            self.policy.before_run()
+        self.tracker.run_started()
+        self._record = _CallRecord()
+
+    def component_touched(self, proxy: PipelineComponent) -> None:
+        """A call used ``proxy``: start its turn if that turn lies ahead."""
+        if (
+            self._record is None
+            or self._acting
+            or threading.get_ident() != self._running_thread
+            or self.policy.in_prefetch_thread()
+        ):
+            return
+        name = self._name_of(proxy)
+        if name not in self.deferred:
+            return
+        self._record.touched(name)
+        index = self._turn_index(name)
+        if index is None or (self._current_index is not None and index <= self._current_index):
+            return  # used again after its turn: it loads if it has to, and goes later
+        with self._deciding():
+            self._advance_to(index)
+
+    def _advance_to(self, index: int) -> None:
+        previous = self._current_index
+        if previous is not None:
+            self._finish_turn(previous)
+        # Whatever only earlier turns hold is not needed again in this call.
+        for earlier in range(index):
+            if earlier != previous:
+                self._after_stage(earlier, failed=False)
+        self._current_index = index
+        self.tracker.stage_started(self.stages[index].name)
+        self.policy.before_stage(index)
+
+    def _finish_turn(self, index: int) -> None:
+        record = self.tracker.stage_finished(self.stages[index].name, self._loading_bytes())
+        self.policy.stage_measured(index, record)
+        self._after_stage(index, failed=False)
+
+    def _end_call(self) -> None:
+        with self._deciding():
+            if self._current_index is not None:
+                self._finish_turn(self._current_index)
+                self._current_index = None
+            # Components touched outside their turns go too, where the policy frees.
+            for index in range(len(self.stages)):
+                self._after_stage(index, failed=False)
+            self.policy.after_run()
+        self._learn(self._record)
+
+    def _abort_call(self) -> None:
+        with self._deciding():
+            if self._current_index is not None:
+                self.tracker.stage_finished(self.stages[self._current_index].name)
+            try:
+                self.policy.cancel_prefetch()
+            finally:
+                self._release_deferred_quietly()
+
+    def _learn(self, record: _CallRecord | None) -> None:
+        """Take the turns a complete call showed as the model for the next calls.
+
+        A call that skipped components (prompt embeddings passed in, say) teaches
+        nothing: its turns would drop stages the next full call needs.
+        """
+        if record is None or not record.first_touch:
+            return
+        touched = set(record.first_touch)
+        if self._learned_from is not None and not touched >= self._learned_from:
+            return
+        self._learned_from = touched
+        # Components no call has touched keep a turn of their own, placed first: no
+        # prefetch looks backwards, so nothing loads them for a turn that never comes.
+        untouched = [(name, (name,)) for name, _ in self._turns if name not in touched]
+        turns = untouched + record.turns()
+        if turns != self._turns:
+            self._turns = turns
+            self._rebuild_stages()
+
+    # -- what the call is about to see --------------------------------------------------
+
+    @contextlib.contextmanager
+    def _deferred_hidden(self) -> Iterator[None]:
+        """Deferred components read as None to diffusers code that would load them."""
+        attributes = self.pipe.__dict__
+        saved = {name: attributes[name] for name in self.deferred if name in attributes}
+        for name in saved:
+            attributes[name] = None
+        try:
+            yield
+        finally:
+            attributes.update(saved)
+
+    def place(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        """Load every deferred component onto ``device`` in ``dtype`` from now on,
+        and move those already loaded."""
+        for proxy in self.deferred.values():
+            with object.__getattribute__(proxy, "_ondeck_lock"):
+                proxy.retarget(device, dtype)
+                module = object.__getattribute__(proxy, "_ondeck_module")
+                if module is not None:
+                    module.to(device=device, dtype=dtype)
+        if device is not None and resolve_device(device) != self.device:
+            self.device = resolve_device(device)
+            self.tracker.device = str(self.device)
+            self._choose_policy()
+
+    def _choose_policy(self) -> None:
+        if getattr(self, "policy", None) is not None:
+            self.cancel_prefetch_quietly()
+        super()._choose_policy()
+
+    def swap(self, name: str, value: Any) -> None:
+        """``pipe.<name> = value`` after loading: the old proxy is released and the new
+        value takes its turn; a module given ready-made is no longer deferred."""
+        if self.components.get(name) is value:
+            return
+        if self._running_thread is not None:
+            raise OndeckError(f"component '{name}' cannot be replaced while a call runs")
+        self.cancel_prefetch_quietly()
+        self.components[name] = value
+        if issubclass(type(value), PipelineComponent):
+            object.__setattr__(value, "_ondeck_runtime", self)
+
+    # -- transforms ---------------------------------------------------------------------
+
+    def add_transform(self, name: str, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn(module) -> module`` to component ``name`` now and after every load.
+
+        A component passed in ready-made is never released, so ``fn`` runs on it once.
+        """
+        component = getattr(self.pipe, name)
+        if is_lazy(component):
+            component.add_transform(fn)
+            return
+        transformed = fn(component)
+        if transformed is None:
+            raise OndeckError(f"component '{name}': transform {fn!r} returned None")
+        setattr(self.pipe, name, transformed)
+
+    # -- generating ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int | None = None,
+        negative_prompt: str | None = None,
+        progress: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One call of the pipeline, seeded on the CPU; returns its frames as numpy.
+
+        Arguments the pipeline does not take (``num_frames`` for an image pipeline)
+        are left out. Video pipelines return ``frames`` (B×F×H×W×C); image pipelines
+        return their images as one-frame videos (B×1×H×W×C), so callers can treat
+        both alike. ``progress`` (a tqdm bar) advances once per denoising step.
+        """
+        import numpy as np
+
+        parameters = inspect.signature(type(self.pipe).__call__).parameters
+        wanted = {
+            "prompt": prompt,
+            "height": height,
+            "width": width,
+            "num_frames": num_frames,
+            "num_inference_steps": num_inference_steps,
+            "guidance_scale": guidance_scale,
+            "negative_prompt": negative_prompt,
+        }
+        arguments = {k: v for k, v in wanted.items() if v is not None and k in parameters}
+        if seed is not None:
+            arguments["generator"] = torch.Generator("cpu").manual_seed(seed)
+        if "output_type" in parameters:
+            arguments["output_type"] = "np"
+        bar_config = None
+        if progress is not None and "callback_on_step_end" in parameters:
+
+            def advance(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+                progress.update(1)
+                return {}
+
+            arguments["callback_on_step_end"] = advance
+            bar_config = dict(getattr(self.pipe, "_progress_bar_config", {}))
+            self.pipe.set_progress_bar_config(**{**bar_config, "disable": True})
+        arguments.update(kwargs)
+        try:
+            output = self.pipe(**arguments)
+        finally:
+            if bar_config is not None:
+                self.pipe._progress_bar_config = bar_config
+        frames = getattr(output, "frames", None)
+        if frames is not None:
+            return frames
+        images = np.asarray(output.images)
+        return images[:, None] if images.ndim == 4 else images
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        report = super().report()
+        report["pipeline"] = type(self.pipe).__name__
+        report["turns"] = {name: list(holding) for name, holding in self._turns}
+        return report
+
+    def __repr__(self) -> str:
+        return f"<ondeck runtime of {type(self.pipe).__name__}: policy {self.policy.name}>"
