@@ -215,3 +215,15 @@ def test_while_reading_runs_during_the_read_and_its_failure_stops_it(tmp_path):
         read_into(
             [ReadJob(info, destination)], progress=False, buffer_bytes=1024, while_reading=fail
         )
+
+
+def test_a_worker_that_fails_before_its_first_read_fails_the_read(tmp_path, monkeypatch):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300, 100)})
+    info = read_header(path).tensors["w"]
+
+    def broken_slot(slot, buffer):
+        raise RuntimeError("no pinned memory left")
+
+    monkeypatch.setattr(reader_module._Slot, "__init__", broken_slot)
+    with pytest.raises(RuntimeError, match="no pinned memory left"):
+        read_into([ReadJob(info, torch.empty(300, 100, dtype=torch.float64))], progress=False)
