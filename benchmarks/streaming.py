@@ -24,82 +24,46 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    GiB,
-    later_seconds,
-    out_dir,
-    parse_modes,
-    ready_wan14b_folder,
-    run_child,
-)
-from wan_suite import summary_line  # noqa: E402
+from common import GiB, later_seconds, out_dir, parse_modes  # noqa: E402
+from wan_suite import Mode, add_comparison_arguments, run_comparison  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-
-# name: (wan_modes mode, emulated device GiB or None, seconds the mode takes on an H200)
+# name: the wan_modes mode, the emulated device GiB (None: whole card), seconds on an H200
 MODES = {
-    "stream-24": ("ondeck-stream", 24, 100),
-    "stream-16": ("ondeck-stream", 16, 110),
-    "eager": ("diffusers-eager", None, 65),
-    "group-offload": ("diffusers-group-offload", None, 155),
-    "model-offload": ("diffusers-model-offload", None, 165),
+    "stream-24": Mode("ondeck-stream", 24, 100),
+    "stream-16": Mode("ondeck-stream", 16, 110),
+    "eager": Mode("diffusers-eager", None, 65),
+    "group-offload": Mode("diffusers-group-offload", None, 155),
+    "model-offload": Mode("diffusers-model-offload", None, 165),
 }
 DEFAULT_MODES = ["stream-24", "stream-16", "eager", "group-offload", "model-offload"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b"))
-    parser.add_argument(
-        "--modes",
-        default=",".join(DEFAULT_MODES),
-        help=f"comma-separated, in order: {', '.join(MODES)}",
-    )
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--deadline-s", type=float, default=500)
+    add_comparison_arguments(parser, MODES, DEFAULT_MODES, deadline_s=500)
     args = parser.parse_args()
-    modes = parse_modes(parser, args.modes, MODES)
+    names = parse_modes(parser, args.modes, MODES)
 
-    # The same allocator settings for every mode; fewer fragments under an emulated cap.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    started = time.perf_counter()
-    path, sizes = ready_wan14b_folder(Path(args.folder))
-    print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
-
-    rows, skipped = [], []
-    for name in modes:
-        mode, memory_gib, expected = MODES[name]
-        left = args.deadline_s - (time.perf_counter() - started)
-        if left < expected:
-            skipped.append((name, expected, left))
-            print(f"{name}: skipped, needs ~{expected:.0f}s and {max(0, left):.0f}s are left")
-            continue
-        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode]
-        command += ["--runs", str(args.runs)]
-        if memory_gib:
-            command += ["--memory-gib", str(memory_gib)]
-            command += ["--png", str(out_dir() / f"streaming-{name}.png")]
-        row = run_child(command, timeout=max(30.0, left - 5))
-        row["label"] = f"{mode} @ {memory_gib or 139} GiB"
-        row["name"] = name
-        rows.append(row)
-        print(summary_line(row), flush=True)
-        write(rows, skipped, sizes)
+    result = run_comparison(
+        args,
+        names,
+        MODES,
+        label=lambda name, mode: f"{mode.wan_mode} @ {mode.memory_gib or 139} GiB",
+        png_prefix="streaming",
+        after_each=lambda done: write(done.rows, done.skipped, done.sizes),
+    )
     print()
-    print_table(rows)
-    if skipped:
-        names = ",".join(name for name, _, _ in skipped)
-        print(f"\nskipped for time: {names}; run them with")
-        print(f"  python benchmarks/streaming.py --folder {path} --modes {names}")
+    print_table(result.rows)
+    result.print_skipped("streaming.py")
     print(
-        f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'streaming.json'}"
+        f"\ntotal {time.perf_counter() - result.started:.0f}s; "
+        f"results in {out_dir() / 'streaming.json'}"
     )
 
 

@@ -42,30 +42,23 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    GiB,
-    later_seconds,
-    out_dir,
-    parse_modes,
-    ready_wan14b_folder,
-    run_child,
-)
-from wan_suite import summary_line  # noqa: E402
+from common import GiB, later_seconds, out_dir, parse_modes  # noqa: E402
+from wan_suite import Mode, add_comparison_arguments, run_comparison  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-
-# name: (wan_modes mode, emulated device GiB or None, extra arguments, seconds on an H200)
+# name: the wan_modes mode, the emulated device GiB (None: whole card), seconds on an
+# H200, extra arguments
 MODES = {
-    "eager": ("diffusers-eager", None, [], 65),
-    "mmgp-1": ("mmgp-1", None, [], 80),
-    "mmgp-2": ("mmgp-2", None, [], 95),
-    "release": ("ondeck-release", None, [], 60),
-    "budget-32": ("ondeck-budget-prefetch", 32, ["--host-cache-gib", "64"], 70),
-    "stream-8": ("ondeck-stream", 8, [], 90),
+    "eager": Mode("diffusers-eager", None, 65),
+    "mmgp-1": Mode("mmgp-1", None, 80),
+    "mmgp-2": Mode("mmgp-2", None, 95),
+    "release": Mode("ondeck-release", None, 60),
+    "budget-32": Mode("ondeck-budget-prefetch", 32, 70, ("--host-cache-gib", "64")),
+    "stream-8": Mode("ondeck-stream", 8, 90),
 }
 DEFAULT_MODES = ["eager", "mmgp-1", "mmgp-2", "release", "budget-32", "stream-8"]
 # Whose peak host RSS the release target is held against.
@@ -74,69 +67,49 @@ MMGP_RSS_REFERENCE = "mmgp-1"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b"))
-    parser.add_argument(
-        "--modes",
-        default=",".join(DEFAULT_MODES),
-        help=f"comma-separated, in order: {', '.join(MODES)}",
-    )
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--deadline-s", type=float, default=560)
+    add_comparison_arguments(parser, MODES, DEFAULT_MODES, deadline_s=560)
     parser.add_argument(
         "--mmgp-vae-bf16",
         action="store_true",
         help="let mmgp cast the VAE to bfloat16 (its default); float32 otherwise",
     )
     args = parser.parse_args()
-    modes = parse_modes(parser, args.modes, MODES)
-
-    # The same allocator settings for every mode; fewer fragments under an emulated cap.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    started = time.perf_counter()
-    path, sizes = ready_wan14b_folder(Path(args.folder))
-    print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
+    names = parse_modes(parser, args.modes, MODES)
+    modes = dict(MODES)
+    if args.mmgp_vae_bf16:
+        for name, mode in MODES.items():
+            if mode.wan_mode.startswith("mmgp"):
+                modes[name] = replace(mode, extra=(*mode.extra, "--mmgp-vae-bf16"))
 
     missing = [m for m in ("mmgp", "optimum.quanto", "accelerate") if not importable(m)]
-    rows, skipped = [], []
-    for name in modes:
-        mode, memory_gib, extra, expected = MODES[name]
-        if mode.startswith("mmgp") and missing:
-            # Not worth a load of the whole pipeline to find out.
-            error = f"mmgp cannot be imported: no {', '.join(missing)}"
-            rows.append({"name": name, "label": f"{name} ({mode})", "error": error})
-            print(f"{name}: {error}")
-            continue
-        left = args.deadline_s - (time.perf_counter() - started)
-        if left < expected:
-            skipped.append((name, expected, left))
-            print(f"{name}: skipped, needs ~{expected:.0f}s and {max(0, left):.0f}s are left")
-            continue
-        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode]
-        command += ["--runs", str(args.runs), *extra]
-        if memory_gib:
-            command += ["--memory-gib", str(memory_gib)]
-            command += ["--png", str(out_dir() / f"vs_mmgp-{name}.png")]
-        if mode.startswith("mmgp") and args.mmgp_vae_bf16:
-            command += ["--mmgp-vae-bf16"]
-        row = run_child(command, timeout=max(30.0, left - 5))
-        row["label"] = f"{name} ({mode} @ {memory_gib or 139} GiB)"
-        row["name"] = name
-        row["runs_asked"] = args.runs
-        rows.append(row)
-        print(summary_line(row), flush=True)
-        write(rows, skipped, sizes, args)
+
+    def unavailable(name: str, mode: Mode) -> str | None:
+        # Not worth a load of the whole pipeline to find out.
+        if mode.wan_mode.startswith("mmgp") and missing:
+            return f"mmgp cannot be imported: no {', '.join(missing)}"
+        return None
+
+    result = run_comparison(
+        args,
+        names,
+        modes,
+        label=lambda name, mode: f"{name} ({mode.wan_mode} @ {mode.memory_gib or 139} GiB)",
+        png_prefix="vs_mmgp",
+        unavailable=unavailable,
+        after_each=lambda done: write(done.rows, done.skipped, done.sizes, args),
+    )
+    rows = result.rows
     print()
     print_table(rows)
     results = targets(rows)
     print()
     print_targets(results)
-    write(rows, skipped, sizes, args, results)
-    if skipped:
-        names = ",".join(name for name, _, _ in skipped)
-        print(f"\nskipped for time: {names}; run them with")
-        flags = " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else ""
-        print(f"  python benchmarks/vs_mmgp.py --folder {path} --modes {names}{flags}")
-    print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'vs_mmgp.json'}")
+    write(rows, result.skipped, result.sizes, args, results)
+    result.print_skipped("vs_mmgp.py", " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else "")
+    print(
+        f"\ntotal {time.perf_counter() - result.started:.0f}s; "
+        f"results in {out_dir() / 'vs_mmgp.json'}"
+    )
 
 
 def write(

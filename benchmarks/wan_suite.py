@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +53,92 @@ def run_suite(
     print()
     print_table(rows)
     return rows
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One mode of a comparison: a wan_modes.py mode, on a device emulated at
+    ``memory_gib`` (None: the whole card), with the seconds it takes on an H200."""
+
+    wan_mode: str
+    memory_gib: int | None
+    expected_seconds: float
+    extra: tuple[str, ...] = ()
+
+
+@dataclass
+class Comparison:
+    """What a comparison ran: rows in order, modes skipped for time, the folder."""
+
+    path: Path
+    sizes: dict[str, int]
+    started: float
+    rows: list[dict] = field(default_factory=list)
+    skipped: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def print_skipped(self, script: str, flags: str = "") -> None:
+        if self.skipped:
+            names = ",".join(name for name, _, _ in self.skipped)
+            print(f"\nskipped for time: {names}; run them with")
+            print(f"  python benchmarks/{script} --folder {self.path} --modes {names}{flags}")
+
+
+def add_comparison_arguments(parser, modes: dict, default_modes: list[str], deadline_s: float):
+    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b"))
+    parser.add_argument(
+        "--modes",
+        default=",".join(default_modes),
+        help=f"comma-separated, in order: {', '.join(modes)}",
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=deadline_s)
+
+
+def run_comparison(
+    args,
+    names: list[str],
+    modes: dict[str, Mode],
+    *,
+    label: Callable[[str, Mode], str],
+    png_prefix: str,
+    unavailable: Callable[[str, Mode], str | None] | None = None,
+    after_each: Callable[[Comparison], None] | None = None,
+) -> Comparison:
+    """Run the named modes in order, each in its own process, with the same allocator
+    settings; a mode that would not finish before ``args.deadline_s`` (from the start) is
+    skipped, and none runs past it. ``unavailable`` names why a mode cannot run at all."""
+    # The same allocator settings for every mode; fewer fragments under an emulated cap.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    started = time.perf_counter()
+    path, sizes = ready_wan14b_folder(Path(args.folder))
+    print(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", flush=True)
+    result = Comparison(path, sizes, started)
+    for name in names:
+        mode = modes[name]
+        reason = unavailable(name, mode) if unavailable is not None else None
+        if reason:
+            result.rows.append({"name": name, "label": label(name, mode), "error": reason})
+            print(f"{name}: {reason}")
+            continue
+        left = args.deadline_s - (time.perf_counter() - started)
+        if left < mode.expected_seconds:
+            result.skipped.append((name, mode.expected_seconds, left))
+            print(
+                f"{name}: skipped, needs ~{mode.expected_seconds:.0f}s and {max(0, left):.0f}s are left"
+            )
+            continue
+        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode.wan_mode]
+        command += ["--runs", str(args.runs), *mode.extra]
+        if mode.memory_gib:
+            command += ["--memory-gib", str(mode.memory_gib)]
+            command += ["--png", str(out_dir() / f"{png_prefix}-{name}.png")]
+        row = run_child(command, timeout=max(30.0, left - 5))
+        row.update(label=label(name, mode), name=name, runs_asked=args.runs)
+        result.rows.append(row)
+        print(summary_line(row), flush=True)
+        if after_each is not None:
+            after_each(result)
+    return result
 
 
 def summary_line(row: dict) -> str:
