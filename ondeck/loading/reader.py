@@ -5,6 +5,10 @@ file's dtype is read into directly, with no copy. Anything else is staged throug
 ring of host buffers (pinned for CUDA) and copied, so the next read overlaps the current
 copy. Host memory a load takes is the ring, never the file.
 
+A cast to a CUDA destination (file dtype differs) goes through a temporary on the
+device in the file's dtype, which torch's allocator then keeps cached for that thread's
+stream: up to a 20 MiB block per reading thread, reusable by later loads' threads.
+
 Each thread owns its share of the ring and its own side stream, and issues its own
 copies: a chunk costs a few GIL hand-overs (the read, the copy, at times a wait for the
 buffer's last copy) and nothing is passed between threads. Every hand-over is contended
@@ -94,68 +98,87 @@ def read_into(
     """Read every job's tensor from its file into its destination. Blocks until done.
 
     ``while_reading`` runs on the calling thread once the reads have started (CPU work
-    that overlaps them). Every failure raises :class:`LoadError` naming the file and
-    tensor; worker threads have stopped and their device copies have finished before it
-    propagates.
+    that overlaps them). A read that fails raises :class:`LoadError` naming the file and
+    tensor; other errors (CUDA, pinned memory, ``while_reading``'s own) propagate as they
+    are. Either way the reading threads have stopped and their device copies have
+    finished before it propagates.
     """
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
     paths = sorted({job.info.path for job in jobs if job.info.nbytes})
     source = describe_source(paths) if paths else "disk"
-    buffer_bytes = max(buffer_bytes, 64)
-    chunks, temporaries = _plan(jobs, buffer_bytes, component)
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    pinned = bool(devices) and torch.cuda.is_available()
+    buffer_bytes = max(buffer_bytes, 64)
+    if pinned:
+        # The pinned allocator rounds each buffer up to a power of two: round down instead,
+        # so the ring stays within buffer_bytes x buffer_count.
+        buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
+    chunks, temporaries = _plan(jobs, buffer_bytes, component)
     worker_count = threads or min(16, max(4, os.cpu_count() or 4))
     staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
     if staging:
-        # Each thread owns at least one ring buffer: the ring, not the threads, bounds memory.
-        worker_count = min(worker_count, max(1, buffer_count // 2), buffer_count)
+        # Each thread owns two ring buffers or more (one is read into while the other's
+        # copy runs): the ring, not the thread count, bounds memory.
+        worker_count = min(worker_count, max(1, buffer_count // 2))
     worker_count = max(1, min(worker_count, len(chunks)))
     files: dict[str, int] = {}
-    bar = _progress_bar(total, progress, component, source)
-    state = _ReadState(
-        chunks=chunks,
-        files=files,
-        fences=_fences(devices),
-        buffer_bytes=buffer_bytes,
-        buffers_per_thread=max(1, buffer_count // worker_count),
-        pinned=bool(devices) and torch.cuda.is_available(),
-        bar=bar,
-        component=component,
-    )
     workers: list[threading.Thread] = []
+    bar = None
     try:
+        bar = _progress_bar(total, progress, component, source)
+        state = _ReadState(
+            chunks=chunks,
+            files=files,
+            fences=_fences(devices),
+            buffer_bytes=buffer_bytes,
+            buffers_per_thread=max(1, buffer_count // worker_count),
+            pinned=pinned,
+            bar=bar,
+            component=component,
+        )
         for path in paths:
             files[path] = _open(path, component)
         for index in range(worker_count if chunks else 0):
-            worker = threading.Thread(
-                target=_read_chunks, args=(state,), name=f"ondeck-read-{index}", daemon=True
+            # Listed before it starts: an interrupt inside start() still finds it to join.
+            workers.append(
+                threading.Thread(
+                    target=_read_chunks, args=(state,), name=f"ondeck-read-{index}", daemon=True
+                )
             )
-            worker.start()
-            workers.append(worker)
+            workers[-1].start()
+        interrupted = None
         try:
             if while_reading is not None:
                 while_reading()
         except BaseException as error:
             # Workers write into memory the caller frees on failure: stop them first.
+            interrupted = error
             state.fail(error)
-        for worker in workers:
-            worker.join()  # each waits for its own device copies before it ends
-        workers.clear()
+        _join(workers)
+        if interrupted is not None:
+            raise interrupted
         if state.failure is not None:
             raise state.failure
         for target, job in temporaries:
             job.destination.copy_(target)
     finally:
-        if workers:  # interrupted while waiting: still let no worker outlive the read
-            state.fail(KeyboardInterrupt())
-            for worker in workers:
-                worker.join()
+        if workers:  # left early (an interrupt, say): still let no worker outlive the read
+            state.fail(LoadError("the read was interrupted", component=component))
+            _join(workers)
         for fd in files.values():
             os.close(fd)
         if bar is not None:
             bar.close()
     return ReadStats(total, time.perf_counter() - started, source)
+
+
+def _join(workers: list[threading.Thread]) -> None:
+    """Wait for every started worker (each waits for its own device copies), and forget them."""
+    for worker in workers:
+        if worker.ident is not None:
+            worker.join()
+    workers.clear()
 
 
 @dataclass
@@ -262,8 +285,13 @@ def _read_chunks(state: _ReadState) -> None:
     except BaseException as error:
         state.fail(error)
     finally:
+        # Asynchronous copy errors surface here: they fail the read, and every stream is
+        # still waited for, since the caller frees the destinations on failure.
         for stream in streams.values():
-            stream.synchronize()
+            try:
+                stream.synchronize()
+            except BaseException as error:
+                state.fail(error)
 
 
 # Host-cache copies are issued in batches of about this many bytes: each batch's side

@@ -227,3 +227,26 @@ def test_a_worker_that_fails_before_its_first_read_fails_the_read(tmp_path, monk
     monkeypatch.setattr(reader_module._Slot, "__init__", broken_slot)
     with pytest.raises(RuntimeError, match="no pinned memory left"):
         read_into([ReadJob(info, torch.empty(300, 100, dtype=torch.float64))], progress=False)
+
+
+def test_an_interrupt_while_threads_start_leaves_no_thread_reading(tmp_path, monkeypatch):
+    import threading
+
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(3000, 100)})
+    info = read_header(path).tensors["w"]
+    original_start = threading.Thread.start
+
+    def start_then_interrupt(thread):
+        original_start(thread)
+        if thread.name.startswith("ondeck-read"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        read_into(
+            [ReadJob(info, torch.empty(3000, 100, dtype=torch.float64))],
+            progress=False,
+            buffer_bytes=1024,
+        )
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ondeck-read")]
