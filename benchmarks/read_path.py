@@ -203,15 +203,27 @@ class MappedFiles:
 
 
 def loaded_cudart():
-    """libcudart as already loaded in this process, through ctypes (which lets go of the
-    GIL for every call); None where it cannot be found."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.split()[-1] if "libcudart" in line else ""
-        if path.startswith("/"):
+    """libcudart through ctypes (which lets go of the GIL for every call): the copy this
+    process already loaded, else the CUDA runtime wheel's (it shares the device's primary
+    context with torch). None where neither is found."""
+    import site
+
+    paths = [
+        line.split()[-1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "libcudart" in line and line.split()[-1].startswith("/")
+    ]
+    for root in site.getsitepackages() + [site.getusersitepackages()] + sys.path:
+        paths += sorted(str(p) for p in Path(root).glob("nvidia/cu*/lib/libcudart.so*"))
+    for path in paths:
+        try:
             library = ctypes.CDLL(path)
-            library.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-            library.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-            return library
+        except OSError:
+            continue
+        library.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        library.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        print(f"ctypes cudart: {path}", flush=True)
+        return library
     return None
 
 
