@@ -5,15 +5,15 @@ file's dtype is read into directly, with no copy. Anything else is staged throug
 ring of host buffers (pinned for CUDA) and copied, so the next read overlaps the current
 copy. Host memory a load takes is the ring, never the file.
 
-A cast to a CUDA destination (file dtype differs) goes through a temporary on the
-device in the file's dtype, which torch's allocator then keeps cached for that thread's
-stream: up to a 20 MiB block per reading thread, reusable by later loads' threads.
-
 Each thread owns its share of the ring and its own side stream, and issues its own
 copies: a chunk costs a few GIL hand-overs (the read, the copy, at times a wait for the
 buffer's last copy) and nothing is passed between threads. Every hand-over is contended
 by all the readers, so their number sets the rate from a warm page cache: a ring shared
 by all threads, or one copier thread issuing every copy, ran at 55-65% of it.
+
+A cast to a CUDA destination (file dtype differs) goes through a temporary on the
+device in the file's dtype, which torch's allocator then keeps cached for that thread's
+stream: up to a 20 MiB block per reading thread, reusable by later loads' threads.
 """
 
 from __future__ import annotations
