@@ -108,7 +108,7 @@ def read_into(
     paths = sorted({job.info.path for job in jobs if job.info.nbytes})
     source = describe_source(paths) if paths else "disk"
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
-    pinned = bool(devices) and torch.cuda.is_available()
+    pinned = bool(devices)
     buffer_bytes = max(buffer_bytes, 64)
     if pinned:
         # The pinned allocator rounds each buffer up to a power of two: round down instead,
@@ -242,7 +242,6 @@ def _read_chunks(state: _ReadState) -> None:
     """A reading thread: take the next chunk until none are left or the read has failed."""
     streams = {}
     slots: deque[_Slot] = deque()
-    made = 0
     try:
         for device, fence in state.fences.items():
             stream = torch.cuda.Stream(device)
@@ -265,8 +264,7 @@ def _read_chunks(state: _ReadState) -> None:
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
                 _deliver(chunk, staged, streams)
             else:
-                if made < state.buffers_per_thread:
-                    made += 1
+                if len(slots) < state.buffers_per_thread:
                     slot = _Slot(
                         torch.empty(state.buffer_bytes, dtype=torch.uint8, pin_memory=state.pinned)
                     )
