@@ -122,45 +122,33 @@ def pread_seconds(files: list[str], threads: int, buffer_bytes: int, pinned: boo
 
 
 def register_phases(files: list[str], chunk: int) -> dict:
-    """Map each file, pin its page-cache pages chunk by chunk with cudaHostRegister
-    (read-only), DMA each chunk to the device, unregister. Seconds of each phase."""
-    import mmap
-
-    from ondeck.loading.page_cache import _LIBC
-
+    """Pin each file's page-cache pages chunk by chunk with cudaHostRegister (read-only),
+    DMA each chunk to the device, unregister, one after the other. Seconds of each phase."""
     cudart = torch.cuda.cudart()
-    read_only = 8  # cudaHostRegisterReadOnly
     phases = {"register": 0.0, "copy": 0.0, "unregister": 0.0, "bytes": 0}
     device = torch.empty(chunk, dtype=torch.uint8, device="cuda")
-    for path in files:
-        size = os.path.getsize(path)
-        fd = os.open(path, os.O_RDONLY)
-        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        try:
-            page = mmap.PAGESIZE
-            for lo in range(0, size, chunk):
-                start = lo // page * page
-                length = min(chunk, size - start)
-                t0 = time.perf_counter()
-                error = cudart.cudaHostRegister(address + start, length, read_only)
-                t1 = time.perf_counter()
-                if int(error) != 0:
-                    return {"error": f"cudaHostRegister returned {error}"}
-                host = torch.frombuffer(
-                    (ctypes.c_uint8 * length).from_address(address + start), dtype=torch.uint8
-                )
-                device[:length].copy_(host, non_blocking=True)
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                cudart.cudaHostUnregister(address + start)
-                t3 = time.perf_counter()
-                phases["register"] += t1 - t0
-                phases["copy"] += t2 - t1
-                phases["unregister"] += t3 - t2
-                phases["bytes"] += length
-        finally:
-            _LIBC.munmap(address, size)
-            os.close(fd)
+    mapped = MappedFiles(files)
+    try:
+        for address, length, _ in mapped.windows(chunk):
+            t0 = time.perf_counter()
+            error = cudart.cudaHostRegister(address, length, READ_ONLY)
+            t1 = time.perf_counter()
+            if int(error) != 0:
+                return {"error": f"cudaHostRegister returned {error}"}
+            host = torch.frombuffer(
+                (ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8
+            )
+            device[:length].copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            cudart.cudaHostUnregister(address)
+            t3 = time.perf_counter()
+            phases["register"] += t1 - t0
+            phases["copy"] += t2 - t1
+            phases["unregister"] += t3 - t2
+            phases["bytes"] += length
+    finally:
+        mapped.close()
     return phases
 
 
@@ -327,7 +315,7 @@ class Phases:
     def __enter__(self):
         from ondeck.loading import components, reader
 
-        self._saved = [
+        steps = [
             (reader, "_pread_exact", "pread"),
             (reader, "_deliver", "copy issue"),
             (reader._Slot, "wait", "ring wait"),
@@ -335,9 +323,7 @@ class Phases:
             (components, "_allocate", "allocate"),
             (components, "_install", "install"),
         ]
-        self._saved = [
-            (owner, attr, name, getattr(owner, attr)) for owner, attr, name in self._saved
-        ]
+        self._saved = [(owner, attr, name, getattr(owner, attr)) for owner, attr, name in steps]
         for owner, attr, name, original in self._saved:
             if attr == "_deliver" and not self.copy:
                 original = _deliver_nothing
