@@ -25,20 +25,8 @@ def run_suite(
     path, sizes = ready_wan14b_folder(Path(folder))
     rows = []
     for spec in modes:
-        args = [
-            str(HERE / "wan_modes.py"),
-            "--folder",
-            str(path),
-            "--mode",
-            spec["mode"],
-            "--runs",
-            str(runs),
-        ]
-        for key in ("memory_gib", "budget_gib", "host_cache_gib"):
-            if spec.get(key):
-                args += [f"--{key.replace('_', '-')}", str(spec[key])]
-        if spec.get("png"):
-            args += ["--png", str(out_dir() / spec["png"])]
+        options = {key: spec.get(key) for key in ("memory_gib", "budget_gib", "host_cache_gib")}
+        args = wan_modes_command(path, spec["mode"], runs, png=spec.get("png"), **options)
         row = run_child(args, timeout=timeout)
         row["label"] = spec.get("label") or f"{spec['mode']} @ {spec.get('memory_gib') or 139} GiB"
         rows.append(row)
@@ -53,6 +41,21 @@ def run_suite(
     print()
     print_table(rows)
     return rows
+
+
+def wan_modes_command(
+    path: Path, mode: str, runs: int, *, extra=(), png: str | None = None, **options
+) -> list[str]:
+    """The wan_modes.py command line of one mode: ``options`` (``memory_gib=24``, ...)
+    become flags where set, ``png`` a timeline file in $OUT."""
+    command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode]
+    command += ["--runs", str(runs), *extra]
+    for key, value in options.items():
+        if value:
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    if png:
+        command += ["--png", str(out_dir() / png)]
+    return command
 
 
 @dataclass(frozen=True)
@@ -127,11 +130,14 @@ def run_comparison(
                 f"{name}: skipped, needs ~{mode.expected_seconds:.0f}s and {max(0, left):.0f}s are left"
             )
             continue
-        command = [str(HERE / "wan_modes.py"), "--folder", str(path), "--mode", mode.wan_mode]
-        command += ["--runs", str(args.runs), *mode.extra]
-        if mode.memory_gib:
-            command += ["--memory-gib", str(mode.memory_gib)]
-            command += ["--png", str(out_dir() / f"{png_prefix}-{name}.png")]
+        command = wan_modes_command(
+            path,
+            mode.wan_mode,
+            args.runs,
+            extra=mode.extra,
+            memory_gib=mode.memory_gib,
+            png=f"{png_prefix}-{name}.png" if mode.memory_gib else None,
+        )
         row = run_child(command, timeout=max(30.0, left - 5))
         row.update(label=label(name, mode), name=name, runs_asked=args.runs)
         result.rows.append(row)
