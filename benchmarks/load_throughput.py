@@ -103,7 +103,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from ondeck.loading import ComponentLoader, HostCache, ModelFolder
+    from ondeck.loading import ComponentLoader, HostCache, ModelFolder, reader
 
     started = time.perf_counter()
     folder_path = build_transformer_folder(Path(args.folder), num_layers=args.layers)
@@ -185,7 +185,6 @@ def main() -> None:
     loader = ComponentLoader(
         folder, "transformer", device="cuda", dtype=torch.bfloat16, progress=False
     )
-    ring_bytes = loader.buffer_bytes * loader.buffer_count
 
     def ondeck_runs(prepare, count) -> tuple[list[float], list[int]]:
         """One load under the RSS sampler (the first, which allocates the ring), then
@@ -206,10 +205,14 @@ def main() -> None:
     cold_rss: list[int] = []
     if not args.quick:
         cold, cold_rss = ondeck_runs(lambda: drop_page_cache(files), args.repeats)
-        record("ondeck, dropped page cache", cold, rss_added=cold_rss)
+        record("ondeck, dropped page cache", cold, rss_added=cold_rss, readers=loader.last_readers)
     refill_page_cache()
     warm, warm_rss = ondeck_runs(lambda: None, args.repeats)
-    record("ondeck, warm page cache", warm, rss_added=warm_rss)
+    record("ondeck, warm page cache", warm, rss_added=warm_rss, readers=loader.last_readers)
+    buffer_bytes, buffer_count = (
+        reader.PROCESS_RING if loader.last_readers == "processes" else reader.THREAD_RING
+    )
+    ring_bytes = buffer_bytes * buffer_count
 
     cache = HostCache(int(nbytes * 1.05))
     cached_loader = ComponentLoader(

@@ -313,13 +313,14 @@ class Phases:
         return wrapper
 
     def __enter__(self):
-        from ondeck.loading import components, reader
+        from ondeck.loading import components, process_reader, reader
 
         steps = [
             (reader, "_pread_exact", "pread"),
             (reader, "_deliver", "copy issue"),
             (reader._Slot, "wait", "ring wait"),
             (reader, "read_into", "read_into"),
+            (process_reader.ReadingProcesses, "replies", "reply wait"),
             (components, "_allocate", "allocate"),
             (components, "_install", "install"),
         ]
@@ -356,6 +357,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="memory,pread,register,mapped,reader")
+    parser.add_argument(
+        "--loads",
+        default="16:8:32:threads,8:8:16:threads,8:8:32,16:8:32,8:16:16,8:8:32:nocopy",
+        help="reader section: readers:buffer MiB:buffer count[:switch µs][:nocopy][:threads]"
+        " (threads: reading threads, not processes), comma-separated",
+    )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
 
@@ -428,14 +435,15 @@ def main() -> None:
 
     if "reader" in sections:
         folder = ModelFolder.open(folder_path)
-        for copy, threads, buffer_mib, count in (
-            (True, 16, 8, 32),
-            (True, 16, 4, 32),
-            (True, 16, 16, 32),
-            (True, 8, 8, 16),
-            (True, 16, 8, 48),
-            (False, 16, 8, 32),
-        ):
+        for spec in args.loads.split(","):
+            threads, buffer_mib, count, *extra = spec.split(":")
+            threads, buffer_mib, count = int(threads), int(buffer_mib), int(count)
+            copy = "nocopy" not in extra
+            on_threads = "threads" in extra
+            switch = [float(x) / 1e6 for x in extra if x not in ("nocopy", "threads")]
+            os.environ["ONDECK_READ_PROCESSES"] = "0" if on_threads else "1"
+            default_switch = sys.getswitchinterval()
+            sys.setswitchinterval(switch[0] if switch else default_switch)
             loader = ComponentLoader(
                 folder,
                 "transformer",
@@ -456,8 +464,12 @@ def main() -> None:
                     runs.append(time.perf_counter() - started)
                     del module
                     torch.cuda.empty_cache()
+            sys.setswitchinterval(default_switch)
             what = "load" if copy else "load without device copies"
+            what += ", threads" if on_threads else ", processes"
             name = f"{what}: {threads} thr, {buffer_mib} MiB x {count}"
+            if switch:
+                name += f", switch {switch[0] * 1e6:.0f} µs"
             row(name, nbytes / median(runs) / GB)
             results[name] = phases.summary(args.repeats)
             print("   ", results[name], flush=True)

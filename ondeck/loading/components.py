@@ -49,8 +49,8 @@ class ComponentLoader:
         host_cache: HostCache | None = None,
         progress: bool = True,
         threads: int | None = None,
-        buffer_bytes: int = reader.DEFAULT_BUFFER_BYTES,
-        buffer_count: int = reader.DEFAULT_BUFFER_COUNT,
+        buffer_bytes: int | None = None,  # None: the readers' own default
+        buffer_count: int | None = None,
         placement: Any = None,
     ):
         self.folder = _open_folder(folder, name)
@@ -66,6 +66,7 @@ class ComponentLoader:
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
         self.last_source: str | None = None
+        self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 
     def __repr__(self) -> str:
         return f"ComponentLoader({str(self.folder.path)!r}, {self.name!r}, {self.device}, {self.dtype})"
@@ -189,6 +190,7 @@ class ComponentLoader:
     def _record(self, stats: reader.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes
         self.last_source = stats.source
+        self.last_readers = stats.readers
 
 
 def _open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoadError
+from . import process_reader
 from .page_cache import describe_source
+from .reading_process import FILE_ENDED
 from .safetensors_format import TensorInfo
 
 __all__ = [
@@ -42,8 +44,19 @@ __all__ = [
     "DEFAULT_BUFFER_BYTES",
 ]
 
-DEFAULT_BUFFER_BYTES = 8 * 2**20
-DEFAULT_BUFFER_COUNT = 32
+# (buffer bytes, buffer count) by default. The threads' ring of pinned buffers: larger
+# chunks mean fewer GIL hand-overs. The processes' ring: small enough to stay in a server
+# CPU's last-level cache, as every byte is written to it and read back by the copy engine
+# and a ring that spills to DRAM adds two passes over memory (benchmarks/read_path.py:
+# 4 MiB x 24 beat 8 MiB x 32 there, and 8 MiB x 32 beat 4 MiB x 24 on threads).
+THREAD_RING = (8 * 2**20, 32)
+PROCESS_RING = (4 * 2**20, 24)
+DEFAULT_BUFFER_BYTES = THREAD_RING[0]
+# Readers when processes read: enough that page-cache copies are not the limit, leaving
+# cores for the thread that issues the device copies and for building the module.
+# A failed or stopped load waits this long for the processes' last reads to answer.
+STUCK_READ_SECONDS = 60
+DEFAULT_PROCESSES = max(1, min(12, (os.cpu_count() or 4) * 3 // 4))
 # Below this, a progress bar is noise.
 PROGRESS_MIN_BYTES = 64 * 2**20
 _BAR_LOCK = threading.Lock()
@@ -67,6 +80,7 @@ class ReadStats:
     nbytes: int
     seconds: float
     source: str
+    readers: str = "threads"  # or "processes"
 
     @property
     def gb_per_second(self) -> float:
@@ -89,11 +103,12 @@ def read_into(
     jobs: Sequence[ReadJob],
     *,
     threads: int | None = None,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    buffer_count: int = DEFAULT_BUFFER_COUNT,
+    buffer_bytes: int | None = None,
+    buffer_count: int | None = None,
     progress: bool = True,
     component: str | None = None,
     while_reading: Callable[[], None] | None = None,
+    processes: bool | None = None,
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
@@ -102,6 +117,11 @@ def read_into(
     tensor; other errors (CUDA, pinned memory, ``while_reading``'s own) propagate as they
     are. Either way the reading threads have stopped and their device copies have
     finished before it propagates.
+
+    ``processes``: read through the reading processes (:mod:`.process_reader`), ``threads``
+    of them, when no job captures; by default when every destination is on CUDA. Where
+    they are unavailable or busy, threads read instead. ``buffer_bytes`` and
+    ``buffer_count`` default to :data:`PROCESS_RING` or :data:`THREAD_RING`.
     """
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
@@ -109,12 +129,30 @@ def read_into(
     source = describe_source(paths) if paths else "disk"
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
     pinned = bool(devices)
-    buffer_bytes = max(buffer_bytes, 64)
-    if pinned:
-        # The pinned allocator rounds each buffer up to a power of two: round down instead,
-        # so the ring stays within buffer_bytes x buffer_count.
-        buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
-    chunks, temporaries = _plan(jobs, buffer_bytes, component)
+    pool = None
+    captures = any(job.capture is not None for job in jobs)
+    all_staged = not any(_reads_directly(job) for job in jobs)
+    if total and not captures and (processes or (processes is None and devices and all_staged)):
+        slot_bytes = max(buffer_bytes or PROCESS_RING[0], 64)
+        slot_count = buffer_count or PROCESS_RING[1]
+        # Each process owns two ring slots or more, as each thread owns two buffers.
+        count = min(threads or DEFAULT_PROCESSES, max(1, slot_count // 2))
+        pool = process_reader.acquire(count, slot_bytes, slot_count, register=pinned)
+    if pool is not None:
+        buffer_bytes, buffer_count = pool.slot_bytes, pool.slot_count
+    else:
+        buffer_bytes = max(buffer_bytes or THREAD_RING[0], 64)
+        buffer_count = buffer_count or THREAD_RING[1]
+        if pinned:
+            # The pinned allocator rounds each buffer up to a power of two: round down
+            # instead, so the ring stays within buffer_bytes x buffer_count.
+            buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
+    try:
+        chunks, temporaries = _plan(jobs, buffer_bytes, component)
+    except BaseException:
+        if pool is not None:
+            pool.lock.release()
+        raise
     worker_count = threads or min(16, max(4, os.cpu_count() or 4))
     staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
     if staging:
@@ -122,6 +160,8 @@ def read_into(
         # copy runs): the ring, not the thread count, bounds memory.
         worker_count = min(worker_count, max(1, buffer_count // 2))
     worker_count = max(1, min(worker_count, len(chunks)))
+    if pool is not None:
+        worker_count = 1  # the thread that feeds the processes and issues the copies
     files: dict[str, int] = {}
     workers: list[threading.Thread] = []
     bar = None
@@ -141,10 +181,9 @@ def read_into(
             files[path] = _open(path, component)
         for index in range(worker_count if chunks else 0):
             # Listed before it starts: an interrupt inside start() still finds it to join.
+            target, args = (_read_chunks, (state,)) if pool is None else (_feed, (state, pool))
             workers.append(
-                threading.Thread(
-                    target=_read_chunks, args=(state,), name=f"ondeck-read-{index}", daemon=True
-                )
+                threading.Thread(target=target, args=args, name=f"ondeck-read-{index}", daemon=True)
             )
             workers[-1].start()
         interrupted = None
@@ -166,11 +205,14 @@ def read_into(
         if workers:  # left early (an interrupt, say): still let no worker outlive the read
             state.fail(LoadError("the read was interrupted", component=component))
             _join(workers)
+        if pool is not None:
+            pool.lock.release()
         for fd in files.values():
             os.close(fd)
         if bar is not None:
             bar.close()
-    return ReadStats(total, time.perf_counter() - started, source)
+    readers = "threads" if pool is None else "processes"
+    return ReadStats(total, time.perf_counter() - started, source, readers)
 
 
 def _join(workers: list[threading.Thread]) -> None:
@@ -292,6 +334,97 @@ def _read_chunks(state: _ReadState) -> None:
                 state.fail(error)
 
 
+def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
+    """The one thread of a load read by processes: hand each free ring slot the next
+    chunk, and copy each slot that comes back full into its chunk's target. A slot is free
+    again once its copy has finished."""
+    streams = {}
+    reading: dict[int, _Chunk] = {}  # slot -> the chunk being read into it
+    opened = False
+    try:
+        for device, fence in state.fences.items():
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(fence)
+            torch.cuda.set_stream(stream)  # this thread's copies to that device go there
+            streams[device] = stream
+        file_ids = pool.open_files(state.files)
+        opened = True
+        free = deque(range(pool.slot_count))
+        copying: deque[tuple[int, torch.cuda.Event]] = deque()  # in the order issued
+        events: dict[tuple[int, torch.device], torch.cuda.Event] = {}
+        chunks = iter(state.chunks)
+        left = len(state.chunks)
+        while left and not state.stop.is_set():
+            while copying and copying[0][1].query():
+                free.append(copying.popleft()[0])
+            while free and len(reading) < left:
+                chunk = next(chunks)
+                slot = free.popleft()
+                info = chunk.job.info
+                pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
+                reading[slot] = chunk
+            if not reading:  # every slot waits for its copy
+                copying[0][1].synchronize()
+                continue
+            # Poll soon while copies may free slots; otherwise wait, waking to notice a stop.
+            answered = [
+                (slot, reading.pop(slot), status, reached)  # all out of ``reading`` before
+                for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
+            ]  # any fails: a slot still listed there would be waited for forever
+            for slot, chunk, status, reached in answered:
+                if status:
+                    raise _read_error(chunk, status, reached, state.component)
+                length = chunk.hi - chunk.lo
+                stream = _deliver(chunk, pool.slot(slot, length), streams)
+                if stream is None:
+                    free.append(slot)
+                else:
+                    key = (slot, stream.device)
+                    event = events.get(key) or events.setdefault(key, torch.cuda.Event())
+                    event.record(stream)
+                    copying.append((slot, event))
+                left -= 1
+                if state.bar is not None:
+                    state.bar.update(length)
+    except process_reader.ReadingProcessExited as error:
+        where = f"component '{state.component}': " if state.component else ""
+        state.fail(LoadError(f"{where}{error}", component=state.component))
+    except BaseException as error:
+        state.fail(error)
+    finally:
+        # The processes are shared by the next load: let no answer of this one reach it.
+        try:
+            silent_seconds = 0
+            while reading and not pool.broken:
+                answers = pool.replies(1.0)
+                for slot, _, _ in answers:
+                    reading.pop(slot, None)
+                silent_seconds = 0 if answers else silent_seconds + 1
+                if silent_seconds >= STUCK_READ_SECONDS:
+                    pool.broken = True  # a read hung (a dead disk?): start afresh next load
+            if opened and not pool.broken:
+                pool.close_files()
+        except BaseException as error:
+            state.fail(error)
+        for stream in streams.values():
+            try:
+                stream.synchronize()
+            except BaseException as error:
+                state.fail(error)
+
+
+def _read_error(chunk: _Chunk, status: int, reached: int, component: str | None) -> LoadError:
+    info = chunk.job.info
+    if status == FILE_ENDED:
+        problem = (
+            f"file ended at byte {reached}, the header places the tensor up to byte "
+            f"{info.end} (truncated download?)"
+        )
+    else:
+        problem = f"read failed at byte {reached}: {os.strerror(status)}"
+    return LoadError(f"{_where(info, component)}: {problem}", component=component, path=info.path)
+
+
 # Host-cache copies are issued in batches of about this many bytes: each batch's side
 # stream first waits for work queued so far on the current stream, whose freed memory the
 # batch's destinations may reuse.
@@ -383,11 +516,7 @@ def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
                 destination.shape, dtype=destination.dtype, device=destination.device
             )
             temporaries.append((target, job))
-        direct = (
-            destination.device.type == "cpu"
-            and destination.dtype == info.dtype
-            and job.capture is None
-        )
+        direct = _reads_directly(job)
         cast = destination.dtype != info.dtype
         flat = target.reshape(-1)
         if not cast:
@@ -399,6 +528,16 @@ def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
             part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
             chunks.append(_Chunk(job, part, lo, hi, direct, cast))
     return chunks, temporaries
+
+
+def _reads_directly(job: ReadJob) -> bool:
+    """A CPU destination of the file's dtype is read into as it is, with no staging."""
+    destination = job.destination
+    return (
+        destination.device.type == "cpu"
+        and destination.dtype == job.info.dtype
+        and job.capture is None
+    )
 
 
 def _deliver(chunk: _Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:

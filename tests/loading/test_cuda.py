@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -27,12 +28,21 @@ from .test_reader import DTYPES
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True, params=["processes", "threads"])
+def readers(request, monkeypatch) -> str:
+    """Every contract here holds whether reading processes or threads do the reads."""
+    monkeypatch.setenv("ONDECK_READ_PROCESSES", "1" if request.param == "processes" else "0")
+    return request.param
+
+
 def read_to_cuda(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
     jobs = [
         ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype, device="cuda"))
         for info in read_header(path).tensors.values()
     ]
-    read_into(jobs, progress=False, **options)
+    stats = read_into(jobs, progress=False, **options)
+    wanted = "threads" if os.environ["ONDECK_READ_PROCESSES"] == "0" else "processes"
+    assert stats.readers == wanted
     return {job.info.name: job.destination for job in jobs}
 
 
@@ -99,7 +109,7 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    raise_after(monkeypatch, reader_module, "_pread_exact", 10, LoadError("disk vanished"))
+    raise_after(monkeypatch, reader_module, "_deliver", 10, LoadError("disk vanished"))
     with pytest.raises(LoadError):
         loader()
     gc.collect()

@@ -1,0 +1,225 @@
+"""Reading processes: a few small processes that pread into one ring of shared memory.
+
+From a warm page cache, the reading threads of one Python process spend most of a load
+waiting to take the GIL back after each read and each copy, so adding threads stops
+paying off well below what the page cache and the copy engine can do. Processes share no
+GIL. Each runs :mod:`ondeck.loading.reading_process` (standard library only, a few MiB),
+reads the ranges it is sent into its own slots of a ring in shared memory, and answers
+when a slot is full. The ring is registered with CUDA once, so every copy from it is a
+DMA; this process only hands out ranges and issues copies.
+
+The processes start on the first load that uses them and stay for the next; they leave
+when this process does (their socket closes). ``ONDECK_READ_PROCESSES=0`` keeps every
+read on threads; so does anything that stops them from starting (no ``memfd``, no
+interpreter to run, CUDA refusing to register the ring), with one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .reading_process import OPEN, READ, REPLY
+
+__all__ = ["ReadingProcesses", "ReadingProcessExited", "acquire"]
+
+_PROGRAM = Path(__file__).with_name("reading_process.py")
+# cudaHostRegisterPortable: pinned for every device's context, not only the current one.
+_REGISTER_PORTABLE = 1
+
+
+class ReadingProcessExited(RuntimeError):
+    """A reading process went away mid-load (killed, out of memory)."""
+
+
+class ReadingProcesses:
+    """``count`` processes and a ring of ``slot_count`` slots of ``slot_bytes``; slot ``s``
+    belongs to process ``s % count``. One load at a time uses them (see :func:`acquire`)."""
+
+    def __init__(self, count: int, slot_bytes: int, slot_count: int, *, register: bool):
+        self.count, self.slot_bytes, self.slot_count = count, slot_bytes, slot_count
+        self.lock = threading.Lock()
+        self.broken = False
+        self.registered = False
+        self._processes: list[subprocess.Popen] = []
+        self._channels: list[socket.socket] = []
+        self._mapping: mmap.mmap | None = None
+        self.ring: torch.Tensor | None = None
+        ring_fd = os.memfd_create("ondeck-read-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(ring_fd, slot_bytes * slot_count)
+            self._mapping = mmap.mmap(ring_fd, slot_bytes * slot_count)
+            self.ring = torch.frombuffer(self._mapping, dtype=torch.uint8)
+            if register:
+                self._register()
+            for _ in range(count):
+                self._start(ring_fd)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(ring_fd)
+
+    def _register(self) -> None:
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(
+            self.ring.data_ptr(), self.ring.numel(), _REGISTER_PORTABLE
+        )
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister of the read ring failed: {status}")
+        self.registered = True
+
+    def _start(self, ring_fd: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(_PROGRAM), str(ring_fd), str(theirs.fileno())],
+                pass_fds=(ring_fd, theirs.fileno()),
+                stdin=subprocess.DEVNULL,
+                # Out of the terminal's process group: Ctrl-C interrupts the load here,
+                # which then stops them in order, instead of killing them mid-read.
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._processes.append(process)
+        self._channels.append(ours)
+
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        start = index * self.slot_bytes
+        return self.ring[start : start + nbytes]
+
+    def open_files(self, files: dict[str, int]) -> dict[str, int]:
+        """Hand every process the open files (descriptors travel over the socket); returns
+        each path's id for :meth:`request`."""
+        ids = {path: index for index, path in enumerate(files)}
+        for channel in self._channels:
+            for path, fd in files.items():
+                self._send(channel, OPEN.pack(b"O", ids[path]), [fd])
+        return ids
+
+    def close_files(self) -> None:
+        for channel in self._channels:
+            self._send(channel, b"C")
+
+    def request(self, slot: int, file_id: int, offset: int, length: int) -> None:
+        """Read ``length`` bytes at ``offset`` into ``slot``; answered by :meth:`replies`."""
+        message = READ.pack(b"R", file_id, slot * self.slot_bytes, offset, length, slot)
+        self._send(self._channels[slot % self.count], message)
+
+    def _send(self, channel: socket.socket, message: bytes, fds: list[int] = ()) -> None:
+        try:
+            socket.send_fds(channel, [message], fds) if fds else channel.send(message)
+        except OSError as error:
+            self.broken = True
+            raise ReadingProcessExited(f"a reading process is gone: {error}") from error
+
+    def replies(self, timeout: float | None) -> list[tuple[int, int, int]]:
+        """``(slot, status, byte reached)`` of every read finished so far, waiting up to
+        ``timeout`` seconds for the first. Status 0: done; an errno; or
+        :data:`~ondeck.loading.reading_process.FILE_ENDED`."""
+        ready, _, _ = select.select(self._channels, [], [], timeout)
+        answers = []
+        for channel in ready:
+            while True:
+                try:
+                    message = channel.recv(REPLY.size, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError as error:
+                    self.broken = True
+                    raise ReadingProcessExited(f"a reading process failed: {error}") from error
+                if not message:
+                    self.broken = True
+                    raise ReadingProcessExited("a reading process exited in the middle of a load")
+                answers.append(REPLY.unpack(message))
+        return answers
+
+    def close(self) -> None:
+        self.broken = True
+        for channel in self._channels:
+            channel.close()  # each process exits when its socket closes
+        for process in self._processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._channels.clear()
+        self._processes.clear()
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.ring.data_ptr())
+            except Exception:  # CUDA already torn down at exit: the memory goes with us
+                pass
+            self.registered = False
+        self.ring = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+
+_shared: ReadingProcesses | None = None
+_shared_lock = threading.Lock()
+_unavailable = False  # they failed to start once: not tried again
+
+
+def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool):
+    """The process-wide reading processes, locked for one load (``release`` their
+    ``lock`` after it), started or restarted to this shape if needed. None when they
+    cannot be used: switched off, unavailable here, or busy with another load."""
+    global _shared, _unavailable
+    if _unavailable or os.environ.get("ONDECK_READ_PROCESSES") == "0":
+        return None
+    if not hasattr(os, "memfd_create"):
+        return None
+    if not sys.executable or count < 1 or slot_count < count:
+        return None
+    with _shared_lock:
+        current = _shared
+        if current is not None and not current.lock.acquire(blocking=False):
+            return None  # another load is using them: that one reads on threads
+        shape = (count, slot_bytes, slot_count, register)
+        if current is not None and (
+            current.broken
+            or (current.count, current.slot_bytes, current.slot_count, current.registered) != shape
+        ):
+            current.close()
+            current.lock.release()
+            current = _shared = None
+        if current is None:
+            try:
+                current = ReadingProcesses(count, slot_bytes, slot_count, register=register)
+            except Exception as error:
+                _unavailable = True
+                warnings.warn(
+                    f"ondeck: reading processes unavailable ({error}); reading on threads",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return None
+            current.lock.acquire()
+            _shared = current
+        return current
+
+
+@atexit.register
+def _close_shared() -> None:
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
+            _shared = None

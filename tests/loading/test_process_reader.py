@@ -1,0 +1,232 @@
+"""Reading processes: the same bytes as safetensors, and a load that fails leaves them sound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ondeck.errors import LoadError
+from ondeck.loading import ReadJob, process_reader, read_header, read_into
+
+from .helpers import raise_after, random_tensor, same_bits, write_safetensors
+from .test_reader import DTYPES
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+
+
+@pytest.fixture(autouse=True)
+def fresh_processes(monkeypatch):
+    """Each test starts without reading processes and stops those it started."""
+    monkeypatch.delenv("ONDECK_READ_PROCESSES", raising=False)
+    monkeypatch.setattr(process_reader, "_unavailable", False)
+    process_reader._close_shared()
+    yield
+    process_reader._close_shared()
+
+
+def jobs_for(path, dtype=None) -> list[ReadJob]:
+    return [
+        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype))
+        for info in read_header(path).tensors.values()
+    ]
+
+
+def read_by_processes(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
+    jobs = jobs_for(path, dtype)
+    options = {"buffer_bytes": 4096, "buffer_count": 6, "threads": 3, **options}
+    stats = read_into(jobs, progress=False, processes=True, **options)
+    assert stats.readers == "processes"
+    return {job.info.name: job.destination for job in jobs}
+
+
+def pids() -> list[int]:
+    return [process.pid for process in process_reader._shared._processes]
+
+
+def test_every_dtype_read_by_processes_is_bit_identical(tmp_path):
+    tensors = {f"t{i}": random_tensor(d, (41, 7), i) for i, d in enumerate(DTYPES)}
+    tensors["big"] = random_tensor(torch.float32, (1000, 37), 99)  # many chunks, every process
+    path = tmp_path / "all.safetensors"
+    save_file(tensors, str(path))
+    loaded = read_by_processes(path)
+    for name, tensor in load_file(str(path)).items():
+        assert same_bits(loaded[name], tensor), name
+
+
+def test_unaligned_and_cast_reads_by_processes(tmp_path):
+    tensors = {"odd": random_tensor(torch.int8, (3,), 3), "w": torch.randn(513, 3)}
+    path = write_safetensors(tmp_path / "odd.safetensors", tensors, pad=3)
+    assert read_header(path).tensors["w"].start % 4 != 0
+    loaded = read_by_processes(path, buffer_bytes=64)
+    assert same_bits(loaded["w"], tensors["w"]) and same_bits(loaded["odd"], tensors["odd"])
+    cast = read_by_processes(path, dtype=torch.float64, buffer_bytes=64)
+    assert torch.equal(cast["w"], tensors["w"].double())
+
+
+def test_processes_stay_for_the_next_load(tmp_path):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300, 20)})
+    read_by_processes(path)
+    first = pids()
+    assert read_by_processes(path)["w"].equal(load_file(str(path))["w"])
+    assert pids() == first
+
+
+def test_a_truncated_file_names_the_tensor_and_the_processes_serve_the_next_load(tmp_path):
+    tensor = torch.randn(4000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    jobs = jobs_for(path)
+    os.truncate(path, os.path.getsize(path) - 5000)
+    with pytest.raises(LoadError, match=r"w\.safetensors, tensor 'w': file ended at byte"):
+        read_into(
+            jobs, progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6
+        )
+    first = pids()
+    good = write_safetensors(tmp_path / "good.safetensors", {"w": tensor})
+    assert same_bits(read_by_processes(good, buffer_bytes=1024)["w"], tensor)
+    assert pids() == first  # no stale answer of the failed load reached this one
+
+
+def test_a_killed_process_fails_the_load_and_the_next_starts_new_ones(tmp_path):
+    tensor = torch.randn(20000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    victim = pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(LoadError, match="reading process"):
+        read_by_processes(path)
+    assert same_bits(read_by_processes(path)["w"], tensor)
+    assert victim not in pids()
+
+
+def test_a_failed_copy_stops_the_load_and_the_processes_serve_the_next(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    tensor = torch.randn(20000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    calls = raise_after(monkeypatch, reader_module, "_deliver", 5, RuntimeError("copy fault"))
+    with pytest.raises(RuntimeError, match="copy fault"):
+        read_by_processes(path)
+    assert calls["n"] < 20  # of 20 chunks: it stopped at the first failure
+    monkeypatch.undo()
+    assert same_bits(read_by_processes(path)["w"], tensor)
+
+
+def test_a_copy_failing_among_several_answers_still_ends_the_load(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(20000)})
+    original = process_reader.ReadingProcesses.replies
+
+    def late_replies(self, timeout):
+        time.sleep(0.05)  # every process has answered: one call returns several answers
+        return original(self, timeout)
+
+    monkeypatch.setattr(process_reader.ReadingProcesses, "replies", late_replies)
+    raise_after(monkeypatch, reader_module, "_deliver", 0, RuntimeError("copy fault"))
+    outcome = []
+
+    def load():
+        try:
+            read_by_processes(path)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the failed load never ended"
+    assert "copy fault" in str(outcome[0])
+
+
+def test_while_reading_failure_stops_the_processes_reads(tmp_path):
+    tensor = torch.randn(50000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+
+    def build():
+        raise ValueError("module class refused")
+
+    with pytest.raises(ValueError, match="module class refused"):
+        read_into(
+            jobs_for(path), progress=False, processes=True, buffer_bytes=1024, while_reading=build
+        )
+    assert same_bits(read_by_processes(path)["w"], tensor)
+
+
+def test_a_busy_pool_leaves_a_concurrent_load_to_threads(tmp_path):
+    tensor = torch.randn(300, 20)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    pool = process_reader._shared
+    assert pool.lock.acquire(blocking=False)  # as if another load held them
+    try:
+        jobs = jobs_for(path)
+        stats = read_into(jobs, progress=False, processes=True, buffer_bytes=4096, buffer_count=6)
+        assert stats.readers == "threads"
+        assert same_bits(jobs[0].destination, tensor)
+    finally:
+        pool.lock.release()
+
+
+def test_switched_off_by_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONDECK_READ_PROCESSES", "0")
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(30)})
+    stats = read_into(jobs_for(path, torch.float64), progress=False, processes=True)
+    assert stats.readers == "threads" and process_reader._shared is None
+
+
+def test_processes_that_cannot_start_warn_once_and_threads_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(process_reader, "_PROGRAM", tmp_path / "absent" / "program.py")
+    monkeypatch.setattr(process_reader.sys, "executable", str(tmp_path / "no-python"))
+    tensor = torch.randn(300)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    with pytest.warns(RuntimeWarning, match="reading processes unavailable"):
+        jobs = jobs_for(path)
+        assert read_into(jobs, progress=False, processes=True).readers == "threads"
+    assert same_bits(jobs[0].destination, tensor)
+    jobs = jobs_for(path)
+    assert read_into(jobs, progress=False, processes=True).readers == "threads"  # no retry
+
+
+def test_closing_the_pool_ends_its_processes(tmp_path):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
+    read_by_processes(path)
+    processes = list(process_reader._shared._processes)
+    process_reader._close_shared()
+    assert all(process.poll() is not None for process in processes)
+
+
+def test_cpu_loads_keep_reading_directly_unless_asked(tmp_path):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
+    assert read_into(jobs_for(path), progress=False).readers == "threads"
+    assert process_reader._shared is None
+
+
+def test_two_loads_at_once_are_both_right(tmp_path):
+    tensors = {f"w{i}": torch.randn(3000) for i in range(4)}
+    path = write_safetensors(tmp_path / "w.safetensors", tensors)
+    results, errors = [], []
+
+    def load():
+        try:
+            jobs = jobs_for(path)
+            read_into(jobs, progress=False, processes=True, buffer_bytes=1024, buffer_count=6)
+            results.append({job.info.name: job.destination for job in jobs})
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(results) == 4
+    for loaded in results:
+        for name, tensor in tensors.items():
+            assert same_bits(loaded[name], tensor), name
