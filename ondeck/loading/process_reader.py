@@ -216,6 +216,19 @@ def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool):
         return current
 
 
+def _forget_after_fork() -> None:
+    """A forked child must not talk to its parent's processes (their answers would go to
+    whichever process reads first): it starts its own if it loads."""
+    global _shared, _shared_lock
+    _shared_lock = threading.Lock()  # another thread may have held it at the fork
+    if _shared is not None:
+        _shared._processes.clear()  # the parent's children: not ours to wait for
+        _shared = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 @atexit.register
 def _close_shared() -> None:
     global _shared

@@ -373,7 +373,8 @@ def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
             ]  # any fails: a slot still listed there would be waited for forever
             for slot, chunk, status, reached in answered:
                 if status:
-                    raise _read_error(chunk, status, reached, state.component)
+                    reason = None if status == FILE_ENDED else os.strerror(status)
+                    raise _read_error(chunk.job.info, state.component, reached, reason)
                 length = chunk.hi - chunk.lo
                 stream = _deliver(chunk, pool.slot(slot, length), streams)
                 if stream is None:
@@ -413,15 +414,16 @@ def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
                 state.fail(error)
 
 
-def _read_error(chunk: _Chunk, status: int, reached: int, component: str | None) -> LoadError:
-    info = chunk.job.info
-    if status == FILE_ENDED:
+def _read_error(info: TensorInfo, component: str | None, reached: int, reason: str | None):
+    """The error of a read that failed at byte ``reached`` with ``reason``, or ended
+    early when ``reason`` is None."""
+    if reason is None:
         problem = (
             f"file ended at byte {reached}, the header places the tensor up to byte "
             f"{info.end} (truncated download?)"
         )
     else:
-        problem = f"read failed at byte {reached}: {os.strerror(status)}"
+        problem = f"read failed at byte {reached}: {reason}"
     return LoadError(f"{_where(info, component)}: {problem}", component=component, path=info.path)
 
 
@@ -556,19 +558,10 @@ def _pread_exact(fd: int, address: int, length: int, offset: int, info, componen
         try:
             count = os.preadv(fd, [view], offset + done)
         except OSError as error:
-            raise LoadError(
-                f"{_where(info, component)}: read failed at byte {offset + done}: "
-                f"{error.strerror or error}",
-                component=component,
-                path=info.path,
-            ) from error
+            reason = error.strerror or str(error)
+            raise _read_error(info, component, offset + done, reason) from error
         if count == 0:
-            raise LoadError(
-                f"{_where(info, component)}: file ended at byte {offset + done}, the header "
-                f"places the tensor up to byte {info.end} (truncated download?)",
-                component=component,
-                path=info.path,
-            )
+            raise _read_error(info, component, offset + done, None)
         done += count
 
 

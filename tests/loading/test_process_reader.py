@@ -230,3 +230,23 @@ def test_two_loads_at_once_are_both_right(tmp_path):
     for loaded in results:
         for name, tensor in tensors.items():
             assert same_bits(loaded[name], tensor), name
+
+
+def test_a_forked_child_starts_its_own_processes(tmp_path):
+    tensor = torch.randn(5000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    parents = pids()
+    child = os.fork()
+    if child == 0:  # the child: exit status 0 only if it read right without the parent's
+        status = 1
+        try:
+            loaded = read_by_processes(path)
+            status = 0 if same_bits(loaded["w"], tensor) and set(pids()).isdisjoint(parents) else 2
+            process_reader._close_shared()
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert same_bits(read_by_processes(path)["w"], tensor)  # the parent's still answer it
+    assert pids() == parents
