@@ -226,7 +226,8 @@ def _forget_after_fork() -> None:
         _shared = None
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # absent on Windows, where nothing forks
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @atexit.register
