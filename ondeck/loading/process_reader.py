@@ -8,10 +8,12 @@ reads the ranges it is sent into its own slots of a ring in shared memory, and a
 when a slot is full. The ring is registered with CUDA once, so every copy from it is a
 DMA; this process only hands out ranges and issues copies.
 
-The processes start on the first load that uses them and stay for the next; they leave
-when this process does (their socket closes). ``ONDECK_READ_PROCESSES=0`` keeps every
-read on threads; so does anything that stops them from starting (no ``memfd``, no
-interpreter to run, CUDA refusing to register the ring), with one warning.
+The processes start on the first load that uses them and stay for the next; each exits
+when its socket closes (this process closing the pool, or exiting). A load that finds one
+gone starts them afresh. ``ONDECK_READ_PROCESSES=0`` keeps every read on threads; so does
+a platform without ``memfd_create``, and anything that stops them from starting (an
+interpreter that cannot run the program, CUDA refusing to register the ring), after one
+warning.
 """
 
 from __future__ import annotations
@@ -19,27 +21,35 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
-import select
+import selectors
 import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from .reading_process import OPEN, READ, REPLY
+from .reading_process import OPEN, READ, READY, REPLY
 
-__all__ = ["ReadingProcesses", "ReadingProcessExited", "acquire"]
+__all__ = ["Lease", "ReadingProcesses", "ReadingProcessExited", "acquire"]
 
 _PROGRAM = Path(__file__).with_name("reading_process.py")
 # cudaHostRegisterPortable: pinned for every device's context, not only the current one.
 _REGISTER_PORTABLE = 1
+# Every process must have said it is ready within this, or they are not used.
+START_SECONDS = 10.0
+# Closing waits this long in all for the processes to leave, then kills the rest.
+CLOSE_SECONDS = 5.0
+# Requests waiting at one process, at most: its unread answers must fit its socket's send
+# buffer, or it blocks sending an answer while this process blocks sending it a request.
+MAX_SLOTS_PER_PROCESS = 32
 
 
 class ReadingProcessExited(RuntimeError):
-    """A reading process went away mid-load (killed, out of memory)."""
+    """A reading process is gone (killed, out of memory) or stopped answering."""
 
 
 class ReadingProcesses:
@@ -53,6 +63,7 @@ class ReadingProcesses:
         self.registered = False
         self._processes: list[subprocess.Popen] = []
         self._channels: list[socket.socket] = []
+        self._selector = selectors.DefaultSelector()  # no fd-number limit, unlike select()
         self._mapping: mmap.mmap | None = None
         self.ring: torch.Tensor | None = None
         ring_fd = os.memfd_create("ondeck-read-ring", os.MFD_CLOEXEC)
@@ -64,6 +75,7 @@ class ReadingProcesses:
                 self._register()
             for _ in range(count):
                 self._start(ring_fd)
+            self._await_ready()
         except BaseException:
             self.close()
             raise
@@ -97,6 +109,28 @@ class ReadingProcesses:
             theirs.close()
         self._processes.append(process)
         self._channels.append(ours)
+        self._selector.register(ours, selectors.EVENT_READ)
+
+    def _await_ready(self) -> None:
+        """An interpreter that starts but cannot run the program (a frozen app's
+        executable, say) never says it is ready: then the processes are not used."""
+        deadline = time.monotonic() + START_SECONDS
+        for channel, process in zip(self._channels, self._processes, strict=True):
+            channel.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                answer = channel.recv(len(READY))
+            except (TimeoutError, OSError) as error:
+                answer = repr(error)
+            finally:
+                channel.settimeout(None)
+            if answer != READY:
+                raise RuntimeError(
+                    f"'{sys.executable} {_PROGRAM.name}' did not start (exit status "
+                    f"{process.poll()}, answer {answer!r})"
+                )
+
+    def alive(self) -> bool:
+        return not self.broken and all(process.poll() is None for process in self._processes)
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.slot_bytes
@@ -131,9 +165,9 @@ class ReadingProcesses:
         """``(slot, status, byte reached)`` of every read finished so far, waiting up to
         ``timeout`` seconds for the first. Status 0: done; an errno; or
         :data:`~ondeck.loading.reading_process.FILE_ENDED`."""
-        ready, _, _ = select.select(self._channels, [], [], timeout)
         answers = []
-        for channel in ready:
+        for key, _ in self._selector.select(timeout):
+            channel = key.fileobj
             while True:
                 try:
                     message = channel.recv(REPLY.size, socket.MSG_DONTWAIT)
@@ -149,15 +183,18 @@ class ReadingProcesses:
         return answers
 
     def close(self) -> None:
+        """End the processes and free the ring. Only with :attr:`lock` held, or when
+        nothing else can use them."""
         self.broken = True
+        self._selector.close()
         for channel in self._channels:
             channel.close()  # each process exits when its socket closes
+        deadline = time.monotonic() + CLOSE_SECONDS
         for process in self._processes:
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+                process.kill()  # a process stuck in a read of a dead disk may outlive this
         self._channels.clear()
         self._processes.clear()
         if self.registered:
@@ -171,35 +208,77 @@ class ReadingProcesses:
             self._mapping.close()
             self._mapping = None
 
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the sockets, so the parent's
+        processes still see theirs close when the parent's do; touch nothing else."""
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        self._processes.clear()  # the parent's children: not ours to wait for
+        self.broken = True
+
+
+class Lease:
+    """One load's hold on the processes. The thread that feeds them claims it and
+    releases it when it is done with them; the load releases it only if that thread
+    never claimed it. Either way the lock is released once, and never while a thread
+    still uses the processes."""
+
+    def __init__(self, pool: ReadingProcesses):
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._released = False
+
+    def claim(self) -> bool:
+        with self._lock:
+            self._claimed = not self._released
+            return self._claimed
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self.pool.lock.release()
+
+    def release_unclaimed(self) -> None:
+        with self._lock:
+            if not self._claimed and not self._released:
+                self._released = True
+                self.pool.lock.release()
+
 
 _shared: ReadingProcesses | None = None
 _shared_lock = threading.Lock()
 _unavailable = False  # they failed to start once: not tried again
 
 
-def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool):
-    """The process-wide reading processes, locked for one load (``release`` their
-    ``lock`` after it), started or restarted to this shape if needed. None when they
-    cannot be used: switched off, unavailable here, or busy with another load."""
+def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool) -> Lease | None:
+    """A lease on the process-wide reading processes for one load, started or restarted
+    to this shape if needed. None when they cannot be used: switched off, unavailable
+    here, or busy with another load."""
     global _shared, _unavailable
     if _unavailable or os.environ.get("ONDECK_READ_PROCESSES") == "0":
         return None
-    if not hasattr(os, "memfd_create"):
+    if not hasattr(os, "memfd_create") or not sys.executable:
         return None
-    if not sys.executable or count < 1 or slot_count < count:
-        return None
+    if count < 1 or slot_count < count or slot_count > count * MAX_SLOTS_PER_PROCESS:
+        raise ValueError(f"{slot_count} slots cannot be shared by {count} reading processes")
     with _shared_lock:
         current = _shared
         if current is not None and not current.lock.acquire(blocking=False):
             return None  # another load is using them: that one reads on threads
         shape = (count, slot_bytes, slot_count, register)
         if current is not None and (
-            current.broken
+            not current.alive()
             or (current.count, current.slot_bytes, current.slot_count, current.registered) != shape
         ):
-            current.close()
-            current.lock.release()
-            current = _shared = None
+            _shared = None
+            try:
+                current.close()
+            finally:
+                current.lock.release()
+            current = None
         if current is None:
             try:
                 current = ReadingProcesses(count, slot_bytes, slot_count, register=register)
@@ -213,7 +292,7 @@ def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool):
                 return None
             current.lock.acquire()
             _shared = current
-        return current
+        return Lease(current)
 
 
 def _forget_after_fork() -> None:
@@ -222,7 +301,7 @@ def _forget_after_fork() -> None:
     global _shared, _shared_lock
     _shared_lock = threading.Lock()  # another thread may have held it at the fork
     if _shared is not None:
-        _shared._processes.clear()  # the parent's children: not ours to wait for
+        _shared.forget()
         _shared = None
 
 
@@ -231,9 +310,17 @@ if hasattr(os, "register_at_fork"):  # absent on Windows, where nothing forks
 
 
 @atexit.register
-def _close_shared() -> None:
+def close_shared(wait_seconds: float = 10.0) -> None:
+    """End the process-wide reading processes, once no load uses them. A load still
+    running after ``wait_seconds`` (a daemon thread at exit) keeps them: they leave when
+    this process does."""
     global _shared
     with _shared_lock:
-        if _shared is not None:
-            _shared.close()
-            _shared = None
+        pool = _shared
+        if pool is None or not pool.lock.acquire(timeout=wait_seconds):
+            return
+        _shared = None
+        try:
+            pool.close()
+        finally:
+            pool.lock.release()

@@ -1,19 +1,23 @@
 """Stream safetensors data into tensors that already sit where they will live.
 
-Threads read with ``os.preadv`` (the GIL is released) in chunks. A CPU destination of the
-file's dtype is read into directly, with no copy. Anything else is staged through a small
-ring of host buffers (pinned for CUDA) and copied, so the next read overlaps the current
-copy. Host memory a load takes is the ring, never the file.
+Data is read with ``os.preadv`` in chunks. A CPU destination of the file's dtype is read
+into directly, with no copy. Anything else is staged through a small ring of host
+buffers and copied, so the next read overlaps the current copy. Host memory a load takes
+is the ring, never the file. Two kinds of reader fill the ring:
 
-Each thread owns its share of the ring and its own side stream, and issues its own
-copies: a chunk costs a few GIL hand-overs (the read, the copy, at times a wait for the
-buffer's last copy) and nothing is passed between threads. Every hand-over is contended
-by all the readers, so their number sets the rate from a warm page cache: a ring shared
-by all threads, or one copier thread issuing every copy, ran at 55-65% of it.
+- Reading processes (:mod:`.process_reader`), for loads into CUDA memory: they pread into
+  a ring of shared memory registered with CUDA, and one thread here (``_feed``) hands out
+  the chunks and issues every copy. No reader holds this process's GIL.
+- Threads of this process (``_read_chunks``), for everything else and as the fallback.
+  Each owns its share of a ring of pinned buffers and its own side stream, and issues its
+  own copies: a chunk costs a few GIL hand-overs (the read, the copy, at times a wait for
+  the buffer's last copy) and nothing is passed between threads. Every hand-over is
+  contended by all the threads, which holds a warm page-cache load to about half of what
+  the processes reach (BENCHMARKS.md).
 
 A cast to a CUDA destination (file dtype differs) goes through a temporary on the
-device in the file's dtype, which torch's allocator then keeps cached for that thread's
-stream: up to a 20 MiB block per reading thread, reusable by later loads' threads.
+device in the file's dtype, which torch's allocator then keeps cached for the copying
+thread's stream: up to a 20 MiB block per thread, reusable by later loads' threads.
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
 # Readers when processes read: enough that page-cache copies are not the limit, leaving
 # cores for the thread that issues the device copies and for building the module.
+DEFAULT_PROCESSES = max(1, min(12, (os.cpu_count() or 4) * 3 // 4))
 # A failed or stopped load waits this long for the processes' last reads to answer.
 STUCK_READ_SECONDS = 60
-DEFAULT_PROCESSES = max(1, min(12, (os.cpu_count() or 4) * 3 // 4))
 # Below this, a progress bar is noise.
 PROGRESS_MIN_BYTES = 64 * 2**20
 _BAR_LOCK = threading.Lock()
@@ -114,14 +118,16 @@ def read_into(
 
     ``while_reading`` runs on the calling thread once the reads have started (CPU work
     that overlaps them). A read that fails raises :class:`LoadError` naming the file and
-    tensor; other errors (CUDA, pinned memory, ``while_reading``'s own) propagate as they
-    are. Either way the reading threads have stopped and their device copies have
-    finished before it propagates.
+    tensor, as does a reading process that dies mid-load; other errors (CUDA, pinned
+    memory, ``while_reading``'s own) propagate as they are. Either way the readers have
+    stopped and their device copies have finished before it propagates (a second
+    interrupt during that wait is the one way out earlier).
 
-    ``processes``: read through the reading processes (:mod:`.process_reader`), ``threads``
-    of them, when no job captures; by default when every destination is on CUDA. Where
-    they are unavailable or busy, threads read instead. ``buffer_bytes`` and
-    ``buffer_count`` default to :data:`PROCESS_RING` or :data:`THREAD_RING`.
+    ``processes``: read through ``threads`` reading processes (:mod:`.process_reader`);
+    by default when some destination is on CUDA and none is a CPU tensor of the file's
+    dtype; never when a job captures. Where they are unavailable or busy, threads read
+    instead. ``buffer_bytes`` and ``buffer_count`` default to :data:`PROCESS_RING` or
+    :data:`THREAD_RING`.
     """
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
@@ -129,43 +135,32 @@ def read_into(
     source = describe_source(paths) if paths else "disk"
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
     pinned = bool(devices)
-    pool = None
-    captures = any(job.capture is not None for job in jobs)
-    all_staged = not any(_reads_directly(job) for job in jobs)
-    if total and not captures and (processes or (processes is None and devices and all_staged)):
-        slot_bytes = max(buffer_bytes or PROCESS_RING[0], 64)
-        slot_count = buffer_count or PROCESS_RING[1]
-        # Each process owns two ring slots or more, as each thread owns two buffers.
-        count = min(threads or DEFAULT_PROCESSES, max(1, slot_count // 2))
-        pool = process_reader.acquire(count, slot_bytes, slot_count, register=pinned)
-    if pool is not None:
-        buffer_bytes, buffer_count = pool.slot_bytes, pool.slot_count
-    else:
-        buffer_bytes = max(buffer_bytes or THREAD_RING[0], 64)
-        buffer_count = buffer_count or THREAD_RING[1]
-        if pinned:
-            # The pinned allocator rounds each buffer up to a power of two: round down
-            # instead, so the ring stays within buffer_bytes x buffer_count.
-            buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
-    try:
-        chunks, temporaries = _plan(jobs, buffer_bytes, component)
-    except BaseException:
-        if pool is not None:
-            pool.lock.release()
-        raise
-    worker_count = threads or min(16, max(4, os.cpu_count() or 4))
-    staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
-    if staging:
-        # Each thread owns two ring buffers or more (one is read into while the other's
-        # copy runs): the ring, not the thread count, bounds memory.
-        worker_count = min(worker_count, max(1, buffer_count // 2))
-    worker_count = max(1, min(worker_count, len(chunks)))
-    if pool is not None:
-        worker_count = 1  # the thread that feeds the processes and issues the copies
+    lease = None
     files: dict[str, int] = {}
     workers: list[threading.Thread] = []
     bar = None
     try:
+        if total and _processes_wanted(jobs, processes, devices):
+            lease = _lease_processes(threads, buffer_bytes, buffer_count, pinned)
+        if lease is not None:
+            buffer_bytes, buffer_count = lease.pool.slot_bytes, lease.pool.slot_count
+        else:
+            buffer_bytes = max(buffer_bytes or THREAD_RING[0], 64)
+            buffer_count = buffer_count or THREAD_RING[1]
+            if pinned:
+                # The pinned allocator rounds each buffer up to a power of two: round
+                # down instead, so the ring stays within buffer_bytes x buffer_count.
+                buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
+        chunks, temporaries = _plan(jobs, buffer_bytes, component)
+        worker_count = threads or min(16, max(4, os.cpu_count() or 4))
+        staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
+        if staging:
+            # Each thread owns two ring buffers or more (one is read into while the
+            # other's copy runs): the ring, not the thread count, bounds memory.
+            worker_count = min(worker_count, max(1, buffer_count // 2))
+        worker_count = max(1, min(worker_count, len(chunks)))
+        if lease is not None:
+            worker_count = 1  # the thread that feeds the processes and issues the copies
         bar = _progress_bar(total, progress, component, source)
         state = _ReadState(
             chunks=chunks,
@@ -181,7 +176,7 @@ def read_into(
             files[path] = _open(path, component)
         for index in range(worker_count if chunks else 0):
             # Listed before it starts: an interrupt inside start() still finds it to join.
-            target, args = (_read_chunks, (state,)) if pool is None else (_feed, (state, pool))
+            target, args = (_read_chunks, (state,)) if lease is None else (_feed, (state, lease))
             workers.append(
                 threading.Thread(target=target, args=args, name=f"ondeck-read-{index}", daemon=True)
             )
@@ -205,13 +200,13 @@ def read_into(
         if workers:  # left early (an interrupt, say): still let no worker outlive the read
             state.fail(LoadError("the read was interrupted", component=component))
             _join(workers)
-        if pool is not None:
-            pool.lock.release()
+        if lease is not None:
+            lease.release_unclaimed()  # the feeding thread releases what it claimed
         for fd in files.values():
             os.close(fd)
         if bar is not None:
             bar.close()
-    readers = "threads" if pool is None else "processes"
+    readers = "threads" if lease is None else "processes"
     return ReadStats(total, time.perf_counter() - started, source, readers)
 
 
@@ -334,10 +329,41 @@ def _read_chunks(state: _ReadState) -> None:
                 state.fail(error)
 
 
-def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
+def _processes_wanted(jobs: Sequence[ReadJob], processes: bool | None, devices) -> bool:
+    """Asked for, or by default: destinations on CUDA, none read into directly. Never
+    when a job captures (the capture buffer is the staging buffer then)."""
+    if any(job.capture is not None for job in jobs):
+        return False
+    if processes is not None:
+        return processes
+    return bool(devices) and not any(_reads_directly(job) for job in jobs)
+
+
+def _lease_processes(threads, buffer_bytes, buffer_count, pinned):
+    # Slots start at multiples of the slot size: keep them aligned for every dtype.
+    slot_bytes = max(64, (buffer_bytes or PROCESS_RING[0]) // 64 * 64)
+    slot_count = buffer_count or PROCESS_RING[1]
+    # Each process owns two ring slots or more, as each thread owns two buffers, and no
+    # more than its socket can hold the answers of.
+    count = min(threads or DEFAULT_PROCESSES, max(1, slot_count // 2))
+    slot_count = min(slot_count, count * process_reader.MAX_SLOTS_PER_PROCESS)
+    return process_reader.acquire(count, slot_bytes, slot_count, register=pinned)
+
+
+def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
     """The one thread of a load read by processes: hand each free ring slot the next
     chunk, and copy each slot that comes back full into its chunk's target. A slot is free
     again once its copy has finished."""
+    if not lease.claim():  # the load was given up before this thread started
+        state.fail(LoadError("the read was interrupted", component=state.component))
+        return
+    try:
+        _feed_claimed(state, lease.pool)
+    finally:
+        lease.release()
+
+
+def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
     streams = {}
     reading: dict[int, _Chunk] = {}  # slot -> the chunk being read into it
     opened = False
@@ -367,10 +393,12 @@ def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
                 copying[0][1].synchronize()
                 continue
             # Poll soon while copies may free slots; otherwise wait, waking to notice a stop.
+            # Every answered slot leaves ``reading`` before any copy is issued: if one
+            # fails, the clean-up must not wait for answers that already came.
             answered = [
-                (slot, reading.pop(slot), status, reached)  # all out of ``reading`` before
+                (slot, reading.pop(slot), status, reached)
                 for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
-            ]  # any fails: a slot still listed there would be waited for forever
+            ]
             for slot, chunk, status, reached in answered:
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
@@ -405,7 +433,12 @@ def _feed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
                     pool.broken = True  # a read hung (a dead disk?): start afresh next load
             if opened and not pool.broken:
                 pool.close_files()
+        except process_reader.ReadingProcessExited:
+            # Every byte answered is in place; only the processes are in doubt: the next
+            # load starts new ones. (A load that failed keeps its own error.)
+            pool.broken = True
         except BaseException as error:
+            pool.broken = True
             state.fail(error)
         for stream in streams.values():
             try:

@@ -2,7 +2,8 @@
 
 Started by :mod:`ondeck.loading.process_reader` as ``python -I -S reading_process.py
 RING_FD SOCKET_FD``; it imports the standard library only, so it starts in milliseconds
-and holds a few MiB. Messages on the socket (SOCK_SEQPACKET, one per datagram):
+and holds a few MiB. It first sends ``READY``. Messages on the socket (SOCK_SEQPACKET, one
+per datagram):
 
 - ``b"O" + file id`` with a file descriptor attached: keep that file open under the id;
 - ``READ`` (``b"R"``, file id, ring offset, file offset, length, tag): read the range
@@ -22,6 +23,7 @@ import sys
 READ = struct.Struct("<cIQQQI")
 REPLY = struct.Struct("<Iiq")
 OPEN = struct.Struct("<cI")
+READY = b"ready"
 FILE_ENDED = -1
 
 
@@ -29,6 +31,7 @@ def serve(ring_fd: int, socket_fd: int) -> None:
     ring = mmap.mmap(ring_fd, os.fstat(ring_fd).st_size)
     view = memoryview(ring)
     channel = socket.socket(fileno=socket_fd)
+    channel.send(READY)
     files: dict[int, int] = {}
     while True:
         try:
@@ -47,6 +50,8 @@ def serve(ring_fd: int, socket_fd: int) -> None:
                 return
         elif kind == b"O":
             _, file_id = OPEN.unpack(message)
+            if file_id in files:  # a load that failed before closing its files
+                os.close(files[file_id])
             files[file_id] = fds[0]
         elif kind == b"C":
             for fd in files.values():

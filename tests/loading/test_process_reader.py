@@ -25,9 +25,9 @@ def fresh_processes(monkeypatch):
     """Each test starts without reading processes and stops those it started."""
     monkeypatch.delenv("ONDECK_READ_PROCESSES", raising=False)
     monkeypatch.setattr(process_reader, "_unavailable", False)
-    process_reader._close_shared()
+    process_reader.close_shared()
     yield
-    process_reader._close_shared()
+    process_reader.close_shared()
 
 
 def jobs_for(path, dtype=None) -> list[ReadJob]:
@@ -92,14 +92,36 @@ def test_a_truncated_file_names_the_tensor_and_the_processes_serve_the_next_load
     assert pids() == first  # no stale answer of the failed load reached this one
 
 
-def test_a_killed_process_fails_the_load_and_the_next_starts_new_ones(tmp_path):
+def test_a_process_killed_mid_load_fails_it_and_the_next_starts_new_ones(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
     tensor = torch.randn(20000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    victims = pids()
+    original = reader_module._deliver
+
+    def deliver_after_a_kill(*args):
+        if process_reader._shared._processes[0].poll() is None:
+            os.kill(victims[0], signal.SIGKILL)
+            process_reader._shared._processes[0].wait()
+        return original(*args)
+
+    monkeypatch.setattr(reader_module, "_deliver", deliver_after_a_kill)
+    with pytest.raises(LoadError, match="reading process"):
+        read_by_processes(path)
+    monkeypatch.undo()
+    assert same_bits(read_by_processes(path)["w"], tensor)
+    assert set(pids()).isdisjoint(victims)
+
+
+def test_a_process_killed_between_loads_is_replaced(tmp_path):
+    tensor = torch.randn(3000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     read_by_processes(path)
     victim = pids()[0]
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(LoadError, match="reading process"):
-        read_by_processes(path)
+    process_reader._shared._processes[0].wait()
     assert same_bits(read_by_processes(path)["w"], tensor)
     assert victim not in pids()
 
@@ -197,7 +219,7 @@ def test_closing_the_pool_ends_its_processes(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
     read_by_processes(path)
     processes = list(process_reader._shared._processes)
-    process_reader._close_shared()
+    process_reader.close_shared()
     assert all(process.poll() is not None for process in processes)
 
 
@@ -243,10 +265,131 @@ def test_a_forked_child_starts_its_own_processes(tmp_path):
         try:
             loaded = read_by_processes(path)
             status = 0 if same_bits(loaded["w"], tensor) and set(pids()).isdisjoint(parents) else 2
-            process_reader._close_shared()
+            process_reader.close_shared()
         finally:
             os._exit(status)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert same_bits(read_by_processes(path)["w"], tensor)  # the parent's still answer it
     assert pids() == parents
+
+
+def test_an_interpreter_that_cannot_run_the_program_falls_back_to_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(process_reader, "_PROGRAM", tmp_path / "absent.py")  # python exits 2
+    tensor = torch.randn(300)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    jobs = jobs_for(path)
+    with pytest.warns(RuntimeWarning, match="did not start"):
+        assert read_into(jobs, progress=False, processes=True).readers == "threads"
+    assert same_bits(jobs[0].destination, tensor)
+
+
+def test_file_descriptors_past_1024_do_not_stop_the_processes(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip("cannot open 1200 files here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    held = []
+    try:
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        tensor = torch.randn(3000)
+        path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+        assert same_bits(read_by_processes(path)["w"], tensor)
+    finally:
+        for fd in held:
+            os.close(fd)
+        process_reader.close_shared()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_more_slots_than_a_socket_holds_answers_for_do_not_deadlock(tmp_path):
+    tensor = torch.randn(100000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    outcome = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(
+            read_by_processes(path, threads=1, buffer_bytes=64, buffer_count=4096)
+        ),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the load deadlocked"
+    assert same_bits(outcome[0]["w"], tensor)
+    assert process_reader._shared.slot_count <= process_reader.MAX_SLOTS_PER_PROCESS
+
+
+def test_closing_at_exit_leaves_a_running_load_its_processes(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    tensor = torch.randn(20000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    original = reader_module._deliver
+    attempts = []
+
+    def deliver_and_try_to_close(*args):
+        if not attempts:
+            attempts.append(process_reader.close_shared(wait_seconds=0.05))
+        return original(*args)
+
+    monkeypatch.setattr(reader_module, "_deliver", deliver_and_try_to_close)
+    assert same_bits(read_by_processes(path)["w"], tensor)
+    assert attempts and process_reader._shared is not None  # it waited, then let them be
+
+
+def test_an_interrupt_after_the_lease_leaves_the_processes_free(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    tensor = torch.randn(3000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    first = pids()
+    raise_after(monkeypatch, reader_module, "_plan", 0, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        read_by_processes(path)
+    monkeypatch.undo()
+    assert same_bits(read_by_processes(path)["w"], tensor)  # "processes": the lock is free
+    assert pids() == first
+
+
+def test_a_process_gone_after_its_last_answer_leaves_the_load_whole(tmp_path, monkeypatch):
+    tensor = torch.randn(3000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    read_by_processes(path)
+    first = pids()
+
+    def gone(self):
+        raise process_reader.ReadingProcessExited("a reading process is gone: broken pipe")
+
+    monkeypatch.setattr(process_reader.ReadingProcesses, "close_files", gone)
+    assert same_bits(read_by_processes(path)["w"], tensor)
+    monkeypatch.undo()
+    assert same_bits(read_by_processes(path)["w"], tensor)
+    assert set(pids()).isdisjoint(first)  # the doubtful ones were replaced
+
+
+def test_slots_of_an_odd_size_still_cast(tmp_path):
+    tensor = torch.randn(500)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    loaded = read_by_processes(path, dtype=torch.float64, buffer_bytes=66)
+    assert torch.equal(loaded["w"], tensor.double())
+
+
+def test_a_forked_child_lets_go_of_the_parents_processes(tmp_path):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
+    read_by_processes(path)
+    pool = process_reader._shared  # a reference the child inherits too
+    child = os.fork()
+    if child == 0:
+        time.sleep(3)  # alive while the parent closes its processes
+        os._exit(0 if pool is not None else 1)
+    try:
+        started = time.monotonic()
+        process_reader.close_shared()
+        assert time.monotonic() - started < 2  # the processes saw their sockets close
+    finally:
+        os.waitpid(child, 0)
