@@ -56,9 +56,6 @@ __all__ = [
 THREAD_RING = (8 * 2**20, 32)
 PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
-# Readers when processes read: enough that page-cache copies are not the limit, leaving
-# cores for the thread that issues the device copies and for building the module.
-DEFAULT_PROCESSES = max(1, min(12, (os.cpu_count() or 4) * 3 // 4))
 # A failed or stopped load waits this long for the processes' last reads to answer.
 STUCK_READ_SECONDS = 60
 # Below this, a progress bar is noise.
@@ -345,9 +342,21 @@ def _lease_processes(threads, buffer_bytes, buffer_count, pinned):
     slot_count = buffer_count or PROCESS_RING[1]
     # Each process owns two ring slots or more, as each thread owns two buffers, and no
     # more than its socket can hold the answers of.
-    count = min(threads or DEFAULT_PROCESSES, max(1, slot_count // 2))
+    count = min(threads or default_processes(), max(1, slot_count // 2))
     slot_count = min(slot_count, count * process_reader.MAX_SLOTS_PER_PROCESS)
     return process_reader.acquire(count, slot_bytes, slot_count, register=pinned)
+
+
+def default_processes() -> int:
+    """Reading processes per load: enough that page-cache copies are not the limit (12
+    on the H200 machine's 16 cores), leaving cores for the thread that issues the copies
+    and for building the module; shared among the ranks a launcher started on this host
+    (``LOCAL_WORLD_SIZE``), which load at the same time."""
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(1, min(12, (os.cpu_count() or 4) * 3 // 4 // ranks))
 
 
 def _feed(state: _ReadState, lease: process_reader.Lease) -> None:

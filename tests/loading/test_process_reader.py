@@ -393,3 +393,15 @@ def test_a_forked_child_lets_go_of_the_parents_processes(tmp_path):
         assert time.monotonic() - started < 2  # the processes saw their sockets close
     finally:
         os.waitpid(child, 0)
+
+
+def test_ranks_on_one_host_share_the_cores(monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    monkeypatch.setattr(reader_module.os, "cpu_count", lambda: 32)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert reader_module.default_processes() == 12
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert reader_module.default_processes() == 6
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert reader_module.default_processes() == 1
