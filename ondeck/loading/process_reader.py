@@ -22,12 +22,14 @@ import atexit
 import mmap
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -52,6 +54,10 @@ class ReadingProcessExited(RuntimeError):
     """A reading process is gone (killed, out of memory) or stopped answering."""
 
 
+class RingUnavailable(RuntimeError):
+    """A ring of this size could not be made or registered; another size may be."""
+
+
 class ReadingProcesses:
     """``count`` processes and a ring of ``slot_count`` slots of ``slot_bytes``; slot ``s``
     belongs to process ``s % count``. One load at a time uses them (see :func:`acquire`)."""
@@ -66,13 +72,19 @@ class ReadingProcesses:
         self._selector = selectors.DefaultSelector()  # no fd-number limit, unlike select()
         self._mapping: mmap.mmap | None = None
         self.ring: torch.Tensor | None = None
+        _instances.add(self)
         ring_fd = os.memfd_create("ondeck-read-ring", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(ring_fd, slot_bytes * slot_count)
-            self._mapping = mmap.mmap(ring_fd, slot_bytes * slot_count)
-            self.ring = torch.frombuffer(self._mapping, dtype=torch.uint8)
-            if register:
-                self._register()
+            try:
+                os.ftruncate(ring_fd, slot_bytes * slot_count)
+                self._mapping = mmap.mmap(ring_fd, slot_bytes * slot_count)
+                self.ring = torch.frombuffer(self._mapping, dtype=torch.uint8)
+                if register:
+                    self._register()
+            except (OSError, ValueError, RuntimeError) as error:
+                raise RingUnavailable(
+                    f"a ring of {slot_bytes * slot_count} bytes: {error}"
+                ) from error
             for _ in range(count):
                 self._start(ring_fd)
             self._await_ready()
@@ -194,7 +206,13 @@ class ReadingProcesses:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                process.kill()  # a process stuck in a read of a dead disk may outlive this
+                # Its whole session: it leads one (start_new_session). A process stuck in
+                # a read of a dead disk may outlive even this.
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=1.0)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
         self._channels.clear()
         self._processes.clear()
         if self.registered:
@@ -251,16 +269,21 @@ class Lease:
 _shared: ReadingProcesses | None = None
 _shared_lock = threading.Lock()
 _unavailable = False  # they failed to start once: not tried again
+_warned = False
+# Every pool of this process, also one still starting: a forked child lets go of all.
+_instances: weakref.WeakSet[ReadingProcesses] = weakref.WeakSet()
 
 
 def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool) -> Lease | None:
     """A lease on the process-wide reading processes for one load, started or restarted
     to this shape if needed. None when they cannot be used: switched off, unavailable
     here, or busy with another load."""
-    global _shared, _unavailable
+    global _shared, _unavailable, _warned
     if _unavailable or os.environ.get("ONDECK_READ_PROCESSES") == "0":
         return None
     if not hasattr(os, "memfd_create") or not sys.executable:
+        return None
+    if getattr(sys, "frozen", False):  # a bundled app's executable runs the app, not -S
         return None
     if count < 1 or slot_count < count or slot_count > count * MAX_SLOTS_PER_PROCESS:
         raise ValueError(f"{slot_count} slots cannot be shared by {count} reading processes")
@@ -283,7 +306,12 @@ def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool) -> 
             try:
                 current = ReadingProcesses(count, slot_bytes, slot_count, register=register)
             except Exception as error:
-                _unavailable = True
+                # The program cannot run here: not tried again. A ring that could not be
+                # made may work at another size: tried again, warned about once.
+                if _warned and isinstance(error, RingUnavailable):
+                    return None
+                _warned = True
+                _unavailable = not isinstance(error, RingUnavailable)
                 warnings.warn(
                     f"ondeck: reading processes unavailable ({error}); reading on threads",
                     RuntimeWarning,
@@ -300,9 +328,9 @@ def _forget_after_fork() -> None:
     whichever process reads first): it starts its own if it loads."""
     global _shared, _shared_lock
     _shared_lock = threading.Lock()  # another thread may have held it at the fork
-    if _shared is not None:
-        _shared.forget()
-        _shared = None
+    for pool in list(_instances):
+        pool.forget()
+    _shared = None
 
 
 if hasattr(os, "register_at_fork"):  # absent on Windows, where nothing forks

@@ -126,6 +126,10 @@ def read_into(
     instead. ``buffer_bytes`` and ``buffer_count`` default to :data:`PROCESS_RING` or
     :data:`THREAD_RING`.
     """
+    sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
     paths = sorted({job.info.path for job in jobs if job.info.nbytes})
@@ -194,15 +198,19 @@ def read_into(
         for target, job in temporaries:
             job.destination.copy_(target)
     finally:
-        if workers:  # left early (an interrupt, say): still let no worker outlive the read
-            state.fail(LoadError("the read was interrupted", component=component))
-            _join(workers)
-        if lease is not None:
-            lease.release_unclaimed()  # the feeding thread releases what it claimed
-        for fd in files.values():
-            os.close(fd)
-        if bar is not None:
-            bar.close()
+        try:
+            if workers:  # left early (an interrupt, say): let no worker outlive the read
+                state.fail(LoadError("the read was interrupted", component=component))
+                if lease is not None:
+                    lease.release_unclaimed()  # a feeder not yet started will not start
+                _join(workers)
+            if lease is not None:
+                lease.release_unclaimed()  # the feeding thread releases what it claimed
+        finally:
+            for fd in files.values():
+                os.close(fd)
+            if bar is not None:
+                bar.close()
     readers = "threads" if lease is None else "processes"
     return ReadStats(total, time.perf_counter() - started, source, readers)
 
@@ -210,8 +218,12 @@ def read_into(
 def _join(workers: list[threading.Thread]) -> None:
     """Wait for every started worker (each waits for its own device copies), and forget them."""
     for worker in workers:
-        if worker.ident is not None:
-            worker.join()
+        while worker.ident is not None:
+            try:
+                worker.join()
+                break
+            except RuntimeError:  # interrupted inside start(): running, not yet joinable
+                time.sleep(0.001)
     workers.clear()
 
 

@@ -25,6 +25,7 @@ def fresh_processes(monkeypatch):
     """Each test starts without reading processes and stops those it started."""
     monkeypatch.delenv("ONDECK_READ_PROCESSES", raising=False)
     monkeypatch.setattr(process_reader, "_unavailable", False)
+    monkeypatch.setattr(process_reader, "_warned", False)
     process_reader.close_shared()
     yield
     process_reader.close_shared()
@@ -405,3 +406,27 @@ def test_ranks_on_one_host_share_the_cores(monkeypatch):
     assert reader_module.default_processes() == 6
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
     assert reader_module.default_processes() == 1
+
+
+def test_a_ring_too_large_falls_back_once_and_other_sizes_still_use_processes(tmp_path):
+    tensor = torch.randn(3000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    jobs = jobs_for(path)
+    with pytest.warns(RuntimeWarning, match="reading processes unavailable"):
+        stats = read_into(jobs, progress=False, processes=True, buffer_bytes=2**50, buffer_count=2)
+    assert stats.readers == "threads" and same_bits(jobs[0].destination, tensor)
+    assert same_bits(read_by_processes(path)["w"], tensor)  # asserts "processes"
+
+
+def test_a_bundled_app_reads_on_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(process_reader.sys, "frozen", True, raising=False)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
+    stats = read_into(jobs_for(path), progress=False, processes=True)
+    assert stats.readers == "threads" and process_reader._shared is None
+
+
+@pytest.mark.parametrize("option", ["threads", "buffer_bytes", "buffer_count"])
+def test_sizes_below_one_are_refused(tmp_path, option):
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(30)})
+    with pytest.raises(ValueError, match=f"{option} must be at least 1"):
+        read_into(jobs_for(path), progress=False, processes=True, **{option: -1})
