@@ -284,16 +284,34 @@ def _fences(devices) -> dict:
     return fences
 
 
+def _side_streams(fences: dict) -> dict:
+    """A side stream per device for the calling thread, made current there (the thread's
+    copies to that device go to it), starting after the caller's fence."""
+    streams = {}
+    for device, fence in fences.items():
+        stream = torch.cuda.Stream(device)
+        stream.wait_event(fence)
+        torch.cuda.set_stream(stream)
+        streams[device] = stream
+    return streams
+
+
+def _wait_for(streams: dict, state: _ReadState) -> None:
+    """Wait for every stream, also after a failure (the caller frees the destinations
+    then); an asynchronous copy error surfacing here fails the read."""
+    for stream in streams.values():
+        try:
+            stream.synchronize()
+        except BaseException as error:
+            state.fail(error)
+
+
 def _read_chunks(state: _ReadState) -> None:
     """A reading thread: take the next chunk until none are left or the read has failed."""
     streams = {}
     slots: deque[_Slot] = deque()
     try:
-        for device, fence in state.fences.items():
-            stream = torch.cuda.Stream(device)
-            stream.wait_event(fence)
-            torch.cuda.set_stream(stream)  # this thread's copies to that device go there
-            streams[device] = stream
+        streams = _side_streams(state.fences)
         while not state.stop.is_set():
             index = next(state.next_index)
             if index >= len(state.chunks):
@@ -329,13 +347,7 @@ def _read_chunks(state: _ReadState) -> None:
     except BaseException as error:
         state.fail(error)
     finally:
-        # Asynchronous copy errors surface here: they fail the read, and every stream is
-        # still waited for, since the caller frees the destinations on failure.
-        for stream in streams.values():
-            try:
-                stream.synchronize()
-            except BaseException as error:
-                state.fail(error)
+        _wait_for(streams, state)
 
 
 def _processes_wanted(jobs: Sequence[ReadJob], processes: bool | None, devices) -> bool:
@@ -389,11 +401,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
     reading: dict[int, _Chunk] = {}  # slot -> the chunk being read into it
     opened = False
     try:
-        for device, fence in state.fences.items():
-            stream = torch.cuda.Stream(device)
-            stream.wait_event(fence)
-            torch.cuda.set_stream(stream)  # this thread's copies to that device go there
-            streams[device] = stream
+        streams = _side_streams(state.fences)
         file_ids = pool.open_files(state.files)
         opened = True
         free = deque(range(pool.slot_count))
@@ -461,11 +469,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         except BaseException as error:
             pool.broken = True
             state.fail(error)
-        for stream in streams.values():
-            try:
-                stream.synchronize()
-            except BaseException as error:
-                state.fail(error)
+        _wait_for(streams, state)
 
 
 def _read_error(info: TensorInfo, component: str | None, reached: int, reason: str | None):
