@@ -144,9 +144,9 @@ class ReadingProcesses:
     def alive(self) -> bool:
         return not self.broken and all(process.poll() is None for process in self._processes)
 
-    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+    def slot(self, index: int) -> torch.Tensor:
         start = index * self.slot_bytes
-        return self.ring[start : start + nbytes]
+        return self.ring[start : start + self.slot_bytes]
 
     def open_files(self, files: dict[str, int]) -> dict[str, int]:
         """Hand every process the open files (descriptors travel over the socket); returns

@@ -267,6 +267,12 @@ class _Slot:
             self.event.synchronize()
             self.copying = False
 
+    def finished(self) -> bool:
+        """Whether its last copy is done, without waiting."""
+        if self.copying and self.event.query():
+            self.copying = False
+        return not self.copying
+
     def mark_copying(self, stream: torch.cuda.Stream) -> None:
         if self.event is None or self.event_device != stream.device:
             self.event, self.event_device = torch.cuda.Event(), stream.device
@@ -404,14 +410,14 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         streams = _side_streams(state.fences)
         file_ids = pool.open_files(state.files)
         opened = True
+        slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
         free = deque(range(pool.slot_count))
-        copying: deque[tuple[int, torch.cuda.Event]] = deque()  # in the order issued
-        events: dict[tuple[int, torch.device], torch.cuda.Event] = {}
+        copying: deque[int] = deque()  # slots whose copies run, in the order issued
         chunks = iter(state.chunks)
         left = len(state.chunks)
         while left and not state.stop.is_set():
-            while copying and copying[0][1].query():
-                free.append(copying.popleft()[0])
+            while copying and slots[copying[0]].finished():
+                free.append(copying.popleft())
             while free and len(reading) < left:
                 chunk = next(chunks)
                 slot = free.popleft()
@@ -419,7 +425,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
                 reading[slot] = chunk
             if not reading:  # every slot waits for its copy
-                copying[0][1].synchronize()
+                slots[copying[0]].wait()
                 continue
             # Poll soon while copies may free slots; otherwise wait, waking to notice a stop.
             # Every answered slot leaves ``reading`` before any copy is issued: if one
@@ -433,14 +439,12 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
                 length = chunk.hi - chunk.lo
-                stream = _deliver(chunk, pool.slot(slot, length), streams)
+                stream = _deliver(chunk, slots[slot].buffer[:length], streams)
                 if stream is None:
                     free.append(slot)
                 else:
-                    key = (slot, stream.device)
-                    event = events.get(key) or events.setdefault(key, torch.cuda.Event())
-                    event.record(stream)
-                    copying.append((slot, event))
+                    slots[slot].mark_copying(stream)
+                    copying.append(slot)
                 left -= 1
                 if state.bar is not None:
                     state.bar.update(length)

@@ -430,3 +430,62 @@ def test_sizes_below_one_are_refused(tmp_path, option):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(30)})
     with pytest.raises(ValueError, match=f"{option} must be at least 1"):
         read_into(jobs_for(path), progress=False, processes=True, **{option: -1})
+
+
+class _LateStream:
+    """Stands in for a CUDA side stream whose copies happen only when their event is found
+    complete (or the stream is waited for): a slot read into again too early shows up as
+    wrong bytes."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.next_copy = None
+        self.events = []
+
+    def synchronize(self):
+        for event in self.events:
+            event.synchronize()
+
+
+class _LateEvent:
+    def __init__(self):
+        self.copy = None
+        self.polls = 0
+
+    def record(self, stream):
+        self.copy, self.polls = stream.next_copy, 0
+        stream.events.append(self)
+
+    def query(self):
+        self.polls += 1
+        if self.polls < 3:
+            return False
+        self.synchronize()
+        return True
+
+    def synchronize(self):
+        if self.copy is not None:
+            target, source = self.copy
+            target.copy_(source)
+            self.copy = None
+
+
+def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, monkeypatch):
+    from ondeck.loading import reader as reader_module
+
+    stream = _LateStream()
+
+    def deliver_later(chunk, staged, streams):
+        source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
+        stream.next_copy = (chunk.target, source)
+        return stream
+
+    monkeypatch.setattr(reader_module, "_side_streams", lambda fences: {stream.device: stream})
+    monkeypatch.setattr(reader_module, "_deliver", deliver_later)
+    monkeypatch.setattr(torch.cuda, "Event", _LateEvent)
+    tensor = torch.randn(20000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    loaded = read_by_processes(path, threads=2, buffer_bytes=1024, buffer_count=4)
+    assert same_bits(loaded["w"], tensor)
+    assert len(stream.events) == -(-tensor.nbytes // 1024)  # every chunk copied late
