@@ -201,11 +201,11 @@ def read_into(
         try:
             if workers:  # left early (an interrupt, say): let no worker outlive the read
                 state.fail(LoadError("the read was interrupted", component=component))
-                if lease is not None:
-                    lease.release_unclaimed()  # a feeder not yet started will not start
-                _join(workers)
             if lease is not None:
-                lease.release_unclaimed()  # the feeding thread releases what it claimed
+                # A feeder that claimed the processes releases them itself; one not yet
+                # started now never will.
+                lease.release_unclaimed()
+            _join(workers)
         finally:
             for fd in files.values():
                 os.close(fd)
