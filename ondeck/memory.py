@@ -128,6 +128,18 @@ def measured_device_bytes(device: Any) -> int:
     return process_rss_bytes()
 
 
+def free_cached_memory() -> None:
+    """Collect garbage and hand the device memory torch's allocator caches back, so the
+    next allocation after running out of memory finds it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def process_rss_bytes() -> int:
     import psutil
 

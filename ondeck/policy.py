@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import BudgetError
-from .memory import device_facts, format_bytes, parse_bytes
+from .memory import device_facts, format_bytes, free_cached_memory, parse_bytes
 from .plan import budget_step
 
 if TYPE_CHECKING:
@@ -328,19 +328,13 @@ class BudgetPolicy(Policy):
 
     def recover_from_oom(self, index: int) -> bool:
         """Out of memory inside a stage: free everything it does not hold, retry once."""
-        import gc
-
-        import torch
-
         pipeline = self.pipeline
         self.cancel_prefetch()
         keep = set(pipeline.stage_uses()[index].components)
         freed = [name for name in list(pipeline.resident()) if name not in keep]
         for name in freed:
             pipeline.deferred[name].release()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_cached_memory()
         return bool(freed)
 
 

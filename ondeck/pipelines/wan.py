@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from ..errors import LoadError
+from ..lazy import is_out_of_memory
+from ..memory import free_cached_memory
 from ..stages import Pipeline, Stage
 
 __all__ = ["WanTextToVideo", "PromptCache", "WanGeometry"]
@@ -337,9 +340,6 @@ class Decode(Stage):
             return state
         from diffusers.video_processor import VideoProcessor
 
-        from ..errors import LoadError
-        from ..lazy import is_out_of_memory
-
         latents = state["latents"].to(self.vae.device, dtype=self.vae.dtype)
         view = (1, self.geometry.z_dim, 1, 1, 1)
         mean = torch.tensor(self.geometry.latents_mean).view(view).to(latents.device, latents.dtype)
@@ -362,7 +362,7 @@ class Decode(Stage):
             # Out of memory (the traceback is gone with the except block): half the area.
             fraction = (tiles.area if tiles is not None else fraction) / 2
             tiles = decode_tiles(height, width, fraction, scale=scale)
-            _free_cached_memory()
+            free_cached_memory()
             if tiles is None:
                 raise torch.OutOfMemoryError(
                     f"decoding {height}x{width} frames ran out of memory even in "
@@ -398,14 +398,6 @@ class Decode(Stage):
         finally:
             for name, value in saved.items():
                 setattr(vae, name, value)
-
-
-def _free_cached_memory() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 class WanTextToVideo(Pipeline):
