@@ -247,9 +247,9 @@ class _PeakGuard:
     def worth_prefetching(
         self, resident_after: set[str], incoming: Sequence[str], headroom: int
     ) -> bool:
-        return not self._lifts(resident_after, headroom) or _total(incoming, self.nbytes) >= (
-            self.small
-        )
+        if not self._lifts(resident_after, headroom):
+            return True
+        return _total(incoming, self.nbytes) >= self.small  # too large to load late
 
 
 @dataclass(frozen=True)
