@@ -23,14 +23,12 @@ is already set. Results go to $OUT/streaming.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, later_seconds, out_dir, parse_modes  # noqa: E402
+from common import GiB, later_seconds, parse_modes  # noqa: E402
 from wan_suite import Mode, add_comparison_arguments, run_comparison  # noqa: E402
 
 # name: the wan_modes mode, the emulated device GiB (None: whole card), seconds on an H200
@@ -56,25 +54,12 @@ def main() -> None:
         MODES,
         label=lambda name, mode: f"{mode.wan_mode} @ {mode.memory_gib or 139} GiB",
         png_prefix="streaming",
-        after_each=lambda done: write(done.rows, done.skipped, done.sizes),
+        after_each=lambda done: done.write("streaming.json"),
     )
     print()
     print_table(result.rows)
     result.print_skipped("streaming.py")
-    print(
-        f"\ntotal {time.perf_counter() - result.started:.0f}s; "
-        f"results in {out_dir() / 'streaming.json'}"
-    )
-
-
-def write(rows: list[dict], skipped: list, sizes: dict) -> None:
-    document = {
-        "folder_bytes": sizes,
-        "rows": rows,
-        "skipped": [name for name, _, _ in skipped],
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    (out_dir() / "streaming.json").write_text(json.dumps(document, indent=2, default=str))
+    result.print_total("streaming.json")
 
 
 def print_table(rows: list[dict]) -> None:

@@ -38,17 +38,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, later_seconds, out_dir, parse_modes  # noqa: E402
-from wan_suite import Mode, add_comparison_arguments, run_comparison  # noqa: E402
+from common import GiB, later_seconds, parse_modes  # noqa: E402
+from wan_suite import Comparison, Mode, add_comparison_arguments, run_comparison  # noqa: E402
 
 # name: the wan_modes mode, the emulated device GiB (None: whole card), seconds on an
 # H200, extra arguments
@@ -96,7 +94,7 @@ def main() -> None:
         label=lambda name, mode: f"{name} ({mode.wan_mode} @ {mode.memory_gib or 139} GiB)",
         png_prefix="vs_mmgp",
         unavailable=unavailable,
-        after_each=lambda done: write(done.rows, done.skipped, done.sizes, args),
+        after_each=lambda done: write(done, args),
     )
     rows = result.rows
     print()
@@ -104,28 +102,19 @@ def main() -> None:
     results = targets(rows)
     print()
     print_targets(results)
-    write(rows, result.skipped, result.sizes, args, results)
+    write(result, args, results)
     result.print_skipped("vs_mmgp.py", " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else "")
-    print(
-        f"\ntotal {time.perf_counter() - result.started:.0f}s; "
-        f"results in {out_dir() / 'vs_mmgp.json'}"
+    result.print_total("vs_mmgp.json")
+
+
+def write(result: Comparison, args, results: list[dict] | None = None) -> None:
+    result.write(
+        "vs_mmgp.json",
+        targets=results,
+        mmgp_vae="bfloat16 (mmgp default)" if args.mmgp_vae_bf16 else "float32",
+        mmgp_rss_reference=MMGP_RSS_REFERENCE,
+        pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     )
-
-
-def write(
-    rows: list[dict], skipped: list, sizes: dict, args, results: list[dict] | None = None
-) -> None:
-    document = {
-        "folder_bytes": sizes,
-        "rows": rows,
-        "skipped": [name for name, _, _ in skipped],
-        "targets": results,
-        "mmgp_vae": "bfloat16 (mmgp default)" if args.mmgp_vae_bf16 else "float32",
-        "mmgp_rss_reference": MMGP_RSS_REFERENCE,
-        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    (out_dir() / "vs_mmgp.json").write_text(json.dumps(document, indent=2, default=str))
 
 
 def print_table(rows: list[dict]) -> None:

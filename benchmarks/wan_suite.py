@@ -79,6 +79,25 @@ class Comparison:
     rows: list[dict] = field(default_factory=list)
     skipped: list[tuple[str, float, float]] = field(default_factory=list)
 
+    def write(self, filename: str, **extra) -> Path:
+        """The rows so far, the folder's sizes and the skipped modes, with ``extra``, as
+        JSON in ``$OUT``."""
+        document = {
+            "folder_bytes": self.sizes,
+            "rows": self.rows,
+            "skipped": [name for name, _, _ in self.skipped],
+            **extra,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        path = out_dir() / filename
+        path.write_text(json.dumps(document, indent=2, default=str))
+        return path
+
+    def print_total(self, filename: str) -> None:
+        print(
+            f"\ntotal {time.perf_counter() - self.started:.0f}s; results in {out_dir() / filename}"
+        )
+
     def print_skipped(self, script: str, flags: str = "") -> None:
         if self.skipped:
             names = ",".join(name for name, _, _ in self.skipped)
