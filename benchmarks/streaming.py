@@ -56,6 +56,7 @@ def main() -> None:
         png_prefix="streaming",
         after_each=lambda done: done.write("streaming.json"),
     )
+    result.write("streaming.json")  # also the modes skipped after the last that ran
     print()
     print_table(result.rows)
     result.print_skipped("streaming.py")

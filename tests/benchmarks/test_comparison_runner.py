@@ -82,3 +82,22 @@ def test_the_mmgp_flag_reaches_only_mmgp_modes(scripts, monkeypatch):
     vs_mmgp.main()
     assert [mode_of(c) for c in commands] == ["mmgp-1", "diffusers-eager"]
     assert "--mmgp-vae-bf16" in commands[0] and "--mmgp-vae-bf16" not in commands[1]
+
+
+def test_results_are_written_with_the_rows_and_the_skipped_modes(scripts, monkeypatch, tmp_path):
+    import json
+
+    streaming, vs_mmgp, _ = scripts
+    monkeypatch.setattr(
+        sys, "argv", ["streaming.py", "--modes", "eager,model-offload", "--deadline-s", "100"]
+    )
+    streaming.main()
+    written = json.loads((tmp_path / "streaming.json").read_text())
+    assert [row["name"] for row in written["rows"]] == ["eager"]
+    assert written["skipped"] == ["model-offload"] and written["folder_bytes"] == {"vae": 1}
+    monkeypatch.setattr(vs_mmgp, "importable", lambda name: True)
+    monkeypatch.setattr(sys, "argv", ["vs_mmgp.py", "--modes", "eager", "--mmgp-vae-bf16"])
+    vs_mmgp.main()
+    written = json.loads((tmp_path / "vs_mmgp.json").read_text())
+    assert [row["name"] for row in written["rows"]] == ["eager"]
+    assert written["mmgp_vae"] == "bfloat16 (mmgp default)" and "targets" in written
