@@ -190,12 +190,12 @@ class RssSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
-def parse_modes(parser, text: str, known) -> list[str]:
-    """The comma-separated mode names of ``text``, in order; an unknown one is a usage error."""
+def parse_modes(parser, text: str, known, kind: str = "modes") -> list[str]:
+    """The comma-separated names of ``text``, in order; an unknown one is a usage error."""
     modes = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in modes if name not in known]
     if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(known)}")
+        parser.error(f"unknown {kind} {unknown}; choose from {', '.join(known)}")
     return modes
 
 

@@ -34,7 +34,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, build_wan14b_folder, emit, folder_bytes, out_dir  # noqa: E402
+from common import (  # noqa: E402
+    GiB,
+    build_wan14b_folder,
+    emit,
+    folder_bytes,
+    out_dir,
+    parse_modes,
+)
 
 HERE = Path(__file__).resolve()
 PROMPTS = ["a red fox trotting through fresh snow at dawn", "a grey heron in a misty river"]
@@ -230,6 +237,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    known = [variant_key(shard) for _, shard in VARIANTS]
+    wanted = set(parse_modes(parser, args.variants, known, kind="variants"))
 
     import torch
 
@@ -253,10 +262,6 @@ def main() -> None:
     common += ["--height", str(args.height)]
     common += ["--width", str(args.width), "--frames", str(args.frames)]
     common += ["--steps", str(args.steps), "--runs", str(args.runs)]
-    wanted = {name.strip() for name in args.variants.split(",") if name.strip()}
-    unknown = wanted - {variant_key(shard) for _, shard in VARIANTS}
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}")
     for label, shard in VARIANTS:
         if variant_key(shard) not in wanted:
             continue
