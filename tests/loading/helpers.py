@@ -139,6 +139,16 @@ def assert_same_state(loaded, reference):
         assert torch.equal(ours_buffer, their_buffer), name
 
 
+def jobs_for(path, dtype: torch.dtype | None = None, device: str = "cpu") -> list:
+    """A read of every tensor of a file into a fresh tensor (of ``dtype``, else the file's)."""
+    from ondeck.loading import ReadJob, read_header
+
+    return [
+        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype, device=device))
+        for info in read_header(path).tensors.values()
+    ]
+
+
 def raise_after(monkeypatch, owner, attribute: str, calls: int, error: BaseException) -> dict:
     """Let ``owner.attribute`` run ``calls`` times, then raise ``error`` on every call.
     Returns the live call count ({"n": ...})."""

@@ -18,6 +18,7 @@ from .helpers import (
     MODELS,
     assert_same_state,
     from_pretrained,
+    jobs_for,
     raise_after,
     random_tensor,
     same_bits,
@@ -36,10 +37,7 @@ def readers(request, monkeypatch) -> str:
 
 
 def read_to_cuda(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
-    jobs = [
-        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype, device="cuda"))
-        for info in read_header(path).tensors.values()
-    ]
+    jobs = jobs_for(path, dtype, device="cuda")
     stats = read_into(jobs, progress=False, **options)
     wanted = "threads" if os.environ["ONDECK_READ_PROCESSES"] == "0" else "processes"
     assert stats.readers == wanted

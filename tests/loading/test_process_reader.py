@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ondeck.errors import LoadError
-from ondeck.loading import ReadJob, process_reader, read_header, read_into
+from ondeck.loading import process_reader, read_header, read_into
 
-from .helpers import raise_after, random_tensor, same_bits, write_safetensors
+from .helpers import jobs_for, raise_after, random_tensor, same_bits, write_safetensors
 from .test_reader import DTYPES
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
@@ -29,13 +29,6 @@ def fresh_processes(monkeypatch):
     process_reader.close_shared()
     yield
     process_reader.close_shared()
-
-
-def jobs_for(path, dtype=None) -> list[ReadJob]:
-    return [
-        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype))
-        for info in read_header(path).tensors.values()
-    ]
 
 
 def read_by_processes(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:

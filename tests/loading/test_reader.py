@@ -8,7 +8,7 @@ from ondeck.errors import LoadError
 from ondeck.loading import ReadJob, read_header, read_into
 from ondeck.loading import reader as reader_module
 
-from .helpers import random_tensor, same_bits, write_safetensors
+from .helpers import jobs_for, random_tensor, same_bits, write_safetensors
 
 DTYPES = [
     torch.bool,
@@ -32,10 +32,7 @@ DTYPES = [
 
 def read_all(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
     """Read every tensor of a file through the reader into fresh CPU tensors."""
-    jobs = [
-        ReadJob(info, torch.empty(info.shape, dtype=dtype or info.dtype))
-        for info in read_header(path).tensors.values()
-    ]
+    jobs = jobs_for(path, dtype)
     read_into(jobs, progress=False, **options)
     return {job.info.name: job.destination for job in jobs}
 
