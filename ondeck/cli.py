@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,25 @@ from .memory import format_bytes, parse_bytes
 
 EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
 REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
+OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy")
+DEBUG_HINT = "run with --debug (or ONDECK_DEBUG=1) to see the traceback"
+
+
+class UsageError(OndeckError):
+    """A command-line argument is wrong; exits with status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line instead of the usage text and an exit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--budget -1GiB` reaches the option's check (argparse would take -1GiB for an
+        # option and say "expected one argument"): any dash-digit word is a value.
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d)")
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _dtype(name: str | None, device: Any) -> Any:
@@ -25,26 +45,96 @@ def _dtype(name: str | None, device: Any) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def _whole_number(text: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _seed(text: str) -> int:
+    # torch.Generator.manual_seed takes an unsigned 64-bit seed.
+    return _whole_number(text, 0, 2**64 - 1)
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _size(text: str, *, allow_zero: bool) -> int:
+    """A size in bytes: ``24GiB``, ``500MB``, or a plain number of bytes (``1e9`` too)."""
+    hint = "write e.g. 24GiB, 500MB or a number of bytes such as 1e9"
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {text!r}")
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        if not math.isfinite(number) or number != int(number):
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {hint}")
+        nbytes = int(number)
+    else:
+        try:
+            nbytes = parse_bytes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {hint}") from None
+    if nbytes < 0 or (nbytes == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return nbytes
+
+
+def _budget(text: str) -> int:
+    return _size(text, allow_zero=False)
+
+
+def _host_cache(text: str) -> int:
+    return _size(text, allow_zero=True)
+
+
 def _add_shape(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--frames", type=int)
+    parser.add_argument("--height", type=_positive, help="pixels; Wan: a multiple of 16")
+    parser.add_argument("--width", type=_positive, help="pixels; Wan: a multiple of 16")
+    parser.add_argument("--frames", type=_positive, help="Wan: 4k+1 (e.g. 17, 33, 81)")
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="auto", choices=["auto", "eager", "release", "budget"])
-    parser.add_argument("--budget", help="memory budget, e.g. 24GiB (implies --policy budget)")
+    parser.add_argument(
+        "--budget", type=_budget, help="memory budget, e.g. 24GiB (implies --policy budget)"
+    )
     parser.add_argument("--device", help="cuda, cuda:1, cpu, mps (default: cuda if present)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument(
         "--host-cache",
+        type=_host_cache,
         help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off)",
     )
 
 
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks (also ONDECK_DEBUG=1)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ondeck",
         description="Run multi-stage generative pipelines in the memory of their largest stage.",
     )
@@ -52,15 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate a video from a model folder")
     generate.add_argument(
-        "model_dir", nargs="?", help="diffusers-format folder (default: embedded)"
+        "model_dir",
+        nargs="?",
+        help="diffusers-format folder or Hub repo id (owner/name); default: embedded",
     )
     generate.add_argument("--prompt", default="a red fox running through fresh snow at dawn")
     generate.add_argument("--negative-prompt", default="")
     _add_shape(generate)
-    generate.add_argument("--steps", type=int)
-    generate.add_argument("--guidance", type=float, default=5.0)
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--runs", type=int, default=1, help="generate this many times in a row")
+    generate.add_argument("--steps", type=_positive)
+    generate.add_argument("--guidance", type=_finite, default=5.0)
+    generate.add_argument("--seed", type=_seed, default=0)
+    generate.add_argument(
+        "--runs", type=_positive, default=1, help="generate this many times in a row"
+    )
     generate.add_argument("--output", default="ondeck-out", help="folder for video and report")
     generate.add_argument(
         "--shard",
@@ -72,44 +166,147 @@ def build_parser() -> argparse.ArgumentParser:
         "transformer`; repeat or comma-separate for more (text_encoder)",
     )
     _add_runtime(generate)
+    _add_debug(generate)
 
     plan = commands.add_parser("plan", help="predict memory per stage without loading weights")
-    plan.add_argument("model_dir")
+    plan.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
     _add_shape(plan)
     _add_runtime(plan)
+    _add_debug(plan)
 
     inspect = commands.add_parser("inspect", help="list components, classes, dtypes and bytes")
-    inspect.add_argument("model_dir")
+    inspect.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    _add_debug(inspect)
 
     bench = commands.add_parser("bench", help="compare policies on a model folder")
     bench.add_argument("model_dir", nargs="?")
-    bench.add_argument("--runs", type=int, default=2)
+    bench.add_argument("--runs", type=_positive, default=2)
     bench.add_argument("--device")
+    _add_debug(bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Errors are one line on stderr: status 2 for a wrong argument,
+    1 for any other failure, 130 for Ctrl-C; ``--debug`` or ``ONDECK_DEBUG=1`` shows
+    the traceback instead."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in arguments or os.environ.get("ONDECK_DEBUG", "") not in ("", "0")
     try:
+        args = build_parser().parse_args(arguments)
         return {"generate": generate, "plan": plan, "inspect": inspect, "bench": bench}[
             args.command
         ](args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("\nondeck: interrupted", file=sys.stderr)
+        return 130
     except OndeckError as error:
-        print(f"ondeck: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+        if debug:
+            raise
+        print(f"ondeck: error: {_describe(error)}", file=sys.stderr)
+        return 2 if isinstance(error, UsageError) else 1
+    except Exception as error:
+        if debug:
+            raise
+        first = _first_line(error)
+        print(f"ondeck: error: {type(error).__name__}: {first} ({DEBUG_HINT})", file=sys.stderr)
+        return 1
+
+
+def _describe(error: OndeckError) -> str:
+    """One line for the error; what follows its first line (a plan table) comes after."""
+    text = str(error).strip() or type(error).__name__
+    if type(error).__name__ not in ("UsageError", "OutputError", "OndeckError"):
+        text = f"{type(error).__name__}: {text}"
+    return text
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"
+
+
+def _check_device(name: str | None) -> None:
+    """``--device`` names a device this machine has; one line when it does not."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"argument --device: {name!r} is not a device (use cpu, cuda, cuda:N or mps)"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"argument --device: {name} asked for, but CUDA is not available here "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"argument --device: {name} asked for, but there are {count} GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"argument --device: {name} asked for, but MPS is not available")
+    elif device.type != "cpu":
+        raise UsageError(f"argument --device: {name!r}: ondeck runs on cpu, cuda or mps")
+
+
+def _check_text(option: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"argument {option}: not valid UTF-8 text") from None
+
+
+def _check_shape(pipe: Any, height: int | None, width: int | None, frames: int | None) -> None:
+    """The shape suits the model, from its configs (no weights): Wan's sides are
+    multiples of the VAE's scale times the patch size, its frames 4k+1."""
+    geometry = getattr(pipe, "geometry", None)
+    if geometry is None:
+        return
+    sides = (
+        ("--height", height, geometry.scale_spatial * geometry.patch_size[1]),
+        ("--width", width, geometry.scale_spatial * geometry.patch_size[2]),
+    )
+    for option, value, step in sides:
+        if value is not None and value % step:
+            below = value // step * step
+            raise UsageError(
+                f"argument {option}: must be a multiple of {step} for this model, got {value} "
+                f"(try {_either(below, below + step)})"
+            )
+    step = geometry.scale_temporal
+    if frames is not None and frames % step != 1:
+        below = (frames - 1) // step * step + 1
+        raise UsageError(
+            f"argument --frames: must be {step}k+1 for this model (1, {step + 1}, "
+            f"{2 * step + 1}, ...), got {frames} (try {_either(below, below + step)})"
+        )
+
+
+def _either(below: int, above: int) -> str:
+    return f"{below} or {above}" if below > 0 else str(above)
 
 
 def _model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
     if args.model_dir:
-        return Path(args.model_dir), False
+        from .hub import resolve_model
+
+        return resolve_model(args.model_dir), False
     from .embedded import embedded_default
 
     say("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
-    say("        model with random weights: its output is noise). For a real video, point it")
+    say("        model with random weights: its output is coloured noise). For a real video,")
     say(
-        "        at a diffusers-format checkpoint: ondeck generate /path/to/Wan2.1-T2V-14B-Diffusers"
+        "        point it at a diffusers-format checkpoint or a Hub repo id: ondeck generate "
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers"
     )
-    path, built = embedded_default()
+    path, built = embedded_default(say=say)
     if built:
         say(f"ondeck: built the embedded default in {path}")
     return path, True
@@ -123,12 +320,17 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
 
     device = resolve_device(args.device)
     host_cache = None
-    if args.host_cache is not None and parse_bytes(args.host_cache):
-        host_cache = HostCache(parse_bytes(args.host_cache))
+    if args.host_cache:
+        host_cache = HostCache(args.host_cache)
     policy = "budget" if args.budget and args.policy == "auto" else args.policy
     shard = _shard_names(args)
     if shard and not is_wan_folder(read_model_index(path)):
-        raise OndeckError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
+        raise UsageError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
+    unknown = sorted(set(shard) - {"text_encoder", "transformer", "vae"})
+    if unknown:
+        raise UsageError(
+            f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
+        )
     return pipeline_for_folder(
         path,
         device=device,
@@ -162,30 +364,42 @@ def generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import distributed
+    from .output import check_writable_folder
 
+    _check_text("--prompt", args.prompt)
+    _check_text("--negative-prompt", args.negative_prompt)
+    _check_device(args.device)
+    unknown = sorted(set(_shard_names(args)) - {"text_encoder", "transformer", "vae"})
+    if unknown:
+        raise UsageError(
+            f"argument --shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
+        )
+    out = Path(args.output)
     # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.
     joined = _start_distributed(args)
     main = distributed.is_main()
+    if main:  # before any work: a run that cannot write its result is not started
+        check_writable_folder(out, OUTPUT_NAMES)
     say = print if main else (lambda *_, **__: None)
     with distributed.main_first():  # rank 0 builds the embedded default, if needed, alone
         path, embedded = _model_dir(args, say)
     shape = EMBEDDED_SHAPE if embedded else REAL_SHAPE
-    height = args.height or shape["height"]
-    width = args.width or shape["width"]
-    frames = args.frames or shape["frames"]
-    steps = args.steps or shape["steps"]
+    # `is None`, not `or`: a 0 is refused by the parser, never replaced by a default.
+    height = shape["height"] if args.height is None else args.height
+    width = shape["width"] if args.width is None else args.width
+    frames = shape["frames"] if args.frames is None else args.frames
+    steps = shape["steps"] if args.steps is None else args.steps
     pipe = _pipeline(args, path)
+    _check_shape(pipe, height, width, frames)
     say(f"ondeck: {pipe.policy.reason}")
     plan_ = pipe.plan()
     say(plan_)
-    out = Path(args.output)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
     timings = []
     for run in range(args.runs):
         started = time.perf_counter()
         label = f"run {run + 1}/{args.runs} denoising"
-        with tqdm(total=steps, desc=label, unit="step", disable=not main) as bar:
+        quiet = not main or os.environ.get("ONDECK_PROGRESS") == "0"
+        with tqdm(total=steps, desc=label, unit="step", disable=quiet) as bar:
             frames_out = pipe.generate(
                 args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -215,24 +429,50 @@ def generate(args: argparse.Namespace) -> int:
         if not main:
             distributed.shutdown()
             return 0
-    video_path = out / "video.mp4"
-    _write_video(frames_out[0], video_path)
-    report_path = out / "report.json"
-    report_path.write_text(json.dumps(report, indent=2, default=str))
-    plot_path = pipe.tracker.plot(
-        out / "timeline.png", title=f"ondeck {pipe.policy.name}: {path.name}"
-    )
     print(
         f"ondeck: components sum to {format_bytes(report['sum_bytes'])}; "
         f"peak resident {format_bytes(report['peak_resident_bytes'])} "
         f"under '{pipe.policy.name}'; runs took {', '.join(f'{t:.1f}s' for t in timings)}"
     )
-    print(f"ondeck: wrote {video_path}, {report_path}, {plot_path}")
     if joined:
         _print_ranks(report["ranks"])
         distributed.shutdown()
-    if embedded:
-        print("ondeck: (embedded default: random weights, so the video is noise)")
+    code = _write_results(
+        out, report, pipe, frames_out[0], title=f"ondeck {pipe.policy.name}: {path.name}"
+    )
+    if embedded and code == 0:
+        print(
+            "ondeck: what you see is the embedded default's random weights decoding seeded "
+            "noise into colour blotches, not the prompt; give a real model for a real video"
+        )
+    return code
+
+
+def _write_results(out: Path, report: dict, pipe: Any, frames: Any, *, title: str) -> int:
+    """report.json and the timeline first, then the video; each renamed into place.
+
+    A video that cannot be written keeps the frames as frames.npy and fails the command.
+    """
+    from .output import OutputError, atomic_path, write_frames, write_json, write_video
+
+    report_path = write_json(out / "report.json", report)
+    plot_path = out / "timeline.png"
+    try:
+        with atomic_path(plot_path) as temporary:
+            pipe.tracker.plot(temporary, title=title)
+    except OSError as error:
+        raise OutputError(f"could not write {plot_path}: {error.strerror or error}") from error
+    video_path = out / "video.mp4"
+    try:
+        write_video(video_path, frames)
+    except OutputError as error:
+        print(f"ondeck: wrote {report_path}, {plot_path}")
+        try:
+            kept = write_frames(out / "frames.npy", frames)
+        except OutputError as second:
+            raise OutputError(f"{error}; keeping the frames failed too ({second})") from error
+        raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
+    print(f"ondeck: wrote {video_path}, {report_path}, {plot_path}")
     return 0
 
 
@@ -247,19 +487,13 @@ def _print_ranks(ranks: list[dict]) -> None:
         )
 
 
-def _write_video(frames: Any, path: Path, fps: int = 16) -> None:
-    import imageio.v2 as imageio
-    import numpy as np
-
-    pixels = (np.clip(frames, 0.0, 1.0) * 255).round().astype("uint8")
-    with imageio.get_writer(path, fps=fps, macro_block_size=1) as writer:
-        for frame in pixels:
-            writer.append_data(frame)
-
-
 def plan(args: argparse.Namespace) -> int:
-    pipe = _pipeline(args, Path(args.model_dir))
-    budget = parse_bytes(args.budget) if args.budget else None
+    from .hub import resolve_model
+
+    _check_device(args.device)
+    pipe = _pipeline(args, resolve_model(args.model_dir))
+    _check_shape(pipe, args.height, args.width, args.frames)
+    budget = args.budget or None
     shape = getattr(pipe, "set_plan_shape", None)
     if shape is not None:
         shape(height=args.height, width=args.width, frames=args.frames)
@@ -269,9 +503,10 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from .hub import resolve_model
     from .loading import ModelFolder
 
-    folder = ModelFolder.open(args.model_dir)
+    folder = ModelFolder.open(resolve_model(args.model_dir))
     print(f"{folder.path}: {folder.pipeline_class_name}")
     total = 0
     for name in folder.component_names:
@@ -291,6 +526,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     """Each policy on the same folder, runs back to back: time, peak resident, bytes loaded."""
+    _check_device(args.device)
     path, embedded = _model_dir(args)
     rows = []
     for policy in ("eager", "release", "budget"):

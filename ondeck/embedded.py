@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from .output import OutputError, current_umask, write_json
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on one CPU core; used by the test suite.
@@ -54,9 +57,19 @@ def default_cache_dir() -> Path:
 
 
 def build_wan_folder(
-    path: str | os.PathLike, *, preset: str = "tiny", seed: int = 0, max_shard_size: str = "5GB"
+    path: str | os.PathLike,
+    *,
+    preset: str = "tiny",
+    seed: int = 0,
+    max_shard_size: str = "5GB",
+    vivid: bool = False,
 ) -> Path:
-    """Write a Wan 2.1 text-to-video folder in diffusers format with random weights."""
+    """Write a Wan 2.1 text-to-video folder in diffusers format with random weights.
+
+    Small random weights decode to values near zero: a flat grey video. ``vivid`` scales
+    the VAE decoder's output layer so that its output spans the pixel range, and the
+    video shows seeded coloured noise instead (what the embedded default does).
+    """
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
@@ -86,6 +99,8 @@ def build_wan_folder(
                 weight = getattr(norm, "weight", None)
                 if "Norm" in type(norm).__name__ and isinstance(weight, torch.nn.Parameter):
                     weight.fill_(1.0)
+        if vivid:
+            _spread_decoder_output(vae, generator)
 
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
@@ -105,8 +120,43 @@ def build_wan_folder(
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
     }
     (path / "model_index.json").write_text(json.dumps(model_index, indent=2))
-    (path / MARKER).write_text(json.dumps({"preset": preset, "seed": seed}))
+    (path / MARKER).write_text(json.dumps({"preset": preset, "seed": seed, "vivid": vivid}))
     return path
+
+
+# Standard deviation of the decoded pixels, in the VAE's [-1, 1] range: most pixels
+# land well inside it, some saturate, and neighbouring ones differ visibly.
+VIVID_PIXEL_STD = 0.5
+
+
+def _spread_decoder_output(vae: Any, generator: Any) -> None:
+    """Make the VAE decoder carry its input's structure out to the pixels (seeded).
+
+    With small random weights and biases, the biases swamp what comes in: every latent
+    decodes to about the same flat colour. Here the decoder's convolutions get unit-gain
+    random weights and no biases, so the seeded latent noise survives as coloured,
+    spatially correlated blotches, and the last convolution is scaled so that latents
+    like the pipeline's decode to pixels with standard deviation ``VIVID_PIXEL_STD``.
+    """
+    import math
+
+    import torch
+
+    for module in [vae.post_quant_conv, *vae.decoder.modules()]:
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+            fan_in = module.weight[0].numel()
+            module.weight.copy_(
+                torch.randn(module.weight.shape, generator=generator) / math.sqrt(fan_in)
+            )
+            if module.bias is not None:
+                module.bias.zero_()
+    config = vae.config
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+    # The pipeline decodes latents * std + mean; untrained denoising leaves its noise.
+    latents = torch.randn((1, config.z_dim, 2, 8, 8), generator=generator) * std + mean
+    measured = float(vae.decode(latents, return_dict=False)[0].std())
+    vae.decoder.conv_out.weight.mul_(VIVID_PIXEL_STD / max(measured, 1e-12))
 
 
 def _diffusers_version() -> str:
@@ -115,20 +165,108 @@ def _diffusers_version() -> str:
     return diffusers.__version__
 
 
-def embedded_default(cache_dir: str | os.PathLike | None = None) -> tuple[Path, bool]:
-    """The embedded default folder, built on first use. Returns (path, built_now)."""
-    folder = Path(cache_dir or default_cache_dir()) / "wan-embedded-default"
-    if (folder / MARKER).exists() and (folder / "model_index.json").exists():
+# Part of the folder's name and of its marker: a change to what the embedded default
+# holds bumps it, and caches built before the change are rebuilt. 2: vivid output.
+EMBEDDED_VERSION = 2
+
+# What a complete embedded default holds, besides the marker written last.
+_REQUIRED = (
+    "model_index.json",
+    "tokenizer",
+    "scheduler/scheduler_config.json",
+    "text_encoder/config.json",
+    "transformer/config.json",
+    "vae/config.json",
+)
+
+
+def embedded_default(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    preset: str = "default",
+    say: Any = None,
+) -> tuple[Path, bool]:
+    """The embedded default folder, built on first use. Returns (path, built_now).
+
+    Concurrent first runs build it once: the builder holds a lock file beside the
+    folder, builds into a temporary folder in the same place and renames it into
+    place; the others wait and use its result. A folder that is incomplete (a marker
+    written last is missing, or a file is) or from an older version is rebuilt, and
+    ``say`` (a print-like callable) is told why in one line.
+    """
+    root = Path(cache_dir or default_cache_dir())
+    name = "wan-embedded-default" if preset == "default" else f"wan-embedded-{preset}"
+    folder = root / name
+    if _problem(folder) is None:
         return folder, False
-    staging = folder.with_name(folder.name + ".partial")
-    if staging.exists():
-        import shutil
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{name}.lock", "a+b")  # held across the build
+    except OSError as error:
+        raise OutputError(
+            f"cannot write the embedded default under {root} ({error.strerror or error}); "
+            "set ONDECK_CACHE to a writable folder, or give a model folder"
+        ) from error
+    with lock:
+        import fcntl
 
-        shutil.rmtree(staging)
-    build_wan_folder(staging, preset="default", seed=0)
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    staging.rename(folder)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        problem = _problem(folder)
+        if problem is None:  # another process built it while this one waited
+            return folder, False
+        if folder.exists() and say is not None:
+            say(f"ondeck: the embedded default in {folder} {problem}; rebuilding it")
+        _remove_leftovers(root, name)
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=root))
+            staging.chmod(0o777 & ~current_umask())  # mkdtemp's folder is private
+        except OSError as error:
+            raise OutputError(
+                f"cannot write the embedded default under {root} ({error.strerror or error}); "
+                "set ONDECK_CACHE to a writable folder, or give a model folder"
+            ) from error
+        try:
+            build_wan_folder(staging, preset=preset, seed=0, vivid=True)
+            _write_marker(staging, preset)
+            if folder.exists():
+                # A folder cannot be renamed onto a non-empty one: move the old one aside.
+                aside = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".old", dir=root))
+                os.replace(folder, aside / name)
+            os.replace(staging, folder)
+        finally:
+            _remove_leftovers(root, name)
     return folder, True
+
+
+def _problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a usable embedded default, or None when it is."""
+    if not folder.is_dir():
+        return "does not exist"
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return f"is incomplete (no {MARKER}; an interrupted build?)"
+    if not isinstance(marker, dict) or marker.get("version") != EMBEDDED_VERSION:
+        return "is from an older ondeck"
+    for required in _REQUIRED:
+        if not (folder / required).exists():
+            return f"is incomplete ({required} is missing)"
+    for component in ("text_encoder", "transformer", "vae"):
+        if not any((folder / component).glob("*.safetensors")):
+            return f"is incomplete (no weights in {component}/)"
+    return None
+
+
+def _write_marker(folder: Path, preset: str) -> None:
+    """The marker, written last and atomically: its presence means the rest is there."""
+    document = {"preset": preset, "seed": 0, "vivid": True, "version": EMBEDDED_VERSION}
+    write_json(folder / MARKER, document)
+
+
+def _remove_leftovers(root: Path, name: str) -> None:
+    """Staging and set-aside folders of this or an interrupted build (lock held)."""
+    import shutil
+
+    for leftover in root.glob(f".{name}.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(root / f"{name}.partial", ignore_errors=True)  # older ondeck's staging

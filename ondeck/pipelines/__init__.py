@@ -27,8 +27,10 @@ def read_model_index(path: str | os.PathLike) -> dict[str, Any]:
 
 def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
     """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
+    from ..hub import resolve_model
     from .wan import WanTextToVideo, is_wan_folder
 
+    path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
     model_index = read_model_index(path)
     if is_wan_folder(model_index):
         return WanTextToVideo.from_folder(path, **options)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ...errors import LoadError
+from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...memory import resolve_device
 from .component import PipelineComponent, _is_plain
@@ -97,6 +98,8 @@ def from_pretrained(
 def _local_folder(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
     if Path(path).expanduser().is_dir():
         return Path(path).expanduser()
+    if not set(_HUB_OPTIONS) & set(kwargs):  # the cache, else a safetensors-only download
+        return resolve_model(path)
     from diffusers import DiffusionPipeline
 
     # A hub id: diffusers fetches the snapshot (files only; nothing is loaded yet).
