@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ondeck",
         description="Run multi-stage generative pipelines in the memory of their largest stage.",
     )
+    _add_debug(parser)  # before the command too: `ondeck --debug generate`
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate a video from a model folder")

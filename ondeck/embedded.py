@@ -233,6 +233,12 @@ def embedded_default(
                 aside = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".old", dir=root))
                 os.replace(folder, aside / name)
             os.replace(staging, folder)
+        except OSError as error:  # a full disk, say: nothing half-built stays behind
+            raise OutputError(
+                f"could not build the embedded default under {root} "
+                f"({error.strerror or error}); set ONDECK_CACHE to another folder, or give a "
+                "model folder"
+            ) from error
         finally:
             _remove_leftovers(root, name)
     return folder, True

@@ -61,8 +61,8 @@ def resolve_model(source: str | os.PathLike) -> Path:
         return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS))
     except Exception as error:  # network, authentication, missing repo: one line each
         raise LoadError(
-            f"{repo_id}: download from the Hugging Face Hub failed ({type(error).__name__}: "
-            f"{_first_line(error)}); {fetch}",
+            f"{repo_id} is not a folder, and downloading it from the Hugging Face Hub failed "
+            f"({type(error).__name__}: {_first_line(error)}); {fetch}",
             path=repo_id,
         ) from error
 

@@ -163,3 +163,20 @@ def test_the_cli_says_what_the_embedded_default_shows(capsys, cache, tmp_path, m
         "into colour blotches, not the prompt; give a real model for a real video"
     )
     assert os.path.isdir(cache / TINY)
+
+
+def test_a_build_that_fails_half_way_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    import ondeck.embedded
+
+    def disk_full(path, **_):
+        (path / "tokenizer").mkdir()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ondeck.embedded, "build_wan_folder", disk_full)
+    with pytest.raises(OutputError) as caught:
+        embedded_default(tmp_path, preset="tiny")
+    assert str(caught.value) == (
+        f"could not build the embedded default under {tmp_path} (No space left on device); "
+        "set ONDECK_CACHE to another folder, or give a model folder"
+    )
+    assert listing(tmp_path) == {f"{TINY}.lock"}

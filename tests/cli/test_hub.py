@@ -107,8 +107,9 @@ def test_a_failed_download_is_one_line_saying_what_to_run(hub_cache, monkeypatch
     with pytest.raises(ondeck.LoadError) as caught:
         resolve_model("owner/elsewhere")
     assert str(caught.value) == (
-        "owner/elsewhere: download from the Hugging Face Hub failed (ConnectionError: Name or "
-        "service not known); fetch it with `hf download owner/elsewhere` (or pass a local folder)"
+        "owner/elsewhere is not a folder, and downloading it from the Hugging Face Hub failed "
+        "(ConnectionError: Name or service not known); fetch it with `hf download "
+        "owner/elsewhere` (or pass a local folder)"
     )
 
 
