@@ -377,8 +377,12 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
             f"component '{name}': {cls.__name__} has no from_pretrained to load it with",
             component=name,
         )
+    options: dict[str, Any] = {"local_files_only": True}
+    if cls.__module__.startswith("transformers"):
+        # Never the code a folder ships (an auto_map): transformers would prompt or run it.
+        options["trust_remote_code"] = False
     try:
-        return loader(str(directory), local_files_only=True)
+        return loader(str(directory), **options)
     except Exception as error:
         raise LoadError(
             f"component '{name}' from {directory}: {cls.__name__}.from_pretrained failed with "

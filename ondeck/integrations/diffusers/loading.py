@@ -40,6 +40,7 @@ def from_pretrained(
     host_cache: Any = None,
     *,
     progress: bool = True,
+    libraries: tuple[str, ...] | list[str] = (),
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -57,23 +58,35 @@ def from_pretrained(
     transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
     present. ``policy``, ``budget`` and ``prefetch`` are those of :class:`ondeck.Pipeline`;
     ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
+    ``libraries`` names installed packages, beyond diffusers and transformers, whose
+    classes model_index.json may name; no other module is imported for the folder.
     """
     import diffusers
 
-    from ...loading import ModelFolder
+    from ...loading import ModelFolder, load_auxiliary
 
     dtype = kwargs.pop("dtype", None)
     if torch_dtype is not None and dtype is not None:
         raise ValueError("pass torch_dtype or dtype, not both")
     dtype = dtype if dtype is not None else torch_dtype
     path = _local_folder(path, kwargs)
-    folder = ModelFolder.open(path, variant=kwargs.get("variant"))
+    folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
     base_class = _pipeline_class(diffusers, folder)
+    for name in folder.component_names:
+        if name not in kwargs:
+            folder.component_class(name)  # refuses an untrusted library before diffusers imports it
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
+    auxiliaries: dict[str, Any] = {}
     for name in folder.component_names:
-        if name in kwargs or not _can_defer(folder, name):
+        if name in kwargs:
+            continue
+        if _is_transformers_auxiliary(folder, name):
+            # Loaded here, not by diffusers, so that a tokenizer's auto_map never runs.
+            auxiliaries[name] = load_auxiliary(folder, name)
+            continue
+        if not _can_defer(folder, name):
             continue
         component = _deferred_component(
             folder, name, device, _component_dtype(dtype, name, folder), host_cache, progress
@@ -86,8 +99,9 @@ def from_pretrained(
     if dtype is not None:
         options["dtype"] = dtype
     with _shaped_from_configs(components.values()):
-        pipe = pipeline_class.from_pretrained(str(path), **components, **options)
-    _place_loaded_by_diffusers(pipe, folder, skip=set(components) | set(kwargs), device=device)
+        pipe = pipeline_class.from_pretrained(str(path), **components, **auxiliaries, **options)
+    loaded_here = set(components) | set(auxiliaries) | set(kwargs)
+    _place_loaded_by_diffusers(pipe, folder, skip=loaded_here, device=device)
     pipe.ondeck = DiffusersRuntime(
         pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
     )
@@ -129,6 +143,11 @@ def _can_defer(folder: Any, name: str) -> bool:
         )
     except LoadError:
         return False
+
+
+def _is_transformers_auxiliary(folder: Any, name: str) -> bool:
+    cls = folder.component_class(name)
+    return cls.__module__.startswith("transformers") and not issubclass(cls, torch.nn.Module)
 
 
 def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
