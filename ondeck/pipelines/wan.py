@@ -567,4 +567,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def is_wan_folder(model_index: dict) -> bool:
-    return model_index.get("_class_name") == "WanPipeline" and not model_index.get("transformer_2")
+    """A Wan 2.1 text-to-video folder. diffusers' ``save_pretrained`` writes an absent
+    component as ``[null, null]``; only a named class is a second transformer (Wan 2.2)."""
+    second = model_index.get("transformer_2")
+    has_second = isinstance(second, (list, tuple)) and any(part is not None for part in second)
+    return model_index.get("_class_name") == "WanPipeline" and not has_second
