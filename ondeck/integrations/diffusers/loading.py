@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from collections.abc import Iterator
@@ -205,7 +206,9 @@ class _ConfigShape:
             except (LoadError, AttributeError):
                 self.failed = True  # the real component will answer, loaded
         value = getattr(self.module, attribute, None) if self.module is not None else None
-        return value if _is_plain(value) else None
+        # Plain data (numbers, flags, and lists, tuples and dicts of them, such as the Wan
+        # VAE's temperal_downsample) is answered with a copy; modules and tensors load.
+        return copy.deepcopy(value) if _is_plain_data(value) else None
 
 
 @contextlib.contextmanager
@@ -218,6 +221,14 @@ def _shaped_from_configs(proxies: Any) -> Iterator[None]:
     finally:
         for proxy in proxies:
             object.__setattr__(proxy, "_ondeck_stand_in", None)
+
+
+def _is_plain_data(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain_data(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_plain_data(item) for key, item in value.items())
+    return value is not None and _is_plain(value)
 
 
 def _place_loaded_by_diffusers(pipe: Any, folder: Any, *, skip: set[str], device: Any) -> None:
