@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ondeck.embedded import build_wan_folder
-from ondeck.errors import BudgetError
 from ondeck.pipelines.wan import Decode, WanTextToVideo, decode_tiles
 
 SHAPE = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
