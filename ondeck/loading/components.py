@@ -16,6 +16,7 @@ from ..lazy import ComponentSpec
 from . import reader
 from .folder import ModelFolder
 from .host_cache import HostCache
+from .key_mapping import library_names
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, Slot, _get
 
@@ -213,6 +214,7 @@ def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
 
 def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, directory=None):
     """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
+    tensors = library_names(skeleton.module, tensors, component)
     prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
     sources: list[tuple[Slot, TensorInfo]] = []
     used: set[str] = set()
