@@ -30,3 +30,18 @@ def test_a_list_attribute_read_at_construction_loads_nothing(folders, tmp_path):
     reference = AutoencoderKLWan.from_config(AutoencoderKLWan.load_config(folder / "vae"))
     assert pipe.vae_scale_factor_temporal == 2 ** sum(reference.temperal_downsample)
     assert pipe.vae_scale_factor_spatial == 2 ** len(reference.temperal_downsample)
+
+
+def test_a_model_that_cannot_be_deferred_is_named_in_a_warning(folders, tmp_path):
+    import pytest
+
+    from ondeck.integrations.diffusers.loading import _can_defer
+    from ondeck.loading import ModelFolder
+
+    folder = shutil.copytree(folders["wan"], tmp_path / "wan-no-weights")
+    for weights in (folder / "transformer").glob("*.safetensors"):
+        weights.unlink()
+    opened = ModelFolder.open(folder)
+    with pytest.warns(UserWarning, match="'transformer' is not deferred: .* no safetensors"):
+        assert not _can_defer(opened, "transformer")
+    assert _can_defer(opened, "vae")

@@ -132,18 +132,27 @@ def _pipeline_class(diffusers: Any, folder: Any) -> type:
 
 
 def _can_defer(folder: Any, name: str) -> bool:
-    """Models ondeck can build from a config and fill from safetensors files."""
+    """Models ondeck can build from a config and fill from safetensors files. A model it
+    cannot defer loads with diffusers and stays resident; one warning says why."""
     from ...loading.skeleton import library_of
 
     try:
         cls = folder.component_class(name)
-        return (
-            issubclass(cls, torch.nn.Module)
-            and library_of(cls) in ("diffusers", "transformers")
-            and bool(folder.weight_files(name))
-        )
-    except LoadError:
-        return False
+        if not issubclass(cls, torch.nn.Module):
+            return False
+        if library_of(cls) not in ("diffusers", "transformers"):
+            why = f"{cls.__module__}.{cls.__name__} is not a diffusers or transformers model"
+        elif not folder.weight_files(name):
+            why = f"{folder.path / name} holds no safetensors weights"
+        else:
+            return True
+    except LoadError as error:
+        why = str(error)
+    warnings.warn(
+        f"component '{name}' is not deferred: {why}; it loads with diffusers and stays resident",
+        stacklevel=3,
+    )
+    return False
 
 
 def _is_transformers_auxiliary(folder: Any, name: str) -> bool:
