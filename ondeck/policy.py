@@ -243,7 +243,8 @@ class BudgetPolicy(Policy):
                 f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
                 f"{format_bytes(self.budget_bytes)} even streaming what can stream; nothing "
                 "was loaded. Try a lower resolution, fewer frames, or a larger budget.\n"
-                f"{plan}",
+                + (f"({self.reason})\n" if self.reason.startswith("auto") else "")
+                + f"{plan}",
                 plan=plan,
             )
         if self.streaming is not None:
