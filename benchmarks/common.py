@@ -64,9 +64,15 @@ def build_transformer_folder(path: Path, *, num_layers: int = 40) -> Path:
 
 
 def build_wan14b_folder(path: Path) -> Path:
-    """The full Wan 2.1 T2V 14B-shaped pipeline folder (text encoder, transformer, VAE)."""
+    """The full Wan 2.1 T2V 14B-shaped pipeline folder (text encoder, transformer, VAE),
+    written by diffusers' own ``WanPipeline.save_pretrained``, as users' folders are."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from transformers import ByT5Tokenizer, UMT5EncoderModel
 
     if (path / "model_index.json").exists():
@@ -74,34 +80,22 @@ def build_wan14b_folder(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     with torch.device("cuda"):
         text_encoder = UMT5EncoderModel(umt5_xxl_config()).to(torch.bfloat16)
-    _randomise(text_encoder)
-    text_encoder.save_pretrained(path / "text_encoder", max_shard_size="5GB")
-    del text_encoder
-    with torch.device("cuda"):
         transformer = WanTransformer3DModel().to(torch.bfloat16)
-    _randomise(transformer)
-    transformer.save_pretrained(path / "transformer", max_shard_size="5GB")
-    del transformer
-    with torch.device("cuda"):
         vae = AutoencoderKLWan()
-    _randomise(vae)
-    vae.save_pretrained(path / "vae")
-    del vae
+    for module in (text_encoder, transformer, vae):
+        _randomise(module)
+    pipeline = WanPipeline(
+        tokenizer=ByT5Tokenizer(),
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+    )
+    pipeline.save_pretrained(path, max_shard_size="5GB")
+    del pipeline, text_encoder, transformer, vae
     torch.cuda.empty_cache()
-    ByT5Tokenizer().save_pretrained(path / "tokenizer")
-    UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    ).save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "WanPipeline",
-        "_diffusers_version": "0.42.1",
-        "tokenizer": ["transformers", "ByT5Tokenizer"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2))
     return path
 
 

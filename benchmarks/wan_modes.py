@@ -124,6 +124,11 @@ def ondeck_pipeline(folder: Path, mode: str, args):
     from ondeck.loading import HostCache
     from ondeck.pipelines.wan import WanTextToVideo
 
+    if mode == "ondeck-default":
+        # Exactly what `ondeck generate MODEL_DIR` builds with no flags: auto, no budget.
+        return WanTextToVideo.from_folder(
+            folder, device="cuda", dtype=torch.bfloat16, progress=False
+        )
     policy = mode.removeprefix("ondeck-")
     prefetch = policy in ("budget-prefetch", "stream")
     if policy.startswith("budget") or policy == "stream":
@@ -164,6 +169,40 @@ def streaming_summary(plan) -> dict:
         }
         for name, layout in plan.streamed.items()
     }
+
+
+class ReservedSampler:
+    """Samples the caching allocator's reserved bytes every few milliseconds: a peak no
+    reset of torch's peak statistics can hide."""
+
+    def __init__(self, interval: float = 0.005):
+        import threading
+
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            self.peak = max(self.peak, torch.cuda.memory_reserved())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> ReservedSampler:
+        import torch
+
+        self.peak = torch.cuda.memory_reserved()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, torch.cuda.memory_reserved())
 
 
 def restart_peak_rss() -> bool:
@@ -225,6 +264,7 @@ def main() -> None:
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
             streamed_before = bytes_streamed(pipe)
             started = time.perf_counter()
+            sampler = ReservedSampler().__enter__()
             if args.mode in PIPE_CALL_MODES:
                 generator = torch.Generator("cpu").manual_seed(run)
                 frames = pipe(
@@ -245,8 +285,10 @@ def main() -> None:
                     seed=run,
                 )
             torch.cuda.synchronize()
+            sampler.__exit__(None, None, None)
             row = {
                 "seconds": time.perf_counter() - started,
+                "sampled_peak_reserved_bytes": sampler.peak,
                 "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "frames_shape": list(frames.shape),

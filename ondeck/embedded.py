@@ -105,21 +105,18 @@ def build_wan_folder(
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     )
-    tokenizer.save_pretrained(path / "tokenizer")
-    text_encoder.save_pretrained(path / "text_encoder", max_shard_size=max_shard_size)
-    transformer.save_pretrained(path / "transformer", max_shard_size=max_shard_size)
-    vae.save_pretrained(path / "vae", max_shard_size=max_shard_size)
-    scheduler.save_pretrained(path / "scheduler")
-    model_index = {
-        "_class_name": "WanPipeline",
-        "_diffusers_version": _diffusers_version(),
-        "tokenizer": ["transformers", "ByT5Tokenizer"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    }
-    (path / "model_index.json").write_text(json.dumps(model_index, indent=2))
+    # Saved as users' folders are: by diffusers' own save_pretrained, so model_index.json
+    # is what diffusers writes (absent components as [null, null] included).
+    from diffusers import WanPipeline
+
+    pipeline = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+    )
+    pipeline.save_pretrained(path, max_shard_size=max_shard_size)
     (path / MARKER).write_text(json.dumps({"preset": preset, "seed": seed, "vivid": vivid}))
     return path
 
@@ -157,12 +154,6 @@ def _spread_decoder_output(vae: Any, generator: Any) -> None:
     latents = torch.randn((1, config.z_dim, 2, 8, 8), generator=generator) * std + mean
     measured = float(vae.decode(latents, return_dict=False)[0].std())
     vae.decoder.conv_out.weight.mul_(VIVID_PIXEL_STD / max(measured, 1e-12))
-
-
-def _diffusers_version() -> str:
-    import diffusers
-
-    return diffusers.__version__
 
 
 # Part of the folder's name and of its marker: a change to what the embedded default

@@ -47,6 +47,56 @@ _REPLAYED_METHODS = frozenset(
     }
 )
 
+_CASTS = {"float", "half", "bfloat16", "double", "type"}
+
+
+def _aspects(method: str, args: tuple, kwargs: dict) -> frozenset[str]:
+    """What a replayed call sets on the module: a later call that sets all of it makes
+    this one redundant (``to("cpu")`` then ``to("cuda")``), one that sets only part of it
+    does not (``to(float16)`` then ``to("cpu")`` keeps both, in order)."""
+    if method == "to":
+        import torch
+
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except Exception:
+            return frozenset({f"call {id(args)}"})
+        aspects = {"device"} if device is not None else set()
+        aspects |= {"dtype"} if dtype is not None else set()
+        aspects |= {"memory_format"} if memory_format is not None else set()
+        return frozenset(aspects)
+    if method in ("cuda", "cpu"):
+        return frozenset({"device"})
+    if method in _CASTS:
+        return frozenset({"dtype"})
+    if method in ("eval", "train"):
+        return frozenset({"mode"})
+    if method == "requires_grad_":
+        return frozenset({"requires_grad"})
+    return frozenset({f"call {id(args)}"})
+
+
+class ReplayLog:
+    """Calls that changed a loaded component, in the order they were made, to apply again
+    after every reload with their own arguments. A call is dropped only once later calls
+    set everything it set, so the log stays as short as the state it describes."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[str, tuple, dict, frozenset[str]]] = []
+
+    def add(self, method: str, args: tuple, kwargs: dict) -> None:
+        aspects = _aspects(method, args, kwargs)
+        if aspects:
+            self._calls = [call for call in self._calls if not call[3] <= aspects]
+        self._calls.append((method, tuple(args), dict(kwargs), aspects))
+
+    def __iter__(self):
+        return iter([(method, args, kwargs) for method, args, kwargs, _ in self._calls])
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
 # Attributes that integrations probe with hasattr() to detect hooks; an unloaded
 # component has none of them, so answering must not load it.
 _ABSENT_WHILE_UNLOADED = frozenset({"_hf_hook", "_diffusers_hook", "hf_device_map", "_ondeck_hook"})
@@ -189,7 +239,7 @@ class LazyModule:
         setter(self, "_ondeck_loading_thread", None)
         setter(self, "_ondeck_transforms", [])
         setter(self, "_ondeck_release_callbacks", [])
-        setter(self, "_ondeck_replay", {})
+        setter(self, "_ondeck_replay", ReplayLog())
         setter(self, "_ondeck_observers", [])
         setter(self, "_ondeck_pins", {})
         setter(self, "_ondeck_pins_changed", threading.Condition(threading.RLock()))
@@ -313,7 +363,7 @@ class LazyModule:
                 module = transform(module)
                 if module is None:
                     raise LoadError(f"component '{name}': transform {transform!r} returned None")
-            for method, (args, kwargs) in object.__getattribute__(self, "_ondeck_replay").items():
+            for method, args, kwargs in object.__getattribute__(self, "_ondeck_replay"):
                 result = getattr(module, method)(*args, **kwargs)
                 if method != "requires_grad_" and result is not None:
                     module = result
@@ -470,9 +520,7 @@ class LazyModule:
         def call(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
             if attribute in _REPLAYED_METHODS:
-                replay = object.__getattribute__(proxy, "_ondeck_replay")
-                replay.pop(attribute, None)
-                replay[attribute] = (args, kwargs)
+                object.__getattribute__(proxy, "_ondeck_replay").add(attribute, args, kwargs)
             if result is method.__self__:
                 # Return the proxy, not the module: a strong reference to the module
                 # held by the caller could never be released.

@@ -13,12 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from . import memory
 from .errors import BudgetError
-from .memory import device_facts, format_bytes, free_cached_memory, parse_bytes
-from .plan import budget_step
+from .memory import format_bytes, free_cached_memory, parse_bytes
+from .plan import budget_step, build_plan
 
 if TYPE_CHECKING:
     from .memory import StageRecord
+    from .plan import Plan
     from .stages import Pipeline
     from .streaming import StreamingInputs, StreamOptions
 
@@ -42,6 +44,9 @@ class Policy:
         self.budget_bytes: int | None = None
         self.reason = f"policy '{self.name}' was asked for"
         self.activation: dict[str, int] = {}
+        # Set when a stored activation profile would make a run refuse that fits without
+        # it: the run measures again instead (see BudgetPolicy.before_run).
+        self.distrust_stored = False
 
     def attach(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
@@ -82,11 +87,29 @@ class Policy:
         self.activation[record.stage] = max(previous, record.activation_bytes)
         self.pipeline.record_activation(record.stage, record.activation_bytes)
 
+    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
+        """The plan this policy runs ``pipeline`` by (under ``budget`` when given)."""
+        budget = budget if budget is not None else self.budget_bytes
+        nbytes = {name: value or 0 for name, value in pipeline.component_bytes().items()}
+        activation, note = self.activation_estimate(pipeline, budget)
+        return build_plan(
+            pipeline.stage_uses(),
+            nbytes,
+            policy="budget" if budget is not None else self.plan_name,
+            budget=budget,
+            activation=activation,
+            activation_note=note,
+            prefetch=self.prefetch,
+            streaming=self.streaming_inputs(pipeline),
+        )
+
     def activation_needs(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
         """The largest activation peak measured per stage, with room to spare: from the
         profile of this model and shape when the pipeline knows its shape, else as
         measured in this process; and a note on where they come from."""
         stored, note = pipeline.activation_profile()
+        if self.distrust_stored:
+            stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else self.activation
         needs = {
             use.name: stored.get(use.name, measured.get(use.name)) for use in pipeline.stage_uses()
@@ -208,16 +231,43 @@ class BudgetPolicy(Policy):
 
     def before_run(self) -> None:
         self._skipped = set()
+        self.distrust_stored = False
         plan = self.pipeline.plan(self.budget_bytes)
         overflow = plan.overflow()
+        if overflow is not None and self._stored_profile_in_the_way(overflow[0]):
+            plan = self.pipeline.plan(self.budget_bytes)
+            overflow = plan.overflow()
         if overflow is not None:
+            stage, short = overflow
             raise BudgetError(
-                f"stage '{overflow[0]}' needs {format_bytes(overflow[1])} more than the budget "
-                f"of {format_bytes(self.budget_bytes)}; nothing was loaded.\n{plan}",
+                f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
+                f"{format_bytes(self.budget_bytes)} even streaming what can stream; nothing "
+                "was loaded. Try a lower resolution, fewer frames, or a larger budget.\n"
+                + (f"({self.reason})\n" if self.reason.startswith("auto") else "")
+                + f"{plan}",
                 plan=plan,
             )
         if self.streaming is not None:
             self.streaming.apply(self.pipeline, plan)
+
+    def _stored_profile_in_the_way(self, stage: str) -> bool:
+        """Whether the plan overflows only because of stored activation peaks. Then they
+        are set aside for this run, which measures them again (a stored value may come
+        from another card, an older version or damage; it must not block a run)."""
+        stored, _ = self.pipeline.activation_profile()
+        if not stored:
+            return False
+        self.distrust_stored = True
+        if self.pipeline.plan(self.budget_bytes).overflow() is not None:
+            self.distrust_stored = False
+            return False
+        warnings.warn(
+            f"stored activation peaks ({', '.join(f'{s}: {format_bytes(n)}' for s, n in stored.items())})"
+            f" would not fit the budget of {format_bytes(self.budget_bytes)} at stage '{stage}'; "
+            "measuring them again in this run",
+            stacklevel=4,
+        )
+        return True
 
     def before_stage(self, index: int, state: Any = None) -> None:
         pipeline = self.pipeline
@@ -339,10 +389,91 @@ class BudgetPolicy(Policy):
 
 
 def auto_budget_bytes(device: Any) -> tuple[int, bool]:
-    """The budget ``auto`` plans against, and whether the device is unified memory."""
-    facts = device_facts(device)
+    """The budget ``auto`` plans against, and whether the device is unified memory.
+
+    ``ondeck.memory.device_facts`` is the one seam that says what the device has.
+    """
+    facts = memory.device_facts(device)
     headroom = max(AUTO_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_HEADROOM_FRACTION))
     return max(0, facts.available_bytes - headroom), facts.unified
+
+
+def bytes_loaded_per_run(plan: Any) -> int:
+    """Bytes a plan loads in its last simulated run (the steady state: run 2 onwards)."""
+    runs = plan.runs
+    if not runs:
+        return 0
+    last = runs[-1].run
+    sizes = plan.device_bytes
+    previous = [stage for stage in runs if stage.run == last - 1]
+    resident = set(previous[-1].resident) if previous else set()
+    loaded = 0
+    for stage in (stage for stage in runs if stage.run == last):
+        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
+        resident = set(stage.resident)
+    return loaded
+
+
+def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
+    """The policy ``auto`` runs with: never one whose plan does not fit the device.
+
+    Everything fits: ``budget`` keeps it all. The largest stage fits: ``budget`` (kept
+    across runs by next use, next component prefetched) or ``release``, whichever the
+    plan says loads fewer bytes per run. A component too large for its stage: ``budget``
+    streams its blocks. Not even that fits: ``budget`` all the same, whose first run
+    refuses with a ``BudgetError`` before a byte is read (the plan says why).
+    """
+    available, unified = auto_budget_bytes(pipeline.device)
+    where = "unified memory" if unified else str(pipeline.device)
+    sizes = pipeline.component_bytes()
+    total = sum(size or 0 for size in sizes.values())
+    if None in sizes.values():
+        chosen: Policy = ReleasePolicy()
+        chosen.reason = (
+            f"auto chose 'release': some components have unknown sizes, so no budget "
+            f"can be planned for the {format_bytes(available)} {where} has free"
+        )
+        return chosen
+    budget = BudgetPolicy(available, prefetch=prefetch)
+    plan = budget.plan_for(pipeline)
+    has = f"the {format_bytes(available)} {where} has free"
+    overflow = plan.overflow()
+    if overflow is not None:
+        budget.reason = (
+            f"auto chose 'budget', and stage '{overflow[0]}' does not fit {has} even "
+            f"streaming blocks (short by {format_bytes(overflow[1])}): a run will refuse "
+            "before loading anything"
+        )
+    elif plan.streamed:
+        streamed = ", ".join(
+            f"{name} keeps {len(layout.resident)} of {layout.block_count} blocks"
+            for name, layout in plan.streamed.items()
+        )
+        budget.reason = (
+            f"auto chose 'budget' with block streaming: components ({format_bytes(total)}) "
+            f"do not fit {has}, and a stage's component does not fit whole ({streamed})"
+        )
+    elif all(
+        set(stage[1]) == {c for use in plan.uses for c in use.components} for stage in plan.stages
+    ):
+        budget.reason = f"auto chose 'budget': components ({format_bytes(total)}) fit {has}"
+    else:
+        release_plan = build_plan(
+            pipeline.stage_uses(),
+            {name: size or 0 for name, size in sizes.items()},
+            policy="release",
+        )
+        by_budget, by_release = bytes_loaded_per_run(plan), bytes_loaded_per_run(release_plan)
+        per_run = (
+            f"components ({format_bytes(total)}) do not fit {has}, the largest stage does; "
+            f"budget loads {format_bytes(by_budget)} per run, release {format_bytes(by_release)}"
+        )
+        if by_release < by_budget:
+            chosen = ReleasePolicy()
+            chosen.reason = f"auto chose 'release': {per_run}"
+            return chosen
+        budget.reason = f"auto chose 'budget' with prefetch: {per_run}"
+    return budget
 
 
 def make_policy(
@@ -351,35 +482,17 @@ def make_policy(
     budget: Any = None,
     prefetch: bool = True,
     device: Any = None,
-    component_bytes: dict[str, int | None] | None = None,
 ) -> Policy:
-    """Turn ``policy=`` (a name or a Policy) into a policy object.
-
-    ``auto`` picks ``budget`` when a budget is given or every component fits what the
-    device has free (``MemAvailable`` on unified memory), and ``release`` otherwise.
-    """
+    """Turn ``policy=`` (a name or a Policy) into a policy object. ``auto`` with a
+    budget is ``budget``; without one, the pipeline chooses (``choose_auto``)."""
     if isinstance(policy, Policy):
         return policy
     budget = parse_bytes(budget)
     if policy == "auto":
-        if budget is not None:
-            chosen: Policy = BudgetPolicy(budget, prefetch=prefetch)
-            chosen.reason = "auto chose 'budget': a budget was given"
-            return chosen
-        available, unified = auto_budget_bytes(device)
-        sizes = list((component_bytes or {}).values())
-        total = sum(size or 0 for size in sizes)
-        where = "unified memory" if unified else "the device"
-        if None not in sizes and total <= available:
-            chosen = BudgetPolicy(available, prefetch=prefetch)
-            verdict = "fit"
-        else:
-            chosen = ReleasePolicy()
-            verdict = "do not fit" if None not in sizes else "have unknown sizes and may not fit"
-        chosen.reason = (
-            f"auto chose '{chosen.name}': components ({format_bytes(total)}) {verdict} "
-            f"the {format_bytes(available)} {where} has free"
-        )
+        if budget is None:
+            raise ValueError("auto without a budget is chosen by choose_auto(pipeline)")
+        chosen: Policy = BudgetPolicy(budget, prefetch=prefetch)
+        chosen.reason = "auto chose 'budget': a budget was given"
         return chosen
     if policy == "eager":
         return EagerPolicy()

@@ -1,21 +1,38 @@
 """Activation peaks measured per stage, remembered per model and shape across processes.
 
-A budget must leave room for activations, which only a run can measure. The first run
-of a model at a shape records its per-stage peaks here (in the user's cache folder), so
-later runs and ``ondeck plan`` know them before loading anything.
+A budget must leave room for activations, which only a run can measure. A stage that
+finishes records its peak here (in the user's cache folder), so later runs and
+``ondeck plan`` know it before loading anything. What is stored can refine a plan, never
+make a correct command fail: a stage that raised records nothing, a damaged or foreign
+file is ignored with one warning, implausible values are dropped, and the budget policy
+measures again rather than obey a stored value that would make it refuse.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .memory import format_bytes
 
-__all__ = ["ActivationProfiles", "default_profiles"]
+__all__ = ["ActivationProfiles", "default_profiles", "PROFILE_FILE_NAME"]
+
+PROFILE_FILE_NAME = "activation-profiles.json"
+FORMAT = "ondeck-activation-profiles"
+VERSION = 2
+# No stage of any model on any device takes a pebibyte: a larger value is damage.
+MAX_PLAUSIBLE_BYTES = 1 << 50
+
+try:
+    import fcntl
+except ImportError:  # Windows: writes stay atomic, concurrent writers may drop entries
+    fcntl = None
 
 
 def _shape_key(shape: dict[str, Any]) -> str:
@@ -26,49 +43,167 @@ def _elements(shape: dict[str, Any]) -> int:
     """How much work a shape is, for extrapolating activations between shapes."""
     count = 1
     for key in ("height", "width", "frames", "batch"):
-        count *= int(shape.get(key) or 1)
+        value = shape.get(key)
+        count *= value if isinstance(value, int) and value > 0 else 1
     return count
 
 
+def _plausible_bytes(value: Any) -> bool:
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PLAUSIBLE_BYTES
+    )
+
+
+def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
+    """The well-formed entries of a profile document, and how many were dropped."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ValueError("not an ondeck activation-profile file")
+    if document.get("version") != VERSION:
+        raise ValueError(f"format version {document.get('version')!r}, not {VERSION}")
+    models = document.get("models")
+    if not isinstance(models, dict):
+        raise ValueError("'models' is not an object")
+    valid: dict[str, dict[str, dict[str, Any]]] = {}
+    dropped = 0
+    for model, shapes in models.items():
+        if not isinstance(shapes, dict):
+            dropped += 1
+            continue
+        for key, entry in shapes.items():
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            stages = entry.get("stages") if isinstance(entry, dict) else None
+            if not isinstance(shape, dict) or not isinstance(stages, dict):
+                dropped += 1
+                continue
+            if _shape_key(shape) != key:
+                dropped += 1
+                continue
+            kept = {stage: n for stage, n in stages.items() if _plausible_bytes(n)}
+            dropped += len(stages) - len(kept)
+            if kept:
+                valid.setdefault(model, {})[key] = {"shape": shape, "stages": kept}
+    return valid, dropped
+
+
 class ActivationProfiles:
-    """``{model key: {shape key: {stage: peak activation bytes}}}`` in a JSON file."""
+    """``{model key: {shape key: {stage: peak activation bytes}}}`` in a JSON file.
+
+    The file carries a format name and version; it is written to a temporary name of
+    this process and renamed into place, under a lock that merges what other processes
+    (the ranks of one launch, two commands at once) wrote meanwhile.
+    """
 
     def __init__(self, path: str | os.PathLike | None):
         self.path = Path(path) if path else None
         self._lock = threading.Lock()
+        self._warned = False
         self._data: dict[str, dict[str, dict[str, Any]]] = self._read()
 
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"activation profiles {self.path}: {message}; measuring again "
+                "(`ondeck profiles --clear` deletes the file)",
+                stacklevel=4,
+            )
+
     def _read(self) -> dict:
-        if self.path is None or not self.path.exists():
+        if self.path is None:
             return {}
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}  # a damaged profile only costs a re-measurement
+            if not self.path.is_file():
+                return {}
+            text = self.path.read_bytes().decode("utf-8")
+            document = json.loads(text, parse_constant=_refuse_constant)
+            models, dropped = _valid_models(document)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+            self._warn(f"ignored ({error})")
+            return {}
+        if dropped:
+            self._warn(
+                f"ignored {dropped} damaged or implausible entr{'y' if dropped == 1 else 'ies'}"
+            )
+        return models
 
     def record(self, model: str, shape: dict[str, Any], stage: str, nbytes: int) -> None:
+        """Store a finished stage's peak; the newest measurement replaces the old one."""
+        if not _plausible_bytes(nbytes):
+            return
         with self._lock:
             entry = self._data.setdefault(model, {}).setdefault(
-                _shape_key(shape), {"shape": shape, "stages": {}}
+                _shape_key(shape), {"shape": dict(shape), "stages": {}}
             )
-            entry["stages"][stage] = max(nbytes, entry["stages"].get(stage, 0))
-            self._write()
+            entry["stages"][stage] = int(nbytes)
+            self._write({(model, _shape_key(shape), stage)})
 
-    def _write(self) -> None:
+    def forget(self, model: str, shape: dict[str, Any], stages: Any) -> None:
+        """Drop stored peaks that proved wrong (re-measured on the next run)."""
+        with self._lock:
+            entry = self._data.get(model, {}).get(_shape_key(shape))
+            if entry is None:
+                return
+            for stage in stages:
+                entry["stages"].pop(stage, None)
+
+    def clear(self) -> bool:
+        """Delete every stored profile (the file too); True when there was a file."""
+        with self._lock:
+            self._data = {}
+            if self.path is None:
+                return False
+            try:
+                self.path.unlink()
+                return True
+            except FileNotFoundError:
+                return False
+
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        if fcntl is None:
+            yield
+            return
+        with open(lock_path, "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _write(self, changed: set[tuple[str, str, str]]) -> None:
         if self.path is None:
             return
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
-            partial.write_text(json.dumps(self._data, indent=1))
-            partial.replace(self.path)
+            with self._file_lock():
+                # Keep what other processes stored since we read; ours wins where both did.
+                on_disk = ActivationProfiles.__new__(ActivationProfiles)
+                on_disk.path, on_disk._warned = self.path, True
+                merged = on_disk._read()
+                for model, shapes in self._data.items():
+                    for key, entry in shapes.items():
+                        target = merged.setdefault(model, {}).setdefault(
+                            key, {"shape": entry["shape"], "stages": {}}
+                        )
+                        for stage, nbytes in entry["stages"].items():
+                            if (model, key, stage) in changed or stage not in target["stages"]:
+                                target["stages"][stage] = nbytes
+                self._data = merged
+                document = {"format": FORMAT, "version": VERSION, "models": merged}
+                partial.write_text(json.dumps(document, indent=1))
+                partial.replace(self.path)
         except OSError:
             pass  # a read-only cache folder only costs a re-measurement
+        finally:
+            with contextlib.suppress(OSError):
+                partial.unlink()
 
     def lookup(self, model: str, shape: dict[str, Any]) -> tuple[dict[str, int], str]:
         """Per-stage activation bytes for ``shape``, and a note on where they come from."""
         with self._lock:
-            shapes = self._data.get(model, {})
+            shapes = {k: e for k, e in self._data.get(model, {}).items() if e["stages"]}
             exact = shapes.get(_shape_key(shape))
             if exact:
                 return dict(exact["stages"]), "activations: measured at this shape"
@@ -89,6 +224,10 @@ class ActivationProfiles:
             return scaled, note
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a byte count")
+
+
 _default: ActivationProfiles | None = None
 
 
@@ -98,5 +237,12 @@ def default_profiles() -> ActivationProfiles:
     if _default is None:
         from .embedded import default_cache_dir
 
-        _default = ActivationProfiles(default_cache_dir() / "activation-profiles.json")
+        _default = ActivationProfiles(default_cache_dir() / PROFILE_FILE_NAME)
     return _default
+
+
+def profiles_path() -> Path:
+    """Where activation profiles are stored."""
+    from .embedded import default_cache_dir
+
+    return default_cache_dir() / PROFILE_FILE_NAME

@@ -11,7 +11,7 @@ from typing import Any
 from .errors import ConcurrentRunError
 from .lazy import LazyModule, is_lazy, is_loaded, is_loading, is_out_of_memory
 from .memory import MemoryTracker, resolve_device
-from .plan import Plan, StageUse, build_plan, release_schedule
+from .plan import Plan, StageUse, release_schedule
 
 __all__ = ["Stage", "Pipeline", "held_components"]
 
@@ -161,16 +161,13 @@ class Pipeline:
 
     def _choose_policy(self) -> None:
         """Build the policy asked for at construction against what is known now."""
-        from .policy import make_policy
+        from .policy import choose_auto, make_policy
 
         policy, budget, prefetch = self._requested_policy
-        self.policy = make_policy(
-            policy,
-            budget=budget,
-            prefetch=prefetch,
-            device=self.device,
-            component_bytes=self.component_bytes(),
-        )
+        if policy == "auto" and budget is None:
+            self.policy = choose_auto(self, prefetch=prefetch)
+        else:
+            self.policy = make_policy(policy, budget=budget, prefetch=prefetch, device=self.device)
         self.policy.attach(self)
 
     # -- components ---------------------------------------------------------------------
@@ -264,20 +261,7 @@ class Pipeline:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
         from .memory import parse_bytes
 
-        budget = parse_bytes(budget) if budget is not None else self.policy.budget_bytes
-        policy = "budget" if budget is not None else self.policy.plan_name
-        nbytes = {name: value or 0 for name, value in self.component_bytes().items()}
-        activation, note = self.policy.activation_estimate(self, budget)
-        return build_plan(
-            self.stage_uses(),
-            nbytes,
-            policy=policy,
-            budget=budget,
-            activation=activation,
-            activation_note=note,
-            prefetch=self.policy.prefetch,
-            streaming=self.policy.streaming_inputs(self),
-        )
+        return self.policy.plan_for(self, parse_bytes(budget) if budget is not None else None)
 
     # -- running ------------------------------------------------------------------------
 
@@ -383,24 +367,30 @@ class Pipeline:
             for proxy in held:
                 proxy._pin()
             try:
-                state = self._forward_with_recovery(stage, index, state)
+                state, _ = self._forward_with_recovery(stage, index, state)
             finally:
                 for proxy in held:
                     proxy._unpin()
             failed = False
         finally:
             record = self.tracker.stage_finished(stage.name, self._loading_bytes())
-            self.policy.stage_measured(index, record)
+            # A stage that raised measured what it managed to allocate before failing,
+            # not what it needs: that is never remembered. After an out-of-memory retry
+            # the measurement is the retry's alone (see _forward_with_recovery).
+            if not failed:
+                self.policy.stage_measured(index, record)
             self._after_stage(index, failed)
         return state
 
-    def _forward_with_recovery(self, stage: Stage, index: int, state: Any) -> Any:
+    def _forward_with_recovery(self, stage: Stage, index: int, state: Any) -> tuple[Any, bool]:
+        """The stage's result, and whether it ran again after running out of memory."""
         try:
-            return stage.forward(state)
+            return stage.forward(state), False
         except Exception as error:
             if not is_out_of_memory(error) or not self.policy.recover_from_oom(index):
                 raise
-        return stage.forward(state)
+        self.tracker.compute_started()  # measure the retry, not the attempt that failed
+        return stage.forward(state), True
 
     def _loading_bytes(self) -> int:
         """Bytes of the components loading right now (a prefetch in the background)."""

@@ -16,6 +16,7 @@ from ..lazy import ComponentSpec
 from . import reader
 from .folder import ModelFolder
 from .host_cache import HostCache
+from .key_mapping import library_names
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, Slot, _get
 
@@ -213,6 +214,7 @@ def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
 
 def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, directory=None):
     """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
+    tensors = library_names(skeleton.module, tensors, component)
     prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
     sources: list[tuple[Slot, TensorInfo]] = []
     used: set[str] = set()
@@ -377,8 +379,12 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
             f"component '{name}': {cls.__name__} has no from_pretrained to load it with",
             component=name,
         )
+    options: dict[str, Any] = {"local_files_only": True}
+    if cls.__module__.startswith("transformers"):
+        # Never the code a folder ships (an auto_map): transformers would prompt or run it.
+        options["trust_remote_code"] = False
     try:
-        return loader(str(directory), local_files_only=True)
+        return loader(str(directory), **options)
     except Exception as error:
         raise LoadError(
             f"component '{name}' from {directory}: {cls.__name__}.from_pretrained failed with "

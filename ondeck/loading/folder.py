@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import threading
@@ -20,6 +21,9 @@ __all__ = ["ModelFolder"]
 
 # Preferred weight file stems, in order: diffusers models, then transformers models.
 _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+# Libraries a model_index.json may name without the caller's say-so. A folder is data:
+# naming any other module would make opening it run that module's code.
+TRUSTED_LIBRARIES = ("diffusers", "transformers")
 # Config files of the parts that are not models, tried when the class does not say.
 _CONFIG_NAMES = (
     "config.json",
@@ -33,10 +37,18 @@ _CONFIG_NAMES = (
 class ModelFolder:
     """What a diffusers-format folder holds, known from its JSON files and headers alone."""
 
-    def __init__(self, path: Path, model_index: dict[str, Any], *, variant: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        model_index: dict[str, Any],
+        *,
+        variant: str | None = None,
+        libraries: tuple[str, ...] | list[str] = (),
+    ):
         self.path = path
         self.model_index = model_index
         self.variant = variant
+        self.libraries = tuple(TRUSTED_LIBRARIES) + tuple(libraries)
         self._entries: dict[str, tuple[str, str]] = {}
         for name, entry in model_index.items():
             if name.startswith("_") or not isinstance(entry, (list, tuple)) or len(entry) != 2:
@@ -50,7 +62,15 @@ class ModelFolder:
         self._templates: dict[tuple[str, torch.dtype], Any] = {}
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, variant: str | None = None) -> ModelFolder:
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        variant: str | None = None,
+        libraries: tuple[str, ...] | list[str] = (),
+    ) -> ModelFolder:
+        """Open a folder; ``libraries`` names installed packages, beyond diffusers and
+        transformers, whose classes model_index.json may name."""
         path = Path(path).expanduser()
         if not path.is_dir():
             raise LoadError(
@@ -63,7 +83,7 @@ class ModelFolder:
                 path=str(index_path),
             )
         model_index = _read_json(index_path, component=None)
-        return cls(path, model_index, variant=variant)
+        return cls(path, model_index, variant=variant, libraries=libraries)
 
     def __repr__(self) -> str:
         return f"ModelFolder({str(self.path)!r}, {self.pipeline_class_name})"
@@ -104,7 +124,7 @@ class ModelFolder:
         """Import the class model_index.json names for ``name``."""
         library, class_name = self.library_and_class(name)
         try:
-            module = importlib.import_module(library)
+            module = importlib.import_module(self._trusted_module(name, library, class_name))
         except ImportError as error:
             raise LoadError(
                 f"component '{name}': library '{library}' for class {class_name} is not "
@@ -123,6 +143,24 @@ class ModelFolder:
         if not isinstance(found, type):
             raise LoadError(f"component '{name}': {library}.{class_name} is not a class")
         return found
+
+    def _trusted_module(self, name: str, library: str, class_name: str) -> str:
+        """The module to import for ``library``, refusing any library not trusted."""
+        if library.split(".")[0] in self.libraries:
+            return library
+        # diffusers names its own pipeline packages by their short name ("ltx").
+        if library.isidentifier() and importlib.util.find_spec("diffusers") is not None:
+            module = f"diffusers.pipelines.{library}"
+            if importlib.util.find_spec(module) is not None:
+                return module
+        raise LoadError(
+            f"component '{name}': {self.path / 'model_index.json'} names class {class_name} "
+            f"from library '{library}'; ondeck imports classes only from "
+            f"{', '.join(self.libraries)} (pass libraries=['{library.split('.')[0]}'] or "
+            f"--library {library.split('.')[0]} to trust an installed library)",
+            component=name,
+            path=str(self.path / "model_index.json"),
+        )
 
     def is_model(self, name: str) -> bool:
         """True for components with weights (an nn.Module class or safetensors files)."""

@@ -430,6 +430,7 @@ class WanTextToVideo(Pipeline):
         progress: bool = True,
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
+        libraries: tuple[str, ...] | list[str] = (),
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -438,6 +439,8 @@ class WanTextToVideo(Pipeline):
         share of their weights. Every rank builds the pipeline and runs it on the same
         inputs. ``vae_tiling`` lets the VAE decode in tiles when whole frames would not
         fit the memory left (see ``Decode``); False always decodes whole frames.
+        ``libraries`` names installed packages, beyond diffusers and transformers, whose
+        classes model_index.json may name.
         """
         from ..loading import ComponentLoader, ModelFolder, load_auxiliary
         from ..memory import resolve_device
@@ -454,7 +457,7 @@ class WanTextToVideo(Pipeline):
             init()  # before resolving the device: it selects this rank's GPU
         device = resolve_device(device)
         mesh = device_mesh(device) if shard else None
-        folder = ModelFolder.open(path)
+        folder = ModelFolder.open(path, libraries=libraries)
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
@@ -564,4 +567,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def is_wan_folder(model_index: dict) -> bool:
-    return model_index.get("_class_name") == "WanPipeline" and not model_index.get("transformer_2")
+    """A Wan 2.1 text-to-video folder. diffusers' ``save_pretrained`` writes an absent
+    component as ``[null, null]``; only a named class is a second transformer (Wan 2.2)."""
+    second = model_index.get("transformer_2")
+    has_second = isinstance(second, (list, tuple)) and any(part is not None for part in second)
+    return model_index.get("_class_name") == "WanPipeline" and not has_second

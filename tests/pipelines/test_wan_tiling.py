@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ondeck.embedded import build_wan_folder
-from ondeck.errors import BudgetError
 from ondeck.pipelines.wan import Decode, WanTextToVideo, decode_tiles
 
 SHAPE = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
@@ -109,7 +108,8 @@ def test_plan_counts_a_tiled_decode_at_what_fits(wan_folder, profiles):
     fixed = wan(wan_folder, "budget", budget="1GiB", vae_tiling=False)
     fixed.set_plan_shape(height=64, width=64, frames=5)
     assert fixed.plan().overflow() is not None
-    with pytest.raises(BudgetError, match="Decode"):
+    # A stored peak never blocks a run that fits without it: the run measures again.
+    with pytest.warns(UserWarning, match="measuring them again"):
         fixed.generate("a fox", seed=3, **SHAPE)
 
 

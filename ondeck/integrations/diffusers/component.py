@@ -227,9 +227,7 @@ class PipelineComponent(LazyModule):
             with object.__getattribute__(proxy, "_ondeck_lock"):
                 if object.__getattribute__(proxy, "_ondeck_module") is not None:
                     return LazyModule.__getattr__(proxy, method)(*args, **kwargs)
-                replay = object.__getattribute__(proxy, "_ondeck_replay")
-                replay.pop(method, None)
-                replay[method] = (args, kwargs)
+                object.__getattribute__(proxy, "_ondeck_replay").add(method, args, kwargs)
             return proxy
 
         call.__name__ = method

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ def from_pretrained(
     host_cache: Any = None,
     *,
     progress: bool = True,
+    libraries: tuple[str, ...] | list[str] = (),
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -58,23 +60,35 @@ def from_pretrained(
     transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
     present. ``policy``, ``budget`` and ``prefetch`` are those of :class:`ondeck.Pipeline`;
     ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
+    ``libraries`` names installed packages, beyond diffusers and transformers, whose
+    classes model_index.json may name; no other module is imported for the folder.
     """
     import diffusers
 
-    from ...loading import ModelFolder
+    from ...loading import ModelFolder, load_auxiliary
 
     dtype = kwargs.pop("dtype", None)
     if torch_dtype is not None and dtype is not None:
         raise ValueError("pass torch_dtype or dtype, not both")
     dtype = dtype if dtype is not None else torch_dtype
     path = _local_folder(path, kwargs)
-    folder = ModelFolder.open(path, variant=kwargs.get("variant"))
+    folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
     base_class = _pipeline_class(diffusers, folder)
+    for name in folder.component_names:
+        if name not in kwargs:
+            folder.component_class(name)  # refuses an untrusted library before diffusers imports it
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
+    auxiliaries: dict[str, Any] = {}
     for name in folder.component_names:
-        if name in kwargs or not _can_defer(folder, name):
+        if name in kwargs:
+            continue
+        if _is_transformers_auxiliary(folder, name):
+            # Loaded here, not by diffusers, so that a tokenizer's auto_map never runs.
+            auxiliaries[name] = load_auxiliary(folder, name)
+            continue
+        if not _can_defer(folder, name):
             continue
         component = _deferred_component(
             folder, name, device, _component_dtype(dtype, name, folder), host_cache, progress
@@ -87,8 +101,9 @@ def from_pretrained(
     if dtype is not None:
         options["dtype"] = dtype
     with _shaped_from_configs(components.values()):
-        pipe = pipeline_class.from_pretrained(str(path), **components, **options)
-    _place_loaded_by_diffusers(pipe, folder, skip=set(components) | set(kwargs), device=device)
+        pipe = pipeline_class.from_pretrained(str(path), **components, **auxiliaries, **options)
+    loaded_here = set(components) | set(auxiliaries) | set(kwargs)
+    _place_loaded_by_diffusers(pipe, folder, skip=loaded_here, device=device)
     pipe.ondeck = DiffusersRuntime(
         pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
     )
@@ -120,18 +135,32 @@ def _pipeline_class(diffusers: Any, folder: Any) -> type:
 
 
 def _can_defer(folder: Any, name: str) -> bool:
-    """Models ondeck can build from a config and fill from safetensors files."""
+    """Models ondeck can build from a config and fill from safetensors files. A model it
+    cannot defer loads with diffusers and stays resident; one warning says why."""
     from ...loading.skeleton import library_of
 
     try:
         cls = folder.component_class(name)
-        return (
-            issubclass(cls, torch.nn.Module)
-            and library_of(cls) in ("diffusers", "transformers")
-            and bool(folder.weight_files(name))
-        )
-    except LoadError:
-        return False
+        if not issubclass(cls, torch.nn.Module):
+            return False
+        if library_of(cls) not in ("diffusers", "transformers"):
+            why = f"{cls.__module__}.{cls.__name__} is not a diffusers or transformers model"
+        elif not folder.weight_files(name):
+            why = f"{folder.path / name} holds no safetensors weights"
+        else:
+            return True
+    except LoadError as error:
+        why = str(error)
+    warnings.warn(
+        f"component '{name}' is not deferred: {why}; it loads with diffusers and stays resident",
+        stacklevel=3,
+    )
+    return False
+
+
+def _is_transformers_auxiliary(folder: Any, name: str) -> bool:
+    cls = folder.component_class(name)
+    return cls.__module__.startswith("transformers") and not issubclass(cls, torch.nn.Module)
 
 
 def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
@@ -189,7 +218,9 @@ class _ConfigShape:
             except (LoadError, AttributeError):
                 self.failed = True  # the real component will answer, loaded
         value = getattr(self.module, attribute, None) if self.module is not None else None
-        return value if _is_plain(value) else None
+        # Plain data (numbers, flags, and lists, tuples and dicts of them, such as the Wan
+        # VAE's temperal_downsample) is answered with a copy; modules and tensors load.
+        return copy.deepcopy(value) if _is_plain_data(value) else None
 
 
 @contextlib.contextmanager
@@ -202,6 +233,14 @@ def _shaped_from_configs(proxies: Any) -> Iterator[None]:
     finally:
         for proxy in proxies:
             object.__setattr__(proxy, "_ondeck_stand_in", None)
+
+
+def _is_plain_data(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain_data(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_plain_data(item) for key, item in value.items())
+    return value is not None and _is_plain(value)
 
 
 def _place_loaded_by_diffusers(pipe: Any, folder: Any, *, skip: set[str], device: Any) -> None:

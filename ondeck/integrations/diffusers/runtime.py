@@ -81,6 +81,10 @@ class DiffusersRuntime(Pipeline):
         order = sequence + [name for name in components if name not in sequence]
         self._turns: list[tuple[str, tuple[str, ...]]] = [(name, (name,)) for name in order]
         self._learned_from: set[str] | None = None
+        # Turns passed in a call whose order is not learned yet, under ``release``: their
+        # components may be touched again in the same call, so they are freed only when a
+        # load needs the room, or when the call ends (see ``_hold_back``).
+        self._held_back: list[int] = []
         self._record: _CallRecord | None = None
         self._acting = 0
         super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
@@ -187,18 +191,59 @@ class DiffusersRuntime(Pipeline):
         self.policy.stage_measured(index, record)
         self._after_stage(index, failed=False)
 
+    def _hold_back(self) -> bool:
+        """Whether passed turns keep their components for now: under ``release``, while
+        the call order is not learned (the first call), so a component the call touches
+        again after its turn is not loaded twice."""
+        return self._learned_from is None and self.policy.name == "release"
+
+    def _after_stage(self, index: int, failed: bool) -> None:
+        if not failed and self._record is not None and self._hold_back():
+            if index not in self._held_back:
+                self._held_back.append(index)
+            return
+        super()._after_stage(index, failed)
+
+    def _release_held_back(self, needed_bytes: int | None = None) -> None:
+        """Free held-back turns, oldest first: all, or until ``needed_bytes`` fit."""
+        while self._held_back:
+            if needed_bytes is not None and self._room_for(needed_bytes):
+                return
+            super()._after_stage(self._held_back.pop(0), failed=False)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Held-back components may stay beside a load of ``nbytes`` while together they
+        take no more than the largest component (the peak ``release`` promises) and the
+        device has that room."""
+        from ...memory import device_facts
+
+        largest = max((size or 0 for size in self.component_bytes().values()), default=0)
+        if self.tracker.resident_bytes + nbytes > largest:
+            return False
+        room = self.activation_room()
+        if room is None:
+            room = device_facts(self.device).available_bytes
+        return nbytes <= room
+
+    def before_load(self, proxy: Any) -> None:
+        if self._held_back:
+            self._release_held_back(proxy.spec.nbytes or 0)
+        super().before_load(proxy)
+
     def _end_call(self) -> None:
         with self._deciding():
             if self._current_index is not None:
                 self._finish_turn(self._current_index)
                 self._current_index = None
             # Components touched outside their turns go too, where the policy frees.
+            self._held_back = []
             for index in range(len(self.stages)):
-                self._after_stage(index, failed=False)
+                super()._after_stage(index, failed=False)
             self.policy.after_run()
         self._learn(self._record)
 
     def _abort_call(self) -> None:
+        self._held_back = []
         with self._deciding():
             if self._current_index is not None:
                 self.tracker.stage_finished(self.stages[self._current_index].name)
