@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import stat
 import threading
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,13 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .safetensors_format import SafetensorsHeader, TensorInfo, open_regular_file, read_header
+from .safetensors_format import (
+    SafetensorsHeader,
+    TensorInfo,
+    file_kind,
+    open_regular_file,
+    read_header,
+)
 
 __all__ = ["ModelFolder"]
 
@@ -126,6 +133,7 @@ class ModelFolder:
                 component=name,
                 path=str(directory),
             )
+        _refuse_special_files(directory, name)
         return directory
 
     def component_class(self, name: str) -> type:
@@ -425,6 +433,24 @@ def _inside(root: Path, name: str, what: str) -> Path:
     if not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
         raise LoadError(f"{what}: {path} is outside {root}", path=str(path))
     return path
+
+
+def _refuse_special_files(directory: Path, component: str) -> None:
+    """Refuse a FIFO, socket or device among a component's files: the libraries that read
+    tokenizer and scheduler files open them blindly, and a FIFO would block for ever."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                mode = os.stat(entry.path).st_mode
+            except OSError:
+                continue  # a dangling link (an unused file of a partial download) is no risk
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise LoadError(
+                    f"component '{component}': {entry.path} is not a regular file "
+                    f"({file_kind(mode)}); ondeck reads regular files only",
+                    component=component,
+                    path=entry.path,
+                )
 
 
 def _pickle_weights(directory: Path) -> list[str]:

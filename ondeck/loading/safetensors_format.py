@@ -17,6 +17,7 @@ from ..errors import LoadError
 __all__ = [
     "SafetensorsHeader",
     "TensorInfo",
+    "file_kind",
     "format_bytes",
     "open_regular_file",
     "parse_header",
@@ -146,7 +147,7 @@ def open_regular_file(path: str | os.PathLike):
         mode = os.fstat(file.fileno()).st_mode
         if not stat.S_ISREG(mode):
             raise NotARegularFile(
-                errno.EINVAL, f"not a regular file ({_file_kind(mode)})", os.fspath(path)
+                errno.EINVAL, f"not a regular file ({file_kind(mode)})", os.fspath(path)
             )
         os.set_blocking(file.fileno(), True)
     except BaseException:
@@ -159,7 +160,7 @@ def _open_without_blocking(path: str, flags: int) -> int:
     return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, kind in (
         (stat.S_ISDIR, "a folder"),
         (stat.S_ISFIFO, "a FIFO"),

@@ -179,9 +179,17 @@ def _guarded_build(
     from accelerate import init_empty_weights
 
     build = _build_diffusers if library == "diffusers" else _build_transformers
-    where = torch.device("meta") if on_meta else init_empty_weights(include_buffers=False)
+    # On meta, torch's default device makes every tensor there, buffers and temporaries
+    # included (thread-local); accelerate's hook still moves a parameter made on the host
+    # (from numpy, say). Without meta, buffers are computed on the host for real.
+    everything_on_meta = torch.device("meta") if on_meta else contextlib.nullcontext()
     try:
-        with _BUILD_LOCK, where, guard or contextlib.nullcontext():
+        with (
+            _BUILD_LOCK,
+            everything_on_meta,
+            init_empty_weights(include_buffers=False),
+            guard or contextlib.nullcontext(),
+        ):
             return build(cls, directory, dtype)
     except Exception as error:
         if guard is not None and guard.tripped is not None:

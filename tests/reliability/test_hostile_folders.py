@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,34 @@ def test_a_weight_file_that_is_a_fifo_is_refused_not_waited_on(tiny_folder):
             ondeck.plan(tiny_folder, device="cpu")
     finally:
         os.close(writer)
+
+
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tiny_folder):
+    config = tiny_folder / "tokenizer" / "tokenizer_config.json"
+    config.unlink()
+    os.mkfifo(config)
+    writer = os.open(config, os.O_RDWR | os.O_NONBLOCK)
+    os.write(writer, b"{}")
+    # A safety valve, not a timing: code that reads the FIFO to its end would wait for
+    # ever; closing the write end after a while gives it its end, so it fails the test.
+    released = threading.Event()
+
+    def release() -> None:
+        os.close(writer)
+        released.set()
+
+    valve = threading.Timer(10, release)
+    valve.start()
+    try:
+        with pytest.raises(ondeck.LoadError, match=r"not a regular file \(a FIFO\)") as excinfo:
+            wan(tiny_folder)
+        assert str(config) in str(excinfo.value)
+        assert "component 'tokenizer'" in str(excinfo.value)
+    finally:
+        valve.cancel()
+        valve.join()
+        if not released.is_set():
+            os.close(writer)
 
 
 # -- JSON of the wrong kind ---------------------------------------------------------------
