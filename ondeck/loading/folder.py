@@ -31,6 +31,8 @@ _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 # Libraries a model_index.json may name without the caller's say-so. A folder is data:
 # naming any other module would make opening it run that module's code.
 TRUSTED_LIBRARIES = ("diffusers", "transformers")
+# model_index.json, configs and shard indexes are kilobytes; read no more than this of one.
+MAX_JSON_BYTES = 100_000_000
 # Config files of the parts that are not models, tried when the class does not say.
 _CONFIG_NAMES = (
     "config.json",
@@ -386,12 +388,19 @@ def _read_json(path: Path, *, component: str | None) -> dict[str, Any]:
     where = f"component '{component}': {path}" if component else str(path)
     try:
         with open_regular_file(path) as file:
-            document = json.loads(file.read().decode("utf-8"))
+            text = file.read(MAX_JSON_BYTES + 1)
+        if len(text) > MAX_JSON_BYTES:
+            raise LoadError(
+                f"{where}: larger than {MAX_JSON_BYTES // 10**6} MB, not a config file",
+                component=component,
+                path=str(path),
+            )
+        document = json.loads(text.decode("utf-8"))
     except OSError as error:
         raise LoadError(
             f"{where}: cannot read ({error.strerror or error})", component=component, path=str(path)
         ) from error
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:
         raise LoadError(
             f"{where}: not valid JSON ({error})", component=component, path=str(path)
         ) from error

@@ -181,8 +181,9 @@ def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_waited_on(tiny_folder):
     [
         (b"[]", r"holds a JSON list, not an object"),
         (b'{"_class_name": "WanPipeline\xff"}', r"not valid JSON \('utf-8' codec"),
+        (b"[" * 100_000, r"not valid JSON \(maximum recursion depth"),
     ],
-    ids=["list", "not-utf-8"],
+    ids=["list", "not-utf-8", "nested-too-deep"],
 )
 def test_a_bad_model_index_is_one_load_error_for_plan(tiny_folder, content, problem):
     (tiny_folder / "model_index.json").write_bytes(content)
