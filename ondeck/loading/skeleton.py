@@ -144,20 +144,24 @@ def build_skeleton(
     file_keys = frozenset(tensors)
     config = os.fspath(config_path) if config_path else os.path.join(directory, "config.json")
     guard = _SizeGuard(tensors, component, config) if checked else None
+    # Checked, everything is first made on meta, buffers included: nothing real before
+    # the check.
+    on_meta = checked
     module = None
-    if checked:
-        # Everything on meta, buffers included: nothing real is made before the check.
+    if on_meta:
         module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=True)
     if module is None:
-        module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
         on_meta = False
-    else:
-        on_meta = True
+        module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
     skeleton = _describe(module, library, dtype, file_keys)
     if not checked:
         return skeleton
-    match_tensors(skeleton, tensors, component, directory, config_path=config)
-    _check_computed_buffers(skeleton, tensors, component, config)
+    try:
+        match_tensors(skeleton, tensors, component, directory, config_path=config)
+        _check_computed_buffers(skeleton, tensors, component, config)
+    except LoadError:
+        module = skeleton = None  # the error's traceback must not keep the module alive
+        raise
     if on_meta and skeleton.extra_buffers:
         del module, skeleton
         module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
@@ -194,7 +198,8 @@ def _guarded_build(
     except Exception as error:
         if guard is not None and guard.tripped is not None:
             # Whatever the library made of the interruption, the guard's reason is the one.
-            raise guard.tripped from None
+            # Without the library's frames, which hold the half-built module.
+            raise guard.tripped.with_traceback(None) from None
         if isinstance(error, LoadError):
             raise
         if on_meta:

@@ -17,12 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
 from safetensors.torch import load_file
 from torch.nn.modules import module as nn_module
 
 import ondeck
 import ondeck.diffusers
-from ondeck.loading import ModelFolder
+from ondeck.loading import ModelFolder, read_header
+from ondeck.loading.skeleton import build_skeleton
 
 from .helpers import MiB, edit_json, settled_rss, shard, wan, weights_file
 
@@ -316,3 +319,31 @@ def test_the_untouched_folder_still_plans_and_inspects(tiny_folder):
         )
     assert ondeck.plan(tiny_folder, device="cpu").peak_bytes > 0
     assert json.loads((tiny_folder / "model_index.json").read_text())["_class_name"]
+
+
+class ReadsItsTensors(ModelMixin, ConfigMixin):
+    """A constructor that reads values of tensors it makes, so it cannot run on meta."""
+
+    @register_to_config
+    def __init__(self, num_layers: int = 2, width: int = 4):
+        super().__init__()
+        self.scales = torch.linspace(0.5, 1.0, 2).tolist()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(num_layers))
+
+
+def test_a_constructor_that_cannot_run_on_meta_is_still_bounded(tmp_path, registration_fuse):
+    directory = tmp_path / "toy"
+    ReadsItsTensors().save_pretrained(directory)
+    header = read_header(weights_file(directory))
+    built = build_skeleton(
+        ReadsItsTensors, directory, torch.float32, tensors=header.tensors, component="toy"
+    )
+    assert sorted(name for slot in built.slots for name in slot.names) == sorted(header.tensors)
+
+    edit_json(directory / "config.json", lambda config: config.update(num_layers=10**9))
+    with pytest.raises(ondeck.LoadError, match="disagree") as excinfo:
+        build_skeleton(
+            ReadsItsTensors, directory, torch.float32, tensors=header.tensors, component="toy"
+        )
+    assert str(directory / "config.json") in str(excinfo.value)
+    assert registration_fuse[0] < 1_000
