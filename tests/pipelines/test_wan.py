@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import weakref
@@ -127,19 +126,20 @@ def test_budget_keeps_components_across_runs_and_loads_nothing_the_second_time(w
 
 
 class LiveModules:
-    """A transform on every component that measures, at each load, the bytes of the
-    components still alive (weak references, after a collection): what a release has
-    really freed, not what the tracker was told."""
+    """A transform on every component that adds up, at each load, the bytes the tensors of
+    every component loaded so far still hold: what a release has really freed, not what
+    the tracker was told."""
 
     def __init__(self):
-        self.live: list[tuple[weakref.ref, int]] = []
+        self.loaded: list[weakref.ref] = []
         self.peak_bytes = 0
 
     def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
-        gc.collect()
-        self.live = [(ref, nbytes) for ref, nbytes in self.live if ref() is not None]
-        self.live.append((weakref.ref(module), storage_bytes(module)))
-        self.peak_bytes = max(self.peak_bytes, sum(nbytes for _, nbytes in self.live))
+        self.loaded = [ref for ref in self.loaded if ref() is not None]
+        self.loaded.append(weakref.ref(module))
+        alive = [ref() for ref in self.loaded]
+        held = sum(storage_bytes(module) for module in alive if module is not None)
+        self.peak_bytes = max(self.peak_bytes, held)
         return module
 
 
