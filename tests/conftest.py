@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("ONDECK_PROGRESS", "0")
+# One thread per torch op: the tests' tensors are tiny, and torch's default of a thread
+# per core spins waiting on busy cores (a shared CI machine: the suite ran four times
+# slower). Set before torch is imported; reading processes and torchrun workers inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import tempfile  # noqa: E402
 
