@@ -1,8 +1,14 @@
 VENV := .venv
 PY := $(VENV)/bin/python
+# The GPU suite runs on any python with torch (CUDA), diffusers, transformers, accelerate,
+# safetensors, psutil and pytest: `make test-gpu PYTHON_GPU=python3` leaves the venv out.
+PYTHON_GPU ?= $(PY)
+# Where the tests marked gpu live; only these files are collected, so the CPU suite's own
+# test dependencies (hypothesis, peft) need not be installed there.
+GPU_TESTS := tests/gpu tests/loading/test_cuda.py
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test soak lint format clean
+.PHONY: setup run test test-gpu soak lint format clean
 
 setup: $(STAMP)
 
@@ -18,6 +24,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-gpu: $(if $(filter $(PY),$(PYTHON_GPU)),$(STAMP))
+	$(PYTHON_GPU) -m pytest -q -m gpu $(GPU_TESTS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/reliability --hypothesis-show-statistics

@@ -295,7 +295,8 @@ def main() -> None:
                 "frames_mean": float(frames.mean()),
             }
             if hasattr(pipe, "tracker"):
-                # The tracker resets peak statistics per stage and keeps each stage's peak.
+                # With ONDECK_RESET_PEAKS=1 the tracker resets peaks per stage and keeps each
+                # stage's peak; without it, torch's figure above already covers the run.
                 row["peak_allocated_bytes"] = max(
                     row["peak_allocated_bytes"], pipe.tracker.run_peak_measured_bytes(run + 1) or 0
                 )

@@ -181,12 +181,27 @@ class StageRecord:
     activation_bytes: int | None
 
 
+def _resets_peaks_by_default() -> bool:
+    return os.environ.get("ONDECK_RESET_PEAKS", "0").strip().lower() in ("1", "true", "yes")
+
+
 @dataclass
 class MemoryTracker:
     """Records every load, release and stage boundary with resident and measured bytes.
 
     Holds names and numbers only, never a module: the tracker must not keep anything
     alive that a release is meant to free.
+
+    On CUDA each stage's peak device bytes allocated is measured. ``reset_peaks`` says
+    how. False (the default, or ``ONDECK_RESET_PEAKS=0``): torch's peak statistics are
+    only read, never reset, so the caller's ``torch.cuda.max_memory_allocated()`` still
+    covers everything before and during the run; a stage's peak is then known exactly
+    when the stage raised that figure (or started at it), and is None when it stayed
+    below a peak reached earlier. True (``ONDECK_RESET_PEAKS=1``): the statistics are
+    reset as each stage starts and as its compute starts, so every stage's peak is
+    exact, and the caller's ``max_memory_allocated()`` afterwards covers only the time
+    since the last stage's compute began (the tracker's ``peak_measured_bytes`` keeps
+    the figure from before).
     """
 
     device: str = "cpu"
@@ -198,6 +213,7 @@ class MemoryTracker:
     runs: int = 0
     peak_measured_bytes: int = 0
     keep_runs: int = 4
+    reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -206,7 +222,12 @@ class MemoryTracker:
         self._exposed: float = 0.0
         self._stage_resident_at_start = 0
         self._compute_resident = 0
-        self._peak_before_compute: int | None = None
+        # Read where the measured part of a stage begins: the device's peak so far and
+        # its bytes allocated then (None off CUDA).
+        self._peak_at_mark: int | None = None
+        self._allocated_at_mark: int | None = None
+        # Reset mode: the stage's peak before its compute began (its statistics reset then).
+        self._peak_before_reset: int | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -266,12 +287,43 @@ class MemoryTracker:
                 self.stages = [s for s in self.stages if s.run >= oldest]
                 self.events = [e for e in self.events if e.run >= oldest]
 
-    def _device_peak(self) -> int | None:
+    def _on_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+    def _mark(self, *, stage_start: bool) -> None:
+        """The measured part of a stage begins here (at its start, then at its compute)."""
         import torch
 
-        if str(self.device).startswith("cuda"):
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return None
+        if not self._on_cuda():
+            return
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        self._peak_at_mark = peak
+        self._allocated_at_mark = int(torch.cuda.memory_allocated(self.device))
+        if self.reset_peaks:
+            # Keep what the statistics held before they go: the peak before this stage
+            # (for the overall figure), or this stage's own loads before its compute.
+            if stage_start:
+                self.peak_measured_bytes = max(self.peak_measured_bytes, peak)
+                self._peak_before_reset = None
+            else:
+                self._peak_before_reset = max(self._peak_before_reset or 0, peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _stage_peak(self) -> tuple[int | None, int | None]:
+        """(peak allocated since the mark when it is known, peak allocated over all)."""
+        import torch
+
+        if not self._on_cuda():
+            return None, None
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        if self._peak_at_mark is None:  # no stage began: the peak is older
+            return None, peak
+        if self.reset_peaks:
+            return peak, max(peak, self._peak_before_reset or 0)
+        if peak > self._peak_at_mark or peak == self._allocated_at_mark:
+            # Raised the device's peak, or began at it: either way, this is the stage's.
+            return peak, peak
+        return None, peak  # stayed below a peak reached before: not this stage's
 
     def stage_started(self, stage: str) -> None:
         """A stage begins: the policy may now load or evict before it computes."""
@@ -279,20 +331,18 @@ class MemoryTracker:
             self._stage_started = time.perf_counter()
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
+            self._compute_resident = self.resident_bytes
+            self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
 
     def compute_started(self) -> None:
         """The stage's own work begins; device peaks from here on are its activations.
 
-        Resets the device's peak statistics, after keeping the peak reached since the
-        last reset, so nothing between two stages goes unmeasured.
+        With ``reset_peaks``, resets the device's peak statistics after keeping the peak
+        reached since the stage started, so its loads before the compute still count.
         """
-        import torch
-
         with self._lock:
-            self._peak_before_compute = self._device_peak()
-            if str(self.device).startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats(self.device)
+            self._mark(stage_start=False)
             self._compute_resident = self.resident_bytes
 
     def stage_finished(self, stage: str, loading_bytes: int = 0) -> StageRecord:
@@ -300,16 +350,17 @@ class MemoryTracker:
         background (a prefetch), whose tensors the device peak may already hold."""
         with self._lock:
             started = self._stage_started or time.perf_counter()
-            compute_peak = self._device_peak()
+            compute_peak, overall_peak = self._stage_peak()
             activation = None
-            peak = compute_peak
+            peak = None
             if compute_peak is not None:
                 # Weights resident, or arriving, at any point of the stage are not
                 # activations.
                 weights = max(self._compute_resident, self.resident_bytes + loading_bytes)
                 activation = max(0, compute_peak - weights)
-                peak = max(compute_peak, self._peak_before_compute or 0)
-                self.peak_measured_bytes = max(self.peak_measured_bytes, peak)
+                peak = max(compute_peak, self._peak_before_reset or 0)
+            if overall_peak is not None:
+                self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
             record = StageRecord(
                 run=self.runs,
                 stage=stage,
@@ -321,12 +372,13 @@ class MemoryTracker:
             )
             self.stages.append(record)
             self._stage_started = None
-            self._peak_before_compute = None
+            self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
             self._record("stage_end", stage, 0)
             return record
 
     def run_peak_measured_bytes(self, run: int) -> int | None:
-        """Peak device bytes allocated during ``run`` (CUDA only)."""
+        """Peak device bytes allocated during ``run`` (CUDA only; without ``reset_peaks``,
+        only stages that raised the device's peak count, so None when none did)."""
         peaks = [s.peak_measured_bytes for s in self.stages if s.run == run]
         peaks = [p for p in peaks if p is not None]
         return max(peaks) if peaks else None
@@ -338,6 +390,7 @@ class MemoryTracker:
         return {
             "device": self.device,
             "runs": self.runs,
+            "reset_peaks": self.reset_peaks,
             "peak_resident_bytes": self.peak_resident_bytes,
             "bytes_loaded": self.bytes_loaded,
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),

@@ -1,6 +1,11 @@
 import os
 
 os.environ.setdefault("ONDECK_PROGRESS", "0")
+# One thread per torch op: the tests' tensors are tiny, and torch's default of a thread
+# per core spins waiting for busy cores (on a 2-core machine running other jobs, the
+# suite ran several times slower). Set before torch is imported; reading processes and
+# torchrun workers inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import tempfile  # noqa: E402
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 import traceback
 from collections.abc import Callable
@@ -16,9 +15,8 @@ from ..lazy import ComponentSpec
 from . import reader
 from .folder import ModelFolder
 from .host_cache import HostCache
-from .key_mapping import library_names
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, Slot, _get
+from .skeleton import Skeleton, _get, match_tensors
 
 __all__ = ["ComponentLoader", "load_auxiliary", "load_component"]
 
@@ -214,71 +212,7 @@ def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
 
 def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, directory=None):
     """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
-    tensors = library_names(skeleton.module, tensors, component)
-    prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
-    sources: list[tuple[Slot, TensorInfo]] = []
-    used: set[str] = set()
-    missing: list[str] = []
-    for slot in skeleton.slots:
-        key = _find_key(slot.names, tensors, prefix)
-        if key is None:
-            missing.append(slot.names[0])
-            continue
-        info = tensors[key]
-        used.add(key)
-        if tuple(info.shape) != tuple(slot.shape):
-            raise LoadError(
-                f"component '{component}' from {info.path}: tensor '{key}' has shape "
-                f"{list(info.shape)}, the model expects {list(slot.shape)}",
-                component=component,
-                path=info.path,
-            )
-        sources.append((slot, info))
-    if missing:
-        files = ", ".join(sorted({info.path for info in tensors.values()}))
-        if not files:
-            raise LoadError(
-                f"component '{component}' from {directory}: no safetensors weights there "
-                f"(expected diffusion_pytorch_model.safetensors, model.safetensors or a "
-                f"*.safetensors.index.json); the model needs {len(missing)} tensor(s)",
-                component=component,
-                path=str(directory),
-            )
-        raise LoadError(
-            f"component '{component}' from {files}: {len(missing)} tensor(s) the model needs "
-            f"are missing: {_some(missing)}",
-            component=component,
-        )
-    extra_names = {name for names in skeleton.extra_buffers.values() for name in names}
-    unexpected = [
-        key
-        for key in tensors
-        if key not in used
-        and key not in extra_names
-        and not any(re.search(pattern, key) for pattern in skeleton.ignored_unexpected)
-    ]
-    if unexpected:
-        info = tensors[unexpected[0]]
-        raise LoadError(
-            f"component '{component}' from {info.path}: {len(unexpected)} tensor(s) the model "
-            f"does not have: {_some(unexpected)}",
-            component=component,
-            path=info.path,
-        )
-    return sources
-
-
-def _find_key(names: list[str], tensors: dict[str, TensorInfo], prefix: str) -> str | None:
-    for name in names:
-        if name in tensors:
-            return name
-    if prefix:
-        # transformers checkpoints may be saved with or without the base model's prefix.
-        for name in names:
-            for candidate in (f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
-                if candidate in tensors:
-                    return candidate
-    return None
+    return match_tensors(skeleton, tensors, component, directory)
 
 
 def _allocate(
@@ -361,11 +295,6 @@ def _free(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.nbytes() and storage.resizable():
         storage.resize_(0)
-
-
-def _some(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(f"'{name}'" for name in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:

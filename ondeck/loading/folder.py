@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import stat
 import threading
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,13 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
+from .safetensors_format import (
+    SafetensorsHeader,
+    TensorInfo,
+    file_kind,
+    open_regular_file,
+    read_header,
+)
 
 __all__ = ["ModelFolder"]
 
@@ -24,6 +31,8 @@ _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 # Libraries a model_index.json may name without the caller's say-so. A folder is data:
 # naming any other module would make opening it run that module's code.
 TRUSTED_LIBRARIES = ("diffusers", "transformers")
+# model_index.json, configs and shard indexes are kilobytes; read no more than this of one.
+MAX_JSON_BYTES = 100_000_000
 # Config files of the parts that are not models, tried when the class does not say.
 _CONFIG_NAMES = (
     "config.json",
@@ -53,6 +62,14 @@ class ModelFolder:
         for name, entry in model_index.items():
             if name.startswith("_") or not isinstance(entry, (list, tuple)) or len(entry) != 2:
                 continue
+            if not _is_plain_name(name):
+                # A component name is a folder name: "../x" or "/etc" would read (and let a
+                # library load) whatever lies there.
+                raise LoadError(
+                    f"{path / 'model_index.json'}: component name {name!r} is not a plain "
+                    "folder name inside the model folder",
+                    path=str(path / "model_index.json"),
+                )
             library, class_name = entry
             if library is None or class_name is None:
                 continue
@@ -111,13 +128,14 @@ class ModelFolder:
 
     def directory(self, name: str) -> Path:
         self.library_and_class(name)
-        directory = self.path / name
+        directory = _inside(self.path, name, f"component '{name}'")
         if not directory.is_dir():
             raise LoadError(
                 f"component '{name}': folder {directory} is missing",
                 component=name,
                 path=str(directory),
             )
+        _refuse_special_files(directory, name)
         return directory
 
     def component_class(self, name: str) -> type:
@@ -187,6 +205,12 @@ class ModelFolder:
         for candidate in names:
             if (directory / candidate).is_file():
                 return directory / candidate
+            if (directory / candidate).exists():
+                raise LoadError(
+                    f"component '{name}': {directory / candidate} is not a regular file",
+                    component=name,
+                    path=str(directory / candidate),
+                )
         raise LoadError(
             f"component '{name}': {directory / names[0]} is missing",
             component=name,
@@ -222,6 +246,31 @@ class ModelFolder:
 
     def weight_files(self, name: str) -> list[str]:
         return [header.path for header in self.headers(name)]
+
+    def require_weights(self, name: str) -> list[SafetensorsHeader]:
+        """The headers of a model component, refusing one without safetensors weights.
+
+        Reads headers only, so a pipeline can call it for every model when it is built:
+        a missing or unreadable file then fails at once, not after the stages before it.
+        """
+        headers = self.headers(name)
+        if not headers:
+            directory = self.directory(name)
+            pickles = _pickle_weights(directory)
+            also = (
+                f"; it holds only pickle weights ({', '.join(pickles)}), which ondeck does "
+                "not read (unpickling can run code): save them as safetensors"
+                if pickles
+                else ""
+            )
+            raise LoadError(
+                f"component '{name}' from {directory}: no safetensors weights there "
+                f"(expected diffusion_pytorch_model.safetensors, model.safetensors or a "
+                f"*.safetensors.index.json){also}",
+                component=name,
+                path=str(directory),
+            )
+        return headers
 
     def file_bytes(self, name: str) -> int:
         """Bytes of tensor data in the component's weight files."""
@@ -278,13 +327,18 @@ class ModelFolder:
             template = self._templates.get((name, dtype))
             if template is None:
                 cls = self.component_class(name)
-                self.config_path(name)
+                # The config must be a JSON object, and the weights' headers readable,
+                # before the library builds anything from them.
+                config_path = self.config_path(name)
+                _read_json(config_path, component=name)
+                self.require_weights(name)
                 template = build_skeleton(
                     cls,
                     self.directory(name),
                     dtype,
-                    file_keys=self.tensors(name).keys(),
+                    tensors=self.tensors(name),
                     component=name,
+                    config_path=config_path,
                 )
                 self._templates[(name, dtype)] = template
             return template
@@ -333,18 +387,85 @@ class ModelFolder:
 def _read_json(path: Path, *, component: str | None) -> dict[str, Any]:
     where = f"component '{component}': {path}" if component else str(path)
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        with open_regular_file(path) as file:
+            text = file.read(MAX_JSON_BYTES + 1)
+        if len(text) > MAX_JSON_BYTES:
+            raise LoadError(
+                f"{where}: larger than {MAX_JSON_BYTES // 10**6} MB, not a config file",
+                component=component,
+                path=str(path),
+            )
+        document = json.loads(text.decode("utf-8"))
     except OSError as error:
         raise LoadError(
             f"{where}: cannot read ({error.strerror or error})", component=component, path=str(path)
         ) from error
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:
         raise LoadError(
             f"{where}: not valid JSON ({error})", component=component, path=str(path)
         ) from error
     if not isinstance(document, dict):
-        raise LoadError(f"{where}: expected a JSON object", component=component, path=str(path))
+        raise LoadError(
+            f"{where}: holds a JSON {_json_kind(document)}, not an object",
+            component=component,
+            path=str(path),
+        )
     return document
+
+
+def _json_kind(document: Any) -> str:
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if document is None else kinds.get(type(document), type(document).__name__)
+
+
+def _is_plain_name(name: str) -> bool:
+    """A single path component: no separators, not "." or "..", not absolute."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )
+
+
+def _inside(root: Path, name: str, what: str) -> Path:
+    """``root / name`` for a plain ``name``, else a LoadError.
+
+    Checked on the names, not on resolved paths: a Hub snapshot's files are symlinks into
+    its blob store, outside the snapshot folder, and are the folder's own files.
+    """
+    if not _is_plain_name(name):
+        raise LoadError(f"{what}: {name!r} is not a plain file name inside {root}", path=str(root))
+    path = root / name
+    if not Path(os.path.normpath(path)).is_relative_to(os.path.normpath(root)):
+        raise LoadError(f"{what}: {path} is outside {root}", path=str(path))
+    return path
+
+
+def _refuse_special_files(directory: Path, component: str) -> None:
+    """Refuse a FIFO, socket or device among a component's files: the libraries that read
+    tokenizer and scheduler files open them blindly, and a FIFO would block for ever."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                mode = os.stat(entry.path).st_mode
+            except OSError:
+                continue  # a dangling link (an unused file of a partial download) is no risk
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise LoadError(
+                    f"component '{component}': {entry.path} is not a regular file "
+                    f"({file_kind(mode)}); ondeck reads regular files only",
+                    component=component,
+                    path=entry.path,
+                )
+
+
+def _pickle_weights(directory: Path) -> list[str]:
+    return sorted(
+        p.name for p in directory.iterdir() if p.name.endswith((".bin", ".pt", ".pth", ".ckpt"))
+    )
 
 
 def _weight_candidates(directory: Path) -> list[Path]:
@@ -402,8 +523,15 @@ def _shards(index_path: Path, component: str) -> tuple[list[str], dict[str, str]
         )
     files: list[str] = []
     for filename in dict.fromkeys(weight_map.values()):
+        if not _is_plain_name(filename):
+            raise LoadError(
+                f"component '{component}': {index_path} names shard {filename!r}, which is "
+                "not a plain file name beside the index (shards stay inside the model folder)",
+                component=component,
+                path=str(index_path),
+            )
         shard = index_path.parent / filename
-        if not shard.is_file():
+        if not os.path.lexists(shard):
             raise LoadError(
                 f"component '{component}': {index_path.name} names shard {filename}, "
                 f"but {shard} is missing",

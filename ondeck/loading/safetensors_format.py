@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -12,7 +14,15 @@ import torch
 
 from ..errors import LoadError
 
-__all__ = ["SafetensorsHeader", "TensorInfo", "parse_header", "read_header", "format_bytes"]
+__all__ = [
+    "SafetensorsHeader",
+    "TensorInfo",
+    "file_kind",
+    "format_bytes",
+    "open_regular_file",
+    "parse_header",
+    "read_header",
+]
 
 # The reference implementation refuses headers above 100 MB; a larger one is corrupt.
 MAX_HEADER_BYTES = 100_000_000
@@ -104,7 +114,7 @@ def read_header(path: str | os.PathLike, *, component: str | None = None) -> Saf
     """Parse a safetensors file's header. Reads the header only, never the tensor data."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as file:
+        with open_regular_file(path) as file:
             file_size = os.fstat(file.fileno()).st_size
             prefix = file.read(8)
             raw = prefix
@@ -119,6 +129,48 @@ def read_header(path: str | os.PathLike, *, component: str | None = None) -> Saf
             path=path,
         ) from error
     return parse_header(raw, file_size, path, component=component)
+
+
+class NotARegularFile(OSError):
+    """A path that names a FIFO, a device, a socket or a folder where a file belongs."""
+
+
+def open_regular_file(path: str | os.PathLike):
+    """Open ``path`` for binary reading, refusing anything but a regular file.
+
+    Opened without blocking and checked on the open file: a FIFO named like a weight or
+    config file would otherwise block the first read forever, and a check before opening
+    could be raced by a swap.
+    """
+    file = open(path, "rb", opener=_open_without_blocking)
+    try:
+        mode = os.fstat(file.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(
+                errno.EINVAL, f"not a regular file ({file_kind(mode)})", os.fspath(path)
+            )
+        os.set_blocking(file.fileno(), True)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def _open_without_blocking(path: str, flags: int) -> int:
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a file"
 
 
 def parse_header(

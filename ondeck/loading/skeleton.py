@@ -6,18 +6,29 @@ the prediction and the loaded module cannot disagree.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import LoadError
+from .key_mapping import library_names
+from .safetensors_format import TensorInfo, format_bytes
 
-__all__ = ["Skeleton", "Slot", "build_skeleton", "library_of"]
+__all__ = [
+    "Skeleton",
+    "SkeletonBuildError",
+    "Slot",
+    "build_skeleton",
+    "library_of",
+    "match_tensors",
+]
 
 # Building a module under a dtype changes torch's process-wide default dtype for a moment;
 # two builds at once (a prefetch thread and the main thread) must not interleave.
@@ -80,44 +91,313 @@ def library_of(cls: type) -> str:
     return "torch"
 
 
+class SkeletonBuildError(LoadError):
+    """The class could not be instantiated from its config without weights (the library
+    may still load it its own way); any other LoadError from a build is the folder's fault."""
+
+
+# How far a constructor may go past what the weight files hold before it is stopped: twice
+# the files' tensors and elements (transformers makes both halves of a tied pair before it
+# ties them), plus room for the tables tiny models compute for themselves.
+_EXTRA_TENSORS = 64
+_EXTRA_ELEMENTS = 2**24
+# Tables a model computes in __init__ and no file holds (rope frequencies, position ids,
+# masks) are a small fraction of any real model's weights; a config asking for more names
+# a length no checkpoint was made for.
+_COMPUTED_BYTES_FLOOR = 64 * 2**20
+_COMPUTED_BYTES_SHARE = 16
+
+
 def build_skeleton(
     cls: type,
     directory: str | os.PathLike,
     dtype: torch.dtype,
     *,
-    file_keys: Iterable[str] = (),
+    tensors: Mapping[str, TensorInfo] | None = None,
     component: str | None = None,
+    config_path: str | os.PathLike | None = None,
 ) -> Skeleton:
     """Instantiate ``cls`` from the config in ``directory`` with no weight memory.
 
     Parameters and persistent buffers land on the meta device; non-persistent buffers are
     computed for real, since no file holds them.
-    """
-    from accelerate import init_empty_weights
 
+    With ``tensors`` (the weight files' headers) the config is checked against them before
+    anything real is made: the module is first built entirely on the meta device, under a
+    guard that stops the constructor once it has made clearly more tensors or elements
+    than the files hold (a layer count of 10**9 would otherwise build forever); then every
+    parameter and persistent buffer must match a file tensor by name and shape, and the
+    tables the model computes for itself must stay small next to its weights. Only then is
+    the module built again with those tables computed for real, where it has any. This
+    is generic on purpose: it compares what the constructor makes, whatever config keys
+    made it, so it holds for any diffusers or transformers class.
+    """
     directory = os.fspath(directory)
     library = library_of(cls)
-    try:
-        with _BUILD_LOCK, init_empty_weights(include_buffers=False):
-            if library == "diffusers":
-                module = _build_diffusers(cls, directory, dtype)
-            elif library == "transformers":
-                module = _build_transformers(cls, directory, dtype)
-            else:
-                raise LoadError(
-                    f"component '{component}': {cls.__name__} is neither a diffusers nor a "
-                    "transformers model; ondeck cannot build it from a folder"
-                )
-    except LoadError:
-        raise
-    except Exception as error:
+    if library not in ("diffusers", "transformers"):
         raise LoadError(
+            f"component '{component}': {cls.__name__} is neither a diffusers nor a "
+            "transformers model; ondeck cannot build it from a folder",
+            component=component,
+        )
+    checked = tensors is not None
+    tensors = dict(tensors or {})
+    file_keys = frozenset(tensors)
+    config = os.fspath(config_path) if config_path else os.path.join(directory, "config.json")
+    guard = _SizeGuard(tensors, component, config) if checked else None
+    # Checked, everything is first made on meta, buffers included: nothing real before
+    # the check.
+    on_meta = checked
+    module = None
+    if on_meta:
+        module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=True)
+    if module is None:
+        on_meta = False
+        module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
+    skeleton = _describe(module, library, dtype, file_keys)
+    if not checked:
+        return skeleton
+    try:
+        match_tensors(skeleton, tensors, component, directory, config_path=config)
+        _check_computed_buffers(skeleton, tensors, component, config)
+    except LoadError:
+        module = skeleton = None  # the error's traceback must not keep the module alive
+        raise
+    if on_meta and skeleton.extra_buffers:
+        del module, skeleton
+        module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
+        skeleton = _describe(module, library, dtype, file_keys)
+    return skeleton
+
+
+def _guarded_build(
+    cls: type,
+    directory: str,
+    dtype: torch.dtype,
+    library: str,
+    component: str | None,
+    guard: _SizeGuard | None,
+    *,
+    on_meta: bool,
+) -> torch.nn.Module | None:
+    """One build; on the meta device, None when the class cannot be built there."""
+    from accelerate import init_empty_weights
+
+    build = _build_diffusers if library == "diffusers" else _build_transformers
+    # On meta, torch's default device makes every tensor there, buffers and temporaries
+    # included (thread-local); accelerate's hook still moves a parameter made on the host
+    # (from numpy, say). Without meta, buffers are computed on the host for real.
+    everything_on_meta = torch.device("meta") if on_meta else contextlib.nullcontext()
+    try:
+        with (
+            _BUILD_LOCK,
+            everything_on_meta,
+            init_empty_weights(include_buffers=False),
+            guard or contextlib.nullcontext(),
+        ):
+            return build(cls, directory, dtype)
+    except Exception as error:
+        if guard is not None and guard.tripped is not None:
+            # Whatever the library made of the interruption, the guard's reason is the one.
+            # Without the library's frames, which hold the half-built module.
+            raise guard.tripped.with_traceback(None) from None
+        if isinstance(error, LoadError):
+            raise
+        if on_meta:
+            # A constructor that reads the values of tensors it makes (``.item()``) cannot
+            # run on meta; the guarded build with real buffers still bounds it.
+            return None
+        raise SkeletonBuildError(
             f"component '{component}' from {directory}: building {cls.__name__} from its "
             f"config failed with {type(error).__name__}: {error}",
             component=component,
             path=directory,
         ) from error
-    return _describe(module, library, dtype, frozenset(file_keys))
+
+
+class _SizeGuard:
+    """Counts the parameters and buffers a constructor registers, and stops it once they
+    clearly exceed what the weight files hold.
+
+    torch's module registration hooks are process-wide, so the count keeps to the thread
+    that builds; another thread making modules meanwhile is neither counted nor stopped.
+    """
+
+    def __init__(self, tensors: Mapping[str, TensorInfo], component: str | None, config: str):
+        self.file_tensors = len(tensors)
+        self.file_elements = sum(info.numel for info in tensors.values())
+        self.max_tensors = 2 * self.file_tensors + _EXTRA_TENSORS
+        self.max_elements = 2 * self.file_elements + _EXTRA_ELEMENTS
+        self.component = component
+        self.config = config
+        self.files = _files_of(tensors)
+        self.tripped: LoadError | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _SizeGuard:
+        from torch.nn.modules import module as nn_module
+
+        self.thread = threading.get_ident()
+        self.tensors = 0
+        self.elements = 0
+        self.tripped = None
+        self._handles = [
+            nn_module.register_module_parameter_registration_hook(self._count),
+            nn_module.register_module_buffer_registration_hook(self._count),
+        ]
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _count(self, module: torch.nn.Module, name: str, tensor: Any) -> None:
+        if tensor is None or threading.get_ident() != self.thread:
+            return None
+        self.tensors += 1
+        self.elements += tensor.numel()
+        if self.tripped is None and (
+            self.tensors > self.max_tensors or self.elements > self.max_elements
+        ):
+            if self.tensors > self.max_tensors:
+                made = f"more than {self.max_tensors} tensors, the weights hold {self.file_tensors}"
+            else:
+                made = (
+                    f"more than {_count_text(self.max_elements)} elements, the weights hold "
+                    f"{_count_text(self.file_elements)}"
+                )
+            self.tripped = LoadError(
+                f"component '{self.component}': {self.config} and {self.files} disagree: "
+                f"the config makes {made} (a layer count, a width or a length in the config "
+                "is too large)",
+                component=self.component,
+                path=self.config,
+            )
+        if self.tripped is not None:
+            raise self.tripped
+        return None
+
+
+def _check_computed_buffers(
+    skeleton: Skeleton, tensors: Mapping[str, TensorInfo], component: str | None, config: str
+) -> None:
+    """Refuse tables computed in __init__ (no file holds them) that dwarf the weights."""
+    file_bytes = sum(info.nbytes for info in tensors.values())
+    limit = _COMPUTED_BYTES_FLOOR + file_bytes // _COMPUTED_BYTES_SHARE
+    sizes = {}
+    for names in skeleton.extra_buffers.values():
+        buffer = _get(skeleton.module, names[0])
+        sizes[names[0]] = buffer.numel() * buffer.element_size()
+    computed = sum(sizes.values())
+    if computed > limit:
+        largest = sorted(sizes, key=sizes.get, reverse=True)
+        raise LoadError(
+            f"component '{component}': {config} asks for {format_bytes(computed)} of tables "
+            f"the model computes for itself ({_some(largest, 3)}), against "
+            f"{format_bytes(file_bytes)} of weights in {_files_of(tensors)}; a length in the "
+            "config (a maximum sequence length?) is implausible",
+            component=component,
+            path=config,
+        )
+
+
+def match_tensors(
+    skeleton: Skeleton,
+    tensors: Mapping[str, TensorInfo],
+    component: str | None,
+    directory: str | os.PathLike | None = None,
+    *,
+    config_path: str | os.PathLike | None = None,
+) -> list[tuple[Slot, TensorInfo]]:
+    """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones.
+
+    Checkpoint keys are taken under the names the model's library loads them as."""
+    tensors = library_names(skeleton.module, dict(tensors), component)
+    disagree = f" ({config_path} and the weights disagree)" if config_path else ""
+    prefix = getattr(skeleton.module, "base_model_prefix", "") or ""
+    sources: list[tuple[Slot, TensorInfo]] = []
+    used: set[str] = set()
+    missing: list[str] = []
+    for slot in skeleton.slots:
+        key = _find_key(slot.names, tensors, prefix)
+        if key is None:
+            missing.append(slot.names[0])
+            continue
+        info = tensors[key]
+        used.add(key)
+        if tuple(info.shape) != tuple(slot.shape):
+            raise LoadError(
+                f"component '{component}' from {info.path}: tensor '{key}' has shape "
+                f"{list(info.shape)}, the model expects {list(slot.shape)}{disagree}",
+                component=component,
+                path=info.path,
+            )
+        sources.append((slot, info))
+    if missing:
+        files = ", ".join(sorted({str(info.path) for info in tensors.values()}))
+        if not files:
+            raise LoadError(
+                f"component '{component}' from {directory}: no safetensors weights there "
+                f"(expected diffusion_pytorch_model.safetensors, model.safetensors or a "
+                f"*.safetensors.index.json); the model needs {len(missing)} tensor(s)",
+                component=component,
+                path=os.fspath(directory) if directory is not None else None,
+            )
+        raise LoadError(
+            f"component '{component}' from {files}: {len(missing)} tensor(s) the model needs "
+            f"are missing: {_some(missing)}{disagree}",
+            component=component,
+        )
+    extra_names = {name for names in skeleton.extra_buffers.values() for name in names}
+    unexpected = [
+        key
+        for key in tensors
+        if key not in used
+        and key not in extra_names
+        and not any(re.search(pattern, key) for pattern in skeleton.ignored_unexpected)
+    ]
+    if unexpected:
+        info = tensors[unexpected[0]]
+        raise LoadError(
+            f"component '{component}' from {info.path}: {len(unexpected)} tensor(s) the model "
+            f"does not have: {_some(unexpected)}{disagree}",
+            component=component,
+            path=info.path,
+        )
+    return sources
+
+
+def _find_key(names: list[str], tensors: Mapping[str, TensorInfo], prefix: str) -> str | None:
+    for name in names:
+        if name in tensors:
+            return name
+    if prefix:
+        # transformers checkpoints may be saved with or without the base model's prefix.
+        for name in names:
+            for candidate in (f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+                if candidate in tensors:
+                    return candidate
+    return None
+
+
+def _files_of(tensors: Mapping[str, TensorInfo]) -> str:
+    files = sorted({str(info.path) for info in tensors.values() if info.path})
+    if not files:
+        return "the weight files"
+    return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more shard(s)"
+
+
+def _count_text(count: int) -> str:
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _build_diffusers(cls: type, directory: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
-from ..errors import LoadError
+from ..loading import ModelFolder
 
 
 def read_model_index(path: str | os.PathLike) -> dict[str, Any]:
-    index = Path(path) / "model_index.json"
-    if not Path(path).is_dir():
-        raise LoadError(f"model folder {path} does not exist", path=str(path))
-    if not index.is_file():
-        raise LoadError(
-            f"{index}: missing; a diffusers-format model folder has a model_index.json",
-            path=str(index),
-        )
-    try:
-        return json.loads(index.read_text())
-    except json.JSONDecodeError as error:
-        raise LoadError(f"{index}: not valid JSON ({error})", path=str(index)) from error
+    """The folder's model_index.json, checked as ModelFolder checks it: a JSON object of
+    UTF-8 text whose component names stay inside the folder; else one LoadError."""
+    return ModelFolder.open(path).model_index
 
 
 def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:

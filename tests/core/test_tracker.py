@@ -1,24 +1,155 @@
-"""What the memory tracker counts as a stage's activations."""
+"""What the memory tracker measures on a CUDA device, and what it leaves to the caller.
+
+torch's CUDA memory statistics are replaced by a fake allocator that keeps the same
+figures (bytes allocated now, peak since the last reset), so these run without a GPU.
+"""
 
 from __future__ import annotations
+
+import pytest
+import torch
 
 from ondeck.memory import MemoryTracker
 
 GiB = 2**30
 
 
-def measured_stage(loading_bytes: int) -> int | None:
-    """A stage with 2 GiB resident whose device peak reached 10 GiB."""
-    tracker = MemoryTracker(device="cpu")
-    tracker._device_peak = lambda: 10 * GiB  # as a CUDA device would report it
-    tracker.run_started()
-    tracker.loaded("text_encoder", 2 * GiB, 0.1)
-    tracker.stage_started("PrepareLatents")
+class FakeAllocator:
+    """torch.cuda's allocated and peak statistics, driven by hand."""
+
+    def __init__(self):
+        self.allocated = 0
+        self.peak = 0
+        self.resets = 0
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.resets += 1
+        self.peak = self.allocated
+
+
+@pytest.fixture
+def cuda(monkeypatch) -> FakeAllocator:
+    fake = FakeAllocator()
+    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def stage(tracker: MemoryTracker, cuda: FakeAllocator, name: str, weights: int, scratch: int):
+    """A stage that loads ``weights`` before its compute, which then needs ``scratch``."""
+    tracker.stage_started(name)
+    cuda.allocate(weights)
+    tracker.loaded(name, weights, 0.1)
     tracker.compute_started()
-    return tracker.stage_finished("PrepareLatents", loading_bytes).activation_bytes
+    cuda.allocate(scratch)
+    cuda.free(scratch)
+    record = tracker.stage_finished(name)
+    cuda.free(weights)
+    tracker.released(name, weights)
+    return record
 
 
-def test_weights_still_arriving_from_a_prefetch_are_not_activations():
+def test_weights_still_arriving_from_a_prefetch_are_not_activations(cuda):
+    def activation(loading_bytes: int) -> int | None:
+        """A stage with 2 GiB resident whose device peak reached 10 GiB."""
+        torch.cuda.reset_peak_memory_stats()  # as the caller may, between the two
+        tracker = MemoryTracker(device="cuda:0")
+        tracker.run_started()
+        cuda.allocate(2 * GiB)
+        tracker.loaded("text_encoder", 2 * GiB, 0.1)
+        tracker.stage_started("PrepareLatents")
+        tracker.compute_started()
+        cuda.allocate(8 * GiB)
+        record = tracker.stage_finished("PrepareLatents", loading_bytes)
+        cuda.free(10 * GiB)
+        return record.activation_bytes
+
     # 6 GiB of a component loading in the background when the stage ended.
-    assert measured_stage(6 * GiB) == 2 * GiB
-    assert measured_stage(0) == 8 * GiB
+    assert activation(6 * GiB) == 2 * GiB
+    assert activation(0) == 8 * GiB
+
+
+def test_the_callers_peak_survives_a_run(cuda):
+    cuda.allocate(30 * GiB)  # the caller's own work, before the pipeline runs
+    cuda.free(30 * GiB)
+    tracker = MemoryTracker(device="cuda:0")
+    assert tracker.reset_peaks is False
+
+    tracker.run_started()
+    stage(tracker, cuda, "Encode", 4 * GiB, 1 * GiB)
+    stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)
+
+    assert cuda.resets == 0
+    assert torch.cuda.max_memory_allocated() == 30 * GiB
+    assert tracker.peak_measured_bytes == 30 * GiB
+
+
+def test_stages_that_raise_the_peak_are_measured_exactly_and_the_others_not_at_all(cuda):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    records = [
+        stage(tracker, cuda, "Encode", 4 * GiB, 1 * GiB),  # peak 5 GiB, a new high
+        stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB),  # peak 10 GiB, a new high
+        stage(tracker, cuda, "Decode", 1 * GiB, 3 * GiB),  # peak 4 GiB, under 10
+    ]
+
+    assert [r.peak_measured_bytes for r in records] == [5 * GiB, 10 * GiB, None]
+    assert [r.activation_bytes for r in records] == [1 * GiB, 2 * GiB, None]
+    assert tracker.run_peak_measured_bytes(1) == 10 * GiB
+
+
+def test_a_stage_that_begins_at_the_peak_is_measured(cuda):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    cuda.allocate(6 * GiB)  # the peak so far is what is allocated now
+    record = stage(tracker, cuda, "Encode", 0, 0)
+    assert record.peak_measured_bytes == 6 * GiB
+
+
+def test_reset_peaks_measures_every_stage_and_costs_the_callers_figure(cuda):
+    cuda.allocate(30 * GiB)
+    cuda.free(30 * GiB)
+    tracker = MemoryTracker(device="cuda:0", reset_peaks=True)
+    tracker.run_started()
+    records = [
+        stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB),
+        stage(tracker, cuda, "Decode", 1 * GiB, 3 * GiB),
+    ]
+
+    assert [r.activation_bytes for r in records] == [2 * GiB, 3 * GiB]
+    assert tracker.peak_measured_bytes == 30 * GiB, "the tracker itself keeps the old peak"
+    assert torch.cuda.max_memory_allocated() == 4 * GiB, "what the caller reads: lowered"
+
+
+def test_reset_peaks_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("ONDECK_RESET_PEAKS", "1")
+    assert MemoryTracker(device="cuda:0").reset_peaks is True
+    monkeypatch.setenv("ONDECK_RESET_PEAKS", "0")
+    assert MemoryTracker(device="cuda:0").reset_peaks is False
+    monkeypatch.delenv("ONDECK_RESET_PEAKS")
+    assert MemoryTracker(device="cuda:0").reset_peaks is False
+
+
+def test_nothing_is_read_from_cuda_for_a_cpu_device(cuda, monkeypatch):
+    def refuse(device=None):
+        raise AssertionError("CUDA statistics read for a CPU tracker")
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", refuse)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
+    tracker = MemoryTracker(device="cpu", reset_peaks=True)
+    tracker.run_started()
+    record = stage(tracker, cuda, "Encode", GiB, GiB)
+    assert (record.peak_measured_bytes, record.activation_bytes) == (None, None)

@@ -87,7 +87,7 @@ def test_loader_works_as_a_lazy_module_loader(wan_template):
     assert loader.returns_fresh_module
     vae = LazyModule("vae", loader, spec=loader.spec)
     assert vae.config.scale_factor_temporal == 4
-    assert vae.materialize() is not None
+    assert type(vae.materialize()).__name__ == "AutoencoderKLWan"
     assert vae.release() == loader.spec.nbytes
 
 
@@ -213,7 +213,10 @@ def test_allocation_failure_frees_what_was_allocated(wan_template, monkeypatch):
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
-        if kwargs.get("device") is None:  # not a destination the loader allocates
+        device = kwargs.get("device")
+        # Not a destination the loader allocates: no device, or the meta device on which
+        # the skeleton is built (torch's meta kernels call torch.empty themselves).
+        if device is None or torch.device(device).type == "meta":
             return real_empty(*args, **kwargs)
         if len(allocated) == 10:
             raise MemoryError("device full")

@@ -26,7 +26,10 @@ from .helpers import (
 )
 from .test_reader import DTYPES
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 @pytest.fixture(autouse=True, params=["processes", "threads"])

@@ -29,12 +29,31 @@ def cache_on_cpu(monkeypatch):
     return HostCache(budget_bytes=2**30, pin=False)
 
 
-def test_disabled_for_cpu_targets():
+class Properties:
+    def __init__(self, is_integrated: bool):
+        self.is_integrated = is_integrated
+
+
+def as_if_cuda(monkeypatch, *, integrated: bool) -> None:
+    """torch.cuda as on a machine whose GPU is discrete, or integrated (unified memory)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties(integrated))
+
+
+def test_disabled_where_a_host_copy_would_be_the_same_memory_twice(monkeypatch):
     assert not HostCache.enabled_for("cpu")
     assert not HostCache.enabled_for(torch.device("cpu"))
-    assert HostCache.enabled_for("cuda") == (
-        not host_cache_module._is_unified(torch.device("cuda"))
-    )
+    assert not HostCache.enabled_for("mps")
+    as_if_cuda(monkeypatch, integrated=True)
+    assert not HostCache.enabled_for("cuda")
+    assert not HostCache.enabled_for("cuda:0")
+
+
+def test_enabled_for_a_discrete_gpu(monkeypatch):
+    as_if_cuda(monkeypatch, integrated=False)
+    assert HostCache.enabled_for("cuda")
+    assert HostCache.enabled_for(torch.device("cuda", 0))
 
 
 def test_loader_ignores_a_cache_for_cpu_targets(wan_template):
@@ -46,9 +65,23 @@ def test_loader_ignores_a_cache_for_cpu_targets(wan_template):
     assert (cache.hits, cache.misses, cache.resident_bytes) == (0, 0, 0)
 
 
-def test_default_budget_is_never_negative():
-    assert host_cache_module.default_budget_bytes() >= 0
-    assert HostCache().budget_bytes >= 0
+def test_default_budget_is_half_of_what_is_available_less_headroom_never_negative(monkeypatch):
+    import psutil
+
+    GiB = 2**30
+    available = {"bytes": 20 * GiB}
+
+    class Memory:
+        @property
+        def available(self):
+            return available["bytes"]
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
+    assert host_cache_module.default_budget_bytes() == 6 * GiB
+    assert HostCache().budget_bytes == 6 * GiB
+    available["bytes"] = 4 * GiB
+    assert host_cache_module.default_budget_bytes() == 0
+    assert HostCache().budget_bytes == 0
 
 
 def test_second_load_is_a_hit_and_identical(wan_template, cache_on_cpu, monkeypatch):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from references import assert_close_to_plain, in_fresh_tensors
 
 import ondeck
 from ondeck.cli import main as cli_main
@@ -21,18 +24,31 @@ def wan_folder(tmp_path_factory):
     return build_wan_folder(tmp_path_factory.mktemp("wan") / "tiny", preset="tiny")
 
 
+PROMPTS = ("a fox", "a heron")
+
+
 @pytest.fixture(scope="module")
 def diffusers_frames(wan_folder):
+    """diffusers.WanPipeline's frames: as it loads (``plain``), and with its weights in
+    fresh tensors (``fresh``), as ondeck's are (see tests/references.py)."""
     from diffusers import WanPipeline
 
     reference = WanPipeline.from_pretrained(wan_folder, torch_dtype=torch.float32)
-    frames = {}
-    for prompt in ("a fox", "a heron"):
-        generator = torch.Generator("cpu").manual_seed(7)
-        frames[prompt] = reference(
-            prompt, negative_prompt="blurry", generator=generator, **SHAPE
-        ).frames
-    return frames
+
+    def frames() -> dict:
+        return {
+            prompt: reference(
+                prompt,
+                negative_prompt="blurry",
+                generator=torch.Generator("cpu").manual_seed(7),
+                **SHAPE,
+            ).frames
+            for prompt in PROMPTS
+        }
+
+    plain = frames()
+    in_fresh_tensors(reference)
+    return {"plain": plain, "fresh": frames()}
 
 
 def wan(folder, policy, **options):
@@ -46,9 +62,10 @@ def test_frames_match_diffusers_across_consecutive_runs(
     wan_folder, diffusers_frames, policy, options
 ):
     pipe = wan(wan_folder, policy, **options)
-    for prompt in ("a fox", "a heron"):
+    for prompt in PROMPTS:
         frames = pipe.generate(prompt, negative_prompt="blurry", seed=7, **SHAPE)
-        assert np.array_equal(frames, diffusers_frames[prompt])
+        assert np.array_equal(frames, diffusers_frames["fresh"][prompt])
+        assert_close_to_plain(frames, diffusers_frames["plain"][prompt], prompt)
 
 
 def test_release_peak_is_below_the_sum_and_eager_peak_is_the_sum(wan_folder):
@@ -108,13 +125,44 @@ def test_budget_keeps_components_across_runs_and_loads_nothing_the_second_time(w
     assert all(ondeck.is_loaded(p) for p in pipe.deferred.values())
 
 
-def test_plan_predicts_the_measured_resident_peak(wan_folder):
-    for policy, options in (("release", {}), ("eager", {}), ("budget", {"budget": "1GiB"})):
+class LiveModules:
+    """A transform on every component that adds up, at each load, the bytes the tensors of
+    every component loaded so far still hold: what a release has really freed, not what
+    the tracker was told."""
+
+    def __init__(self):
+        self.loaded: list[weakref.ref] = []
+        self.peak_bytes = 0
+
+    def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.loaded = [ref for ref in self.loaded if ref() is not None]
+        self.loaded.append(weakref.ref(module))
+        alive = [ref() for ref in self.loaded]
+        held = sum(storage_bytes(module) for module in alive if module is not None)
+        self.peak_bytes = max(self.peak_bytes, held)
+        return module
+
+
+def storage_bytes(module: torch.nn.Module) -> int:
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_plan_predicts_the_resident_peak_measured_in_live_module_bytes(wan_folder):
+    sizes = wan(wan_folder, "release").component_bytes()
+    for policy, options, expected in (
+        ("release", {}, max(sizes.values())),
+        ("eager", {}, sum(sizes.values())),
+        ("budget", {"budget": "1GiB"}, sum(sizes.values())),
+    ):
         pipe = wan(wan_folder, policy, **options)
-        predicted = pipe.plan().peak_bytes
+        live = LiveModules()
+        for proxy in pipe.deferred.values():
+            proxy.add_transform(live)
         pipe.generate("a fox", seed=0, **SHAPE)
         pipe.generate("a heron", seed=0, **SHAPE)
-        assert pipe.tracker.peak_resident_bytes == predicted, policy
+        assert live.peak_bytes == pipe.plan().peak_bytes == expected, policy
 
 
 def test_missing_model_index_is_a_load_error_naming_the_file(tmp_path):

@@ -176,7 +176,7 @@ CASES = [
         "config-not-json",
         "transformer",
         config_not_json,
-        r"not a valid JSON",
+        r"config\.json: not valid JSON",
         lambda f: f / "transformer",
     ),
     Case(
@@ -194,13 +194,13 @@ CASES = [
         lambda f: Path("model_index.json"),
     ),
     Case(
-        "library-not-trusted",
+        "library-not-installed",
         "vae",
         lambda f: edit_json(
             f / "model_index.json", lambda i: i.__setitem__("vae", ["nolib_xyz", "Autoencoder"])
         ),
-        r"library 'nolib_xyz'; ondeck imports classes only from diffusers, transformers",
-        lambda f: Path("model_index.json"),
+        r"from library 'nolib_xyz'; ondeck imports classes only from diffusers, transformers",
+        lambda f: Path("vae"),
     ),
     Case("header-not-json", "transformer", header_not_json, r"not valid JSON", transformer_file),
     Case(

@@ -71,12 +71,22 @@ def from_pretrained(
     if torch_dtype is not None and dtype is not None:
         raise ValueError("pass torch_dtype or dtype, not both")
     dtype = dtype if dtype is not None else torch_dtype
+    if kwargs.get("custom_pipeline") is not None:
+        raise LoadError(
+            f"{path}: custom_pipeline={kwargs['custom_pipeline']!r}: ondeck runs diffusers' "
+            "own pipeline classes only; load a custom pipeline with diffusers itself",
+            path=str(path),
+        )
     path = _local_folder(path, kwargs)
     folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
     base_class = _pipeline_class(diffusers, folder)
     for name in folder.component_names:
-        if name not in kwargs:
-            folder.component_class(name)  # refuses an untrusted library before diffusers imports it
+        if name in kwargs:
+            continue
+        # Refuses an untrusted library before diffusers imports it, and a model without
+        # readable safetensors weights now rather than when a call first needs it.
+        if issubclass(folder.component_class(name), torch.nn.Module):
+            folder.require_weights(name)
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
@@ -124,6 +134,12 @@ def _local_folder(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
 
 def _pipeline_class(diffusers: Any, folder: Any) -> type:
     name = folder.pipeline_class_name
+    if name is not None and not isinstance(name, str):
+        raise LoadError(
+            f"{folder.path / 'model_index.json'}: _class_name {name!r} names a custom "
+            "pipeline; ondeck runs diffusers' own pipeline classes only",
+            path=str(folder.path / "model_index.json"),
+        )
     found = getattr(diffusers, name, None) if name else None
     if not isinstance(found, type) or not issubclass(found, diffusers.DiffusionPipeline):
         raise LoadError(
@@ -178,6 +194,7 @@ def _deferred_component(
     folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
 ) -> PipelineComponent | None:
     from ...loading import ComponentLoader
+    from ...loading.skeleton import SkeletonBuildError
 
     def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
         return ComponentLoader(
@@ -192,7 +209,9 @@ def _deferred_component(
     try:
         loader = make_loader(device, dtype)
         spec = loader.spec
-    except LoadError as error:
+    except SkeletonBuildError as error:
+        # Only a class ondeck cannot build falls back: a folder whose config and weights
+        # disagree must not be handed to diffusers to build at the size the config says.
         warnings.warn(
             f"component '{name}' loads with diffusers and stays resident: {error}", stacklevel=3
         )

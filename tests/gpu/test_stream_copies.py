@@ -1,0 +1,123 @@
+"""The order of block streaming's device copies, on a real side stream.
+
+A streamed block computes from a slot; the copy of a later block into that slot is
+queued while the block's kernels may still wait on the compute stream. The copy must
+wait for them (an event recorded after the block). Here a spinning kernel delays every
+block's compute by tens of milliseconds, so a copy that did not wait would land before
+the block read its weights, and the block would compute with another block's.
+
+The CPU suite replaces these copies with immediate ones, so only these tests see it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ondeck.loading import ComponentLoader
+from ondeck.pipelines.wan import WanTextToVideo
+from ondeck.policy import BudgetPolicy
+from ondeck.streaming import StreamOptions, streamer
+
+from .conftest import keep_stream_busy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def six_blocks(tmp_path_factory):
+    from streaming.conftest import build_six_block_folder
+
+    return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
+
+
+def inputs(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, 16, 2, 4, 4, generator=generator).cuda(),
+        timestep=torch.tensor([500]).cuda(),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=generator).cuda(),
+        return_dict=False,
+    )
+
+
+def streamed_transformer(folder):
+    """The transformer with every block streamed through two slots, and the pipeline."""
+    from streaming.conftest import budget_keeping, transformer_blocks
+
+    budget = budget_keeping(transformer_blocks(folder), resident=0, slots=SLOTS)
+    options = StreamOptions(slots=SLOTS, unified=False, unmeasured_activation_fraction=0.0)
+    pipe = WanTextToVideo.from_folder(
+        folder,
+        policy=BudgetPolicy(budget, streaming=options),
+        device="cuda",
+        dtype=torch.float32,
+        progress=False,
+    )
+    plan = pipe.plan()
+    assert len(plan.streamed["transformer"].streamed) == 6, "every block streams"
+    pipe.policy.streaming.apply(pipe, plan)
+    module = pipe.components["transformer"].materialize()
+    for block in module.blocks:
+        # After ondeck's own pre-hook (registered when the module was armed), so the
+        # block's copy has been waited for and the next block's copy queued already.
+        block.register_forward_pre_hook(lambda module, args: keep_stream_busy())
+    return pipe, module
+
+
+def run_slowly_and_compare(folder) -> tuple[torch.Tensor, torch.Tensor]:
+    pipe, module = streamed_transformer(folder)
+    reference = ComponentLoader(folder, "transformer", dtype=torch.float32, device="cuda")()
+    try:
+        with torch.no_grad():
+            ours = module(**inputs())[0]
+            theirs = reference(**inputs())[0]
+        torch.cuda.synchronize()
+        return ours, theirs
+    finally:
+        pipe.release_all()
+
+
+def test_a_slot_is_rewritten_only_after_the_block_that_read_it_computed(six_blocks):
+    ours, theirs = run_slowly_and_compare(six_blocks)
+    # Close, not equal: the same weights at other addresses may meet other kernels; a
+    # block computing with another block's weights is off by far more.
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_the_same_run_without_that_wait_computes_with_the_wrong_weights(six_blocks, monkeypatch):
+    """Proof that the test above can fail: the copy no longer waits for the block."""
+
+    def copy_without_waiting(self, destination, source, *, after, done):
+        with torch.cuda.stream(self.stream):
+            destination.copy_(source, non_blocking=True)
+            done.record(self.stream)
+
+    monkeypatch.setattr(streamer._DeviceCopies, "copy", copy_without_waiting)
+    ours, theirs = run_slowly_and_compare(six_blocks)
+    assert not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_device_copies_wait_for_the_compute_that_read_the_slot():
+    """The same contract on one slot, without a model."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = streamer._DeviceCopies(device)
+    slot = torch.full((2**20,), 1.0, device=device)
+    incoming = torch.full((2**20,), 2.0).pin_memory()
+    read_done, copied = copies.event(), copies.event()
+
+    keep_stream_busy()
+    seen = slot * 1  # the compute that reads the slot, queued behind the busy kernel
+    copies.record(read_done)
+    copies.copy(slot, incoming, after=read_done, done=copied)
+    copies.wait(copied, [slot])
+    after = slot * 1
+    torch.cuda.synchronize()
+
+    assert torch.equal(seen.cpu(), torch.full((2**20,), 1.0)), "the copy overtook the read"
+    assert torch.equal(after.cpu(), torch.full((2**20,), 2.0)), "the wait saw the copy"
