@@ -195,7 +195,8 @@ def test_a_missing_model_folder_is_a_load_error_with_status_1(capsys, tmp_path):
     code, out, err = run(capsys, "generate", tmp_path / "nowhere", *FAST, "--output", tmp_path)
     assert code == 1
     assert error_lines(err) == [
-        f"ondeck: error: LoadError: model folder {tmp_path / 'nowhere'} does not exist"
+        f"ondeck: error: LoadError: model folder {tmp_path / 'nowhere'} does not exist or is not "
+        "a folder"
     ]
 
 
