@@ -125,6 +125,18 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         type=_host_cache,
         help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off)",
     )
+    _add_library(parser)
+
+
+def _add_library(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--library",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="an installed package, beyond diffusers and transformers, whose classes the "
+        "folder's model_index.json may name (repeat for more); nothing else is imported",
+    )
 
 
 def _add_debug(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="list components, classes, dtypes and bytes")
     inspect.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    _add_library(inspect)
     _add_debug(inspect)
+
+    profiles = commands.add_parser(
+        "profiles", help="show where measured activation peaks are stored, or clear them"
+    )
+    profiles.add_argument("--clear", action="store_true", help="delete the stored profiles")
+    _add_debug(profiles)
 
     bench = commands.add_parser("bench", help="compare policies on a model folder")
     bench.add_argument("model_dir", nargs="?")
@@ -195,9 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in arguments or os.environ.get("ONDECK_DEBUG", "") not in ("", "0")
     try:
         args = build_parser().parse_args(arguments)
-        return {"generate": generate, "plan": plan, "inspect": inspect, "bench": bench}[
-            args.command
-        ](args)
+        commands = {
+            "generate": generate,
+            "plan": plan,
+            "inspect": inspect,
+            "bench": bench,
+            "profiles": profiles,
+        }
+        return commands[args.command](args)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -341,6 +365,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         prefetch=not args.no_prefetch,
         host_cache=host_cache,
         **({"shard": shard} if shard else {}),
+        **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
     )
 
 
@@ -498,6 +523,8 @@ def plan(args: argparse.Namespace) -> int:
     shape = getattr(pipe, "set_plan_shape", None)
     if shape is not None:
         shape(height=args.height, width=args.width, frames=args.frames)
+    if budget is None:
+        print(f"ondeck: {pipe.policy.reason}")
     result = pipe.plan(budget)
     print(result)
     return 0 if result.fits() else 1
@@ -507,7 +534,7 @@ def inspect(args: argparse.Namespace) -> int:
     from .hub import resolve_model
     from .loading import ModelFolder
 
-    folder = ModelFolder.open(resolve_model(args.model_dir))
+    folder = ModelFolder.open(resolve_model(args.model_dir), libraries=tuple(args.library))
     print(f"{folder.path}: {folder.pipeline_class_name}")
     total = 0
     for name in folder.component_names:
@@ -522,6 +549,23 @@ def inspect(args: argparse.Namespace) -> int:
             library, class_name = folder.model_index[name]
             print(f"  {name:<16} {class_name:<28} ({library}, no weights)")
     print(f"  {'sum':<16} {'':<28} {'':<16} {format_bytes(total):>12}")
+    return 0
+
+
+def profiles(args: argparse.Namespace) -> int:
+    """Where activation profiles live, what they hold; ``--clear`` deletes them."""
+    from .profiles import ActivationProfiles, profiles_path
+
+    path = profiles_path()
+    if args.clear:
+        removed = ActivationProfiles(path).clear()
+        print(f"ondeck: {'deleted' if removed else 'no profiles at'} {path}")
+        return 0
+    stored = ActivationProfiles(path).entries()
+    print(f"ondeck: activation profiles in {path}" + ("" if path.exists() else " (none yet)"))
+    for model, shape, stages in stored:
+        measured = ", ".join(f"{stage} {format_bytes(n)}" for stage, n in stages.items())
+        print(f"  {model}  {shape}: {measured}")
     return 0
 
 

@@ -35,7 +35,7 @@ def parse_bytes(value: str | int | float | None) -> int | None:
         return None
     if isinstance(value, (int, float)):
         return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {value!r} as a size; write e.g. 24GiB, 500MB or 1e9")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -146,6 +146,15 @@ class ActivationProfiles:
             for stage in stages:
                 entry["stages"].pop(stage, None)
 
+    def entries(self) -> list[tuple[str, str, dict[str, int]]]:
+        """(model, shape key, {stage: bytes}) for everything stored."""
+        with self._lock:
+            return [
+                (model, key, dict(entry["stages"]))
+                for model, shapes in self._data.items()
+                for key, entry in shapes.items()
+            ]
+
     def clear(self) -> bool:
         """Delete every stored profile (the file too); True when there was a file."""
         with self._lock:

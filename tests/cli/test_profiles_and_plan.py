@@ -1,0 +1,56 @@
+"""`ondeck profiles`, `ondeck plan`'s account of auto, and `--library`."""
+
+from __future__ import annotations
+
+import json
+
+from ondeck.memory import parse_bytes
+from ondeck.profiles import ActivationProfiles
+
+from .helpers import FAST, run
+
+
+def test_profiles_shows_where_they_live_and_clear_deletes_them(cache, capsys):
+    path = cache / "activation-profiles.json"
+    ActivationProfiles(path).record("wan", {"height": 32}, "Decode", 2048)
+    code, out, _ = run(capsys, "profiles")
+    assert code == 0
+    assert str(path) in out and "Decode 2.00 KiB" in out
+    code, out, _ = run(capsys, "profiles", "--clear")
+    assert code == 0 and "deleted" in out
+    assert not path.exists()
+    code, out, _ = run(capsys, "profiles")
+    assert "(none yet)" in out
+
+
+def test_a_generate_then_profiles_lists_what_it_measured_or_nothing(cache, tiny_model, capsys):
+    # On the CPU there is no device peak to measure: the command still runs and says so.
+    code, _, _ = run(capsys, "generate", tiny_model, *FAST, "--output", cache.parent / "out")
+    assert code == 0
+    code, out, _ = run(capsys, "profiles")
+    assert code == 0 and "activation profiles in" in out
+
+
+def test_plan_says_what_auto_chose_and_why(cache, tiny_model, capsys):
+    code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu")
+    assert code == 0
+    assert out.splitlines()[0].startswith("ondeck: auto chose 'budget'")
+
+
+def test_library_trusts_an_installed_package(cache, tiny_model, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(tiny_model, tmp_path / "custom")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["torch.nn", "Identity"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    code, _, err = run(capsys, "plan", folder, "--device", "cpu")
+    assert code == 1 and "ondeck imports classes only from" in err and "--library torch" in err
+    # Trusted, the class is imported, and found to be no scheduler ondeck can load.
+    code, _, err = run(capsys, "plan", folder, "--device", "cpu", "--library", "torch")
+    assert code == 1 and "Identity has no from_pretrained" in err
+
+
+def test_sizes_in_scientific_notation_are_bytes():
+    assert parse_bytes("1e9") == 10**9
+    assert parse_bytes("2.5e3MB") == 2_500_000_000
