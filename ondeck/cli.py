@@ -356,7 +356,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         raise UsageError(
             f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
-    return pipeline_for_folder(
+    pipe = pipeline_for_folder(
         path,
         device=device,
         dtype=_dtype(args.dtype, device),
@@ -367,6 +367,11 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         **({"shard": shard} if shard else {}),
         **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
     )
+    if "ONDECK_RESET_PEAKS" not in os.environ:
+        # The command owns its process: no caller's peak figure to keep, so every stage's
+        # activation peak is measured exactly (resetting torch's peak statistics per stage).
+        pipe.tracker.reset_peaks = True
+    return pipe
 
 
 def _shard_names(args: argparse.Namespace) -> tuple[str, ...]:

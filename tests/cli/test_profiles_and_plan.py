@@ -54,3 +54,29 @@ def test_library_trusts_an_installed_package(cache, tiny_model, tmp_path, capsys
 def test_sizes_in_scientific_notation_are_bytes():
     assert parse_bytes("1e9") == 10**9
     assert parse_bytes("2.5e3MB") == 2_500_000_000
+
+
+def _built_pipeline(monkeypatch, capsys, tiny_model):
+    import ondeck.pipelines
+
+    built = []
+    real = ondeck.pipelines.pipeline_for_folder
+
+    def recording(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(ondeck.pipelines, "pipeline_for_folder", recording)
+    assert run(capsys, "plan", tiny_model, "--device", "cpu")[0] == 0
+    return built[0]
+
+
+def test_the_command_measures_every_stage_exactly(monkeypatch, cache, tiny_model, capsys):
+    # The command owns its process, so it may reset torch's peak statistics per stage.
+    monkeypatch.delenv("ONDECK_RESET_PEAKS", raising=False)
+    assert _built_pipeline(monkeypatch, capsys, tiny_model).tracker.reset_peaks is True
+
+
+def test_ondeck_reset_peaks_0_keeps_them(monkeypatch, cache, tiny_model, capsys):
+    monkeypatch.setenv("ONDECK_RESET_PEAKS", "0")
+    assert _built_pipeline(monkeypatch, capsys, tiny_model).tracker.reset_peaks is False
