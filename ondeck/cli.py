@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             "bench": bench,
             "profiles": profiles,
         }
-        return commands[args.command](args)
+        with _warnings_as_lines(debug):
+            return commands[args.command](args)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -238,6 +241,25 @@ def main(argv: list[str] | None = None) -> int:
         first = _first_line(error)
         print(f"ondeck: error: {type(error).__name__}: {first} ({DEBUG_HINT})", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(debug: bool):
+    """ondeck's warnings as ``ondeck: warning: ...`` lines, not Python's two-line form
+    with a line of ondeck's source; ``--debug`` keeps Python's form."""
+    if debug:
+        yield
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"ondeck: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _describe(error: OndeckError) -> str:

@@ -337,6 +337,8 @@ class Plan:
     reserved_activation_bytes: dict[str, int] = field(default_factory=dict)
     transfer_bytes_per_second: float | None = None
     transfer_source: str = ""
+    # True when stored activation peaks were set aside because they alone overflowed.
+    profile_set_aside: bool = False
 
     @property
     def device_bytes(self) -> dict[str, int]:

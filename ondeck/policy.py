@@ -233,10 +233,15 @@ class BudgetPolicy(Policy):
         self._skipped = set()
         self.distrust_stored = False
         plan = self.pipeline.plan(self.budget_bytes)
+        if plan.profile_set_aside:
+            self.distrust_stored = True  # the run decides as its plan did, and re-measures
+            warnings.warn(
+                plan.activation_note.splitlines()[-1].replace(
+                    "are set aside", "are set aside in this run"
+                ),
+                stacklevel=3,
+            )
         overflow = plan.overflow()
-        if overflow is not None and self._stored_profile_in_the_way(overflow[0]):
-            plan = self.pipeline.plan(self.budget_bytes)
-            overflow = plan.overflow()
         if overflow is not None:
             stage, short = overflow
             raise BudgetError(
@@ -250,24 +255,32 @@ class BudgetPolicy(Policy):
         if self.streaming is not None:
             self.streaming.apply(self.pipeline, plan)
 
-    def _stored_profile_in_the_way(self, stage: str) -> bool:
-        """Whether the plan overflows only because of stored activation peaks. Then they
-        are set aside for this run, which measures them again (a stored value may come
-        from another card, an older version or damage; it must not block a run)."""
-        stored, _ = self.pipeline.activation_profile()
+    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
+        """The plan; where stored activation peaks alone make it overflow, the plan
+        without them (``profile_set_aside``): a stored value may come from another card,
+        an older version or damage, and must not block a run that fits without it."""
+        plan = super().plan_for(pipeline, budget)
+        if plan.overflow() is None or self.distrust_stored:
+            return plan
+        stored, _ = pipeline.activation_profile()
         if not stored:
-            return False
+            return plan
         self.distrust_stored = True
-        if self.pipeline.plan(self.budget_bytes).overflow() is not None:
+        try:
+            relaxed = super().plan_for(pipeline, budget)
+        finally:
             self.distrust_stored = False
-            return False
-        warnings.warn(
-            f"stored activation peaks ({', '.join(f'{s}: {format_bytes(n)}' for s, n in stored.items())})"
-            f" would not fit the budget of {format_bytes(self.budget_bytes)} at stage '{stage}'; "
-            "measuring them again in this run",
-            stacklevel=4,
+        if relaxed.overflow() is not None:
+            return plan
+        from .profiles import profiles_path
+
+        peaks = ", ".join(f"{stage}: {format_bytes(n)}" for stage, n in stored.items())
+        relaxed.profile_set_aside = True
+        relaxed.activation_note += (
+            f"\nstored activation peaks ({peaks}, in {profiles_path()}) would not fit; they "
+            "are set aside and measured again (`ondeck profiles --clear` deletes them)"
         )
-        return True
+        return relaxed
 
     def before_stage(self, index: int, state: Any = None) -> None:
         pipeline = self.pipeline

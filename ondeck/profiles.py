@@ -238,15 +238,16 @@ def _refuse_constant(name: str) -> Any:
 
 
 _default: ActivationProfiles | None = None
+_built_for: Path | None = None
 
 
 def default_profiles() -> ActivationProfiles:
     """The profiles in the user's cache folder (``ONDECK_CACHE`` or ~/.cache/ondeck)."""
-    global _default
-    if _default is None:
-        from .embedded import default_cache_dir
-
-        _default = ActivationProfiles(default_cache_dir() / PROFILE_FILE_NAME)
+    global _default, _built_for
+    path = profiles_path()
+    # Follow a change of ONDECK_CACHE; keep profiles someone put in place of the default.
+    if _default is None or (_default.path == _built_for and _built_for != path):
+        _default, _built_for = ActivationProfiles(path), path
     return _default
 
 

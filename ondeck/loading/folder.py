@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import stat
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -41,6 +42,14 @@ _CONFIG_NAMES = (
     "processor_config.json",
     "tokenizer_config.json",
 )
+
+
+def _find_spec(name: str):
+    """The import spec of a top-level name, found without running its code."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
 
 
 class ModelFolder:
@@ -164,21 +173,51 @@ class ModelFolder:
 
     def _trusted_module(self, name: str, library: str, class_name: str) -> str:
         """The module to import for ``library``, refusing any library not trusted."""
-        if library.split(".")[0] in self.libraries:
+        top = library.split(".")[0]
+        where = f"component '{name}': {self.path / 'model_index.json'} names class {class_name}"
+        local = self._local_code(top) if top not in TRUSTED_LIBRARIES else None
+        if top in self.libraries and local is None:
             return library
         # diffusers names its own pipeline packages by their short name ("ltx").
         if library.isidentifier() and importlib.util.find_spec("diffusers") is not None:
             module = f"diffusers.pipelines.{library}"
             if importlib.util.find_spec(module) is not None:
                 return module
+        if local is not None:
+            advice = (
+                f"'{top}' is {local}, code beside the model or in the working directory, "
+                "not an installed package: ondeck never imports it"
+            )
+        elif _find_spec(top) is not None:
+            advice = f"pass libraries=['{top}'] or --library {top} to trust the installed package"
+        else:
+            advice = f"no installed package provides '{top}'"
         raise LoadError(
-            f"component '{name}': {self.path / 'model_index.json'} names class {class_name} "
-            f"from library '{library}'; ondeck imports classes only from "
-            f"{', '.join(self.libraries)} (pass libraries=['{library.split('.')[0]}'] or "
-            f"--library {library.split('.')[0]} to trust an installed library)",
+            f"{where} from library '{library}'; ondeck imports classes only from "
+            f"{', '.join(self.libraries)} ({advice})",
             component=name,
             path=str(self.path / "model_index.json"),
         )
+
+    def _local_code(self, top: str) -> Path | None:
+        """Where ``top`` would be imported from, when that is inside the model folder or the
+        working directory (on ``sys.path`` under ``python -m``); None otherwise."""
+        spec = _find_spec(top)
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or []) or [spec.origin or ""]
+        roots = [self.path.resolve(), Path.cwd().resolve()]
+        # What an environment installed is installed, wherever the environment lives.
+        environments = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+        for location in locations:
+            if not location:
+                continue
+            resolved = Path(location).resolve()
+            if any(env in resolved.parents for env in environments):
+                continue
+            if any(resolved == root or root in resolved.parents for root in roots):
+                return resolved
+        return None
 
     def is_model(self, name: str) -> bool:
         """True for components with weights (an nn.Module class or safetensors files)."""

@@ -80,3 +80,14 @@ def test_the_command_measures_every_stage_exactly(monkeypatch, cache, tiny_model
 def test_ondeck_reset_peaks_0_keeps_them(monkeypatch, cache, tiny_model, capsys):
     monkeypatch.setenv("ONDECK_RESET_PEAKS", "0")
     assert _built_pipeline(monkeypatch, capsys, tiny_model).tracker.reset_peaks is False
+
+
+def test_warnings_are_one_line_each(cache, tiny_model, capsys):
+    path = cache / "activation-profiles.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[]")
+    code, _, err = run(capsys, "plan", tiny_model, "--device", "cpu")
+    assert code == 0
+    lines = [line for line in err.splitlines() if "activation profiles" in line]
+    assert lines and all(line.startswith("ondeck: warning: ") for line in lines)
+    assert "UserWarning" not in err and "ActivationProfiles(" not in err

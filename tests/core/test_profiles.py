@@ -229,7 +229,7 @@ def test_a_stored_peak_that_would_refuse_the_run_is_measured_again(monkeypatch, 
     pipe, store = _profiled_pipeline(monkeypatch, tmp_path, policy="budget", budget=8 * ONE)
     # As a failed run of an older version could have left: more than the whole budget.
     store.record("three", {"width": 32}, "Encode", 64 * ONE)
-    with pytest.warns(UserWarning, match="measuring them again"):
+    with pytest.warns(UserWarning, match="set aside in this run"):
         pipe({"x": torch.ones(2, 32)})
     stages, _ = store.lookup("three", {"width": 32})
     assert stages == {"Encode": 1000, "Denoise": 1000, "Decode": 1000}

@@ -61,10 +61,23 @@ def _run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_a_library_named_by_the_folder_is_refused(evil_folder, monkeypatch):
     monkeypatch.syspath_prepend(str(evil_folder.parent))
     folder = ModelFolder.open(evil_folder)
-    with pytest.raises(LoadError, match=r"library 'mymodel\.vae\.evilmod'.*--library mymodel"):
+    with pytest.raises(LoadError, match=r"library 'mymodel\.vae\.evilmod'.*never imports it"):
         folder.component_class("vae")
     assert not (evil_folder / "vae" / "RAN").exists()
     assert "mymodel.vae.evilmod" not in sys.modules
+
+
+def test_naming_the_folders_own_code_as_a_library_is_refused_too(evil_folder, monkeypatch):
+    # `--library mymodel` from the folder's parent: mymodel is the model, not a package.
+    monkeypatch.chdir(evil_folder.parent)
+    monkeypatch.syspath_prepend(str(evil_folder.parent))
+    folder = ModelFolder.open(evil_folder, libraries=["mymodel"])
+    with pytest.raises(LoadError, match="not an installed package: ondeck never imports it"):
+        folder.component_class("vae")
+    assert not (evil_folder / "vae" / "RAN").exists()
+    result = _run_cli("plan", "mymodel", "--library", "mymodel", cwd=evil_folder.parent)
+    assert result.returncode == 1
+    assert not (evil_folder / "vae" / "RAN").exists(), result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("command", ["inspect", "plan"])
