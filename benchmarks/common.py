@@ -159,10 +159,11 @@ def peak_rss_bytes() -> int:
     return rss_bytes()
 
 
-class RssSampler:
-    """Samples RSS every few milliseconds; ``.peak`` is the largest reading."""
+class PeakSampler:
+    """Samples ``read()`` every few milliseconds; ``.peak`` is the largest reading."""
 
-    def __init__(self, interval: float = 0.005):
+    def __init__(self, read, interval: float = 0.005):
+        self.read = read
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()
@@ -170,18 +171,25 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
+            self.peak = max(self.peak, self.read())
             time.sleep(self.interval)
 
-    def __enter__(self) -> RssSampler:
-        self.peak = rss_bytes()
+    def __enter__(self) -> PeakSampler:
+        self.peak = self.read()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
+        self.peak = max(self.peak, self.read())
+
+
+class RssSampler(PeakSampler):
+    """Samples RSS every few milliseconds; ``.peak`` is the largest reading."""
+
+    def __init__(self, interval: float = 0.005):
+        super().__init__(rss_bytes, interval)
 
 
 def parse_modes(parser, text: str, known, kind: str = "modes") -> list[str]:

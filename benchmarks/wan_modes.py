@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from common import PeakSampler, emit, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 PROMPTS = [
     "a red fox trotting through fresh snow at dawn",
@@ -171,40 +171,6 @@ def streaming_summary(plan) -> dict:
     }
 
 
-class ReservedSampler:
-    """Samples the caching allocator's reserved bytes every few milliseconds: a peak no
-    reset of torch's peak statistics can hide."""
-
-    def __init__(self, interval: float = 0.005):
-        import threading
-
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import torch
-
-        while not self._stop.is_set():
-            self.peak = max(self.peak, torch.cuda.memory_reserved())
-            time.sleep(self.interval)
-
-    def __enter__(self) -> ReservedSampler:
-        import torch
-
-        self.peak = torch.cuda.memory_reserved()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch
-
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, torch.cuda.memory_reserved())
-
-
 def restart_peak_rss() -> bool:
     """Reset VmHWM after setup; False where the kernel does not allow it."""
     reset_peak_rss()
@@ -264,28 +230,27 @@ def main() -> None:
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
             streamed_before = bytes_streamed(pipe)
             started = time.perf_counter()
-            sampler = ReservedSampler().__enter__()
-            if args.mode in PIPE_CALL_MODES:
-                generator = torch.Generator("cpu").manual_seed(run)
-                frames = pipe(
-                    prompt,
-                    height=args.height,
-                    width=args.width,
-                    num_frames=args.frames,
-                    num_inference_steps=args.steps,
-                    generator=generator,
-                ).frames
-            else:
-                frames = pipe.generate(
-                    prompt,
-                    height=args.height,
-                    width=args.width,
-                    num_frames=args.frames,
-                    num_inference_steps=args.steps,
-                    seed=run,
-                )
-            torch.cuda.synchronize()
-            sampler.__exit__(None, None, None)
+            with PeakSampler(torch.cuda.memory_reserved) as sampler:
+                if args.mode in PIPE_CALL_MODES:
+                    generator = torch.Generator("cpu").manual_seed(run)
+                    frames = pipe(
+                        prompt,
+                        height=args.height,
+                        width=args.width,
+                        num_frames=args.frames,
+                        num_inference_steps=args.steps,
+                        generator=generator,
+                    ).frames
+                else:
+                    frames = pipe.generate(
+                        prompt,
+                        height=args.height,
+                        width=args.width,
+                        num_frames=args.frames,
+                        num_inference_steps=args.steps,
+                        seed=run,
+                    )
+                torch.cuda.synchronize()
             row = {
                 "seconds": time.perf_counter() - started,
                 "sampled_peak_reserved_bytes": sampler.peak,
