@@ -85,6 +85,25 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
     return valid, dropped
 
 
+def _load(path: Path | None) -> tuple[dict[str, dict[str, dict[str, Any]]], str | None]:
+    """The well-formed entries of the file at ``path``, and what was wrong, if anything."""
+    if path is None:
+        return {}, None
+    try:
+        if not path.is_file():
+            return {}, None
+        text = path.read_bytes().decode("utf-8")
+        document = json.loads(text, parse_constant=_refuse_constant)
+        models, dropped = _valid_models(document)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        return {}, f"ignored ({error})"
+    if dropped:
+        return models, (
+            f"ignored {dropped} damaged or implausible entr{'y' if dropped == 1 else 'ies'}"
+        )
+    return models, None
+
+
 class ActivationProfiles:
     """``{model key: {shape key: {stage: peak activation bytes}}}`` in a JSON file.
 
@@ -109,21 +128,9 @@ class ActivationProfiles:
             )
 
     def _read(self) -> dict:
-        if self.path is None:
-            return {}
-        try:
-            if not self.path.is_file():
-                return {}
-            text = self.path.read_bytes().decode("utf-8")
-            document = json.loads(text, parse_constant=_refuse_constant)
-            models, dropped = _valid_models(document)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-            self._warn(f"ignored ({error})")
-            return {}
-        if dropped:
-            self._warn(
-                f"ignored {dropped} damaged or implausible entr{'y' if dropped == 1 else 'ies'}"
-            )
+        models, problem = _load(self.path)
+        if problem:
+            self._warn(problem)
         return models
 
     def record(self, model: str, shape: dict[str, Any], stage: str, nbytes: int) -> None:
@@ -188,9 +195,7 @@ class ActivationProfiles:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._file_lock():
                 # Keep what other processes stored since we read; ours wins where both did.
-                on_disk = ActivationProfiles.__new__(ActivationProfiles)
-                on_disk.path, on_disk._warned = self.path, True
-                merged = on_disk._read()
+                merged, _ = _load(self.path)  # damage there was reported when read
                 for model, shapes in self._data.items():
                     for key, entry in shapes.items():
                         target = merged.setdefault(model, {}).setdefault(
