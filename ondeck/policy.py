@@ -17,6 +17,7 @@ from . import memory
 from .errors import BudgetError
 from .memory import format_bytes, free_cached_memory, parse_bytes
 from .plan import budget_step, build_plan
+from .profiles import profiles_path
 
 if TYPE_CHECKING:
     from .memory import StageRecord
@@ -235,12 +236,8 @@ class BudgetPolicy(Policy):
         plan = self.pipeline.plan(self.budget_bytes)
         if plan.profile_set_aside:
             self.distrust_stored = True  # the run decides as its plan did, and re-measures
-            warnings.warn(
-                plan.activation_note.splitlines()[-1].replace(
-                    "are set aside", "are set aside in this run"
-                ),
-                stacklevel=3,
-            )
+            stored, _ = self.pipeline.activation_profile()
+            warnings.warn(_set_aside_note(stored, " in this run"), stacklevel=3)
         overflow = plan.overflow()
         if overflow is not None:
             stage, short = overflow
@@ -272,14 +269,8 @@ class BudgetPolicy(Policy):
             self.distrust_stored = False
         if relaxed.overflow() is not None:
             return plan
-        from .profiles import profiles_path
-
-        peaks = ", ".join(f"{stage}: {format_bytes(n)}" for stage, n in stored.items())
         relaxed.profile_set_aside = True
-        relaxed.activation_note += (
-            f"\nstored activation peaks ({peaks}, in {profiles_path()}) would not fit; they "
-            "are set aside and measured again (`ondeck profiles --clear` deletes them)"
-        )
+        relaxed.activation_note += "\n" + _set_aside_note(stored, "")
         return relaxed
 
     def before_stage(self, index: int, state: Any = None) -> None:
@@ -399,6 +390,14 @@ class BudgetPolicy(Policy):
             pipeline.deferred[name].release()
         free_cached_memory()
         return bool(freed)
+
+
+def _set_aside_note(stored: dict[str, int], when: str) -> str:
+    peaks = ", ".join(f"{stage}: {format_bytes(n)}" for stage, n in stored.items())
+    return (
+        f"stored activation peaks ({peaks}, in {profiles_path()}) would not fit; they are "
+        f"set aside{when} and measured again (`ondeck profiles --clear` deletes them)"
+    )
 
 
 def auto_budget_bytes(device: Any) -> tuple[int, bool]:
