@@ -450,6 +450,7 @@ def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
     plan = budget.plan_for(pipeline)
     has = f"the {format_bytes(available)} {where} has free"
     overflow = plan.overflow()
+    held = {component for use in plan.uses for component in use.components}
     if overflow is not None:
         budget.reason = (
             f"auto chose 'budget', and stage '{overflow[0]}' does not fit {has} even "
@@ -465,9 +466,7 @@ def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
             f"auto chose 'budget' with block streaming: components ({format_bytes(total)}) "
             f"do not fit {has}, and a stage's component does not fit whole ({streamed})"
         )
-    elif all(
-        set(stage[1]) == {c for use in plan.uses for c in use.components} for stage in plan.stages
-    ):
+    elif all(set(resident) == held for _, resident, _ in plan.stages):
         budget.reason = f"auto chose 'budget': components ({format_bytes(total)}) fit {has}"
     else:
         release_plan = build_plan(

@@ -261,7 +261,7 @@ class Pipeline:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
         from .memory import parse_bytes
 
-        return self.policy.plan_for(self, parse_bytes(budget) if budget is not None else None)
+        return self.policy.plan_for(self, parse_bytes(budget))
 
     # -- running ------------------------------------------------------------------------
 

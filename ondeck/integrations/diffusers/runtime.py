@@ -204,11 +204,9 @@ class DiffusersRuntime(Pipeline):
             return
         super()._after_stage(index, failed)
 
-    def _release_held_back(self, needed_bytes: int | None = None) -> None:
-        """Free held-back turns, oldest first: all, or until ``needed_bytes`` fit."""
-        while self._held_back:
-            if needed_bytes is not None and self._room_for(needed_bytes):
-                return
+    def _release_held_back(self, needed_bytes: int) -> None:
+        """Free held-back turns, oldest first, until ``needed_bytes`` fit beside them."""
+        while self._held_back and not self._room_for(needed_bytes):
             super()._after_stage(self._held_back.pop(0), failed=False)
 
     def _room_for(self, nbytes: int) -> bool:
