@@ -64,6 +64,24 @@ class ThreeStages(ondeck.Pipeline):
         ]
 
 
+class ProfiledThreeStages(ThreeStages):
+    """Three stages whose activation profile is kept per input width, as "three"."""
+
+    profile_model = "three"
+
+    def profile_shape(self, state):
+        return {"width": state["x"].shape[1]}
+
+
+def use_profiles(monkeypatch, path):
+    """Activation profiles in ``path`` stand in for the user's for this test."""
+    from ondeck import profiles
+
+    store = profiles.ActivationProfiles(path)
+    monkeypatch.setattr(profiles, "_default", store)
+    return store
+
+
 def three_loaders(features: int = 32) -> dict[str, CountingLoader]:
     return {name: CountingLoader(features) for name in ("encoder", "denoiser", "decoder")}
 

@@ -8,7 +8,7 @@ import torch
 import ondeck
 from ondeck.plan import StageUse, budget_step, release_schedule, simulate
 
-from .helpers import CountingLoader, ThreeStages, state
+from .helpers import CountingLoader, ProfiledThreeStages, ThreeStages, state, use_profiles
 
 USES = [
     StageUse("Encode", ("text_encoder",)),
@@ -220,20 +220,10 @@ def test_auto_chooses_budget_when_everything_fits(monkeypatch):
 
 
 def test_stored_activation_profile_shapes_the_first_run(monkeypatch, tmp_path):
-    from ondeck import profiles
-
-    store = profiles.ActivationProfiles(tmp_path / "profiles.json")
-    monkeypatch.setattr(profiles, "_default", store)
-
-    class Profiled(ThreeStages):
-        profile_model = "three"
-
-        def profile_shape(self, state):
-            return {"width": state["x"].shape[1]}
-
+    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
     store.record("three", {"width": 32}, "Decode", 2 * ONE)
     pipe = with_sizes(
-        Profiled(
+        ProfiledThreeStages(
             {n: CountingLoader(32) for n in ("encoder", "denoiser", "decoder")},
             policy="budget",
             budget=3 * ONE,

@@ -151,19 +151,12 @@ def _profiled_pipeline(monkeypatch, tmp_path, stage_forward=None, **options):
     import torch
 
     import ondeck
-    from ondeck import profiles
 
-    from .helpers import Apply, CountingLoader, ThreeStages
+    from .helpers import CountingLoader, ProfiledThreeStages, use_profiles
 
-    store = profiles.ActivationProfiles(tmp_path / "profiles.json")
-    monkeypatch.setattr(profiles, "_default", store)
+    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
 
-    class Profiled(ThreeStages):
-        profile_model = "three"
-
-        def profile_shape(self, state):
-            return {"width": state["x"].shape[1]}
-
+    class Profiled(ProfiledThreeStages):
         def create_stages(self):
             stages = super().create_stages()
             if stage_forward is not None:
@@ -176,7 +169,6 @@ def _profiled_pipeline(monkeypatch, tmp_path, stage_forward=None, **options):
         )
         for name in ("encoder", "denoiser", "decoder")
     }
-    del Apply
     pipe = Profiled(components, **options)
     _measure_on_any_device(monkeypatch, pipe)
     return pipe, store
