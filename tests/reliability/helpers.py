@@ -43,6 +43,17 @@ def wan(folder: Path, policy: str = "release", **options: Any) -> WanTextToVideo
     )
 
 
+def linked_folder_without(template: Path, folder: Path, component: str) -> Path:
+    """``folder`` linking to every part of ``template`` but ``component``, whose folder
+    is made empty: large templates are shared, the one part a test changes is its own."""
+    folder.mkdir()
+    for entry in template.iterdir():
+        if entry.name != component:
+            (folder / entry.name).symlink_to(entry)
+    (folder / component).mkdir()
+    return folder
+
+
 def generate(pipe: WanTextToVideo, prompt: str = PROMPT, seed: int = 0):
     return pipe.generate(prompt, negative_prompt="blurry", seed=seed, **SHAPE)
 

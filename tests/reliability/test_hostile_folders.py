@@ -27,7 +27,7 @@ import ondeck.diffusers
 from ondeck.loading import ModelFolder, read_header
 from ondeck.loading.skeleton import build_skeleton
 
-from .helpers import MiB, edit_json, settled_rss, shard, wan, weights_file
+from .helpers import MiB, edit_json, linked_folder_without, settled_rss, shard, wan, weights_file
 
 TRANSFORMER_CONFIG = Path("transformer") / "config.json"
 
@@ -109,12 +109,7 @@ def test_a_huge_rope_table_is_refused_before_it_is_computed(tiny_folder):
 def test_computed_tables_that_dwarf_the_weights_are_refused(default_template, tmp_path):
     """Large enough weights that the build guard lets the tables through; the check after
     the meta build still refuses 150 MB of rope tables for 138 MiB of weights."""
-    folder = tmp_path / "wan"
-    folder.mkdir()
-    for entry in default_template.iterdir():
-        if entry.name != "transformer":
-            (folder / entry.name).symlink_to(entry)
-    (folder / "transformer").mkdir()
+    folder = linked_folder_without(default_template, tmp_path / "wan", "transformer")
     (folder / "transformer" / "config.json").write_text(
         (default_template / "transformer" / "config.json").read_text()
     )
