@@ -113,7 +113,7 @@ def write_video(path: str | os.PathLike, frames: Any, *, fps: int = 16) -> Path:
     try:
         with atomic_path(path) as temporary:
             _encode(temporary, pixels, fps)
-    except (OSError, RuntimeError, ValueError) as error:
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
         raise OutputError(f"could not write {path}: {_reason(error)}") from error
     return path
 
@@ -121,7 +121,9 @@ def write_video(path: str | os.PathLike, frames: Any, *, fps: int = 16) -> Path:
 def _encode(path: Path, pixels: Any, fps: int) -> None:
     import imageio.v2 as imageio
 
-    with imageio.get_writer(path, fps=fps, macro_block_size=1) as writer:
+    # ffmpeg by name: left to choose by suffix, imageio takes whatever writer is
+    # installed when its ffmpeg plugin is not (tifffile, say), which rejects ``fps``.
+    with imageio.get_writer(path, format="FFMPEG", fps=fps, macro_block_size=1) as writer:
         for frame in pixels:
             writer.append_data(frame)
     if path.stat().st_size == 0:

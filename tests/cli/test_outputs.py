@@ -151,3 +151,24 @@ def test_atomic_path_replaces_the_file_when_the_write_completes(tmp_path):
     output.write_frames(target, np.ones((2, 4, 4, 3), dtype=np.float32))
     assert np.load(target).shape == (2, 4, 4, 3)
     assert listing(tmp_path) == {"frames.npy"}
+
+
+def test_without_the_ffmpeg_plugin_the_frames_are_kept(capsys, tiny_model, tmp_path, monkeypatch):
+    # As on a machine with tifffile but no imageio-ffmpeg: asked for ffmpeg by name,
+    # imageio says the plugin is missing; left to pick by suffix, it takes a writer
+    # that rejects ``fps``.
+    import imageio.v2
+
+    def get_writer(path, format=None, **options):
+        if format == "FFMPEG":
+            raise ImportError("The `FFMPEG` plugin is not installed.")
+        raise TypeError("TiffWriter.write() got an unexpected keyword argument 'fps'")
+
+    monkeypatch.setattr(imageio.v2, "get_writer", get_writer)
+    out = tmp_path / "out"
+    code, _, err = generate(capsys, tiny_model, out)
+    assert code == 1
+    [line] = error_lines(err)
+    assert line.startswith(f"ondeck: error: could not write {out / 'video.mp4'}: ImportError")
+    assert line.endswith(f"the frames are kept in {out / 'frames.npy'} (numpy.load)")
+    assert listing(out) == {"report.json", "timeline.png", "frames.npy"}
