@@ -73,6 +73,7 @@ class ComponentLoader:
         self.buffer_count = buffer_count
         self.placement = placement
         self.pipelined = pipelined
+        self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
         self.last_source: str | None = None
@@ -127,7 +128,7 @@ class ComponentLoader:
             groups, group_of = fill_groups(
                 [slot.names for slot, _ in sources], [info.nbytes for _, info in sources], path
             )
-            fill, finished = self._group_filler(jobs, key, raw, started)
+            fill, finished = self._group_filler(jobs, key, raw, started, template)
             filling = Filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
@@ -137,7 +138,7 @@ class ComponentLoader:
                 started=started,
             ).start()
             jobs = None  # the filling holds each group until it is read
-            skeleton = template.fresh()  # built while the first group is read
+            skeleton = self._take_skeleton(template)
             _install(skeleton, sources, values, self.device, allocated)
             module = skeleton.module
             filling.attach(module, path, group_of)
@@ -155,8 +156,21 @@ class ComponentLoader:
             raise
         return module, filling
 
-    def _group_filler(self, jobs: list[reader.ReadJob], key: Any, raw: Any, started: float):
-        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it."""
+    def _take_skeleton(self, template: Skeleton) -> Skeleton:
+        """A fresh skeleton to fill: the one the last pipelined load left ready, else one
+        built now (while the first group is read). Copying a large model's skeleton takes
+        a good part of a second, which a pipelined load would otherwise spend before its
+        stage can start."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] is template:
+            return spare[1]
+        return template.fresh()
+
+    def _group_filler(
+        self, jobs: list[reader.ReadJob], key: Any, raw: Any, started: float, template: Skeleton
+    ):
+        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it;
+        a fill that succeeds then builds the next load's skeleton, on its own thread."""
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
         cache = self.host_cache
@@ -193,6 +207,8 @@ class ComponentLoader:
                 else:
                     cache.discard(key)
             self.last_load_seconds = time.perf_counter() - started
+            if error is None and self._spare is None:
+                self._spare = (template, template.fresh())
 
         return fill, finished
 

@@ -248,3 +248,27 @@ def test_a_pipeline_computes_while_blocks_arrive_and_gives_the_same_frames(
     else:
         # Loaded by the policy before each stage, once: all three may compute early.
         assert fills == ["text_encoder", "transformer", "vae"]
+
+
+def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_folder, monkeypatch):
+    from ondeck.loading.skeleton import Skeleton
+
+    copies_here: list[str] = []
+    fresh = Skeleton.fresh
+
+    def watched(self):
+        copies_here.append(threading.current_thread().name)
+        return fresh(self)
+
+    monkeypatch.setattr(Skeleton, "fresh", watched)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    module, filling = loader.begin()
+    filling.wait()  # its thread then copies the skeleton for the next load
+    expected = forward(module)
+    del module
+    copies_here.clear()
+    again, filling = loader.begin()
+    assert copies_here == []  # none on the caller's thread: the spare was used
+    assert torch.equal(forward(again), expected)
+    filling.wait()
+    assert copies_here and copies_here[0].startswith("ondeck-fill")
