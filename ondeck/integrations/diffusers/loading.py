@@ -112,12 +112,24 @@ def from_pretrained(
         options["dtype"] = dtype
     with _shaped_from_configs(components.values()):
         pipe = pipeline_class.from_pretrained(str(path), **components, **auxiliaries, **options)
+    _route_sub_pipelines(pipe)
     loaded_here = set(components) | set(auxiliaries) | set(kwargs)
     _place_loaded_by_diffusers(pipe, folder, skip=loaded_here, device=device)
     pipe.ondeck = DiffusersRuntime(
         pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
     )
     return pipe
+
+
+def _route_sub_pipelines(pipe: Any) -> None:
+    """A combined pipeline (Kandinsky's) runs sub-pipelines it built over the same
+    components; they get ondeck's class too, so that asking them for their execution
+    device walks no deferred component (which would load it out of turn)."""
+    from diffusers import DiffusionPipeline
+
+    for value in vars(pipe).values():
+        if isinstance(value, DiffusionPipeline) and value is not pipe:
+            value.__class__ = ondeck_pipeline_class(type(value))
 
 
 def _local_folder(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
