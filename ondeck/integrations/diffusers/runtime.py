@@ -70,8 +70,12 @@ class DiffusersRuntime(Pipeline):
         budget: Any = None,
         device: Any = None,
         prefetch: bool = True,
+        containers: tuple[str, ...] = (),
     ):
         self.pipe = pipe
+        # Pipeline attributes that hold deferred models without being one themselves
+        # (a MultiControlNetModel): hidden from diffusers code that would walk them.
+        self.containers = containers
         self.lazy_components = tuple(components)
         sequence = [
             name
@@ -276,7 +280,8 @@ class DiffusersRuntime(Pipeline):
     def _deferred_hidden(self) -> Iterator[None]:
         """Deferred components read as None to diffusers code that would load them."""
         attributes = self.pipe.__dict__
-        saved = {name: attributes[name] for name in self.deferred if name in attributes}
+        hidden = (*self.deferred, *self.containers)
+        saved = {name: attributes[name] for name in hidden if name in attributes}
         for name in saved:
             attributes[name] = None
         try:
