@@ -308,8 +308,8 @@ def _sd_scheduler():
     )  # fmt: skip
 
 
-def build_sdxl(path: Path) -> None:
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+def _sdxl_parts() -> dict:
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
@@ -320,7 +320,7 @@ def build_sdxl(path: Path) -> None:
         addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
         projection_class_embeddings_input_dim=80, cross_attention_dim=64, norm_num_groups=1,
     )  # fmt: skip
-    StableDiffusionXLPipeline(
+    return dict(
         vae=_sd_vae((4, 8), groups=2),
         text_encoder=_clip_text(projection=False, seed=3),
         text_encoder_2=_clip_text(projection=True, seed=4),
@@ -335,6 +335,56 @@ def build_sdxl(path: Path) -> None:
             timestep_spacing="leading",
         ),  # fmt: skip
         add_watermarker=False,
+    )
+
+
+def build_sdxl(path: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    StableDiffusionXLPipeline(**_sdxl_parts()).save_pretrained(path)
+
+
+def build_sdxl_controlnet(path: Path) -> None:
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+
+    parts = _sdxl_parts()
+    torch.manual_seed(6)
+    controlnet = ControlNetModel.from_unet(
+        parts["unet"], conditioning_embedding_out_channels=(16, 32)
+    )
+    StableDiffusionXLControlNetPipeline(**parts, controlnet=_visible(controlnet)).save_pretrained(
+        path
+    )
+
+
+def build_sd3_controlnet(path: Path) -> None:
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3ControlNetModel,
+        SD3Transformer2DModel,
+        StableDiffusion3ControlNetPipeline,
+    )
+
+    sizes = dict(
+        sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+        pooled_projection_dim=64, out_channels=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(**sizes)
+    torch.manual_seed(6)
+    controlnet = SD3ControlNetModel(**sizes)
+    StableDiffusion3ControlNetPipeline(
+        transformer=transformer.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_image_vae(latent_channels=4),
+        text_encoder=_clip_text(projection=True, seed=3),
+        tokenizer=_clip_tokenizer(),
+        text_encoder_2=_clip_text(projection=True, seed=4),
+        tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=_t5_encoder(),
+        tokenizer_3=_byt5(),
+        controlnet=_visible(controlnet),
     ).save_pretrained(path)
 
 
@@ -359,11 +409,15 @@ def _controlnet(seed: int):
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), cross_attention_dim=32,
         conditioning_embedding_out_channels=(16, 32), norm_num_groups=1,
     )  # fmt: skip
-    # Freshly built ControlNets output zeros (zero-initialised convolutions): give them
-    # weights that change the result, so a ControlNet that is skipped shows.
+    return _visible(controlnet)
+
+
+def _visible(controlnet):
+    """Freshly built ControlNets add zeros (zero-initialised output layers): weights that
+    change the result, so that a ControlNet that is skipped shows."""
     with torch.no_grad():
         for module in controlnet.modules():
-            if isinstance(module, torch.nn.Conv2d):
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
                 torch.nn.init.normal_(module.weight, std=0.2)
     return controlnet.eval()
 
@@ -707,6 +761,13 @@ BREADTH: dict[str, Family] = {
         Family("sd_controlnet", "StableDiffusionControlNetPipeline", build_sd_controlnet,
                {**_STEPS, "image": _image(32), "height": 32, "width": 32,
                 "guidance_scale": 6.0}, output="images"),
+        Family("sdxl_controlnet", "StableDiffusionXLControlNetPipeline",
+               build_sdxl_controlnet,
+               {**_STEPS, "image": _image(32), "height": 32, "width": 32,
+                "guidance_scale": 5.0}, output="images"),
+        Family("sd3_controlnet", "StableDiffusion3ControlNetPipeline", build_sd3_controlnet,
+               {**_STEPS, "control_image": _image(32), "height": 32, "width": 32,
+                "guidance_scale": 5.0, "max_sequence_length": 16}, output="images"),
         Family("pixart_sigma", "PixArtSigmaPipeline", build_pixart_sigma,
                {**_STEPS, "guidance_scale": 5.0, "use_resolution_binning": False,
                 "max_sequence_length": 16}, output="images"),

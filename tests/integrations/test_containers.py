@@ -51,18 +51,17 @@ def load(path, policy="release"):
     return pipe
 
 
-def loads_per_call(pipe) -> list[dict[str, int]]:
-    counts = []
-    for _ in (1, 2):
+def loads_per_call(pipe, expected):
+    """Two calls, each checked against ``expected``; yields each call's loads."""
+    for call in (1, 2):
         before = {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
-        run(pipe, _two_controlnets())
-        counts.append(
-            {name: p.load_count - before[name] for name, p in pipe.ondeck.deferred.items()}
-        )
-    return counts
+        assert np.array_equal(run(pipe, _two_controlnets()), expected), call
+        yield {name: p.load_count - before[name] for name, p in pipe.ondeck.deferred.items()}
 
 
-def test_each_controlnet_in_a_multicontrolnet_is_deferred(multi_folder, multi_reference):
+def test_each_controlnet_in_a_multicontrolnet_is_deferred_and_loads_once_per_call(
+    multi_folder, multi_reference
+):
     from diffusers import MultiControlNetModel
 
     pipe = load(multi_folder)
@@ -70,21 +69,9 @@ def test_each_controlnet_in_a_multicontrolnet_is_deferred(multi_folder, multi_re
     assert set(NETS) <= set(pipe.ondeck.deferred)
     assert all(ondeck.is_lazy(net) and not ondeck.is_loaded(net) for net in pipe.controlnet.nets)
 
-    for call in (1, 2):
-        assert np.array_equal(run(pipe, _two_controlnets()), multi_reference), call
+    for call, loads in enumerate(loads_per_call(pipe, multi_reference), start=1):
+        assert set(loads.values()) == {1}, f"call {call}: {loads}"
         assert not any(ondeck.is_loaded(net) for net in pipe.controlnet.nets), call
-    assert set(loads_per_call(pipe)[1].values()) == {1}, "once the order is learned"
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="first call under release: the denoising loop alternates controlnet.nets.0, "
-    "controlnet.nets.1 and the UNet, together larger than the largest component; before the "
-    "order is learned a held-back turn is freed to keep residency within the largest "
-    "component, so controlnet.nets.0 loads twice in the first call",
-)
-def test_each_controlnet_loads_once_in_the_first_call(multi_folder):
-    assert set(loads_per_call(load(multi_folder))[0].values()) == {1}
 
 
 def test_moving_the_pipeline_loads_no_controlnet(multi_folder):

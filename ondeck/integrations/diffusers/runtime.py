@@ -83,6 +83,9 @@ class DiffusersRuntime(Pipeline):
             if name in components
         ]
         order = sequence + [name for name in components if name not in sequence]
+        # Components the pipeline's sequence does not list (ControlNets, a prior): their
+        # seeded turns, placed last, are a guess until a call shows the order.
+        self._unlisted = frozenset(order[len(sequence) :]) if sequence else frozenset()
         self._turns: list[tuple[str, tuple[str, ...]]] = [(name, (name,)) for name in order]
         self._learned_from: set[str] | None = None
         # Turns passed in a call whose order is not learned yet, under ``release``: their
@@ -175,6 +178,12 @@ class DiffusersRuntime(Pipeline):
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
+        if self._learned_from is None and name in self._unlisted:
+            # Before the order is learned, a component outside the sequence joins the turn
+            # in progress rather than jumping to its guessed turn: jumping would pass the
+            # turns of components the call is still using (the UNet a ControlNet works
+            # beside) and free them, to load them again moments later.
+            return
         with self._deciding():
             self._advance_to(index)
 
