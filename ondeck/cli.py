@@ -360,9 +360,10 @@ def _model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
 
 
 def _pipeline(args: argparse.Namespace, path: Path) -> Any:
+    from .folders import pipeline_for_folder
     from .loading import HostCache
     from .memory import resolve_device
-    from .pipelines import pipeline_for_folder, read_model_index
+    from .pipelines import read_model_index
     from .pipelines.wan import is_wan_folder
 
     device = resolve_device(args.device)

@@ -431,6 +431,7 @@ class WanTextToVideo(Pipeline):
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
         libraries: tuple[str, ...] | list[str] = (),
+        pipelined: bool | None = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -440,7 +441,9 @@ class WanTextToVideo(Pipeline):
         inputs. ``vae_tiling`` lets the VAE decode in tiles when whole frames would not
         fit the memory left (see ``Decode``); False always decodes whole frames.
         ``libraries`` names installed packages, beyond diffusers and transformers, whose
-        classes model_index.json may name.
+        classes model_index.json may name. ``pipelined``: whether a stage may start computing
+        while its component's blocks still arrive (``ComponentLoader``'s option; None
+        pipelines the large components).
         """
         from ..loading import ComponentLoader, ModelFolder, load_auxiliary
         from ..memory import resolve_device
@@ -464,7 +467,11 @@ class WanTextToVideo(Pipeline):
             if name == "vae" and dtype is not None:
                 component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
             options = dict(
-                device=device, dtype=component_dtype, host_cache=host_cache, progress=progress
+                device=device,
+                dtype=component_dtype,
+                host_cache=host_cache,
+                progress=progress,
+                pipelined=pipelined,
             )
             if shard:
                 # Unsharded components load whole on every rank, counting what they read.

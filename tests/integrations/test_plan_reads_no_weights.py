@@ -23,7 +23,7 @@ def no_weight_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise WeightRead(f"weights were read: {args[:1]}")
 
-    monkeypatch.setattr(component_loading.ComponentLoader, "__call__", refuse)
+    monkeypatch.setattr(component_loading.ComponentLoader, "begin", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     monkeypatch.setattr(safetensors.torch, "load", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)
@@ -47,7 +47,7 @@ def test_plan_and_inspect_read_no_weights(family, folders, no_weight_reads, caps
 
 
 def test_a_saved_wan_folder_plans_on_wans_stages(folders):
-    from ondeck.pipelines import pipeline_for_folder
+    from ondeck.folders import pipeline_for_folder
     from ondeck.pipelines.wan import WanTextToVideo
 
     folder = folders["wan"]
