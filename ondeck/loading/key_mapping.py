@@ -1,5 +1,8 @@
 """Checkpoint keys as the model's library names them when it loads them itself.
 
+diffusers renames keys of old checkpoints while loading (``_fix_state_dict_keys_on_load``:
+deprecated attention block names); ondeck calls that same method on the header dict.
+
 transformers renames keys while loading (transformers 5's conversion mapping: Qwen2.5-VL's
 ``model.*`` becomes ``model.language_model.*``; 4.x's ``_checkpoint_conversion_mapping``).
 ondeck fills the module's tensors from the files directly, so it asks the library for the
@@ -20,6 +23,9 @@ __all__ = ["library_names"]
 
 def library_names(module: Any, tensors: dict[str, Any], component: str) -> dict[str, Any]:
     """``tensors`` keyed by the names the model's library loads them under."""
+    fix_keys = _diffusers_key_fixer(module)
+    if fix_keys is not None:
+        return fix_keys(tensors)
     renames = _transformers_renamer(module)
     if renames is None:
         return tensors
@@ -32,6 +38,26 @@ def library_names(module: Any, tensors: dict[str, Any], component: str) -> dict[
             return tensors
         renamed[new_key] = info
     return renamed
+
+
+def _diffusers_key_fixer(module: Any):
+    """diffusers' ``_fix_state_dict_keys_on_load``: the renames its ``from_pretrained``
+    applies to a checkpoint (attention blocks saved before the ``to_q``/``to_k``/``to_v``/
+    ``to_out.0`` names). It renames entries of the dict it is given and looks at nothing
+    but their keys, so it is handed the file's tensor headers instead of tensors."""
+    try:
+        from diffusers import ModelMixin
+    except ImportError:
+        return None
+    if not isinstance(module, ModelMixin) or not hasattr(module, "_fix_state_dict_keys_on_load"):
+        return None
+
+    def fix(tensors: dict[str, Any]) -> dict[str, Any]:
+        renamed = dict(tensors)
+        module._fix_state_dict_keys_on_load(renamed)
+        return renamed
+
+    return fix
 
 
 def _transformers_renamer(module: Any):

@@ -163,7 +163,7 @@ def build_skeleton(
     except LoadError:
         module = skeleton = None  # the error's traceback must not keep the module alive
         raise
-    if on_meta and skeleton.extra_buffers:
+    if on_meta and (skeleton.extra_buffers or _has_meta_tables(module)):
         del module, skeleton
         module = _guarded_build(cls, directory, dtype, library, component, guard, on_meta=False)
         skeleton = _describe(module, library, dtype, file_keys)
@@ -277,6 +277,17 @@ class _SizeGuard:
         if self.tripped is not None:
             raise self.tripped
         return None
+
+
+def _has_meta_tables(module: torch.nn.Module) -> bool:
+    """Whether a constructor kept tensors as plain attributes (QwenImage's rope tables):
+    no file holds them and ``to()`` does not see them, so they must be computed for real."""
+    for submodule in module.modules():
+        for value in vars(submodule).values():
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            if any(isinstance(item, torch.Tensor) and item.is_meta for item in values):
+                return True
+    return False
 
 
 def _check_computed_buffers(

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from references import in_fresh_tensors
 
-from .tiny_pipelines import FAMILIES, run
+from .breadth_pipelines import ALL_FAMILIES as FAMILIES
+from .tiny_pipelines import run
 
 
 class Folders:

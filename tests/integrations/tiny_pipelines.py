@@ -7,10 +7,14 @@ arguments that run it in a fraction of a second on a CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -22,6 +26,8 @@ class Family:
     build: Callable[[Path], None]
     call: dict[str, Any] = field(default_factory=dict)
     output: str = "frames"
+    # Settings a loaded pipeline needs before a call (not saved with the folder).
+    prepare: Callable[[Any], None] | None = None
 
     def pipeline_type(self) -> type:
         import diffusers
@@ -332,6 +338,22 @@ FAMILIES: dict[str, Family] = {
 
 def run(pipe: Any, family: Family, seed: int = 0, **overrides: Any) -> Any:
     """One call with a fresh CPU generator; returns the frames or images."""
+    if family.prepare is not None:
+        family.prepare(pipe)
     arguments = {**family.call, **overrides}
     arguments["generator"] = torch.Generator("cpu").manual_seed(seed)
-    return getattr(pipe(**arguments), family.output)
+    with _prompts_cleaned_without_ftfy(pipe):
+        return getattr(pipe(**arguments), family.output)
+
+
+@contextlib.contextmanager
+def _prompts_cleaned_without_ftfy(pipe: Any) -> Iterator[None]:
+    """Some pipelines (Wan VACE, SkyReels-V2) clean prompts with ftfy whenever it is
+    installed or not; without it, for this call, the text passes through unchanged (for
+    plain diffusers and ondeck alike)."""
+    module = sys.modules[type(pipe).__module__]
+    if not hasattr(module, "basic_clean") or hasattr(module, "ftfy"):
+        yield
+        return
+    with mock.patch.object(module, "ftfy", SimpleNamespace(fix_text=str), create=True):
+        yield

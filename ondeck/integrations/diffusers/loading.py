@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import json
 import os
 import warnings
 from collections.abc import Iterator
@@ -90,6 +92,10 @@ def from_pretrained(
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
+    containers: dict[str, torch.nn.Module] = {}
+    # Every deferred model, by runtime name: the components, and the models inside
+    # containers ("controlnet.nets.1").
+    deferred: dict[str, PipelineComponent] = {}
     auxiliaries: dict[str, Any] = {}
     for name in folder.component_names:
         if name in kwargs:
@@ -98,26 +104,51 @@ def from_pretrained(
             # Loaded here, not by diffusers, so that a tokenizer's auto_map never runs.
             auxiliaries[name] = load_auxiliary(folder, name)
             continue
+        component_dtype = _component_dtype(dtype, name, folder)
+        if _is_container(folder, name):
+            found = _deferred_container(folder, name, device, component_dtype, host_cache, progress)
+            if found is not None:
+                containers[name], parts = found
+                deferred.update(parts)
+            continue
         if not _can_defer(folder, name):
             continue
-        component = _deferred_component(
-            folder, name, device, _component_dtype(dtype, name, folder), host_cache, progress
-        )
+        component = _deferred_component(folder, name, device, component_dtype, host_cache, progress)
         if component is not None:
-            components[name] = component
+            components[name] = deferred[name] = component
 
     pipeline_class = ondeck_pipeline_class(base_class)
     options = dict(kwargs)
     if dtype is not None:
         options["dtype"] = dtype
-    with _shaped_from_configs(components.values()):
-        pipe = pipeline_class.from_pretrained(str(path), **components, **auxiliaries, **options)
-    loaded_here = set(components) | set(auxiliaries) | set(kwargs)
+    with _shaped_from_configs(deferred.values()):
+        pipe = pipeline_class.from_pretrained(
+            str(path), **components, **containers, **auxiliaries, **options
+        )
+    _route_sub_pipelines(pipe)
+    loaded_here = set(components) | set(containers) | set(auxiliaries) | set(kwargs)
     _place_loaded_by_diffusers(pipe, folder, skip=loaded_here, device=device)
     pipe.ondeck = DiffusersRuntime(
-        pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
+        pipe,
+        deferred,
+        policy=policy,
+        budget=budget,
+        device=device,
+        prefetch=prefetch,
+        containers=tuple(containers),
     )
     return pipe
+
+
+def _route_sub_pipelines(pipe: Any) -> None:
+    """A combined pipeline (Kandinsky's) runs sub-pipelines it built over the same
+    components; they get ondeck's class too, so that asking them for their execution
+    device walks no deferred component (which would load it out of turn)."""
+    from diffusers import DiffusionPipeline
+
+    for value in vars(pipe).values():
+        if isinstance(value, DiffusionPipeline) and value is not pipe:
+            value.__class__ = ondeck_pipeline_class(type(value))
 
 
 def _local_folder(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
@@ -172,6 +203,76 @@ def _can_defer(folder: Any, name: str) -> bool:
         stacklevel=3,
     )
     return False
+
+
+def _is_container(folder: Any, name: str) -> bool:
+    """A diffusers model that only holds models saved beside it (``MultiControlNetModel``:
+    ``controlnet``, ``controlnet_1``, ...), built from a list of them, with no config."""
+    from ...loading.skeleton import library_of
+
+    try:
+        cls = folder.component_class(name)
+    except LoadError:
+        return False
+    return (
+        issubclass(cls, torch.nn.Module)
+        and library_of(cls) == "diffusers"
+        and not hasattr(cls, "load_config")
+        and "controlnets" in inspect.signature(cls.__init__).parameters
+    )
+
+
+def _deferred_container(
+    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+) -> tuple[torch.nn.Module, dict[str, PipelineComponent]] | None:
+    """The container built over a deferred proxy for each model in it, found as diffusers
+    finds them (``name``, ``name_1``, ... beside each other); None, with one warning,
+    when a model in it cannot be deferred (diffusers then loads the container whole)."""
+    from ...loading import ModelFolder
+
+    cls = folder.component_class(name)
+    parts: list[str] = []
+    while (folder.path / (name if not parts else f"{name}_{len(parts)}")).is_dir():
+        parts.append(name if not parts else f"{name}_{len(parts)}")
+    try:
+        classes = {part: _saved_class_name(folder.path / part) for part in parts}
+        # The models inside are listed nowhere; a folder that names them lets ondeck read
+        # each one exactly as it reads a component.
+        inner = ModelFolder(
+            folder.path,
+            {part: ["diffusers", class_name] for part, class_name in classes.items()},
+            variant=folder.variant,
+            libraries=folder.libraries,
+        )
+        proxies = {}
+        for index, part in enumerate(parts):
+            if not inner.weight_files(part):
+                raise LoadError(f"{folder.path / part} holds no safetensors weights")
+            proxy = _deferred_component(inner, part, device, dtype, host_cache, progress)
+            if proxy is None:
+                raise LoadError(f"'{part}' inside it cannot be built", component=name)
+            proxies[f"{name}.nets.{index}"] = proxy
+        if not proxies:
+            raise LoadError(f"no model folder {folder.path / name}", component=name)
+    except LoadError as error:
+        warnings.warn(
+            f"component '{name}' ({cls.__name__}) is not deferred: {error}; it loads with "
+            "diffusers and stays resident",
+            stacklevel=3,
+        )
+        return None
+    return cls(list(proxies.values())), proxies
+
+
+def _saved_class_name(directory: Path) -> str:
+    config = directory / "config.json"
+    try:
+        class_name = json.loads(config.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as error:
+        raise LoadError(f"{config}: unreadable ({error})", path=str(config)) from None
+    if not isinstance(class_name, str):
+        raise LoadError(f"{config}: no _class_name naming the model", path=str(config))
+    return class_name
 
 
 def _is_transformers_auxiliary(folder: Any, name: str) -> bool:

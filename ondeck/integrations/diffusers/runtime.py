@@ -70,8 +70,12 @@ class DiffusersRuntime(Pipeline):
         budget: Any = None,
         device: Any = None,
         prefetch: bool = True,
+        containers: tuple[str, ...] = (),
     ):
         self.pipe = pipe
+        # Pipeline attributes that hold deferred models without being one themselves
+        # (a MultiControlNetModel): hidden from diffusers code that would walk them.
+        self.containers = containers
         self.lazy_components = tuple(components)
         sequence = [
             name
@@ -79,6 +83,9 @@ class DiffusersRuntime(Pipeline):
             if name in components
         ]
         order = sequence + [name for name in components if name not in sequence]
+        # Components the pipeline's sequence does not list (ControlNets, a prior): their
+        # seeded turns, placed last, are a guess until a call shows the order.
+        self._unlisted = frozenset(order[len(sequence) :]) if sequence else frozenset()
         self._turns: list[tuple[str, tuple[str, ...]]] = [(name, (name,)) for name in order]
         self._learned_from: set[str] | None = None
         # Turns passed in a call whose order is not learned yet, under ``release``: their
@@ -171,6 +178,12 @@ class DiffusersRuntime(Pipeline):
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
+        if self._learned_from is None and name in self._unlisted:
+            # Before the order is learned, a component outside the sequence joins the turn
+            # in progress rather than jumping to its guessed turn: jumping would pass the
+            # turns of components the call is still using (the UNet a ControlNet works
+            # beside) and free them, to load them again moments later.
+            return
         with self._deciding():
             self._advance_to(index)
 
@@ -276,7 +289,8 @@ class DiffusersRuntime(Pipeline):
     def _deferred_hidden(self) -> Iterator[None]:
         """Deferred components read as None to diffusers code that would load them."""
         attributes = self.pipe.__dict__
-        saved = {name: attributes[name] for name in self.deferred if name in attributes}
+        hidden = (*self.deferred, *self.containers)
+        saved = {name: attributes[name] for name in hidden if name in attributes}
         for name in saved:
             attributes[name] = None
         try:
