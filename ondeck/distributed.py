@@ -2,7 +2,8 @@
 
 Each process (a rank) drives its own device and runs the same stages on the same
 inputs; components named for sharding hold only this rank's share of their weights
-(see ``loading/sharded.py``). Everything here is a thin layer over
+(see ``loading/sharded.py``), and with context parallelism each computes its slice of
+the transformer's sequence (see ``parallel.py``). Everything here is a thin layer over
 ``torch.distributed``: NCCL between CUDA devices, gloo between CPU processes.
 """
 
@@ -218,7 +219,12 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
     """
     summary = rank_summary(pipeline)
     if not is_active():
-        return {**report, "world_size": 1, "ranks": [summary]}
+        return {
+            "context_parallel": summary["context_parallel"],
+            **report,
+            "world_size": 1,
+            "ranks": [summary],
+        }
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * world_size() if is_main() else None
@@ -226,6 +232,7 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
     if not is_main():
         return None
     return {
+        "context_parallel": summary["context_parallel"],
         **report,
         "world_size": world_size(),
         "backend": str(dist.get_backend()),
@@ -234,6 +241,5 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
             for name, loader in (getattr(pipeline, "loaders", None) or {}).items()
             if getattr(loader, "mesh", None) is not None
         ),
-        "context_parallel": summary["context_parallel"],
         "ranks": gathered,
     }

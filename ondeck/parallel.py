@@ -28,10 +28,12 @@ from .errors import OndeckError
 __all__ = [
     "ContextParallel",
     "ContextParallelError",
-    "all_to_all_bytes_per_call",
     "check_matching_devices",
     "describe_device",
+    "describe_split",
+    "exchange_bytes_per_call",
     "resolve_parallel",
+    "sequence_split",
 ]
 
 ATTENTION_KINDS = ("ulysses", "ring")
@@ -268,17 +270,74 @@ def check_matching_devices(descriptions: list[str]) -> None:
     )
 
 
-def all_to_all_bytes_per_call(
-    *, tokens: int, heads: int, head_dim: int, layers: int, degree: int, element_bytes: int
+def exchange_bytes_per_call(
+    *,
+    attention: str,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    degree: int,
+    element_bytes: int,
 ) -> int:
-    """Bytes one rank sends (and receives) per transformer call under Ulysses.
+    """Bytes one rank receives from the others per transformer call (self-attention).
 
-    Each self-attention moves query, key and value in (sequence-split to head-split) and
-    the output back: four tensors of ``tokens / degree`` rows of ``heads * head_dim``, of
-    which ``(degree - 1) / degree`` leaves the rank. Cross-attention stays local.
+    Ulysses: each self-attention moves query, key and value from sequence-split to
+    head-split and the output back, four all-to-alls of ``tokens / degree`` rows of
+    ``heads * head_dim`` each, of which ``(degree - 1) / degree`` crosses to other ranks.
+    Ring: each self-attention gathers the other ranks' keys and values, ``(degree - 1)
+    / degree`` of two ``tokens``-row tensors. Cross-attention stays local either way.
     """
-    per_tensor = tokens // degree * heads * head_dim * element_bytes
-    return 4 * layers * per_tensor * (degree - 1) // degree
+    row_bytes = heads * head_dim * element_bytes
+    if attention == "ring":
+        per_layer = 2 * tokens * row_bytes * (degree - 1) // degree
+    else:
+        per_layer = 4 * (tokens // degree) * row_bytes * (degree - 1) // degree
+    return layers * per_layer
+
+
+def sequence_split(
+    parallel: ContextParallel, *, tokens: int, config: Any, element_bytes: int
+) -> dict[str, Any]:
+    """What a rank computes and exchanges at one shape, for the plan and the report."""
+    heads = int(_config_value(config, "num_attention_heads") or 0)
+    head_dim = int(_config_value(config, "attention_head_dim") or 0)
+    layers = int(_config_value(config, "num_layers") or 0)
+    exchange = exchange_bytes_per_call(
+        attention=parallel.attention,
+        tokens=tokens,
+        heads=heads,
+        head_dim=head_dim,
+        layers=layers,
+        degree=parallel.degree,
+        element_bytes=element_bytes,
+    )
+    return {
+        **parallel.summary(),
+        "tokens": tokens,
+        "tokens_per_rank": tokens // parallel.degree,
+        "exchange_bytes_per_transformer_call": exchange if heads and layers else None,
+    }
+
+
+def describe_split(split: dict[str, Any], component_bytes: dict[str, int | None]) -> str:
+    """One line for the plan: the split, the traffic, and each rank's weights."""
+    from .memory import format_bytes
+
+    exchange = split.get("exchange_bytes_per_transformer_call")
+    traffic = (
+        f"; {format_bytes(exchange)} exchanged per rank per transformer call"
+        if exchange is not None
+        else ""
+    )
+    weights = ", ".join(
+        f"{name} {format_bytes(nbytes)}" for name, nbytes in component_bytes.items() if nbytes
+    )
+    return (
+        f"context parallel over {split['degree']} ranks ({split['attention']}): each rank "
+        f"computes {split['tokens_per_rank']} of {split['tokens']} tokens{traffic}; "
+        f"weights per rank: {weights}"
+    )
 
 
 def _config_value(config: Any, key: str) -> Any:
