@@ -34,6 +34,7 @@ __all__ = [
     "exchange_bytes_per_call",
     "resolve_parallel",
     "sequence_split",
+    "split_sequences",
 ]
 
 ATTENTION_KINDS = ("ulysses", "ring")
@@ -245,6 +246,33 @@ def resolve_parallel(parallel: Any) -> ContextParallel | None:
     raise ContextParallelError(
         f"parallel={parallel!r}: expected 'context', a degree or a ContextParallel"
     )
+
+
+def split_sequences(parallel: ContextParallel, components: dict[str, Any], device: Any) -> None:
+    """Context parallelism for every deferred component with a plan (the transformers).
+
+    Checks them and starts ``parallel`` (collective) before anything loads; each then
+    gets the plan's hooks after every load.
+    """
+    planned = {
+        name: proxy
+        for name, proxy in components.items()
+        if getattr(proxy.spec.cls, "_cp_plan", None) is not None
+    }
+    if not planned:
+        classes = ", ".join(
+            f"{name} ({getattr(proxy.spec.cls, '__name__', '?')})"
+            for name, proxy in components.items()
+        )
+        raise ContextParallelError(
+            f"context parallelism: diffusers gives none of this pipeline's models a "
+            f"context-parallel plan (_cp_plan): {classes}"
+        )
+    for name, proxy in planned.items():
+        parallel.check_model(name, proxy.spec.cls, proxy.spec.config)
+    parallel.start(device)
+    for proxy in planned.values():
+        proxy.add_transform(parallel.attach)
 
 
 def describe_device(device: Any) -> str:

@@ -16,6 +16,7 @@ from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...memory import resolve_device
+from ...parallel import resolve_parallel, split_sequences
 from .component import PipelineComponent, _is_plain
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
@@ -43,6 +44,7 @@ def from_pretrained(
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
+    parallel: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -62,6 +64,9 @@ def from_pretrained(
     ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
     ``libraries`` names installed packages, beyond diffusers and transformers, whose
     classes model_index.json may name; no other module is imported for the folder.
+    ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
+    under ``torchrun``, splits the sequence of every deferred component diffusers gives a
+    context-parallel plan over the ranks (see ``ondeck.parallel``).
     """
     import diffusers
 
@@ -87,6 +92,9 @@ def from_pretrained(
         # readable safetensors weights now rather than when a call first needs it.
         if issubclass(folder.component_class(name), torch.nn.Module):
             folder.require_weights(name)
+    parallel = resolve_parallel(parallel)
+    if parallel is not None:
+        parallel.join()  # before resolving the device: joining selects this rank's GPU
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
@@ -106,6 +114,8 @@ def from_pretrained(
         if component is not None:
             components[name] = component
 
+    if parallel is not None:
+        split_sequences(parallel, components, device)
     pipeline_class = ondeck_pipeline_class(base_class)
     options = dict(kwargs)
     if dtype is not None:
@@ -117,6 +127,7 @@ def from_pretrained(
     pipe.ondeck = DiffusersRuntime(
         pipe, components, policy=policy, budget=budget, device=device, prefetch=prefetch
     )
+    pipe.ondeck.parallel = parallel
     return pipe
 
 
