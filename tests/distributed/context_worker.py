@@ -1,10 +1,11 @@
 """One rank of the context-parallel tests. Run under torchrun; writes what this rank saw.
 
-torchrun --standalone --nproc-per-node 2 context_worker.py WAN_FOLDER OUT_DIR
+torchrun --standalone --nproc-per-node 2 context_worker.py WAN_FOLDER SIX_BLOCK_FOLDER OUT_DIR
 
 Each run generates twice with the same inputs: under ``release`` the transformer is
 freed after the first and built again for the second, so the second shows whether
-diffusers' hooks came back with the reload.
+diffusers' hooks came back with the reload. SIX_BLOCK_FOLDER (a transformer larger than
+the other components) runs under ``budget`` with some blocks streamed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import numpy as np
 import torch
 
 from ondeck import distributed
+from ondeck.loading import ModelFolder
 from ondeck.pipelines.wan import WanTextToVideo
+from ondeck.policy import BudgetPolicy
+from ondeck.streaming import StreamOptions, describe_blocks, find_blocks
 
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
 RUNS = {
@@ -40,7 +44,17 @@ def sequence_spy(seen: list[int]):
     return spy
 
 
-def main(folder: str, out: Path) -> None:
+def streaming_policy(folder: str) -> BudgetPolicy:
+    """A budget that keeps two of the six blocks resident and streams the others, the
+    CPU standing in for a discrete device (as in tests/streaming)."""
+    template = ModelFolder.open(folder).template("transformer", torch.float32)
+    sizes, _ = describe_blocks(template, find_blocks(template.module))
+    budget = sizes.other_bytes + 2 * max(sizes.block_bytes) + 2 * max(sizes.packed_bytes)
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
+    return BudgetPolicy(budget, streaming=options)
+
+
+def main(folder: str, six_block_folder: str, out: Path) -> None:
     distributed.init()
     rank = distributed.rank()
     seen: dict = {"rank": rank, "runs": {}}
@@ -73,6 +87,21 @@ def main(folder: str, out: Path) -> None:
     gc.collect()
     seen["module_alive_after_release"] = alive() is not None
 
+    pipe = WanTextToVideo.from_folder(
+        six_block_folder,
+        parallel="context",
+        policy=streaming_policy(six_block_folder),
+        dtype=torch.float32,
+        device="cpu",
+        progress=False,
+    )
+    tokens = []
+    pipe.components["transformer"].add_transform(sequence_spy(tokens))
+    for prompt in ("a fox", "a heron"):
+        frames = pipe.generate(prompt, negative_prompt="blurry", seed=7, **SHAPE)
+        np.save(out / f"streamed-{prompt[2:]}-rank{rank}.npy", frames)
+    seen["streamed"] = {"tokens": tokens, "stats": pipe.policy.streaming.stats()["transformer"]}
+
     import ondeck.diffusers
 
     pipe = ondeck.diffusers.from_pretrained(
@@ -99,4 +128,4 @@ def main(folder: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

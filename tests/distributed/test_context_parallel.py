@@ -2,8 +2,8 @@
 
 What runs here is diffusers' own engine (the transformer's ``_cp_plan`` hooks and the
 Ulysses all-to-all in its native attention) over gloo, with ondeck's plumbing around
-it: the set-up, the hooks re-attached after every reload, FSDP2 shards, the policies,
-the CLI and the merged report. Ring attention needs an attention backend with
+it: the set-up, the hooks re-attached after every reload, FSDP2 shards, the policies
+(block streaming too), the CLI and the merged report. Ring attention needs an attention backend with
 log-sum-exp, which only CUDA has: it is not run here. The GPU figures come from
 ``benchmarks/context_parallel.py``.
 """
@@ -55,7 +55,28 @@ def wan_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(wan_folder):
+def six_block_folder(tmp_path_factory):
+    """The tiny folder with a wider six-block transformer, the largest component, as
+    tests/streaming builds it: some blocks stay resident, the others stream."""
+    from diffusers import WanTransformer3DModel
+
+    from ondeck.embedded import PRESETS, build_wan_folder
+
+    path = build_wan_folder(tmp_path_factory.mktemp("wan-six") / "tiny6", preset="tiny")
+    config = dict(PRESETS["tiny"]["transformer"], attention_head_dim=24, ffn_dim=96, num_layers=6)
+    generator = torch.Generator().manual_seed(1)
+    transformer = WanTransformer3DModel(**config).eval()
+    with torch.no_grad():
+        for parameter in transformer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    for old in (path / "transformer").glob("*"):
+        old.unlink()
+    transformer.save_pretrained(path / "transformer")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_process(wan_folder, six_block_folder):
     """Frames from ordinary single-process runs: Wan stages in float32 and bf16, and the
     diffusers integration."""
     import ondeck.diffusers
@@ -70,18 +91,26 @@ def one_process(wan_folder):
         output_type="np",
         **SHAPE,
     ).frames
+    six = WanTextToVideo.from_folder(
+        six_block_folder, policy="release", dtype=torch.float32, device="cpu", progress=False
+    )
     return {
         "float32": _single(wan_folder, torch.float32),
         "bfloat16": _single(wan_folder, torch.bfloat16),
         "diffusers": diffusers_frames,
+        "six blocks": {
+            prompt: six.generate(prompt, negative_prompt="blurry", seed=7, **SHAPE)
+            for prompt in ("a fox", "a heron")
+        },
     }
 
 
 @pytest.fixture(scope="module")
-def ranks(wan_folder, tmp_path_factory):
+def ranks(wan_folder, six_block_folder, tmp_path_factory):
     """What each of two ranks saw (context_worker.py)."""
     out = tmp_path_factory.mktemp("context-ranks")
-    torchrun(str(HERE / "context_worker.py"), str(wan_folder), str(out), cwd=out, timeout=300)
+    worker = str(HERE / "context_worker.py")
+    torchrun(worker, str(wan_folder), str(six_block_folder), str(out), cwd=out, timeout=400)
     seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for rank, rank_seen in enumerate(seen):
         rank_seen["frames"] = {
@@ -90,6 +119,10 @@ def ranks(wan_folder, tmp_path_factory):
             for which in ("first", "second")
         }
         rank_seen["diffusers_frames"] = np.load(out / f"diffusers-rank{rank}.npy")
+        rank_seen["streamed_frames"] = {
+            prompt: np.load(out / f"streamed-{prompt[2:]}-rank{rank}.npy")
+            for prompt in ("a fox", "a heron")
+        }
     return seen
 
 
@@ -266,6 +299,16 @@ def test_diffusers_pipeline_splits_the_sequence_with_the_same_frames(ranks, one_
     for seen in ranks:
         assert seen["diffusers_tokens"] and set(seen["diffusers_tokens"]) == {TOKENS // WORLD_SIZE}
         assert np.array_equal(seen["diffusers_frames"], one_process["diffusers"])
+
+
+@needs_gloo
+def test_streamed_blocks_split_the_sequence_with_the_same_frames(ranks, one_process):
+    for seen in ranks:
+        streamed = seen["streamed"]
+        assert streamed["stats"]["streamed_blocks"] and streamed["stats"]["copies"] > 0
+        assert streamed["tokens"] and set(streamed["tokens"]) == {TOKENS // WORLD_SIZE}
+        for prompt, frames in seen["streamed_frames"].items():
+            assert np.array_equal(frames, one_process["six blocks"][prompt])
 
 
 @needs_gloo
