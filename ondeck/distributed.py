@@ -207,7 +207,7 @@ def rank_summary(pipeline: Any) -> dict[str, Any]:
         # None where a loader does not count (a plain ComponentLoader).
         "bytes_read_from_files": bytes_read,
         "bytes_read_from_files_total": (
-            None if None in bytes_read.values() else sum(bytes_read.values())
+            None if not bytes_read or None in bytes_read.values() else sum(bytes_read.values())
         ),
     }
 

@@ -21,6 +21,7 @@ the plan's hooks.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from .errors import OndeckError
@@ -236,8 +237,6 @@ def resolve_parallel(parallel: Any) -> ContextParallel | None:
                 "parallel='context' needs one process per GPU: launch with `torchrun "
                 "--nproc-per-node N -m ondeck generate MODEL_DIR --parallel context`"
             )
-        import os
-
         world_size = (
             distributed.world_size()
             if distributed.is_active()
@@ -296,7 +295,11 @@ def compare_frames(reference: Any, candidate: Any) -> dict[str, Any]:
         "mean_abs_diff": float(difference.mean()) if difference.size else 0.0,
     }
     within = all(found[key] <= limit for key, limit in BF16_FRAME_TOLERANCE.items())
-    return {**found, "equal": bool(np.array_equal(reference, candidate)), "within_tolerance": within}
+    return {
+        **found,
+        "equal": bool(np.array_equal(reference, candidate)),
+        "within_tolerance": within,
+    }
 
 
 def describe_device(device: Any) -> str:

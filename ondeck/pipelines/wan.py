@@ -478,10 +478,10 @@ class WanTextToVideo(Pipeline):
         unknown = sorted(set(shard) - set(models))
         if unknown:
             raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
-        if shard:
-            from ..distributed import device_mesh, init
-            from ..loading.sharded import ShardedComponentLoader
+        from ..distributed import device_mesh, init
+        from ..loading.sharded import ShardedComponentLoader
 
+        if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)
         if parallel is not None:
@@ -501,7 +501,7 @@ class WanTextToVideo(Pipeline):
             options = dict(
                 device=device, dtype=component_dtype, host_cache=host_cache, progress=progress
             )
-            if shard:
+            if shard or parallel is not None:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
                     folder, name, mesh=mesh if name in shard else None, **options

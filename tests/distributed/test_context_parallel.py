@@ -332,6 +332,15 @@ def test_rank_zero_report_shows_the_split_and_every_rank(ranks):
 
 
 @needs_gloo
+def test_each_rank_reads_the_whole_unsharded_transformer_per_load(ranks, wan_folder):
+    file_nbytes = ModelFolder.open(wan_folder).file_bytes("transformer")
+    report = ranks[0]["runs"]["float32"]["report"]
+    for summary in report["ranks"]:
+        # Two generations under release: two loads, each reading the whole file.
+        assert summary["bytes_read_from_files"]["transformer"] == 2 * file_nbytes
+
+
+@needs_gloo
 def test_generate_command_splits_the_sequence_under_torchrun(wan_folder, tmp_path):
     done = torchrun(
         "-m",
