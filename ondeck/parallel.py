@@ -206,10 +206,94 @@ class ContextParallel:
         _check_backend_supports_context_parallel(processors[0])
         for processor in processors:
             processor._parallel_config = self.config
+        self._guard_splits(module, module._cp_plan)
         apply_context_parallel(module, self.config.context_parallel_config, module._cp_plan)
         # As enable_parallelism records it: diffusers then refuses a second application.
         module._parallel_config = self.config
         return module
+
+    def _guard_splits(self, module: Any, plan: dict[str, Any]) -> None:
+        """Forward pre-hooks that refuse, in one line, a sequence the degree does not
+        divide, before diffusers' bare ``assert`` (which ``python -O`` skips) is reached.
+
+        On the model: its latent grid in patches, where ``hidden_states`` is a video
+        (5-D, 3-D patch) or image (4-D, 2-D patch) grid. On each module whose inputs the
+        plan splits: those inputs' lengths. Where the sequence is known before loading
+        (the Wan stages, the CLI), :meth:`check_sequence` has refused it already.
+        """
+        from diffusers.hooks.context_parallel import _get_submodule_by_name
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        name = type(module).__name__
+        patch = _config_value(getattr(module, "config", None), "patch_size")
+        module.register_forward_pre_hook(
+            self._grid_check(name, patch), with_kwargs=True, prepend=True
+        )
+        for module_id, entry in plan.items():
+            if not isinstance(entry, dict):
+                continue
+            splits = {
+                key: spec
+                for key, spec in entry.items()
+                if isinstance(key, str)
+                and isinstance(spec, ContextParallelInput)
+                and not spec.split_output
+            }
+            if not splits:
+                continue
+            targets = _get_submodule_by_name(module, module_id)
+            label = f"{name}.{module_id}" if module_id else name
+            for target in targets if isinstance(targets, list) else [targets]:
+                target.register_forward_pre_hook(
+                    self._input_check(label, target, splits), with_kwargs=True, prepend=True
+                )
+
+    def _grid_check(self, label: str, patch: Any):
+        def check(target: Any, args: tuple, kwargs: dict) -> None:
+            latents = kwargs.get("hidden_states", args[0] if args else None)
+            if latents is None or not hasattr(latents, "dim") or patch is None:
+                return
+            sizes = patch if isinstance(patch, (list, tuple)) else (patch, patch)
+            grid = tuple(latents.shape[2:])
+            if len(grid) != len(sizes):
+                return
+            tokens = 1
+            for length, size in zip(grid, sizes, strict=True):
+                tokens *= length // int(size)
+            if tokens % self.degree:
+                raise ContextParallelError(
+                    f"{label}: a latent grid of {list(grid)} is {tokens} patches, which do "
+                    f"not split evenly over {self.degree} ranks; choose a shape whose token "
+                    f"count {self.degree} divides"
+                )
+
+        return check
+
+    def _input_check(self, label: str, target: Any, splits: dict[str, Any]):
+        import inspect
+
+        signature = inspect.signature(type(target).forward)
+
+        def check(target: Any, args: tuple, kwargs: dict) -> None:
+            try:
+                bound = signature.bind_partial(target, *args, **kwargs).arguments
+            except TypeError:
+                return  # diffusers reports a call it cannot map itself
+            for key, spec in splits.items():
+                value = bound.get(key)
+                if value is None or not hasattr(value, "dim"):
+                    continue
+                if spec.expected_dims is not None and value.dim() != spec.expected_dims:
+                    continue  # diffusers leaves such an input whole
+                if value.shape[spec.split_dim] % self.degree:
+                    raise ContextParallelError(
+                        f"{label}: input '{key}' has a sequence of "
+                        f"{value.shape[spec.split_dim]}, which does not split evenly over "
+                        f"{self.degree} ranks; choose a shape whose token count "
+                        f"{self.degree} divides"
+                    )
+
+        return check
 
     # -- what the plan and the report say -----------------------------------------------
 

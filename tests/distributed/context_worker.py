@@ -123,6 +123,11 @@ def main(folder: str, six_block_folder: str, out: Path) -> None:
     ).frames
     np.save(out / f"diffusers-rank{rank}.npy", frames)
     seen["diffusers_tokens"] = tokens
+    # 16x16, 1 frame: a latent grid of one 2x2 patch, which two ranks cannot split.
+    try:
+        pipe(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=1)
+    except Exception as error:
+        seen["diffusers_indivisible"] = f"{type(error).__name__}: {error}"
     (out / f"rank{rank}.json").write_text(json.dumps(seen, default=str))
     distributed.shutdown()
 

@@ -312,6 +312,14 @@ def test_streamed_blocks_split_the_sequence_with_the_same_frames(ranks, one_proc
 
 
 @needs_gloo
+def test_diffusers_pipeline_refuses_a_sequence_the_ranks_do_not_divide(ranks):
+    for seen in ranks:
+        message = seen["diffusers_indivisible"]
+        assert message.startswith("ContextParallelError: WanTransformer3DModel: a latent grid")
+        assert "1 patches, which do not split evenly over 2 ranks" in message
+
+
+@needs_gloo
 def test_release_frees_the_hooked_transformer(ranks):
     for seen in ranks:
         assert seen["parallel_config_once_loaded"] and seen["hooked_once_loaded"]
