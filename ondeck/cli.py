@@ -62,6 +62,10 @@ def _positive(text: str) -> int:
     return _whole_number(text, 1)
 
 
+def _degree(text: str) -> int:
+    return _whole_number(text, 2)
+
+
 def _seed(text: str) -> int:
     # torch.Generator.manual_seed takes an unsigned 64-bit seed.
     return _whole_number(text, 0, 2**64 - 1)
@@ -179,6 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="split this component's weights across the processes of a torchrun launch "
         "(FSDP2), e.g. `torchrun --nproc-per-node 2 -m ondeck generate MODEL_DIR --shard "
         "transformer`; repeat or comma-separate for more (text_encoder)",
+    )
+    generate.add_argument(
+        "--context-parallel",
+        type=_degree,
+        metavar="N",
+        help="split the transformer's sequence over the N processes of a torchrun launch "
+        "(diffusers' context parallelism, Ulysses attention); each rank computes its slice, "
+        "rank 0 writes the video, e.g. `torchrun --nproc-per-node 2 -m ondeck generate "
+        "MODEL_DIR --context-parallel 2 --shard transformer`",
+    )
+    generate.add_argument(
+        "--parallel",
+        choices=["context"],
+        help="context: --context-parallel over every process of the torchrun launch",
     )
     _add_runtime(generate)
     _add_debug(generate)
@@ -372,6 +390,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         host_cache = HostCache(args.host_cache)
     policy = "budget" if args.budget and args.policy == "auto" else args.policy
     shard = _shard_names(args)
+    parallel = _parallel(args)
     if shard and not is_wan_folder(read_model_index(path)):
         raise UsageError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
     unknown = sorted(set(shard) - {"text_encoder", "transformer", "vae"})
@@ -388,6 +407,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         prefetch=not args.no_prefetch,
         host_cache=host_cache,
         **({"shard": shard} if shard else {}),
+        **({"parallel": parallel} if parallel is not None else {}),
         **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
     )
     if "ONDECK_RESET_PEAKS" not in os.environ:
@@ -404,14 +424,52 @@ def _shard_names(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for name in names if name))
 
 
-def _start_distributed(args: argparse.Namespace) -> bool:
-    """Join torchrun's process group when sharding or launched by it; True when joined."""
-    from . import distributed
+def _parallel(args: argparse.Namespace) -> int | str | None:
+    """``parallel=`` from --context-parallel N or --parallel context; None for neither."""
+    degree = getattr(args, "context_parallel", None)
+    if degree is not None:
+        return degree
+    return getattr(args, "parallel", None)
 
+
+def _start_distributed(args: argparse.Namespace) -> bool:
+    """Join torchrun's process group when sharding, splitting the sequence or launched by
+    it; True when joined."""
+    from . import distributed
+    from .parallel import resolve_parallel
+
+    parallel = resolve_parallel(_parallel(args))
+    if parallel is not None:
+        parallel.join()  # says how to launch when this is not torchrun's process
+        return True
     if not _shard_names(args) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     distributed.init()
     return True
+
+
+def _context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str, Any] | None:
+    """What each rank computes and exchanges at this shape; checks the sequence splits.
+
+    From configs only: nothing loads.
+    """
+    parallel = getattr(pipe, "parallel", None)
+    geometry = getattr(pipe, "geometry", None)
+    if parallel is None or geometry is None:
+        return None
+    from .parallel import sequence_split
+
+    height, width, frames = geometry.snap(height, width, frames)
+    tokens = geometry.tokens(height, width, frames)
+    parallel.check_sequence("transformer", tokens, f"{height}x{width}, {frames} frames")
+    transformer = pipe.components["transformer"]
+    dtype = transformer.dtype
+    return sequence_split(
+        parallel,
+        tokens=tokens,
+        config=transformer.config,
+        element_bytes=dtype.itemsize if dtype is not None else 2,
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -429,6 +487,8 @@ def generate(args: argparse.Namespace) -> int:
             f"argument --shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
     out = Path(args.output)
+    if args.context_parallel is not None and args.parallel is not None:
+        raise UsageError("give --context-parallel N or --parallel context, not both")
     # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.
     joined = _start_distributed(args)
     main = distributed.is_main()
@@ -445,9 +505,14 @@ def generate(args: argparse.Namespace) -> int:
     steps = shape["steps"] if args.steps is None else args.steps
     pipe = _pipeline(args, path)
     _check_shape(pipe, height, width, frames)
+    split = _context_split(pipe, height, width, frames)
     say(f"ondeck: {pipe.policy.reason}")
     plan_ = pipe.plan()
     say(plan_)
+    if split is not None:
+        from .parallel import describe_split
+
+        say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     timings = []
     for run in range(args.runs):
         started = time.perf_counter()
@@ -478,6 +543,8 @@ def generate(args: argparse.Namespace) -> int:
         sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
         predicted_peak_bytes=plan_.peak_bytes,
     )
+    if split is not None:
+        report["context_parallel"] = split
     if joined:
         report = distributed.merged_report(pipe, report)  # collective: every rank sends
         if not main:
@@ -534,6 +601,11 @@ def _print_ranks(ranks: list[dict]) -> None:
     for summary in ranks:
         allocated = summary["peak_allocated_bytes"]
         allocated = f", peak allocated {format_bytes(allocated)}" if allocated else ""
+        activations = {k: v for k, v in (summary.get("activation_bytes") or {}).items() if v}
+        if activations:
+            allocated += ", activations " + ", ".join(
+                f"{stage} {format_bytes(nbytes)}" for stage, nbytes in activations.items()
+            )
         print(
             f"ondeck: rank {summary['rank']} ({summary['device']}): peak resident "
             f"{format_bytes(summary['peak_resident_bytes'])}{allocated}, read "

@@ -2,7 +2,8 @@
 
 Each process (a rank) drives its own device and runs the same stages on the same
 inputs; components named for sharding hold only this rank's share of their weights
-(see ``loading/sharded.py``). Everything here is a thin layer over
+(see ``loading/sharded.py``), and with context parallelism each computes its slice of
+the transformer's sequence (see ``parallel.py``). Everything here is a thin layer over
 ``torch.distributed``: NCCL between CUDA devices, gloo between CPU processes.
 """
 
@@ -15,7 +16,9 @@ from typing import Any
 from .errors import OndeckError
 
 __all__ = [
+    "context_mesh",
     "device_mesh",
+    "gather_all",
     "init",
     "is_active",
     "is_main",
@@ -124,6 +127,37 @@ def device_mesh(device: Any) -> Any:
     return mesh
 
 
+def context_mesh(device: Any, *, ring: int, ulysses: int) -> Any:
+    """The two-dimensional ``("ring", "ulysses")`` mesh diffusers' context parallelism
+    splits the sequence over; built once per shape, in the calling thread (collective)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not is_active():
+        init()
+    device_type = torch.device(device).type
+    key = (device_type, "ring", ring, "ulysses", ulysses)
+    mesh = _state["meshes"].get(key)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+        _state["meshes"][key] = mesh
+    return mesh
+
+
+def gather_all(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order, on every rank; ``[value]`` alone.
+
+    Collective: every rank must call it, in the same order as the others.
+    """
+    if not is_active():
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 @contextlib.contextmanager
 def main_first():
     """Rank 0 runs the block before the others (building a shared cache folder, say)."""
@@ -150,10 +184,21 @@ def rank_summary(pipeline: Any) -> dict[str, Any]:
     bytes_read = {
         name: getattr(loader, "bytes_read", None) for name, loader in sorted(loaders.items())
     }
+    # Each stage's largest activation peak (device bytes allocated beyond the weights);
+    # None where it was not measured (on CPU).
+    activations: dict[str, int | None] = {}
+    for record in tracker.stages:
+        known = activations.get(record.stage)
+        if record.activation_bytes is not None:
+            known = max(known or 0, record.activation_bytes)
+        activations[record.stage] = known
+    parallel = getattr(pipeline, "parallel", None)
     return {
         "rank": rank(),
         "device": str(pipeline.device),
+        "context_parallel": parallel.summary() if parallel is not None else None,
         "component_bytes": pipeline.component_bytes(),
+        "activation_bytes": activations,
         "peak_resident_bytes": tracker.peak_resident_bytes,
         # Device bytes allocated (torch.cuda.max_memory_allocated per stage); None on CPU.
         "peak_allocated_bytes": tracker.peak_measured_bytes or None,
@@ -162,7 +207,7 @@ def rank_summary(pipeline: Any) -> dict[str, Any]:
         # None where a loader does not count (a plain ComponentLoader).
         "bytes_read_from_files": bytes_read,
         "bytes_read_from_files_total": (
-            None if None in bytes_read.values() else sum(bytes_read.values())
+            None if not bytes_read or None in bytes_read.values() else sum(bytes_read.values())
         ),
     }
 
@@ -174,7 +219,12 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
     """
     summary = rank_summary(pipeline)
     if not is_active():
-        return {**report, "world_size": 1, "ranks": [summary]}
+        return {
+            "context_parallel": summary["context_parallel"],
+            **report,
+            "world_size": 1,
+            "ranks": [summary],
+        }
     import torch.distributed as dist
 
     gathered: list[Any] | None = [None] * world_size() if is_main() else None
@@ -182,6 +232,7 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
     if not is_main():
         return None
     return {
+        "context_parallel": summary["context_parallel"],
         **report,
         "world_size": world_size(),
         "backend": str(dist.get_backend()),

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from ..lazy import is_out_of_memory
+from ..lazy import is_lazy, is_out_of_memory
 from ..memory import free_cached_memory
 from ..stages import Pipeline, Stage
 
@@ -105,6 +105,19 @@ class WanGeometry:
         h_step = self.scale_spatial * self.patch_size[1]
         w_step = self.scale_spatial * self.patch_size[2]
         return height // h_step * h_step, width // w_step * w_step, frames
+
+    def tokens(self, height: int, width: int, frames: int) -> int:
+        """The transformer's sequence length for a (snapped) shape: latent patches."""
+        _, _, latent_frames, latent_height, latent_width = self.latent_shape(
+            1, height, width, frames
+        )
+        time_patch, height_patch, width_patch = self.patch_size
+        return (
+            latent_frames
+            // time_patch
+            * (latent_height // height_patch)
+            * (latent_width // width_patch)
+        )
 
     def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
         return (
@@ -414,7 +427,17 @@ class WanTextToVideo(Pipeline):
         self.loaders: dict[str, Any] = options.pop("loaders", {})
         # Decode in tiles when whole frames would not fit (see ``Decode``).
         self.vae_tiling: bool = options.pop("vae_tiling", True)
+        # Context parallelism (``ondeck.parallel``), started; None runs on one rank's own.
+        self.parallel: Any = options.pop("parallel", None)
         super().__init__(components, **options)
+        if self.parallel is not None:
+            transformer = self.components["transformer"]
+            # A transform, not a call on the proxy: every load builds a fresh module, and
+            # the split/gather hooks must be on each one.
+            if is_lazy(transformer):
+                transformer.add_transform(self.parallel.attach)
+            else:
+                self.parallel.attach(transformer)
 
     @classmethod
     def from_folder(
@@ -432,6 +455,7 @@ class WanTextToVideo(Pipeline):
         vae_tiling: bool = True,
         libraries: tuple[str, ...] | list[str] = (),
         pipelined: bool | None = None,
+        parallel: Any = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -443,24 +467,35 @@ class WanTextToVideo(Pipeline):
         ``libraries`` names installed packages, beyond diffusers and transformers, whose
         classes model_index.json may name. ``pipelined``: whether a stage may start computing
         while its component's blocks still arrive (``ComponentLoader``'s option; None
-        pipelines the large components).
+        pipelines the large components). ``parallel`` (``"context"``, a degree or an
+        ``ondeck.parallel.ContextParallel``) splits the transformer's sequence over the
+        ranks (diffusers' context parallelism): each computes its slice, and the frames
+        are the same on every rank. Bad set-ups are refused before anything loads.
         """
         from ..loading import ComponentLoader, ModelFolder, load_auxiliary
         from ..memory import resolve_device
+        from ..parallel import resolve_parallel
 
         models = ("text_encoder", "transformer", "vae")
         shard = tuple(shard)
         unknown = sorted(set(shard) - set(models))
         if unknown:
             raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
-        if shard:
-            from ..distributed import device_mesh, init
-            from ..loading.sharded import ShardedComponentLoader
+        from ..distributed import device_mesh, init
+        from ..loading.sharded import ShardedComponentLoader
 
+        if shard:
             init()  # before resolving the device: it selects this rank's GPU
+        parallel = resolve_parallel(parallel)
+        if parallel is not None:
+            parallel.join()
         device = resolve_device(device)
         mesh = device_mesh(device) if shard else None
         folder = ModelFolder.open(path, libraries=libraries)
+        if parallel is not None:
+            spec = folder.spec("transformer")
+            parallel.check_model("transformer", spec.cls, spec.config)
+            parallel.start(device)
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
@@ -473,7 +508,7 @@ class WanTextToVideo(Pipeline):
                 progress=progress,
                 pipelined=pipelined,
             )
-            if shard:
+            if shard or parallel is not None:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
                     folder, name, mesh=mesh if name in shard else None, **options
@@ -494,6 +529,7 @@ class WanTextToVideo(Pipeline):
             budget=budget,
             prefetch=prefetch,
             vae_tiling=vae_tiling,
+            parallel=parallel,
         )
 
     def profile_shape(self, state: dict) -> dict[str, Any]:
@@ -503,6 +539,8 @@ class WanTextToVideo(Pipeline):
             "frames": state["num_frames"],
             "guidance": state["guidance_scale"] > 1.0,
             "device": _device_name(self.device),
+            # Each rank's activations are its slice's: a different profile per degree.
+            **({"context_parallel": self.parallel.degree} if self.parallel is not None else {}),
         }
 
     def set_plan_shape(
@@ -547,6 +585,12 @@ class WanTextToVideo(Pipeline):
     ) -> Any:
         """Generate one video; returns frames as diffusers would (``np``: B×F×H×W×C)."""
         height, width, num_frames = self.geometry.snap(height, width, num_frames)
+        if self.parallel is not None:  # before anything loads
+            self.parallel.check_sequence(
+                "transformer",
+                self.geometry.tokens(height, width, num_frames),
+                f"{height}x{width}, {num_frames} frames",
+            )
         if generator is None and seed is not None:
             generator = torch.Generator("cpu").manual_seed(seed)
         state = {

@@ -18,6 +18,7 @@ from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...memory import resolve_device
+from ...parallel import resolve_parallel, split_sequences
 from .component import PipelineComponent, _is_plain
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
@@ -45,6 +46,7 @@ def from_pretrained(
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
+    parallel: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -64,6 +66,9 @@ def from_pretrained(
     ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
     ``libraries`` names installed packages, beyond diffusers and transformers, whose
     classes model_index.json may name; no other module is imported for the folder.
+    ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
+    under ``torchrun``, splits the sequence of every deferred component diffusers gives a
+    context-parallel plan over the ranks (see ``ondeck.parallel``).
     """
     import diffusers
 
@@ -89,6 +94,9 @@ def from_pretrained(
         # readable safetensors weights now rather than when a call first needs it.
         if issubclass(folder.component_class(name), torch.nn.Module):
             folder.require_weights(name)
+    parallel = resolve_parallel(parallel)
+    if parallel is not None:
+        parallel.join()  # before resolving the device: joining selects this rank's GPU
     device = resolve_device(device)
 
     components: dict[str, PipelineComponent] = {}
@@ -117,6 +125,8 @@ def from_pretrained(
         if component is not None:
             components[name] = deferred[name] = component
 
+    if parallel is not None:
+        split_sequences(parallel, components, device)
     pipeline_class = ondeck_pipeline_class(base_class)
     options = dict(kwargs)
     if dtype is not None:
@@ -137,6 +147,7 @@ def from_pretrained(
         prefetch=prefetch,
         containers=tuple(containers),
     )
+    pipe.ondeck.parallel = parallel
     return pipe
 
 
