@@ -431,6 +431,7 @@ class WanTextToVideo(Pipeline):
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
         libraries: tuple[str, ...] | list[str] = (),
+        storage_dtype: Any = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -440,9 +441,11 @@ class WanTextToVideo(Pipeline):
         inputs. ``vae_tiling`` lets the VAE decode in tiles when whole frames would not
         fit the memory left (see ``Decode``); False always decodes whole frames.
         ``libraries`` names installed packages, beyond diffusers and transformers, whose
-        classes model_index.json may name.
+        classes model_index.json may name. ``storage_dtype`` keeps weights in fp8 and
+        computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
+        encoder and transformer, or a dict by component name.
         """
-        from ..loading import ComponentLoader, ModelFolder, load_auxiliary
+        from ..loading import ComponentLoader, ModelFolder, load_auxiliary, storage
         from ..memory import resolve_device
 
         models = ("text_encoder", "transformer", "vae")
@@ -458,6 +461,11 @@ class WanTextToVideo(Pipeline):
         device = resolve_device(device)
         mesh = device_mesh(device) if shard else None
         folder = ModelFolder.open(path, libraries=libraries)
+        stored = storage.storage_by_component(
+            storage_dtype, {name: folder.component_class(name) for name in models}
+        )
+        if set(stored) & set(shard):
+            raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
@@ -466,6 +474,8 @@ class WanTextToVideo(Pipeline):
             options = dict(
                 device=device, dtype=component_dtype, host_cache=host_cache, progress=progress
             )
+            if name in stored:
+                options["storage_dtype"] = stored[name]
             if shard:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
@@ -477,6 +487,8 @@ class WanTextToVideo(Pipeline):
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
+        if stored:  # prompts encoded from fp8 weights are cached apart
+            identity += f":{storage.describe(stored)}"
         return cls(
             components,
             identity=identity,

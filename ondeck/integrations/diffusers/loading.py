@@ -43,6 +43,7 @@ def from_pretrained(
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
+    storage_dtype: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -62,10 +63,13 @@ def from_pretrained(
     ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
     ``libraries`` names installed packages, beyond diffusers and transformers, whose
     classes model_index.json may name; no other module is imported for the folder.
+    ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
+    but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
+    per component (``ondeck.loading.storage``).
     """
     import diffusers
 
-    from ...loading import ModelFolder, load_auxiliary
+    from ...loading import ModelFolder, load_auxiliary, storage
 
     dtype = kwargs.pop("dtype", None)
     if torch_dtype is not None and dtype is not None:
@@ -88,6 +92,14 @@ def from_pretrained(
         if issubclass(folder.component_class(name), torch.nn.Module):
             folder.require_weights(name)
     device = resolve_device(device)
+    stored = storage.storage_by_component(
+        storage_dtype,
+        {
+            name: folder.component_class(name)
+            for name in folder.component_names
+            if name not in kwargs and issubclass(folder.component_class(name), torch.nn.Module)
+        },
+    )
 
     components: dict[str, PipelineComponent] = {}
     auxiliaries: dict[str, Any] = {}
@@ -101,7 +113,13 @@ def from_pretrained(
         if not _can_defer(folder, name):
             continue
         component = _deferred_component(
-            folder, name, device, _component_dtype(dtype, name, folder), host_cache, progress
+            folder,
+            name,
+            device,
+            _component_dtype(dtype, name, folder),
+            host_cache,
+            progress,
+            stored.get(name),
         )
         if component is not None:
             components[name] = component
@@ -191,7 +209,13 @@ def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
 
 
 def _deferred_component(
-    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+    folder: Any,
+    name: str,
+    device: torch.device,
+    dtype: Any,
+    host_cache: Any,
+    progress: bool,
+    storage_dtype: Any = None,
 ) -> PipelineComponent | None:
     from ...loading import ComponentLoader
     from ...loading.skeleton import SkeletonBuildError
@@ -204,6 +228,7 @@ def _deferred_component(
             dtype=target_dtype,
             host_cache=host_cache,
             progress=progress,
+            storage_dtype=storage_dtype,
         )
 
     try:
