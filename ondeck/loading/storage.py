@@ -150,10 +150,9 @@ def resolve(
     check_quantization(folder, name)
     storage = parse_storage_dtype(storage_dtype, name)
     saved_as = _file_float8(folder, name)
-    if dtype is None and saved_as is not None:
-        compute = _compute_dtype_beside(folder, name, saved_as)
-    else:
-        compute = folder.resolve_dtype(name, dtype)
+    compute = folder.resolve_dtype(name, dtype)
+    if dtype is None and compute in FLOAT8_DTYPES:
+        compute = _compute_dtype_beside(folder, name)
     if compute in FLOAT8_DTYPES:
         raise LoadError(
             f"component '{name}': {compute} is a storage dtype, not one to compute in; pass "
@@ -185,15 +184,19 @@ def resolve(
 
 
 def _file_float8(folder: Any, name: str) -> torch.dtype | None:
-    """The float8 dtype most of the component's bytes are saved in, if any."""
+    """The float8 dtype holding most of the component's float8 bytes, if it has any."""
     try:
-        saved = folder.default_dtype(name)
+        tensors = folder.tensors(name)
     except LoadError:
         return None  # the load reports the folder's problem where it always did
-    return saved if saved in FLOAT8_DTYPES else None
+    sizes: dict[torch.dtype, int] = {}
+    for info in tensors.values():
+        if info.dtype in FLOAT8_DTYPES:
+            sizes[info.dtype] = sizes.get(info.dtype, 0) + info.nbytes
+    return max(sizes, key=sizes.get) if sizes else None
 
 
-def _compute_dtype_beside(folder: Any, name: str, saved_as: torch.dtype) -> torch.dtype:
+def _compute_dtype_beside(folder: Any, name: str) -> torch.dtype:
     """For a float8 checkpoint: the dtype of its other floating tensors, else bfloat16."""
     sizes: dict[torch.dtype, int] = {}
     for info in folder.tensors(name).values():
