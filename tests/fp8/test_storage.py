@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from references import in_fresh_tensors
@@ -160,3 +161,31 @@ def test_the_host_cache_holds_the_stored_bytes(wan_fp32, monkeypatch):
     assert loader.last_source == "host cache"
     for key, tensor in first.state_dict().items():
         assert same_bits(second.state_dict()[key], tensor), key
+
+
+def test_the_wan_pipeline_runs_with_text_encoder_and_transformer_in_fp8(wan_bf16):
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    def frames(storage_dtype):
+        pipe = WanTextToVideo.from_folder(
+            wan_bf16,
+            device="cpu",
+            dtype=torch.bfloat16,
+            policy="budget",
+            progress=False,
+            storage_dtype=storage_dtype,
+        )
+        shape = dict(height=16, width=16, num_frames=5, num_inference_steps=2)
+        video = pipe.generate("a fox", seed=0, max_sequence_length=16, **shape)
+        return pipe, video
+
+    pipe, stored = frames("fp8")
+    _, computed = frames(None)
+    # The text encoder's embeddings reach the transformer in bf16 (its dtype answers bf16).
+    assert pipe.components["text_encoder"].dtype == torch.bfloat16
+    assert pipe.components["text_encoder"].shared.weight.dtype == FP8
+    assert pipe.components["transformer"].blocks[0].attn1.to_q.weight.dtype == FP8
+    assert pipe.components["vae"].decoder.conv_in.weight.dtype == torch.float32
+    assert np.isfinite(stored).all()
+    difference = np.abs(stored - computed).max()
+    assert 0 < difference < 0.25
