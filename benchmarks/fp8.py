@@ -195,6 +195,7 @@ def reload_rates(args) -> dict:
     """Each component, bf16 and fp8, loaded from the page cache: file bytes per second."""
     import torch
 
+    from ondeck.lazy import module_nbytes
     from ondeck.loading import ComponentLoader, ModelFolder
 
     folder = ModelFolder.open(args.folder)
@@ -217,7 +218,7 @@ def reload_rates(args) -> dict:
                 torch.cuda.synchronize()
                 if attempt:
                     seconds.append(time.perf_counter() - started)
-                stored = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+                stored = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
                 torch.cuda.empty_cache()
