@@ -505,6 +505,7 @@ def generate(args: argparse.Namespace) -> int:
         run_seconds=timings,
         sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
         predicted_peak_bytes=plan_.peak_bytes,
+        weights=args.weights or "as computed",
     )
     if joined:
         report = distributed.merged_report(pipe, report)  # collective: every rank sends

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from references import in_fresh_tensors
@@ -104,3 +106,21 @@ def test_cli_refuses_a_weights_choice_it_cannot_store(wan_bf16, capsys):
     assert code == 2
     assert error.startswith("ondeck: error: argument --weights: storage dtype 'int4' is not one")
     assert len(error.splitlines()) == 1
+
+
+def test_cli_generate_with_weights_fp8_reports_fp8_bytes(wan_bf16, tmp_path, capsys):
+    fast = ["--device", "cpu", "--dtype", "bf16", "--height", "16", "--width", "16"]
+    fast += ["--frames", "5", "--steps", "1", "--policy", "release"]
+    reports = {}
+    for weights in (None, "fp8"):
+        out = tmp_path / str(weights)
+        extra = ["--weights", weights] if weights else []
+        code = main(["generate", str(wan_bf16), *fast, "--output", str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        reports[weights] = json.loads((out / "report.json").read_text())
+    assert reports["fp8"]["weights"] == "fp8"
+    assert reports[None]["weights"] == "as computed"
+    fp8_bytes, bf16_bytes = (reports[w]["component_bytes"] for w in ("fp8", None))
+    assert fp8_bytes["transformer"] < bf16_bytes["transformer"]
+    assert fp8_bytes["text_encoder"] < bf16_bytes["text_encoder"]
+    assert fp8_bytes["vae"] == bf16_bytes["vae"]
