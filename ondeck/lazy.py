@@ -116,6 +116,7 @@ _INTERNAL = (
     "_ondeck_pins_changed",
     "_ondeck_load_count",
     "_ondeck_free_storage",
+    "_ondeck_filling",
 )
 
 
@@ -205,6 +206,45 @@ def _describe_failure(error: Exception, spec: ComponentSpec) -> str:
     )
 
 
+def _leaves_weights(module: Any, method: str, args: tuple, kwargs: dict) -> bool:
+    """Whether replaying this call on a module leaves its weights' memory untouched (a
+    mode switch, or a move to where the weights already are), so it may run while a
+    pipelined load still writes them."""
+    if method in ("eval", "train", "requires_grad_"):
+        return True
+    if method not in ("to", "cuda", "cpu"):
+        return False
+    import torch
+
+    first = next(iter(module.parameters()), None)
+    if first is None:
+        return True
+    if method == "to":
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except Exception:
+            return False
+        if dtype is not None or memory_format is not None:
+            return False
+    else:
+        device = torch.device(method, *args[:1]) if method == "cuda" and args else method
+    if device is None:
+        return True
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device == first.device
+
+
+def _tell_observers(proxy: Any, observers: list, kind: str, seconds: float) -> None:
+    """A pipelined load's news for the observers that listen for it: ``after_wait`` (a
+    forward waited for its block) and ``after_fill`` (every weight is in place)."""
+    for observer in observers:
+        listener = getattr(observer, f"after_{kind}", None)
+        if listener is not None:
+            listener(proxy, seconds)
+
+
 def _call_with_optional_module(fn: Callable, module: Any) -> Any:
     """Call a user callback with the module when it takes an argument, else with none."""
     try:
@@ -245,6 +285,7 @@ class LazyModule:
         setter(self, "_ondeck_pins_changed", threading.Condition(threading.RLock()))
         setter(self, "_ondeck_load_count", 0)
         setter(self, "_ondeck_free_storage", bool(getattr(loader, "returns_fresh_module", False)))
+        setter(self, "_ondeck_filling", None)
 
     # -- what is known without loading ------------------------------------------------
 
@@ -309,18 +350,40 @@ class LazyModule:
 
     # -- loading ------------------------------------------------------------------------
 
-    def materialize(self) -> Any:
-        """Return the loaded component, loading it first if needed."""
-        module = object.__getattribute__(self, "_ondeck_module")
-        if module is not None:
-            return module
-        with object.__getattribute__(self, "_ondeck_lock"):
-            module = object.__getattribute__(self, "_ondeck_module")
-            if module is not None:
-                return module
-            return self._load_locked()
+    def materialize(self, *, complete: bool = True) -> Any:
+        """Return the loaded component, loading it first if needed.
 
-    def _load_locked(self) -> Any:
+        ``complete=False`` (for calls of the component): a loader that can load pipelined
+        (``loader.begin()``) may return a module whose repeated blocks are still arriving;
+        its forward waits for each block. Anything else waits for every weight.
+        """
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is None:
+            with object.__getattribute__(self, "_ondeck_lock"):
+                module = object.__getattribute__(self, "_ondeck_module")
+                if module is None:
+                    module = self._load_locked(complete)
+        if complete and object.__getattribute__(self, "_ondeck_filling") is not None:
+            self._complete_filling()
+            return self.materialize()
+        return module
+
+    def _complete_filling(self) -> None:
+        """Wait for a pipelined load's last weights; a fill that failed releases the
+        component (the next access loads it again) and raises its error."""
+        filling = object.__getattribute__(self, "_ondeck_filling")
+        if filling is None:
+            return
+        try:
+            filling.wait()
+        except LoadError:
+            self.release()
+            raise
+        with object.__getattribute__(self, "_ondeck_lock"):
+            if object.__getattribute__(self, "_ondeck_filling") is filling:
+                object.__setattr__(self, "_ondeck_filling", None)
+
+    def _load_locked(self, complete: bool = True) -> Any:
         name = object.__getattribute__(self, "_ondeck_name")
         if object.__getattribute__(self, "_ondeck_loading_thread") is threading.get_ident():
             raise LoadError(
@@ -333,21 +396,27 @@ class LazyModule:
         object.__setattr__(self, "_ondeck_loading_thread", threading.get_ident())
         started = time.perf_counter()
         try:
-            module = self._run_loader(name)
+            module, filling = self._run_loader(name, complete)
         finally:
             object.__setattr__(self, "_ondeck_loading_thread", None)
         seconds = time.perf_counter() - started
         object.__setattr__(self, "_ondeck_module", module)
+        object.__setattr__(self, "_ondeck_filling", filling)
         object.__setattr__(self, "_ondeck_load_count", self.load_count + 1)
         nbytes = module_nbytes(module)
         for observer in observers:
             observer.after_load(self, nbytes, seconds)
+        if filling is not None:
+            filling.add_listener(functools.partial(_tell_observers, self, observers))
         return module
 
-    def _run_loader(self, name: str) -> Any:
+    def _run_loader(self, name: str, complete: bool = True) -> tuple[Any, Any]:
+        """The loaded module with transforms and replayed calls applied, and the filling
+        still bringing its weights in (None when they are all in place)."""
         loader = object.__getattribute__(self, "_ondeck_loader")
+        begin = None if complete else getattr(loader, "begin", None)
         try:
-            module = loader()
+            module, filling = begin() if begin is not None else (loader(), None)
         except LoadError as error:
             if error.component is None:
                 error.component = name
@@ -358,21 +427,29 @@ class LazyModule:
             ) from error
         if module is None:
             raise LoadError(f"component '{name}': loader returned None", component=name)
+        transforms = object.__getattribute__(self, "_ondeck_transforms")
+        replay = list(object.__getattribute__(self, "_ondeck_replay"))
         try:
-            for transform in object.__getattribute__(self, "_ondeck_transforms"):
+            if filling is not None and (
+                transforms or not all(_leaves_weights(module, *call) for call in replay)
+            ):
+                # A transform or a cast reads the weights: they must all be there first.
+                filling.wait()
+                filling = None
+            for transform in transforms:
                 module = transform(module)
                 if module is None:
                     raise LoadError(f"component '{name}': transform {transform!r} returned None")
-            for method, args, kwargs in object.__getattribute__(self, "_ondeck_replay"):
+            for method, args, kwargs in replay:
                 result = getattr(module, method)(*args, **kwargs)
                 if method != "requires_grad_" and result is not None:
                     module = result
         except LoadError as error:
             error.component = name
-            self._discard(module)
+            self._discard(module, filling)
             raise
         except Exception as error:
-            self._discard(module)
+            self._discard(module, filling)
             raise LoadError(
                 f"component '{name}': applying transforms after load failed with "
                 f"{type(error).__name__}: {error}",
@@ -381,11 +458,13 @@ class LazyModule:
         except BaseException:
             # Ctrl-C during a transform (torch.compile, say): the fresh module's bytes
             # must not live on in the traceback's frames.
-            self._discard(module)
+            self._discard(module, filling)
             raise
-        return module
+        return module, filling
 
-    def _discard(self, module: Any) -> None:
+    def _discard(self, module: Any, filling: Any = None) -> None:
+        if filling is not None:
+            filling.cancel()  # nothing may write into the memory about to be freed
         if object.__getattribute__(self, "_ondeck_free_storage"):
             _free_storages(module)
 
@@ -405,7 +484,9 @@ class LazyModule:
                 if module is None:
                     return 0
                 nbytes = module_nbytes(module)
+                filling = object.__getattribute__(self, "_ondeck_filling")
                 object.__setattr__(self, "_ondeck_module", None)
+                object.__setattr__(self, "_ondeck_filling", None)
                 # Observers hear first: a Ctrl-C landing in what follows cannot leave
                 # them listing a component that is no longer there.
                 for observer in list(object.__getattribute__(self, "_ondeck_observers")):
@@ -413,7 +494,7 @@ class LazyModule:
                 try:
                     first_error = self._run_release_hooks(module)
                 finally:
-                    self._discard(module)  # even under Ctrl-C: the bytes go
+                    self._discard(module, filling)  # even under Ctrl-C: the bytes go
                     del module
         if first_error is not None:
             raise first_error
@@ -470,6 +551,7 @@ class LazyModule:
 
         If the component is already loaded, ``fn`` is applied to it now as well.
         """
+        self._complete_filling()  # a transform may read the weights
         with object.__getattribute__(self, "_ondeck_lock"):
             object.__getattribute__(self, "_ondeck_transforms").append(fn)
             module = object.__getattribute__(self, "_ondeck_module")
@@ -541,7 +623,9 @@ class LazyModule:
         delattr(self.materialize(), attribute)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.materialize()(*args, **kwargs)
+        # A call may start while a pipelined load still brings blocks in: each block's
+        # forward waits for its own weights.
+        return self.materialize(complete=False)(*args, **kwargs)
 
     def __len__(self) -> int:
         return len(self.materialize())

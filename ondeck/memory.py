@@ -161,7 +161,7 @@ def process_peak_rss_bytes() -> int:
 @dataclass
 class Event:
     seconds: float
-    kind: str  # load | release | stage_start | stage_end | wait
+    kind: str  # load | fill | release | stage_start | stage_end | wait
     name: str
     nbytes: int
     resident_bytes: int
@@ -262,6 +262,12 @@ class MemoryTracker:
             if exposed and self._stage_started is not None:
                 self._exposed += seconds
             self._record("load", name, nbytes, seconds)
+
+    def filled(self, name: str, seconds: float) -> None:
+        """A pipelined load of ``name`` has every weight in place, ``seconds`` after it
+        began; its ``load`` event marked when compute could start."""
+        with self._lock:
+            self._record("fill", name, self.resident.get(name, 0), seconds)
 
     def released(self, name: str, nbytes: int) -> None:
         with self._lock:
@@ -428,7 +434,9 @@ class MemoryTracker:
                 event = next(pending, None)
             for name in names:
                 sizes[name].append(current[name])
-        figure, axes = plt.subplots(figsize=(10, 4.2))
+        figure, (axes, lanes) = plt.subplots(
+            2, 1, figsize=(10, 5.6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+        )
         if names:
             axes.stackplot(times, *[sizes[n] for n in names], labels=names, step="post", alpha=0.8)
         measured = [(e.seconds, e.measured_bytes) for e in self.events if e.measured_bytes]
@@ -440,13 +448,14 @@ class MemoryTracker:
                 markersize=3,
                 label="device bytes allocated",
             )
+        self._plot_lanes(lanes, names)
         top = axes.get_ylim()[1]
         starts = [e for e in self.events if e.kind == "stage_start"]
         for event in starts:
             axes.axvline(event.seconds, color="grey", alpha=0.35, linewidth=0.8)
             axes.text(event.seconds, top, f" {event.name}", rotation=90, va="top", fontsize=7)
         axes.set_xlim(0, end)
-        axes.set_xlabel("seconds")
+        lanes.set_xlabel("seconds")
         axes.set_ylabel("resident GiB")
         axes.set_title(title)
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
@@ -455,3 +464,30 @@ class MemoryTracker:
         figure.savefig(path, dpi=110)
         plt.close(figure)
         return path
+
+    def _plot_lanes(self, lanes: Any, names: list[str]) -> None:
+        """Below the stack: when stages computed, and when each component was loading
+        (dark: before its stage could compute; light: its blocks arriving behind it)."""
+        rows = ["stages", *names]
+        opened: dict[str, float] = {}
+        for event in self.events:
+            if event.kind == "stage_start":
+                opened[event.name] = event.seconds
+            elif event.kind == "stage_end" and event.name in opened:
+                start = opened.pop(event.name)
+                lanes.broken_barh([(start, event.seconds - start)], (0.1, 0.8), color="grey")
+            elif event.kind in ("load", "fill") and event.duration_seconds:
+                row = rows.index(event.name) if event.name in rows else None
+                if row is not None:
+                    start = event.seconds - event.duration_seconds
+                    shade = {"load": "tab:red", "fill": "tab:orange"}[event.kind]
+                    alpha = 0.9 if event.kind == "load" else 0.45
+                    lanes.broken_barh(
+                        [(start, event.duration_seconds)],
+                        (row + 0.1, 0.8),
+                        color=shade,
+                        alpha=alpha,
+                    )
+        lanes.set_yticks([row + 0.5 for row in range(len(rows))], rows, fontsize=7)
+        lanes.set_ylim(0, len(rows))
+        lanes.invert_yaxis()

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import memory
 from .errors import BudgetError
+from .lazy import is_loaded
 from .memory import format_bytes, free_cached_memory, parse_bytes
-from .plan import budget_step, build_plan
+from .plan import budget_step, build_plan, release_residency
 from .profiles import profiles_path
 
 if TYPE_CHECKING:
@@ -162,10 +163,95 @@ class EagerPolicy(Policy):
 
 
 class ReleasePolicy(Policy):
-    """Load on first use, free after the last stage that holds the component."""
+    """Load on first use, free after the last stage that holds the component.
+
+    With ``prefetch_next_run`` (the default), the last stage also starts loading the
+    next run's first components in the background, when they fit beside it without
+    raising the run's peak above its largest stage's (weights and measured activations;
+    nothing is loaded early while an activation is unknown). They then stay resident
+    between runs (the run returns once they are in); ``release_all()`` frees them.
+    """
 
     name = "release"
     plan_name = "release"
+
+    def __init__(self, *, prefetch_next_run: bool = True):
+        super().__init__()
+        self.prefetch_next_run = prefetch_next_run
+        self._next_run: threading.Thread | None = None
+        self._next_run_names: tuple[str, ...] = ()
+        self._next_run_error: BaseException | None = None
+        self._local = threading.local()
+
+    def before_stage(self, index: int, state: Any = None) -> None:
+        if index == len(self.pipeline.stages) - 1 and index > 0 and self.prefetch_next_run:
+            names = self._next_run_fits()
+            if names:
+                self._start_next_run(names)
+
+    def _next_run_fits(self) -> tuple[str, ...]:
+        """The next run's first components, if loading them now keeps this run's peak."""
+        pipeline = self.pipeline
+        uses = pipeline.stage_uses()
+        first = tuple(n for n in uses[0].components if not is_loaded(pipeline.deferred[n]))
+        if not first:
+            return ()
+        activation, _ = self.activation_estimate(pipeline)
+        if any(activation.get(use.name) is None for use in uses):
+            return ()
+        nbytes = pipeline.component_bytes()
+        residency = release_residency(uses)
+        peaks = [
+            sum(nbytes.get(c, 0) for c in held) + activation[use.name]
+            for use, held in zip(uses, residency, strict=True)
+        ]
+        last = peaks[-1] + sum(nbytes.get(c, 0) for c in first)
+        return first if last <= max(peaks) else ()
+
+    def _start_next_run(self, names: tuple[str, ...]) -> None:
+        proxies = [self.pipeline.deferred[name] for name in names]
+
+        def load() -> None:
+            self._local.prefetching = True
+            try:
+                for proxy in proxies:
+                    proxy.materialize(complete=False)
+            except BaseException as error:  # the next run's own access retries and reports
+                self._next_run_error = error
+            finally:
+                self._local.prefetching = False
+
+        self._next_run_names, self._next_run_error = names, None
+        self._next_run = threading.Thread(target=load, name="ondeck-next-run", daemon=True)
+        self._next_run.start()
+
+    def _join_next_run(self, *, report: bool = False) -> None:
+        thread, self._next_run = self._next_run, None
+        if thread is None:
+            return
+        started = time.perf_counter()
+        thread.join()
+        waited = time.perf_counter() - started
+        if report and waited > 1e-4:
+            for name in self._next_run_names:
+                self.pipeline.tracker.waited(name, waited)
+                break  # one wait, charged once
+        if report and self._next_run_error is not None:
+            warnings.warn(
+                f"loading {list(self._next_run_names)} ahead of the run failed: "
+                f"{self._next_run_error!r}",
+                stacklevel=3,
+            )
+
+    def after_run(self) -> None:
+        # Usually done long before: the last stage computes for longer than it loads.
+        self._join_next_run(report=True)
+
+    def in_prefetch_thread(self) -> bool:
+        return getattr(self._local, "prefetching", False)
+
+    def cancel_prefetch(self) -> None:
+        self._join_next_run()
 
     def after_stage(self, index: int, *, failed: bool) -> None:
         pipeline = self.pipeline
@@ -300,7 +386,8 @@ class BudgetPolicy(Policy):
         for name in step.evict:
             self._evict(name)
         for name in step.load:
-            pipeline.deferred[name].materialize()
+            # The stage may start computing while the component's blocks arrive.
+            pipeline.deferred[name].materialize(complete=False)
         for name in step.prefetch_evict:
             self._evict(name)
         for name in step.prefetch:
@@ -318,7 +405,7 @@ class BudgetPolicy(Policy):
         def load() -> None:
             self._local.prefetching = True
             try:
-                proxy.materialize()
+                proxy.materialize(complete=False)
             finally:
                 self._local.prefetching = False
 

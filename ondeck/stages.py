@@ -466,6 +466,14 @@ class Pipeline:
         self._measured_bytes[name] = nbytes
         self.tracker.loaded(name, nbytes, seconds, exposed=not self.policy.in_prefetch_thread())
 
+    def after_wait(self, proxy: LazyModule, seconds: float) -> None:
+        """A forward waited for a block that a pipelined load had not brought in yet."""
+        self.tracker.waited(self._name_of(proxy), seconds)
+
+    def after_fill(self, proxy: LazyModule, seconds: float) -> None:
+        """A pipelined load's last weights are in place, ``seconds`` after it began."""
+        self.tracker.filled(self._name_of(proxy), seconds)
+
     def after_release(self, proxy: LazyModule, nbytes: int) -> None:
         self.tracker.released(self._name_of(proxy), nbytes)
 

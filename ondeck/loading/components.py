@@ -11,10 +11,13 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from ..lazy import ComponentSpec
+from ..lazy import ComponentSpec, _free_storages
 from . import reader, storage
+from .blocks import find_blocks
 from .folder import ModelFolder
 from .host_cache import HostCache
+from .page_cache import describe_source
+from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, _get, match_tensors
 
@@ -27,6 +30,12 @@ class ComponentLoader:
     Each call builds the module on the meta device, allocates every tensor directly on
     ``device`` in its final dtype, and streams the weights in. Any failure, interrupts
     included, frees what the load took before it propagates.
+
+    ``begin()`` loads pipelined (:mod:`.pipelined`): it returns as soon as the module can
+    start computing, with a :class:`~.pipelined.Filling` that brings the blocks in behind
+    the forward pass. Calling the loader waits for every weight. ``pipelined``: None
+    pipelines components of :data:`~.pipelined.MIN_PIPELINED_BYTES` or more that have
+    repeated blocks, True any that has blocks, False none.
 
     ``placement`` (optional) may put some tensors elsewhere than ``device``: its
     ``destination(slot)`` returns ``(tensor, already_filled)``, or None for the usual
@@ -56,6 +65,7 @@ class ComponentLoader:
         buffer_bytes: int | None = None,  # None: the readers' own default
         buffer_count: int | None = None,
         placement: Any = None,
+        pipelined: bool | None = None,
         storage_dtype: torch.dtype | str | None = None,
     ):
         self.folder = _open_folder(folder, name)
@@ -71,6 +81,8 @@ class ComponentLoader:
         self.buffer_bytes = buffer_bytes
         self.buffer_count = buffer_count
         self.placement = placement
+        self.pipelined = pipelined
+        self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
         self.last_source: str | None = None
@@ -104,9 +116,142 @@ class ComponentLoader:
         return self._stored_template[1]
 
     def __call__(self) -> torch.nn.Module:
+        module, filling = self.begin()
+        if filling is not None:
+            try:
+                filling.wait()
+            except BaseException:
+                filling.cancel()
+                _free_storages(module)
+                raise
+        return module
+
+    def begin(self) -> tuple[torch.nn.Module, Filling | None]:
+        """Load, returning once the module can start computing: the module, and the
+        filling still bringing its blocks in (None when everything is in place)."""
         started = time.perf_counter()
         tensors = self.folder.tensors(self.name)
         template = self.template
+        blocks = self._pipelined_blocks(template)
+        if blocks is not None:
+            return self._begin_pipelined(tensors, template, blocks, started)
+        return self._load_whole(tensors, template, started), None
+
+    def _pipelined_blocks(self, template: Skeleton) -> str | None:
+        """The blocks a pipelined load brings in behind the compute, or None to load whole."""
+        if self.pipelined is False or self.placement is not None:
+            return None
+        if self.pipelined is None and template.nbytes < MIN_PIPELINED_BYTES:
+            return None
+        return find_blocks(template.module)
+
+    def _begin_pipelined(
+        self, tensors: dict[str, TensorInfo], template: Skeleton, path: str, started: float
+    ) -> tuple[torch.nn.Module, Filling]:
+        allocated: list[torch.Tensor] = []
+        filling: Filling | None = None
+        try:
+            sources = _match(template, tensors, self.name, self.folder.directory(self.name))
+            key, raw = self._cached(tensors, None)
+            jobs, values, _ = _allocate(sources, self.device, allocated, compute_dtype=self.dtype)
+            groups, group_of = fill_groups(
+                [slot.names for slot, _ in sources], [info.nbytes for _, info in sources], path
+            )
+            fill, finished = self._group_filler(jobs, key, raw, started, template)
+            filling = Filling(
+                self.name,
+                [[jobs[i] for i in group] for group in groups],
+                fill,
+                device=self.device,
+                finished=finished,
+                started=started,
+            ).start()
+            jobs = None  # the filling holds each group until it is read
+            skeleton = self._take_skeleton(template)
+            _install(skeleton, sources, values, self.device, allocated)
+            module = skeleton.module
+            filling.attach(module, path, group_of)
+            filling.wait_group(0)
+            _finish(module, self.name)
+            # The filling writes into the module's tensors after it computes: cast copies
+            # beside them, never in place.
+            self._upcast_for_compute(module, template, in_place=False)
+        except BaseException as error:
+            if filling is not None:
+                filling.cancel()
+            for tensor in allocated:
+                _free(tensor)
+            tensor = None  # noqa: F841
+            allocated.clear()
+            module = skeleton = values = filling = None  # noqa: F841
+            traceback.clear_frames(error.__traceback__)
+            raise
+        return module, filling
+
+    def _take_skeleton(self, template: Skeleton) -> Skeleton:
+        """A fresh skeleton to fill: the one the last pipelined load left ready, else one
+        built now (while the first group is read). Copying a large model's skeleton takes
+        a good part of a second, which a pipelined load would otherwise spend before its
+        stage can start."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] is template:
+            return spare[1]
+        return template.fresh()
+
+    def _group_filler(
+        self, jobs: list[reader.ReadJob], key: Any, raw: Any, started: float, template: Skeleton
+    ):
+        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it;
+        a fill that succeeds then builds the next load's skeleton, on its own thread."""
+        total = sum(job.info.nbytes for job in jobs)
+        self.last_load_bytes = total
+        cache = self.host_cache
+        if raw is not None:
+            self.last_source, self.last_readers = "host cache", None
+            bar = reader.progress_bar(total, self.progress, self.name, "host cache")
+
+            def fill(group: list[reader.ReadJob]) -> None:
+                copy = reader.HostCopy(0, component=self.name, bar=bar)
+                for job in group:
+                    copy.add(self._cached_info(job), raw[job.info.name], job.destination)
+                copy.finish()
+
+            captured = stored = None
+        else:
+            paths = sorted({job.info.path for job in jobs if job.info.nbytes})
+            self.last_source = describe_source(paths) if paths else "disk"
+            bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
+            # A component kept in a storage dtype is cached as stored, once it is read.
+            stored = list(jobs) if cache and self.storage_dtype is not None else None
+            capturing = cache is not None and stored is None
+            captured = cache.reserve(key, [job.info for job in jobs]) if capturing else None
+            if captured is not None:
+                for job in jobs:
+                    job.capture = captured[job.info.name]
+
+            def fill(group: list[reader.ReadJob]) -> None:
+                stats = self._read(group, bar=bar)
+                self.last_readers = stats.readers
+
+        def finished(error: BaseException | None) -> None:
+            if bar is not None:
+                bar.close()
+            if captured is not None:
+                if error is None:
+                    cache.commit(key, captured)
+                else:
+                    cache.discard(key)
+            if stored is not None and error is None:
+                storage.keep_in_cache(cache, key, stored)
+            self.last_load_seconds = time.perf_counter() - started
+            if error is None and self._spare is None:
+                self._spare = (template, template.fresh())
+
+        return fill, finished
+
+    def _load_whole(
+        self, tensors: dict[str, TensorInfo], template: Skeleton, started: float
+    ) -> torch.nn.Module:
         allocated: list[torch.Tensor] = []
         built: dict[str, torch.nn.Module] = {}
         placement = self.placement
@@ -155,15 +300,7 @@ class ComponentLoader:
                 build()
             module = built.pop("module")
             _finish(module, self.name)
-            if self.storage_dtype is not None:
-                storage.upcast_for_compute(
-                    module,
-                    template.library,
-                    self.storage_dtype,
-                    self.dtype,
-                    self._stored_template[2],
-                    in_place=placement is None,
-                )
+            self._upcast_for_compute(module, template, in_place=placement is None)
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
@@ -181,6 +318,17 @@ class ComponentLoader:
             raise
         self.last_load_seconds = time.perf_counter() - started
         return module
+
+    def _upcast_for_compute(
+        self, module: torch.nn.Module, template: Skeleton, *, in_place: bool
+    ) -> None:
+        """Hook the layers kept in the storage dtype to compute in ``dtype``."""
+        if self.storage_dtype is None:
+            return
+        layers = self._stored_template[2]
+        storage.upcast_for_compute(
+            module, template.library, self.storage_dtype, self.dtype, layers, in_place=in_place
+        )
 
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""
@@ -232,10 +380,14 @@ class ComponentLoader:
         self._record(stats)
 
     def _read(
-        self, jobs: list[reader.ReadJob], while_reading: Callable[[], None] | None = None
+        self,
+        jobs: list[reader.ReadJob],
+        while_reading: Callable[[], None] | None = None,
+        bar: Any = None,
     ) -> reader.ReadStats:
         return reader.read_into(
             jobs,
+            bar=bar,
             while_reading=while_reading,
             threads=self.threads,
             buffer_bytes=self.buffer_bytes,

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ __all__ = [
     "ReadJob",
     "ReadStats",
     "HostCopy",
+    "progress_bar",
     "read_into",
     "DEFAULT_BUFFER_BYTES",
 ]
@@ -113,6 +115,7 @@ def read_into(
     component: str | None = None,
     while_reading: Callable[[], None] | None = None,
     processes: bool | None = None,
+    bar: Any = None,
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
@@ -127,7 +130,8 @@ def read_into(
     by default when some destination is on CUDA and none is a CPU tensor of the file's
     dtype; never when a job captures. Where they are unavailable or busy, threads read
     instead. ``buffer_bytes`` and ``buffer_count`` default to :data:`PROCESS_RING` or
-    :data:`THREAD_RING`.
+    :data:`THREAD_RING`. ``bar``: a progress bar to advance (left open) instead of one of
+    its own, for a load read in several parts.
     """
     sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
     for name, value in sizes.items():
@@ -140,6 +144,7 @@ def read_into(
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
     pinned = bool(devices)
     lease = None
+    own_bar = bar is None
     files: dict[str, int] = {}
     workers: list[threading.Thread] = []
     bar = None
@@ -165,7 +170,8 @@ def read_into(
         worker_count = max(1, min(worker_count, len(chunks)))
         if lease is not None:
             worker_count = 1  # the thread that feeds the processes and issues the copies
-        bar = _progress_bar(total, progress, component, source)
+        if own_bar:
+            bar = progress_bar(total, progress, component, source)
         state = _ReadState(
             chunks=chunks,
             files=files,
@@ -212,7 +218,7 @@ def read_into(
         finally:
             for fd in files.values():
                 os.close(fd)
-            if bar is not None:
+            if bar is not None and own_bar:
                 bar.close()
     readers = "threads" if lease is None else "processes"
     return ReadStats(total, time.perf_counter() - started, source, readers)
@@ -503,14 +509,17 @@ class HostCopy:
     the destinations are allocated, so allocating the next overlaps copying the last.
 
     ``add`` each ``(info, raw, destination)``, then ``finish`` (or ``close``, after a
-    failure); ``total`` bytes is for the progress bar. On CUDA the copies run
+    failure); ``total`` bytes is for the progress bar (or ``bar``, advanced and left open). On CUDA the copies run
     asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
     issued, then waits for them.
     """
 
-    def __init__(self, total: int, *, progress: bool = True, component: str | None = None):
+    def __init__(
+        self, total: int, *, progress: bool = True, component: str | None = None, bar: Any = None
+    ):
         self._started = time.perf_counter()
-        self._bar = _progress_bar(total, progress, component, "host cache")
+        self._own_bar = bar is None
+        self._bar = progress_bar(total, progress, component, "host cache") if bar is None else bar
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._batch: list[tuple[TensorInfo, torch.Tensor, torch.Tensor]] = []
         self._batch_bytes = 0
@@ -556,9 +565,9 @@ class HostCopy:
         memory later)."""
         for stream in self._streams.values():
             stream.synchronize()
-        if self._bar is not None:
+        if self._bar is not None and self._own_bar:
             self._bar.close()
-            self._bar = None
+        self._bar = None
 
 
 def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
@@ -644,7 +653,7 @@ def _open(path: str, component: str | None) -> int:
         ) from error
 
 
-def _progress_bar(total: int, wanted: bool, component: str | None, source: str):
+def progress_bar(total: int, wanted: bool, component: str | None, source: str):
     if not wanted or total < PROGRESS_MIN_BYTES or os.environ.get("ONDECK_PROGRESS") == "0":
         return None
     from tqdm.auto import tqdm

@@ -115,12 +115,17 @@ class ShardedComponentLoader(ComponentLoader):
             self._shard_nbytes = shard_nbytes(template, self.mesh.size())
         return whole.with_updates(nbytes=self._shard_nbytes)
 
-    def __call__(self) -> torch.nn.Module:
+    def begin(self) -> tuple[torch.nn.Module, Any]:
+        """Without a mesh, as :class:`ComponentLoader`'s. Shards load whole: FSDP2 gathers
+        a block's shards from every rank, which must all be in place first."""
         if self.mesh is None:
-            module = super().__call__()
+            module, filling = super().begin()
             if self.last_source != "host cache":
                 self.bytes_read += self.last_load_bytes
-            return module
+            return module, filling
+        return self._load_shards(), None
+
+    def _load_shards(self) -> torch.nn.Module:
         started = time.perf_counter()
         module = None
         try:

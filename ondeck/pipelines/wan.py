@@ -431,6 +431,7 @@ class WanTextToVideo(Pipeline):
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
         libraries: tuple[str, ...] | list[str] = (),
+        pipelined: bool | None = None,
         storage_dtype: Any = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
@@ -441,7 +442,9 @@ class WanTextToVideo(Pipeline):
         inputs. ``vae_tiling`` lets the VAE decode in tiles when whole frames would not
         fit the memory left (see ``Decode``); False always decodes whole frames.
         ``libraries`` names installed packages, beyond diffusers and transformers, whose
-        classes model_index.json may name. ``storage_dtype`` keeps weights in fp8 and
+        classes model_index.json may name. ``pipelined``: whether a stage may start computing
+        while its component's blocks still arrive (``ComponentLoader``'s option; None
+        pipelines the large components). ``storage_dtype`` keeps weights in fp8 and
         computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
         encoder and transformer, or a dict by component name.
         """
@@ -472,7 +475,11 @@ class WanTextToVideo(Pipeline):
             if name == "vae" and dtype is not None:
                 component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
             options = dict(
-                device=device, dtype=component_dtype, host_cache=host_cache, progress=progress
+                device=device,
+                dtype=component_dtype,
+                host_cache=host_cache,
+                progress=progress,
+                pipelined=pipelined,
             )
             if name in stored:
                 options["storage_dtype"] = stored[name]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..loading.blocks import block_index, find_blocks
 from .host import HostCopies
 from .layout import BlockSizes, StreamLayout, packed_offsets
 
@@ -43,46 +44,12 @@ class _Tensor:
     requires_grad: bool
 
 
-def find_blocks(module: Any, path: str | None = None) -> str | None:
-    """The ModuleList of repeated blocks: ``path`` if given, else the largest ModuleList
-    (by parameter bytes) of two or more children that all share one class."""
-    import torch
-
-    if path:
-        found = module.get_submodule(path)
-        if not isinstance(found, torch.nn.ModuleList) or len(found) == 0:
-            raise ValueError(f"'{path}' is not a non-empty ModuleList")
-        return path
-    best: tuple[int, str] | None = None
-    for name, child in module.named_modules():
-        if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
-            continue
-        if len({type(block) for block in child}) != 1:
-            continue
-        nbytes = sum(p.numel() * p.element_size() for p in child.parameters())
-        if nbytes and (best is None or nbytes > best[0]):
-            best = (nbytes, name)
-    return best[1] if best else None
-
-
-def _block_index(names: Iterable[str], prefix: str) -> int | None:
-    index = None
-    for name in names:
-        if not name.startswith(prefix):
-            return None
-        head = name[len(prefix) :].split(".", 1)[0]
-        if not head.isdigit() or (index is not None and int(head) != index):
-            return None
-        index = int(head)
-    return index
-
-
 def describe_blocks(skeleton: Any, path: str) -> tuple[BlockSizes, tuple[tuple[_Tensor, ...], ...]]:
     """Bytes per block and each block's packed tensor layout, from a meta skeleton."""
     count = len(skeleton.module.get_submodule(path))
     members: list[list[Any]] = [[] for _ in range(count)]
     for slot in skeleton.slots:
-        index = _block_index(slot.names, f"{path}.")
+        index = block_index(slot.names, path)
         if index is not None:
             members[index].append(slot)
     tensors, block_bytes, packed = [], [], []

@@ -23,7 +23,7 @@ def no_weight_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise WeightRead(f"weights were read: {args[:1]}")
 
-    monkeypatch.setattr(component_loading.ComponentLoader, "__call__", refuse)
+    monkeypatch.setattr(component_loading.ComponentLoader, "begin", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     monkeypatch.setattr(safetensors.torch, "load", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)

@@ -181,12 +181,12 @@ def test_stats_report_bytes_and_source(tmp_path):
 
 def test_progress_bar_is_off_for_small_loads_and_when_disabled(monkeypatch):
     monkeypatch.delenv("ONDECK_PROGRESS", raising=False)
-    assert reader_module._progress_bar(1000, True, "vae", "disk") is None
-    assert reader_module._progress_bar(2**30, False, "vae", "disk") is None
+    assert reader_module.progress_bar(1000, True, "vae", "disk") is None
+    assert reader_module.progress_bar(2**30, False, "vae", "disk") is None
     monkeypatch.setenv("ONDECK_PROGRESS", "0")
-    assert reader_module._progress_bar(2**30, True, "vae", "disk") is None
+    assert reader_module.progress_bar(2**30, True, "vae", "disk") is None
     monkeypatch.setenv("ONDECK_PROGRESS", "1")
-    bar = reader_module._progress_bar(2**30, True, "vae", "page cache")
+    bar = reader_module.progress_bar(2**30, True, "vae", "page cache")
     assert bar is not None and "vae from page cache" in bar.desc
     bar.close()
 

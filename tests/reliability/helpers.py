@@ -161,14 +161,14 @@ class LoaderCalls:
 
     def __init__(self, monkeypatch) -> None:
         self.calls: dict[str, int] = {}
-        real_call = ComponentLoader.__call__
+        real_begin = ComponentLoader.begin  # every load starts here, whole or pipelined
         counts = self.calls
 
-        def call(loader):
+        def begin(loader):
             counts[loader.name] = counts.get(loader.name, 0) + 1
-            return real_call(loader)
+            return real_begin(loader)
 
-        monkeypatch.setattr(ComponentLoader, "__call__", call)
+        monkeypatch.setattr(ComponentLoader, "begin", begin)
 
     @property
     def total(self) -> int:
@@ -273,16 +273,16 @@ class AllocationFault:
         self.calls = 0
         self.fired = 0
         real_empty = torch.empty
-        real_call = ComponentLoader.__call__
+        real_begin = ComponentLoader.begin  # every load starts here, whole or pipelined
         fault = self
         # Which component is loading, per thread. Never read frame locals to find out:
         # that snapshots them into a dict which outlives the frame's own clean-up.
         current = threading.local()
 
-        def call(loader):
+        def begin(loader):
             current.name = loader.name
             try:
-                return real_call(loader)
+                return real_begin(loader)
             finally:
                 current.name = None
 
@@ -295,5 +295,5 @@ class AllocationFault:
                     raise error
             return real_empty(*args, **kwargs)
 
-        monkeypatch.setattr(ComponentLoader, "__call__", call)
+        monkeypatch.setattr(ComponentLoader, "begin", begin)
         monkeypatch.setattr(torch, "empty", empty)

@@ -185,10 +185,10 @@ def test_an_aborted_run_leaves_no_prefetch_behind(tiny_template, monkeypatch):
     pipe = wan(tiny_template, "budget", budget="1GiB")
     real_materialize = LazyModule.materialize
 
-    def slow_to_start(self):
+    def slow_to_start(self, **options):
         if threading.current_thread().name.startswith("ondeck-prefetch"):
             time.sleep(0.2)  # a busy machine: the prefetch thread starts late
-        return real_materialize(self)
+        return real_materialize(self, **options)
 
     def failing_denoise(self, state):
         raise RuntimeError("the denoiser failed")

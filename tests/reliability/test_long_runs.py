@@ -43,15 +43,15 @@ class ModuleRefs:
 
     def __init__(self, monkeypatch) -> None:
         self.refs: list[tuple[str, weakref.ref]] = []
-        real_call = ComponentLoader.__call__
+        real_begin = ComponentLoader.begin  # every load starts here, whole or pipelined
         refs = self.refs
 
-        def call(loader):
-            module = real_call(loader)
+        def begin(loader):
+            module, filling = real_begin(loader)
             refs.append((loader.name, weakref.ref(module)))
-            return module
+            return module, filling
 
-        monkeypatch.setattr(ComponentLoader, "__call__", call)
+        monkeypatch.setattr(ComponentLoader, "begin", begin)
 
     def alive(self) -> list[str]:
         return sorted(name for name, ref in self.refs if ref() is not None)

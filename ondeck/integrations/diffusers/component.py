@@ -120,11 +120,11 @@ class PipelineComponent(LazyModule):
 
     # -- touches ------------------------------------------------------------------------
 
-    def materialize(self) -> Any:
+    def materialize(self, *, complete: bool = True) -> Any:
         runtime = object.__getattribute__(self, "_ondeck_runtime")
         if runtime is not None:
             runtime.component_touched(self)
-        return LazyModule.materialize(self)
+        return LazyModule.materialize(self, complete=complete)
 
     # -- attribute access ---------------------------------------------------------------
 

@@ -1,0 +1,132 @@
+"""Pipelined loading against whole loads and diffusers eager, in one call.
+
+    python benchmarks/pipelined.py [--folder DIR] [--runs 3] [--modes ...]
+
+The Wan 2.1 14B-shaped folder as ``WanPipeline.save_pretrained`` writes it, 480x832,
+33 frames, 4 steps, three prompts per mode, each mode a process of its own
+(``benchmarks/wan_modes.py``), warm page cache:
+
+    eager          diffusers, everything on the GPU: the reference
+    release-whole  ondeck release, each component read whole before its stage computes
+                   and nothing loaded ahead of the next run (as before pipelining)
+    release        ondeck release: stages compute while blocks arrive; the last stage
+                   loads the next run's text encoder when that keeps the peak
+    auto           ``ondeck generate`` with no flags on the whole card
+    auto-24        the same on a card emulated at 24 GiB
+    budget-8       ondeck budget on a card emulated at 8 GiB, 64 GiB host cache
+
+Every mode runs with ONDECK_RESET_PEAKS=1, as ``ondeck generate`` runs: each stage's
+activation peak is measured (and stored), which the release policy needs to know that
+the next run's text encoder fits beside the decode.
+
+Per mode: runs 2-3 (median) and their ratio to eager, run 1, exposed load seconds,
+peak reserved (sampled), host peak RSS, time to first video (process start to frames
+in hand, imports included), and whether release's frames equal release-whole's bit for
+bit (SHA-256 of every run's frames). Writes pipelined.json and the timeline PNGs of
+the release modes to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GiB, later_seconds, out_dir, ready_wan14b_folder, run_child  # noqa: E402
+from wan_suite import wan_modes_command  # noqa: E402
+
+# name: (wan_modes mode, emulated GiB, extra options)
+MODES = {
+    "eager": ("diffusers-eager", None, {}),
+    "release-whole": ("ondeck-release", None, {"extra": ("--whole-loads",)}),
+    "release": ("ondeck-release", None, {}),
+    "auto": ("ondeck-default", None, {}),
+    "auto-24": ("ondeck-default", 24, {}),
+    "budget-8": ("ondeck-budget", 8, {"host_cache_gib": 64}),
+}
+
+
+def peak_reserved(row: dict) -> float:
+    values = [r.get("sampled_peak_reserved_bytes") or 0 for r in row.get("runs", [])]
+    return max(values, default=0) / GiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved"))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=300)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault("ONDECK_RESET_PEAKS", "1")  # as `ondeck generate` measures
+    started = time.perf_counter()
+    path, sizes = ready_wan14b_folder(Path(args.folder))
+    rows: dict[str, dict] = {}
+
+    def write() -> None:
+        document = {
+            "folder_bytes": sizes,
+            "rows": rows,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/pipelined.py " + " ".join(sys.argv[1:]),
+        }
+        (out_dir() / "pipelined.json").write_text(json.dumps(document, indent=2, default=str))
+
+    for name in args.modes.split(","):
+        mode, memory, options = MODES[name]
+        png = f"timeline-{name}.png" if name.startswith("release") else None
+        command = wan_modes_command(path, mode, args.runs, memory_gib=memory, png=png, **options)
+        spawned = time.time()
+        row = run_child(command, timeout=args.timeout)
+        if row.get("first_video_unix"):
+            row["first_video_seconds"] = row["first_video_unix"] - spawned
+        rows[name] = row
+        runs = ", ".join(f"{r['seconds']:.2f}" for r in row.get("runs", []))
+        error = f" ERROR {row['error'][:300]}" if row.get("error") else ""
+        print(f"{name}: runs {runs} s; {row.get('policy_reason', '')}{error}", flush=True)
+        if row.get("error") and row.get("tail"):
+            print(row["tail"][-1500:])
+        write()
+
+    eager = rows.get("eager")
+    eager_seconds = later_seconds(eager) if eager and eager.get("runs") else None
+    eager_first = (eager or {}).get("first_video_seconds")
+    digests = {
+        name: [r.get("frames_sha256") for r in row.get("runs", [])] for name, row in rows.items()
+    }
+    same = None
+    if digests.get("release") and digests.get("release-whole"):
+        same = digests["release"] == digests["release-whole"]
+    print(
+        f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'pipelined.json'}"
+    )
+    print(f"release frames equal release-whole's bit for bit: {same}")
+    print(
+        f"\n{'mode':<14} {'runs 2-3 s':>10} {'/ eager':>8} {'run 1 s':>8} {'exposed s':>9} "
+        f"{'peak resv':>9} {'host RSS':>9} {'1st video':>9} {'/ eager':>8}"
+    )
+    for name, row in rows.items():
+        runs = row.get("runs", [])
+        later = later_seconds(row) if runs else float("nan")
+        ratio = f"{later / eager_seconds:.3f}" if runs and eager_seconds else "-"
+        exposed = [r.get("exposed_load_seconds") for r in runs[1:]]
+        exposed = [e for e in exposed if e is not None]
+        first = row.get("first_video_seconds")
+        first_ratio = f"{first / eager_first:.2f}" if first and eager_first else "-"
+        print(
+            f"{name:<14} {later:>10.2f} {ratio:>8} "
+            f"{runs[0]['seconds'] if runs else float('nan'):>8.2f} "
+            f"{(sum(exposed) / len(exposed)) if exposed else float('nan'):>9.2f} "
+            f"{peak_reserved(row):>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>8.1f}G "
+            f"{first if first else float('nan'):>9.1f} {first_ratio:>8}"
+        )
+
+
+if __name__ == "__main__":
+    main()

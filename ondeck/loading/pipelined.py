@@ -1,0 +1,232 @@
+"""Pipelined loading: a component starts computing while the rest of it arrives.
+
+A load allocates every tensor of the component up front (its peak is the same as a whole
+load's), then fills them on one background thread in the order the forward pass uses
+them: everything outside the repeated blocks first, then the blocks in order. The loader
+returns the module once that first group is in place; a forward pre-hook on each block
+waits for exactly that block's group. Each group is complete on the device (its copies
+synchronised) before its waiters are woken, so compute never reads a weight in flight.
+
+Only calls of the component may run ahead of its weights: everything else that touches a
+module still filling waits for all of it first (``LazyModule.materialize``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from .blocks import block_index
+
+__all__ = ["Filling", "fill_groups", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]
+
+# Consecutive blocks are read together until a group holds this much: each group is one
+# read with its own start-up and drain.
+MIN_GROUP_BYTES = 64 * 2**20
+# Below this a component loads whole: its load is too short to hide.
+MIN_PIPELINED_BYTES = 256 * 2**20
+
+
+def fill_groups(
+    names: Sequence[Sequence[str]],
+    nbytes: Sequence[int],
+    path: str,
+    min_group_bytes: int | None = None,
+) -> tuple[list[list[int]], dict[int, int]]:
+    """The order to fill a component's tensors in, and the group each block waits for.
+
+    ``names[i]`` are the module names of tensor ``i`` (several when tied) and ``nbytes[i]``
+    its size. Returns groups of tensor indices (group 0: everything outside the blocks
+    under ``path``) and ``{block number: group index}``. Consecutive blocks share a group
+    until it holds ``min_group_bytes`` (default :data:`MIN_GROUP_BYTES`).
+    """
+    least = MIN_GROUP_BYTES if min_group_bytes is None else min_group_bytes
+    head: list[int] = []
+    by_block: dict[int, list[int]] = {}
+    for index, tensor_names in enumerate(names):
+        block = block_index(list(tensor_names), path)
+        if block is None:
+            head.append(index)
+        else:
+            by_block.setdefault(block, []).append(index)
+    groups = [head]
+    group_of: dict[int, int] = {}
+    size = least  # the first block opens a group of its own
+    for block in sorted(by_block):
+        if size >= least:
+            groups.append([])
+            size = 0
+        groups[-1].extend(by_block[block])
+        size += sum(nbytes[i] for i in by_block[block])
+        group_of[block] = len(groups) - 1
+    return groups, group_of
+
+
+class Filling:
+    """The weights of one loaded module, still arriving group by group.
+
+    ``fill(group)`` puts one group's tensors in place and returns once they are complete
+    on their device; it runs on the filling's own thread, group after group. ``finished``
+    is called on that thread at the end, with the error if one stopped it.
+    """
+
+    def __init__(
+        self,
+        component: str,
+        groups: Sequence[Any],
+        fill: Callable[[Any], None],
+        *,
+        device: torch.device,
+        finished: Callable[[BaseException | None], None] | None = None,
+        started: float | None = None,
+    ):
+        self.component = component
+        self.device = device
+        self._groups = list(groups)
+        self._fill = fill
+        self._finished = finished
+        self._filled = 0  # groups complete, in order
+        self._progress = threading.Condition()
+        self._stop = threading.Event()
+        self._handles: list[Any] = []
+        self._listeners: list[Callable[[str, float], None]] = []
+        self._told = False  # the end was announced: later listeners hear it at once
+        self.failure: BaseException | None = None
+        self.waited_seconds = 0.0
+        self.seconds: float | None = None  # the whole fill, once done
+        self._started = time.perf_counter() if started is None else started
+        self._thread = threading.Thread(
+            target=self._run, name=f"ondeck-fill-{component}", daemon=True
+        )
+
+    def start(self) -> Filling:
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive() and self.seconds is not None
+
+    def add_listener(self, listener: Callable[[str, float], None]) -> None:
+        """``listener(kind, seconds)``: ``"wait"`` when a forward waited for its block,
+        ``"fill"`` with the whole fill's seconds once every group is in place."""
+        with self._progress:
+            if not self._told:
+                self._listeners.append(listener)
+                return
+        if self.failure is None:
+            listener("fill", self.seconds)
+
+    # -- the filling thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            context = torch.cuda.device(self.device) if self.device.type == "cuda" else None
+            with context or contextlib.nullcontext():
+                for group in self._groups:
+                    if self._stop.is_set():
+                        raise LoadError(
+                            f"component '{self.component}': loading was stopped",
+                            component=self.component,
+                        )
+                    self._fill(group)
+                    if self.device.type == "cuda":
+                        # Copies this thread issued on its current stream are done too.
+                        torch.cuda.current_stream(self.device).synchronize()
+                    with self._progress:
+                        self._filled += 1
+                        self._progress.notify_all()
+        except BaseException as failure:
+            error = failure
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self.failure = error
+            self._groups = []
+            try:
+                if self._finished is not None:
+                    self._finished(error)
+            finally:
+                with self._progress:
+                    self._told = True
+                    self._progress.notify_all()
+        if error is None:
+            self._tell("fill", self.seconds)
+
+    def _tell(self, kind: str, seconds: float) -> None:
+        with self._progress:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(kind, seconds)
+            except Exception:  # a report must never break a load or a forward
+                pass
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def wait_group(self, index: int) -> None:
+        """Block until group ``index`` is in place; raise if the fill failed before it."""
+        if self._filled > index:
+            return
+        started = time.perf_counter()
+        with self._progress:
+            self._progress.wait_for(lambda: self._filled > index or self.seconds is not None)
+        if self._filled <= index:
+            raise self._error()
+        waited = time.perf_counter() - started
+        self.waited_seconds += waited
+        self._tell("wait", waited)
+
+    def wait(self) -> None:
+        """Block until every group is in place; raise the fill's error if it failed."""
+        self._thread.join()
+        self.detach()
+        if self.failure is not None:
+            raise self._error()
+
+    def cancel(self) -> None:
+        """Stop after the group being read and wait for the thread: nothing writes into the
+        module's memory afterwards. Never raises."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        self.detach()
+
+    def _error(self) -> LoadError:
+        cause = self.failure
+        if isinstance(cause, LoadError):
+            return cause
+        error = LoadError(
+            f"component '{self.component}': loading its weights failed with "
+            f"{type(cause).__name__}: {cause}",
+            component=self.component,
+        )
+        error.__cause__ = cause
+        return error
+
+    # -- hooks on the blocks ---------------------------------------------------------------
+
+    def attach(self, module: torch.nn.Module, path: str, group_of: dict[int, int]) -> None:
+        """A forward pre-hook on each block of ``module.<path>`` waits for its group."""
+        blocks = module.get_submodule(path)
+        for number, block in enumerate(blocks):
+            group = group_of.get(number)
+            if group is not None:
+                self._handles.append(block.register_forward_pre_hook(self._hook(group)))
+
+    def _hook(self, group: int) -> Callable[..., None]:
+        def wait_for_block(_module: Any, _args: Any) -> None:
+            self.wait_group(group)
+
+        return wait_for_block
+
+    def detach(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()

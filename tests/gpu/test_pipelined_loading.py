@@ -1,0 +1,81 @@
+"""Pipelined loading on CUDA: a forward that starts while blocks still arrive (from the
+files and from the host cache) computes exactly what a whole load computes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ondeck.lazy import LazyModule
+from ondeck.loading import ComponentLoader, HostCache, pipelined
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def six_blocks(tmp_path_factory):
+    from streaming.conftest import build_six_block_folder
+
+    return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
+
+
+@pytest.fixture(autouse=True)
+def one_block_per_group(monkeypatch):
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
+
+
+def forward(module) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        return module(
+            hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator).cuda(),
+            timestep=torch.tensor([500.0]).cuda(),
+            encoder_hidden_states=torch.randn(1, 7, 32, generator=generator).cuda(),
+            return_dict=False,
+        )[0]
+
+
+def slow_reads(monkeypatch, seconds: float = 0.05) -> None:
+    """Each group's read takes a while, so the forward overtakes the loading."""
+    read = ComponentLoader._read
+
+    def slowly(loader, jobs, while_reading=None, bar=None):
+        time.sleep(seconds)
+        return read(loader, jobs, while_reading, bar)
+
+    monkeypatch.setattr(ComponentLoader, "_read", slowly)
+
+
+def test_a_forward_that_overtakes_the_loading_computes_the_whole_loads_result(
+    six_blocks, monkeypatch
+):
+    whole = forward(ComponentLoader(six_blocks, "transformer", device="cuda", pipelined=False)())
+    slow_reads(monkeypatch)
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_blocks, "transformer", device="cuda", pipelined=True)
+    )
+    ours = forward(proxy)
+    filling = object.__getattribute__(proxy, "_ondeck_filling")
+    assert filling is not None and filling.waited_seconds > 0  # it did run ahead
+    assert torch.equal(ours, whole)
+    before = torch.cuda.memory_allocated()
+    freed = proxy.release()
+    assert freed > 0 and torch.cuda.memory_allocated() <= before - freed
+
+
+def test_from_the_host_cache_too(six_blocks):
+    cache = HostCache(2**30)
+    options = dict(device="cuda", pipelined=True, host_cache=cache)
+    first, filling = ComponentLoader(six_blocks, "transformer", **options).begin()
+    expected = forward(first)
+    filling.wait()
+    again = ComponentLoader(six_blocks, "transformer", **options)
+    module, filling = again.begin()
+    assert again.last_source == "host cache" and filling is not None
+    assert torch.equal(forward(module), expected)
+    filling.wait()

@@ -1,0 +1,274 @@
+"""Pipelined loading: compute starts once the parts outside the blocks are in; each block's
+forward waits for its own weights; a failure or a release mid-fill leaves nothing behind."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from streaming.conftest import BLOCKS, build_six_block_folder
+
+from ondeck.errors import LoadError
+from ondeck.lazy import LazyModule
+from ondeck.loading import ComponentLoader, pipelined
+from ondeck.loading.pipelined import fill_groups
+
+
+@pytest.fixture(scope="module")
+def six_block_folder(tmp_path_factory):
+    return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
+
+
+@pytest.fixture(autouse=True)
+def one_block_per_group(monkeypatch):
+    """The tiny blocks would share one read; the tests follow them one by one."""
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
+
+
+def inputs():
+    generator = torch.Generator().manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, 7, 32, generator=generator),
+        return_dict=False,
+    )
+
+
+def forward(module):
+    with torch.no_grad():
+        return module(**inputs())[0]
+
+
+class GatedReads:
+    """Holds the reads of chosen groups (by their first tensor's block) until opened."""
+
+    def __init__(self, monkeypatch, gated_blocks=(), fail_block=None):
+        self.gates = {block: threading.Event() for block in gated_blocks}
+        self.fail_block = fail_block
+        self.read_blocks: list[int | None] = []
+        original = ComponentLoader._read
+
+        def read(loader, jobs, while_reading=None, bar=None):
+            block = _block_of(jobs[0].info.name)
+            self.read_blocks.append(block)
+            gate = self.gates.get(block)
+            if gate is not None:
+                assert gate.wait(30), "the test never opened a gate"
+            if block is not None and block == self.fail_block:
+                raise OSError("the disk went away")
+            return original(loader, jobs, while_reading, bar)
+
+        monkeypatch.setattr(ComponentLoader, "_read", read)
+
+    def open(self, block):
+        self.gates[block].set()
+
+    def open_all(self):
+        for gate in self.gates.values():
+            gate.set()
+
+
+def _block_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" and parts[1].isdigit() else None
+
+
+def test_groups_put_everything_outside_the_blocks_first_then_blocks_in_order():
+    names = [["blocks.1.w"], ["proj_out.w"], ["blocks.0.w"], ["blocks.10.w"], ["blocks.2.w"]]
+    groups, group_of = fill_groups(names, [2**30] * len(names), "blocks", 2**26)
+    assert groups == [[1], [2], [0], [4], [3]]
+    assert group_of == {0: 1, 1: 2, 2: 3, 10: 4}
+    # Small blocks are read together; a tensor tied across two blocks goes first.
+    names = [["blocks.0.w"], ["blocks.1.w"], ["blocks.2.w"], ["blocks.0.t", "blocks.2.t"]]
+    groups, group_of = fill_groups(names, [1, 1, 1, 1], "blocks", 2**26)
+    assert groups == [[3], [0, 1, 2]]
+    assert group_of == {0: 1, 1: 1, 2: 1}
+
+
+def test_pipelined_load_gives_the_whole_loads_outputs(six_block_folder):
+    whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    assert filling is not None
+    assert torch.equal(forward(module), forward(whole))
+    filling.wait()
+    for (name, a), (_, b) in zip(
+        whole.state_dict().items(), module.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_small_components_load_whole_unless_asked(six_block_folder):
+    _, filling = ComponentLoader(six_block_folder, "transformer").begin()
+    assert filling is None  # far below the size worth pipelining
+    _, filling = ComponentLoader(six_block_folder, "transformer", pipelined=False).begin()
+    assert filling is None
+
+
+def test_a_block_waits_for_exactly_its_own_weights(six_block_folder, monkeypatch):
+    gates = GatedReads(monkeypatch, gated_blocks=range(BLOCKS))
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    module, filling = loader.begin()  # returns with every block still held back
+    assert gates.read_blocks == [None, 0]  # the parts outside the blocks, then block 0 waits
+    ran: list[int] = []
+    for number, block in enumerate(module.blocks):
+        block.register_forward_hook(lambda *_, number=number: ran.append(number))
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
+    worker.start()
+    worker.join(0.3)
+    assert worker.is_alive() and ran == []  # block 0 is not in yet
+    gates.open(0)
+    gates.open(1)
+    _wait_until(lambda: gates.read_blocks[-1] == 2)
+    worker.join(0.3)
+    assert ran == [0, 1]  # blocks 0 and 1 ran; block 2 waits for its own weights
+    gates.open_all()
+    worker.join(30)
+    assert not worker.is_alive()
+    assert filling.waited_seconds > 0
+    reference = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    assert torch.equal(result["out"], forward(reference))
+
+
+def _wait_until(condition, seconds: float = 10.0) -> None:
+    done = threading.Event()
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_a_failed_fill_fails_the_forward_and_the_proxy_frees_the_module(
+    six_block_folder, monkeypatch
+):
+    GatedReads(monkeypatch, fail_block=3)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    proxy = LazyModule("transformer", loader)
+    with pytest.raises(LoadError, match="transformer.*disk went away"):
+        forward(proxy)
+    module = weakref.ref(object.__getattribute__(proxy, "_ondeck_module"))
+    with pytest.raises(LoadError, match="disk went away"):
+        proxy.materialize()  # waits for every weight: the fill failed, so it releases
+    gc.collect()
+    assert module() is None
+    assert not object.__getattribute__(proxy, "_ondeck_module")
+
+
+def test_release_during_a_fill_stops_it_and_frees_the_memory(six_block_folder, monkeypatch):
+    gates = GatedReads(monkeypatch, gated_blocks=[2])
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    proxy = LazyModule("transformer", loader)
+    module = proxy.materialize(complete=False)
+    storage = module.blocks[0].attn1.to_q.weight.untyped_storage()
+    reference = weakref.ref(module)
+    del module
+    _wait_until(lambda: 2 in gates.read_blocks)
+    releasing = threading.Thread(target=proxy.release)
+    releasing.start()
+    releasing.join(0.3)
+    assert releasing.is_alive()  # waits for the read in flight: nothing writes freed memory
+    gates.open(2)
+    releasing.join(30)
+    assert not releasing.is_alive()
+    assert gates.read_blocks[-1] == 2  # no later block was read
+    assert storage.nbytes() == 0
+    gc.collect()
+    assert reference() is None
+    # The next use loads again, whole and correct.
+    reference_out = forward(ComponentLoader(six_block_folder, "transformer", pipelined=False)())
+    assert torch.equal(forward(proxy), reference_out)
+
+
+def test_anything_but_a_call_waits_for_every_weight(six_block_folder, monkeypatch):
+    gates = GatedReads(monkeypatch, gated_blocks=[BLOCKS - 1])
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    )
+    proxy.materialize(complete=False)
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.setdefault("w", proxy.blocks[BLOCKS - 1]))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive()  # attribute access waits for the last block
+    gates.open_all()
+    reader.join(30)
+    whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    assert torch.equal(got["w"].ffn.net[2].weight, whole.blocks[BLOCKS - 1].ffn.net[2].weight)
+
+
+def test_a_replayed_cast_waits_for_the_weights_before_it_runs(six_block_folder):
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    )
+    proxy.to(torch.float64)
+    proxy.release()
+    loaded = proxy.materialize(complete=False)
+    assert object.__getattribute__(proxy, "_ondeck_filling") is None  # waited before the cast
+    whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)().double()
+    for (name, a), (_, b) in zip(
+        whole.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+def test_a_pipeline_computes_while_blocks_arrive_and_gives_the_same_frames(
+    six_block_folder, policy
+):
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    def generate(pipelined):
+        pipe = WanTextToVideo.from_folder(
+            six_block_folder,
+            policy=policy,
+            dtype=torch.float32,
+            device="cpu",
+            progress=False,
+            pipelined=pipelined,
+        )
+        shape = dict(height=16, width=16, num_frames=5, num_inference_steps=2)
+        frames = [pipe.generate(p, seed=7, max_sequence_length=16, **shape) for p in ("a", "b")]
+        return frames, pipe.tracker
+
+    whole, _ = generate(False)
+    frames, tracker = generate(True)
+    for ours, theirs in zip(frames, whole, strict=True):
+        assert np.array_equal(ours, theirs)
+    fills = [event.name for event in tracker.events if event.kind == "fill"]
+    if policy == "release":
+        # Loaded by their calls, on each run; the VAE is used through .decode(), which
+        # waits for all of it, so it loads whole.
+        assert fills == ["text_encoder", "transformer"] * 2
+    else:
+        # Loaded by the policy before each stage, once: all three may compute early.
+        assert fills == ["text_encoder", "transformer", "vae"]
+
+
+def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_folder, monkeypatch):
+    from ondeck.loading.skeleton import Skeleton
+
+    copies_here: list[str] = []
+    fresh = Skeleton.fresh
+
+    def watched(self):
+        copies_here.append(threading.current_thread().name)
+        return fresh(self)
+
+    monkeypatch.setattr(Skeleton, "fresh", watched)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    module, filling = loader.begin()
+    filling.wait()  # its thread then copies the skeleton for the next load
+    expected = forward(module)
+    del module
+    copies_here.clear()
+    again, filling = loader.begin()
+    assert copies_here == []  # none on the caller's thread: the spare was used
+    assert torch.equal(forward(again), expected)
+    filling.wait()
+    assert copies_here and copies_here[0].startswith("ondeck-fill")
