@@ -189,3 +189,28 @@ def test_the_wan_pipeline_runs_with_text_encoder_and_transformer_in_fp8(wan_bf16
     assert np.isfinite(stored).all()
     difference = np.abs(stored - computed).max()
     assert 0 < difference < 0.25
+
+
+def test_a_pipelined_load_in_fp8_equals_diffusers_and_caches_the_stored_bytes(
+    wan_fp32, monkeypatch
+):
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    loader = ComponentLoader(
+        wan_fp32,
+        "transformer",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        pipelined=True,
+        host_cache=cache,
+    )
+    module, filling = loader.begin()
+    assert filling is not None  # its blocks arrive behind the compute
+    first = run_transformer(module)  # each block waits for its own weights
+    reference = run_transformer(reference_transformer(wan_fp32))
+    assert same_bits(first, reference)
+    filling.wait()
+    assert cache.resident_bytes == sum(slot.nbytes for slot in loader.template.slots)
+    again = loader()
+    assert loader.last_source == "host cache"
+    assert same_bits(run_transformer(again), reference)
