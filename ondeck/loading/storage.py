@@ -14,6 +14,7 @@ dtype becomes the storage dtype unless the caller chose another.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -288,14 +289,26 @@ def keep_in_cache(cache: Any, key: Any, jobs: list) -> None:
     buffers = cache.reserve(key, infos)
     if buffers is None:
         return
+    devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    # On a side stream: the copies must not queue behind (or hold up) the compute.
+    streams = {device: torch.cuda.Stream(device) for device in devices}
+    for device, stream in streams.items():
+        stream.wait_stream(torch.cuda.current_stream(device))
     try:
         for job, info in zip(jobs, infos, strict=True):
-            if info.nbytes:
-                held = buffers[info.name].view(info.dtype).view(job.destination.shape)
-                held.copy_(job.destination)
+            if not info.nbytes:
+                continue
+            held = buffers[info.name].view(info.dtype).view(job.destination.shape)
+            stream = streams.get(job.destination.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                held.copy_(job.destination, non_blocking=stream is not None)
     except BaseException:
+        for stream in streams.values():
+            stream.synchronize()
         cache.discard(key)
         raise
+    for stream in streams.values():
+        stream.synchronize()
     cache.commit(key, buffers)
 
 
