@@ -388,9 +388,10 @@ def _model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
 
 
 def _pipeline(args: argparse.Namespace, path: Path) -> Any:
+    from .folders import pipeline_for_folder
     from .loading import HostCache
     from .memory import resolve_device
-    from .pipelines import pipeline_for_folder, read_model_index
+    from .pipelines import read_model_index
     from .pipelines.wan import is_wan_folder
 
     device = resolve_device(args.device)
@@ -621,9 +622,10 @@ def _print_storage_choices(
 
 def _stored_names(pipe: Any, weights: Any) -> str:
     """The components a ``--weights`` choice stores in fp8, as the pipeline's loaders say."""
+    from .lazy import loader_of
+
     loaders = getattr(pipe, "loaders", None) or {
-        name: object.__getattribute__(proxy, "_ondeck_loader")
-        for name, proxy in getattr(pipe, "deferred", {}).items()
+        name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
     }
     names = [n for n, loader in loaders.items() if getattr(loader, "storage_dtype", None)]
     if names:

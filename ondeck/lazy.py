@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -12,7 +13,19 @@ from typing import Any
 
 from .errors import LoadError
 
-__all__ = ["ComponentSpec", "LazyModule", "is_lazy", "is_loaded", "module_nbytes"]
+__all__ = [
+    "ComponentSpec",
+    "LazyModule",
+    "component_name",
+    "free_module_storages",
+    "free_storage",
+    "is_lazy",
+    "is_loaded",
+    "loaded_module",
+    "loader_of",
+    "module_nbytes",
+    "pinned",
+]
 
 
 @dataclass(frozen=True)
@@ -165,20 +178,57 @@ def _module_tensors(module: Any) -> list:
         return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-def _free_storages(module: Any) -> None:
+def free_storage(tensor: Any) -> None:
+    """Give a tensor's memory back now, whoever else still holds the tensor."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() and tensor.device.type != "meta" and storage.resizable():
+        storage.resize_(0)
+
+
+def free_module_storages(module: Any) -> None:
     """Give the memory of a module's tensors back now, even if a stray reference survives.
 
-    Only used for modules the loader built fresh: the storage would otherwise stay
-    alive as long as any forgotten hook, closure or cache still points at the module.
+    Only for modules a loader built fresh: the storage would otherwise stay alive as
+    long as any forgotten hook, closure or cache still points at the module.
     """
     import torch
 
     if not isinstance(module, torch.nn.Module):
         return
     for tensor in _module_tensors(module):
-        storage = tensor.untyped_storage()
-        if storage.nbytes() and tensor.device.type != "meta" and storage.resizable():
-            storage.resize_(0)
+        free_storage(tensor)
+
+
+# -- what loading, streaming and the integrations may ask of a proxy, without loading it --
+
+
+def loader_of(proxy: LazyModule) -> Callable[[], Any]:
+    """The proxy's loader."""
+    return object.__getattribute__(proxy, "_ondeck_loader")
+
+
+def loaded_module(proxy: LazyModule) -> Any:
+    """The loaded component, or None; never loads."""
+    return object.__getattribute__(proxy, "_ondeck_module")
+
+
+def component_name(proxy: LazyModule) -> str:
+    """The name the proxy was given (not the module's own ``name``)."""
+    return object.__getattribute__(proxy, "_ondeck_name")
+
+
+@contextlib.contextmanager
+def pinned(*proxies: LazyModule):
+    """While inside, a release from another thread waits: a stage's components stay."""
+    done: list[LazyModule] = []
+    try:
+        for proxy in proxies:
+            proxy._pin()
+            done.append(proxy)
+        yield
+    finally:
+        for proxy in reversed(done):
+            proxy._unpin()
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -466,7 +516,7 @@ class LazyModule:
         if filling is not None:
             filling.cancel()  # nothing may write into the memory about to be freed
         if object.__getattribute__(self, "_ondeck_free_storage"):
-            _free_storages(module)
+            free_module_storages(module)
 
     # -- releasing ----------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import timeline
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -79,6 +81,20 @@ def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def is_unified(device: Any = None) -> bool:
+    """Whether the device's memory is the host's: the CPU itself, Apple silicon, an
+    integrated GPU. A host copy of its weights would be the same memory twice."""
+    import torch
+
+    device = resolve_device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return bool(getattr(torch.cuda.get_device_properties(index), "is_integrated", False))
+    return device.type in ("cpu", "mps")
+
+
 def device_facts(device: Any = None) -> DeviceFacts:
     """Unified memory (integrated GPUs, Apple silicon, the CPU itself) and free bytes.
 
@@ -89,21 +105,17 @@ def device_facts(device: Any = None) -> DeviceFacts:
     import torch
 
     device = resolve_device(device)
+    if is_unified(device):
+        return DeviceFacts(str(device), True, psutil.virtual_memory().total, host_available_bytes())
     if device.type == "cuda":
         index = device.index or 0
-        properties = torch.cuda.get_device_properties(index)
-        if getattr(properties, "is_integrated", False):
-            return DeviceFacts(
-                str(device), True, psutil.virtual_memory().total, host_available_bytes()
-            )
         free, total = torch.cuda.mem_get_info(index)
         fraction = _memory_fraction(index)
         if fraction < 1.0:
             total = int(total * fraction)
             free = max(0, total - torch.cuda.memory_reserved(index))
         return DeviceFacts(str(device), False, int(total), int(free))
-    unified = device.type in ("cpu", "mps")
-    return DeviceFacts(str(device), unified, psutil.virtual_memory().total, host_available_bytes())
+    return DeviceFacts(str(device), False, psutil.virtual_memory().total, host_available_bytes())
 
 
 def _memory_fraction(index: int) -> float:
@@ -412,82 +424,5 @@ class MemoryTracker:
         return path
 
     def plot(self, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
-        """A PNG: resident bytes per component, stacked, over time, with the stages marked."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        end = self.events[-1].seconds if self.events else 1.0
-        names = list(dict.fromkeys(e.name for e in self.events if e.kind == "load"))
-        times = sorted({0.0, end, *(e.seconds for e in self.events)})
-        sizes: dict[str, list[float]] = {name: [] for name in names}
-        current = dict.fromkeys(names, 0.0)
-        pending = iter(self.events)
-        event = next(pending, None)
-        for moment in times:
-            while event is not None and event.seconds <= moment:
-                if event.kind == "load":
-                    current[event.name] = event.nbytes / 2**30
-                elif event.kind == "release":
-                    current[event.name] = 0.0
-                event = next(pending, None)
-            for name in names:
-                sizes[name].append(current[name])
-        figure, (axes, lanes) = plt.subplots(
-            2, 1, figsize=(10, 5.6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
-        )
-        if names:
-            axes.stackplot(times, *[sizes[n] for n in names], labels=names, step="post", alpha=0.8)
-        measured = [(e.seconds, e.measured_bytes) for e in self.events if e.measured_bytes]
-        if measured and str(self.device).startswith("cuda"):
-            axes.plot(
-                [t for t, _ in measured],
-                [b / 2**30 for _, b in measured],
-                "k.",
-                markersize=3,
-                label="device bytes allocated",
-            )
-        self._plot_lanes(lanes, names)
-        top = axes.get_ylim()[1]
-        starts = [e for e in self.events if e.kind == "stage_start"]
-        for event in starts:
-            axes.axvline(event.seconds, color="grey", alpha=0.35, linewidth=0.8)
-            axes.text(event.seconds, top, f" {event.name}", rotation=90, va="top", fontsize=7)
-        axes.set_xlim(0, end)
-        lanes.set_xlabel("seconds")
-        axes.set_ylabel("resident GiB")
-        axes.set_title(title)
-        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-        figure.tight_layout()
-        path = Path(path)
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        return path
-
-    def _plot_lanes(self, lanes: Any, names: list[str]) -> None:
-        """Below the stack: when stages computed, and when each component was loading
-        (dark: before its stage could compute; light: its blocks arriving behind it)."""
-        rows = ["stages", *names]
-        opened: dict[str, float] = {}
-        for event in self.events:
-            if event.kind == "stage_start":
-                opened[event.name] = event.seconds
-            elif event.kind == "stage_end" and event.name in opened:
-                start = opened.pop(event.name)
-                lanes.broken_barh([(start, event.seconds - start)], (0.1, 0.8), color="grey")
-            elif event.kind in ("load", "fill") and event.duration_seconds:
-                row = rows.index(event.name) if event.name in rows else None
-                if row is not None:
-                    start = event.seconds - event.duration_seconds
-                    shade = {"load": "tab:red", "fill": "tab:orange"}[event.kind]
-                    alpha = 0.9 if event.kind == "load" else 0.45
-                    lanes.broken_barh(
-                        [(start, event.duration_seconds)],
-                        (row + 0.1, 0.8),
-                        color=shade,
-                        alpha=alpha,
-                    )
-        lanes.set_yticks([row + 0.5 for row in range(len(rows))], rows, fontsize=7)
-        lanes.set_ylim(0, len(rows))
-        lanes.invert_yaxis()
+        """A PNG of the timeline (``ondeck.timeline``; needs matplotlib)."""
+        return timeline.plot(self, path, title=title)

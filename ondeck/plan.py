@@ -8,15 +8,13 @@ predicted peak is the peak the run will have.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .memory import format_bytes, parse_bytes
 from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, plan_streaming
 
-__all__ = ["Plan", "StageUse", "plan", "release_schedule"]
+__all__ = ["Plan", "StageUse", "release_schedule"]
 
 # Components smaller than this share of the budget load at their own stage rather than
 # early, where loading early would raise the run's peak (see ``_PeakGuard``).
@@ -491,12 +489,3 @@ def build_plan(
     plan_.peak_bytes = max((s.resident_bytes for s in runs), default=0)
     plan_.runs = runs
     return plan_
-
-
-def plan(source: Any, budget: int | str | None = None, **options: Any) -> Plan:
-    """Predict residency for a pipeline or a model folder without reading any weights."""
-    if isinstance(source, (str, os.PathLike)):
-        from .pipelines import pipeline_for_folder
-
-        source = pipeline_for_folder(source, **options)
-    return source.plan(budget=budget)

@@ -9,7 +9,15 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .errors import ConcurrentRunError
-from .lazy import LazyModule, is_lazy, is_loaded, is_loading, is_out_of_memory
+from .lazy import (
+    LazyModule,
+    component_name,
+    is_lazy,
+    is_loaded,
+    is_loading,
+    is_out_of_memory,
+    pinned,
+)
 from .memory import MemoryTracker, resolve_device
 from .plan import Plan, StageUse, release_schedule
 
@@ -364,13 +372,8 @@ class Pipeline:
         try:
             self.policy.before_stage(index, state)
             self.tracker.compute_started()
-            for proxy in held:
-                proxy._pin()
-            try:
+            with pinned(*held):
                 state, _ = self._forward_with_recovery(stage, index, state)
-            finally:
-                for proxy in held:
-                    proxy._unpin()
             failed = False
         finally:
             record = self.tracker.stage_finished(stage.name, self._loading_bytes())
@@ -456,7 +459,7 @@ class Pipeline:
         for name, value in self.deferred.items():
             if value is proxy:
                 return name
-        return object.__getattribute__(proxy, "_ondeck_name")
+        return component_name(proxy)
 
     def before_load(self, proxy: LazyModule) -> None:
         self.policy.before_load(self._name_of(proxy))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from ..lazy import ComponentSpec, _free_storages
+from ..lazy import ComponentSpec, free_module_storages, free_storage
 from . import reader, storage
 from .blocks import find_blocks
 from .folder import ModelFolder
@@ -122,7 +122,7 @@ class ComponentLoader:
                 filling.wait()
             except BaseException:
                 filling.cancel()
-                _free_storages(module)
+                free_module_storages(module)
                 raise
         return module
 
@@ -180,7 +180,7 @@ class ComponentLoader:
             if filling is not None:
                 filling.cancel()
             for tensor in allocated:
-                _free(tensor)
+                free_storage(tensor)
             tensor = None  # noqa: F841
             allocated.clear()
             module = skeleton = values = filling = None  # noqa: F841
@@ -309,7 +309,7 @@ class ComponentLoader:
             # Give the memory back now, and drop the half-built module: the traceback's
             # frames would otherwise keep it alive for as long as the caller keeps the error.
             for tensor in allocated:
-                _free(tensor)
+                free_storage(tensor)
             tensor = None  # noqa: F841 - this frame is the one clear_frames cannot reach
             allocated.clear()
             built.clear()
@@ -505,12 +505,6 @@ def _finish(module: torch.nn.Module, component: str) -> None:
                     component=component,
                 )
     module.eval()
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.nbytes() and storage.resizable():
-        storage.resize_(0)
 
 
 def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
+from ..memory import is_unified
 from .safetensors_format import TensorInfo
 
 __all__ = ["HostCache", "default_budget_bytes"]
@@ -24,15 +25,6 @@ def default_budget_bytes() -> int:
     import psutil
 
     return max(0, psutil.virtual_memory().available // 2 - 4 * GiB)
-
-
-def _is_unified(device: torch.device) -> bool:
-    if device.type == "mps":
-        return True
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return bool(getattr(torch.cuda.get_device_properties(index), "is_integrated", False))
-    return False
 
 
 def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, int]]]:
@@ -81,7 +73,7 @@ class HostCache:
     def enabled_for(device: torch.device | str) -> bool:
         """False where a host copy would be the same memory twice: CPU and unified memory."""
         device = torch.device(device)
-        return device.type != "cpu" and not _is_unified(device)
+        return not is_unified(device)
 
     @property
     def resident_bytes(self) -> int:

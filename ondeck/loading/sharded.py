@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from ..lazy import ComponentSpec, _free_storages
+from ..lazy import ComponentSpec, free_module_storages
 from . import reader
 from .components import ComponentLoader, _match, _set_tensor
 from .safetensors_format import TensorInfo
@@ -136,7 +136,7 @@ class ShardedComponentLoader(ComponentLoader):
         except BaseException as error:
             # Give this rank's shards back now; the traceback would keep them alive.
             if module is not None:
-                _free_storages(module)
+                free_module_storages(module)
             module = jobs = None
             traceback.clear_frames(error.__traceback__)
             raise

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..lazy import loader_of
 from .host import host_to_device_bytes_per_second
 from .layout import (
     DEFAULT_BANDWIDTH_SOURCE,
@@ -98,7 +99,7 @@ class BlockStreaming:
         )
 
     def _streamer_for(self, name: str, proxy: Any, hint: str | None) -> BlockStreamer | None:
-        loader = object.__getattribute__(proxy, "_ondeck_loader")
+        loader = loader_of(proxy)
         if not hasattr(loader, "placement") or not hasattr(loader, "folder"):
             return None  # only ComponentLoader can place weights in host memory
         with self._lock:

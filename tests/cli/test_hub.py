@@ -15,8 +15,8 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 import ondeck
 import ondeck.diffusers
+from ondeck.folders import pipeline_for_folder
 from ondeck.hub import ALLOW_PATTERNS, looks_like_repo_id, resolve_model
-from ondeck.pipelines import pipeline_for_folder
 
 from .helpers import FAST, error_lines, run
 

@@ -324,7 +324,7 @@ def test_ctrl_c_while_freeing_leaves_the_tracker_honest(monkeypatch):
     def interrupted(module):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lazy, "_free_storages", interrupted)
+    monkeypatch.setattr(lazy, "free_module_storages", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pipe(state())
     assert pipe.tracker.resident == {}

@@ -332,8 +332,8 @@ def test_progress_advances_once_per_step(folders):
 
 
 def test_folders_of_other_families_plan_and_generate_through_the_integration(folders):
+    from ondeck.folders import pipeline_for_folder
     from ondeck.integrations.diffusers import DiffusersRuntime
-    from ondeck.pipelines import pipeline_for_folder
 
     runtime = pipeline_for_folder(folders["ltx"], policy="release")
     plan = ondeck.plan(folders["ltx"], policy="release")

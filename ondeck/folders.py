@@ -1,0 +1,37 @@
+"""From a model folder to its pipeline, and its plan: the top of the library's layers.
+
+Wan folders get ondeck's own stages; any other diffusers folder the diffusers
+integration. Both sit below this module, so choosing between them imports neither
+back into the layers they are built on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .hub import resolve_model
+from .pipelines import read_model_index
+from .plan import Plan
+
+__all__ = ["pipeline_for_folder", "plan"]
+
+
+def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
+    """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
+    from .pipelines.wan import WanTextToVideo, is_wan_folder
+
+    path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
+    model_index = read_model_index(path)
+    if is_wan_folder(model_index):
+        return WanTextToVideo.from_folder(path, **options)
+    from .integrations.diffusers import from_pretrained  # imports diffusers
+
+    return from_pretrained(path, **options).ondeck
+
+
+def plan(source: Any, budget: int | str | None = None, **options: Any) -> Plan:
+    """Predict residency for a pipeline or a model folder without reading any weights."""
+    if isinstance(source, (str, os.PathLike)):
+        source = pipeline_for_folder(source, **options)
+    return source.plan(budget=budget)
