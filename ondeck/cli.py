@@ -112,6 +112,27 @@ def _host_cache(text: str) -> int:
     return _size(text, allow_zero=True)
 
 
+def _weights(text: str) -> str | dict[str, str]:
+    """``fp8`` (the big components), or ``NAME=fp8[,NAME=fp8...]`` per component."""
+    from .errors import LoadError
+    from .loading.storage import parse_storage_dtype
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected fp8 or NAME=fp8, got nothing")
+    chosen: dict[str, str] = {}
+    for part in parts:
+        name, _, dtype = part.rpartition("=")
+        try:
+            parse_storage_dtype(dtype)
+        except LoadError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if not name and len(parts) > 1:
+            raise argparse.ArgumentTypeError(f"name the component of {part!r} (NAME=fp8)")
+        chosen[name] = dtype
+    return chosen[""] if "" in chosen else chosen
+
+
 def _add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=_positive, help="pixels; Wan: a multiple of 16")
     parser.add_argument("--width", type=_positive, help="pixels; Wan: a multiple of 16")
@@ -125,6 +146,13 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", help="cuda, cuda:1, cpu, mps (default: cuda if present)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument(
+        "--weights",
+        type=_weights,
+        metavar="fp8",
+        help="keep weights in fp8 and compute in --dtype: fp8 for every model but the VAE, "
+        "or NAME=fp8[,NAME=fp8] per component (default: stored as they compute)",
+    )
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument(
         "--host-cache",
@@ -406,6 +434,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         budget=args.budget,
         prefetch=not args.no_prefetch,
         host_cache=host_cache,
+        **({"storage_dtype": args.weights} if getattr(args, "weights", None) else {}),
         **({"shard": shard} if shard else {}),
         **({"parallel": parallel} if parallel is not None else {}),
         **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
@@ -542,6 +571,7 @@ def generate(args: argparse.Namespace) -> int:
         run_seconds=timings,
         sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
         predicted_peak_bytes=plan_.peak_bytes,
+        weights=args.weights or "as computed",
     )
     if split is not None:
         report["context_parallel"] = split
@@ -617,7 +647,8 @@ def plan(args: argparse.Namespace) -> int:
     from .hub import resolve_model
 
     _check_device(args.device)
-    pipe = _pipeline(args, resolve_model(args.model_dir))
+    path = resolve_model(args.model_dir)
+    pipe = _pipeline(args, path)
     _check_shape(pipe, args.height, args.width, args.frames)
     budget = args.budget or None
     shape = getattr(pipe, "set_plan_shape", None)
@@ -627,7 +658,51 @@ def plan(args: argparse.Namespace) -> int:
         print(f"ondeck: {pipe.policy.reason}")
     result = pipe.plan(budget)
     print(result)
+    if budget is not None:
+        _print_storage_choices(args, path, pipe, result, budget)
     return 0 if result.fits() else 1
+
+
+def _print_storage_choices(
+    args: argparse.Namespace, path: Path, pipe: Any, result: Any, budget: int
+) -> None:
+    """What fits ``budget`` with weights as they compute and with fp8 storage."""
+    import copy
+
+    from .memory import resolve_device
+
+    computed = str(_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
+    print(f"what fits {format_bytes(budget)}, by how the weights are stored:")
+    for weights in (None, "fp8"):
+        label = computed if weights is None else f"fp8 ({_stored_names(pipe, weights)})"
+        if weights == args.weights:
+            print(f"  {label}: {result.fit_summary()}")
+            continue
+        other = copy.copy(args)
+        other.weights = weights
+        try:
+            choice = _pipeline(other, path)
+            shape = getattr(choice, "set_plan_shape", None)
+            if shape is not None:
+                shape(height=args.height, width=args.width, frames=args.frames)
+            summary = choice.plan(budget).fit_summary()
+            label = computed if weights is None else f"fp8 ({_stored_names(choice, weights)})"
+        except OndeckError as error:
+            summary = f"cannot: {_first_line(error)}"
+        print(f"  {label}: {summary}")
+
+
+def _stored_names(pipe: Any, weights: Any) -> str:
+    """The components a ``--weights`` choice stores in fp8, as the pipeline's loaders say."""
+    from .lazy import loader_of
+
+    loaders = getattr(pipe, "loaders", None) or {
+        name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
+    }
+    names = [n for n, loader in loaders.items() if getattr(loader, "storage_dtype", None)]
+    if names:
+        return ", ".join(names)
+    return ", ".join(weights) if isinstance(weights, dict) else "none"
 
 
 def inspect(args: argparse.Namespace) -> int:

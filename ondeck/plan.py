@@ -377,6 +377,20 @@ class Plan:
             return True
         return self.overflow(budget) is None
 
+    def fit_summary(self) -> str:
+        """One line: whether the plan fits its budget, and what streams to make it fit."""
+        overflow = self.overflow()
+        if overflow is not None:
+            return f"does not fit: stage '{overflow[0]}' overflows by {format_bytes(overflow[1])}"
+        if self.streamed:
+            return "; ".join(
+                f"streams {len(layout.streamed)} of {layout.block_count} {name} blocks"
+                for name, layout in self.streamed.items()
+            )
+        largest = max(self.component_bytes, key=self.component_bytes.get, default=None)
+        whole = f"keeps the {largest} whole" if largest else "fits"
+        return f"{whole}, nothing streamed (peak {format_bytes(self.peak_bytes)})"
+
     @property
     def sum_bytes(self) -> int:
         return sum(self.component_bytes.values())

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages, free_storage
-from . import reader
+from . import reader, storage
 from .blocks import find_blocks
 from .folder import ModelFolder
 from .host_cache import HostCache
@@ -42,6 +42,11 @@ class ComponentLoader:
     place; ``finish(module)`` runs after a successful load, ``abort()`` after a failed
     one, ``unload(module)`` on release. Block streaming keeps streamed blocks in host
     memory this way (``ondeck.streaming``).
+
+    ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
+    would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
+    ``dtype`` for its forward (``ondeck.loading.storage``). A checkpoint saved in float8
+    stays so by default.
     """
 
     # Each call builds a new module, so a LazyModule may free its storage on release.
@@ -61,11 +66,15 @@ class ComponentLoader:
         buffer_count: int | None = None,
         placement: Any = None,
         pipelined: bool | None = None,
+        storage_dtype: torch.dtype | str | None = None,
     ):
         self.folder = _open_folder(folder, name)
         self.name = name
         self.device = torch.device(device)
-        self.dtype = self.folder.resolve_dtype(name, dtype)
+        self.dtype, self.storage_dtype = storage.resolve(
+            self.folder, name, dtype, storage_dtype, self.device
+        )
+        self._stored_template: Any = None
         self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
         self.progress = progress
         self.threads = threads
@@ -80,11 +89,31 @@ class ComponentLoader:
         self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 
     def __repr__(self) -> str:
-        return f"ComponentLoader({str(self.folder.path)!r}, {self.name!r}, {self.device}, {self.dtype})"
+        stored = f", stored in {self.storage_dtype}" if self.storage_dtype is not None else ""
+        return (
+            f"ComponentLoader({str(self.folder.path)!r}, {self.name!r}, {self.device}, "
+            f"{self.dtype}{stored})"
+        )
 
     @property
     def spec(self) -> ComponentSpec:
-        return self.folder.spec(self.name, self.dtype, self.device)
+        spec = self.folder.spec(self.name, self.dtype, self.device)
+        if self.storage_dtype is None:
+            return spec
+        return spec.with_updates(nbytes=self.template.nbytes)
+
+    @property
+    def template(self) -> Skeleton:
+        """The skeleton loads copy: the folder's, with stored tensors in the storage dtype."""
+        template = self.folder.template(self.name, self.dtype)
+        if self.storage_dtype is None:
+            return template
+        if self._stored_template is None or self._stored_template[0] is not template:
+            stored, layers = storage.stored_tensors(
+                template.module, template.library, self.storage_dtype, self.dtype
+            )
+            self._stored_template = (template, template.with_stored(stored), layers)
+        return self._stored_template[1]
 
     def __call__(self) -> torch.nn.Module:
         module, filling = self.begin()
@@ -102,7 +131,7 @@ class ComponentLoader:
         filling still bringing its blocks in (None when everything is in place)."""
         started = time.perf_counter()
         tensors = self.folder.tensors(self.name)
-        template = self.folder.template(self.name, self.dtype)
+        template = self.template
         blocks = self._pipelined_blocks(template)
         if blocks is not None:
             return self._begin_pipelined(tensors, template, blocks, started)
@@ -124,7 +153,7 @@ class ComponentLoader:
         try:
             sources = _match(template, tensors, self.name, self.folder.directory(self.name))
             key, raw = self._cached(tensors, None)
-            jobs, values, _ = _allocate(sources, self.device, allocated)
+            jobs, values, _ = _allocate(sources, self.device, allocated, compute_dtype=self.dtype)
             groups, group_of = fill_groups(
                 [slot.names for slot, _ in sources], [info.nbytes for _, info in sources], path
             )
@@ -144,6 +173,9 @@ class ComponentLoader:
             filling.attach(module, path, group_of)
             filling.wait_group(0)
             _finish(module, self.name)
+            # The filling writes into the module's tensors after it computes: cast copies
+            # beside them, never in place.
+            self._upcast_for_compute(module, template, in_place=False)
         except BaseException as error:
             if filling is not None:
                 filling.cancel()
@@ -181,15 +213,18 @@ class ComponentLoader:
             def fill(group: list[reader.ReadJob]) -> None:
                 copy = reader.HostCopy(0, component=self.name, bar=bar)
                 for job in group:
-                    copy.add(job.info, raw[job.info.name], job.destination)
+                    copy.add(self._cached_info(job), raw[job.info.name], job.destination)
                 copy.finish()
 
-            captured = None
+            captured = stored = None
         else:
             paths = sorted({job.info.path for job in jobs if job.info.nbytes})
             self.last_source = describe_source(paths) if paths else "disk"
             bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
-            captured = cache.reserve(key, [job.info for job in jobs]) if cache else None
+            # A component kept in a storage dtype is cached as stored, once it is read.
+            stored = list(jobs) if cache and self.storage_dtype is not None else None
+            capturing = cache is not None and stored is None
+            captured = cache.reserve(key, [job.info for job in jobs]) if capturing else None
             if captured is not None:
                 for job in jobs:
                     job.capture = captured[job.info.name]
@@ -206,6 +241,8 @@ class ComponentLoader:
                     cache.commit(key, captured)
                 else:
                     cache.discard(key)
+            if stored is not None and error is None:
+                storage.keep_in_cache(cache, key, stored)
             self.last_load_seconds = time.perf_counter() - started
             if error is None and self._spare is None:
                 self._spare = (template, template.fresh())
@@ -241,14 +278,19 @@ class ComponentLoader:
                         self.device,
                         allocated,
                         placement,
-                        on_job=lambda job: copy.add(job.info, raw[job.info.name], job.destination),
+                        on_job=lambda job: copy.add(
+                            self._cached_info(job), raw[job.info.name], job.destination
+                        ),
+                        compute_dtype=self.dtype,
                     )
                 except BaseException:
                     copy.close()
                     raise
                 self._record(copy.finish(while_copying=build))
             else:
-                jobs, values, placed = _allocate(sources, self.device, allocated, placement)
+                jobs, values, placed = _allocate(
+                    sources, self.device, allocated, placement, compute_dtype=self.dtype
+                )
                 self._read_files(jobs, key, while_reading=build)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
@@ -258,6 +300,7 @@ class ComponentLoader:
                 build()
             module = built.pop("module")
             _finish(module, self.name)
+            self._upcast_for_compute(module, template, in_place=placement is None)
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
@@ -276,6 +319,17 @@ class ComponentLoader:
         self.last_load_seconds = time.perf_counter() - started
         return module
 
+    def _upcast_for_compute(
+        self, module: torch.nn.Module, template: Skeleton, *, in_place: bool
+    ) -> None:
+        """Hook the layers kept in the storage dtype to compute in ``dtype``."""
+        if self.storage_dtype is None:
+            return
+        layers = self._stored_template[2]
+        storage.upcast_for_compute(
+            module, template.library, self.storage_dtype, self.dtype, layers, in_place=in_place
+        )
+
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""
         if self.placement is not None:
@@ -289,13 +343,28 @@ class ComponentLoader:
         key = _cache_key(self.folder, self.name, tensors)
         if placement is not None:
             key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
+        if self.storage_dtype is not None:
+            key = (*key, ("stored", str(self.storage_dtype), str(self.dtype)))
         return key, cache.get(key)
+
+    def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
+        """How the host cache holds a tensor: as in the file, or as stored (fp8) when the
+        component keeps a storage dtype."""
+        if self.storage_dtype is None:
+            return job.info
+        return storage.as_held(job.info, job.destination)
 
     def _read_files(
         self, jobs: list[reader.ReadJob], key: Any, while_reading: Callable[[], None]
     ) -> None:
         """Read from the files, capturing the raw bytes into the host cache where it has room."""
         cache = self.host_cache
+        if cache is not None and self.storage_dtype is not None:
+            # The cache holds the stored bytes (half of bf16's), copied back once read.
+            stats = self._read(jobs, while_reading)
+            storage.keep_in_cache(cache, key, jobs)
+            self._record(stats)
+            return
         captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
         if captured is not None:
             for job in jobs:
@@ -357,7 +426,12 @@ def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, d
 
 
 def _allocate(
-    sources, device: torch.device, allocated: list, placement: Any = None, on_job=None
+    sources,
+    device: torch.device,
+    allocated: list,
+    placement: Any = None,
+    on_job=None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[list, list, list]:
     """A real, empty tensor on the device, in its final dtype, for every slot.
 
@@ -383,12 +457,13 @@ def _allocate(
         else:
             value = tensor
         values.append(value)
+        via = storage.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
         if given is None:
-            jobs.append(reader.ReadJob(info, tensor))
+            jobs.append(reader.ReadJob(info, tensor, via=via))
             if on_job is not None:
                 on_job(jobs[-1])
         elif not filled:
-            placed.append(reader.ReadJob(info, tensor))
+            placed.append(reader.ReadJob(info, tensor, via=via))
     return jobs, values, placed
 
 

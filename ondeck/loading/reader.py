@@ -76,6 +76,9 @@ class ReadJob:
     info: TensorInfo
     destination: torch.Tensor
     capture: torch.Tensor | None = None
+    # A dtype a cast rounds through on its way to the destination's: a float32 file
+    # stored in fp8 is rounded as its bfloat16 model would be (``loading.storage``).
+    via: torch.dtype | None = None
 
 
 @dataclass
@@ -618,6 +621,10 @@ def _deliver(chunk: _Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.S
     issued on this thread's stream for the device, which is returned."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     stream = streams.get(chunk.target.device)
+    if chunk.cast and chunk.job.via is not None:
+        if stream is not None:  # round on the device, as the cast itself does
+            source = source.to(chunk.target.device, non_blocking=True)
+        source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)
     return stream
 

@@ -12,7 +12,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -64,12 +64,24 @@ class Skeleton:
     library: str = "torch"
     dtype: torch.dtype = torch.float32
     file_keys: frozenset[str] = frozenset()
+    # Tensors kept in a storage dtype (fp8) instead of their compute dtype, by name
+    # (``ondeck.loading.storage``).
+    stored: Mapping[str, torch.dtype] = field(default_factory=dict)
 
     def fresh(self) -> Skeleton:
         """An independent copy to fill. Copying touches no process-wide state, unlike a
         build (which sets torch's default dtype and patches nn.Module for a moment), so a
         load in a background thread cannot disturb the thread running the model."""
-        return _describe(copy.deepcopy(self.module), self.library, self.dtype, self.file_keys)
+        return _describe(
+            copy.deepcopy(self.module), self.library, self.dtype, self.file_keys, self.stored
+        )
+
+    def with_stored(self, stored: Mapping[str, torch.dtype]) -> Skeleton:
+        """This skeleton with the ``stored`` tensors in their storage dtype. It shares the
+        module: read it, never fill it (``.fresh()`` to fill)."""
+        slots = [replace(slot, names=list(slot.names)) for slot in self.slots]
+        _apply_stored(slots, stored)
+        return replace(self, slots=slots, stored=dict(stored))
 
     @property
     def nbytes(self) -> int:
@@ -438,7 +450,11 @@ def _build_transformers(cls: type, directory: str, dtype: torch.dtype) -> torch.
 
 
 def _describe(
-    module: torch.nn.Module, library: str, dtype: torch.dtype, file_keys: frozenset[str]
+    module: torch.nn.Module,
+    library: str,
+    dtype: torch.dtype,
+    file_keys: frozenset[str],
+    stored: Mapping[str, torch.dtype] | None = None,
 ) -> Skeleton:
     groups: dict[int, Slot] = {}
     extra_buffers: dict[int, list[str]] = {}
@@ -460,8 +476,18 @@ def _describe(
     for slot in slots:
         key = next((name for name in slot.names if name in file_keys), slot.names[0])
         slot.dtype = _target_dtype(slot.dtype, key, dtype, fp32_rule, library)
+    _apply_stored(slots, stored or {})
     ignored = tuple(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
-    return Skeleton(module, slots, extra_buffers, ignored, library, dtype, file_keys)
+    return Skeleton(
+        module, slots, extra_buffers, ignored, library, dtype, file_keys, dict(stored or {})
+    )
+
+
+def _apply_stored(slots: list[Slot], stored: Mapping[str, torch.dtype]) -> None:
+    for slot in slots:
+        found = next((stored[name] for name in slot.names if name in stored), None)
+        if found is not None:
+            slot.dtype = found
 
 
 def _add(groups: dict[int, Slot], key: int, name: str, tensor, *, is_parameter: bool) -> None:

@@ -456,6 +456,7 @@ class WanTextToVideo(Pipeline):
         libraries: tuple[str, ...] | list[str] = (),
         pipelined: bool | None = None,
         parallel: Any = None,
+        storage_dtype: Any = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -471,8 +472,11 @@ class WanTextToVideo(Pipeline):
         ``ondeck.parallel.ContextParallel``) splits the transformer's sequence over the
         ranks (diffusers' context parallelism): each computes its slice, and the frames
         are the same on every rank. Bad set-ups are refused before anything loads.
+        ``storage_dtype`` keeps weights in fp8 and
+        computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
+        encoder and transformer, or a dict by component name.
         """
-        from ..loading import ComponentLoader, ModelFolder, load_auxiliary
+        from ..loading import ComponentLoader, ModelFolder, load_auxiliary, storage
         from ..memory import resolve_device
         from ..parallel import resolve_parallel
 
@@ -496,6 +500,11 @@ class WanTextToVideo(Pipeline):
             spec = folder.spec("transformer")
             parallel.check_model("transformer", spec.cls, spec.config)
             parallel.start(device)
+        stored = storage.storage_by_component(
+            storage_dtype, {name: folder.component_class(name) for name in models}
+        )
+        if set(stored) & set(shard):
+            raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
@@ -508,6 +517,8 @@ class WanTextToVideo(Pipeline):
                 progress=progress,
                 pipelined=pipelined,
             )
+            if name in stored:
+                options["storage_dtype"] = stored[name]
             if shard or parallel is not None:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
@@ -519,6 +530,8 @@ class WanTextToVideo(Pipeline):
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
+        if stored:  # prompts encoded from fp8 weights are cached apart
+            identity += f":{storage.describe(stored)}"
         return cls(
             components,
             identity=identity,

@@ -108,7 +108,7 @@ class BlockStreaming:
                 return known[1]
             streamer = None
             try:
-                skeleton = loader.folder.template(loader.name, loader.dtype)
+                skeleton = loader.template  # as loaded: stored (fp8) tensors in fp8
                 path = find_blocks(skeleton.module, hint)
                 sizes, tensors = describe_blocks(skeleton, path) if path else (None, None)
                 # A loader that loads a share of the component (one rank's shards) does

@@ -47,6 +47,7 @@ def from_pretrained(
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
     parallel: Any = None,
+    storage_dtype: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -69,10 +70,13 @@ def from_pretrained(
     ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
     under ``torchrun``, splits the sequence of every deferred component diffusers gives a
     context-parallel plan over the ranks (see ``ondeck.parallel``).
+    ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
+    but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
+    per component (``ondeck.loading.storage``).
     """
     import diffusers
 
-    from ...loading import ModelFolder, load_auxiliary
+    from ...loading import ModelFolder, load_auxiliary, storage
 
     dtype = kwargs.pop("dtype", None)
     if torch_dtype is not None and dtype is not None:
@@ -98,6 +102,14 @@ def from_pretrained(
     if parallel is not None:
         parallel.join()  # before resolving the device: joining selects this rank's GPU
     device = resolve_device(device)
+    stored = storage.storage_by_component(
+        storage_dtype,
+        {
+            name: folder.component_class(name)
+            for name in folder.component_names
+            if name not in kwargs and issubclass(folder.component_class(name), torch.nn.Module)
+        },
+    )
 
     components: dict[str, PipelineComponent] = {}
     containers: dict[str, torch.nn.Module] = {}
@@ -121,7 +133,15 @@ def from_pretrained(
             continue
         if not _can_defer(folder, name):
             continue
-        component = _deferred_component(folder, name, device, component_dtype, host_cache, progress)
+        component = _deferred_component(
+            folder,
+            name,
+            device,
+            component_dtype,
+            host_cache,
+            progress,
+            stored.get(name),
+        )
         if component is not None:
             components[name] = deferred[name] = component
 
@@ -303,7 +323,13 @@ def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
 
 
 def _deferred_component(
-    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+    folder: Any,
+    name: str,
+    device: torch.device,
+    dtype: Any,
+    host_cache: Any,
+    progress: bool,
+    storage_dtype: Any = None,
 ) -> PipelineComponent | None:
     from ...loading import ComponentLoader
     from ...loading.skeleton import SkeletonBuildError
@@ -316,6 +342,7 @@ def _deferred_component(
             dtype=target_dtype,
             host_cache=host_cache,
             progress=progress,
+            storage_dtype=storage_dtype,
         )
 
     try:

@@ -1,0 +1,421 @@
+"""fp8 storage, bf16 compute, on one GPU: memory, speed, reload rate and output difference.
+
+    python benchmarks/fp8.py [--folder DIR] [--modes bf16-eager,fp8-full,fp8-16,fp8-8,reload]
+
+The Wan 2.1 14B-shaped folder as ``WanPipeline.save_pretrained`` writes it (bf16 text
+encoder and transformer, float32 VAE), 480x832, 33 frames, 4 steps, three prompts per
+mode, each mode a process of its own (clean peaks), all in one call:
+
+- ``bf16-eager``: diffusers' WanPipeline, everything on the card (VAE float32): the
+  reference for time, resident bytes and latents.
+- ``fp8-full``: ``ondeck generate`` with ``--weights fp8`` (text encoder and
+  transformer in float8_e4m3fn, computed in bf16) on the whole card.
+- ``fp8-16``, ``fp8-8``: the same on a card emulated at 16 and 8 GiB
+  (``set_per_process_memory_fraction``); the automatic policy picks what to keep and
+  what to stream. Each also plans bf16 at the same budget (no weights read): the
+  bytes bf16 would stream per pass beside the bytes fp8 streams.
+- ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
+  fp8, twice each after a warm-up load: file GB/s (the files hold bf16 either way).
+
+The latents each run hands to the VAE are kept, and compared per latent frame with
+bf16 eager's (max and mean absolute difference). Writes fp8.json to $OUT and prints a
+table last. About 7 minutes on an H200 with the folder already built (building it adds
+two to three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    GiB,
+    PeakSampler,
+    emit,
+    later_seconds,
+    out_dir,
+    parse_modes,
+    ready_wan14b_folder,
+    run_child,
+)
+
+MODES = {
+    # mode: (emulated card GiB or None, seconds it takes on an H200 with a warm folder)
+    "bf16-eager": (None, 80),
+    "fp8-full": (None, 75),
+    "fp8-16": (16, 80),
+    "fp8-8": (8, 95),
+    "reload": (None, 40),
+}
+SHAPE = dict(height=480, width=832, num_frames=33, num_inference_steps=4)
+STORED = ("text_encoder", "transformer")
+
+
+# -- one mode, in a child process ----------------------------------------------------------
+
+
+def capture_decode_inputs(module, latents_seen: list) -> None:
+    """Keep what each decode call receives (the latents, denormalized, before decode)."""
+    decode = module.decode
+
+    def recording(latents, *args, **kwargs):
+        latents_seen.append(latents.detach().float().cpu())
+        return decode(latents, *args, **kwargs)
+
+    module.decode = recording
+
+
+def component_nbytes(pipe, names=STORED) -> dict[str, int]:
+    from ondeck.lazy import module_nbytes
+
+    return {name: module_nbytes(getattr(pipe, name)) for name in names}
+
+
+def bf16_eager(folder: Path):
+    from wan_modes import diffusers_pipeline
+
+    pipe = diffusers_pipeline(folder, "diffusers-eager")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def fp8_pipeline(folder: Path):
+    import torch
+
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    # What `ondeck generate MODEL_DIR --weights fp8` builds: auto policy, no budget.
+    return WanTextToVideo.from_folder(
+        folder, device="cuda", dtype=torch.bfloat16, storage_dtype="fp8", progress=False
+    )
+
+
+def bf16_plan_at(folder: Path, budget: int | None) -> dict | None:
+    """How bf16 would run at the same budget: planned only, no weights read."""
+    import torch
+
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    if budget is None:
+        return None
+    pipe = WanTextToVideo.from_folder(folder, device="cuda", dtype=torch.bfloat16, progress=False)
+    plan = pipe.plan(budget)
+    return {
+        "fits": plan.fits(),
+        "summary": plan.fit_summary(),
+        "component_bytes": plan.component_bytes,
+        "bytes_per_pass": {name: layout.bytes_per_pass for name, layout in plan.streamed.items()},
+        "streamed_blocks": {name: len(layout.streamed) for name, layout in plan.streamed.items()},
+    }
+
+
+def run_pipeline(args) -> dict:
+    import torch
+    from wan_modes import PROMPTS, bytes_streamed, emulate_device, streaming_summary
+
+    folder = Path(args.folder)
+    emulate_device(args.memory_gib)
+    result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
+    latents_seen: list = []
+    started = time.perf_counter()
+    if args.child == "bf16-eager":
+        pipe = bf16_eager(folder)
+        capture_decode_inputs(pipe.vae, latents_seen)
+    else:
+        pipe = fp8_pipeline(folder)
+        result["policy_reason"] = pipe.policy.reason
+        result["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)
+        plan = pipe.plan()
+        result["plan_summary"] = plan.fit_summary()
+        result["planned_component_bytes"] = plan.component_bytes
+        result["planned_streaming"] = streaming_summary(plan)
+        result["bf16_plan"] = bf16_plan_at(folder, result["budget_bytes"])
+        pipe.components["vae"].add_transform(
+            lambda module: capture_decode_inputs(module, latents_seen) or module
+        )
+    torch.cuda.synchronize()
+    result["setup_seconds"] = time.perf_counter() - started
+    kept = []  # the latents of each run's (first) decode
+    for run, prompt in enumerate(PROMPTS[: args.runs]):
+        torch.cuda.reset_peak_memory_stats()
+        streamed_before = bytes_streamed(pipe)
+        loaded_before = pipe.tracker.bytes_loaded if hasattr(pipe, "tracker") else 0
+        seen_before = len(latents_seen)
+        started = time.perf_counter()
+        with PeakSampler(torch.cuda.memory_reserved) as sampler:
+            if args.child == "bf16-eager":
+                generator = torch.Generator("cpu").manual_seed(run)
+                pipe(prompt, generator=generator, **SHAPE)
+            else:
+                pipe.generate(
+                    prompt,
+                    height=SHAPE["height"],
+                    width=SHAPE["width"],
+                    num_frames=SHAPE["num_frames"],
+                    num_inference_steps=SHAPE["num_inference_steps"],
+                    seed=run,
+                )
+            torch.cuda.synchronize()
+        row = {
+            "seconds": time.perf_counter() - started,
+            "sampled_peak_reserved_bytes": sampler.peak,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "bytes_streamed": bytes_streamed(pipe) - streamed_before,
+        }
+        if hasattr(pipe, "tracker"):
+            row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
+        if len(latents_seen) > seen_before:
+            kept.append(latents_seen[seen_before])
+        result["runs"].append(row)
+        print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
+        gc.collect()
+    if args.child == "bf16-eager":
+        result["resident_bytes"] = component_nbytes(pipe)
+    else:
+        measured = pipe.component_bytes()  # measured where loaded, else planned
+        result["resident_bytes"] = {name: measured[name] for name in STORED}
+        streaming = getattr(pipe.policy, "streaming", None)
+        result["streaming"] = streaming.stats() if streaming is not None else {}
+    torch.save(kept, args.latents)
+    result["latents_file"] = args.latents
+    return result
+
+
+def reload_rates(args) -> dict:
+    """Each component, bf16 and fp8, loaded from the page cache: file bytes per second."""
+    import torch
+
+    from ondeck.lazy import module_nbytes
+    from ondeck.loading import ComponentLoader, ModelFolder
+
+    folder = ModelFolder.open(args.folder)
+    rows = {}
+    for name in STORED:
+        for weights in ("bf16", "fp8"):
+            loader = ComponentLoader(
+                folder,
+                name,
+                device="cuda",
+                dtype=torch.bfloat16,
+                storage_dtype="fp8" if weights == "fp8" else None,
+                progress=False,
+            )
+            seconds = []
+            for attempt in range(3):  # the first starts the reading processes
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                module = loader()
+                torch.cuda.synchronize()
+                if attempt:
+                    seconds.append(time.perf_counter() - started)
+                stored = module_nbytes(module)  # tied weights once
+                del module
+                gc.collect()
+                torch.cuda.empty_cache()
+            file_bytes = folder.file_bytes(name)
+            best = min(seconds)
+            rows[f"{name} {weights}"] = {
+                "file_bytes": file_bytes,
+                "stored_bytes": stored,
+                "seconds": seconds,
+                "file_gb_per_second": file_bytes / best / 1e9,
+                "readers": loader.last_readers,
+            }
+            print(f"reload {name} {weights}: {file_bytes / best / 1e9:.1f} GB/s", file=sys.stderr)
+    return {"mode": "reload", "reload": rows}
+
+
+def child(args) -> None:
+    try:
+        result = reload_rates(args) if args.child == "reload" else run_pipeline(args)
+    except Exception as error:
+        result = {
+            "mode": args.child,
+            "error": f"{type(error).__name__}: {error}"[:2000],
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    emit(result)
+
+
+# -- the parent: every mode, then the comparison ---------------------------------------------
+
+
+def per_frame_difference(ours: list, reference: list) -> list[dict]:
+    """Per prompt, per latent frame: max and mean absolute difference to the reference."""
+    prompts = []
+    for mine, theirs in zip(ours, reference, strict=False):
+        difference = (mine - theirs).abs()[0]  # channels, frames, height, width
+        frames = difference.transpose(0, 1).flatten(1)
+        prompts.append(
+            {
+                "max_abs": [float(v) for v in frames.max(dim=1).values],
+                "mean_abs": [float(v) for v in frames.mean(dim=1)],
+                "reference_mean_abs": float(theirs.abs().mean()),
+            }
+        )
+    return prompts
+
+
+def summarise(rows: dict, latents: dict) -> dict:
+    import torch
+
+    summary: dict = {}
+    eager = rows.get("bf16-eager")
+    eager_seconds = later_seconds(eager) if eager and eager.get("runs") else None
+    summary["eager_seconds"] = eager_seconds
+    if eager and "resident_bytes" in eager and "fp8-full" in rows:
+        bf16 = sum(eager["resident_bytes"].values())
+        fp8 = sum(rows["fp8-full"].get("resident_bytes", {}).values() or [0])
+        summary["resident_bytes"] = {
+            "bf16": bf16,
+            "fp8": fp8,
+            "ratio": fp8 / bf16 if bf16 else None,
+        }
+    reference = latents.get("bf16-eager")
+    for mode, row in rows.items():
+        if not mode.startswith("fp8") or not row.get("runs"):
+            continue
+        entry = {
+            "later_seconds": later_seconds(row),
+            "vs_eager": later_seconds(row) / eager_seconds if eager_seconds else None,
+            "streamed_per_run": [r["bytes_streamed"] for r in row["runs"]],
+        }
+        bf16_plan = row.get("bf16_plan") or {}
+        entry["bf16_bytes_per_pass"] = sum((bf16_plan.get("bytes_per_pass") or {}).values())
+        entry["fp8_bytes_per_pass"] = sum(
+            layout["bytes_per_pass"] for layout in (row.get("planned_streaming") or {}).values()
+        )
+        if reference is not None and mode in latents:
+            entry["latent_difference"] = per_frame_difference(latents[mode], reference)
+        if mode != "fp8-full" and "fp8-full" in latents and mode in latents:
+            same = [
+                bool(torch.equal(a, b))
+                for a, b in zip(latents[mode], latents["fp8-full"], strict=False)
+            ]
+            entry["latents_equal_fp8_full"] = same
+        summary[mode] = entry
+    if "reload" in rows:
+        summary["reload"] = rows["reload"].get("reload")
+    return summary
+
+
+def print_table(rows: dict, summary: dict) -> None:
+    print(
+        "\nfp8 storage (float8_e4m3fn, computed in bf16), Wan 2.1 14B-shaped, 480x832x33, 4 steps"
+    )
+    resident = summary.get("resident_bytes")
+    if resident:
+        print(
+            f"resident text encoder + transformer: bf16 {resident['bf16'] / GiB:.2f} GiB, "
+            f"fp8 {resident['fp8'] / GiB:.2f} GiB ({resident['ratio']:.3f}x)"
+        )
+    eager = summary.get("eager_seconds")
+    print(f"bf16 eager runs 2-3: {eager:.2f} s" if eager else "bf16 eager: no result")
+    print(
+        f"\n{'mode':<10} {'done':<5} {'runs 2-3 s':>10} {'/ eager':>8} {'streamed/run':>13} "
+        f"{'fp8 B/pass':>11} {'bf16 B/pass':>11} {'latent max':>10} {'latent mean':>11}  plan"
+    )
+    for mode, row in rows.items():
+        if not mode.startswith("fp8"):
+            continue
+        entry = summary.get(mode, {})
+        done = bool(row.get("runs")) and not row.get("error")
+        ratio = entry.get("vs_eager")
+        streamed = entry.get("streamed_per_run") or [0]
+        diffs = entry.get("latent_difference") or []
+        worst = max((max(p["max_abs"]) for p in diffs), default=float("nan"))
+        mean = max((max(p["mean_abs"]) for p in diffs), default=float("nan"))
+        print(
+            f"{mode:<10} {'yes' if done else 'NO':<5} {entry.get('later_seconds', float('nan')):>10.2f} "
+            f"{ratio if ratio else float('nan'):>8.2f} {streamed[-1] / GiB:>12.2f}G "
+            f"{entry.get('fp8_bytes_per_pass', 0) / GiB:>10.2f}G "
+            f"{entry.get('bf16_bytes_per_pass', 0) / GiB:>10.2f}G {worst:>10.4f} {mean:>11.5f}  "
+            f"{row.get('plan_summary', row.get('error', ''))[:80]}"
+        )
+    reload = summary.get("reload") or {}
+    if reload:
+        print(f"\n{'reload from page cache':<26} {'file GB/s':>9} {'stored GiB':>10}")
+        for name, entry in reload.items():
+            print(
+                f"{name:<26} {entry['file_gb_per_second']:>9.1f} "
+                f"{entry['stored_bytes'] / GiB:>10.2f}"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved"))
+    parser.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)}")
+    parser.add_argument("--runs", type=int, default=3, help="prompts per mode (at most 3)")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per mode")
+    # Internal: one mode in this process.
+    parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--latents", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.runs > 3:
+        parser.error("--runs must be from 1 to 3")
+    if args.child:
+        child(args)
+        return
+    modes = parse_modes(parser, args.modes, MODES)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault("ONDECK_PROGRESS", "0")
+    started = time.perf_counter()
+    path, sizes = ready_wan14b_folder(Path(args.folder))
+    scratch = Path(tempfile.mkdtemp(prefix="ondeck-fp8-latents-"))
+    rows: dict[str, dict] = {}
+    latents: dict[str, list] = {}
+
+    def write(summary: dict | None = None) -> None:
+        document = {
+            "folder_bytes": sizes,
+            "shape": SHAPE,
+            "rows": rows,
+            "summary": summary,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/fp8.py " + " ".join(sys.argv[1:]),
+        }
+        (out_dir() / "fp8.json").write_text(json.dumps(document, indent=2, default=str))
+
+    import torch
+
+    for mode in modes:
+        memory_gib, _ = MODES[mode]
+        command = [str(Path(__file__).resolve()), "--folder", str(path), "--child", mode]
+        command += ["--runs", str(args.runs), "--latents", str(scratch / f"{mode}.pt")]
+        if memory_gib:
+            command += ["--memory-gib", str(memory_gib)]
+        row = run_child(command, timeout=args.timeout)
+        rows[mode] = row
+        if row.get("latents_file") and Path(row["latents_file"]).exists():
+            latents[mode] = torch.load(row["latents_file"])
+        runs = ", ".join(f"{r['seconds']:.1f}" for r in row.get("runs", []))
+        error = f" ERROR {row['error'][:300]}" if row.get("error") else ""
+        print(f"{mode}: runs {runs} s; {row.get('policy_reason', '')}{error}", flush=True)
+        if row.get("error") and row.get("tail"):
+            print(row["tail"][-1500:])
+        write()
+    summary = summarise(rows, latents)
+    write(summary)
+    print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'fp8.json'}")
+    print_table(rows, summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""Weights stored in fp8 and computed in bfloat16: which tensors, the checks, the hooks.
+
+A component loaded with a storage dtype keeps the tensors diffusers' layerwise casting
+would cast (those of its Linear, Conv and Embedding layers outside the skip patterns and
+the modules the model keeps in float32) in that dtype from the moment they are read:
+each chunk is cast as it arrives, so no wider copy of the component ever exists. The
+layers are upcast for their forward by diffusers' own hook
+(``diffusers.hooks.layerwise_casting``), so the result is the one diffusers'
+``enable_layerwise_casting`` gives the same model, bit for bit.
+
+A checkpoint already stored in float8 is kept so, with no upcast copy: its float8
+dtype becomes the storage dtype unless the caller chose another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import LoadError
+from .safetensors_format import TensorInfo
+
+__all__ = [
+    "FLOAT8_DTYPES",
+    "check_quantization",
+    "parse_storage_dtype",
+    "resolve",
+    "rounding_dtype",
+    "storage_by_component",
+    "stored_tensors",
+    "upcast_for_compute",
+]
+
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(
+    dtype
+    for dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if dtype is not None
+)
+
+# What a caller may write for a storage dtype; "fp8" is the e4m3 format fp8 checkpoints use.
+_NAMES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3fn": "float8_e4m3fn",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
+}
+
+_HOOK_NAME = "layerwise_casting"  # diffusers' name: its get_parameter_dtype looks for it
+
+
+def parse_storage_dtype(value: Any, component: str | None = None) -> torch.dtype | None:
+    """A storage dtype from a torch dtype or a name ("fp8", "float8_e5m2"); None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    where = f"component '{component}': " if component else ""
+    if isinstance(value, str):
+        name = _NAMES.get(value.strip().lower().removeprefix("torch."))
+        dtype = getattr(torch, name, None) if name else None
+        if dtype is not None:
+            return dtype
+        if name is not None:
+            raise LoadError(
+                f"{where}storage dtype {value!r}: torch {torch.__version__} has no {name}",
+                component=component,
+            )
+    raise LoadError(
+        f"{where}storage dtype {value!r} is not one ondeck stores weights in; use 'fp8' "
+        "(float8_e4m3fn) or 'float8_e5m2'",
+        component=component,
+    )
+
+
+def is_autoencoder(cls: type) -> bool:
+    """A VAE: it stays in its own dtype when one storage dtype is given for a pipeline."""
+    return ".autoencoders." in (cls.__module__ or "") or cls.__name__.startswith("Autoencoder")
+
+
+def storage_by_component(storage_dtype: Any, classes: Mapping[str, type]) -> dict[str, torch.dtype]:
+    """The storage dtype of each model component named in ``classes``.
+
+    ``storage_dtype`` is one dtype for the big components (every model but the VAEs,
+    which decode in their own dtype), or a dict by component name; a name that is not a
+    model component of the folder is refused.
+    """
+    if storage_dtype is None:
+        return {}
+    if isinstance(storage_dtype, Mapping):
+        unknown = sorted(set(storage_dtype) - set(classes))
+        if unknown:
+            raise LoadError(
+                f"storage_dtype names {', '.join(repr(n) for n in unknown)}, not a model "
+                f"component here (they are {', '.join(classes) or 'none'})"
+            )
+        chosen = {name: parse_storage_dtype(value, name) for name, value in storage_dtype.items()}
+        return {name: dtype for name, dtype in chosen.items() if dtype is not None}
+    dtype = parse_storage_dtype(storage_dtype)
+    return {name: dtype for name, cls in classes.items() if not is_autoencoder(cls)}
+
+
+# -- before anything loads ----------------------------------------------------------------
+
+
+def check_quantization(folder: Any, name: str) -> None:
+    """Refuse a component whose config asks for a quantization ondeck does not apply."""
+    try:
+        config = folder.config_dict(name)
+        path = folder.config_path(name)
+    except LoadError:
+        return  # the load reports what is wrong with the config itself
+    settings = config.get("quantization_config")
+    if settings is None:
+        return
+    method = settings.get("quant_method") if isinstance(settings, dict) else None
+    method_text = repr(method) if method else "an unnamed"
+    needs = {"gguf": "gguf", "bitsandbytes": "bitsandbytes", "torchao": "torchao"}
+    package = needs.get(str(method).lower(), "optimum-quanto" if method == "quanto" else None)
+    installed = ""
+    if package is not None:
+        import importlib.util
+
+        module = package.replace("optimum-", "optimum.")
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+        installed = f"; its package '{package}' is {'installed' if found else 'not installed'}"
+    raise LoadError(
+        f"component '{name}': {path} asks for {method_text} quantization "
+        f"(quantization_config), which ondeck does not apply{installed}; ondeck loads float "
+        "weights, optionally stored in fp8 (storage_dtype='fp8'): load this component with "
+        "its library and pass it in ready-made",
+        component=name,
+        path=str(path),
+    )
+
+
+def resolve(
+    folder: Any, name: str, dtype: Any, storage_dtype: Any, device: torch.device
+) -> tuple[torch.dtype, torch.dtype | None]:
+    """The compute dtype and storage dtype (None: stored as computed) of one component.
+
+    Checks, before anything loads, that the component is not quantized in a way ondeck
+    cannot apply and that the storage dtype works on ``device``.
+    """
+    check_quantization(folder, name)
+    storage = parse_storage_dtype(storage_dtype, name)
+    saved_as = _file_float8(folder, name)
+    compute = folder.resolve_dtype(name, dtype)
+    if dtype is None and compute in FLOAT8_DTYPES:
+        compute = _compute_dtype_beside(folder, name)
+    if compute in FLOAT8_DTYPES:
+        raise LoadError(
+            f"component '{name}': {compute} is a storage dtype, not one to compute in; pass "
+            f"dtype=torch.bfloat16 and storage_dtype={str(compute).removeprefix('torch.')!r}",
+            component=name,
+        )
+    if storage is None:
+        storage = saved_as  # a float8 checkpoint stays float8, with no upcast copy
+    if storage is None or storage == compute:
+        return compute, None
+    if storage not in FLOAT8_DTYPES:
+        raise LoadError(
+            f"component '{name}': storage dtype {storage} is not one ondeck stores weights "
+            "in; use 'fp8' (float8_e4m3fn) or 'float8_e5m2'",
+            component=name,
+        )
+    if not compute.is_floating_point or compute.itemsize <= storage.itemsize:
+        raise LoadError(
+            f"component '{name}': fp8 storage needs a wider compute dtype than {compute}",
+            component=name,
+        )
+    if device.type == "mps":
+        raise LoadError(
+            f"component '{name}': {str(storage).removeprefix('torch.')} storage cannot work "
+            "on mps (Apple's GPUs have no float8 dtype); store weights as they compute there",
+            component=name,
+        )
+    return compute, storage
+
+
+def _file_float8(folder: Any, name: str) -> torch.dtype | None:
+    """The float8 dtype holding most of the component's float8 bytes, if it has any."""
+    try:
+        tensors = folder.tensors(name)
+    except LoadError:
+        return None  # the load reports the folder's problem where it always did
+    sizes: dict[torch.dtype, int] = {}
+    for info in tensors.values():
+        if info.dtype in FLOAT8_DTYPES:
+            sizes[info.dtype] = sizes.get(info.dtype, 0) + info.nbytes
+    return max(sizes, key=sizes.get) if sizes else None
+
+
+def _compute_dtype_beside(folder: Any, name: str) -> torch.dtype:
+    """For a float8 checkpoint: the dtype of its other floating tensors, else bfloat16."""
+    sizes: dict[torch.dtype, int] = {}
+    for info in folder.tensors(name).values():
+        if info.dtype.is_floating_point and info.dtype not in FLOAT8_DTYPES:
+            sizes[info.dtype] = sizes.get(info.dtype, 0) + info.nbytes
+    return max(sizes, key=sizes.get) if sizes else torch.bfloat16
+
+
+# -- which tensors are stored -------------------------------------------------------------
+
+
+def stored_tensors(
+    module: torch.nn.Module, library: str, storage: torch.dtype, compute: torch.dtype
+) -> tuple[dict[str, torch.dtype], tuple[str, ...]]:
+    """The tensors diffusers' layerwise casting stores in ``storage``, by name, and the
+    layers it hooks; found by running diffusers' own choice on a copy of the (meta) module."""
+    probe = copy.deepcopy(module)
+    _apply_casting(probe, library, storage, compute)
+    stored = {}
+    for table in (probe.named_parameters, probe.named_buffers):
+        for name, tensor in table(remove_duplicate=False):
+            if tensor.dtype == storage:
+                stored[name] = storage
+    layers = tuple(
+        name for name, layer in probe.named_modules() if _casting_hook(layer) is not None
+    )
+    return stored, layers
+
+
+def _apply_casting(
+    module: torch.nn.Module, library: str, storage: torch.dtype, compute: torch.dtype
+) -> None:
+    """diffusers' layerwise casting, chosen as diffusers chooses it for its own models."""
+    if library == "diffusers" and hasattr(module, "enable_layerwise_casting"):
+        module.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
+        return
+    from diffusers.hooks.layerwise_casting import (
+        DEFAULT_SKIP_MODULES_PATTERN,
+        apply_layerwise_casting,
+    )
+
+    apply_layerwise_casting(
+        module,
+        storage,
+        compute,
+        skip_modules_pattern=_skip_patterns(module, DEFAULT_SKIP_MODULES_PATTERN),
+    )
+
+
+def _skip_patterns(module: torch.nn.Module, defaults: Iterable[str]) -> tuple[str, ...]:
+    """diffusers' defaults plus the modules the model keeps in float32, as diffusers' own
+    ``enable_layerwise_casting`` adds them (transformers' T5 casts the input of its ``wo``
+    to that layer's weight dtype before the layer runs: it must never be fp8)."""
+    patterns = list(defaults)
+    for attribute in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        kept = getattr(module, attribute, None) or ()
+        patterns.extend([kept] if isinstance(kept, str) else kept)
+    return tuple(dict.fromkeys(patterns))
+
+
+def rounding_dtype(
+    file_dtype: torch.dtype, stored_dtype: torch.dtype, compute: torch.dtype
+) -> torch.dtype | None:
+    """The dtype a file's tensor is rounded through on its way to storage: the compute
+    dtype, when the file holds another floating dtype (a float32 file stored in fp8 holds
+    the float8 of its bfloat16 model, as diffusers' casting of that model does)."""
+    if stored_dtype not in FLOAT8_DTYPES or not file_dtype.is_floating_point:
+        return None
+    if file_dtype in (compute, stored_dtype) or file_dtype in FLOAT8_DTYPES:
+        return None
+    return compute
+
+
+# -- the host cache -----------------------------------------------------------------------
+
+
+def as_held(info: TensorInfo, destination: torch.Tensor) -> TensorInfo:
+    """``info`` as the loaded module holds the tensor: in the destination's dtype."""
+    if destination.dtype == info.dtype:
+        return info
+    nbytes = destination.numel() * destination.element_size()
+    return dataclasses.replace(info, dtype=destination.dtype, end=info.start + nbytes)
+
+
+def keep_in_cache(cache: Any, key: Any, jobs: list) -> None:
+    """Copy freshly loaded tensors, as stored, into the host cache where it has room: a
+    reload is then one copy of the stored bytes (fp8: half of bf16's)."""
+    infos = [as_held(job.info, job.destination) for job in jobs]
+    buffers = cache.reserve(key, infos)
+    if buffers is None:
+        return
+    devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    # On a side stream: the copies must not queue behind (or hold up) the compute.
+    streams = {device: torch.cuda.Stream(device) for device in devices}
+    for device, stream in streams.items():
+        stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        for job, info in zip(jobs, infos, strict=True):
+            if not info.nbytes:
+                continue
+            held = buffers[info.name].view(info.dtype).view(job.destination.shape)
+            stream = streams.get(job.destination.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                held.copy_(job.destination, non_blocking=stream is not None)
+    except BaseException:
+        for stream in streams.values():
+            stream.synchronize()
+        cache.discard(key)
+        raise
+    for stream in streams.values():
+        stream.synchronize()
+    cache.commit(key, buffers)
+
+
+# -- after the load -----------------------------------------------------------------------
+
+
+def upcast_for_compute(
+    module: torch.nn.Module,
+    library: str,
+    storage: torch.dtype,
+    compute: torch.dtype,
+    layers: Iterable[str],
+    *,
+    in_place: bool = True,
+) -> None:
+    """Hook the stored layers so each computes in ``compute`` and stays in ``storage``.
+
+    ``in_place``: diffusers' own hook, which casts a layer's tensors in place around its
+    forward. Otherwise (block streaming binds a streamed block's tensors to views of its
+    device slots, and an in-place cast would leave them private copies) a variant of it
+    that puts upcast copies beside the stored tensors for the forward and puts the
+    stored ones back after. Either way the layers compute on the same values.
+    """
+    if in_place:
+        _apply_casting(module, library, storage, compute)
+    else:
+        from diffusers.hooks import HookRegistry
+
+        for name in layers:
+            layer = module.get_submodule(name)
+            registry = HookRegistry.check_if_exists_or_initialize(layer)
+            registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
+    if library == "transformers":
+        _answer_compute_dtype(module)
+
+
+def _casting_hook(module: torch.nn.Module) -> Any:
+    registry = getattr(module, "_diffusers_hook", None)
+    return registry.get_hook(_HOOK_NAME) if registry is not None else None
+
+
+def _swapping_hook(storage: torch.dtype, compute: torch.dtype) -> Any:
+    return _swapping_hook_class()(storage, compute, non_blocking=False)
+
+
+@functools.cache
+def _swapping_hook_class() -> type:
+    from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
+
+    class SwappingCastingHook(LayerwiseCastingHook):
+        """diffusers' layerwise casting hook, without casting the stored tensors in place:
+        a forward sees upcast copies, the module keeps the stored tensors."""
+
+        def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+            return module  # loaded in the storage dtype already
+
+        def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any):
+            return args, kwargs
+
+        def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+            return output
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            stored = []
+            try:
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None and tensor.dtype == self.storage_dtype:
+                            stored.append((table, name, tensor))
+                            table[name] = tensor.to(self.compute_dtype)
+                return self.fn_ref.original_forward(*args, **kwargs)
+            finally:
+                for table, name, tensor in stored:
+                    table[name] = tensor
+
+    return SwappingCastingHook
+
+
+_COMPUTE_DTYPE_CLASSES: dict[type, type] = {}
+
+
+def _answer_compute_dtype(module: torch.nn.Module) -> None:
+    """transformers' ``model.dtype`` is its first floating parameter's dtype, fp8 here;
+    pipelines cast their embeddings to it. Answer the compute dtype instead, as diffusers'
+    models do for their layerwise casting: the class is swapped for a subclass that
+    differs in nothing else (same name and module)."""
+    cls = type(module)
+    if getattr(cls, "_ondeck_answers_compute_dtype", False):
+        return
+    subclass = _COMPUTE_DTYPE_CLASSES.get(cls)
+    if subclass is None:
+
+        def dtype(self: torch.nn.Module) -> torch.dtype:
+            for layer in self.modules():
+                hook = _casting_hook(layer)
+                if hook is not None:
+                    return hook.compute_dtype
+            return super(subclass, self).dtype
+
+        subclass = type(
+            cls.__name__,
+            (cls,),
+            {
+                "dtype": property(dtype),
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+                "_ondeck_answers_compute_dtype": True,
+            },
+        )
+        _COMPUTE_DTYPE_CLASSES[cls] = subclass
+    module.__class__ = subclass
+
+
+def describe(storage: Mapping[str, torch.dtype]) -> str:
+    """``transformer, text_encoder in float8_e4m3fn`` for messages and plans."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, dtype in storage.items():
+        by_dtype.setdefault(dtype, []).append(name)
+    return "; ".join(
+        f"{', '.join(names)} in {str(dtype).removeprefix('torch.')}"
+        for dtype, names in by_dtype.items()
+    )

@@ -1,0 +1,216 @@
+"""fp8 storage, bf16 compute: ondeck's loads equal diffusers' own layerwise casting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from references import in_fresh_tensors
+
+import ondeck
+from ondeck.lazy import module_nbytes
+from ondeck.loading import ComponentLoader, HostCache, reader
+
+from .conftest import FP8, same_bits, transformer_inputs
+
+
+def reference_transformer(folder, compute=torch.bfloat16):
+    """diffusers' way: the model loaded in its compute dtype, then layerwise casting."""
+    from diffusers import WanTransformer3DModel
+
+    model = in_fresh_tensors(
+        WanTransformer3DModel.from_pretrained(folder / "transformer", torch_dtype=compute)
+    )
+    model.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=compute)
+    return model.eval()
+
+
+def run_transformer(model):
+    latents, timestep, text = transformer_inputs(model.config)
+    with torch.no_grad():
+        return model(latents, timestep, text, return_dict=False)[0]
+
+
+def watch_reads(monkeypatch) -> list:
+    seen: list = []
+    original = reader.read_into
+
+    def watch(jobs, **options):
+        seen.extend(jobs)
+        return original(jobs, **options)
+
+    monkeypatch.setattr(reader, "read_into", watch)
+    return seen
+
+
+@pytest.mark.parametrize("saved_as", ["wan_fp32", "wan_bf16"])
+def test_fp8_storage_equals_diffusers_layerwise_casting_bit_for_bit(saved_as, request):
+    folder = request.getfixturevalue(saved_as)
+    ours = ComponentLoader(folder, "transformer", dtype=torch.bfloat16, storage_dtype="fp8")()
+    reference = reference_transformer(folder)
+
+    theirs = reference.state_dict()
+    mine = ours.state_dict()
+    assert mine.keys() == theirs.keys()
+    different = [key for key in mine if not same_bits(mine[key], theirs[key])]
+    assert different == []
+    assert sum(tensor.dtype == FP8 for tensor in mine.values()) > len(mine) // 2
+    assert same_bits(run_transformer(ours), run_transformer(reference))
+
+
+def test_layers_diffusers_skips_or_keeps_in_float32_stay_as_they_are(wan_bf16):
+    model = ComponentLoader(wan_bf16, "transformer", dtype=torch.bfloat16, storage_dtype="fp8")()
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    assert dtypes["blocks.0.attn1.to_q.weight"] == FP8
+    assert dtypes["blocks.0.ffn.net.0.proj.weight"] == FP8
+    # WanTransformer3DModel keeps these in float32 and skips its embeddings and norms.
+    assert dtypes["blocks.0.scale_shift_table"] == torch.float32
+    assert dtypes["blocks.0.norm2.weight"] == torch.float32
+    assert dtypes["patch_embedding.weight"] == torch.bfloat16
+    assert dtypes["condition_embedder.text_embedder.linear_1.weight"] == torch.bfloat16
+    assert dtypes["proj_out.weight"] == torch.bfloat16
+
+
+def test_text_encoder_in_fp8_computes_as_diffusers_hook_and_reports_its_compute_dtype(wan_bf16):
+    from diffusers.hooks.layerwise_casting import (
+        DEFAULT_SKIP_MODULES_PATTERN,
+        apply_layerwise_casting,
+    )
+    from transformers import UMT5EncoderModel
+
+    ours = ComponentLoader(wan_bf16, "text_encoder", dtype=torch.bfloat16, storage_dtype="fp8")()
+    reference = in_fresh_tensors(
+        UMT5EncoderModel.from_pretrained(wan_bf16 / "text_encoder", torch_dtype=torch.bfloat16)
+    ).eval()
+    apply_layerwise_casting(reference, FP8, torch.bfloat16, DEFAULT_SKIP_MODULES_PATTERN + ("wo",))
+    assert isinstance(ours, UMT5EncoderModel)
+    assert type(ours).__name__ == "UMT5EncoderModel"
+    # transformers answers its first parameter's dtype; pipelines cast embeddings to it.
+    assert ours.dtype == torch.bfloat16
+    assert ours.shared.weight.dtype == FP8
+    # T5 casts the input of `wo` to that layer's weight dtype: it must stay as computed.
+    assert ours.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 9, 13, 2]])
+    with torch.no_grad():
+        mine = ours(input_ids=ids).last_hidden_state
+        theirs = reference(input_ids=ids).last_hidden_state
+    assert mine.dtype == torch.bfloat16
+    assert same_bits(mine, theirs)
+
+
+def test_stored_tensors_are_allocated_in_fp8_and_cast_as_they_are_read(wan_fp32, monkeypatch):
+    seen = watch_reads(monkeypatch)
+    ComponentLoader(wan_fp32, "transformer", dtype=torch.bfloat16, storage_dtype="fp8")()
+    weights = {job.info.name: job for job in seen}
+    query = weights["blocks.0.attn1.to_q.weight"]
+    # Read from the float32 file straight into its fp8 home: no wider copy is ever made.
+    assert query.info.dtype == torch.float32
+    assert query.destination.dtype == FP8
+    assert query.via == torch.bfloat16  # rounded as the bfloat16 model would be
+    wider = [job for job in seen if job.destination.dtype.itemsize > 1 and job.via is not None]
+    assert wider == []
+
+
+def test_the_spec_counts_the_stored_bytes_before_loading(wan_bf16, monkeypatch):
+    computed = ComponentLoader(wan_bf16, "transformer", dtype=torch.bfloat16)
+    stored = ComponentLoader(wan_bf16, "transformer", dtype=torch.bfloat16, storage_dtype="fp8")
+    seen = watch_reads(monkeypatch)
+    predicted = stored.spec.nbytes
+    assert seen == []
+    assert predicted < computed.spec.nbytes
+    assert module_nbytes(stored()) == predicted
+
+
+def test_a_float8_checkpoint_loads_as_float8_without_an_upcast_copy(wan_float8, monkeypatch):
+    assert ComponentLoader(wan_float8, "transformer").storage_dtype == FP8  # by default
+    seen = watch_reads(monkeypatch)
+    loader = ComponentLoader(wan_float8, "transformer", dtype=torch.bfloat16)
+    assert loader.storage_dtype == FP8
+    model = loader()
+    float8_reads = [job for job in seen if job.info.dtype == FP8]
+    assert float8_reads
+    assert all(job.destination.dtype == FP8 and job.via is None for job in float8_reads)
+    assert same_bits(run_transformer(model), run_transformer(reference_transformer(wan_float8)))
+
+
+def test_release_frees_and_the_reload_is_fp8_again(wan_bf16):
+    proxy = ondeck.LazyModule(
+        "transformer",
+        ComponentLoader(wan_bf16, "transformer", dtype=torch.bfloat16, storage_dtype="fp8"),
+    )
+    first = run_transformer(proxy.materialize())
+    stored = module_nbytes(proxy.materialize())
+    assert proxy.release() == stored
+    assert not ondeck.is_loaded(proxy)
+    assert proxy.blocks[0].attn1.to_q.weight.dtype == FP8
+    assert same_bits(run_transformer(proxy.materialize()), first)
+    assert module_nbytes(proxy.materialize()) == stored  # the forward left fp8 behind
+
+
+def test_the_host_cache_holds_the_stored_bytes(wan_fp32, monkeypatch):
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    loader = ComponentLoader(
+        wan_fp32, "transformer", dtype=torch.bfloat16, storage_dtype="fp8", host_cache=cache
+    )
+    first = loader()
+    assert loader.last_source != "host cache"
+    held = sum(slot.nbytes for slot in loader.template.slots)  # the file's tensors, as stored
+    assert cache.resident_bytes == held < loader.folder.file_bytes("transformer") // 2
+    second = loader()
+    assert loader.last_source == "host cache"
+    for key, tensor in first.state_dict().items():
+        assert same_bits(second.state_dict()[key], tensor), key
+
+
+def test_the_wan_pipeline_runs_with_text_encoder_and_transformer_in_fp8(wan_bf16):
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    def frames(storage_dtype):
+        pipe = WanTextToVideo.from_folder(
+            wan_bf16,
+            device="cpu",
+            dtype=torch.bfloat16,
+            policy="budget",
+            progress=False,
+            storage_dtype=storage_dtype,
+        )
+        shape = dict(height=16, width=16, num_frames=5, num_inference_steps=2)
+        video = pipe.generate("a fox", seed=0, max_sequence_length=16, **shape)
+        return pipe, video
+
+    pipe, stored = frames("fp8")
+    _, computed = frames(None)
+    # The text encoder's embeddings reach the transformer in bf16 (its dtype answers bf16).
+    assert pipe.components["text_encoder"].dtype == torch.bfloat16
+    assert pipe.components["text_encoder"].shared.weight.dtype == FP8
+    assert pipe.components["transformer"].blocks[0].attn1.to_q.weight.dtype == FP8
+    assert pipe.components["vae"].decoder.conv_in.weight.dtype == torch.float32
+    assert np.isfinite(stored).all()
+    difference = np.abs(stored - computed).max()
+    assert 0 < difference < 0.25
+
+
+def test_a_pipelined_load_in_fp8_equals_diffusers_and_caches_the_stored_bytes(
+    wan_fp32, monkeypatch
+):
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    loader = ComponentLoader(
+        wan_fp32,
+        "transformer",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        pipelined=True,
+        host_cache=cache,
+    )
+    module, filling = loader.begin()
+    assert filling is not None  # its blocks arrive behind the compute
+    first = run_transformer(module)  # each block waits for its own weights
+    reference = run_transformer(reference_transformer(wan_fp32))
+    assert same_bits(first, reference)
+    filling.wait()
+    assert cache.resident_bytes == sum(slot.nbytes for slot in loader.template.slots)
+    again = loader()
+    assert loader.last_source == "host cache"
+    assert same_bits(run_transformer(again), reference)

@@ -1,0 +1,134 @@
+"""fp8 storage into CUDA memory: each chunk cast on the device as it arrives, through the
+reading processes and the threads, equal to diffusers' layerwise casting bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from ondeck.embedded import build_wan_folder
+from ondeck.lazy import module_nbytes
+from ondeck.loading import ComponentLoader, HostCache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The tiny Wan folder as saved (float32), and with its transformer in bfloat16."""
+    from safetensors.torch import load_file, save_file
+
+    fp32 = build_wan_folder(tmp_path_factory.mktemp("fp8-cuda") / "fp32", preset="tiny")
+    bf16 = tmp_path_factory.mktemp("fp8-cuda") / "bf16"
+    shutil.copytree(fp32, bf16, dirs_exist_ok=True)
+    for path in (bf16 / "transformer").glob("*.safetensors"):
+        tensors = {
+            key: value.to(torch.bfloat16) if value.is_floating_point() else value
+            for key, value in load_file(str(path)).items()
+        }
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return {"fp32": fp32, "bf16": bf16}
+
+
+@pytest.fixture(params=["processes", "threads"])
+def readers(request, monkeypatch) -> str:
+    monkeypatch.setenv("ONDECK_READ_PROCESSES", "1" if request.param == "processes" else "0")
+    return request.param
+
+
+def reference(folder):
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(
+        folder / "transformer", torch_dtype=torch.bfloat16
+    ).to("cuda")
+    model.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
+    return model.eval()
+
+
+def forward(model):
+    config = model.config
+    generator = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, config.in_channels, 2, 8, 8, generator=generator)
+    text = torch.randn(1, 5, config.text_dim, generator=generator)
+    with torch.no_grad():
+        return model(
+            latents.to("cuda", torch.bfloat16),
+            torch.tensor([500], device="cuda"),
+            text.to("cuda", torch.bfloat16),
+            return_dict=False,
+        )[0]
+
+
+def same_bits(a, b) -> bool:
+    return a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def assert_same_module(ours, theirs) -> None:
+    mine, expected = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == expected.keys()
+    assert [key for key in mine if not same_bits(mine[key], expected[key])] == []
+
+
+@pytest.mark.parametrize("saved_as", ["bf16", "fp32"])
+def test_fp8_into_cuda_equals_diffusers_layerwise_casting(folders, saved_as, readers):
+    loader = ComponentLoader(
+        folders[saved_as],
+        "transformer",
+        device="cuda",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        pipelined=False,
+    )
+    ours = loader()
+    theirs = reference(folders[saved_as])
+    assert ours.blocks[0].attn1.to_q.weight.dtype == FP8
+    assert_same_module(ours, theirs)
+    assert same_bits(forward(ours), forward(theirs))
+    assert module_nbytes(ours) == loader.spec.nbytes
+
+
+def test_pipelined_fp8_into_cuda_computes_as_its_blocks_arrive(folders):
+    loader = ComponentLoader(
+        folders["bf16"],
+        "transformer",
+        device="cuda",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        pipelined=True,
+    )
+    module, filling = loader.begin()
+    output = forward(module)
+    filling.wait()
+    theirs = reference(folders["bf16"])
+    assert same_bits(output, forward(theirs))
+    assert_same_module(module, theirs)
+
+
+def test_the_pinned_host_cache_holds_and_serves_the_fp8_bytes(folders):
+    cache = HostCache(budget_bytes=2**30)
+    loader = ComponentLoader(
+        folders["fp32"],
+        "transformer",
+        device="cuda",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        host_cache=cache,
+    )
+    first = loader()
+    held = sum(slot.nbytes for slot in loader.template.slots)
+    assert cache.resident_bytes >= held  # pinned arenas round up
+    assert cache.resident_bytes < loader.folder.file_bytes("transformer") // 2
+    second = loader()
+    assert loader.last_source == "host cache"
+    assert_same_module(second, first)
+    assert same_bits(forward(second), forward(reference(folders["fp32"])))
