@@ -44,7 +44,7 @@ class ComponentSpec:
 
 # Methods whose calls change how the loaded component is placed or behaves. They are
 # recorded and replayed after every reload, so a release costs latency, never state.
-_REPLAYED_METHODS = frozenset(
+REPLAYED_METHODS = frozenset(
     {
         "to",
         "cuda",
@@ -114,7 +114,7 @@ class ReplayLog:
 # component has none of them, so answering must not load it.
 _ABSENT_WHILE_UNLOADED = frozenset({"_hf_hook", "_diffusers_hook", "hf_device_map", "_ondeck_hook"})
 
-_INTERNAL = (
+INTERNAL_ATTRIBUTES = (
     "_ondeck_name",
     "_ondeck_loader",
     "_ondeck_spec",
@@ -632,7 +632,7 @@ class LazyModule:
     # -- forwarding ---------------------------------------------------------------------
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute in _INTERNAL:
+        if attribute in INTERNAL_ATTRIBUTES:
             raise AttributeError(attribute)
         if (
             attribute in _ABSENT_WHILE_UNLOADED
@@ -651,7 +651,7 @@ class LazyModule:
         @functools.wraps(method)
         def call(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
-            if attribute in _REPLAYED_METHODS:
+            if attribute in REPLAYED_METHODS:
                 object.__getattribute__(proxy, "_ondeck_replay").add(attribute, args, kwargs)
             if result is method.__self__:
                 # Return the proxy, not the module: a strong reference to the module
@@ -664,7 +664,7 @@ class LazyModule:
         return call
 
     def __setattr__(self, attribute: str, value: Any) -> None:
-        if attribute in _INTERNAL:
+        if attribute in INTERNAL_ATTRIBUTES:
             object.__setattr__(self, attribute, value)
             return
         setattr(self.materialize(), attribute, value)

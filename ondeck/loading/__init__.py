@@ -2,8 +2,8 @@
 
 from .components import ComponentLoader, load_auxiliary, load_component
 from .folder import ModelFolder
-from .host_cache import HostCache
-from .reader import HostCopy, ReadJob, ReadStats, read_into
+from .host_cache import HostCache, HostCopy
+from .reader import ReadJob, ReadStats, read_into
 from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
 
 __all__ = [

@@ -19,7 +19,7 @@ from .host_cache import HostCache
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, _get, match_tensors
+from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
 __all__ = ["ComponentLoader", "load_auxiliary", "load_component"]
 
@@ -151,7 +151,7 @@ class ComponentLoader:
         allocated: list[torch.Tensor] = []
         filling: Filling | None = None
         try:
-            sources = _match(template, tensors, self.name, self.folder.directory(self.name))
+            sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
             key, raw = self._cached(tensors, None)
             jobs, values, _ = _allocate(sources, self.device, allocated, compute_dtype=self.dtype)
             groups, group_of = fill_groups(
@@ -263,7 +263,7 @@ class ComponentLoader:
             built["module"] = skeleton.module
 
         try:
-            sources = _match(template, tensors, self.name, self.folder.directory(self.name))
+            sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
             key, raw = self._cached(tensors, placement)
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
@@ -420,11 +420,6 @@ def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
     return (str(folder.path.resolve()), name, tuple(signature))
 
 
-def _match(skeleton: Skeleton, tensors: dict[str, TensorInfo], component: str, directory=None):
-    """Pair every slot with its file tensor; refuse missing, unexpected and misshapen ones."""
-    return match_tensors(skeleton, tensors, component, directory)
-
-
 def _allocate(
     sources,
     device: torch.device,
@@ -472,26 +467,15 @@ def _install(skeleton: Skeleton, sources, values, device: torch.device, allocate
     module = skeleton.module
     for (slot, _), value in zip(sources, values, strict=True):
         for name in slot.names:
-            _set_tensor(module, name, value, parameter=slot.is_parameter)
+            set_tensor(module, name, value, parameter=slot.is_parameter)
     for names in skeleton.extra_buffers.values():
         # Not in the file: computed by __init__ on the host; moved, compactly, like the rest.
-        buffer = _get(module, names[0])
+        buffer = get_tensor(module, names[0])
         moved = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
         allocated.append(moved)
         moved.copy_(buffer)
         for name in names:
-            _set_tensor(module, name, moved, parameter=False)
-
-
-def _set_tensor(
-    module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool
-) -> None:
-    owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if parameter:
-        owner._parameters[attribute] = value
-    else:
-        owner._buffers[attribute] = value
+            set_tensor(module, name, moved, parameter=False)
 
 
 def _finish(module: torch.nn.Module, component: str) -> None:

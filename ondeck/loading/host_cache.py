@@ -7,15 +7,18 @@ transforms re-applied after each load (LoRA, compile) see what a fresh load woul
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
 import torch
 
 from ..memory import is_unified
+from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
-__all__ = ["HostCache", "default_budget_bytes"]
+__all__ = ["HostCache", "HostCopy", "default_budget_bytes"]
 
 GiB = 2**30
 
@@ -151,3 +154,75 @@ class HostCache:
 
     def _used(self) -> int:
         return sum(self._sizes.values()) + sum(self._pending.values())
+
+
+# Host-cache copies are issued in batches of about this many bytes: each batch's side
+# stream first waits for work queued so far on the current stream, whose freed memory the
+# batch's destinations may reuse.
+HOST_COPY_BATCH_BYTES = 256 * 2**20
+
+
+class HostCopy:
+    """Copies of raw file bytes kept in host memory into their destinations, issued as
+    the destinations are allocated, so allocating the next overlaps copying the last.
+
+    ``add`` each ``(info, raw, destination)``, then ``finish`` (or ``close``, after a
+    failure); ``total`` bytes is for the progress bar (or ``bar``, advanced and left open). On CUDA the copies run
+    asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
+    issued, then waits for them.
+    """
+
+    def __init__(
+        self, total: int, *, progress: bool = True, component: str | None = None, bar: Any = None
+    ):
+        self._started = time.perf_counter()
+        self._own_bar = bar is None
+        self._bar = progress_bar(total, progress, component, "host cache") if bar is None else bar
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._batch: list[tuple[TensorInfo, torch.Tensor, torch.Tensor]] = []
+        self._batch_bytes = 0
+        self._copied = 0
+
+    def add(self, info: TensorInfo, raw: torch.Tensor, destination: torch.Tensor) -> None:
+        self._batch.append((info, raw, destination))
+        self._batch_bytes += info.nbytes
+        if self._batch_bytes >= HOST_COPY_BATCH_BYTES:
+            self._issue()
+
+    def _issue(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        for device in {dst.device for _, _, dst in batch if dst.device.type == "cuda"}:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        for info, raw, destination in batch:
+            if info.nbytes:
+                source = raw.view(info.dtype).reshape(info.shape)
+                stream = self._streams.get(destination.device)
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        destination.copy_(source, non_blocking=True)
+                else:
+                    destination.copy_(source)
+            self._copied += info.nbytes
+            if self._bar is not None:
+                self._bar.update(info.nbytes)
+
+    def finish(self, while_copying: Callable[[], None] | None = None) -> ReadStats:
+        try:
+            self._issue()
+            if while_copying is not None:
+                while_copying()
+        finally:
+            self.close()
+        return ReadStats(self._copied, time.perf_counter() - self._started, "host cache")
+
+    def close(self) -> None:
+        """Wait for what was issued (also after a failure: nothing may copy into freed
+        memory later)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        if self._bar is not None and self._own_bar:
+            self._bar.close()
+        self._bar = None

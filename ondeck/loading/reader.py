@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -37,6 +36,17 @@ import torch
 
 from ..errors import LoadError
 from . import process_reader
+from .chunks import (
+    BAR_LOCK,
+    Chunk,
+    ReadJob,
+    ReadStats,
+    plan_chunks,
+    progress_bar,
+    reads_directly,
+    where,
+)
+from .host_cache import HostCopy
 from .page_cache import describe_source
 from .reading_process import FILE_ENDED
 from .safetensors_format import TensorInfo
@@ -60,49 +70,6 @@ PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
 # A failed or stopped load waits this long for the processes' last reads to answer.
 STUCK_READ_SECONDS = 60
-# Below this, a progress bar is noise.
-PROGRESS_MIN_BYTES = 64 * 2**20
-_BAR_LOCK = threading.Lock()
-
-
-@dataclass
-class ReadJob:
-    """Fill ``destination`` from ``info``; also keep the raw file bytes in ``capture`` if given.
-
-    ``capture`` is a flat uint8 host tensor of ``info.nbytes`` (a host cache entry); it then
-    serves as the staging buffer itself.
-    """
-
-    info: TensorInfo
-    destination: torch.Tensor
-    capture: torch.Tensor | None = None
-    # A dtype a cast rounds through on its way to the destination's: a float32 file
-    # stored in fp8 is rounded as its bfloat16 model would be (``loading.storage``).
-    via: torch.dtype | None = None
-
-
-@dataclass
-class ReadStats:
-    nbytes: int
-    seconds: float
-    source: str
-    readers: str = "threads"  # or "processes"
-
-    @property
-    def gb_per_second(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Chunk:
-    job: ReadJob
-    # This chunk's part of the destination (or of its contiguous temporary), flat: raw
-    # bytes when the file's dtype is kept, elements of the destination's dtype when cast.
-    target: torch.Tensor
-    lo: int  # byte range within the tensor's file data, element aligned
-    hi: int
-    direct: bool
-    cast: bool
 
 
 def read_into(
@@ -160,7 +127,7 @@ def read_into(
                 # The pinned allocator rounds each buffer up to a power of two: round
                 # down instead, so the ring stays within buffer_bytes x buffer_count.
                 buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
-        chunks, temporaries = _plan(jobs, buffer_bytes, component)
+        chunks, temporaries = plan_chunks(jobs, buffer_bytes, component)
         worker_count = threads or min(16, max(4, os.cpu_count() or 4))
         staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
         if staging:
@@ -357,7 +324,7 @@ def _read_chunks(state: _ReadState) -> None:
                 if stream is not None:
                     slot.mark_copying(stream)
             if state.bar is not None:
-                with _BAR_LOCK:
+                with BAR_LOCK:
                     state.bar.update(length)
     except BaseException as error:
         state.fail(error)
@@ -372,7 +339,7 @@ def _processes_wanted(jobs: Sequence[ReadJob], processes: bool | None, devices) 
         return False
     if processes is not None:
         return processes
-    return bool(devices) and not any(_reads_directly(job) for job in jobs)
+    return bool(devices) and not any(reads_directly(job) for job in jobs)
 
 
 def _lease_processes(threads, buffer_bytes, buffer_count, pinned):
@@ -413,7 +380,7 @@ def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
 
 def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
     streams = {}
-    reading: dict[int, _Chunk] = {}  # slot -> the chunk being read into it
+    reading: dict[int, Chunk] = {}  # slot -> the chunk being read into it
     opened = False
     try:
         streams = _side_streams(state.fences)
@@ -495,128 +462,10 @@ def _read_error(info: TensorInfo, component: str | None, reached: int, reason: s
         )
     else:
         problem = f"read failed at byte {reached}: {reason}"
-    return LoadError(f"{_where(info, component)}: {problem}", component=component, path=info.path)
+    return LoadError(f"{where(info, component)}: {problem}", component=component, path=info.path)
 
 
-# Host-cache copies are issued in batches of about this many bytes: each batch's side
-# stream first waits for work queued so far on the current stream, whose freed memory the
-# batch's destinations may reuse.
-HOST_COPY_BATCH_BYTES = 256 * 2**20
-
-
-class HostCopy:
-    """Copies of raw file bytes kept in host memory into their destinations, issued as
-    the destinations are allocated, so allocating the next overlaps copying the last.
-
-    ``add`` each ``(info, raw, destination)``, then ``finish`` (or ``close``, after a
-    failure); ``total`` bytes is for the progress bar (or ``bar``, advanced and left open). On CUDA the copies run
-    asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
-    issued, then waits for them.
-    """
-
-    def __init__(
-        self, total: int, *, progress: bool = True, component: str | None = None, bar: Any = None
-    ):
-        self._started = time.perf_counter()
-        self._own_bar = bar is None
-        self._bar = progress_bar(total, progress, component, "host cache") if bar is None else bar
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._batch: list[tuple[TensorInfo, torch.Tensor, torch.Tensor]] = []
-        self._batch_bytes = 0
-        self._copied = 0
-
-    def add(self, info: TensorInfo, raw: torch.Tensor, destination: torch.Tensor) -> None:
-        self._batch.append((info, raw, destination))
-        self._batch_bytes += info.nbytes
-        if self._batch_bytes >= HOST_COPY_BATCH_BYTES:
-            self._issue()
-
-    def _issue(self) -> None:
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
-        for device in {dst.device for _, _, dst in batch if dst.device.type == "cuda"}:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-        for info, raw, destination in batch:
-            if info.nbytes:
-                source = raw.view(info.dtype).reshape(info.shape)
-                stream = self._streams.get(destination.device)
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        destination.copy_(source, non_blocking=True)
-                else:
-                    destination.copy_(source)
-            self._copied += info.nbytes
-            if self._bar is not None:
-                self._bar.update(info.nbytes)
-
-    def finish(self, while_copying: Callable[[], None] | None = None) -> ReadStats:
-        try:
-            self._issue()
-            if while_copying is not None:
-                while_copying()
-        finally:
-            self.close()
-        return ReadStats(self._copied, time.perf_counter() - self._started, "host cache")
-
-    def close(self) -> None:
-        """Wait for what was issued (also after a failure: nothing may copy into freed
-        memory later)."""
-        for stream in self._streams.values():
-            stream.synchronize()
-        if self._bar is not None and self._own_bar:
-            self._bar.close()
-        self._bar = None
-
-
-def _plan(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
-    chunks: list[_Chunk] = []
-    temporaries: list[tuple[torch.Tensor, ReadJob]] = []
-    for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
-        info, destination = job.info, job.destination
-        if destination.numel() != info.numel:
-            raise LoadError(
-                f"{_where(info, component)}: file holds shape {list(info.shape)}, destination "
-                f"has shape {list(destination.shape)}",
-                component=component,
-                path=info.path,
-            )
-        if job.capture is not None and job.capture.numel() != info.nbytes:
-            raise LoadError(f"{_where(info, component)}: capture buffer has the wrong size")
-        if info.nbytes == 0:
-            continue
-        target = destination
-        if not destination.is_contiguous():
-            target = torch.empty(
-                destination.shape, dtype=destination.dtype, device=destination.device
-            )
-            temporaries.append((target, job))
-        direct = _reads_directly(job)
-        cast = destination.dtype != info.dtype
-        flat = target.reshape(-1)
-        if not cast:
-            flat = flat.view(torch.uint8)
-        itemsize = info.dtype.itemsize
-        step = max(itemsize, buffer_bytes // itemsize * itemsize)
-        for lo in range(0, info.nbytes, step):
-            hi = min(lo + step, info.nbytes)
-            part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
-            chunks.append(_Chunk(job, part, lo, hi, direct, cast))
-    return chunks, temporaries
-
-
-def _reads_directly(job: ReadJob) -> bool:
-    """A CPU destination of the file's dtype is read into as it is, with no staging."""
-    destination = job.destination
-    return (
-        destination.device.type == "cpu"
-        and destination.dtype == job.info.dtype
-        and job.capture is None
-    )
-
-
-def _deliver(chunk: _Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:
+def _deliver(chunk: Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:
     """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
     issued on this thread's stream for the device, which is returned."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
@@ -651,25 +500,3 @@ def _open(path: str, component: str | None) -> int:
         raise LoadError(
             f"{where}: cannot open ({error.strerror or error})", component=component, path=path
         ) from error
-
-
-def progress_bar(total: int, wanted: bool, component: str | None, source: str):
-    if not wanted or total < PROGRESS_MIN_BYTES or os.environ.get("ONDECK_PROGRESS") == "0":
-        return None
-    from tqdm.auto import tqdm
-
-    label = f"{component} from {source}" if component else f"from {source}"
-    return tqdm(
-        total=total,
-        desc=label,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1000,
-        file=sys.stderr,
-        leave=False,
-    )
-
-
-def _where(info: TensorInfo, component: str | None) -> str:
-    place = f"{info.path}, tensor '{info.name}'"
-    return f"component '{component}' from {place}" if component else place

@@ -20,9 +20,9 @@ import torch
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages
 from . import reader
-from .components import ComponentLoader, _match, _set_tensor
+from .components import ComponentLoader
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, _get
+from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
 __all__ = ["ShardedComponentLoader", "shard_rows", "shard_units", "rows_of"]
 
@@ -152,7 +152,7 @@ class ShardedComponentLoader(ComponentLoader):
 
         tensors = self.folder.tensors(self.name)
         skeleton = self.folder.skeleton(self.name, self.dtype)
-        sources = _match(skeleton, tensors, self.name, self.folder.directory(self.name))
+        sources = match_tensors(skeleton, tensors, self.name, self.folder.directory(self.name))
         module = skeleton.module
         # Final dtypes before sharding: FSDP2 keeps each parameter's dtype as it finds it.
         # Frozen parameters: FSDP2 gathers a block of mixed dtypes (float32 norms beside
@@ -162,10 +162,12 @@ class ShardedComponentLoader(ComponentLoader):
             if slot.is_parameter:
                 value = torch.nn.Parameter(value, requires_grad=False)
             for name in slot.names:
-                _set_tensor(module, name, value, parameter=slot.is_parameter)
+                set_tensor(module, name, value, parameter=slot.is_parameter)
         # Buffers the files lack were computed on the host by __init__; to_empty below
         # replaces every tensor, so keep them to copy back.
-        computed = [(names, _get(module, names[0])) for names in skeleton.extra_buffers.values()]
+        computed = [
+            (names, get_tensor(module, names[0])) for names in skeleton.extra_buffers.values()
+        ]
         for unit in shard_units(module):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=True)
         fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
@@ -180,11 +182,11 @@ class ShardedComponentLoader(ComponentLoader):
         jobs: list[reader.ReadJob] = []
         with torch.no_grad():
             for slot, info in sources:
-                tensor = _get(module, slot.names[0])
+                tensor = get_tensor(module, slot.names[0])
                 if not slot.is_parameter:
                     # Buffers are not sharded; to_empty gave each name its own tensor.
                     for name in slot.names[1:]:
-                        _set_tensor(module, name, tensor, parameter=False)
+                        set_tensor(module, name, tensor, parameter=False)
                     jobs.append(reader.ReadJob(info, tensor))
                     continue
                 local = tensor.to_local()
@@ -199,10 +201,10 @@ class ShardedComponentLoader(ComponentLoader):
                 if count:
                     jobs.append(reader.ReadJob(rows_of(info, first, count), local))
             for names, host_value in computed:
-                moved = _get(module, names[0])
+                moved = get_tensor(module, names[0])
                 moved.copy_(host_value)
                 for name in names[1:]:
-                    _set_tensor(module, name, moved, parameter=False)
+                    set_tensor(module, name, moved, parameter=False)
         return jobs
 
 

@@ -22,6 +22,8 @@ from .key_mapping import library_names
 from .safetensors_format import TensorInfo, format_bytes
 
 __all__ = [
+    "get_tensor",
+    "set_tensor",
     "Skeleton",
     "SkeletonBuildError",
     "Slot",
@@ -87,7 +89,7 @@ class Skeleton:
     def nbytes(self) -> int:
         extra = 0
         for names in self.extra_buffers.values():
-            buffer = _get(self.module, names[0])
+            buffer = get_tensor(self.module, names[0])
             extra += buffer.numel() * buffer.element_size()
         return sum(slot.nbytes for slot in self.slots) + extra
 
@@ -310,7 +312,7 @@ def _check_computed_buffers(
     limit = _COMPUTED_BYTES_FLOOR + file_bytes // _COMPUTED_BYTES_SHARE
     sizes = {}
     for names in skeleton.extra_buffers.values():
-        buffer = _get(skeleton.module, names[0])
+        buffer = get_tensor(skeleton.module, names[0])
         sizes[names[0]] = buffer.numel() * buffer.element_size()
     computed = sum(sizes.values())
     if computed > limit:
@@ -552,6 +554,17 @@ def _target_dtype(meta_dtype, key, dtype, fp32_rule, library) -> torch.dtype:
     return dtype
 
 
-def _get(module: torch.nn.Module, name: str):
+def get_tensor(module: torch.nn.Module, name: str):
+    """The parameter or buffer ``name`` (dotted) of ``module``."""
     owner, _, attribute = name.rpartition(".")
     return getattr(module.get_submodule(owner) if owner else module, attribute)
+
+
+def set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool) -> None:
+    """Put ``value`` at ``name`` (dotted) as a parameter or a buffer, replacing what is there."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if parameter:
+        owner._parameters[attribute] = value
+    else:
+        owner._buffers[attribute] = value

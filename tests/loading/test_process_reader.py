@@ -342,7 +342,7 @@ def test_an_interrupt_after_the_lease_leaves_the_processes_free(tmp_path, monkey
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     read_by_processes(path)
     first = pids()
-    raise_after(monkeypatch, reader_module, "_plan", 0, KeyboardInterrupt())
+    raise_after(monkeypatch, reader_module, "plan_chunks", 0, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         read_by_processes(path)
     monkeypatch.undo()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...errors import OndeckError
-from ...lazy import _INTERNAL, _REPLAYED_METHODS, ComponentSpec, LazyModule
+from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
 # use it: answering them must neither load the component nor start its turn.
@@ -73,21 +73,21 @@ _PLACEMENT_METHODS = {
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def _is_plain(value: Any) -> bool:
+def is_plain_value(value: Any) -> bool:
     if isinstance(value, tuple):
-        return all(_is_plain(item) for item in value)
+        return all(is_plain_value(item) for item in value)
     return isinstance(value, _PLAIN_TYPES)
 
 
-def _fresh(value: Any) -> Any:
+def fresh_copy(value: Any) -> Any:
     """Tensors copied, containers rebuilt: a replayed call must not share storage with
     the module it built before, since a release frees that module's storage."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return type(value)((key, _fresh(item)) for key, item in value.items())
+        return type(value)((key, fresh_copy(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_fresh(item) for item in value)
+        return type(value)(fresh_copy(item) for item in value)
     return value
 
 
@@ -129,7 +129,7 @@ class PipelineComponent(LazyModule):
     # -- attribute access ---------------------------------------------------------------
 
     def __getattr__(self, attribute: str) -> Any:
-        if attribute in _INTERNAL or attribute.startswith("_ondeck_"):
+        if attribute in INTERNAL_ATTRIBUTES or attribute.startswith("_ondeck_"):
             raise AttributeError(attribute)
         module = object.__getattribute__(self, "_ondeck_module")
         declared = object.__getattribute__(self, "_ondeck_spec").cls
@@ -144,7 +144,7 @@ class PipelineComponent(LazyModule):
         if attribute in _CONFIGURING_METHODS and hasattr(declared or type(module), attribute):
             return self._recorded_call(attribute)
         if module is None:
-            if attribute in _REPLAYED_METHODS:
+            if attribute in REPLAYED_METHODS:
                 return self._deferred_replay(attribute)
             stand_in = object.__getattribute__(self, "_ondeck_stand_in")
             if stand_in is not None:
@@ -154,10 +154,10 @@ class PipelineComponent(LazyModule):
         return LazyModule.__getattr__(self, attribute)
 
     def __setattr__(self, attribute: str, value: Any) -> None:
-        if attribute in _INTERNAL or attribute.startswith("_ondeck_"):
+        if attribute in INTERNAL_ATTRIBUTES or attribute.startswith("_ondeck_"):
             object.__setattr__(self, attribute, value)
             return
-        if not _is_plain(value):
+        if not is_plain_value(value):
             LazyModule.__setattr__(self, attribute, value)
             return
         # A plain setting (a flag, a size) is kept and set again after every load.
@@ -183,7 +183,7 @@ class PipelineComponent(LazyModule):
                 kwargs["_pipeline"] = None
 
             def apply(module: Any) -> Any:
-                getattr(module, method)(*_fresh(args), **_fresh(kwargs))
+                getattr(module, method)(*fresh_copy(args), **fresh_copy(kwargs))
                 return module
 
             apply.__qualname__ = f"{method} (recorded)"
@@ -243,21 +243,35 @@ class PipelineComponent(LazyModule):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             device, dtype = _placement_of(method, args, kwargs)
-            with object.__getattribute__(proxy, "_ondeck_lock"):
-                proxy.retarget(device, dtype)
-                module = object.__getattribute__(proxy, "_ondeck_module")
-                if module is not None:
-                    getattr(module, method)(*args, **kwargs)
+            proxy.retarget(
+                device, dtype, move=lambda module: getattr(module, method)(*args, **kwargs)
+            )
             return proxy
 
         call.__name__ = method
         return call
 
-    def retarget(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
+    def retarget(
+        self,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        move: Callable[[Any], Any] | None = None,
+    ) -> None:
         """Load onto ``device`` in ``dtype`` from now on (None keeps the current one).
 
-        Does not move a loaded module; callers that want that move it themselves.
+        ``move(module)``, if given, moves a module already loaded, once all its weights
+        have arrived (a pipelined load may still be filling it).
         """
+        if move is not None:
+            self._complete_filling()
+        with object.__getattribute__(self, "_ondeck_lock"):
+            self._retarget_locked(device, dtype)
+            module = object.__getattribute__(self, "_ondeck_module")
+            if move is not None and module is not None:
+                move(module)
+
+    def _retarget_locked(self, device: Any, dtype: torch.dtype | None) -> None:
         make_loader = object.__getattribute__(self, "_ondeck_make_loader")
         loader = object.__getattribute__(self, "_ondeck_loader")
         if make_loader is None:

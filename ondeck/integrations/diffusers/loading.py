@@ -19,7 +19,7 @@ from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...memory import resolve_device
 from ...parallel import resolve_parallel, split_sequences
-from .component import PipelineComponent, _is_plain
+from .component import PipelineComponent, is_plain_value
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
 
@@ -398,7 +398,7 @@ def _is_plain_data(value: Any) -> bool:
         return all(_is_plain_data(item) for item in value)
     if isinstance(value, dict):
         return all(isinstance(key, str) and _is_plain_data(item) for key, item in value.items())
-    return value is not None and _is_plain(value)
+    return value is not None and is_plain_value(value)
 
 
 def _place_loaded_by_diffusers(pipe: Any, folder: Any, *, skip: set[str], device: Any) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ...errors import OndeckError
-from ...lazy import is_lazy
-from .component import PipelineComponent, _fresh
+from ...lazy import is_lazy, loaded_module
+from .component import PipelineComponent, fresh_copy
 from .runtime import DiffusersRuntime
 
 _PIPELINE_CLASSES: dict[type, type] = {}
@@ -127,7 +127,7 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
             arguments["_pipeline"] = None  # its offload probes would load every component
 
         def apply(module: Any) -> Any:
-            fresh = {name: _fresh(value) for name, value in arguments.items()}
+            fresh = {name: fresh_copy(value) for name, value in arguments.items()}
             fresh[key] = module
             call = inspect.BoundArguments(signature, fresh)
             function(*call.args, **call.kwargs)
@@ -193,5 +193,5 @@ def _pipeline_execution_device(pipe: Any) -> torch.device:
 def _loaded_module(component: Any) -> Any:
     """The module itself: behind a proxy when loaded, None when not loaded."""
     if is_lazy(component):
-        return object.__getattribute__(component, "_ondeck_module")
+        return loaded_module(component)
     return component

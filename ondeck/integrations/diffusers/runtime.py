@@ -302,11 +302,7 @@ class DiffusersRuntime(Pipeline):
         """Load every deferred component onto ``device`` in ``dtype`` from now on,
         and move those already loaded."""
         for proxy in self.deferred.values():
-            with object.__getattribute__(proxy, "_ondeck_lock"):
-                proxy.retarget(device, dtype)
-                module = object.__getattribute__(proxy, "_ondeck_module")
-                if module is not None:
-                    module.to(device=device, dtype=dtype)
+            proxy.retarget(device, dtype, move=lambda module: module.to(device=device, dtype=dtype))
         if device is not None and resolve_device(device) != self.device:
             self.device = resolve_device(device)
             self.tracker.device = str(self.device)

@@ -1,0 +1,142 @@
+"""What a read is made of: the jobs (a file tensor and its destination), the chunks they
+are read in, what a read reports, and its progress bar. Pure planning: no reading here."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LoadError
+from .safetensors_format import TensorInfo
+
+__all__ = [
+    "Chunk",
+    "PROGRESS_MIN_BYTES",
+    "ReadJob",
+    "ReadStats",
+    "plan_chunks",
+    "progress_bar",
+    "reads_directly",
+    "where",
+]
+
+# Below this, a progress bar is noise.
+PROGRESS_MIN_BYTES = 64 * 2**20
+BAR_LOCK = threading.Lock()  # progress bars updated from several reading threads
+
+
+@dataclass
+class ReadJob:
+    """Fill ``destination`` from ``info``; also keep the raw file bytes in ``capture`` if given.
+
+    ``capture`` is a flat uint8 host tensor of ``info.nbytes`` (a host cache entry); it then
+    serves as the staging buffer itself.
+    """
+
+    info: TensorInfo
+    destination: torch.Tensor
+    capture: torch.Tensor | None = None
+    # A dtype a cast rounds through on its way to the destination's: a float32 file
+    # stored in fp8 is rounded as its bfloat16 model would be (``loading.storage``).
+    via: torch.dtype | None = None
+
+
+@dataclass
+class ReadStats:
+    nbytes: int
+    seconds: float
+    source: str
+    readers: str = "threads"  # or "processes"
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Chunk:
+    """One read: a byte range of a job's tensor, and where in the destination it goes."""
+
+    job: ReadJob
+    # This chunk's part of the destination (or of its contiguous temporary), flat: raw
+    # bytes when the file's dtype is kept, elements of the destination's dtype when cast.
+    target: torch.Tensor
+    lo: int  # byte range within the tensor's file data, element aligned
+    hi: int
+    direct: bool
+    cast: bool
+
+
+def plan_chunks(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
+    """The chunks of every job, in file order, at most ``buffer_bytes`` each, and the
+    contiguous temporaries of destinations that are not contiguous (copied in after)."""
+    chunks: list[Chunk] = []
+    temporaries: list[tuple[torch.Tensor, ReadJob]] = []
+    for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
+        info, destination = job.info, job.destination
+        if destination.numel() != info.numel:
+            raise LoadError(
+                f"{where(info, component)}: file holds shape {list(info.shape)}, destination "
+                f"has shape {list(destination.shape)}",
+                component=component,
+                path=info.path,
+            )
+        if job.capture is not None and job.capture.numel() != info.nbytes:
+            raise LoadError(f"{where(info, component)}: capture buffer has the wrong size")
+        if info.nbytes == 0:
+            continue
+        target = destination
+        if not destination.is_contiguous():
+            target = torch.empty(
+                destination.shape, dtype=destination.dtype, device=destination.device
+            )
+            temporaries.append((target, job))
+        direct = reads_directly(job)
+        cast = destination.dtype != info.dtype
+        flat = target.reshape(-1)
+        if not cast:
+            flat = flat.view(torch.uint8)
+        itemsize = info.dtype.itemsize
+        step = max(itemsize, buffer_bytes // itemsize * itemsize)
+        for lo in range(0, info.nbytes, step):
+            hi = min(lo + step, info.nbytes)
+            part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
+            chunks.append(Chunk(job, part, lo, hi, direct, cast))
+    return chunks, temporaries
+
+
+def reads_directly(job: ReadJob) -> bool:
+    """A CPU destination of the file's dtype is read into as it is, with no staging."""
+    destination = job.destination
+    return (
+        destination.device.type == "cpu"
+        and destination.dtype == job.info.dtype
+        and job.capture is None
+    )
+
+
+def progress_bar(total: int, wanted: bool, component: str | None, source: str):
+    if not wanted or total < PROGRESS_MIN_BYTES or os.environ.get("ONDECK_PROGRESS") == "0":
+        return None
+    from tqdm.auto import tqdm
+
+    label = f"{component} from {source}" if component else f"from {source}"
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        file=sys.stderr,
+        leave=False,
+    )
+
+
+def where(info: TensorInfo, component: str | None) -> str:
+    place = f"{info.path}, tensor '{info.name}'"
+    return f"component '{component}' from {place}" if component else place
