@@ -74,6 +74,10 @@ class Policy:
     def cancel_prefetch(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Stop and join every thread the policy started (it may start new ones later)."""
+        self.cancel_prefetch()
+
     def in_prefetch_thread(self) -> bool:
         return False
 
@@ -436,6 +440,12 @@ class BudgetPolicy(Policy):
                 self._pending.pop(name, None)
         for name in list(self._pending):
             self._wait_for((name,))
+
+    def close(self) -> None:
+        self.cancel_prefetch()
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def after_run(self) -> None:
         self.cancel_prefetch()

@@ -434,6 +434,18 @@ class Pipeline:
             if proxy is not None and not is_loaded(proxy):
                 self.tracker.released(name, 0)
 
+    def close(self) -> None:
+        """Join the policy's threads and release every deferred component. The pipeline
+        stays usable: the next call loads again (and starts threads again)."""
+        self.policy.close()
+        self.release_all()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
     def release_all(self) -> int:
         """Release every deferred component; returns the bytes freed."""
         self.policy.cancel_prefetch()
