@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GiB, emit, folder_bytes, out_dir, ready_wan14b_folder  # noqa: E402
-from sharded import count_reads  # noqa: E402
+from sharded import count_reads, run_variant  # noqa: E402
 
 HERE = Path(__file__).resolve()
 PROMPTS = [
@@ -122,40 +122,6 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = {"parallel": None, "world_size": 1, "ranks": [result]}
     emit(result)
-
-
-def run_variant(command: list[str], *, timeout: float) -> dict:
-    """Run one variant's process and read its ``RESULT`` line.
-
-    On timeout, SIGTERM first: torchrun then stops its workers, which would otherwise keep
-    their GPUs busy after a SIGKILL.
-    """
-    import subprocess
-
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-        error = None if process.returncode == 0 else f"exit {process.returncode}"
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            stdout, stderr = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            stdout, stderr = process.communicate()
-        error = f"timed out after {timeout:.0f}s"
-    result: dict = {}
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    if error:
-        result.update(error=error, tail=(stdout + stderr)[-3000:])
-    result["process_seconds"] = time.perf_counter() - started
-    result["command"] = command
-    return result
 
 
 def later_seconds(rank_result: dict) -> float | None:
@@ -304,6 +270,7 @@ def main() -> None:
             report["variants"][label] = {"skipped": f"{left:.0f}s left of the budget"}
             continue
         result = run_variant(command, timeout=min(args.timeout, left))
+        result["command"] = result.pop("args")
         result["figures"] = variant_figures(result)
         report["variants"][label] = result
         print(f"{label}: {json.dumps(result['figures'], default=str)}", flush=True)

@@ -58,21 +58,9 @@ def wan_folder(tmp_path_factory):
 def six_block_folder(tmp_path_factory):
     """The tiny folder with a wider six-block transformer, the largest component, as
     tests/streaming builds it: some blocks stay resident, the others stream."""
-    from diffusers import WanTransformer3DModel
+    from streaming.conftest import build_six_block_folder
 
-    from ondeck.embedded import PRESETS, build_wan_folder
-
-    path = build_wan_folder(tmp_path_factory.mktemp("wan-six") / "tiny6", preset="tiny")
-    config = dict(PRESETS["tiny"]["transformer"], attention_head_dim=24, ffn_dim=96, num_layers=6)
-    generator = torch.Generator().manual_seed(1)
-    transformer = WanTransformer3DModel(**config).eval()
-    with torch.no_grad():
-        for parameter in transformer.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    for old in (path / "transformer").glob("*"):
-        old.unlink()
-    transformer.save_pretrained(path / "transformer")
-    return path
+    return build_six_block_folder(tmp_path_factory.mktemp("wan-six") / "tiny6")
 
 
 @pytest.fixture(scope="module")

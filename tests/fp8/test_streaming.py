@@ -8,7 +8,6 @@ import pytest
 import torch
 from streaming.conftest import budget_keeping
 
-from ondeck.embedded import PRESETS, build_wan_folder
 from ondeck.lazy import module_nbytes
 from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
@@ -23,19 +22,10 @@ FP8 = {"transformer": "fp8"}
 def six_blocks(tmp_path_factory):
     """The tiny Wan folder with a six-block transformer wide enough that, in fp8, it is
     still the largest component (the VAE decodes in float32)."""
-    from diffusers import WanTransformer3DModel
+    from streaming.conftest import build_six_block_folder
 
-    path = build_wan_folder(tmp_path_factory.mktemp("fp8-six") / "tiny6", preset="tiny")
-    config = dict(PRESETS["tiny"]["transformer"], attention_head_dim=48, ffn_dim=384, num_layers=6)
-    generator = torch.Generator().manual_seed(1)
-    transformer = WanTransformer3DModel(**config).eval()
-    with torch.no_grad():
-        for parameter in transformer.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    for old in (path / "transformer").glob("*"):
-        old.unlink()
-    transformer.save_pretrained(path / "transformer")
-    return path
+    folder = tmp_path_factory.mktemp("fp8-six") / "tiny6"
+    return build_six_block_folder(folder, attention_head_dim=48, ffn_dim=384)
 
 
 def wan(folder, policy, storage_dtype=None):

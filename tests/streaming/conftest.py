@@ -10,9 +10,9 @@ from ondeck.embedded import PRESETS, build_wan_folder
 BLOCKS = 6
 
 
-def build_six_block_folder(path: Path) -> Path:
+def build_six_block_folder(path: Path, **transformer: int) -> Path:
     """The tiny Wan folder with a six-block transformer: enough blocks to keep some
-    resident and stream the others."""
+    resident and stream the others. ``transformer`` overrides its config."""
     from diffusers import WanTransformer3DModel
 
     build_wan_folder(path, preset="tiny")
@@ -20,6 +20,7 @@ def build_six_block_folder(path: Path) -> Path:
     config = dict(
         PRESETS["tiny"]["transformer"], attention_head_dim=24, ffn_dim=96, num_layers=BLOCKS
     )
+    config.update(transformer)
     generator = torch.Generator().manual_seed(1)
     transformer = WanTransformer3DModel(**config).eval()
     with torch.no_grad():
