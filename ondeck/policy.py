@@ -452,7 +452,7 @@ class BudgetPolicy(Policy):
 
     def before_load(self, name: str) -> None:
         """A load outside the plan (an unexpected access): make room for it first."""
-        if self.in_prefetch_thread() or self.pipeline._current_index is None:
+        if self.in_prefetch_thread() or self.pipeline.current_stage_index is None:
             return
         nbytes = self._nbytes()
         resident = set(self.pipeline.resident())
@@ -460,7 +460,7 @@ class BudgetPolicy(Policy):
             return
         from .plan import choose_evictions
 
-        index = self.pipeline._current_index
+        index = self.pipeline.current_stage_index
         uses = self.pipeline.stage_uses()
         keep = set(uses[index].components) | {name}
         for victim in (

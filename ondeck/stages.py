@@ -434,6 +434,16 @@ class Pipeline:
             if proxy is not None and not is_loaded(proxy):
                 self.tracker.released(name, 0)
 
+    @property
+    def current_stage_index(self) -> int | None:
+        """The index of the top-level stage running now; None between runs."""
+        return self._current_index
+
+    @property
+    def run_shape(self) -> dict[str, Any] | None:
+        """The shape (``profile_shape``) of the run in progress, else of the last one."""
+        return self._profile_shape
+
     def close(self) -> None:
         """Join the policy's threads and release every deferred component. The pipeline
         stays usable: the next call loads again (and starts threads again)."""

@@ -325,7 +325,7 @@ class Decode(Stage):
 
     def fit_activations(self, need: int, room: int) -> int:
         pipeline = self._ondeck_pipeline
-        shape = (pipeline._profile_shape or {}) if pipeline is not None else {}
+        shape = (pipeline.run_shape or {}) if pipeline is not None else {}
         if not shape.get("height") or not shape.get("width"):
             return need
         tiles = self._tiles(shape["height"], shape["width"], need, room)
