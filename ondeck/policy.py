@@ -236,10 +236,9 @@ class ReleasePolicy(Policy):
         started = time.perf_counter()
         thread.join()
         waited = time.perf_counter() - started
-        if report and waited > 1e-4:
-            for name in self._next_run_names:
-                self.pipeline.tracker.waited(name, waited)
-                break  # one wait, charged once
+        if report and waited > 1e-4 and self._next_run_names:
+            # One wait, charged once, to the first of the components it was for.
+            self.pipeline.tracker.waited(self._next_run_names[0], waited)
         if report and self._next_run_error is not None:
             warnings.warn(
                 f"loading {list(self._next_run_names)} ahead of the run failed: "

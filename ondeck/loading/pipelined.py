@@ -109,10 +109,6 @@ class Filling:
         self._thread.start()
         return self
 
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive() and self.seconds is not None
-
     def add_listener(self, listener: Callable[[str, float], None]) -> None:
         """``listener(kind, seconds)``: ``"wait"`` when a forward waited for its block,
         ``"fill"`` with the whole fill's seconds once every group is in place."""
@@ -218,15 +214,25 @@ class Filling:
         for number, block in enumerate(blocks):
             group = group_of.get(number)
             if group is not None:
-                self._handles.append(block.register_forward_pre_hook(self._hook(group)))
-
-    def _hook(self, group: int) -> Callable[..., None]:
-        def wait_for_block(_module: Any, _args: Any) -> None:
-            self.wait_group(group)
-
-        return wait_for_block
+                wait = _BlockWait(self, group)
+                wait.handle = block.register_forward_pre_hook(wait)
+                self._handles.append(wait.handle)
 
     def detach(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+
+
+class _BlockWait:
+    """A block's forward pre-hook: wait for the block's group, then remove itself, so
+    the forwards after the first pay nothing. After a failed fill it stays, and raises."""
+
+    def __init__(self, filling: Filling, group: int):
+        self.filling = filling
+        self.group = group
+        self.handle: Any = None
+
+    def __call__(self, _module: Any, _args: Any) -> None:
+        self.filling.wait_group(self.group)
+        self.handle.remove()

@@ -95,6 +95,8 @@ def test_pipelined_load_gives_the_whole_loads_outputs(six_block_folder):
     module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
     assert filling is not None
     assert torch.equal(forward(module), forward(whole))
+    # Each block's wait removed itself once passed: later forwards pay nothing.
+    assert all(not block._forward_pre_hooks for block in module.blocks)
     filling.wait()
     for (name, a), (_, b) in zip(
         whole.state_dict().items(), module.state_dict().items(), strict=True
