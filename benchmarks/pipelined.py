@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GiB, later_seconds, out_dir, ready_wan14b_folder, run_child  # noqa: E402
+from defaults import peak_reserved  # noqa: E402
 from wan_suite import wan_modes_command  # noqa: E402
 
 # name: (wan_modes mode, emulated GiB, extra options)
@@ -49,11 +50,6 @@ MODES = {
     "auto-24": ("ondeck-default", 24, {}),
     "budget-8": ("ondeck-budget", 8, {"host_cache_gib": 64}),
 }
-
-
-def peak_reserved(row: dict) -> float:
-    values = [r.get("sampled_peak_reserved_bytes") or 0 for r in row.get("runs", [])]
-    return max(values, default=0) / GiB
 
 
 def main() -> None:
@@ -123,7 +119,7 @@ def main() -> None:
             f"{name:<14} {later:>10.2f} {ratio:>8} "
             f"{runs[0]['seconds'] if runs else float('nan'):>8.2f} "
             f"{(sum(exposed) / len(exposed)) if exposed else float('nan'):>9.2f} "
-            f"{peak_reserved(row):>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>8.1f}G "
+            f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>8.1f}G "
             f"{first if first else float('nan'):>9.1f} {first_ratio:>8}"
         )
 
