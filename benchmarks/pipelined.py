@@ -82,6 +82,8 @@ def main() -> None:
         row = run_child(command, timeout=args.timeout)
         if row.get("first_video_unix"):
             row["first_video_seconds"] = row["first_video_unix"] - spawned
+        if row.get("setup_start_unix"):
+            row["import_seconds"] = row["setup_start_unix"] - spawned
         rows[name] = row
         runs = ", ".join(f"{r['seconds']:.2f}" for r in row.get("runs", []))
         error = f" ERROR {row['error'][:300]}" if row.get("error") else ""
@@ -122,6 +124,34 @@ def main() -> None:
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>8.1f}G "
             f"{first if first else float('nan'):>9.1f} {first_ratio:>8}"
         )
+    print(
+        f"\n{'mode':<14} {'imports s':>9} {'setup s':>8} {'run 1 s':>8} {'setup RSS':>9} "
+        f"{'cache held':>10} {'cache tensors':>13} {'stream host':>11}"
+    )
+    for name, row in rows.items():
+        runs = row.get("runs", [])
+        cache = row.get("host_cache") or {}
+        stream_host = sum(
+            s.get("host_copy_bytes", 0)
+            for s in ((runs[-1].get("streaming") or {}) if runs else {}).values()
+        )
+        print(
+            f"{name:<14} {row.get('import_seconds', float('nan')):>9.1f} "
+            f"{row.get('setup_seconds', float('nan')):>8.1f} "
+            f"{runs[0]['seconds'] if runs else float('nan'):>8.2f} "
+            f"{row.get('setup_rss_bytes', 0) / GiB:>8.1f}G "
+            f"{cache.get('held_bytes', 0) / GiB:>9.1f}G {cache.get('tensor_bytes', 0) / GiB:>12.1f}G "
+            f"{stream_host / GiB:>10.1f}G"
+        )
+
+    print("\nrun 2 by stage: seconds (exposed load seconds)")
+    for name, row in rows.items():
+        stages = [s for s in row.get("stages", []) if s.get("run") == 2]
+        if stages:
+            parts = ", ".join(
+                f"{s['stage']} {s['seconds']:.2f} ({s['exposed_load_seconds']:.2f})" for s in stages
+            )
+            print(f"{name:<14} {parts}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ DIFFUSERS_MODES = ("diffusers-eager", "diffusers-model-offload", "diffusers-grou
 MMGP_MODES = {"mmgp-1": "HighRAM_HighVRAM", "mmgp-2": "HighRAM_LowVRAM"}
 # Modes whose pipeline is a diffusers WanPipeline, called as pipe(...).
 PIPE_CALL_MODES = (*DIFFUSERS_MODES, *MMGP_MODES)
+HOST_CACHES: list = []
 
 
 def emulate_device(memory_gib: float | None) -> None:
@@ -138,6 +139,8 @@ def ondeck_pipeline(folder: Path, mode: str, args):
     if policy.startswith("budget") or policy == "stream":
         policy = "budget"
     host_cache = HostCache(int(args.host_cache_gib * 2**30)) if args.host_cache_gib else None
+    if host_cache is not None:
+        HOST_CACHES.append(host_cache)  # its figures go in the result
     if args.whole_loads and policy == "release":
         # As before pipelined loading: each component whole before its stage computes,
         # and nothing loaded ahead of the next run.
@@ -232,6 +235,7 @@ def main() -> None:
     if args.host_cache_gib:
         result["host_cache_gib"] = args.host_cache_gib
     reset_peak_rss()
+    result["setup_start_unix"] = time.time()  # imports done; the launcher knows the spawn
     started = time.perf_counter()
     try:
         if args.mode in DIFFUSERS_MODES:
@@ -250,6 +254,7 @@ def main() -> None:
         torch.cuda.synchronize()
         result["setup_seconds"] = time.perf_counter() - started
         result["setup_peak_rss_bytes"] = peak_rss_bytes()
+        result["setup_rss_bytes"] = rss_bytes()
         if restart_peak_rss():
             result["generation_peak_rss_bytes"] = None  # filled in after the runs
         for run, prompt in enumerate(PROMPTS[: args.runs]):
@@ -306,9 +311,13 @@ def main() -> None:
             print(f"{args.mode} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
             del frames
             gc.collect()
+        result["rss_bytes_after_runs"] = rss_bytes()
         if hasattr(pipe, "tracker"):
             result["measured_resident_peak_bytes"] = pipe.tracker.peak_resident_bytes
             result["stages"] = [vars(s) for s in pipe.tracker.stages]
+            result["events"] = [vars(e) for e in pipe.tracker.events]
+            if HOST_CACHES:
+                result["host_cache"] = HOST_CACHES[-1].stats()
             if args.png:
                 pipe.tracker.plot(
                     args.png, title=f"ondeck {args.mode} at {args.memory_gib or 139} GiB"

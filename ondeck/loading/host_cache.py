@@ -152,6 +152,18 @@ class HostCache:
         with self._lock:
             return list(self._entries)
 
+    def stats(self) -> dict[str, int]:
+        """Entries, the bytes they hold (arenas rounded up included) and their tensors' bytes."""
+        with self._lock:
+            tensors = sum(t.numel() for entry in self._entries.values() for t in entry.values())
+            return {
+                "entries": len(self._entries),
+                "held_bytes": sum(self._sizes.values()),
+                "tensor_bytes": int(tensors),
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
     def _used(self) -> int:
         return sum(self._sizes.values()) + sum(self._pending.values())
 

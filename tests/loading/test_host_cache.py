@@ -146,6 +146,22 @@ def test_hits_and_misses_are_counted():
     assert (cache.hits, cache.misses) == (1, 1)
 
 
+def test_stats_count_entries_held_bytes_and_tensor_bytes():
+    cache = HostCache(budget_bytes=100, pin=False)
+    fill(cache, "a", 10)
+    buffers = cache.reserve("b", [info("x", 20), info("y", 5)])
+    assert cache.stats()["entries"] == 1  # a reservation is not an entry yet
+    cache.commit("b", buffers)
+    assert cache.get("missing") is None
+    assert cache.stats() == {
+        "entries": 2,
+        "held_bytes": 35,
+        "tensor_bytes": 35,
+        "hits": 0,
+        "misses": 1,
+    }
+
+
 def test_pinned_entries_pack_tensors_into_power_of_two_arenas():
     """The pinned allocator rounds each request up to a power of two: a 14B transformer's
     1,095 tensors, one buffer each, would take 40.7 GiB for 26.6 GiB of weights."""
