@@ -25,6 +25,7 @@ __all__ = [
     "loader_of",
     "module_nbytes",
     "pinned",
+    "wait_filled",
 ]
 
 
@@ -215,6 +216,13 @@ def loaded_module(proxy: LazyModule) -> Any:
 def component_name(proxy: LazyModule) -> str:
     """The name the proxy was given (not the module's own ``name``)."""
     return object.__getattribute__(proxy, "_ondeck_name")
+
+
+def wait_filled(proxy: LazyModule) -> None:
+    """Wait for the rest of a pipelined load in progress; never loads. A fill that failed
+    raises its error (and the component is released, as for any access)."""
+    if is_lazy(proxy) and is_loaded(proxy):
+        object.__getattribute__(proxy, "_complete_filling")()
 
 
 @contextlib.contextmanager

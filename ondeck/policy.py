@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import memory
 from .errors import BudgetError
-from .lazy import is_loaded
+from .lazy import is_loaded, wait_filled
 from .memory import format_bytes, free_cached_memory, parse_bytes
 from .plan import budget_step, build_plan, release_residency
 from .profiles import profiles_path
@@ -191,7 +191,11 @@ class ReleasePolicy(Policy):
         if index == len(self.pipeline.stages) - 1 and index > 0 and self.prefetch_next_run:
             names = self._next_run_fits()
             if names:
-                self._start_next_run(names)
+                pipeline = self.pipeline
+                own = ()
+                if pipeline.stages[index].needs_components(state):
+                    own = tuple(pipeline.stage_uses()[index].components)
+                self._start_next_run(names, after=own)
 
     def _next_run_fits(self) -> tuple[str, ...]:
         """The next run's first components, if loading them now keeps this run's peak."""
@@ -212,12 +216,20 @@ class ReleasePolicy(Policy):
         last = peaks[-1] + sum(nbytes.get(c, 0) for c in first)
         return first if last <= max(peaks) else ()
 
-    def _start_next_run(self, names: tuple[str, ...]) -> None:
+    def _start_next_run(self, names: tuple[str, ...], after: tuple[str, ...] = ()) -> None:
+        """Load ``names`` on a thread of their own, once the stage's own components
+        (``after``) are in: their reads would otherwise share the disk and the copy
+        engine with the loads the stage is waiting for."""
+        own = [self.pipeline.deferred[name] for name in after]
+        for proxy in own:
+            proxy.materialize(complete=False)  # as the stage's first call would
         proxies = [self.pipeline.deferred[name] for name in names]
 
         def load() -> None:
             self._local.prefetching = True
             try:
+                for proxy in own:
+                    wait_filled(proxy)  # the rest of a pipelined load, if one runs
                 for proxy in proxies:
                     proxy.materialize(complete=False)
             except BaseException as error:  # the next run's own access retries and reports

@@ -41,7 +41,8 @@ class ComponentLoader:
     ``destination(slot)`` returns ``(tensor, already_filled)``, or None for the usual
     place; ``finish(module)`` runs after a successful load, ``abort()`` after a failed
     one, ``unload(module)`` on release. Block streaming keeps streamed blocks in host
-    memory this way (``ondeck.streaming``).
+    memory this way (``ondeck.streaming``). A pipelined load with a placement reads the
+    placement's tensors first, then fills the device-resident blocks behind the compute.
 
     ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
     would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
@@ -139,7 +140,7 @@ class ComponentLoader:
 
     def _pipelined_blocks(self, template: Skeleton) -> str | None:
         """The blocks a pipelined load brings in behind the compute, or None to load whole."""
-        if self.pipelined is False or self.placement is not None:
+        if self.pipelined is False:
             return None
         if self.pipelined is None and template.nbytes < MIN_PIPELINED_BYTES:
             return None
@@ -150,14 +151,29 @@ class ComponentLoader:
     ) -> tuple[torch.nn.Module, Filling]:
         allocated: list[torch.Tensor] = []
         filling: Filling | None = None
+        placement = self.placement
         try:
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
-            key, raw = self._cached(tensors, None)
-            jobs, values, _ = _allocate(sources, self.device, allocated, compute_dtype=self.dtype)
+            key, raw = self._cached(tensors, placement)
+            on_device: list[int] = []  # the sources read into device tensors, as jobs
+            jobs, values, placed = _allocate(
+                sources,
+                self.device,
+                allocated,
+                placement,
+                compute_dtype=self.dtype,
+                job_sources=on_device,
+            )
+            # The placement's own memory (streamed blocks' host copies): read before any
+            # compute, once; later loads find it filled.
+            placed_bytes = self._read(placed).nbytes if placed else 0
             groups, group_of = fill_groups(
-                [slot.names for slot, _ in sources], [info.nbytes for _, info in sources], path
+                [sources[i][0].names for i in on_device],
+                [sources[i][1].nbytes for i in on_device],
+                path,
             )
             fill, finished = self._group_filler(jobs, key, raw, started, template)
+            self.last_load_bytes += placed_bytes
             filling = Filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
@@ -176,9 +192,13 @@ class ComponentLoader:
             # The filling writes into the module's tensors after it computes: cast copies
             # beside them, never in place.
             self._upcast_for_compute(module, template, in_place=False)
+            if placement is not None:
+                placement.finish(module)
         except BaseException as error:
             if filling is not None:
                 filling.cancel()
+            if placement is not None:
+                placement.abort()
             for tensor in allocated:
                 free_storage(tensor)
             tensor = None  # noqa: F841
@@ -427,18 +447,20 @@ def _allocate(
     placement: Any = None,
     on_job=None,
     compute_dtype: torch.dtype | None = None,
+    job_sources: list[int] | None = None,
 ) -> tuple[list, list, list]:
     """A real, empty tensor on the device, in its final dtype, for every slot.
 
     Where the placement gives a tensor instead, that one is used (and never freed here).
     Returns the reads into device tensors, the values to install, and the reads into
     placed tensors that do not hold their weights yet. ``on_job`` sees each read into a
-    device tensor as soon as that tensor exists.
+    device tensor as soon as that tensor exists; ``job_sources`` gets the index in
+    ``sources`` of each read into a device tensor, in order.
     """
     jobs: list[reader.ReadJob] = []
     values: list[torch.Tensor] = []
     placed: list[reader.ReadJob] = []
-    for slot, info in sources:
+    for index, (slot, info) in enumerate(sources):
         given = placement.destination(slot) if placement is not None else None
         if given is None:
             tensor = torch.empty(slot.shape, dtype=slot.dtype, device=device)
@@ -455,6 +477,8 @@ def _allocate(
         via = storage.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
         if given is None:
             jobs.append(reader.ReadJob(info, tensor, via=via))
+            if job_sources is not None:
+                job_sources.append(index)
             if on_job is not None:
                 on_job(jobs[-1])
         elif not filled:

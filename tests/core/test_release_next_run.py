@@ -3,6 +3,8 @@ background when that keeps the run's peak; otherwise every component goes after 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -22,12 +24,17 @@ class Loader:
         self.seed = seed
         self.calls = 0
         self.fail_next = False
+        self.seconds = 0.0  # how long a load takes
+        self.spans: list[tuple[float, float]] = []  # each load's start and end
 
     def __call__(self) -> torch.nn.Linear:
         if self.fail_next:
             self.fail_next = False
             raise OSError("the disk went away")
         self.calls += 1
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        self.spans.append((started, time.perf_counter()))
         module = torch.nn.Linear(32, 32)
         generator = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():
@@ -75,6 +82,17 @@ def test_the_encoder_loads_during_the_last_stage_when_the_denoiser_needs_more(
     assert resident(pipe) == {"encoder"}
     assert pipe.release_all() > 0
     assert resident(pipe) == set()
+
+
+def test_the_early_load_starts_once_the_last_stages_own_component_is_in(monkeypatch, tmp_path):
+    pipe, loaders = pipeline(
+        monkeypatch, tmp_path, {"Encode": ONE, "Denoise": 8 * ONE, "Decode": ONE}
+    )
+    loaders["decoder"].seconds = 0.05
+    run(pipe)
+    ((_, decoder_in),) = loaders["decoder"].spans
+    early_start, _ = loaders["encoder"].spans[-1]
+    assert decoder_in <= early_start  # never two loads at once, competing for the disk
 
 
 def test_nothing_loads_early_when_it_would_raise_the_peak(monkeypatch, tmp_path):

@@ -25,14 +25,21 @@ PROMPTS = ("a fox", "a heron")
 DISCRETE = dict(unified=False, unmeasured_activation_fraction=0.0)
 
 
-def wan(folder, policy, cls=WanTextToVideo):
-    return cls.from_folder(folder, policy=policy, dtype=torch.float32, device="cpu", progress=False)
+def wan(folder, policy, cls=WanTextToVideo, pipelined=None):
+    return cls.from_folder(
+        folder,
+        policy=policy,
+        dtype=torch.float32,
+        device="cpu",
+        progress=False,
+        pipelined=pipelined,
+    )
 
 
-def streaming(folder, resident: int = 2, cls=WanTextToVideo, **options):
+def streaming(folder, resident: int = 2, cls=WanTextToVideo, pipelined=None, **options):
     budget = budget_keeping(transformer_blocks(folder), resident, options.get("slots", 2))
     policy = BudgetPolicy(budget, streaming=StreamOptions(**{**DISCRETE, **options}))
-    return wan(folder, policy, cls)
+    return wan(folder, policy, cls, pipelined)
 
 
 def generate(pipe, prompt: str = "a fox"):
@@ -267,3 +274,34 @@ def test_three_slots_fetch_two_blocks_ahead(six_block_folder, reference_frames):
     counted = stats(pipe)
     block = layout.bytes_per_pass // len(layout.streamed)
     assert counted["bytes_copied"] == counted["passes"] * layout.bytes_per_pass + 2 * block
+
+
+def test_a_pipelined_load_fills_the_resident_blocks_behind_the_streamed_compute(
+    six_block_folder, reference_frames, monkeypatch
+):
+    from ondeck.loading import pipelined
+
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)  # a group per block
+    pipe = streaming(six_block_folder, resident=3, pipelined=True)
+    waited: list[int] = []
+    original = pipelined.Filling.wait_group
+    monkeypatch.setattr(
+        pipelined.Filling,
+        "wait_group",
+        lambda self, index: waited.append(index) or original(self, index),
+    )
+    read = []
+    for prompt in PROMPTS:
+        assert np.array_equal(generate(pipe, prompt), reference_frames[prompt])
+        read.append(stats(pipe)["host_bytes_read"])
+    fills = [e for e in pipe.tracker.events if e.kind == "fill" and e.name == "transformer"]
+    assert len(fills) == 2  # each generation loaded it pipelined
+    # The head, then each of the three resident blocks' groups, waited on in both loads.
+    assert sorted(set(waited)) == [0, 1, 2, 3]
+    assert read[0] == read[1] > 0  # the streamed blocks' host copies were read once
+    whole = streaming(six_block_folder, resident=3, pipelined=False)
+    for prompt in PROMPTS:
+        generate(whole, prompt)
+    assert not [e for e in whole.tracker.events if e.kind == "fill"]
+    for figure in ("passes", "bytes_copied", "host_bytes_read"):
+        assert stats(pipe)[figure] == stats(whole)[figure], figure
