@@ -277,6 +277,7 @@ def run_pipeline(args) -> dict:
                 for name, nbytes in streamed_by_component(pipe).items()
             }
             row["stages"] = stage_rows(pipe.tracker, pipe.tracker.runs, streamed)
+            row["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)  # planned against
             after = pipe.plan()  # with the activations this run measured
             row["plan_after"] = {"summary": after.fit_summary(), "blocks": planned_blocks(after)}
         elif clock is not None:
@@ -499,6 +500,10 @@ def print_stage_table(rows: dict) -> None:
             f"{mode} streamed blocks planned: before run 1 {blocks(row['planned_blocks_before_run_1'])}"
             + "".join(f"; after run {i} {b}" for i, b in enumerate(after, start=1))
         )
+        budgets = [r.get("budget_bytes") for r in row["runs"]]
+        if any(budgets):
+            shown = ", ".join(f"{b / GiB:.2f}" if b else "-" for b in budgets)
+            print(f"{mode} budget per run (GiB): {shown}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,7 +57,13 @@ def fake_child(commands: list):
         after = {"summary": "streams", "blocks": {"transformer": [12, 40]}}
         row = {
             "runs": [
-                {"seconds": seconds, "bytes_streamed": 0, "stages": stages, "plan_after": after}
+                {
+                    "seconds": seconds,
+                    "bytes_streamed": 0,
+                    "stages": stages,
+                    "plan_after": after,
+                    "budget_bytes": 15 * GiB,
+                }
             ]
             * runs,
             "latents_file": path,
@@ -121,6 +127,7 @@ def test_every_mode_runs_in_its_own_process_and_the_comparison_is_written(
         "fp8-8 streamed blocks planned: before run 1 none; after run 1 transformer 12/40; "
         "after run 2 transformer 12/40; after run 3 transformer 12/40"
     ) in lines
+    assert "fp8-8 budget per run (GiB): 15.00, 15.00, 15.00" in lines
 
 
 def test_the_children_measure_peaks_per_stage(fp8_script, monkeypatch, tmp_path):
