@@ -8,11 +8,11 @@ component ever exists. The layers are upcast for their forward by diffusers' own
 (``diffusers.hooks.layerwise_casting``), so a diffusers model computes what diffusers'
 ``enable_layerwise_casting`` gives it, bit for bit.
 
-A transformers model's ``_keep_in_fp32_modules`` (T5's ``wo``) are stored too when they
-compute in the compute dtype (its float32 rule is about float16's range, not storage):
-the module holding such a layer reads the layer's weight dtype before calling it (T5
-casts ``wo``'s input to it), so that module, not the layer, is hooked, and the layer is
-upcast for the holder's whole forward.
+A transformers model's ``_keep_in_fp32_modules`` (T5's ``wo``) are stored too unless the
+compute dtype is float16 (transformers applies that rule for float16's range only; the
+``_strict`` ones always stay): the module holding such a layer reads the layer's weight
+dtype before calling it (T5 casts ``wo``'s input to it), so that module, not the layer,
+is hooked, and the layer is upcast for the holder's whole forward.
 
 A checkpoint already stored in float8 is kept so, with no upcast copy: its float8
 dtype becomes the storage dtype unless the caller chose another.
