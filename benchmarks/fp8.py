@@ -18,9 +18,18 @@ mode, each mode a process of its own (clean peaks), all in one call:
   fp8, twice each after a warm-up load: file GB/s (the files hold bf16 either way).
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
-bf16 eager's (max and mean absolute difference). Writes fp8.json to $OUT and prints a
-table last. About 7 minutes on an H200 with the folder already built (building it adds
-two to three).
+bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
+(its resident bytes and the latents the emulated cards must equal; ``--full-runs 3`` for
+its time too).
+
+Where the time goes, per mode, run and stage: the stage's seconds, the load seconds it
+waited for (the tracker's exposed seconds; bf16 eager: its encode, denoise and decode
+timed around diffusers' calls), the bytes loaded per component, the bytes streamed per
+component, each stage's measured activations, and the plan's streamed blocks before run
+1 and after each run (what the policy decided once activations were measured). Children
+run with ONDECK_RESET_PEAKS=1, as ``ondeck generate`` measures. Writes fp8.json to $OUT
+and prints the tables last. About 6 minutes on an H200 with the folder already built
+(building it adds two to three).
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from common import (  # noqa: E402
 MODES = {
     # mode: (emulated card GiB or None, seconds it takes on an H200 with a warm folder)
     "bf16-eager": (None, 80),
-    "fp8-full": (None, 75),
+    "fp8-full": (None, 35),  # one prompt unless --full-runs says more
     "fp8-16": (16, 80),
     "fp8-8": (8, 95),
     "reload": (None, 40),
@@ -73,6 +82,90 @@ def capture_decode_inputs(module, latents_seen: list) -> None:
         return decode(latents, *args, **kwargs)
 
     module.decode = recording
+
+
+class StageClock:
+    """bf16 eager's stages, timed around diffusers' own calls: the prompt encoding and
+    the VAE decode (each synchronized at its end); the denoise is the rest of the run."""
+
+    def __init__(self, pipe) -> None:
+        self.seconds: dict[str, float] = {}
+        pipe.encode_prompt = self._timed("EncodePrompt", pipe.encode_prompt)
+        pipe.vae.decode = self._timed("Decode", pipe.vae.decode)
+
+    def _timed(self, stage: str, function):
+        import torch
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+
+        return timed
+
+    def take(self, run_seconds: float) -> list[dict]:
+        seconds, self.seconds = self.seconds, {}
+        denoise = run_seconds - sum(seconds.values())
+        rows = [("EncodePrompt", seconds.get("EncodePrompt", 0.0)), ("Denoise", denoise)]
+        rows.append(("Decode", seconds.get("Decode", 0.0)))
+        return [{"stage": stage, "seconds": value} for stage, value in rows]
+
+
+def streamed_by_component(pipe) -> dict[str, int]:
+    """Block bytes copied host to device so far, per streamed component."""
+    streaming = getattr(getattr(pipe, "policy", None), "streaming", None)
+    if streaming is None:
+        return {}
+    return {name: stats["bytes_copied"] for name, stats in streaming.stats().items()}
+
+
+def planned_blocks(plan) -> dict[str, list[int]]:
+    """``{component: [blocks streamed, blocks]}`` in a plan."""
+    return {
+        name: [len(layout.streamed), layout.block_count] for name, layout in plan.streamed.items()
+    }
+
+
+def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
+    """One run's stages from the tracker: seconds, exposed load seconds, activations, and
+    the bytes loaded (and streamed) per component while each stage ran."""
+    loaded: dict[str, dict[str, int]] = {}
+    stage = None
+    for event in tracker.events:
+        if event.run != run:
+            continue
+        if event.kind == "stage_start":
+            stage = event.name
+        elif event.kind == "load":
+            # A load before the first stage, or after the last, counts to the run's first.
+            per = loaded.setdefault(stage or "", {})
+            per[event.name] = per.get(event.name, 0) + event.nbytes
+    rows = []
+    for record in (r for r in tracker.stages if r.run == run):
+        rows.append(
+            {
+                "stage": record.stage,
+                "seconds": record.seconds,
+                "exposed_load_seconds": record.exposed_load_seconds,
+                "activation_bytes": record.activation_bytes,
+                "loaded_bytes": loaded.pop(record.stage, {}),
+            }
+        )
+    if rows and "" in loaded:
+        first = rows[0]["loaded_bytes"]
+        for name, nbytes in loaded.pop("").items():
+            first[name] = first.get(name, 0) + nbytes
+    # Streamed blocks belong to the stage that holds the component; Denoise for Wan.
+    for row in rows:
+        row["streamed_bytes"] = {}
+    holder = next((row for row in rows if row["stage"] == "Denoise"), rows[0] if rows else None)
+    if holder is not None:
+        holder["streamed_bytes"] = {name: n for name, n in streamed.items() if n}
+    return rows
 
 
 def component_nbytes(pipe, names=STORED) -> dict[str, int]:
@@ -128,9 +221,11 @@ def run_pipeline(args) -> dict:
     result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
     latents_seen: list = []
     started = time.perf_counter()
+    clock = None
     if args.child == "bf16-eager":
         pipe = bf16_eager(folder)
         capture_decode_inputs(pipe.vae, latents_seen)
+        clock = StageClock(pipe)
     else:
         pipe = fp8_pipeline(folder)
         result["policy_reason"] = pipe.policy.reason
@@ -139,6 +234,7 @@ def run_pipeline(args) -> dict:
         result["plan_summary"] = plan.fit_summary()
         result["planned_component_bytes"] = plan.component_bytes
         result["planned_streaming"] = streaming_summary(plan)
+        result["planned_blocks_before_run_1"] = planned_blocks(plan)
         result["bf16_plan"] = bf16_plan_at(folder, result["budget_bytes"])
         pipe.components["vae"].add_transform(
             lambda module: capture_decode_inputs(module, latents_seen) or module
@@ -149,6 +245,7 @@ def run_pipeline(args) -> dict:
     for run, prompt in enumerate(PROMPTS[: args.runs]):
         torch.cuda.reset_peak_memory_stats()
         streamed_before = bytes_streamed(pipe)
+        by_component_before = streamed_by_component(pipe)
         loaded_before = pipe.tracker.bytes_loaded if hasattr(pipe, "tracker") else 0
         seen_before = len(latents_seen)
         started = time.perf_counter()
@@ -174,6 +271,17 @@ def run_pipeline(args) -> dict:
         }
         if hasattr(pipe, "tracker"):
             row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
+            row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(pipe.tracker.runs)
+            streamed = {
+                name: nbytes - by_component_before.get(name, 0)
+                for name, nbytes in streamed_by_component(pipe).items()
+            }
+            row["stages"] = stage_rows(pipe.tracker, pipe.tracker.runs, streamed)
+            row["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)  # planned against
+            after = pipe.plan()  # with the activations this run measured
+            row["plan_after"] = {"summary": after.fit_summary(), "blocks": planned_blocks(after)}
+        elif clock is not None:
+            row["stages"] = clock.take(row["seconds"])
         if len(latents_seen) > seen_before:
             kept.append(latents_seen[seen_before])
         result["runs"].append(row)
@@ -330,18 +438,20 @@ def print_table(rows: dict, summary: dict) -> None:
             continue
         entry = summary.get(mode, {})
         done = bool(row.get("runs")) and not row.get("error")
+        done_text = ("yes" if len(row["runs"]) > 1 else "run1") if done else "NO"
         ratio = entry.get("vs_eager")
         streamed = entry.get("streamed_per_run") or [0]
         diffs = entry.get("latent_difference") or []
         worst = max((max(p["max_abs"]) for p in diffs), default=float("nan"))
         mean = max((max(p["mean_abs"]) for p in diffs), default=float("nan"))
         print(
-            f"{mode:<10} {'yes' if done else 'NO':<5} {entry.get('later_seconds', float('nan')):>10.2f} "
+            f"{mode:<10} {done_text:<5} {entry.get('later_seconds', float('nan')):>10.2f} "
             f"{ratio if ratio else float('nan'):>8.2f} {streamed[-1] / GiB:>12.2f}G "
             f"{entry.get('fp8_bytes_per_pass', 0) / GiB:>10.2f}G "
             f"{entry.get('bf16_bytes_per_pass', 0) / GiB:>10.2f}G {worst:>10.4f} {mean:>11.5f}  "
             f"{row.get('plan_summary', row.get('error', ''))[:80]}"
         )
+    print_stage_table(rows)
     reload = summary.get("reload") or {}
     if reload:
         print(f"\n{'reload from page cache':<26} {'file GB/s':>9} {'stored GiB':>10}")
@@ -352,11 +462,58 @@ def print_table(rows: dict, summary: dict) -> None:
             )
 
 
+def _gib_by_name(nbytes: dict[str, int]) -> str:
+    short = {"text_encoder": "te", "transformer": "tr"}
+    return " ".join(f"{short.get(k, k)} {v / GiB:.2f}" for k, v in nbytes.items() if v) or "-"
+
+
+def print_stage_table(rows: dict) -> None:
+    """Per mode, run and stage: seconds, exposed load seconds, GiB loaded and streamed per
+    component (te: text encoder, tr: transformer), measured activations; then the plan's
+    streamed blocks before run 1 and after each run."""
+    print(
+        f"\n{'mode':<10} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
+        f"{'act GiB':>7}  {'loaded GiB':<22} streamed GiB"
+    )
+    for mode, row in rows.items():
+        for run, entry in enumerate(row.get("runs") or [], start=1):
+            for stage in entry.get("stages") or []:
+                exposed = stage.get("exposed_load_seconds")
+                activation = stage.get("activation_bytes")
+                print(
+                    f"{mode:<10} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
+                    f"{exposed if exposed is not None else float('nan'):>7.2f} "
+                    f"{(activation or 0) / GiB if activation is not None else float('nan'):>7.2f}  "
+                    f"{_gib_by_name(stage.get('loaded_bytes') or {}):<22} "
+                    f"{_gib_by_name(stage.get('streamed_bytes') or {})}"
+                )
+    for mode, row in rows.items():
+        if "planned_blocks_before_run_1" not in row:
+            continue
+
+        def blocks(planned: dict) -> str:
+            shown = ", ".join(f"{n} {s}/{c}" for n, (s, c) in planned.items())
+            return shown or "none"
+
+        after = [blocks((r.get("plan_after") or {}).get("blocks") or {}) for r in row["runs"]]
+        print(
+            f"{mode} streamed blocks planned: before run 1 {blocks(row['planned_blocks_before_run_1'])}"
+            + "".join(f"; after run {i} {b}" for i, b in enumerate(after, start=1))
+        )
+        budgets = [r.get("budget_bytes") for r in row["runs"]]
+        if any(budgets):
+            shown = ", ".join(f"{b / GiB:.2f}" if b else "-" for b in budgets)
+            print(f"{mode} budget per run (GiB): {shown}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)}")
     parser.add_argument("--runs", type=int, default=3, help="prompts per mode (at most 3)")
+    parser.add_argument(
+        "--full-runs", type=int, default=1, help="prompts for fp8-full (at most --runs)"
+    )
     parser.add_argument("--timeout", type=float, default=240, help="seconds per mode")
     # Internal: one mode in this process.
     parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
@@ -370,12 +527,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.runs > 3:
         parser.error("--runs must be from 1 to 3")
+    if args.full_runs < 1:
+        parser.error("--full-runs must be at least 1")
     if args.child:
         child(args)
         return
     modes = parse_modes(parser, args.modes, MODES)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("ONDECK_PROGRESS", "0")
+    os.environ.setdefault("ONDECK_RESET_PEAKS", "1")  # as `ondeck generate` measures
     started = time.perf_counter()
     path, sizes = ready_wan14b_folder(Path(args.folder))
     scratch = Path(tempfile.mkdtemp(prefix="ondeck-fp8-latents-"))
@@ -398,7 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         memory_gib, _ = MODES[mode]
         command = [str(Path(__file__).resolve()), "--folder", str(path), "--child", mode]
-        command += ["--runs", str(args.runs), "--latents", str(scratch / f"{mode}.pt")]
+        runs = min(args.runs, args.full_runs) if mode == "fp8-full" else args.runs
+        command += ["--runs", str(runs), "--latents", str(scratch / f"{mode}.pt")]
         if memory_gib:
             command += ["--memory-gib", str(memory_gib)]
         row = run_child(command, timeout=args.timeout)

@@ -135,6 +135,21 @@ def next_stage_with_loads(
     return None
 
 
+def planning_budget(activation: Mapping[str, int | None], *, estimated: int, measured: int) -> int:
+    """The budget a run plans against: ``measured`` once every stage's activations are
+    measured (``activation`` holds none unknown), else ``estimated``.
+
+    ``estimated`` keeps a reserve for activations a plan can only guess; a measured peak
+    needs a margin only for the allocator, so the larger ``measured`` budget applies.
+    All stages or none: a stage's components may be held through the others (prefetched,
+    or kept across runs), so one unmeasured stage keeps the whole plan's reserve, and the
+    first run of a shape plans as it always did.
+    """
+    if activation and all(value is not None for value in activation.values()):
+        return max(estimated, measured)
+    return estimated
+
+
 def unavoidable_peak(
     uses: Sequence[StageUse], nbytes: Mapping[str, int], activation: Mapping[str, int | None]
 ) -> int:

@@ -17,7 +17,7 @@ from . import memory
 from .errors import BudgetError
 from .lazy import is_loaded, wait_filled
 from .memory import format_bytes, free_cached_memory, parse_bytes
-from .plan import budget_step, build_plan, release_residency
+from .plan import budget_step, build_plan, planning_budget, release_residency
 from .profiles import profiles_path
 
 if TYPE_CHECKING:
@@ -32,6 +32,12 @@ __all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "make_polic
 # workspace buffers and whatever else shares the device.
 AUTO_HEADROOM_FRACTION = 0.08
 AUTO_HEADROOM_MIN_BYTES = 1 << 30
+# Once every stage's activations are measured on this device (this process, or a stored
+# profile of the same run shape), the reserve covers only what the measured peaks of
+# allocated bytes do not: the allocator's fragmentation (reserved beyond allocated) and
+# library workspaces. Not on unified memory, where other processes share the pool.
+AUTO_MEASURED_HEADROOM_FRACTION = 0.02
+AUTO_MEASURED_HEADROOM_MIN_BYTES = 256 << 20
 
 
 class Policy:
@@ -509,13 +515,52 @@ def _set_aside_note(stored: dict[str, int], when: str) -> str:
 
 
 def auto_budget_bytes(device: Any) -> tuple[int, bool]:
-    """The budget ``auto`` plans against, and whether the device is unified memory.
+    """The budget ``auto`` plans against while activations are estimated, and whether
+    the device is unified memory.
 
     ``ondeck.memory.device_facts`` is the one seam that says what the device has.
     """
     facts = memory.device_facts(device)
     headroom = max(AUTO_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_HEADROOM_FRACTION))
     return max(0, facts.available_bytes - headroom), facts.unified
+
+
+def measured_headroom_relief(device: Any) -> int:
+    """Bytes ``auto``'s budget grows by once every stage's activations are measured: the
+    estimate's reserve less the measured one (0 on unified memory)."""
+    facts = memory.device_facts(device)
+    if facts.unified:
+        return 0
+    estimated = max(AUTO_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_HEADROOM_FRACTION))
+    measured = max(
+        AUTO_MEASURED_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_MEASURED_HEADROOM_FRACTION)
+    )
+    return max(0, estimated - measured)
+
+
+class AutoBudgetPolicy(BudgetPolicy):
+    """``budget`` as ``auto`` chose it: each run plans against ``measured_budget`` once
+    every stage's activations are measured (``plan.planning_budget``), else ``budget``."""
+
+    def __init__(self, budget: int, *, measured_budget: int, prefetch: bool = True):
+        super().__init__(budget, prefetch=prefetch)
+        self.estimated_budget_bytes = self.budget_bytes
+        self.measured_budget_bytes = max(measured_budget, self.budget_bytes)
+
+    def current_budget(self, pipeline: Pipeline) -> int:
+        needs, _ = self.activation_needs(pipeline)
+        return planning_budget(
+            needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
+        )
+
+    def before_run(self) -> None:
+        self.budget_bytes = self.current_budget(self.pipeline)
+        super().before_run()
+
+    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
+        return super().plan_for(
+            pipeline, budget if budget is not None else self.current_budget(pipeline)
+        )
 
 
 def bytes_loaded_per_run(plan: Any) -> int:
@@ -554,7 +599,8 @@ def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
             f"can be planned for the {format_bytes(available)} {where} has free"
         )
         return chosen
-    budget = BudgetPolicy(available, prefetch=prefetch)
+    relief = measured_headroom_relief(pipeline.device)
+    budget = AutoBudgetPolicy(available, measured_budget=available + relief, prefetch=prefetch)
     plan = budget.plan_for(pipeline)
     has = f"the {format_bytes(available)} {where} has free"
     overflow = plan.overflow()
@@ -592,6 +638,14 @@ def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
             chosen.reason = f"auto chose 'release': {per_run}"
             return chosen
         budget.reason = f"auto chose 'budget' with prefetch: {per_run}"
+    if relief:
+        budget.reason += (
+            f"; once every stage's activations are measured, runs plan against "
+            f"{format_bytes(budget.measured_budget_bytes)} (a reserve of "
+            f"max({format_bytes(AUTO_MEASURED_HEADROOM_MIN_BYTES)}, "
+            f"{AUTO_MEASURED_HEADROOM_FRACTION:.0%}) instead of "
+            f"max({format_bytes(AUTO_HEADROOM_MIN_BYTES)}, {AUTO_HEADROOM_FRACTION:.0%}))"
+        )
     return budget
 
 

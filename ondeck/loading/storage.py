@@ -1,12 +1,18 @@
 """Weights stored in fp8 and computed in bfloat16: which tensors, the checks, the hooks.
 
 A component loaded with a storage dtype keeps the tensors diffusers' layerwise casting
-would cast (those of its Linear, Conv and Embedding layers outside the skip patterns and
-the modules the model keeps in float32) in that dtype from the moment they are read:
-each chunk is cast as it arrives, so no wider copy of the component ever exists. The
-layers are upcast for their forward by diffusers' own hook
-(``diffusers.hooks.layerwise_casting``), so the result is the one diffusers'
-``enable_layerwise_casting`` gives the same model, bit for bit.
+would cast (those of its Linear, Conv and Embedding layers outside the skip patterns; for
+diffusers models also outside the modules the model keeps in float32) in that dtype from
+the moment they are read: each chunk is cast as it arrives, so no wider copy of the
+component ever exists. The layers are upcast for their forward by diffusers' own hook
+(``diffusers.hooks.layerwise_casting``), so a diffusers model computes what diffusers'
+``enable_layerwise_casting`` gives it, bit for bit.
+
+A transformers model's ``_keep_in_fp32_modules`` (T5's ``wo``) are stored too unless the
+compute dtype is float16 (transformers applies that rule for float16's range only; the
+``_strict`` ones always stay): the module holding such a layer reads the layer's weight
+dtype before calling it (T5 casts ``wo``'s input to it), so that module, not the layer,
+is hooked, and the layer is upcast for the holder's whole forward.
 
 A checkpoint already stored in float8 is kept so, with no upcast copy: its float8
 dtype becomes the storage dtype unless the caller chose another.
@@ -18,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -55,6 +62,7 @@ _NAMES = {
 }
 
 _HOOK_NAME = "layerwise_casting"  # diffusers' name: its get_parameter_dtype looks for it
+_HOLDER_HOOK_NAME = "ondeck_kept_layers_casting"
 
 
 def parse_storage_dtype(value: Any, component: str | None = None) -> torch.dtype | None:
@@ -230,7 +238,8 @@ def stored_tensors(
 def _apply_casting(
     module: torch.nn.Module, library: str, storage: torch.dtype, compute: torch.dtype
 ) -> None:
-    """diffusers' layerwise casting, chosen as diffusers chooses it for its own models."""
+    """diffusers' layerwise casting, chosen as diffusers chooses it for its own models;
+    for other models, also the layers they keep in float32 (``_hook_kept_layers``)."""
     if library == "diffusers" and hasattr(module, "enable_layerwise_casting"):
         module.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
         return
@@ -245,17 +254,77 @@ def _apply_casting(
         compute,
         skip_modules_pattern=_skip_patterns(module, DEFAULT_SKIP_MODULES_PATTERN),
     )
+    _hook_kept_layers(module, storage, compute, in_place=True)
 
 
 def _skip_patterns(module: torch.nn.Module, defaults: Iterable[str]) -> tuple[str, ...]:
     """diffusers' defaults plus the modules the model keeps in float32, as diffusers' own
-    ``enable_layerwise_casting`` adds them (transformers' T5 casts the input of its ``wo``
-    to that layer's weight dtype before the layer runs: it must never be fp8)."""
+    ``enable_layerwise_casting`` adds them: those layers are not hooked themselves
+    (``_hook_kept_layers`` hooks the modules holding them)."""
     patterns = list(defaults)
-    for attribute in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+    patterns.extend(_kept_patterns(module))
+    return tuple(dict.fromkeys(patterns))
+
+
+def _kept_patterns(module: torch.nn.Module, *, strict_only: bool = False) -> list[str]:
+    patterns: list[str] = []
+    attributes = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+    for attribute in attributes[1:] if strict_only else attributes:
         kept = getattr(module, attribute, None) or ()
         patterns.extend([kept] if isinstance(kept, str) else kept)
-    return tuple(dict.fromkeys(patterns))
+    return patterns
+
+
+def _cast_layers(
+    module: torch.nn.Module, skip: tuple[str, ...], prefix: str = ""
+) -> Iterable[tuple[str, torch.nn.Module]]:
+    """The layers diffusers' ``apply_layerwise_casting`` hooks with these skip patterns,
+    found by the same walk (a match on a module's name skips everything under it)."""
+    from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
+
+    if any(re.search(pattern, prefix) for pattern in skip):
+        return
+    if isinstance(module, _GO_LC_SUPPORTED_PYTORCH_LAYERS):
+        yield prefix, module
+        return
+    for name, child in module.named_children():
+        yield from _cast_layers(child, skip, f"{prefix}.{name}" if prefix else name)
+
+
+def kept_layers(module: torch.nn.Module, compute: torch.dtype) -> dict[str, tuple[str, ...]]:
+    """``{holder: (its child layers stored though the model keeps them in float32)}``.
+
+    The layers diffusers' defaults would cast but the model's ``_keep_in_fp32_modules``
+    name. transformers applies that rule to float16 only (its range, not storage): with
+    float16 compute, and for ``_keep_in_fp32_modules_strict``, they stay unstored."""
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    if compute == torch.float16 or not _kept_patterns(module):
+        return {}
+    always = (*DEFAULT_SKIP_MODULES_PATTERN, *_kept_patterns(module, strict_only=True))
+    hooked = {name for name, _ in _cast_layers(module, _skip_patterns(module, always))}
+    holders: dict[str, list[str]] = {}
+    for name, _ in _cast_layers(module, always):
+        if name in hooked or not name:
+            continue
+        holder, _, child = name.rpartition(".")
+        holders.setdefault(holder, []).append(child)
+    return {holder: tuple(children) for holder, children in holders.items()}
+
+
+def _hook_kept_layers(
+    module: torch.nn.Module, storage: torch.dtype, compute: torch.dtype, *, in_place: bool
+) -> None:
+    """Hook the holders of ``kept_layers``: T5's ``DenseReluDense`` casts its hidden
+    states to ``self.wo.weight.dtype`` before calling ``wo``, so ``wo`` must show the
+    compute dtype for the holder's whole forward, not only its own."""
+    from diffusers.hooks import HookRegistry
+
+    for holder, children in kept_layers(module, compute).items():
+        target = module.get_submodule(holder) if holder else module
+        registry = HookRegistry.check_if_exists_or_initialize(target)
+        hook = _holder_hook_class()(storage, compute, children, in_place=in_place)
+        registry.register_hook(hook, _HOLDER_HOOK_NAME)
 
 
 def rounding_dtype(
@@ -341,6 +410,8 @@ def upcast_for_compute(
             layer = module.get_submodule(name)
             registry = HookRegistry.check_if_exists_or_initialize(layer)
             registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
+        if not (library == "diffusers" and hasattr(module, "enable_layerwise_casting")):
+            _hook_kept_layers(module, storage, compute, in_place=False)
     if library == "transformers":
         _answer_compute_dtype(module)
 
@@ -372,19 +443,74 @@ def _swapping_hook_class() -> type:
             return output
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            stored = []
+            stored: list = []
             try:
-                for table in (module._parameters, module._buffers):
-                    for name, tensor in table.items():
-                        if tensor is not None and tensor.dtype == self.storage_dtype:
-                            stored.append((table, name, tensor))
-                            table[name] = tensor.to(self.compute_dtype)
+                _swap_in([module], self.storage_dtype, self.compute_dtype, stored)
                 return self.fn_ref.original_forward(*args, **kwargs)
             finally:
                 for table, name, tensor in stored:
                     table[name] = tensor
 
     return SwappingCastingHook
+
+
+def _swap_in(
+    layers: Iterable[torch.nn.Module], storage: torch.dtype, compute: torch.dtype, stored: list
+) -> None:
+    """Put compute-dtype copies of the layers' stored tensors in their place, noting in
+    ``stored`` what to put back (also when a copy fails halfway)."""
+    for layer in layers:
+        for table in (layer._parameters, layer._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.dtype == storage:
+                    stored.append((table, name, tensor))
+                    table[name] = tensor.to(compute)
+
+
+@functools.cache
+def _holder_hook_class() -> type:
+    from diffusers.hooks import ModelHook
+
+    class KeptLayersCastingHook(ModelHook):
+        """Upcasts stored child layers for the holder's whole forward: in place (as
+        diffusers' hook does) or, with ``in_place=False``, as copies beside the stored
+        tensors (streamed and pipelined loads, see ``upcast_for_compute``)."""
+
+        _is_stateful = False
+
+        def __init__(self, storage, compute, children: tuple[str, ...], *, in_place: bool):
+            super().__init__()
+            self.storage_dtype, self.compute_dtype = storage, compute
+            self.children, self.in_place = children, in_place
+
+        def _layers(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+            return [module.get_submodule(child) for child in self.children]
+
+        def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+            if self.in_place:
+                for layer in self._layers(module):
+                    layer.to(dtype=self.storage_dtype)
+            return module
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            layers = self._layers(module)
+            if self.in_place:
+                for layer in layers:
+                    layer.to(dtype=self.compute_dtype)
+                try:
+                    return self.fn_ref.original_forward(*args, **kwargs)
+                finally:
+                    for layer in layers:
+                        layer.to(dtype=self.storage_dtype)
+            stored: list = []
+            try:
+                _swap_in(layers, self.storage_dtype, self.compute_dtype, stored)
+                return self.fn_ref.original_forward(*args, **kwargs)
+            finally:
+                for table, name, tensor in stored:
+                    table[name] = tensor
+
+    return KeptLayersCastingHook
 
 
 _COMPUTE_DTYPE_CLASSES: dict[type, type] = {}

@@ -71,31 +71,90 @@ def test_layers_diffusers_skips_or_keeps_in_float32_stay_as_they_are(wan_bf16):
     assert dtypes["proj_out.weight"] == torch.bfloat16
 
 
-def test_text_encoder_in_fp8_computes_as_diffusers_hook_and_reports_its_compute_dtype(wan_bf16):
-    from diffusers.hooks.layerwise_casting import (
-        DEFAULT_SKIP_MODULES_PATTERN,
-        apply_layerwise_casting,
-    )
+def rounded_to_fp8(model):
+    """The hand-made reference: every Linear and Embedding weight (UMT5 has no norm or
+    projection among them) rounded to fp8 and back, the model computing in bf16."""
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+                layer.weight.copy_(layer.weight.to(FP8).to(layer.weight.dtype))
+    return model
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_text_encoder_in_fp8_equals_its_weights_rounded_to_fp8_computed_in_bf16(
+    wan_bf16, pipelined
+):
     from transformers import UMT5EncoderModel
 
-    ours = ComponentLoader(wan_bf16, "text_encoder", dtype=torch.bfloat16, storage_dtype="fp8")()
-    reference = in_fresh_tensors(
-        UMT5EncoderModel.from_pretrained(wan_bf16 / "text_encoder", torch_dtype=torch.bfloat16)
-    ).eval()
-    apply_layerwise_casting(reference, FP8, torch.bfloat16, DEFAULT_SKIP_MODULES_PATTERN + ("wo",))
+    loader = ComponentLoader(
+        wan_bf16, "text_encoder", dtype=torch.bfloat16, storage_dtype="fp8", pipelined=pipelined
+    )
+    ours, filling = loader.begin()
+    assert (filling is not None) == pipelined  # the copy-beside hooks, or in place
+    if filling is not None:
+        filling.wait()
+    reference = rounded_to_fp8(
+        in_fresh_tensors(
+            UMT5EncoderModel.from_pretrained(wan_bf16 / "text_encoder", torch_dtype=torch.bfloat16)
+        ).eval()
+    )
     assert isinstance(ours, UMT5EncoderModel)
     assert type(ours).__name__ == "UMT5EncoderModel"
     # transformers answers its first parameter's dtype; pipelines cast embeddings to it.
     assert ours.dtype == torch.bfloat16
     assert ours.shared.weight.dtype == FP8
-    # T5 casts the input of `wo` to that layer's weight dtype: it must stay as computed.
-    assert ours.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.bfloat16
+    # UMT5 keeps `wo` "in float32" for float16's range; with bf16 compute it is stored too.
+    feed_forward = ours.encoder.block[0].layer[1].DenseReluDense
+    assert feed_forward.wo.weight.dtype == FP8
     ids = torch.tensor([[5, 9, 13, 2]])
     with torch.no_grad():
         mine = ours(input_ids=ids).last_hidden_state
         theirs = reference(input_ids=ids).last_hidden_state
     assert mine.dtype == torch.bfloat16
     assert same_bits(mine, theirs)
+    assert feed_forward.wo.weight.dtype == FP8  # the forward left fp8 behind
+
+
+def test_with_float16_compute_the_layers_kept_in_float32_stay_float32(wan_bf16):
+    model = ComponentLoader(
+        wan_bf16, "text_encoder", dtype=torch.float16, storage_dtype="fp8", pipelined=False
+    )()
+    feed_forward = model.encoder.block[0].layer[1].DenseReluDense
+    assert feed_forward.wo.weight.dtype == torch.float32
+    assert feed_forward.wi_0.weight.dtype == FP8
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([[5, 9, 13, 2]])).last_hidden_state
+    assert hidden.dtype == torch.float16 and torch.isfinite(hidden).all()
+
+
+def test_the_plan_counts_the_text_encoders_kept_layers_as_fp8(wan_bf16):
+    from transformers import UMT5EncoderModel
+
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    computed = UMT5EncoderModel.from_pretrained(
+        wan_bf16 / "text_encoder", torch_dtype=torch.bfloat16
+    )
+    stored_in_fp8 = set()
+    for layer in computed.modules():
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+            stored_in_fp8.add(id(layer.weight))
+    tensors = [*computed.parameters(), *computed.buffers()]  # tied weights once
+    expected = sum(t.numel() * (1 if id(t) in stored_in_fp8 else t.element_size()) for t in tensors)
+    wo_bytes = sum(
+        block.layer[1].DenseReluDense.wo.weight.numel() for block in computed.encoder.block
+    )
+
+    pipe = WanTextToVideo.from_folder(
+        wan_bf16, device="cpu", dtype=torch.bfloat16, storage_dtype="fp8", progress=False
+    )
+    planned = pipe.plan().component_bytes["text_encoder"]
+    assert planned == expected  # `wo` at one byte a weight, not two
+    assert module_nbytes(pipe.components["text_encoder"].materialize()) == planned
+    bf16 = sum(t.numel() * t.element_size() for t in tensors)
+    # The resident ratio from the headers: every Linear and Embedding weight halves.
+    assert planned / bf16 < (planned + wo_bytes) / bf16
 
 
 def test_stored_tensors_are_allocated_in_fp8_and_cast_as_they_are_read(wan_fp32, monkeypatch):

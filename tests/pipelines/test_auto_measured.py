@@ -1,0 +1,199 @@
+"""``auto`` once activations are measured: the reserve for estimates shrinks to a margin.
+
+The device is faked through its one seam, ``ondeck.memory.device_facts``. The Wan
+2.1 14B-shaped pipeline is planned from declared sizes (nothing loads): a 16 GiB card,
+the fp8 text encoder (5.29 GiB) and transformer (13.58 GiB), the float32 VAE, and the
+activations a run measured at 480x832x33 (Denoise about 1.6 GiB, a whole-frame decode
+8.6 GiB). Streaming is checked on the tiny Wan folder with the margins scaled down.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ondeck
+from ondeck import memory
+from ondeck import policy as policy_module
+from ondeck.memory import StageRecord
+from ondeck.pipelines.wan import WanTextToVideo
+from tests.core.helpers import Apply, CountingLoader
+
+GIB = 1 << 30
+SIZES = {
+    "text_encoder": int(5.29 * GIB),
+    "transformer": int(13.58 * GIB),
+    "vae": int(0.47 * GIB),
+}
+MEASURED = {
+    "EncodePrompt": int(0.2 * GIB),
+    "PrepareLatents": 16 << 20,
+    "Denoise": int(1.6 * GIB),
+    "Decode": int(8.6 * GIB),
+}
+
+
+def fake_card(monkeypatch, total_bytes: int, *, unified: bool = False, free: int | None = None):
+    def facts(device=None):
+        return memory.DeviceFacts("cuda:9", unified, total_bytes, free or total_bytes)
+
+    monkeypatch.setattr(memory, "device_facts", facts)
+
+
+class Prepare(ondeck.Stage):
+    name = "PrepareLatents"
+
+    def forward(self, state):
+        return state
+
+
+class WanShaped(ondeck.Pipeline):
+    lazy_components = tuple(SIZES)
+
+    def create_stages(self):
+        c = self.components
+        return [
+            Apply(c["text_encoder"], "EncodePrompt"),
+            Prepare(),
+            Apply(c["transformer"], "Denoise"),
+            Apply(c["vae"], "Decode"),
+        ]
+
+
+def wan_shaped() -> WanShaped:
+    components = {
+        name: ondeck.LazyModule(
+            name, CountingLoader(8), spec=ondeck.ComponentSpec(cls=torch.nn.Linear, nbytes=nbytes)
+        )
+        for name, nbytes in SIZES.items()
+    }
+    return WanShaped(components, device="cpu")
+
+
+def measure(pipe, activations) -> None:
+    """What a run on the card would have recorded, stage by stage."""
+    for index, (stage, nbytes) in enumerate(activations.items()):
+        pipe.policy.stage_measured(index, StageRecord(1, stage, 1.0, 0.0, 0, None, nbytes))
+
+
+def resident(plan, run: int) -> dict[str, tuple[str, ...]]:
+    return {stage.name: stage.resident for stage in plan.runs if stage.run == run}
+
+
+def test_the_first_run_plans_with_the_estimates_reserve(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    estimated = 16 * GIB - max(GIB, int(0.08 * 16 * GIB))
+    assert pipe.policy.name == "budget"
+    assert pipe.plan().budget == estimated
+    measure(pipe, {k: v for k, v in MEASURED.items() if k != "Denoise"})  # one stage unknown
+    assert pipe.plan().budget == estimated
+    assert "once every stage's activations are measured" in pipe.policy.reason
+
+
+def test_16_gib_keeps_the_fp8_transformer_whole_once_activations_are_measured(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    measure(pipe, MEASURED)
+    plan = pipe.plan()
+    assert plan.budget == 16 * GIB - int(0.02 * 16 * GIB)
+    # 13.58 GiB of transformer and 1.6 GiB of activations fit 15.68 GiB (not 14.72).
+    assert plan.fits()
+    steady = resident(plan, 2)
+    assert steady["Denoise"] == ("transformer",)
+    # The next run's text encoder loads while the VAE decodes, beside its activations.
+    assert steady["Decode"] == ("text_encoder", "vae")
+    assert "transformer" not in steady["EncodePrompt"]
+    assert plan.peak_bytes <= plan.budget - MEASURED["Denoise"]
+
+
+def test_the_same_measurements_overflow_the_estimates_reserve(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    measure(pipe, MEASURED)
+    assert pipe.plan(16 * GIB - GIB - int(0.28 * GIB)).overflow()[0] == "Denoise"
+
+
+def test_a_run_plans_against_the_measured_budget_from_then_on(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    state = {"x": torch.ones(2, 8)}
+    pipe(state)  # on the CPU nothing is measured: the estimate's reserve stays
+    assert pipe.policy.budget_bytes == pipe.policy.estimated_budget_bytes
+    measure(pipe, MEASURED)
+    pipe({"x": torch.ones(2, 8)})
+    assert pipe.policy.budget_bytes == 16 * GIB - int(0.02 * 16 * GIB)
+    pipe.close()
+
+
+def test_a_stored_profile_of_the_run_shape_counts_as_measured(monkeypatch, tmp_path):
+    from tests.core.helpers import use_profiles
+
+    fake_card(monkeypatch, 16 * GIB)
+    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
+    for stage, nbytes in MEASURED.items():
+        store.record("wan-shaped", {"width": 8}, stage, nbytes)
+
+    class Profiled(WanShaped):
+        profile_model = "wan-shaped"
+
+        def profile_shape(self, state):
+            return {"width": state["x"].shape[1]}
+
+    pipe = Profiled(wan_shaped().components, device="cpu")
+    pipe({"x": torch.ones(2, 8)})  # its first run already plans with the stored peaks
+    assert pipe.policy.budget_bytes == 16 * GIB - int(0.02 * 16 * GIB)
+    pipe.close()
+
+
+def test_unified_memory_keeps_the_larger_reserve(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB, unified=True)
+    pipe = wan_shaped()
+    measure(pipe, MEASURED)
+    assert pipe.plan().budget == 16 * GIB - max(GIB, int(0.08 * 16 * GIB))
+    assert "once every stage" not in pipe.policy.reason
+
+
+@pytest.fixture
+def scaled_margins(monkeypatch):
+    """The tiny folder's components are KiB: the reserves' floors go, the fractions stay."""
+    monkeypatch.setattr(policy_module, "AUTO_HEADROOM_MIN_BYTES", 0)
+    monkeypatch.setattr(policy_module, "AUTO_MEASURED_HEADROOM_MIN_BYTES", 0)
+
+
+def tiny_wan(folder, monkeypatch, denoise_activation_of_card: float):
+    """The tiny Wan pipeline on a card shaped as 16 GiB is for the fp8 14B (the
+    transformer 85% of it), Denoise's measured activations taking it to
+    ``denoise_activation_of_card`` of the card."""
+    sizes = ondeck.plan(folder, policy="release").component_bytes
+    total = int(sizes["transformer"] / 0.85)
+    fake_card(monkeypatch, total)
+    pipe = WanTextToVideo.from_folder(folder, device="cpu", progress=False)
+    measure(
+        pipe,
+        {
+            "EncodePrompt": 0,
+            "PrepareLatents": 0,
+            "Denoise": int(total * denoise_activation_of_card) - sizes["transformer"],
+            "Decode": 0,
+        },
+    )
+    return pipe, total
+
+
+def test_a_measured_stage_that_fits_only_the_margin_keeps_its_component_whole(
+    saved_wan_folder, monkeypatch, scaled_margins
+):
+    pipe, total = tiny_wan(saved_wan_folder, monkeypatch, 0.95)  # above 92%, below 98%
+    plan = pipe.plan()
+    assert plan.budget == total - int(0.02 * total)
+    assert plan.fits() and not plan.streamed
+
+
+def test_measured_activations_that_do_not_fit_still_stream(
+    saved_wan_folder, monkeypatch, scaled_margins
+):
+    pipe, total = tiny_wan(saved_wan_folder, monkeypatch, 1.2)
+    plan = pipe.plan()
+    assert plan.budget == total - int(0.02 * total)
+    assert "transformer" in plan.streamed and plan.fits()
