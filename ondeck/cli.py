@@ -254,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What the command's own process sets before CUDA starts, unless the user set it: with
+# expandable segments, memory freed between stages is reused whole rather than left in
+# fragments, which the budgets planned close to a card's size need.
+PROCESS_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def console() -> int:
+    """The ``ondeck`` command: ``main`` in a process of its own."""
+    for name, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Errors are one line on stderr: status 2 for a wrong argument,
     1 for any other failure, 130 for Ctrl-C; ``--debug`` or ``ONDECK_DEBUG=1`` shows
