@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -574,6 +575,7 @@ def main(argv: list[str] | None = None) -> None:
         write()
     summary = summarise(rows, latents)
     write(summary)
+    shutil.rmtree(scratch, ignore_errors=True)
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'fp8.json'}")
     print_table(rows, summary)
 
