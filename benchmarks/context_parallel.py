@@ -48,7 +48,7 @@ PROMPTS = [
     "a grey heron standing in a misty river",
     "a paper boat drifting down a rainy street",
 ]
-# Targets from the issue, checked in the table: runs 2-3 time and per-rank peak, each
+# Targets, checked in the table: runs 2-3 time and per-rank peak, each
 # against the single GPU measured in the same call.
 TIME_TARGET = 0.60
 PEAK_TARGET = 0.60

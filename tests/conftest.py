@@ -7,7 +7,12 @@ os.environ.setdefault("ONDECK_PROGRESS", "0")
 # torchrun workers inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# Activation profiles and the embedded default go to a throwaway cache, not the user's.
-os.environ.setdefault("ONDECK_CACHE", tempfile.mkdtemp(prefix="ondeck-test-cache-"))
+# Activation profiles and the embedded default go to a throwaway cache, not the user's,
+# removed when the run ends.
+if "ONDECK_CACHE" not in os.environ:
+    os.environ["ONDECK_CACHE"] = tempfile.mkdtemp(prefix="ondeck-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ONDECK_CACHE"], ignore_errors=True)
