@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ... import memory
 from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy
 from ...memory import resolve_device
@@ -226,14 +227,12 @@ class DiffusersRuntime(Pipeline):
         """Held-back components may stay beside a load of ``nbytes`` while together they
         take no more than the largest component (the peak ``release`` promises) and the
         device has that room."""
-        from ...memory import device_facts
-
         largest = max((size or 0 for size in self.component_bytes().values()), default=0)
         if self.tracker.resident_bytes + nbytes > largest:
             return False
         room = self.activation_room()
         if room is None:
-            room = device_facts(self.device).available_bytes
+            room = memory.device_facts(self.device).available_bytes
         return nbytes <= room
 
     def before_load(self, proxy: Any) -> None:
