@@ -23,11 +23,12 @@ from .lazy import (
     loader_of,
     pinned,
 )
-from .memory import MemoryTracker, StageRecord, parse_bytes, resolve_device
+from .memory import parse_bytes, resolve_device
 from .plan import Plan, StageUse, release_schedule
 from .policy import choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
+from .tracker import MemoryTracker, StageRecord
 
 __all__ = ["Stage", "Pipeline", "held_components"]
 
