@@ -6,10 +6,11 @@ Importing ondeck does not import diffusers; ``import ondeck.diffusers`` does.
 from .errors import BudgetError, ConcurrentRunError, LoadError, OndeckError
 from .folders import plan  # ``ondeck.plan`` is this function, not the module plan.py
 from .lazy import ComponentSpec, LazyModule, is_lazy, is_loaded
-from .memory import MemoryTracker, format_bytes, parse_bytes
+from .memory import format_bytes, parse_bytes
 from .plan import Plan
 from .policy import BudgetPolicy, EagerPolicy, Policy, ReleasePolicy
 from .stages import Pipeline, Stage
+from .tracker import MemoryTracker
 
 __version__ = "0.1.0"
 

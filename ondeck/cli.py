@@ -13,8 +13,27 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import OndeckError
-from .memory import format_bytes, parse_bytes
+# embedded_default, pipeline_for_folder and write_video are called through their modules,
+# where tests replace them.
+from . import distributed, folders, output
+from . import embedded as embedded_module
+from .errors import LoadError, OndeckError
+from .hub import resolve_model
+from .lazy import loader_of
+from .loading import HostCache, ModelFolder
+from .loading.storage import parse_storage_dtype
+from .memory import format_bytes, parse_bytes, resolve_device
+from .output import (
+    OutputError,
+    atomic_path,
+    check_writable_folder,
+    write_frames,
+    write_json,
+)
+from .parallel import describe_split, resolve_parallel, sequence_split
+from .pipelines import read_model_index
+from .pipelines.wan import is_wan_folder
+from .profiles import ActivationProfiles, profiles_path
 
 EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
 REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
@@ -114,9 +133,6 @@ def _host_cache(text: str) -> int:
 
 def _weights(text: str) -> str | dict[str, str]:
     """``fp8`` (the big components), or ``NAME=fp8[,NAME=fp8...]`` per component."""
-    from .errors import LoadError
-    from .loading.storage import parse_storage_dtype
-
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("expected fp8 or NAME=fp8, got nothing")
@@ -401,30 +417,20 @@ def _either(below: int, above: int) -> str:
 
 def _model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
     if args.model_dir:
-        from .hub import resolve_model
-
         return resolve_model(args.model_dir), False
-    from .embedded import embedded_default
-
     say("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
     say("        model with random weights: its output is coloured noise). For a real video,")
     say(
         "        point it at a diffusers-format checkpoint or a Hub repo id: ondeck generate "
         "Wan-AI/Wan2.1-T2V-14B-Diffusers"
     )
-    path, built = embedded_default(say=say)
+    path, built = embedded_module.embedded_default(say=say)
     if built:
         say(f"ondeck: built the embedded default in {path}")
     return path, True
 
 
 def _pipeline(args: argparse.Namespace, path: Path) -> Any:
-    from .folders import pipeline_for_folder
-    from .loading import HostCache
-    from .memory import resolve_device
-    from .pipelines import read_model_index
-    from .pipelines.wan import is_wan_folder
-
     device = resolve_device(args.device)
     host_cache = None
     if args.host_cache:
@@ -439,7 +445,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         raise UsageError(
             f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
-    pipe = pipeline_for_folder(
+    pipe = folders.pipeline_for_folder(
         path,
         device=device,
         dtype=_dtype(args.dtype, device),
@@ -477,9 +483,6 @@ def _parallel(args: argparse.Namespace) -> int | str | None:
 def _start_distributed(args: argparse.Namespace) -> bool:
     """Join torchrun's process group when sharding, splitting the sequence or launched by
     it; True when joined."""
-    from . import distributed
-    from .parallel import resolve_parallel
-
     parallel = resolve_parallel(_parallel(args))
     if parallel is not None:
         parallel.join()  # says how to launch when this is not torchrun's process
@@ -499,8 +502,6 @@ def _context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str,
     geometry = getattr(pipe, "geometry", None)
     if parallel is None or geometry is None:
         return None
-    from .parallel import sequence_split
-
     height, width, frames = geometry.snap(height, width, frames)
     tokens = geometry.tokens(height, width, frames)
     parallel.check_sequence("transformer", tokens, f"{height}x{width}, {frames} frames")
@@ -516,9 +517,6 @@ def _context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str,
 
 def generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from . import distributed
-    from .output import check_writable_folder
 
     _check_text("--prompt", args.prompt)
     _check_text("--negative-prompt", args.negative_prompt)
@@ -552,8 +550,6 @@ def generate(args: argparse.Namespace) -> int:
     plan_ = pipe.plan()
     say(plan_)
     if split is not None:
-        from .parallel import describe_split
-
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     timings = []
     for run in range(args.runs):
@@ -617,8 +613,6 @@ def _write_results(out: Path, report: dict, pipe: Any, frames: Any, *, title: st
 
     A video that cannot be written keeps the frames as frames.npy and fails the command.
     """
-    from .output import OutputError, atomic_path, write_frames, write_json, write_video
-
     report_path = write_json(out / "report.json", report)
     plot_path = out / "timeline.png"
     try:
@@ -628,7 +622,7 @@ def _write_results(out: Path, report: dict, pipe: Any, frames: Any, *, title: st
         raise OutputError(f"could not write {plot_path}: {error.strerror or error}") from error
     video_path = out / "video.mp4"
     try:
-        write_video(video_path, frames)
+        output.write_video(video_path, frames)
     except OutputError as error:
         print(f"ondeck: wrote {report_path}, {plot_path}")
         try:
@@ -657,8 +651,6 @@ def _print_ranks(ranks: list[dict]) -> None:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from .hub import resolve_model
-
     _check_device(args.device)
     path = resolve_model(args.model_dir)
     pipe = _pipeline(args, path)
@@ -681,8 +673,6 @@ def _print_storage_choices(
 ) -> None:
     """What fits ``budget`` with weights as they compute and with fp8 storage."""
     import copy
-
-    from .memory import resolve_device
 
     computed = str(_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
     print(f"what fits {format_bytes(budget)}, by how the weights are stored:")
@@ -707,8 +697,6 @@ def _print_storage_choices(
 
 def _stored_names(pipe: Any, weights: Any) -> str:
     """The components a ``--weights`` choice stores in fp8, as the pipeline's loaders say."""
-    from .lazy import loader_of
-
     loaders = getattr(pipe, "loaders", None) or {
         name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
     }
@@ -719,9 +707,6 @@ def _stored_names(pipe: Any, weights: Any) -> str:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from .hub import resolve_model
-    from .loading import ModelFolder
-
     folder = ModelFolder.open(resolve_model(args.model_dir), libraries=tuple(args.library))
     print(f"{folder.path}: {folder.pipeline_class_name}")
     total = 0
@@ -742,8 +727,6 @@ def inspect(args: argparse.Namespace) -> int:
 
 def profiles(args: argparse.Namespace) -> int:
     """Where activation profiles live, what they hold; ``--clear`` deletes them."""
-    from .profiles import ActivationProfiles, profiles_path
-
     path = profiles_path()
     if args.clear:
         removed = ActivationProfiles(path).clear()

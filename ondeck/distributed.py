@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from .errors import OndeckError
+from .memory import process_peak_rss_bytes
 
 __all__ = [
     "context_mesh",
@@ -177,8 +178,6 @@ def main_first():
 
 def rank_summary(pipeline: Any) -> dict[str, Any]:
     """This rank's memory and disk figures: what the tracker saw and what the loaders read."""
-    from .memory import process_peak_rss_bytes
-
     tracker = pipeline.tracker
     loaders = getattr(pipeline, "loaders", None) or {}
     bytes_read = {

@@ -11,7 +11,9 @@ import os
 from typing import Any
 
 from .hub import resolve_model
+from .integrations.diffusers import from_pretrained
 from .pipelines import read_model_index
+from .pipelines.wan import WanTextToVideo, is_wan_folder
 from .plan import Plan
 
 __all__ = ["pipeline_for_folder", "plan"]
@@ -19,14 +21,10 @@ __all__ = ["pipeline_for_folder", "plan"]
 
 def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
     """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
-    from .pipelines.wan import WanTextToVideo, is_wan_folder
-
     path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
     model_index = read_model_index(path)
     if is_wan_folder(model_index):
         return WanTextToVideo.from_folder(path, **options)
-    from .integrations.diffusers import from_pretrained  # imports diffusers
-
     return from_pretrained(path, **options).ondeck
 
 

@@ -24,7 +24,9 @@ import dataclasses
 import os
 from typing import Any
 
+from . import distributed
 from .errors import OndeckError
+from .memory import format_bytes
 
 __all__ = [
     "BF16_FRAME_TOLERANCE",
@@ -86,8 +88,6 @@ class ContextParallel:
     def join(self) -> ContextParallel:
         """Join the ``torchrun`` launch and check its size; before resolving the device,
         since joining selects this rank's GPU."""
-        from . import distributed
-
         if not distributed.is_active() and not distributed.launched_with_torchrun():
             raise ContextParallelError(
                 f"context parallelism over {self.degree} ranks needs one process per GPU: "
@@ -111,8 +111,6 @@ class ContextParallel:
         builds the mesh, both collective.
         """
         import torch
-
-        from . import distributed
 
         if self.config is not None:
             return self
@@ -314,8 +312,6 @@ def resolve_parallel(parallel: Any) -> ContextParallel | None:
                 f"parallel={parallel!r}: ondeck knows 'context' (context parallelism over "
                 "every rank of the launch), a degree, or a ContextParallel"
             )
-        from . import distributed
-
         if not distributed.is_active() and not distributed.launched_with_torchrun():
             raise ContextParallelError(
                 "parallel='context' needs one process per GPU: launch with `torchrun "
@@ -461,8 +457,6 @@ def sequence_split(
 
 def describe_split(split: dict[str, Any], component_bytes: dict[str, int | None]) -> str:
     """One line for the plan: the split, the traffic, and each rank's weights."""
-    from .memory import format_bytes
-
     exchange = split.get("exchange_bytes_per_transformer_call")
     traffic = (
         f"; {format_bytes(exchange)} exchanged per rank per transformer call"

@@ -1,32 +1,33 @@
 """Residency policies: what to load, prefetch, keep or release at stage boundaries.
 
-A policy is an object the pipeline consults at each boundary; decisions about
-budgets come from the pure functions in ``plan.py``, so the plan predicts them.
+A policy decides from a ``Snapshot`` of the pipeline and answers with ``Steps``; the
+executor (``executor.py``) carries them out. Decisions about budgets come from the
+pure functions in ``plan.py``, the same ones the plan simulates, so the plan predicts
+what the run does.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import memory
 from .errors import BudgetError
-from .lazy import is_loaded, wait_filled
-from .memory import format_bytes, free_cached_memory, parse_bytes
-from .plan import budget_step, build_plan, planning_budget, release_residency
+from .memory import format_bytes, parse_bytes
+from .plan import (
+    Plan,
+    budget_step,
+    build_plan,
+    choose_evictions,
+    planning_budget,
+    release_residency,
+)
 from .profiles import profiles_path
+from .snapshot import NOTHING, Snapshot, Steps
+from .streaming import BlockStreaming, StreamingInputs, StreamOptions
 
-if TYPE_CHECKING:
-    from .memory import StageRecord
-    from .plan import Plan
-    from .stages import Pipeline
-    from .streaming import StreamingInputs, StreamOptions
-
-__all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "make_policy"]
+__all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "Steps", "make_policy"]
 
 # Share of the device kept free by the automatic budget: allocator fragmentation,
 # workspace buffers and whatever else shares the device.
@@ -40,110 +41,111 @@ AUTO_MEASURED_HEADROOM_FRACTION = 0.02
 AUTO_MEASURED_HEADROOM_MIN_BYTES = 256 << 20
 
 
+def _view(source: Any) -> Snapshot:
+    """A snapshot, from a snapshot or from a pipeline (which builds one)."""
+    return source if isinstance(source, Snapshot) else source.snapshot()
+
+
+def _in_order(uses: Any, names: Any) -> tuple[str, ...]:
+    """``names`` in the order the stages first hold them."""
+    names = set(names)
+    order = dict.fromkeys(c for use in uses for c in use.components)
+    return tuple(c for c in order if c in names)
+
+
 class Policy:
-    """The base policy: loads on first use and never releases on its own."""
+    """The base policy: loads on first use and never releases on its own.
+
+    Each hook reads a ``Snapshot`` and returns ``Steps``; a policy never touches a
+    component or a thread itself.
+    """
 
     name = "base"
     plan_name = "release"
     prefetch = False
+    # Whether ``attached`` has anything to do: the pipeline builds no snapshot otherwise.
+    loads_up_front = False
 
     def __init__(self) -> None:
-        self.pipeline: Pipeline | None = None
         self.budget_bytes: int | None = None
         self.reason = f"policy '{self.name}' was asked for"
-        self.activation: dict[str, int] = {}
         # Set when a stored activation profile would make a run refuse that fits without
         # it: the run measures again instead (see BudgetPolicy.before_run).
         self.distrust_stored = False
 
-    def attach(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
+    def attached(self, snapshot: Snapshot) -> Steps:
+        """What to do when the pipeline takes this policy on."""
+        return NOTHING
 
-    def before_run(self) -> None:
-        pass
+    def before_run(self, snapshot: Snapshot) -> Steps:
+        return NOTHING
 
-    def before_stage(self, index: int, state: Any = None) -> None:
-        pass
+    def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
+        return NOTHING
 
-    def after_stage(self, index: int, *, failed: bool) -> None:
-        pass
+    def after_stage(self, snapshot: Snapshot, index: int, *, failed: bool) -> Steps:
+        return NOTHING
 
-    def after_run(self) -> None:
-        pass
+    def before_load(self, snapshot: Snapshot, name: str) -> Steps:
+        """A load outside the plan (an unexpected access) is about to happen."""
+        return NOTHING
 
-    def before_load(self, name: str) -> None:
-        pass
+    def recover_from_oom(self, snapshot: Snapshot, index: int) -> Steps | None:
+        """Out of memory inside stage ``index``: what to free before one retry, or None
+        for no retry."""
+        return None
 
-    def recover_from_oom(self, index: int) -> bool:
-        return False
-
-    def cancel_prefetch(self) -> None:
-        pass
-
-    def close(self) -> None:
-        """Stop and join every thread the policy started (it may start new ones later)."""
-        self.cancel_prefetch()
-
-    def in_prefetch_thread(self) -> bool:
-        return False
-
-    def streaming_inputs(self, pipeline: Pipeline) -> StreamingInputs | None:
+    def streaming_inputs(self, snapshot: Snapshot) -> StreamingInputs | None:
         """What the plan may stream (only the budget policy streams blocks)."""
         return None
 
-    def stage_measured(self, index: int, record: StageRecord) -> None:
-        """Keep the largest activation peak measured per stage (device bytes)."""
-        if record.activation_bytes is None:
-            return
-        previous = self.activation.get(record.stage, 0)
-        self.activation[record.stage] = max(previous, record.activation_bytes)
-        self.pipeline.record_activation(record.stage, record.activation_bytes)
-
-    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
-        """The plan this policy runs ``pipeline`` by (under ``budget`` when given)."""
+    def plan_for(self, source: Any, budget: int | None = None) -> Plan:
+        """The plan this policy runs by (under ``budget`` when given); ``source`` is a
+        snapshot or a pipeline."""
+        snapshot = _view(source)
         budget = budget if budget is not None else self.budget_bytes
-        nbytes = {name: value or 0 for name, value in pipeline.component_bytes().items()}
-        activation, note = self.activation_estimate(pipeline, budget)
+        nbytes = {name: value or 0 for name, value in snapshot.component_bytes().items()}
+        activation, note = self.activation_estimate(snapshot, budget)
         return build_plan(
-            pipeline.stage_uses(),
+            snapshot.stage_uses(),
             nbytes,
             policy="budget" if budget is not None else self.plan_name,
             budget=budget,
             activation=activation,
             activation_note=note,
             prefetch=self.prefetch,
-            streaming=self.streaming_inputs(pipeline),
+            streaming=self.streaming_inputs(snapshot),
         )
 
-    def activation_needs(self, pipeline: Pipeline) -> tuple[dict[str, int | None], str]:
+    def activation_needs(self, source: Any) -> tuple[dict[str, int | None], str]:
         """The largest activation peak measured per stage, with room to spare: from the
         profile of this model and shape when the pipeline knows its shape, else as
         measured in this process; and a note on where they come from."""
-        stored, note = pipeline.activation_profile()
+        snapshot = _view(source)
+        stored, note = dict(snapshot.stored_activation), snapshot.stored_note
         if self.distrust_stored:
             stored, note = {}, "activations: stored profile set aside, measuring again"
-        measured = {} if note else self.activation
-        needs = {
-            use.name: stored.get(use.name, measured.get(use.name)) for use in pipeline.stage_uses()
-        }
+        measured = {} if note else snapshot.measured_activation
+        needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
         return needs, note
 
     def activation_estimate(
-        self, pipeline: Pipeline, budget: int | None = None
+        self, source: Any, budget: int | None = None
     ) -> tuple[dict[str, int | None], str]:
         """Activation peaks per stage (``activation_needs``). Under a ``budget``, a stage
         that can work in pieces (a tiled decode) is counted at what it will take in the
         room its components leave it."""
-        needs, note = self.activation_needs(pipeline)
+        snapshot = _view(source)
+        needs, note = self.activation_needs(snapshot)
         estimate: dict[str, int | None] = {}
         fitted: list[str] = []
-        nbytes = pipeline.component_bytes()
-        for stage, use in zip(pipeline.stages, pipeline.stage_uses(), strict=True):
+        nbytes = snapshot.nbytes
+        for fit, use in zip(snapshot.fit_activations, snapshot.uses, strict=True):
             need = needs[use.name]
             estimate[use.name] = need
             if need is not None and budget is not None:
                 room = budget - sum(nbytes.get(c) or 0 for c in use.components)
-                estimate[use.name] = stage.fit_activations(need, room)
+                estimate[use.name] = fit(need, room)
                 if estimate[use.name] < need:
                     fitted.append(
                         f"'{use.name}' works in pieces to fit: "
@@ -161,15 +163,13 @@ class EagerPolicy(Policy):
 
     name = "eager"
     plan_name = "eager"
+    loads_up_front = True
 
-    def attach(self, pipeline: Pipeline) -> None:
-        super().attach(pipeline)
-        for proxy in pipeline.deferred.values():
-            proxy.materialize()
+    def attached(self, snapshot: Snapshot) -> Steps:
+        return Steps(load=tuple(snapshot.nbytes))
 
-    def before_run(self) -> None:
-        for proxy in self.pipeline.deferred.values():
-            proxy.materialize()
+    def before_run(self, snapshot: Snapshot) -> Steps:
+        return Steps(load=tuple(snapshot.nbytes))
 
 
 class ReleasePolicy(Policy):
@@ -188,32 +188,27 @@ class ReleasePolicy(Policy):
     def __init__(self, *, prefetch_next_run: bool = True):
         super().__init__()
         self.prefetch_next_run = prefetch_next_run
-        self._next_run: threading.Thread | None = None
-        self._next_run_names: tuple[str, ...] = ()
-        self._next_run_error: BaseException | None = None
-        self._local = threading.local()
 
-    def before_stage(self, index: int, state: Any = None) -> None:
-        if index == len(self.pipeline.stages) - 1 and index > 0 and self.prefetch_next_run:
-            names = self._next_run_fits()
+    def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
+        if index == len(snapshot.uses) - 1 and index > 0 and self.prefetch_next_run:
+            names = self._next_run_fits(snapshot)
             if names:
-                pipeline = self.pipeline
-                own = ()
-                if pipeline.stages[index].needs_components(state):
-                    own = tuple(pipeline.stage_uses()[index].components)
-                self._start_next_run(names, after=own)
+                # The stage's own components first: loading both at once would share
+                # the disk and the copy engine with the loads the stage waits for.
+                own = tuple(snapshot.uses[index].components) if snapshot.needs_components else ()
+                return Steps(load=own, prefetch_next_run=names)
+        return NOTHING
 
-    def _next_run_fits(self) -> tuple[str, ...]:
+    def _next_run_fits(self, snapshot: Snapshot) -> tuple[str, ...]:
         """The next run's first components, if loading them now keeps this run's peak."""
-        pipeline = self.pipeline
-        uses = pipeline.stage_uses()
-        first = tuple(n for n in uses[0].components if not is_loaded(pipeline.deferred[n]))
+        uses = snapshot.uses
+        first = tuple(n for n in uses[0].components if n not in snapshot.resident)
         if not first:
             return ()
-        activation, _ = self.activation_estimate(pipeline)
+        activation, _ = self.activation_estimate(snapshot)
         if any(activation.get(use.name) is None for use in uses):
             return ()
-        nbytes = pipeline.component_bytes()
+        nbytes = snapshot.component_bytes()
         residency = release_residency(uses)
         peaks = [
             sum(nbytes.get(c, 0) for c in held) + activation[use.name]
@@ -222,69 +217,12 @@ class ReleasePolicy(Policy):
         last = peaks[-1] + sum(nbytes.get(c, 0) for c in first)
         return first if last <= max(peaks) else ()
 
-    def _start_next_run(self, names: tuple[str, ...], after: tuple[str, ...] = ()) -> None:
-        """Load ``names`` on a thread of their own, once the stage's own components
-        (``after``) are in: their reads would otherwise share the disk and the copy
-        engine with the loads the stage is waiting for."""
-        own = [self.pipeline.deferred[name] for name in after]
-        for proxy in own:
-            proxy.materialize(complete=False)  # as the stage's first call would
-        proxies = [self.pipeline.deferred[name] for name in names]
-
-        def load() -> None:
-            self._local.prefetching = True
-            try:
-                for proxy in own:
-                    wait_filled(proxy)  # the rest of a pipelined load, if one runs
-                for proxy in proxies:
-                    proxy.materialize(complete=False)
-            except BaseException as error:  # the next run's own access retries and reports
-                self._next_run_error = error
-            finally:
-                self._local.prefetching = False
-
-        self._next_run_names, self._next_run_error = names, None
-        self._next_run = threading.Thread(target=load, name="ondeck-next-run", daemon=True)
-        self._next_run.start()
-
-    def _join_next_run(self, *, report: bool = False) -> None:
-        thread, self._next_run = self._next_run, None
-        if thread is None:
-            return
-        started = time.perf_counter()
-        thread.join()
-        waited = time.perf_counter() - started
-        if report and waited > 1e-4 and self._next_run_names:
-            # One wait, charged once, to the first of the components it was for.
-            self.pipeline.tracker.waited(self._next_run_names[0], waited)
-        if report and self._next_run_error is not None:
-            warnings.warn(
-                f"loading {list(self._next_run_names)} ahead of the run failed: "
-                f"{self._next_run_error!r}",
-                stacklevel=3,
-            )
-
-    def after_run(self) -> None:
-        # Usually done long before: the last stage computes for longer than it loads.
-        self._join_next_run(report=True)
-
-    def in_prefetch_thread(self) -> bool:
-        return getattr(self._local, "prefetching", False)
-
-    def cancel_prefetch(self) -> None:
-        self._join_next_run()
-
-    def after_stage(self, index: int, *, failed: bool) -> None:
-        pipeline = self.pipeline
-        stage = pipeline.stages[index]
-        first_error: Exception | None = None
-        for name in pipeline.schedule.get(stage.name, ()):
-            try:
-                pipeline.deferred[name].release()
-            except Exception as error:  # release the others before reporting
-                first_error = first_error or error
-        if first_error is not None:
-            raise first_error
+    def after_stage(self, snapshot: Snapshot, index: int, *, failed: bool) -> Steps:
+        """Release what no later stage of the run holds: the residency the plan
+        simulates (``release_residency``), left after its last holder."""
+        residency = release_residency(snapshot.uses)
+        later = residency[index + 1] if index + 1 < len(residency) else frozenset()
+        return Steps(release=_in_order(snapshot.uses, residency[index] - later))
 
 
 class BudgetPolicy(Policy):
@@ -311,8 +249,6 @@ class BudgetPolicy(Policy):
         prefetch: bool = True,
         streaming: bool | StreamOptions = True,
     ):
-        from .streaming import BlockStreaming, StreamOptions
-
         super().__init__()
         self.budget_bytes = parse_bytes(budget)
         self.prefetch = prefetch
@@ -320,31 +256,20 @@ class BudgetPolicy(Policy):
         if streaming:
             options = streaming if isinstance(streaming, StreamOptions) else None
             self.streaming = BlockStreaming(options)
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: dict[str, Future] = {}
         self._skipped: set[int] = set()
-        self._local = threading.local()
 
-    def _nbytes(self) -> dict[str, int]:
-        nbytes = {name: value or 0 for name, value in self.pipeline.component_bytes().items()}
-        if self.streaming is not None:
-            nbytes.update(self.streaming.device_bytes())
-        return nbytes
+    def streaming_inputs(self, snapshot: Snapshot) -> StreamingInputs | None:
+        return self.streaming.inputs(snapshot) if self.streaming is not None else None
 
-    def streaming_inputs(self, pipeline: Pipeline) -> StreamingInputs | None:
-        return self.streaming.inputs(pipeline) if self.streaming is not None else None
-
-    def _resident(self) -> set[str]:
-        return set(self.pipeline.resident()) | set(self._pending)
-
-    def before_run(self) -> None:
+    def before_run(self, snapshot: Snapshot) -> Steps:
         self._skipped = set()
         self.distrust_stored = False
-        plan = self.pipeline.plan(self.budget_bytes)
+        plan = self.plan_for(snapshot, self.budget_bytes)
         if plan.profile_set_aside:
             self.distrust_stored = True  # the run decides as its plan did, and re-measures
-            stored, _ = self.pipeline.activation_profile()
-            warnings.warn(_set_aside_note(stored, " in this run"), stacklevel=3)
+            warnings.warn(
+                _set_aside_note(dict(snapshot.stored_activation), " in this run"), stacklevel=4
+            )
         overflow = plan.overflow()
         if overflow is not None:
             stage, short = overflow
@@ -357,21 +282,23 @@ class BudgetPolicy(Policy):
                 plan=plan,
             )
         if self.streaming is not None:
-            self.streaming.apply(self.pipeline, plan)
+            return Steps(streaming=(self.streaming, plan))
+        return NOTHING
 
-    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
+    def plan_for(self, source: Any, budget: int | None = None) -> Plan:
         """The plan; where stored activation peaks alone make it overflow, the plan
         without them (``profile_set_aside``): a stored value may come from another card,
         an older version or damage, and must not block a run that fits without it."""
-        plan = super().plan_for(pipeline, budget)
+        snapshot = _view(source)
+        plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan
-        stored, _ = pipeline.activation_profile()
+        stored = dict(snapshot.stored_activation)
         if not stored:
             return plan
         self.distrust_stored = True
         try:
-            relaxed = super().plan_for(pipeline, budget)
+            relaxed = super().plan_for(snapshot, budget)
         finally:
             self.distrust_stored = False
         if relaxed.overflow() is not None:
@@ -380,130 +307,64 @@ class BudgetPolicy(Policy):
         relaxed.activation_note += "\n" + _set_aside_note(stored, "")
         return relaxed
 
-    def before_stage(self, index: int, state: Any = None) -> None:
-        pipeline = self.pipeline
-        uses = pipeline.stage_uses()
-        self._wait_for(uses[index].components)
-        if not pipeline.stages[index].needs_components(state):
+    def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
+        uses = list(snapshot.uses)
+        if not snapshot.needs_components:
             self._skipped.add(index)
         # A stage that did without its components this run (a cached prompt) is taken
         # to do so next run too: nothing is loaded or kept for it.
         uses = [replace(u, components=()) if i in self._skipped else u for i, u in enumerate(uses)]
-        activation, _ = self.activation_estimate(pipeline, self.budget_bytes)
+        activation, _ = self.activation_estimate(snapshot, self.budget_bytes)
         if self.streaming is not None:
             activation = self.streaming.with_reserved(activation)
         try:
             step = budget_step(
-                self._resident(),
+                snapshot.in_flight,
                 index,
                 uses=uses,
-                nbytes=self._nbytes(),
+                nbytes=snapshot.device_bytes(),
                 budget=self.budget_bytes,
                 activation=activation,
                 prefetch=self.prefetch,
             )
         except ValueError as error:
             raise BudgetError(f"{error}; nothing more was loaded") from error
-        for name in step.evict:
-            self._evict(name)
-        for name in step.load:
-            # The stage may start computing while the component's blocks arrive.
-            pipeline.deferred[name].materialize(complete=False)
-        for name in step.prefetch_evict:
-            self._evict(name)
-        for name in step.prefetch:
-            self._start_prefetch(name)
+        return Steps(
+            release=step.evict,
+            load=step.load,
+            prefetch_release=step.prefetch_evict,
+            prefetch=step.prefetch,
+            keep=tuple(sorted((snapshot.in_flight - set(step.evict)) | set(step.load))),
+        )
 
-    def _evict(self, name: str) -> None:
-        self._wait_for((name,))
-        self.pipeline.deferred[name].release()
-
-    def _start_prefetch(self, name: str) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-prefetch")
-        proxy = self.pipeline.deferred[name]
-
-        def load() -> None:
-            self._local.prefetching = True
-            try:
-                proxy.materialize(complete=False)
-            finally:
-                self._local.prefetching = False
-
-        self._pending[name] = self._executor.submit(load)
-
-    def _wait_for(self, names: Any) -> None:
-        for name in names:
-            future = self._pending.pop(name, None)
-            if future is None:
-                continue
-            started = time.perf_counter()
-            try:
-                future.result()
-            except Exception as error:
-                # The stage's own access retries the load and reports the error itself.
-                warnings.warn(f"prefetching '{name}' failed: {error!r}", stacklevel=3)
-            waited = time.perf_counter() - started
-            if waited > 1e-4:
-                self.pipeline.tracker.waited(name, waited)
-
-    def in_prefetch_thread(self) -> bool:
-        return getattr(self._local, "prefetching", False)
-
-    def cancel_prefetch(self) -> None:
-        """Drop prefetches not started yet; wait for those already loading."""
-        for name, future in list(self._pending.items()):
-            if future.cancel():
-                self._pending.pop(name, None)
-        for name in list(self._pending):
-            self._wait_for((name,))
-
-    def close(self) -> None:
-        self.cancel_prefetch()
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
-
-    def after_run(self) -> None:
-        self.cancel_prefetch()
-
-    def before_load(self, name: str) -> None:
+    def before_load(self, snapshot: Snapshot, name: str) -> Steps:
         """A load outside the plan (an unexpected access): make room for it first."""
-        if self.in_prefetch_thread() or self.pipeline.current_stage_index is None:
-            return
-        nbytes = self._nbytes()
-        resident = set(self.pipeline.resident())
+        if snapshot.index is None:
+            return NOTHING
+        nbytes = snapshot.device_bytes()
+        resident = set(snapshot.resident)
         if sum(nbytes[c] for c in resident | {name}) <= self.budget_bytes:
-            return
-        from .plan import choose_evictions
-
-        index = self.pipeline.current_stage_index
-        uses = self.pipeline.stage_uses()
+            return NOTHING
+        index = snapshot.index
+        uses = snapshot.stage_uses()
         keep = set(uses[index].components) | {name}
-        for victim in (
-            choose_evictions(
-                resident,
-                keep,
-                [name],
-                uses=uses,
-                index=index,
-                nbytes=nbytes,
-                limit=self.budget_bytes,
-            )
-            or ()
-        ):
-            self.pipeline.deferred[victim].release()
+        victims = choose_evictions(
+            resident,
+            keep,
+            [name],
+            uses=uses,
+            index=index,
+            nbytes=nbytes,
+            limit=self.budget_bytes,
+        )
+        return Steps(release=tuple(victims or ()))
 
-    def recover_from_oom(self, index: int) -> bool:
-        """Out of memory inside a stage: free everything it does not hold, retry once."""
-        pipeline = self.pipeline
-        self.cancel_prefetch()
-        keep = set(pipeline.stage_uses()[index].components)
-        freed = [name for name in list(pipeline.resident()) if name not in keep]
-        for name in freed:
-            pipeline.deferred[name].release()
-        free_cached_memory()
-        return bool(freed)
+    def recover_from_oom(self, snapshot: Snapshot, index: int) -> Steps | None:
+        """Free everything the stage does not hold, then retry once (when that freed
+        anything)."""
+        keep = set(snapshot.uses[index].components)
+        freed = tuple(n for n in snapshot.nbytes if n in snapshot.resident and n not in keep)
+        return Steps(release=freed, keep=tuple(keep)) if freed else None
 
 
 def _set_aside_note(stored: dict[str, int], when: str) -> str:
@@ -547,19 +408,20 @@ class AutoBudgetPolicy(BudgetPolicy):
         self.estimated_budget_bytes = self.budget_bytes
         self.measured_budget_bytes = max(measured_budget, self.budget_bytes)
 
-    def current_budget(self, pipeline: Pipeline) -> int:
-        needs, _ = self.activation_needs(pipeline)
+    def current_budget(self, source: Any) -> int:
+        needs, _ = self.activation_needs(_view(source))
         return planning_budget(
             needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
         )
 
-    def before_run(self) -> None:
-        self.budget_bytes = self.current_budget(self.pipeline)
-        super().before_run()
+    def before_run(self, snapshot: Snapshot) -> Steps:
+        self.budget_bytes = self.current_budget(snapshot)
+        return super().before_run(snapshot)
 
-    def plan_for(self, pipeline: Pipeline, budget: int | None = None) -> Plan:
+    def plan_for(self, source: Any, budget: int | None = None) -> Plan:
+        snapshot = _view(source)
         return super().plan_for(
-            pipeline, budget if budget is not None else self.current_budget(pipeline)
+            snapshot, budget if budget is not None else self.current_budget(snapshot)
         )
 
 
@@ -579,7 +441,7 @@ def bytes_loaded_per_run(plan: Any) -> int:
     return loaded
 
 
-def choose_auto(pipeline: Pipeline, *, prefetch: bool = True) -> Policy:
+def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
     """The policy ``auto`` runs with: never one whose plan does not fit the device.
 
     Everything fits: ``budget`` keeps it all. The largest stage fits: ``budget`` (kept

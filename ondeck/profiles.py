@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .embedded import default_cache_dir
 from .memory import format_bytes
 
 __all__ = ["ActivationProfiles", "default_profiles", "PROFILE_FILE_NAME"]
@@ -258,6 +259,4 @@ def default_profiles() -> ActivationProfiles:
 
 def profiles_path() -> Path:
     """Where activation profiles are stored."""
-    from .embedded import default_cache_dir
-
     return default_cache_dir() / PROFILE_FILE_NAME

@@ -8,7 +8,11 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+
+from . import memory
 from .errors import ConcurrentRunError
+from .executor import Executor
 from .lazy import (
     LazyModule,
     component_name,
@@ -16,10 +20,15 @@ from .lazy import (
     is_loaded,
     is_loading,
     is_out_of_memory,
+    loader_of,
     pinned,
 )
-from .memory import MemoryTracker, resolve_device
+from .memory import parse_bytes, resolve_device
 from .plan import Plan, StageUse, release_schedule
+from .policy import choose_auto, make_policy
+from .profiles import default_profiles
+from .snapshot import Snapshot
+from .tracker import MemoryTracker, StageRecord
 
 __all__ = ["Stage", "Pipeline", "held_components"]
 
@@ -160,6 +169,9 @@ class Pipeline:
         self._current_index: int | None = None
         self._measured_bytes: dict[str, int] = {}
         self._profile_shape: dict[str, Any] | None = None
+        self._measured_activation: dict[str, int] = {}
+        # Carries out every decision the policy makes; owns the threads that loads use.
+        self.executor = Executor(self)
         self.components = _Components(self)
         for name, value in components.items():
             self.components[name] = value
@@ -169,14 +181,16 @@ class Pipeline:
 
     def _choose_policy(self) -> None:
         """Build the policy asked for at construction against what is known now."""
-        from .policy import choose_auto, make_policy
-
         policy, budget, prefetch = self._requested_policy
+        self.policy = None
+        # Peaks measured under another policy (or device) do not carry over.
+        self._measured_activation = {}
         if policy == "auto" and budget is None:
-            self.policy = choose_auto(self, prefetch=prefetch)
+            self.policy = choose_auto(self.snapshot(), prefetch=prefetch)
         else:
             self.policy = make_policy(policy, budget=budget, prefetch=prefetch, device=self.device)
-        self.policy.attach(self)
+        if self.policy.loads_up_front:
+            self.executor.attach(self.policy.attached(self.snapshot()))
 
     # -- components ---------------------------------------------------------------------
 
@@ -267,9 +281,34 @@ class Pipeline:
 
     def plan(self, budget: int | str | None = None) -> Plan:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
-        from .memory import parse_bytes
+        return self.policy.plan_for(self.snapshot(), parse_bytes(budget))
 
-        return self.policy.plan_for(self, parse_bytes(budget))
+    def snapshot(self, *, needs_components: bool = True) -> Snapshot:
+        """What a policy decides from, as things are now; never loads anything.
+
+        ``needs_components``: whether the stage about to run will touch its components.
+        """
+        uses = self.stage_uses()
+        stored, note = self.activation_profile()
+        streaming = getattr(self.policy, "streaming", None)
+        deferred = self.deferred
+        return Snapshot(
+            uses=tuple(uses),
+            nbytes=self.component_bytes(),
+            streamed_bytes=streaming.device_bytes() if streaming is not None else {},
+            resident=frozenset(self.resident()),
+            prefetching=self.executor.prefetching,
+            index=self._current_index,
+            run_shape=self._profile_shape,
+            stored_activation=stored,
+            stored_note=note,
+            measured_activation=self._measured_activation,
+            device=self.device,
+            fit_activations=tuple(stage.fit_activations for stage in self.stages),
+            needs_components=needs_components,
+            loaders={name: loader_of(proxy) for name, proxy in deferred.items()},
+            streamable_blocks=getattr(self, "streamable_blocks", None) or {},
+        )
 
     # -- running ------------------------------------------------------------------------
 
@@ -295,13 +334,11 @@ class Pipeline:
         """Per-stage activation bytes measured earlier for this model and shape."""
         if self.profile_model is None or self._profile_shape is None:
             return {}, ""
-        from .profiles import default_profiles
-
         return default_profiles().lookup(self.profile_model, self._profile_shape)
 
     def activation_need(self, stage: str) -> int | None:
         """The largest activation peak measured for ``stage`` at this shape, if any."""
-        needs, _ = self.policy.activation_needs(self)
+        needs, _ = self.policy.activation_needs(self.snapshot())
         return needs.get(stage)
 
     def activation_room(self) -> int | None:
@@ -312,11 +349,7 @@ class Pipeline:
             return budget - self.tracker.resident_bytes
         if self.device is None or self.device.type != "cuda":
             return None
-        import torch
-
-        from .memory import device_facts
-
-        facts = device_facts(self.device)
+        facts = memory.device_facts(self.device)  # the one seam that says what it has
         if facts.unified:
             return None
         # Free on the device (within an emulated card's share), plus what the caching
@@ -330,15 +363,35 @@ class Pipeline:
     def record_activation(self, stage: str, nbytes: int) -> None:
         if self.profile_model is None or self._profile_shape is None:
             return
-        from .profiles import default_profiles
+        self.executor.write_profile(self.profile_model, self._profile_shape, stage, nbytes)
 
-        default_profiles().record(self.profile_model, self._profile_shape, stage, nbytes)
+    def _stage_measured(self, index: int, record: StageRecord) -> None:
+        """Keep the largest activation peak measured per stage (device bytes), and store
+        it in the profile of this model and shape."""
+        if record.activation_bytes is None:
+            return
+        previous = self._measured_activation.get(record.stage, 0)
+        self._measured_activation[record.stage] = max(previous, record.activation_bytes)
+        self.record_activation(record.stage, record.activation_bytes)
+
+    def _before_run(self) -> None:
+        self.executor.before_run(self.policy.before_run(self.snapshot()))
+
+    def _before_stage(self, index: int, state: Any = None) -> None:
+        """Wait for the stage's prefetched components, then act on the policy's steps."""
+        self.executor.wait_for(self.stage_uses()[index].components)
+        needs = self.stages[index].needs_components(state)
+        steps = self.policy.before_stage(self.snapshot(needs_components=needs), index)
+        self.executor.before_stage(steps)
+
+    def _after_run(self) -> None:
+        self.executor.finish_run()
 
     def _run(self, state: Any) -> Any:
         self._profile_shape = self.profile_shape(state) or self._profile_shape
         self.stage_uses()
         self.tracker.run_started()
-        self.policy.before_run()
+        self._before_run()
         try:
             for index, stage in enumerate(self.stages):
                 self._current_index = index
@@ -350,7 +403,7 @@ class Pipeline:
             raise
         finally:
             self._current_index = None
-        self.policy.after_run()
+        self._after_run()
         return state
 
     def _stage_index(self, stage: Stage) -> int | None:
@@ -370,7 +423,7 @@ class Pipeline:
         self.tracker.stage_started(stage.name)
         failed = True
         try:
-            self.policy.before_stage(index, state)
+            self._before_stage(index, state)
             self.tracker.compute_started()
             with pinned(*held):
                 state, _ = self._forward_with_recovery(stage, index, state)
@@ -381,7 +434,7 @@ class Pipeline:
             # not what it needs: that is never remembered. After an out-of-memory retry
             # the measurement is the retry's alone (see _forward_with_recovery).
             if not failed:
-                self.policy.stage_measured(index, record)
+                self._stage_measured(index, record)
             self._after_stage(index, failed)
         return state
 
@@ -390,10 +443,19 @@ class Pipeline:
         try:
             return stage.forward(state), False
         except Exception as error:
-            if not is_out_of_memory(error) or not self.policy.recover_from_oom(index):
+            if not is_out_of_memory(error) or not self._recover_from_oom(index):
                 raise
         self.tracker.compute_started()  # measure the retry, not the attempt that failed
         return stage.forward(state), True
+
+    def _recover_from_oom(self, index: int) -> bool:
+        """Out of memory inside a stage: free what the policy lets go; whether to retry."""
+        self.executor.cancel_prefetch()
+        steps = self.policy.recover_from_oom(self.snapshot(), index)
+        if steps is None:
+            return False
+        self.executor.recover(steps)
+        return True
 
     def _loading_bytes(self) -> int:
         """Bytes of the components loading right now (a prefetch in the background)."""
@@ -404,7 +466,8 @@ class Pipeline:
         if self.training:
             return
         try:
-            self.policy.after_stage(index, failed=failed)
+            steps = self.policy.after_stage(self.snapshot(), index, failed=failed)
+            self.executor.release(steps.release)
         except Exception as error:
             if not failed:
                 raise
@@ -413,18 +476,12 @@ class Pipeline:
     def cancel_prefetch_quietly(self) -> None:
         """Stop prefetches (none may load after an abort); a failure only warns."""
         try:
-            self.policy.cancel_prefetch()
+            self.executor.cancel_prefetch()
         except Exception as error:
             warnings.warn(f"stopping a prefetch failed: {error!r}", stacklevel=3)
 
     def _release_deferred_quietly(self) -> None:
-        for name, proxy in self.deferred.items():
-            try:
-                proxy.release()
-            except Exception as error:
-                warnings.warn(
-                    f"releasing '{name}' after a failed run failed: {error!r}", stacklevel=3
-                )
+        self.executor.release_all(quietly=True)
 
     def _forget_what_is_not_loaded(self) -> None:
         """After an abort the tracker lists only what is really loaded, whatever an
@@ -445,9 +502,9 @@ class Pipeline:
         return self._profile_shape
 
     def close(self) -> None:
-        """Join the policy's threads and release every deferred component. The pipeline
+        """Join the executor's threads and release every deferred component. The pipeline
         stays usable: the next call loads again (and starts threads again)."""
-        self.policy.close()
+        self.executor.close()
         self.release_all()
 
     def __enter__(self) -> Pipeline:
@@ -458,8 +515,7 @@ class Pipeline:
 
     def release_all(self) -> int:
         """Release every deferred component; returns the bytes freed."""
-        self.policy.cancel_prefetch()
-        return sum(proxy.release() for proxy in self.deferred.values())
+        return self.executor.release_all()
 
     def train(self, mode: bool = True) -> Pipeline:
         """Training keeps every component resident: gradients need the weights."""
@@ -484,12 +540,16 @@ class Pipeline:
         return component_name(proxy)
 
     def before_load(self, proxy: LazyModule) -> None:
-        self.policy.before_load(self._name_of(proxy))
+        if self.executor.in_prefetch_thread():
+            return
+        self.executor.release(
+            self.policy.before_load(self.snapshot(), self._name_of(proxy)).release
+        )
 
     def after_load(self, proxy: LazyModule, nbytes: int, seconds: float) -> None:
         name = self._name_of(proxy)
         self._measured_bytes[name] = nbytes
-        self.tracker.loaded(name, nbytes, seconds, exposed=not self.policy.in_prefetch_thread())
+        self.tracker.loaded(name, nbytes, seconds, exposed=not self.executor.in_prefetch_thread())
 
     def after_wait(self, proxy: LazyModule, seconds: float) -> None:
         """A forward waited for a block that a pipelined load had not brought in yet."""
@@ -524,8 +584,6 @@ def _is_loader(value: Any) -> bool:
     Modules, tensors and library objects such as tokenizers and schedulers are
     callable too, but they are the component itself.
     """
-    import torch
-
     if is_lazy(value) or not callable(value):
         return False
     if isinstance(value, (torch.nn.Module, torch.Tensor)):

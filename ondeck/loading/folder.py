@@ -24,6 +24,7 @@ from .safetensors_format import (
     open_regular_file,
     read_header,
 )
+from .skeleton import build_skeleton
 
 __all__ = ["ModelFolder"]
 
@@ -360,8 +361,6 @@ class ModelFolder:
         # Built once per (component, dtype); loads copy it. Building changes process-wide
         # torch state for a moment, so it should happen when the spec is first asked for
         # (pipeline setup), not in a loader thread while another thread computes.
-        from .skeleton import build_skeleton
-
         with self._lock:
             template = self._templates.get((name, dtype))
             if template is None:

@@ -39,6 +39,8 @@ def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, 
     """
     if not pinned:  # pageable memory is not rounded: a buffer per tensor, exactly
         return [(info.nbytes, {index: 0}) for index, info in enumerate(infos)]
+    # Here, not at the top: importing ondeck.streaming runs its __init__, whose streamer
+    # imports ondeck.loading, which is still importing this module.
     from ..streaming.host import pack_arenas
 
     return pack_arenas(

@@ -19,9 +19,13 @@ from typing import Any
 
 import torch
 
+from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..memory import free_cached_memory
+from ..loading import ComponentLoader, ModelFolder, load_auxiliary, storage
+from ..loading.sharded import ShardedComponentLoader
+from ..memory import free_cached_memory, resolve_device
+from ..parallel import resolve_parallel
 from ..stages import Pipeline, Stage
 
 __all__ = ["WanTextToVideo", "PromptCache", "WanGeometry"]
@@ -476,18 +480,11 @@ class WanTextToVideo(Pipeline):
         computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
         encoder and transformer, or a dict by component name.
         """
-        from ..loading import ComponentLoader, ModelFolder, load_auxiliary, storage
-        from ..memory import resolve_device
-        from ..parallel import resolve_parallel
-
         models = ("text_encoder", "transformer", "vae")
         shard = tuple(shard)
         unknown = sorted(set(shard) - set(models))
         if unknown:
             raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
-        from ..distributed import device_mesh, init
-        from ..loading.sharded import ShardedComponentLoader
-
         if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..lazy import loader_of
+from .. import memory
+from ..lazy import is_loaded
 from .host import host_to_device_bytes_per_second
 from .layout import (
     DEFAULT_BANDWIDTH_SOURCE,
@@ -60,27 +61,26 @@ class BlockStreaming:
         self.reserved: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def inputs(self, pipeline: Any) -> StreamingInputs:
-        from ..memory import device_facts
-
+    def inputs(self, snapshot: Any) -> StreamingInputs:
+        """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
         options = self.options
         unified = options.unified
         if unified is None:
-            unified = device_facts(pipeline.device).unified
+            unified = memory.device_facts(snapshot.device).unified
         if unified:
             return StreamingInputs(
                 slots=options.slots,
                 unavailable=(
-                    f"{pipeline.device} is unified memory: host and device are one pool, so "
+                    f"{snapshot.device} is unified memory: host and device are one pool, so "
                     "moving blocks to host memory frees nothing"
                 ),
             )
-        hints = getattr(pipeline, "streamable_blocks", None) or {}
+        hints = snapshot.streamable_blocks
         candidates: dict[str, BlockSizes] = {}
-        for name, proxy in pipeline.deferred.items():
+        for name, loader in snapshot.loaders.items():
             if name in hints and not hints[name]:
                 continue
-            streamer = self._streamer_for(name, proxy, hints.get(name))
+            streamer = self._streamer_for(name, loader, hints.get(name))
             if streamer is not None:
                 candidates[name] = streamer.sizes
         measure = None
@@ -88,7 +88,7 @@ class BlockStreaming:
             bandwidth, source = options.bytes_per_second, "given"
         else:
             bandwidth, source = DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND, DEFAULT_BANDWIDTH_SOURCE
-            measure = functools.partial(host_to_device_bytes_per_second, pipeline.device)
+            measure = functools.partial(host_to_device_bytes_per_second, snapshot.device)
         return StreamingInputs(
             candidates=candidates,
             slots=options.slots,
@@ -98,8 +98,7 @@ class BlockStreaming:
             measure=measure,
         )
 
-    def _streamer_for(self, name: str, proxy: Any, hint: str | None) -> BlockStreamer | None:
-        loader = loader_of(proxy)
+    def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:
         if not hasattr(loader, "placement") or not hasattr(loader, "folder"):
             return None  # only ComponentLoader can place weights in host memory
         with self._lock:
@@ -129,8 +128,6 @@ class BlockStreaming:
     def apply(self, pipeline: Any, plan: Any) -> None:
         """Give each component's loader the plan's layout (or none) before anything loads,
         and keep the activation bytes the plan reserves for streaming stages."""
-        from ..lazy import is_loaded
-
         layouts: Mapping[str, StreamLayout] = plan.streamed
         self.reserved = dict(plan.reserved_activation_bytes)
         for name, proxy in pipeline.deferred.items():

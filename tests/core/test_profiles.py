@@ -175,15 +175,15 @@ def _profiled_pipeline(monkeypatch, tmp_path, stage_forward=None, **options):
 
 
 def _measure_on_any_device(monkeypatch, pipe, activation_bytes: int = 1000) -> None:
-    """The CPU has no device peak to measure: hand the policy what a CUDA run would."""
+    """The CPU has no device peak to measure: hand the pipeline what a CUDA run would."""
     import dataclasses
 
-    measured = pipe.policy.stage_measured
+    measured = pipe._stage_measured
 
     def with_activations(index, record):
         measured(index, dataclasses.replace(record, activation_bytes=activation_bytes))
 
-    monkeypatch.setattr(pipe.policy, "stage_measured", with_activations)
+    monkeypatch.setattr(pipe, "_stage_measured", with_activations)
 
 
 def test_a_stage_that_runs_out_of_memory_records_nothing(monkeypatch, tmp_path):

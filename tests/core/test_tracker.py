@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ondeck.memory import MemoryTracker
+from ondeck.tracker import MemoryTracker
 
 GiB = 2**30
 

@@ -137,6 +137,7 @@ def test_specs_never_read_tensor_data(wan_template, monkeypatch):
 
 
 def test_module_is_built_once_per_dtype_and_copied_for_loads(wan_template, monkeypatch):
+    from ondeck.loading import folder as folder_module
     from ondeck.loading import skeleton as skeleton_module
 
     builds = []
@@ -146,7 +147,7 @@ def test_module_is_built_once_per_dtype_and_copied_for_loads(wan_template, monke
         builds.append(args[2])
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(skeleton_module, "build_skeleton", counting_build)
+    monkeypatch.setattr(folder_module, "build_skeleton", counting_build)
     folder = ModelFolder.open(wan_template)
     folder.spec("vae", dtype=torch.float32)
     folder.spec("vae", dtype=torch.float32)

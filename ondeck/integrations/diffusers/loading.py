@@ -17,6 +17,8 @@ import torch
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
+from ...loading import ComponentLoader, ModelFolder, load_auxiliary, storage
+from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
 from ...parallel import resolve_parallel, split_sequences
 from .component import PipelineComponent, is_plain_value
@@ -75,8 +77,6 @@ def from_pretrained(
     per component (``ondeck.loading.storage``).
     """
     import diffusers
-
-    from ...loading import ModelFolder, load_auxiliary, storage
 
     dtype = kwargs.pop("dtype", None)
     if torch_dtype is not None and dtype is not None:
@@ -215,8 +215,6 @@ def _pipeline_class(diffusers: Any, folder: Any) -> type:
 def _can_defer(folder: Any, name: str) -> bool:
     """Models ondeck can build from a config and fill from safetensors files. A model it
     cannot defer loads with diffusers and stays resident; one warning says why."""
-    from ...loading.skeleton import library_of
-
     try:
         cls = folder.component_class(name)
         if not issubclass(cls, torch.nn.Module):
@@ -239,8 +237,6 @@ def _can_defer(folder: Any, name: str) -> bool:
 def _is_container(folder: Any, name: str) -> bool:
     """A diffusers model that only holds models saved beside it (``MultiControlNetModel``:
     ``controlnet``, ``controlnet_1``, ...), built from a list of them, with no config."""
-    from ...loading.skeleton import library_of
-
     try:
         cls = folder.component_class(name)
     except LoadError:
@@ -259,8 +255,6 @@ def _deferred_container(
     """The container built over a deferred proxy for each model in it, found as diffusers
     finds them (``name``, ``name_1``, ... beside each other); None, with one warning,
     when a model in it cannot be deferred (diffusers then loads the container whole)."""
-    from ...loading import ModelFolder
-
     cls = folder.component_class(name)
     parts: list[str] = []
     while (folder.path / (name if not parts else f"{name}_{len(parts)}")).is_dir():
@@ -312,8 +306,6 @@ def _is_transformers_auxiliary(folder: Any, name: str) -> bool:
 
 
 def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
-    from ...loading.skeleton import library_of
-
     if isinstance(dtype, dict):
         return dtype.get(name, dtype.get("default", torch.float32))
     if dtype is not None:
@@ -331,9 +323,6 @@ def _deferred_component(
     progress: bool,
     storage_dtype: Any = None,
 ) -> PipelineComponent | None:
-    from ...loading import ComponentLoader
-    from ...loading.skeleton import SkeletonBuildError
-
     def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
         return ComponentLoader(
             folder,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ... import memory
 from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy
 from ...memory import resolve_device
@@ -158,7 +159,7 @@ class DiffusersRuntime(Pipeline):
         self.stage_uses()
         self._current_index = None
         with self._deciding():
-            self.policy.before_run()
+            self._before_run()
         self.tracker.run_started()
         self._record = _CallRecord()
 
@@ -168,7 +169,7 @@ class DiffusersRuntime(Pipeline):
             self._record is None
             or self._acting
             or threading.get_ident() != self._running_thread
-            or self.policy.in_prefetch_thread()
+            or self.executor.in_prefetch_thread()
         ):
             return
         name = self._name_of(proxy)
@@ -197,11 +198,11 @@ class DiffusersRuntime(Pipeline):
                 self._after_stage(earlier, failed=False)
         self._current_index = index
         self.tracker.stage_started(self.stages[index].name)
-        self.policy.before_stage(index)
+        self._before_stage(index)
 
     def _finish_turn(self, index: int) -> None:
         record = self.tracker.stage_finished(self.stages[index].name, self._loading_bytes())
-        self.policy.stage_measured(index, record)
+        self._stage_measured(index, record)
         self._after_stage(index, failed=False)
 
     def _hold_back(self) -> bool:
@@ -226,14 +227,12 @@ class DiffusersRuntime(Pipeline):
         """Held-back components may stay beside a load of ``nbytes`` while together they
         take no more than the largest component (the peak ``release`` promises) and the
         device has that room."""
-        from ...memory import device_facts
-
         largest = max((size or 0 for size in self.component_bytes().values()), default=0)
         if self.tracker.resident_bytes + nbytes > largest:
             return False
         room = self.activation_room()
         if room is None:
-            room = device_facts(self.device).available_bytes
+            room = memory.device_facts(self.device).available_bytes
         return nbytes <= room
 
     def before_load(self, proxy: Any) -> None:
@@ -250,7 +249,7 @@ class DiffusersRuntime(Pipeline):
             self._held_back = []
             for index in range(len(self.stages)):
                 super()._after_stage(index, failed=False)
-            self.policy.after_run()
+            self._after_run()
         self._learn(self._record)
 
     def _abort_call(self) -> None:
@@ -259,7 +258,7 @@ class DiffusersRuntime(Pipeline):
             if self._current_index is not None:
                 self.tracker.stage_finished(self.stages[self._current_index].name)
             try:
-                self.policy.cancel_prefetch()
+                self.executor.cancel_prefetch()
             finally:
                 self._release_deferred_quietly()
 

@@ -1,0 +1,274 @@
+"""The timeline of what was resident when: loads, releases, waits and each stage's peak."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import timeline
+from .memory import measured_device_bytes, process_peak_rss_bytes
+
+__all__ = ["Event", "MemoryTracker", "StageRecord"]
+
+
+@dataclass
+class Event:
+    seconds: float
+    kind: str  # load | fill | release | stage_start | stage_end | wait
+    name: str
+    nbytes: int
+    resident_bytes: int
+    measured_bytes: int | None = None
+    duration_seconds: float | None = None
+    run: int = 0
+
+
+@dataclass
+class StageRecord:
+    run: int
+    stage: str
+    seconds: float
+    exposed_load_seconds: float
+    resident_bytes_at_start: int
+    peak_measured_bytes: int | None
+    activation_bytes: int | None
+
+
+def _resets_peaks_by_default() -> bool:
+    return os.environ.get("ONDECK_RESET_PEAKS", "0").strip().lower() in ("1", "true", "yes")
+
+
+@dataclass
+class MemoryTracker:
+    """Records every load, release and stage boundary with resident and measured bytes.
+
+    Holds names and numbers only, never a module: the tracker must not keep anything
+    alive that a release is meant to free.
+
+    On CUDA each stage's peak device bytes allocated is measured. ``reset_peaks`` says
+    how. False (the default, or ``ONDECK_RESET_PEAKS=0``): torch's peak statistics are
+    only read, never reset, so the caller's ``torch.cuda.max_memory_allocated()`` still
+    covers everything before and during the run; a stage's peak is then known exactly
+    when the stage raised that figure (or started at it), and is None when it stayed
+    below a peak reached earlier. True (``ONDECK_RESET_PEAKS=1``): the statistics are
+    reset as each stage starts and as its compute starts, so every stage's peak is
+    exact, and the caller's ``max_memory_allocated()`` afterwards covers only the time
+    since the last stage's compute began (the tracker's ``peak_measured_bytes`` keeps
+    the figure from before).
+    """
+
+    device: str = "cpu"
+    events: list[Event] = field(default_factory=list)
+    stages: list[StageRecord] = field(default_factory=list)
+    resident: dict[str, int] = field(default_factory=dict)
+    peak_resident_bytes: int = 0
+    bytes_loaded: int = 0
+    runs: int = 0
+    peak_measured_bytes: int = 0
+    keep_runs: int = 4
+    reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = time.perf_counter()
+        self._stage_started: float | None = None
+        self._exposed: float = 0.0
+        self._stage_resident_at_start = 0
+        self._compute_resident = 0
+        # Read where the measured part of a stage begins: the device's peak so far and
+        # its bytes allocated then (None off CUDA).
+        self._peak_at_mark: int | None = None
+        self._allocated_at_mark: int | None = None
+        # Reset mode: the stage's peak before its compute began (its statistics reset then).
+        self._peak_before_reset: int | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident.values())
+
+    def _measure(self) -> int | None:
+        try:
+            return measured_device_bytes(self.device)
+        except Exception:
+            return None
+
+    def _record(self, kind: str, name: str, nbytes: int, duration: float | None = None) -> None:
+        self.events.append(
+            Event(
+                seconds=time.perf_counter() - self._start,
+                kind=kind,
+                name=name,
+                nbytes=nbytes,
+                resident_bytes=self.resident_bytes,
+                measured_bytes=self._measure(),
+                duration_seconds=duration,
+                run=self.runs,
+            )
+        )
+
+    def loaded(self, name: str, nbytes: int, seconds: float, *, exposed: bool = True) -> None:
+        with self._lock:
+            self.resident[name] = nbytes
+            self.bytes_loaded += nbytes
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            self._compute_resident = max(self._compute_resident, self.resident_bytes)
+            if exposed and self._stage_started is not None:
+                self._exposed += seconds
+            self._record("load", name, nbytes, seconds)
+
+    def filled(self, name: str, seconds: float) -> None:
+        """A pipelined load of ``name`` has every weight in place, ``seconds`` after it
+        began; its ``load`` event marked when compute could start."""
+        with self._lock:
+            self._record("fill", name, self.resident.get(name, 0), seconds)
+
+    def released(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.resident.pop(name, None)
+            self._record("release", name, nbytes)
+
+    def waited(self, name: str, seconds: float) -> None:
+        with self._lock:
+            if self._stage_started is not None:
+                self._exposed += seconds
+            self._record("wait", name, 0, seconds)
+
+    def run_started(self) -> None:
+        """A run begins; events and stage records of older runs than ``keep_runs`` go.
+
+        Totals (peaks, bytes loaded) cover every run; the timeline covers the last ones,
+        so a long-lived process does not grow with every generation.
+        """
+        with self._lock:
+            self.runs += 1
+            oldest = self.runs - self.keep_runs + 1
+            if self.stages and self.stages[0].run < oldest:
+                self.stages = [s for s in self.stages if s.run >= oldest]
+                self.events = [e for e in self.events if e.run >= oldest]
+
+    def _on_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+    def _mark(self, *, stage_start: bool) -> None:
+        """The measured part of a stage begins here (at its start, then at its compute)."""
+        import torch
+
+        if not self._on_cuda():
+            return
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        self._peak_at_mark = peak
+        self._allocated_at_mark = int(torch.cuda.memory_allocated(self.device))
+        if self.reset_peaks:
+            # Keep what the statistics held before they go: the peak before this stage
+            # (for the overall figure), or this stage's own loads before its compute.
+            if stage_start:
+                self.peak_measured_bytes = max(self.peak_measured_bytes, peak)
+                self._peak_before_reset = None
+            else:
+                self._peak_before_reset = max(self._peak_before_reset or 0, peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _stage_peak(self) -> tuple[int | None, int | None]:
+        """(peak allocated since the mark when it is known, peak allocated over all)."""
+        import torch
+
+        if not self._on_cuda():
+            return None, None
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        if self._peak_at_mark is None:  # no stage began: the peak is older
+            return None, peak
+        if self.reset_peaks:
+            return peak, max(peak, self._peak_before_reset or 0)
+        if peak > self._peak_at_mark or peak == self._allocated_at_mark:
+            # Raised the device's peak, or began at it: either way, this is the stage's.
+            return peak, peak
+        return None, peak  # stayed below a peak reached before: not this stage's
+
+    def stage_started(self, stage: str) -> None:
+        """A stage begins: the policy may now load or evict before it computes."""
+        with self._lock:
+            self._stage_started = time.perf_counter()
+            self._exposed = 0.0
+            self._stage_resident_at_start = self.resident_bytes
+            self._compute_resident = self.resident_bytes
+            self._mark(stage_start=True)  # compute_started moves it, where it is called
+            self._record("stage_start", stage, 0)
+
+    def compute_started(self) -> None:
+        """The stage's own work begins; device peaks from here on are its activations.
+
+        With ``reset_peaks``, resets the device's peak statistics after keeping the peak
+        reached since the stage started, so its loads before the compute still count.
+        """
+        with self._lock:
+            self._mark(stage_start=False)
+            self._compute_resident = self.resident_bytes
+
+    def stage_finished(self, stage: str, loading_bytes: int = 0) -> StageRecord:
+        """The stage is done. ``loading_bytes``: components still loading in the
+        background (a prefetch), whose tensors the device peak may already hold."""
+        with self._lock:
+            started = self._stage_started or time.perf_counter()
+            compute_peak, overall_peak = self._stage_peak()
+            activation = None
+            peak = None
+            if compute_peak is not None:
+                # Weights resident, or arriving, at any point of the stage are not
+                # activations.
+                weights = max(self._compute_resident, self.resident_bytes + loading_bytes)
+                activation = max(0, compute_peak - weights)
+                peak = max(compute_peak, self._peak_before_reset or 0)
+            if overall_peak is not None:
+                self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
+            record = StageRecord(
+                run=self.runs,
+                stage=stage,
+                seconds=time.perf_counter() - started,
+                exposed_load_seconds=self._exposed,
+                resident_bytes_at_start=self._stage_resident_at_start,
+                peak_measured_bytes=peak,
+                activation_bytes=activation,
+            )
+            self.stages.append(record)
+            self._stage_started = None
+            self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
+            self._record("stage_end", stage, 0)
+            return record
+
+    def run_peak_measured_bytes(self, run: int) -> int | None:
+        """Peak device bytes allocated during ``run`` (CUDA only; without ``reset_peaks``,
+        only stages that raised the device's peak count, so None when none did)."""
+        peaks = [s.peak_measured_bytes for s in self.stages if s.run == run]
+        peaks = [p for p in peaks if p is not None]
+        return max(peaks) if peaks else None
+
+    def exposed_load_seconds(self, run: int | None = None) -> float:
+        return sum(s.exposed_load_seconds for s in self.stages if run is None or s.run == run)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "runs": self.runs,
+            "reset_peaks": self.reset_peaks,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "bytes_loaded": self.bytes_loaded,
+            "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
+            "process_peak_rss_bytes": process_peak_rss_bytes(),
+            "exposed_load_seconds": self.exposed_load_seconds(),
+            "stages": [asdict(s) for s in self.stages],
+            "events": [asdict(e) for e in self.events],
+        }
+
+    def write_json(self, path: str | os.PathLike, **extra: Any) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({**self.to_dict(), **extra}, indent=2))
+        return path
+
+    def plot(self, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
+        """A PNG of the timeline (``ondeck.timeline``; needs matplotlib)."""
+        return timeline.plot(self, path, title=title)
