@@ -15,7 +15,7 @@ import torch
 import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
-from ondeck.memory import StageRecord
+from ondeck.tracker import StageRecord
 from ondeck.pipelines.wan import WanTextToVideo
 from tests.core.helpers import Apply, CountingLoader
 
@@ -73,7 +73,7 @@ def wan_shaped() -> WanShaped:
 def measure(pipe, activations) -> None:
     """What a run on the card would have recorded, stage by stage."""
     for index, (stage, nbytes) in enumerate(activations.items()):
-        pipe.policy.stage_measured(index, StageRecord(1, stage, 1.0, 0.0, 0, None, nbytes))
+        pipe._stage_measured(index, StageRecord(1, stage, 1.0, 0.0, 0, None, nbytes))
 
 
 def resident(plan, run: int) -> dict[str, tuple[str, ...]]:
