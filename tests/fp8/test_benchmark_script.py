@@ -145,7 +145,7 @@ def test_the_children_measure_peaks_per_stage(fp8_script, monkeypatch, tmp_path)
 
 
 def test_stage_rows_split_a_runs_loads_and_streams_by_stage(fp8_script):
-    from ondeck.memory import MemoryTracker
+    from ondeck.tracker import MemoryTracker
 
     tracker = MemoryTracker()
     for run in (1, 2):
