@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,3 +163,71 @@ def process_peak_rss_bytes() -> int:
     except OSError:
         pass
     return process_rss_bytes()
+
+
+# cudaHostRegisterPortable: page-locked for every device's context, not only the current one.
+_REGISTER_PORTABLE = 1
+_PAGE = 4096
+
+
+def _cudart() -> Any:
+    import torch
+
+    return torch.cuda.cudart()
+
+
+def pinned_host_bytes(nbytes: int) -> Any:
+    """A uint8 host tensor of exactly ``nbytes`` (to the page), page-locked for copies to
+    CUDA devices.
+
+    torch's pinned allocator rounds every request up to a power of two: a 10.1 GiB
+    component held in one buffer takes 16 GiB of host memory. This allocates the bytes
+    asked for and registers them with CUDA instead; they are unregistered, then freed,
+    once no tensor views them any more. Where registering fails, torch's allocator is
+    used after all.
+    """
+    import weakref
+
+    import numpy as np
+    import torch
+
+    nbytes = int(nbytes)
+    size = -(-max(nbytes, 1) // _PAGE) * _PAGE
+    owner = np.empty(size + _PAGE, dtype=np.uint8)  # freed when its last view goes
+    start = -owner.ctypes.data % _PAGE  # page-aligned, as registering wants
+    pointer = owner.ctypes.data + start
+    try:
+        status = int(_cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE))
+    except Exception:
+        status = -1
+    if status != 0:
+        del owner
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # Runs as the owner is collected, before numpy frees its memory.
+    weakref.finalize(owner, _unregister, pointer)
+    return torch.from_numpy(owner[start : start + nbytes])
+
+
+def _unregister(pointer: int) -> None:
+    try:
+        _cudart().cudaHostUnregister(pointer)
+    except Exception:  # at interpreter exit CUDA may be gone; the memory goes with it
+        pass
+
+
+# Tensors packed into one buffer start at multiples of this: enough for every dtype and
+# for the copy engines.
+ALIGNMENT_BYTES = 256
+
+
+def aligned(nbytes: int, alignment: int = ALIGNMENT_BYTES) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def packed_offsets(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """Offsets of tensors of ``sizes`` bytes laid out back to back at aligned offsets."""
+    offsets, end = [], 0
+    for nbytes in sizes:
+        offsets.append(end)
+        end += aligned(nbytes)
+    return tuple(offsets), end

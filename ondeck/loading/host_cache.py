@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..memory import is_unified
+from ..memory import is_unified, packed_offsets, pinned_host_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
@@ -33,19 +33,14 @@ def default_budget_bytes() -> int:
 def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, int]]]:
     """Where each tensor's bytes go: ``(arena bytes, {tensor index: offset})``.
 
-    Pinned memory comes from torch's caching host allocator, which rounds every request
-    up to a power of two: one buffer per tensor would hold half as much again (a 14B
-    transformer: 40.7 GiB for 26.6). Packed into power-of-two arenas, little is lost.
+    Pinned: one arena of exactly the entry's bytes (``memory.pinned_host_bytes``; torch's
+    pinned allocator would round it up to a power of two, 16 GiB for a 10.1 GiB text
+    encoder). Pageable memory is not rounded: a buffer per tensor, exactly.
     """
-    if not pinned:  # pageable memory is not rounded: a buffer per tensor, exactly
+    if not pinned:
         return [(info.nbytes, {index: 0}) for index, info in enumerate(infos)]
-    # Here, not at the top: importing ondeck.streaming runs its __init__, whose streamer
-    # imports ondeck.loading, which is still importing this module.
-    from ..streaming.host import pack_arenas
-
-    return pack_arenas(
-        {index: info.nbytes for index, info in enumerate(infos)}, round_to_power_of_two=True
-    )
+    offsets, total = packed_offsets([info.nbytes for info in infos])
+    return [(total, dict(enumerate(offsets)))]
 
 
 class HostCache:
@@ -59,7 +54,7 @@ class HostCache:
     def __init__(self, budget_bytes: int | None = None, *, pin: bool | None = None):
         self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
         # Pinned (the default where CUDA is): a reload is one DMA per tensor. The budget
-        # counts the bytes really held, arenas rounded up included.
+        # counts the bytes really held, each tensor's alignment included.
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         self._entries: OrderedDict[Hashable, dict[str, torch.Tensor]] = OrderedDict()
         self._sizes: dict[Hashable, int] = {}
@@ -122,7 +117,10 @@ class HostCache:
         try:
             buffers: dict[str, torch.Tensor] = {}
             for capacity, members in arenas:
-                arena = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+                if pin:
+                    arena = pinned_host_bytes(capacity)
+                else:
+                    arena = torch.empty(capacity, dtype=torch.uint8)
                 for index, offset in members.items():
                     buffers[infos[index].name] = arena[offset : offset + infos[index].nbytes]
             return buffers

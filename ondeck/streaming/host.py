@@ -5,12 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .layout import (
-    DEFAULT_BANDWIDTH_SOURCE,
-    DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND,
-    aligned,
-    packed_offsets,
-)
+from ..memory import packed_offsets, pinned_host_bytes
+from .layout import DEFAULT_BANDWIDTH_SOURCE, DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND
 
 __all__ = ["HostCopies", "host_to_device_bytes_per_second", "pack_arenas"]
 
@@ -58,9 +54,9 @@ def _measure_bandwidth(device: Any, nbytes: int = 128 * 2**20, repeats: int = 4)
 class HostCopies:
     """Streamed blocks' weights in host memory, each block packed in one region.
 
-    Pinned buffers come from torch's caching host allocator, which rounds every request
-    up to a power of two; blocks are packed into power-of-two arenas so little is lost.
-    Arenas are planned when the layout is set and allocated when a load first needs them.
+    Pinned arenas hold exactly their blocks' bytes (``memory.pinned_host_bytes``; torch's
+    pinned allocator would round each up to a power of two). Arenas are planned when the
+    layout is set and allocated when a load first needs them.
     """
 
     def __init__(self, pinned: bool):
@@ -86,7 +82,7 @@ class HostCopies:
                 self._arenas[arena] = None
                 self._capacity[arena] = 0
         new = {b: n for b, n in sorted(wanted.items()) if b not in self._where}
-        for capacity, members in pack_arenas(new, round_to_power_of_two=self.pinned):
+        for capacity, members in pack_arenas(new):
             self._arenas.append(None)
             self._capacity.append(capacity)
             self._members.append(set(members))
@@ -98,8 +94,11 @@ class HostCopies:
 
         arena, offset, nbytes = self._where[block]
         if self._arenas[arena] is None:
-            self._arenas[arena] = torch.empty(
-                self._capacity[arena], dtype=torch.uint8, pin_memory=self.pinned
+            capacity = self._capacity[arena]
+            self._arenas[arena] = (
+                pinned_host_bytes(capacity)
+                if self.pinned
+                else torch.empty(capacity, dtype=torch.uint8)
             )
         return self._arenas[arena][offset : offset + nbytes]
 
@@ -119,46 +118,14 @@ class HostCopies:
         return freed
 
 
-def _arena_capacity(used: int, round_to_power_of_two: bool) -> int:
-    if not round_to_power_of_two or used <= 0:
-        return used
-    return 1 << (used - 1).bit_length()
-
-
-def pack_arenas(
-    sizes: Mapping[int, int], *, round_to_power_of_two: bool
-) -> list[tuple[int, dict[int, int]]]:
-    """Pack blocks (index -> bytes), in index order, into as few bytes of arenas as can be.
-
-    Without rounding: one arena, exactly the blocks' bytes. With rounding (pinned memory),
-    arenas of a power of two chosen to waste the least; the last one is sized to fit.
-    """
+def pack_arenas(sizes: Mapping[int, int]) -> list[tuple[int, dict[int, int]]]:
+    """Blocks (index -> bytes), in index order, in one arena of exactly their aligned
+    bytes: ``[(arena bytes, {block: offset})]`` (none for no blocks)."""
     if not sizes:
         return []
     blocks = sorted(sizes)
-    if not round_to_power_of_two:
-        offsets, total = packed_offsets([sizes[b] for b in blocks])
-        return [(total, dict(zip(blocks, offsets, strict=True)))]
-    largest = _arena_capacity(max(aligned(n) for n in sizes.values()), True)
-    best: list[tuple[int, dict[int, int]]] | None = None
-    best_total = None
-    for doubling in range(5):
-        capacity = largest << doubling
-        arenas: list[tuple[int, dict[int, int]]] = []
-        used, members = 0, {}
-        for block in blocks:
-            nbytes = aligned(sizes[block])
-            if used + nbytes > capacity:
-                arenas.append((used, members))
-                used, members = 0, {}
-            members[block] = used
-            used += nbytes
-        arenas.append((used, members))
-        sized = [(_arena_capacity(used, True), members) for used, members in arenas]
-        total = sum(capacity for capacity, _ in sized)
-        if best_total is None or total < best_total:
-            best, best_total = sized, total
-    return best
+    offsets, total = packed_offsets([sizes[b] for b in blocks])
+    return [(total, dict(zip(blocks, offsets, strict=True)))]
 
 
 def _empty_host_cache() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..memory import format_bytes
+from ..memory import format_bytes, packed_offsets
 
 __all__ = [
     "BlockSizes",
@@ -24,8 +24,6 @@ __all__ = [
     "stream_layout",
 ]
 
-# Offsets of tensors packed in one buffer: enough for vectorised kernels on any dtype.
-ALIGNMENT_BYTES = 256
 DEFAULT_SLOTS = 2
 # Pinned host-to-device copy bandwidth on an H200 (PCIe Gen5 x16), measured with
 # benchmarks/load_throughput.py. Used where nothing better is known (no CUDA device).
@@ -34,19 +32,6 @@ DEFAULT_BANDWIDTH_SOURCE = "default: pinned host to H200"
 # Activations of a stage that has not run yet are unknown; a streamed component would
 # otherwise take every byte of the budget. This share of the budget stays free for them.
 UNMEASURED_ACTIVATION_FRACTION = 0.10
-
-
-def aligned(nbytes: int, alignment: int = ALIGNMENT_BYTES) -> int:
-    return (nbytes + alignment - 1) // alignment * alignment
-
-
-def packed_offsets(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
-    """Offsets of tensors of ``sizes`` bytes laid out back to back at aligned offsets."""
-    offsets, end = [], 0
-    for nbytes in sizes:
-        offsets.append(end)
-        end += aligned(nbytes)
-    return tuple(offsets), end
 
 
 @dataclass(frozen=True)

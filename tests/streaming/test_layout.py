@@ -131,18 +131,16 @@ def test_without_streaming_inputs_the_plan_is_unchanged():
     assert plan.streamed == {} and not plan.fits()
 
 
-def test_pinned_arenas_are_powers_of_two_and_waste_little():
+def test_arenas_hold_exactly_their_blocks_aligned_bytes():
     sizes = dict.fromkeys(range(13), BLOCK + 4096)
-    arenas = pack_arenas(sizes, round_to_power_of_two=True)
-    assert all(capacity & (capacity - 1) == 0 for capacity, _ in arenas)
-    placed = {block for _, members in arenas for block in members}
-    assert placed == set(range(13))
-    total = sum(capacity for capacity, _ in arenas)
-    assert total < 1.1 * sum(sizes.values())
-    for capacity, members in arenas:
-        ends = [offset + sizes[block] for block, offset in members.items()]
-        assert max(ends) <= capacity
-    assert pack_arenas(sizes, round_to_power_of_two=False)[0][0] >= sum(sizes.values())
+    block = (BLOCK + 4096 + 255) // 256 * 256  # each block starts on a 256-byte boundary
+    ((capacity, members),) = pack_arenas(sizes)
+    assert sorted(members) == list(range(13))
+    assert capacity == 13 * block
+    assert sorted(members.values()) == [i * block for i in range(13)]
+    assert pack_arenas({}) == []
+    ((odd, _),) = pack_arenas({0: 1, 1: 1})
+    assert odd == 512
 
 
 def test_activations_not_measured_yet_stay_free_in_every_decision():

@@ -1,0 +1,61 @@
+"""Exact-size page-locked host memory: registered with CUDA page by page, unregistered
+once its last view is gone. CUDA's runtime is replaced by a recorder on this CPU host."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ondeck import memory
+
+
+class Runtime:
+    def __init__(self, status: int = 0):
+        self.status = status
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:  # noqa: N802
+        if self.status == 0:
+            self.registered[pointer] = size
+        return self.status
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
+        self.unregistered.append(pointer)
+        return 0
+
+
+def test_exactly_the_pages_asked_for_are_registered_and_released_with_the_last_view(
+    monkeypatch,
+):
+    runtime = Runtime()
+    monkeypatch.setattr(memory, "_cudart", lambda: runtime)
+    tensor = memory.pinned_host_bytes(10_000)
+    assert tensor.dtype == torch.uint8 and tensor.numel() == 10_000
+    ((pointer, size),) = runtime.registered.items()
+    assert pointer == tensor.data_ptr() and pointer % 4096 == 0
+    assert size == 12_288  # 10,000 bytes rounded up to the page, not to a power of two
+    view = tensor[100:200]
+    del tensor
+    gc.collect()
+    assert runtime.unregistered == []  # a view still reads it
+    view.fill_(7)
+    assert int(view.sum()) == 700
+    del view
+    gc.collect()
+    assert runtime.unregistered == [pointer]
+
+
+def test_where_registering_fails_torchs_pinned_allocator_serves(monkeypatch):
+    monkeypatch.setattr(memory, "_cudart", lambda: Runtime(status=1))
+    asked: list[dict] = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        asked.append(kwargs)
+        return empty(*args, **{**kwargs, "pin_memory": False})  # no CUDA on this host
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    tensor = memory.pinned_host_bytes(100)
+    assert tensor.numel() == 100 and asked[-1]["pin_memory"] is True
