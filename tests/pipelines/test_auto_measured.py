@@ -15,8 +15,8 @@ import torch
 import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
-from ondeck.tracker import StageRecord
 from ondeck.pipelines.wan import WanTextToVideo
+from ondeck.tracker import StageRecord
 from tests.core.helpers import Apply, CountingLoader
 
 GIB = 1 << 30
