@@ -161,6 +161,7 @@ class CollectiveClock:
         import time
 
         import torch
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
         clock = self
 
@@ -178,7 +179,7 @@ class CollectiveClock:
                 result = function(*args, **kwargs)
                 # diffusers leaves the output gather pending (funcol's AsyncCollectiveTensor)
                 # until first use: wait here, so that its time is this call's.
-                if wait and hasattr(result, "wait") and hasattr(result, "elem"):
+                if wait and isinstance(result, AsyncCollectiveTensor):
                     result = result.wait()
                 if clock.cuda:
                     end = torch.cuda.Event(enable_timing=True)
