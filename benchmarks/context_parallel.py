@@ -79,8 +79,8 @@ PEAK_TARGET = 0.60
 VARIANTS = {"single": (False, ()), "context": (True, None), "context-noshard": (True, ())}
 LABELS = {
     "single": "single (1 GPU)",
-    "context": "context x2, sharded",
-    "context-noshard": "context x2, whole",
+    "context": "context, FSDP2",
+    "context-noshard": "context, no FSDP2",
 }
 # Where the time in collectives is taken, as (module, class or None, function, kind):
 # diffusers' Ulysses all-to-all and the gather of the transformer's output, FSDP2's
