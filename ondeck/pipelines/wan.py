@@ -327,6 +327,11 @@ class Decode(Stage):
         self.tiling = tiling
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
 
+    def needs_components(self, state: dict) -> bool:
+        # Latents out (the ranks that do not write the video): the VAE is never touched,
+        # so no policy should load it for this stage.
+        return state.get("output_type") != "latent"
+
     def fit_activations(self, need: int, room: int) -> int:
         pipeline = self._ondeck_pipeline
         shape = (pipeline.run_shape or {}) if pipeline is not None else {}
