@@ -22,6 +22,7 @@ __all__ = [
     "packed_offsets",
     "plan_streaming",
     "stream_layout",
+    "streamed_blocks",
 ]
 
 DEFAULT_SLOTS = 2
@@ -93,21 +94,42 @@ def evenly_spaced(count: int, chosen: int) -> tuple[int, ...]:
     return tuple((2 * i + 1) * count // (2 * chosen) for i in range(chosen))
 
 
+def streamed_blocks(count: int, streamed: int, previous: Sequence[int] = ()) -> tuple[int, ...]:
+    """Which ``streamed`` of ``count`` blocks to stream: spread evenly between resident
+    ones; with ``previous`` (the blocks streamed now, whose host copies are held), a subset
+    of them when streaming fewer and a superset when streaming more, so a new layout reads
+    no host copy it already has."""
+    held = sorted({block for block in previous if 0 <= block < count})
+    if not held:
+        keep = set(evenly_spaced(count, count - streamed))
+        return tuple(i for i in range(count) if i not in keep)
+    if streamed <= len(held):
+        return tuple(held[j] for j in evenly_spaced(len(held), streamed))
+    rest = [i for i in range(count) if i not in set(held)]
+    extra = [rest[j] for j in evenly_spaced(len(rest), streamed - len(held))]
+    return tuple(sorted({*held, *extra}))
+
+
 def stream_layout(
-    sizes: BlockSizes, available_bytes: int, *, slots: int = DEFAULT_SLOTS
+    sizes: BlockSizes,
+    available_bytes: int,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    previous: Sequence[int] = (),
 ) -> StreamLayout | None:
     """The most resident blocks that fit ``available_bytes`` with the slots streaming needs.
 
     Everything resident when the whole component fits. None when even streaming every
     block does not fit (the non-block parts and the slots alone are too large).
+    ``previous``: the blocks streamed now (``streamed_blocks``).
     """
     count = sizes.block_count
     if sizes.total_bytes <= available_bytes:
         return StreamLayout(sizes.path, count, tuple(range(count)), (), 0, 0, sizes.total_bytes, 0)
     for kept in range(count - 1, -1, -1):
-        resident = evenly_spaced(count, kept)
-        keep = set(resident)
-        streamed = tuple(i for i in range(count) if i not in keep)
+        streamed = streamed_blocks(count, count - kept, previous)
+        keep = set(range(count)) - set(streamed)
+        resident = tuple(sorted(keep))
         slot_count = max(1, min(slots, len(streamed)))
         slot_bytes = max(sizes.packed_bytes[i] for i in streamed)
         device = (
@@ -139,6 +161,9 @@ class StreamingInputs:
     bandwidth_source: str = DEFAULT_BANDWIDTH_SOURCE
     unmeasured_activation_fraction: float = UNMEASURED_ACTIVATION_FRACTION
     unavailable: str | None = None  # why nothing can stream here (unified memory)
+    # Per component, the blocks streamed now whose host copies are held: a new layout
+    # keeps to them where it can.
+    previous: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # Measures the copy bandwidth; called only when something streams.
     measure: Callable[[], tuple[float, str]] | None = None
 
@@ -212,7 +237,9 @@ def plan_streaming(
             room = budget - headroom - others
             if available is None or room < available:
                 available, tightest = room, (use.name, others, headroom)
-        layout = stream_layout(sizes, available, slots=inputs.slots)
+        layout = stream_layout(
+            sizes, available, slots=inputs.slots, previous=inputs.previous.get(component, ())
+        )
         if layout is None:
             stage, others, headroom = tightest
             smallest = sizes.other_bytes + max(1, min(inputs.slots, sizes.block_count)) * max(

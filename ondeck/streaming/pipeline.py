@@ -77,12 +77,15 @@ class BlockStreaming:
             )
         hints = snapshot.streamable_blocks
         candidates: dict[str, BlockSizes] = {}
+        previous: dict[str, tuple[int, ...]] = {}
         for name, loader in snapshot.loaders.items():
             if name in hints and not hints[name]:
                 continue
             streamer = self._streamer_for(name, loader, hints.get(name))
             if streamer is not None:
                 candidates[name] = streamer.sizes
+                if streamer.layout is not None and streamer.host_bytes:
+                    previous[name] = tuple(streamer.layout.streamed)
         measure = None
         if options.bytes_per_second:
             bandwidth, source = options.bytes_per_second, "given"
@@ -96,6 +99,7 @@ class BlockStreaming:
             bandwidth_source=source,
             unmeasured_activation_fraction=options.unmeasured_activation_fraction,
             measure=measure,
+            previous=previous,
         )
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:

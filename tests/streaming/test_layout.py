@@ -13,6 +13,7 @@ from ondeck.streaming import (
     stream_layout,
 )
 from ondeck.streaming.host import pack_arenas
+from ondeck.streaming.layout import streamed_blocks
 
 GiB = 2**30
 
@@ -153,3 +154,32 @@ def test_activations_not_measured_yet_stay_free_in_every_decision():
     assert denoise[2] + reserve <= budget
     assert "vae" not in denoise[1]  # not prefetched into the room kept for activations
     assert f"~{reserve / GiB:.2f} GiB" in str(plan)
+
+
+def test_without_previous_blocks_the_streamed_ones_are_the_evenly_spaced_residents_gaps():
+    for count, streamed in ((40, 12), (40, 10), (6, 3), (24, 13)):
+        resident = set(evenly_spaced(count, count - streamed))
+        assert streamed_blocks(count, streamed) == tuple(
+            i for i in range(count) if i not in resident
+        )
+
+
+def test_a_new_layout_keeps_to_the_blocks_whose_host_copies_are_held():
+    held = streamed_blocks(40, 12)
+    fewer = streamed_blocks(40, 10, held)
+    assert len(fewer) == 10 and set(fewer) <= set(held)
+    more = streamed_blocks(40, 14, held)
+    assert len(more) == 14 and set(held) <= set(more)
+    assert streamed_blocks(40, 12, held) == held
+    # Without them, 10 of 40 would share only two blocks with the 12 streamed now.
+    assert len(set(streamed_blocks(40, 10)) & set(held)) == 2
+
+
+def test_stream_layout_shrinks_within_what_streams_now():
+    sizes = BlockSizes("blocks", (BLOCK,) * 40, (BLOCK,) * 40, 0)
+    budget = 31 * BLOCK  # 29 resident and 2 slots
+    first = stream_layout(sizes, budget - 2 * BLOCK)  # 27 resident, 13 streamed
+    second = stream_layout(sizes, budget, previous=first.streamed)
+    assert len(second.streamed) == 11 and set(second.streamed) <= set(first.streamed)
+    assert second.device_bytes <= budget
+    assert stream_layout(sizes, budget).device_bytes == second.device_bytes

@@ -305,3 +305,19 @@ def test_a_pipelined_load_fills_the_resident_blocks_behind_the_streamed_compute(
     assert not [e for e in whole.tracker.events if e.kind == "fill"]
     for figure in ("passes", "bytes_copied", "host_bytes_read"):
         assert stats(pipe)[figure] == stats(whole)[figure], figure
+
+
+def test_a_larger_budget_streams_fewer_blocks_from_the_host_copies_already_held(
+    six_block_folder, reference_frames
+):
+    pipe = streaming(six_block_folder, resident=2)  # four of six blocks streamed
+    assert np.array_equal(generate(pipe, "a fox"), reference_frames["a fox"])
+    first = pipe.policy.streaming.streamers["transformer"].layout.streamed
+    read = stats(pipe)["host_bytes_read"]
+    # More room (as once the activations are measured): three blocks fit on the device.
+    pipe.policy.budget_bytes = budget_keeping(transformer_blocks(six_block_folder), 3)
+    assert np.array_equal(generate(pipe, "a heron"), reference_frames["a heron"])
+    second = pipe.policy.streaming.streamers["transformer"].layout.streamed
+    assert len(first) == 4 and len(second) == 3
+    assert set(second) <= set(first)  # spread evenly afresh, block 4 would stream instead
+    assert stats(pipe)["host_bytes_read"] == read  # no host copy read again
