@@ -176,6 +176,12 @@ def _cudart() -> Any:
     return torch.cuda.cudart()
 
 
+def register_host_memory(pointer: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``pointer`` for every CUDA device
+    (``cudaHostRegister``); CUDA's status, 0 on success."""
+    return int(_cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE))
+
+
 def pinned_host_bytes(nbytes: int) -> Any:
     """A uint8 host tensor of exactly ``nbytes`` (to the page), page-locked for copies to
     CUDA devices.
@@ -197,7 +203,7 @@ def pinned_host_bytes(nbytes: int) -> Any:
     start = -owner.ctypes.data % _PAGE  # page-aligned, as registering wants
     pointer = owner.ctypes.data + start
     try:
-        status = int(_cudart().cudaHostRegister(pointer, size, _REGISTER_PORTABLE))
+        status = register_host_memory(pointer, size)
     except Exception:
         status = -1
     if status != 0:

@@ -34,13 +34,12 @@ from pathlib import Path
 
 import torch
 
+from ..memory import register_host_memory
 from .reading_process import OPEN, READ, READY, REPLY
 
 __all__ = ["Lease", "ReadingProcesses", "ReadingProcessExited", "acquire"]
 
 _PROGRAM = Path(__file__).with_name("reading_process.py")
-# cudaHostRegisterPortable: pinned for every device's context, not only the current one.
-_REGISTER_PORTABLE = 1
 # Every process must have said it is ready within this, or they are not used.
 START_SECONDS = 10.0
 # Closing waits this long in all for the processes to leave, then kills the rest.
@@ -95,11 +94,8 @@ class ReadingProcesses:
             os.close(ring_fd)
 
     def _register(self) -> None:
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(
-            self.ring.data_ptr(), self.ring.numel(), _REGISTER_PORTABLE
-        )
-        if int(status) != 0:
+        status = register_host_memory(self.ring.data_ptr(), self.ring.numel())
+        if status != 0:
             raise RuntimeError(f"cudaHostRegister of the read ring failed: {status}")
         self.registered = True
 
