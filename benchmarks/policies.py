@@ -3,7 +3,7 @@
     python benchmarks/policies.py [--folder DIR] [--only 139,48,32]
 
 Three generations with different prompts per mode (480x832, 33 frames, 4 steps):
-eager, release, budget, budget+prefetch at 139 GiB (the whole H200), 48 GiB and 32 GiB,
+diffusers' own eager pipeline as the reference, then eager, release, budget, budget+prefetch at 139 GiB (the whole H200), 48 GiB and 32 GiB,
 plus auto at 32 GiB. Writes policies.json and the 48 GiB timeline PNG to $OUT.
 """
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan_suite import run_suite  # noqa: E402
 
 SIZES = {
-    139: ["ondeck-eager", "ondeck-release", "ondeck-budget"],
+    139: ["diffusers-eager", "ondeck-eager", "ondeck-release", "ondeck-budget"],
     48: ["ondeck-release", "ondeck-budget", "ondeck-budget-prefetch"],
     32: ["ondeck-eager", "ondeck-auto"],
 }
