@@ -244,9 +244,11 @@ def main() -> None:
             pipe, result["mmgp"] = mmgp_pipeline(folder, args.mode, args.mmgp_vae_bf16)
         else:
             pipe = ondeck_pipeline(folder, args.mode, args)
+            result["construct_seconds"] = time.perf_counter() - started
             result["policy_reason"] = pipe.policy.reason
             result["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)
             plan = pipe.plan()
+            result["plan_seconds"] = time.perf_counter() - started - result["construct_seconds"]
             result["predicted_peak_bytes"] = plan.peak_bytes
             if plan.streamed:
                 result["planned_streaming"] = streaming_summary(plan)
@@ -255,10 +257,13 @@ def main() -> None:
         result["setup_seconds"] = time.perf_counter() - started
         result["setup_peak_rss_bytes"] = peak_rss_bytes()
         result["setup_rss_bytes"] = rss_bytes()
-        if restart_peak_rss():
+        per_run_rss = restart_peak_rss()
+        if per_run_rss:
             result["generation_peak_rss_bytes"] = None  # filled in after the runs
         for run, prompt in enumerate(PROMPTS[: args.runs]):
             torch.cuda.reset_peak_memory_stats()
+            if per_run_rss and run:
+                reset_peak_rss()  # each run's own peak; the generations' is their maximum
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
             streamed_before = bytes_streamed(pipe)
             started = time.perf_counter()
@@ -294,7 +299,10 @@ def main() -> None:
                 "frames_shape": list(frames.shape),
                 "frames_mean": float(frames.mean()),
                 "frames_sha256": frames_digest(frames),
+                "rss_bytes": rss_bytes(),
             }
+            if per_run_rss:
+                row["peak_rss_bytes"] = peak_rss_bytes()
             if hasattr(pipe, "tracker"):
                 # With ONDECK_RESET_PEAKS=1 the tracker resets peaks per stage and keeps each
                 # stage's peak; without it, torch's figure above already covers the run.
@@ -326,8 +334,13 @@ def main() -> None:
         result["error"] = f"{type(error).__name__}: {error}"[:2000]
         result["traceback"] = traceback.format_exc()[-3000:]
     if "generation_peak_rss_bytes" in result:
-        result["generation_peak_rss_bytes"] = peak_rss_bytes()
-    result["peak_rss_bytes"] = max(result.get("setup_peak_rss_bytes", 0), peak_rss_bytes())
+        result["generation_peak_rss_bytes"] = max(
+            [peak_rss_bytes()] + [r.get("peak_rss_bytes", 0) for r in result["runs"]]
+        )
+    result["peak_rss_bytes"] = max(
+        [result.get("setup_peak_rss_bytes", 0), peak_rss_bytes()]
+        + [r.get("peak_rss_bytes", 0) for r in result["runs"]]
+    )
     result["peak_allocated_bytes"] = max(
         [r["peak_allocated_bytes"] for r in result["runs"]] or [torch.cuda.max_memory_allocated()]
     )
