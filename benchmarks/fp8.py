@@ -14,6 +14,9 @@ mode, each mode a process of its own (clean peaks), all in one call:
   (``set_per_process_memory_fraction``); the automatic policy picks what to keep and
   what to stream. Each also plans bf16 at the same budget (no weights read): the
   bytes bf16 would stream per pass beside the bytes fp8 streams.
+- ``fp8-16-cache``, ``fp8-8-cache``: the same with a 32 GiB host cache (``--host-cache``):
+  components released between runs come back from pinned fp8 bytes in host memory, not
+  from the bf16 files.
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
   fp8, twice each after a warm-up load: file GB/s (the files hold bf16 either way).
 
@@ -55,6 +58,7 @@ from common import (  # noqa: E402
     later_seconds,
     out_dir,
     parse_modes,
+    peak_rss_bytes,
     ready_wan14b_folder,
     run_child,
 )
@@ -65,10 +69,13 @@ MODES = {
     "fp8-full": (None, 35),  # one prompt unless --full-runs says more
     "fp8-16": (16, 80),
     "fp8-8": (8, 95),
+    "fp8-16-cache": (16, 85),
+    "fp8-8-cache": (8, 100),
     "reload": (None, 40),
 }
 SHAPE = dict(height=480, width=832, num_frames=33, num_inference_steps=4)
 STORED = ("text_encoder", "transformer")
+HOST_CACHE_GIB = {"fp8-16-cache": 32, "fp8-8-cache": 32}  # every mode else reads the files
 
 
 # -- one mode, in a child process ----------------------------------------------------------
@@ -183,14 +190,21 @@ def bf16_eager(folder: Path):
     return pipe
 
 
-def fp8_pipeline(folder: Path):
+def fp8_pipeline(folder: Path, host_cache_gib: float | None = None):
     import torch
 
+    from ondeck.loading import HostCache
     from ondeck.pipelines.wan import WanTextToVideo
 
-    # What `ondeck generate MODEL_DIR --weights fp8` builds: auto policy, no budget.
+    # What `ondeck generate MODEL_DIR --weights fp8 [--host-cache N]` builds: auto policy,
+    # no budget.
     return WanTextToVideo.from_folder(
-        folder, device="cuda", dtype=torch.bfloat16, storage_dtype="fp8", progress=False
+        folder,
+        device="cuda",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8",
+        progress=False,
+        host_cache=HostCache(int(host_cache_gib * 2**30)) if host_cache_gib else None,
     )
 
 
@@ -228,7 +242,7 @@ def run_pipeline(args) -> dict:
         capture_decode_inputs(pipe.vae, latents_seen)
         clock = StageClock(pipe)
     else:
-        pipe = fp8_pipeline(folder)
+        pipe = fp8_pipeline(folder, args.host_cache_gib)
         result["policy_reason"] = pipe.policy.reason
         result["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)
         plan = pipe.plan()
@@ -297,6 +311,7 @@ def run_pipeline(args) -> dict:
         result["streaming"] = streaming.stats() if streaming is not None else {}
     torch.save(kept, args.latents)
     result["latents_file"] = args.latents
+    result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 
 
@@ -431,7 +446,7 @@ def print_table(rows: dict, summary: dict) -> None:
     eager = summary.get("eager_seconds")
     print(f"bf16 eager runs 2-3: {eager:.2f} s" if eager else "bf16 eager: no result")
     print(
-        f"\n{'mode':<10} {'done':<5} {'runs 2-3 s':>10} {'/ eager':>8} {'streamed/run':>13} "
+        f"\n{'mode':<12} {'done':<5} {'runs 2-3 s':>10} {'/ eager':>8} {'streamed/run':>13} "
         f"{'fp8 B/pass':>11} {'bf16 B/pass':>11} {'latent max':>10} {'latent mean':>11}  plan"
     )
     for mode, row in rows.items():
@@ -446,7 +461,7 @@ def print_table(rows: dict, summary: dict) -> None:
         worst = max((max(p["max_abs"]) for p in diffs), default=float("nan"))
         mean = max((max(p["mean_abs"]) for p in diffs), default=float("nan"))
         print(
-            f"{mode:<10} {done_text:<5} {entry.get('later_seconds', float('nan')):>10.2f} "
+            f"{mode:<12} {done_text:<5} {entry.get('later_seconds', float('nan')):>10.2f} "
             f"{ratio if ratio else float('nan'):>8.2f} {streamed[-1] / GiB:>12.2f}G "
             f"{entry.get('fp8_bytes_per_pass', 0) / GiB:>10.2f}G "
             f"{entry.get('bf16_bytes_per_pass', 0) / GiB:>10.2f}G {worst:>10.4f} {mean:>11.5f}  "
@@ -473,7 +488,7 @@ def print_stage_table(rows: dict) -> None:
     component (te: text encoder, tr: transformer), measured activations; then the plan's
     streamed blocks before run 1 and after each run."""
     print(
-        f"\n{'mode':<10} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
+        f"\n{'mode':<12} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
         f"{'act GiB':>7}  {'loaded GiB':<22} streamed GiB"
     )
     for mode, row in rows.items():
@@ -482,7 +497,7 @@ def print_stage_table(rows: dict) -> None:
                 exposed = stage.get("exposed_load_seconds")
                 activation = stage.get("activation_bytes")
                 print(
-                    f"{mode:<10} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
+                    f"{mode:<12} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
                     f"{exposed if exposed is not None else float('nan'):>7.2f} "
                     f"{(activation or 0) / GiB if activation is not None else float('nan'):>7.2f}  "
                     f"{_gib_by_name(stage.get('loaded_bytes') or {}):<22} "
@@ -519,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Internal: one mode in this process.
     parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--host-cache-gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--latents", help=argparse.SUPPRESS)
     return parser
 
@@ -563,6 +579,8 @@ def main(argv: list[str] | None = None) -> None:
         command += ["--runs", str(runs), "--latents", str(scratch / f"{mode}.pt")]
         if memory_gib:
             command += ["--memory-gib", str(memory_gib)]
+        if mode in HOST_CACHE_GIB:
+            command += ["--host-cache-gib", str(HOST_CACHE_GIB[mode])]
         row = run_child(command, timeout=args.timeout)
         rows[mode] = row
         if row.get("latents_file") and Path(row["latents_file"]).exists():

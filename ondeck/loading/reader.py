@@ -470,9 +470,11 @@ def _deliver(chunk: Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.St
     issued on this thread's stream for the device, which is returned."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     stream = streams.get(chunk.target.device)
+    if chunk.cast and stream is not None:
+        # Cast on the device: a host-to-device copy_ that changes the dtype converts on
+        # the host first, on this thread, and the read then runs at the CPU's pace.
+        source = source.to(chunk.target.device, non_blocking=True)
     if chunk.cast and chunk.job.via is not None:
-        if stream is not None:  # round on the device, as the cast itself does
-            source = source.to(chunk.target.device, non_blocking=True)
         source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)
     return stream

@@ -87,7 +87,15 @@ def test_every_mode_runs_in_its_own_process_and_the_comparison_is_written(
     fp8_script.main(["--folder", str(tmp_path / "wan")])
 
     modes = [command[command.index("--child") + 1] for command in commands]
-    assert modes == ["bf16-eager", "fp8-full", "fp8-16", "fp8-8", "reload"]
+    assert modes == [
+        "bf16-eager",
+        "fp8-full",
+        "fp8-16",
+        "fp8-8",
+        "fp8-16-cache",
+        "fp8-8-cache",
+        "reload",
+    ]
     memory = {
         mode: command[command.index("--memory-gib") + 1] if "--memory-gib" in command else None
         for mode, command in zip(modes, commands, strict=True)
@@ -97,8 +105,14 @@ def test_every_mode_runs_in_its_own_process_and_the_comparison_is_written(
         "fp8-full": None,
         "fp8-16": "16",
         "fp8-8": "8",
+        "fp8-16-cache": "16",
+        "fp8-8-cache": "8",
         "reload": None,
     }
+    cached = {
+        mode for mode, command in zip(modes, commands, strict=True) if "--host-cache-gib" in command
+    }
+    assert cached == {"fp8-16-cache", "fp8-8-cache"}
 
     document = json.loads((tmp_path / "out" / "fp8.json").read_text())
     summary = document["summary"]
@@ -113,7 +127,15 @@ def test_every_mode_runs_in_its_own_process_and_the_comparison_is_written(
         mode: command[command.index("--runs") + 1]
         for mode, command in zip(modes, commands, strict=True)
     }
-    assert runs == {"bf16-eager": "3", "fp8-full": "1", "fp8-16": "3", "fp8-8": "3", "reload": "3"}
+    assert runs == {
+        "bf16-eager": "3",
+        "fp8-full": "1",
+        "fp8-16": "3",
+        "fp8-8": "3",
+        "fp8-16-cache": "3",
+        "fp8-8-cache": "3",
+        "reload": "3",
+    }
 
     table = capsys.readouterr().out.split("fp8 storage (float8_e4m3fn")[-1]
     assert "resident text encoder + transformer: bf16 36.00 GiB, fp8 19.00 GiB (0.528x)" in table
