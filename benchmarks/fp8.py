@@ -446,7 +446,7 @@ def print_table(rows: dict, summary: dict) -> None:
     eager = summary.get("eager_seconds")
     print(f"bf16 eager runs 2-3: {eager:.2f} s" if eager else "bf16 eager: no result")
     print(
-        f"\n{'mode':<12} {'done':<5} {'runs 2-3 s':>10} {'/ eager':>8} {'streamed/run':>13} "
+        f"\n{'mode':<10} {'done':<5} {'runs 2-3 s':>10} {'/ eager':>8} {'streamed/run':>13} "
         f"{'fp8 B/pass':>11} {'bf16 B/pass':>11} {'latent max':>10} {'latent mean':>11}  plan"
     )
     for mode, row in rows.items():
@@ -461,7 +461,7 @@ def print_table(rows: dict, summary: dict) -> None:
         worst = max((max(p["max_abs"]) for p in diffs), default=float("nan"))
         mean = max((max(p["mean_abs"]) for p in diffs), default=float("nan"))
         print(
-            f"{mode:<12} {done_text:<5} {entry.get('later_seconds', float('nan')):>10.2f} "
+            f"{mode:<10} {done_text:<5} {entry.get('later_seconds', float('nan')):>10.2f} "
             f"{ratio if ratio else float('nan'):>8.2f} {streamed[-1] / GiB:>12.2f}G "
             f"{entry.get('fp8_bytes_per_pass', 0) / GiB:>10.2f}G "
             f"{entry.get('bf16_bytes_per_pass', 0) / GiB:>10.2f}G {worst:>10.4f} {mean:>11.5f}  "
@@ -488,7 +488,7 @@ def print_stage_table(rows: dict) -> None:
     component (te: text encoder, tr: transformer), measured activations; then the plan's
     streamed blocks before run 1 and after each run."""
     print(
-        f"\n{'mode':<12} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
+        f"\n{'mode':<10} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
         f"{'act GiB':>7}  {'loaded GiB':<22} streamed GiB"
     )
     for mode, row in rows.items():
@@ -497,7 +497,7 @@ def print_stage_table(rows: dict) -> None:
                 exposed = stage.get("exposed_load_seconds")
                 activation = stage.get("activation_bytes")
                 print(
-                    f"{mode:<12} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
+                    f"{mode:<10} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
                     f"{exposed if exposed is not None else float('nan'):>7.2f} "
                     f"{(activation or 0) / GiB if activation is not None else float('nan'):>7.2f}  "
                     f"{_gib_by_name(stage.get('loaded_bytes') or {}):<22} "
