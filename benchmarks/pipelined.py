@@ -80,6 +80,7 @@ def main() -> None:
             "folder_bytes": sizes,
             "rows": rows,
             "date": time.strftime("%Y-%m-%d"),
+            "warm_up_seconds": warm_seconds,
             "command": "python benchmarks/pipelined.py " + " ".join(sys.argv[1:]),
         }
         (out_dir() / "pipelined.json").write_text(json.dumps(document, indent=2, default=str))
