@@ -314,6 +314,9 @@ class BudgetPolicy(Policy):
         # A stage that did without its components this run (a cached prompt) is taken
         # to do so next run too: nothing is loaded or kept for it.
         uses = [replace(u, components=()) if i in self._skipped else u for i, u in enumerate(uses)]
+        for later in snapshot.later_unneeded:
+            # Nothing is prefetched or kept for a later stage that will not use it.
+            uses[later] = replace(uses[later], components=())
         activation, _ = self.activation_estimate(snapshot, self.budget_bytes)
         if self.streaming is not None:
             activation = self.streaming.with_reserved(activation)

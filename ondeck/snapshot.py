@@ -46,6 +46,8 @@ class Snapshot:
     fit_activations: tuple[Callable[[int, int], int], ...] = ()
     # Whether the stage about to run will touch its components (a cache may say no).
     needs_components: bool = True
+    # Later stages that will not touch theirs, as far as the state now tells.
+    later_unneeded: frozenset[int] = frozenset()
     loaders: Mapping[str, Any] = field(default_factory=dict)
     streamable_blocks: Mapping[str, str | None] = field(default_factory=dict)
 

@@ -99,7 +99,10 @@ class Stage:
     def needs_components(self, state: Any) -> bool:
         """Whether this run of the stage will touch its components (a cache may answer).
 
-        Policies that load ahead of use skip a stage's components when this is False.
+        Policies that load ahead of use skip a stage's components when this is False. It
+        is also asked early, with the state an earlier stage receives, so that nothing is
+        prefetched for a stage that will not use it; a stage that cannot tell from that
+        state answers True.
         """
         return True
 
@@ -283,10 +286,14 @@ class Pipeline:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
         return self.policy.plan_for(self.snapshot(), parse_bytes(budget))
 
-    def snapshot(self, *, needs_components: bool = True) -> Snapshot:
+    def snapshot(
+        self, *, needs_components: bool = True, later_unneeded: frozenset[int] = frozenset()
+    ) -> Snapshot:
         """What a policy decides from, as things are now; never loads anything.
 
-        ``needs_components``: whether the stage about to run will touch its components.
+        ``needs_components``: whether the stage about to run will touch its components;
+        ``later_unneeded``: the indices of later stages that, as far as one can tell now,
+        will not.
         """
         uses = self.stage_uses()
         stored, note = self.activation_profile()
@@ -306,6 +313,7 @@ class Pipeline:
             device=self.device,
             fit_activations=tuple(stage.fit_activations for stage in self.stages),
             needs_components=needs_components,
+            later_unneeded=later_unneeded,
             loaders={name: loader_of(proxy) for name, proxy in deferred.items()},
             streamable_blocks=getattr(self, "streamable_blocks", None) or {},
         )
@@ -381,7 +389,13 @@ class Pipeline:
         """Wait for the stage's prefetched components, then act on the policy's steps."""
         self.executor.wait_for(self.stage_uses()[index].components)
         needs = self.stages[index].needs_components(state)
-        steps = self.policy.before_stage(self.snapshot(needs_components=needs), index)
+        later = frozenset(
+            later
+            for later in range(index + 1, len(self.stages))
+            if not self.stages[later].needs_components(state)
+        )
+        snapshot = self.snapshot(needs_components=needs, later_unneeded=later)
+        steps = self.policy.before_stage(snapshot, index)
         self.executor.before_stage(steps)
 
     def _after_run(self) -> None:

@@ -71,6 +71,18 @@ def test_budget_makes_room_for_an_unplanned_load_by_next_use():
     assert steps.release == ("transformer",)  # needed two stages later, the encoder next
 
 
+def test_budget_prefetches_nothing_for_a_later_stage_that_will_not_use_it():
+    # Encode with the transformer in: the VAE, next after it, is prefetched, unless the
+    # snapshot says Decode will do without it (latents out).
+    policy = BudgetPolicy(40, prefetch=True, streaming=False)
+    steps = policy.before_stage(snapshot({"text_encoder", "transformer"}, index=1), 1)
+    assert "vae" in steps.prefetch
+    policy = BudgetPolicy(40, prefetch=True, streaming=False)
+    view = snapshot({"text_encoder", "transformer"}, index=1, later_unneeded=frozenset({2}))
+    steps = policy.before_stage(view, 1)
+    assert "vae" not in steps.prefetch + steps.load
+
+
 def test_eager_loads_everything_and_the_others_nothing_up_front():
     assert EagerPolicy().attached(snapshot()).load == tuple(SIZES)
     assert ReleasePolicy().before_run(snapshot()) == Steps()

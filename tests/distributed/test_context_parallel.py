@@ -233,20 +233,7 @@ def test_frame_comparison_applies_the_stated_tolerance():
     assert not compare_frames(reference, far)["within_tolerance"]
 
 
-@pytest.mark.parametrize(
-    "prefetch",
-    [
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the budget policy prefetches the next stage's components while "
-                "one computes, without asking that stage's needs_components",
-            ),
-        ),
-        False,
-    ],
-)
+@pytest.mark.parametrize("prefetch", [True, False])
 def test_a_rank_that_returns_latents_never_loads_the_vae(wan_folder, prefetch):
     # The ranks that do not write the video ask for latents (the CLI, the benchmark):
     # the budget policy loads each stage's components before it computes, so Decode
