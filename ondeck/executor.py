@@ -10,8 +10,9 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from .lazy import wait_filled
@@ -108,11 +109,8 @@ class Executor:
         proxy = self.pipeline.deferred[name]
 
         def load() -> None:
-            self._local.prefetching = True
-            try:
+            with self._prefetching():
                 proxy.materialize(complete=False)
-            finally:
-                self._local.prefetching = False
 
         self._pending[name] = self._pool.submit(load)
 
@@ -123,20 +121,27 @@ class Executor:
         proxies = [self.pipeline.deferred[name] for name in names]
 
         def load() -> None:
-            self._local.prefetching = True
             try:
-                for proxy in own:
-                    wait_filled(proxy)  # the rest of a pipelined load, if one runs
-                for proxy in proxies:
-                    proxy.materialize(complete=False)
+                with self._prefetching():
+                    for proxy in own:
+                        wait_filled(proxy)  # the rest of a pipelined load, if one runs
+                    for proxy in proxies:
+                        proxy.materialize(complete=False)
             except BaseException as error:  # the next run's own access retries and reports
                 self._next_run_error = error
-            finally:
-                self._local.prefetching = False
 
         self._next_run_names, self._next_run_error = names, None
         self._next_run = threading.Thread(target=load, name="ondeck-next-run", daemon=True)
         self._next_run.start()
+
+    @contextmanager
+    def _prefetching(self) -> Iterator[None]:
+        """Marks the calling thread as a prefetch's (``in_prefetch_thread``) meanwhile."""
+        self._local.prefetching = True
+        try:
+            yield
+        finally:
+            self._local.prefetching = False
 
     @property
     def prefetching(self) -> frozenset[str]:
