@@ -113,7 +113,8 @@ class ComponentLoader:
             stored, layers = storage.stored_tensors(
                 template.module, template.library, self.storage_dtype, self.dtype
             )
-            self._stored_template = (template, template.with_stored(stored), layers)
+            kept = storage.kept_layers(template.module, self.dtype)
+            self._stored_template = (template, template.with_stored(stored), layers, kept)
         return self._stored_template[1]
 
     def __call__(self) -> torch.nn.Module:
@@ -345,9 +346,15 @@ class ComponentLoader:
         """Hook the layers kept in the storage dtype to compute in ``dtype``."""
         if self.storage_dtype is None:
             return
-        layers = self._stored_template[2]
+        _, _, layers, kept = self._stored_template
         storage.upcast_for_compute(
-            module, template.library, self.storage_dtype, self.dtype, layers, in_place=in_place
+            module,
+            template.library,
+            self.storage_dtype,
+            self.dtype,
+            layers,
+            in_place=in_place,
+            kept=kept,
         )
 
     def unload(self, module: torch.nn.Module) -> None:
