@@ -1,19 +1,21 @@
 """Wan 2.1 14B-shaped pipeline on one GPU against context parallelism over two.
 
     python benchmarks/context_parallel.py [--folder .bench-data/wan14b] [--steps 4]
-                                          [--runs 3] [--gpus 2]
-                                          [--variants single,context,context-noshard]
+        [--runs 3] [--gpus 2] [--variants single,context,context-noshard,context-auto]
 
 Builds the 14B-shaped folder once (random weights, real shapes and bytes), reads it into
-the page cache, then runs in the same call, each in fresh processes, under ``release``
-in bf16 at 480x832, 33 frames, one prompt per run (three prompts):
+the page cache, then runs in the same call, each in fresh processes, in bf16 at 480x832,
+33 frames, one prompt per run (three prompts):
 
 - ``single``: one process, one GPU;
 - ``context``: ``torchrun --nproc-per-node 2``, ``parallel=2`` (diffusers' Ulysses
   context parallelism) with the transformer and the text encoder split by FSDP2, as
   ``ondeck generate MODEL --context-parallel 2 --shard transformer,text_encoder`` runs;
 - ``context-noshard``: the same without FSDP2, each rank holding the whole transformer
-  and text encoder: the sequence split's cost without the sharding's.
+  and text encoder: the sequence split's cost without the sharding's;
+- ``context-auto``: ``context`` under the policy ``ondeck generate`` picks with no
+  ``--policy`` (``auto``): where every rank's shares fit its card, nothing reloads
+  between runs. ``single`` stays under ``release``, the reference the targets name.
 
 Every rank times a run over the same span: from a barrier before ``generate`` to a
 barrier after it (``seconds``), so the ranks' figures compare; ``own_seconds`` is until
@@ -75,12 +77,18 @@ PROMPTS = [
 # against the single GPU measured in the same call.
 TIME_TARGET = 0.60
 PEAK_TARGET = 0.60
-# name: (context parallel, split by FSDP2); None: --shard as given.
-VARIANTS = {"single": (False, ()), "context": (True, None), "context-noshard": (True, ())}
+# name: (context parallel, split by FSDP2 (None: --shard as given), policy).
+VARIANTS = {
+    "single": (False, (), "release"),
+    "context": (True, None, "release"),
+    "context-noshard": (True, (), "release"),
+    "context-auto": (True, None, "auto"),
+}
 LABELS = {
     "single": "single (1 GPU)",
     "context": "context, FSDP2",
     "context-noshard": "context, no FSDP2",
+    "context-auto": "context, FSDP2, auto",
 }
 # Where the time in collectives is taken, as (module, class or None, function, kind):
 # diffusers' Ulysses all-to-all and the gather of the transformer's output, FSDP2's
@@ -273,7 +281,13 @@ def child(args: argparse.Namespace) -> None:
     if parallel:
         distributed.init()
     main = distributed.is_main()
-    result: dict = {"parallel": parallel, "shard": shard, "rank": distributed.rank(), "runs": []}
+    result: dict = {
+        "parallel": parallel,
+        "shard": shard,
+        "policy": args.policy,
+        "rank": distributed.rank(),
+        "runs": [],
+    }
     clock = None
     try:
         started = time.perf_counter()
@@ -281,7 +295,7 @@ def child(args: argparse.Namespace) -> None:
             args.folder,
             device=args.device,
             dtype=dtype,
-            policy="release",
+            policy=args.policy,
             shard=shard,
             parallel=parallel,
             progress=False,
@@ -491,9 +505,9 @@ def stage_tables(report: dict, run: int = 1) -> str:
 
 def variant_commands(args: argparse.Namespace, common: list[str]) -> dict[str, list[str]]:
     commands = {}
-    for name, (parallel, shard) in VARIANTS.items():
+    for name, (parallel, shard, policy) in VARIANTS.items():
         shard_text = args.shard if shard is None else ",".join(shard)
-        child = [str(HERE), *common, "--label", name, "--shard", shard_text]
+        child = [str(HERE), *common, "--label", name, "--shard", shard_text, "--policy", policy]
         if parallel:
             launcher = ["-m", "torch.distributed.run", "--standalone"]
             child = [*launcher, f"--nproc-per-node={args.gpus}", *child, "--degree", str(args.gpus)]
@@ -528,6 +542,7 @@ def main() -> None:
         "folder of an earlier call to compare against the single GPU's frames it kept",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", default="release", help=argparse.SUPPRESS)
     parser.add_argument("--degree", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--label", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -547,7 +562,7 @@ def main() -> None:
         "shape": {"height": args.height, "width": args.width, "frames": args.frames},
         "steps": args.steps,
         "dtype": args.dtype,
-        "policy": "release",
+        "policy": {name: VARIANTS[name][2] for name in wanted},
         "prompts": PROMPTS[: args.runs],
         "variants": {},
     }
