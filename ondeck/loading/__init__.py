@@ -1,13 +1,15 @@
 """Safetensors reading for diffusers-format folders: headers, specs, and fast loads."""
 
-from .components import ComponentLoader, load_auxiliary, load_component
+from .components import ComponentLoader, component_loader, load_auxiliary, load_component
 from .folder import ModelFolder
 from .host_cache import HostCache, HostCopy
+from .quantized import GGUFComponentLoader
 from .reader import ReadJob, ReadStats, read_into
 from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
 
 __all__ = [
     "ComponentLoader",
+    "GGUFComponentLoader",
     "HostCache",
     "HostCopy",
     "ModelFolder",
@@ -15,6 +17,7 @@ __all__ = [
     "ReadStats",
     "SafetensorsHeader",
     "TensorInfo",
+    "component_loader",
     "load_auxiliary",
     "load_component",
     "parse_header",

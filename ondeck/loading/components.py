@@ -18,10 +18,11 @@ from .folder import ModelFolder
 from .host_cache import HostCache
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups
+from .quantized import GGUFComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
-__all__ = ["ComponentLoader", "load_auxiliary", "load_component"]
+__all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
 
 
 class ComponentLoader:
@@ -548,9 +549,30 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
         ) from error
 
 
+def component_loader(
+    folder: ModelFolder | str | os.PathLike, name: str, **options: Any
+) -> ComponentLoader | GGUFComponentLoader:
+    """The loader for model component ``name``: a :class:`GGUFComponentLoader` when its
+    config asks for gguf quantization, else a :class:`ComponentLoader` (``options`` are
+    its keywords; a GGUF loader takes ``device``, ``dtype``, ``progress`` and refuses
+    ``storage_dtype``, ``placement``; the reading options do not apply to it)."""
+    folder = _open_folder(folder, name)
+    if quantization_method(folder, name) != "gguf":
+        return ComponentLoader(folder, name, **options)
+    if options.get("placement") is not None:
+        raise LoadError(
+            f"component '{name}': it is gguf-quantized, and its weights cannot be placed "
+            "elsewhere (block streaming)",
+            component=name,
+        )
+    kept = ("device", "dtype", "progress", "storage_dtype", "host_cache", "pipelined")
+    return GGUFComponentLoader(folder, name, **{k: v for k, v in options.items() if k in kept})
+
+
 def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:
-    """Load any component: models through :class:`ComponentLoader`, other parts as they are."""
+    """Load any component: models through :func:`component_loader`, other parts as they
+    are."""
     folder = _open_folder(folder, name)
     if folder.is_model(name):
-        return ComponentLoader(folder, name, **options)()
+        return component_loader(folder, name, **options)()
     return load_auxiliary(folder, name)

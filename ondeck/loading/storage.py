@@ -138,11 +138,20 @@ def check_quantization(folder: Any, name: str) -> None:
         module = package.replace("optimum-", "optimum.")
         found = importlib.util.find_spec(module.split(".")[0]) is not None
         installed = f"; its package '{package}' is {'installed' if found else 'not installed'}"
+    if method == "gguf":
+        raise LoadError(
+            f"component '{name}': {path} asks for 'gguf' quantization (quantization_config)"
+            f"{installed}; ComponentLoader reads safetensors, and gguf weights load through "
+            "diffusers' GGUF support: ondeck.loading.component_loader, which the pipelines "
+            "use, picks that",
+            component=name,
+            path=str(path),
+        )
     raise LoadError(
         f"component '{name}': {path} asks for {method_text} quantization "
         f"(quantization_config), which ondeck does not apply{installed}; ondeck loads float "
-        "weights, optionally stored in fp8 (storage_dtype='fp8'): load this component with "
-        "its library and pass it in ready-made",
+        "weights, optionally stored in fp8 (storage_dtype='fp8'), and gguf files: load this "
+        "component with its library and pass it in ready-made",
         component=name,
         path=str(path),
     )

@@ -22,7 +22,8 @@ import torch
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..loading import ComponentLoader, ModelFolder, load_auxiliary, storage
+from ..loading import ModelFolder, component_loader, load_auxiliary, storage
+from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
 from ..parallel import resolve_parallel
@@ -490,6 +491,14 @@ class WanTextToVideo(Pipeline):
         unknown = sorted(set(shard) - set(models))
         if unknown:
             raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
+        folder = ModelFolder.open(path, libraries=libraries)
+        for name in shard:
+            if quantization_method(folder, name) == "gguf":
+                raise LoadError(
+                    f"component '{name}': it is gguf-quantized, and FSDP2 sharding does not "
+                    "apply to it; leave it out of shard",
+                    component=name,
+                )
         if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)
@@ -497,7 +506,6 @@ class WanTextToVideo(Pipeline):
             parallel.join()
         device = resolve_device(device)
         mesh = device_mesh(device) if shard else None
-        folder = ModelFolder.open(path, libraries=libraries)
         if parallel is not None:
             spec = folder.spec("transformer")
             parallel.check_model("transformer", spec.cls, spec.config)
@@ -521,13 +529,14 @@ class WanTextToVideo(Pipeline):
             )
             if name in stored:
                 options["storage_dtype"] = stored[name]
-            if shard or parallel is not None:
+            gguf = quantization_method(folder, name) == "gguf"
+            if (shard or parallel is not None) and not gguf:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
                     folder, name, mesh=mesh if name in shard else None, **options
                 )
             else:
-                components[name] = ComponentLoader(folder, name, **options)
+                components[name] = component_loader(folder, name, **options)
         loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")

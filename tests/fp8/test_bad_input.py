@@ -39,7 +39,7 @@ def one_line(error: pytest.ExceptionInfo) -> str:
     return text
 
 
-@pytest.mark.parametrize("method", ["gguf", "bitsandbytes", "torchao", "quanto", None])
+@pytest.mark.parametrize("method", ["bitsandbytes", "torchao", "quanto", None])
 def test_a_quantization_config_is_refused_naming_component_and_method(
     method, wan_bf16, tmp_path, no_reads
 ):
@@ -51,6 +51,16 @@ def test_a_quantization_config_is_refused_naming_component_and_method(
     assert (repr(method) if method else "an unnamed") in text
     assert "ondeck does not apply" in text
     assert error.value.component == "transformer"
+
+
+def test_a_gguf_config_without_its_file_is_refused_before_loading(wan_bf16, tmp_path, no_reads):
+    pytest.importorskip("gguf")
+    path, _ = quantized_copy(wan_bf16, tmp_path, "gguf")
+    with pytest.raises(LoadError) as error:
+        WanTextToVideo.from_folder(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    text = one_line(error)
+    assert text.startswith("component 'transformer': its config asks for gguf quantization")
+    assert "holds no .gguf file" in text
 
 
 def test_gguf_says_whether_its_package_is_installed(wan_bf16, tmp_path, no_reads):

@@ -17,7 +17,8 @@ import torch
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
-from ...loading import ComponentLoader, ModelFolder, load_auxiliary, storage
+from ...loading import ComponentLoader, ModelFolder, component_loader, load_auxiliary, storage
+from ...loading.quantized import quantization_method
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
 from ...parallel import resolve_parallel, split_sequences
@@ -95,9 +96,11 @@ def from_pretrained(
         if name in kwargs:
             continue
         # Refuses an untrusted library before diffusers imports it, and a model without
-        # readable safetensors weights now rather than when a call first needs it.
+        # readable safetensors weights now rather than when a call first needs it (a gguf
+        # component's loader looks for its file).
         if issubclass(folder.component_class(name), torch.nn.Module):
-            folder.require_weights(name)
+            if quantization_method(folder, name) != "gguf":
+                folder.require_weights(name)
     parallel = resolve_parallel(parallel)
     if parallel is not None:
         parallel.join()  # before resolving the device: joining selects this rank's GPU
@@ -213,14 +216,17 @@ def _pipeline_class(diffusers: Any, folder: Any) -> type:
 
 
 def _can_defer(folder: Any, name: str) -> bool:
-    """Models ondeck can build from a config and fill from safetensors files. A model it
-    cannot defer loads with diffusers and stays resident; one warning says why."""
+    """Models ondeck can build from a config and fill from safetensors files, and gguf
+    models. A model it cannot defer loads with diffusers and stays resident; one warning
+    says why."""
     try:
         cls = folder.component_class(name)
         if not issubclass(cls, torch.nn.Module):
             return False
         if library_of(cls) not in ("diffusers", "transformers"):
             why = f"{cls.__module__}.{cls.__name__} is not a diffusers or transformers model"
+        elif quantization_method(folder, name) == "gguf":
+            return True  # its loader reads the .gguf file through diffusers
         elif not folder.weight_files(name):
             why = f"{folder.path / name} holds no safetensors weights"
         else:
@@ -324,7 +330,7 @@ def _deferred_component(
     storage_dtype: Any = None,
 ) -> PipelineComponent | None:
     def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
-        return ComponentLoader(
+        return component_loader(
             folder,
             name,
             device=target_device,
