@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON_GPU ?= $(PY)
 # Where the tests marked gpu live; only these files are collected, so the CPU suite's own
 # test dependencies (hypothesis, peft) need not be installed there.
-GPU_TESTS := tests/gpu tests/loading/test_cuda.py tests/loading/test_fp8_cuda.py tests/fp8/test_gguf.py
+GPU_TESTS := tests/gpu tests/loading/test_cuda.py tests/loading/test_fp8_cuda.py tests/fp8/test_quantized.py
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-gpu soak lint format clean

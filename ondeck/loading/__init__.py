@@ -3,17 +3,17 @@
 from .components import ComponentLoader, component_loader, load_auxiliary, load_component
 from .folder import ModelFolder
 from .host_cache import HostCache, HostCopy
-from .quantized import GGUFComponentLoader
+from .quantized import QuantizedComponentLoader
 from .reader import ReadJob, ReadStats, read_into
 from .safetensors_format import SafetensorsHeader, TensorInfo, parse_header, read_header
 
 __all__ = [
     "ComponentLoader",
-    "GGUFComponentLoader",
     "HostCache",
     "HostCopy",
     "ModelFolder",
     "ReadJob",
+    "QuantizedComponentLoader",
     "ReadStats",
     "SafetensorsHeader",
     "TensorInfo",

@@ -18,7 +18,7 @@ from .folder import ModelFolder
 from .host_cache import HostCache
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups
-from .quantized import GGUFComponentLoader, quantization_method
+from .quantized import QuantizedComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
@@ -551,22 +551,25 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
 
 def component_loader(
     folder: ModelFolder | str | os.PathLike, name: str, **options: Any
-) -> ComponentLoader | GGUFComponentLoader:
-    """The loader for model component ``name``: a :class:`GGUFComponentLoader` when its
-    config asks for gguf quantization, else a :class:`ComponentLoader` (``options`` are
-    its keywords; a GGUF loader takes ``device``, ``dtype``, ``progress`` and refuses
-    ``storage_dtype``, ``placement``; the reading options do not apply to it)."""
+) -> ComponentLoader | QuantizedComponentLoader:
+    """The loader for model component ``name``: a :class:`QuantizedComponentLoader` when
+    its config carries a ``quantization_config``, else a :class:`ComponentLoader`
+    (``options`` are its keywords; a quantized component's loader takes ``device``,
+    ``dtype``, ``progress``, refuses ``storage_dtype`` and ``placement``, and the reading
+    options do not apply to it)."""
     folder = _open_folder(folder, name)
-    if quantization_method(folder, name) != "gguf":
+    if quantization_method(folder, name) is None:
         return ComponentLoader(folder, name, **options)
     if options.get("placement") is not None:
         raise LoadError(
-            f"component '{name}': it is gguf-quantized, and its weights cannot be placed "
+            f"component '{name}': it is already quantized, and its weights cannot be placed "
             "elsewhere (block streaming)",
             component=name,
         )
     kept = ("device", "dtype", "progress", "storage_dtype", "host_cache", "pipelined")
-    return GGUFComponentLoader(folder, name, **{k: v for k, v in options.items() if k in kept})
+    return QuantizedComponentLoader(
+        folder, name, **{key: value for key, value in options.items() if key in kept}
+    )
 
 
 def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:

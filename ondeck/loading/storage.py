@@ -118,7 +118,8 @@ def storage_by_component(storage_dtype: Any, classes: Mapping[str, type]) -> dic
 
 
 def check_quantization(folder: Any, name: str) -> None:
-    """Refuse a component whose config asks for a quantization ondeck does not apply."""
+    """Refuse a quantized component: ComponentLoader reads float weights; a quantized one
+    loads through its library (``component_loader`` picks that loader)."""
     try:
         config = folder.config_dict(name)
         path = folder.config_path(name)
@@ -138,20 +139,11 @@ def check_quantization(folder: Any, name: str) -> None:
         module = package.replace("optimum-", "optimum.")
         found = importlib.util.find_spec(module.split(".")[0]) is not None
         installed = f"; its package '{package}' is {'installed' if found else 'not installed'}"
-    if method == "gguf":
-        raise LoadError(
-            f"component '{name}': {path} asks for 'gguf' quantization (quantization_config)"
-            f"{installed}; ComponentLoader reads safetensors, and gguf weights load through "
-            "diffusers' GGUF support: ondeck.loading.component_loader, which the pipelines "
-            "use, picks that",
-            component=name,
-            path=str(path),
-        )
     raise LoadError(
         f"component '{name}': {path} asks for {method_text} quantization "
-        f"(quantization_config), which ondeck does not apply{installed}; ondeck loads float "
-        "weights, optionally stored in fp8 (storage_dtype='fp8'), and gguf files: load this "
-        "component with its library and pass it in ready-made",
+        f"(quantization_config){installed}; ComponentLoader reads float weights (optionally "
+        "stored in fp8), and quantized ones load through their library: "
+        "ondeck.loading.component_loader, which the pipelines use, picks that",
         component=name,
         path=str(path),
     )

@@ -493,10 +493,11 @@ class WanTextToVideo(Pipeline):
             raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
         folder = ModelFolder.open(path, libraries=libraries)
         for name in shard:
-            if quantization_method(folder, name) == "gguf":
+            method = quantization_method(folder, name)
+            if method is not None:
                 raise LoadError(
-                    f"component '{name}': it is gguf-quantized, and FSDP2 sharding does not "
-                    "apply to it; leave it out of shard",
+                    f"component '{name}': it is already quantized ({method or 'unnamed'}), "
+                    "and FSDP2 sharding does not apply to it; leave it out of shard",
                     component=name,
                 )
         if shard:
@@ -529,8 +530,8 @@ class WanTextToVideo(Pipeline):
             )
             if name in stored:
                 options["storage_dtype"] = stored[name]
-            gguf = quantization_method(folder, name) == "gguf"
-            if (shard or parallel is not None) and not gguf:
+            quantized = quantization_method(folder, name) is not None
+            if (shard or parallel is not None) and not quantized:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
                     folder, name, mesh=mesh if name in shard else None, **options

@@ -1,5 +1,6 @@
-"""A component quantized to GGUF loads on demand through diffusers' GGUF quantizer and is
-freed on release like any other; what cannot apply to it is refused before loading."""
+"""A component already quantized (a GGUF file; quanto's safetensors) loads on demand
+through the quantizer its library uses and is freed on release like any other; what
+cannot apply to it is refused before loading."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ondeck.errors import LoadError
-from ondeck.loading import GGUFComponentLoader, component_loader
+from ondeck.loading import QuantizedComponentLoader, component_loader
 from ondeck.pipelines.wan import WanTextToVideo
 
 gguf = pytest.importorskip("gguf")
@@ -93,7 +94,7 @@ def test_the_pipeline_loads_the_gguf_transformer_through_diffusers_quantizer(wan
 
     pipe, latents = generate(wan_gguf, policy="budget")
     transformer = pipe.components["transformer"]
-    assert isinstance(pipe.loaders["transformer"], GGUFComponentLoader)
+    assert isinstance(pipe.loaders["transformer"], QuantizedComponentLoader)
     quantized = [p for p in transformer.parameters() if isinstance(p, GGUFParameter)]
     assert len(quantized) >= 10
     assert all(p.quant_type == gguf.GGMLQuantizationType.Q8_0 for p in quantized)
@@ -129,7 +130,7 @@ def test_what_cannot_apply_to_a_gguf_component_is_refused_before_loading(wan_ggu
         WanTextToVideo.from_folder(
             wan_gguf, device="cpu", storage_dtype={"transformer": "fp8"}, progress=False
         )
-    with pytest.raises(LoadError, match="gguf-quantized, and FSDP2 sharding does not apply"):
+    with pytest.raises(LoadError, match="already quantized \\(gguf\\), and FSDP2 sharding"):
         WanTextToVideo.from_folder(wan_gguf, device="cpu", shard=("transformer",))
     with pytest.raises(LoadError, match="cannot be placed elsewhere"):
         component_loader(wan_gguf, "transformer", placement=object())
@@ -150,12 +151,13 @@ def test_what_cannot_apply_to_a_gguf_component_is_refused_before_loading(wan_ggu
 def test_without_the_gguf_package_the_error_says_so(wan_gguf, monkeypatch):
     from ondeck.loading import quantized
 
-    monkeypatch.setattr(quantized, "gguf_installed", lambda: False)
+    monkeypatch.setattr(quantized, "package_installed", lambda method: False)
     with pytest.raises(LoadError) as error:
         WanTextToVideo.from_folder(wan_gguf, device="cpu", progress=False)
     text = str(error.value)
     assert "\n" not in text
-    assert "component 'transformer'" in text and "'gguf' is not installed" in text
+    assert "component 'transformer'" in text and "'gguf' quantization" in text
+    assert "its package is not installed (pip install gguf)" in text
 
 
 def test_diffusers_integration_loads_the_gguf_transformer_on_demand(wan_gguf):
@@ -199,3 +201,62 @@ def test_a_gguf_transformer_loads_onto_cuda_quantized_and_computes_as_on_the_cpu
         on_cpu = modules["cpu"](**inputs).sample
         on_cuda = modules["cuda"](**{k: v.cuda() for k, v in inputs.items()}).sample.cpu()
     assert torch.allclose(on_cpu, on_cuda, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def wan_quanto(wan_wide, tmp_path_factory) -> Path:
+    """The wide folder with its transformer quantized to int8 by quanto through diffusers
+    and saved by its ``save_pretrained`` (safetensors, the config naming the method)."""
+    pytest.importorskip("optimum.quanto")
+    from diffusers import QuantoConfig, WanTransformer3DModel
+
+    path = tmp_path_factory.mktemp("quanto") / "wan"
+    shutil.copytree(wan_wide, path)
+    directory = path / "transformer"
+    with pytest.warns(FutureWarning):  # diffusers deprecates quanto, still supports it
+        model = WanTransformer3DModel.from_pretrained(
+            wan_wide / "transformer",
+            quantization_config=QuantoConfig(weights_dtype="int8"),
+            torch_dtype=torch.float32,
+        )
+    shutil.rmtree(directory)
+    model.save_pretrained(directory)
+    assert (
+        json.loads((directory / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "quanto"
+    )
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_quanto_transformer_loads_through_from_pretrained_and_is_released(wan_wide, wan_quanto):
+    from optimum.quanto import QLinear
+
+    pipe = WanTextToVideo.from_folder(
+        wan_quanto, device="cpu", dtype=torch.float32, policy="release", progress=False
+    )
+    seen = []
+    pipe.components["transformer"].add_transform(
+        lambda module: seen.append(weakref.ref(module)) or module
+    )
+    loader = pipe.loaders["transformer"]
+    assert isinstance(loader, QuantizedComponentLoader) and loader.method == "quanto"
+    observed = {}
+
+    def inspect(module):
+        layers = [m for m in module.modules() if isinstance(m, QLinear)]
+        observed["qlinear"] = len(layers)
+        observed["int8"] = all(layer.weight._data.dtype == torch.int8 for layer in layers)
+        return module
+
+    pipe.components["transformer"].add_transform(inspect)
+    latents = pipe.generate("a fox", seed=0, output_type="latent", **SHAPE)
+    gc.collect()
+    assert seen and seen[0]() is None  # released after denoising, and gone
+    assert observed["qlinear"] >= 10 and observed["int8"]
+    # The plan counts the int8 bytes the files hold (and their float scales).
+    float_pipe, reference = generate(wan_wide, policy="release")
+    assert loader.spec.nbytes < 0.6 * float_pipe.loaders["transformer"].spec.nbytes
+    # int8 weights with a scale per output row: close to float32's latents, not equal.
+    difference = (latents - reference).abs().max().item()
+    assert 0 < difference < 0.05 * reference.abs().max().item()
