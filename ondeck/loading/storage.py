@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
+from .quantized import package_installed, package_name
 from .safetensors_format import TensorInfo
 
 __all__ = [
@@ -130,14 +131,10 @@ def check_quantization(folder: Any, name: str) -> None:
         return
     method = settings.get("quant_method") if isinstance(settings, dict) else None
     method_text = repr(method) if method else "an unnamed"
-    needs = {"gguf": "gguf", "bitsandbytes": "bitsandbytes", "torchao": "torchao"}
-    package = needs.get(str(method).lower(), "optimum-quanto" if method == "quanto" else None)
+    package = package_name(str(method).lower())
     installed = ""
     if package is not None:
-        import importlib.util
-
-        module = package.replace("optimum-", "optimum.")
-        found = importlib.util.find_spec(module.split(".")[0]) is not None
+        found = package_installed(str(method).lower())
         installed = f"; its package '{package}' is {'installed' if found else 'not installed'}"
     raise LoadError(
         f"component '{name}': {path} asks for {method_text} quantization "
