@@ -31,14 +31,21 @@ from ..errors import LoadError
 from ..lazy import ComponentSpec
 from .folder import ModelFolder
 
-__all__ = ["PACKAGES", "QuantizedComponentLoader", "quantization_method"]
+__all__ = [
+    "PACKAGES",
+    "QuantizedComponentLoader",
+    "describe_method",
+    "package_installed",
+    "package_name",
+    "quantization_method",
+]
 
-# The package each quantization method needs, as its module is imported.
+# The package each quantization method needs: (its module, as imported; its name on PyPI).
 PACKAGES = {
-    "gguf": "gguf",
-    "bitsandbytes": "bitsandbytes",
-    "torchao": "torchao",
-    "quanto": "optimum.quanto",
+    "gguf": ("gguf", "gguf"),
+    "bitsandbytes": ("bitsandbytes", "bitsandbytes"),
+    "torchao": ("torchao", "torchao"),
+    "quanto": ("optimum.quanto", "optimum-quanto"),
 }
 
 
@@ -50,6 +57,10 @@ def quantization_method(folder: ModelFolder, name: str) -> str | None:
         config = folder.config_dict(name)
     except LoadError:
         return None
+    return _method_in(config)
+
+
+def _method_in(config: dict) -> str | None:
     settings = config.get("quantization_config")
     if settings is None:
         return None
@@ -58,13 +69,19 @@ def quantization_method(folder: ModelFolder, name: str) -> str | None:
 
 
 def package_installed(method: str) -> bool:
-    module = PACKAGES.get(method)
+    module, _ = PACKAGES.get(method, (None, None))
     return module is not None and importlib.util.find_spec(module.split(".")[0]) is not None
 
 
 def package_name(method: str) -> str | None:
-    module = PACKAGES.get(method)
-    return module.replace("optimum.", "optimum-") if module else None
+    """The PyPI name of the package ``method`` needs; None for a method ondeck does not
+    know."""
+    return PACKAGES.get(method, (None, None))[1]
+
+
+def describe_method(method: str) -> str:
+    """``method`` as the errors quote it."""
+    return repr(method) if method else "an unnamed"
 
 
 class QuantizedComponentLoader:
@@ -94,18 +111,18 @@ class QuantizedComponentLoader:
         self.host_cache = None  # quantized weights come from their files every load
         self.pipelined = pipelined
         config_path = self.folder.config_path(name)
-        self.method = quantization_method(self.folder, name) or ""
+        self.config = self.folder.config_dict(name)
+        self.method = _method_in(self.config) or ""
         package = package_name(self.method)
         if package is None or not package_installed(self.method):
-            method_text = repr(self.method) if self.method else "an unnamed"
             state = (
                 f"its package is not installed (pip install {package})"
                 if package is not None
                 else f"ondeck knows no package that loads it (it loads {', '.join(PACKAGES)})"
             )
             raise LoadError(
-                f"component '{name}': {config_path} asks for {method_text} quantization, "
-                f"and {state}",
+                f"component '{name}': {config_path} asks for {describe_method(self.method)} "
+                f"quantization, and {state}",
                 component=name,
                 path=str(config_path),
             )
@@ -131,8 +148,9 @@ class QuantizedComponentLoader:
         else:
             self.folder.require_weights(name)
             self.path = self.directory
-        config = self.folder.config_dict(name)
-        self.dtype = self.folder.resolve_dtype(name, dtype) if dtype else _compute_dtype(config)
+        self.dtype = (
+            self.folder.resolve_dtype(name, dtype) if dtype else _compute_dtype(self.config)
+        )
         self._nbytes: int | None = None
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
@@ -147,13 +165,17 @@ class QuantizedComponentLoader:
 
     @property
     def spec(self) -> ComponentSpec:
-        config = self.folder.config_dict(self.name)
+        config: Any = self.config
         if self._nbytes is None:
-            kept = tuple(getattr(self.cls, "_keep_in_fp32_modules", None) or ())
             if self.method == "gguf":
-                self._nbytes = _gguf_device_bytes(self.path, self.name, self.dtype, kept)
+                tensors = _gguf_tensors(self.path, self.name)
             else:
-                self._nbytes = self._file_device_bytes(kept)
+                tensors = [
+                    (key, info.dtype.is_floating_point, info.numel, info.nbytes)
+                    for key, info in self.folder.tensors(self.name).items()
+                ]
+            kept = tuple(getattr(self.cls, "_keep_in_fp32_modules", None) or ())
+            self._nbytes = sum(_device_bytes(*tensor, self.dtype, kept) for tensor in tensors)
             self._nbytes += _computed_buffer_bytes(self.cls, self.library, config)
         if self.library == "diffusers":
             from diffusers.configuration_utils import FrozenDict
@@ -162,19 +184,6 @@ class QuantizedComponentLoader:
         return ComponentSpec(
             cls=self.cls, config=config, dtype=self.dtype, device=self.device, nbytes=self._nbytes
         )
-
-    def _file_device_bytes(self, kept: tuple[str, ...]) -> int:
-        """Bytes from the safetensors headers: the quantized tensors (integer data) as
-        stored, float ones in the compute dtype, those of modules kept in float32 so."""
-        total = 0
-        for key, info in self.folder.tensors(self.name).items():
-            if not info.dtype.is_floating_point:
-                total += info.nbytes
-            elif any(module in key.split(".") for module in kept):
-                total += info.numel * torch.float32.itemsize
-            else:
-                total += info.numel * self.dtype.itemsize
-        return total
 
     def __call__(self) -> torch.nn.Module:
         started = time.perf_counter()
@@ -234,11 +243,21 @@ def _compute_dtype(config: dict) -> torch.dtype:
     return resolved if isinstance(resolved, torch.dtype) else torch.float32
 
 
-def _gguf_device_bytes(path: Path, name: str, dtype: torch.dtype, kept: tuple[str, ...]) -> int:
-    """Bytes the component takes on the device, from the file's header: quantized tensors
-    as stored, float ones in the compute dtype, and those of the modules the model keeps
-    in float32 (``kept``, matched on whole name parts, as diffusers matches them) in
-    float32, dequantized."""
+def _device_bytes(
+    name: str, is_float: bool, numel: int, stored: int, dtype: torch.dtype, kept: tuple[str, ...]
+) -> int:
+    """Bytes one file tensor takes on the device: quantized (not float) as stored, float in
+    the compute ``dtype``, and in float32 (dequantized) when it belongs to a module the
+    model keeps in float32 (``kept``, matched on whole name parts, as diffusers matches
+    them)."""
+    if any(module in name.split(".") for module in kept):
+        return numel * torch.float32.itemsize
+    return numel * dtype.itemsize if is_float else stored
+
+
+def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int]]:
+    """``(name, is float, elements, bytes stored)`` of each tensor in the GGUF file's
+    header."""
     import gguf
 
     try:
@@ -255,15 +274,10 @@ def _gguf_device_bytes(path: Path, name: str, dtype: torch.dtype, kept: tuple[st
         gguf.GGMLQuantizationType.F16,
         gguf.GGMLQuantizationType.BF16,
     }
-    total = 0
-    for tensor in reader.tensors:
-        if any(module in tensor.name.split(".") for module in kept):
-            total += int(tensor.n_elements) * torch.float32.itemsize
-        elif tensor.tensor_type in floats:
-            total += int(tensor.n_elements) * dtype.itemsize
-        else:
-            total += int(tensor.n_bytes)
-    return total
+    return [
+        (tensor.name, tensor.tensor_type in floats, int(tensor.n_elements), int(tensor.n_bytes))
+        for tensor in reader.tensors
+    ]
 
 
 def _computed_buffer_bytes(cls: type, library: str, config: dict) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from .quantized import package_installed, package_name
+from .quantized import describe_method, package_installed, package_name, quantization_method
 from .safetensors_format import TensorInfo
 
 __all__ = [
@@ -121,23 +121,17 @@ def storage_by_component(storage_dtype: Any, classes: Mapping[str, type]) -> dic
 def check_quantization(folder: Any, name: str) -> None:
     """Refuse a quantized component: ComponentLoader reads float weights; a quantized one
     loads through its library (``component_loader`` picks that loader)."""
-    try:
-        config = folder.config_dict(name)
-        path = folder.config_path(name)
-    except LoadError:
-        return  # the load reports what is wrong with the config itself
-    settings = config.get("quantization_config")
-    if settings is None:
-        return
-    method = settings.get("quant_method") if isinstance(settings, dict) else None
-    method_text = repr(method) if method else "an unnamed"
-    package = package_name(str(method).lower())
+    method = quantization_method(folder, name)
+    if method is None:
+        return  # not quantized, or a config the load reports as unreadable itself
+    path = folder.config_path(name)
+    package = package_name(method)
     installed = ""
     if package is not None:
-        found = package_installed(str(method).lower())
+        found = package_installed(method)
         installed = f"; its package '{package}' is {'installed' if found else 'not installed'}"
     raise LoadError(
-        f"component '{name}': {path} asks for {method_text} quantization "
+        f"component '{name}': {path} asks for {describe_method(method)} quantization "
         f"(quantization_config){installed}; ComponentLoader reads float weights (optionally "
         "stored in fp8), and quantized ones load through their library: "
         "ondeck.loading.component_loader, which the pipelines use, picks that",
