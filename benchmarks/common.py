@@ -227,12 +227,16 @@ def median(values):
     return (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def run_child(args: list[str], *, timeout: float) -> dict:
-    """Run one benchmark mode in its own process (clean peaks) and read its JSON line."""
+def run_child(args: list[str], *, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run one benchmark mode in its own process (clean peaks) and read its JSON line;
+    ``env``: variables set for it on top of this process's."""
     command = [sys.executable, *args]
     started = time.perf_counter()
+    environment = {**os.environ, **env} if env else None
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=environment
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s", "args": args}
     result = None
@@ -276,3 +280,18 @@ def out_dir() -> Path:
     path = Path(os.environ.get("OUT") or "bench-out")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def decode_report(pipe) -> dict | None:
+    """How the last run decoded: tiles (0: whole frames), one tile's share of a frame,
+    and decodes that ran out of memory and were retried in smaller tiles. None for a
+    pipeline without ondeck's tiling decode."""
+    for stage in getattr(pipe, "stages", None) or ():
+        if hasattr(stage, "last_tiles") and hasattr(stage, "last_retries"):
+            tiles = stage.last_tiles
+            return {
+                "tiles": 0 if tiles is None else tiles.count,
+                "tile_area": 1.0 if tiles is None else tiles.area,
+                "retries": stage.last_retries,
+            }
+    return None

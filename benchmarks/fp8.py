@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB,
     PeakSampler,
+    decode_report,
     emit,
     later_seconds,
     out_dir,
@@ -295,6 +296,7 @@ def run_pipeline(args) -> dict:
             row["budget_bytes"] = getattr(pipe.policy, "budget_bytes", None)  # planned against
             after = pipe.plan()  # with the activations this run measured
             row["plan_after"] = {"summary": after.fit_summary(), "blocks": planned_blocks(after)}
+            row["decode"] = decode_report(pipe)
         elif clock is not None:
             row["stages"] = clock.take(row["seconds"])
         if len(latents_seen) > seen_before:

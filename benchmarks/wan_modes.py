@@ -38,7 +38,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PeakSampler, emit, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from common import (  # noqa: E402
+    PeakSampler,
+    decode_report,
+    emit,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 PROMPTS = [
     "a red fox trotting through fresh snow at dawn",
@@ -311,6 +318,7 @@ def main() -> None:
                 )
                 row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(run + 1)
                 row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
+                row["decode"] = decode_report(pipe)
             streaming = getattr(getattr(pipe, "policy", None), "streaming", None)
             if streaming is not None and streaming.streamers:
                 row["bytes_streamed"] = bytes_streamed(pipe) - streamed_before

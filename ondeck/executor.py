@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .lazy import wait_filled
+from .loading.reader import background as background_reads
 from .memory import free_cached_memory
 from .profiles import default_profiles
 from .snapshot import Steps
@@ -122,7 +123,8 @@ class Executor:
 
         def load() -> None:
             try:
-                with self._prefetching():
+                # Beside the stage's compute, which is not to wait for it: in the background.
+                with self._prefetching(), background_reads():
                     for proxy in own:
                         wait_filled(proxy)  # the rest of a pipelined load, if one runs
                     for proxy in proxies:

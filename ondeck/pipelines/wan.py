@@ -327,6 +327,7 @@ class Decode(Stage):
         self.geometry = geometry
         self.tiling = tiling
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
+        self.last_retries = 0  # the last run's decodes that ran out of memory and were retried
 
     def needs_components(self, state: dict) -> bool:
         # Latents out (the ranks that do not write the video): the VAE is never touched,
@@ -374,6 +375,7 @@ class Decode(Stage):
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         tiles = self._planned_tiles(height, width)
         fraction = 1.0
+        retries = 0
         while True:
             try:
                 video = self._decode(latents, tiles)
@@ -383,6 +385,7 @@ class Decode(Stage):
                 if not self.tiling or isinstance(error, LoadError) or not is_out_of_memory(error):
                     raise
             # Out of memory (the traceback is gone with the except block): half the area.
+            retries += 1
             fraction = (tiles.area if tiles is not None else fraction) / 2
             tiles = decode_tiles(height, width, fraction, scale=scale)
             free_cached_memory()
@@ -392,6 +395,7 @@ class Decode(Stage):
                     f"{MAX_TILES_PER_SIDE}x{MAX_TILES_PER_SIDE} tiles"
                 )
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
+        object.__setattr__(self, "last_retries", retries)
         processor = VideoProcessor(vae_scale_factor=scale)
         state["frames"] = processor.postprocess_video(
             video, output_type=state.get("output_type", "np")

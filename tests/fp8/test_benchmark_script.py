@@ -19,6 +19,11 @@ GiB = 2**30
 def fp8_script(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    # The script sets these for its children with setdefault: give them back after.
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "ONDECK_PROGRESS", "ONDECK_RESET_PEAKS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
     for name in ("common", "wan_modes", "fp8"):
         sys.modules.pop(name, None)
     import fp8

@@ -247,3 +247,43 @@ def test_an_interrupt_while_threads_start_leaves_no_thread_reading(tmp_path, mon
         )
     monkeypatch.undo()
     assert not [t for t in threading.enumerate() if t.name.startswith("ondeck-read")]
+
+
+def test_a_background_read_uses_at_most_its_share_of_readers(tmp_path, monkeypatch):
+    tensor = torch.randn(400, 100)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    info = read_header(path).tensors["w"]
+    started = []
+    real_thread = reader_module.threading.Thread
+
+    def counting_thread(*args, **kwargs):
+        started.append(kwargs.get("name"))
+        return real_thread(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module.threading, "Thread", counting_thread)
+    destination = torch.empty(400, 100, dtype=torch.float64)  # staged: several threads
+    read_into([ReadJob(info, destination)], progress=False, buffer_bytes=1024, threads=4)
+    assert len(started) == 4
+    started.clear()
+    with reader_module.background(2):
+        assert reader_module.background_processes() == 2
+        destination = torch.empty(400, 100, dtype=torch.float64)
+        read_into([ReadJob(info, destination)], progress=False, buffer_bytes=1024, threads=4)
+    assert len(started) == 2 and torch.equal(destination, tensor.double())
+    assert reader_module.background_processes() is None
+
+
+def test_background_reads_take_their_share_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ONDECK_BACKGROUND_READ_PROCESSES", "3")
+    with reader_module.background():
+        assert reader_module.background_processes() == 3
+    monkeypatch.setenv("ONDECK_BACKGROUND_READ_PROCESSES", "many")
+    with pytest.raises(ValueError, match="ONDECK_BACKGROUND_READ_PROCESSES"):
+        with reader_module.background():
+            pass
+    monkeypatch.delenv("ONDECK_BACKGROUND_READ_PROCESSES")
+    with reader_module.background():
+        assert reader_module.background_processes() == reader_module.BACKGROUND_PROCESSES
+    monkeypatch.setenv("ONDECK_BACKGROUND_READ_PROCESSES", "0")  # off: reads as any load
+    with reader_module.background():
+        assert reader_module.background_processes() is None

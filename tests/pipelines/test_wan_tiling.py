@@ -75,7 +75,7 @@ def test_fewest_tiles_first_split_along_the_longer_side():
 def whole_frames(wan_folder):
     pipe = wan(wan_folder, "release")
     frames = pipe.generate("a fox", seed=3, **SHAPE)
-    assert decode_stage(pipe).last_tiles is None
+    assert decode_stage(pipe).last_tiles is None and decode_stage(pipe).last_retries == 0
     return frames
 
 
@@ -135,6 +135,7 @@ def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
     frames = pipe.generate("a fox", seed=3, **SHAPE)
     assert attempts == [False, True]
     assert decode_stage(pipe).last_tiles.area <= 0.5
+    assert decode_stage(pipe).last_retries == 1
     assert close(frames, whole_frames) < 0.05
     # The VAE is left as it was found: whole frames by default.
     assert pipe.components["vae"].use_tiling is False
