@@ -227,16 +227,12 @@ def median(values):
     return (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def run_child(args: list[str], *, timeout: float, env: dict[str, str] | None = None) -> dict:
-    """Run one benchmark mode in its own process (clean peaks) and read its JSON line;
-    ``env``: variables set for it on top of this process's."""
+def run_child(args: list[str], *, timeout: float) -> dict:
+    """Run one benchmark mode in its own process (clean peaks) and read its JSON line."""
     command = [sys.executable, *args]
     started = time.perf_counter()
-    environment = {**os.environ, **env} if env else None
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=environment
-        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s", "args": args}
     result = None

@@ -281,6 +281,14 @@ def child(args: argparse.Namespace) -> None:
     if parallel:
         distributed.init()
     main = distributed.is_main()
+    stacks_after = float(os.environ.get("ONDECK_BENCH_STACKS_AFTER") or 0)
+    if stacks_after > 0:
+        # A variant that hangs leaves every thread's stack behind, one file per rank.
+        import faulthandler
+
+        name = f"stacks-{args.label}-rank{distributed.rank()}.txt"
+        stacks = open(out_dir() / name, "w")  # noqa: SIM115 (open until the process ends)
+        faulthandler.dump_traceback_later(stacks_after, file=stacks)
     result: dict = {
         "parallel": parallel,
         "shard": shard,
@@ -545,7 +553,16 @@ def main() -> None:
     parser.add_argument("--policy", default="release", help=argparse.SUPPRESS)
     parser.add_argument("--degree", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--label", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stacks-after",
+        type=float,
+        default=0,
+        help="a variant still running after this many seconds writes every thread's stack "
+        "to $OUT/stacks-VARIANT-rankN.txt (0: never)",
+    )
     args = parser.parse_args()
+    if args.stacks_after > 0:
+        os.environ["ONDECK_BENCH_STACKS_AFTER"] = str(args.stacks_after)
     if args.child:
         child(args)
         return

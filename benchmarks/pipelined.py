@@ -11,11 +11,7 @@ libraries and touches CUDA, so the first mode starts as warm as the others:
     release-whole  ondeck release, each component read whole before its stage computes
                    and nothing loaded ahead of the next run (as before pipelining)
     release        ondeck release: stages compute while blocks arrive; the last stage
-                   loads the next run's text encoder when that keeps the peak, reading
-                   in the background (4 reading processes, the feeder polling gently)
-    release-fill-all
-                   the same with that early load reading through every reading process
-                   and polling as a foreground load does (as before background reads)
+                   loads the next run's text encoder when that keeps the peak
     auto           ``ondeck generate`` with no flags on the whole card
     auto-24        the same on a card emulated at 24 GiB
     budget-8       ondeck budget on a card emulated at 8 GiB, 64 GiB host cache
@@ -58,11 +54,6 @@ MODES = {
     "eager": ("diffusers-eager", None, {}),
     "release-whole": ("ondeck-release", None, {"extra": ("--whole-loads",)}),
     "release": ("ondeck-release", None, {}),
-    "release-fill-all": (
-        "ondeck-release",
-        None,
-        {"env": {"ONDECK_BACKGROUND_READ_PROCESSES": "0"}},
-    ),
     "auto": ("ondeck-default", None, {}),
     "auto-24": ("ondeck-default", 24, {}),
     "budget-8": ("ondeck-budget", 8, {"host_cache_gib": 64}),
@@ -96,12 +87,10 @@ def main() -> None:
 
     for name in args.modes.split(","):
         mode, memory, options = MODES[name]
-        options = dict(options)
-        env = options.pop("env", None)
         png = f"timeline-{name}.png" if name.startswith("release") else None
         command = wan_modes_command(path, mode, args.runs, memory_gib=memory, png=png, **options)
         spawned = time.time()
-        row = run_child(command, timeout=args.timeout, env=env)
+        row = run_child(command, timeout=args.timeout)
         if row.get("first_video_unix"):
             row["first_video_seconds"] = row["first_video_unix"] - spawned
         if row.get("setup_start_unix"):

@@ -2,7 +2,11 @@
 
 The one place that changes what is resident: a policy returns ``Steps``, the
 executor acts on them. It owns every thread it starts (a prefetch pool, the next
-run's early load) and joins them on ``close()``; the pipeline closes it.
+run's early load) and joins them on ``close()``; the pipeline closes it. Those threads
+load onto the pipeline's CUDA device as the current one: a new thread's current device
+is the first GPU, whatever the thread that started it set (``torch.cuda.set_device``
+holds per thread), and whatever uses the current device there (FSDP2 shards onto it)
+would otherwise build on the first GPU for every rank.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import torch
+
 from .lazy import wait_filled
-from .loading.reader import background as background_reads
 from .memory import free_cached_memory
 from .profiles import default_profiles
 from .snapshot import Steps
@@ -123,8 +128,7 @@ class Executor:
 
         def load() -> None:
             try:
-                # Beside the stage's compute, which is not to wait for it: in the background.
-                with self._prefetching(), background_reads():
+                with self._prefetching():
                     for proxy in own:
                         wait_filled(proxy)  # the rest of a pipelined load, if one runs
                     for proxy in proxies:
@@ -138,10 +142,14 @@ class Executor:
 
     @contextmanager
     def _prefetching(self) -> Iterator[None]:
-        """Marks the calling thread as a prefetch's (``in_prefetch_thread``) meanwhile."""
+        """Marks the calling thread as a prefetch's (``in_prefetch_thread``) meanwhile,
+        with the pipeline's CUDA device current."""
+        device = getattr(self.pipeline, "device", None)
+        on_cuda = device is not None and device.type == "cuda" and device.index is not None
         self._local.prefetching = True
         try:
-            yield
+            with torch.cuda.device(device) if on_cuda else nullcontext():
+                yield
         finally:
             self._local.prefetching = False
 

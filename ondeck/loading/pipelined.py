@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from . import reader
 from .blocks import block_index
 
 __all__ = ["Filling", "fill_groups", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]
@@ -102,8 +101,6 @@ class Filling:
         self.waited_seconds = 0.0
         self.seconds: float | None = None  # the whole fill, once done
         self._started = time.perf_counter() if started is None else started
-        # A fill started in the background reads in the background on its own thread too.
-        self._background = reader.background_processes()
         self._thread = threading.Thread(
             target=self._run, name=f"ondeck-fill-{component}", daemon=True
         )
@@ -128,9 +125,7 @@ class Filling:
         error: BaseException | None = None
         try:
             context = torch.cuda.device(self.device) if self.device.type == "cuda" else None
-            priority = self._background
-            reads = reader.background(priority) if priority else contextlib.nullcontext()
-            with context or contextlib.nullcontext(), reads:
+            with context or contextlib.nullcontext():
                 for group in self._groups:
                     if self._stop.is_set():
                         raise LoadError(

@@ -18,11 +18,6 @@ is the ring, never the file. Two kinds of reader fill the ring:
 A cast to a CUDA destination (file dtype differs) goes through a temporary on the
 device in the file's dtype, which torch's allocator then keeps cached for the copying
 thread's stream: up to a 20 MiB block per thread, reusable by later loads' threads.
-
-A load made ahead of time beside another stage's compute (the next run's text encoder
-during a decode) reads in the background (:func:`background`): through a few of the
-reading processes, its feeding thread waking less often, so that the compute keeps the
-cores and the GIL it launches kernels with. It takes longer and is not waited for.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +58,6 @@ __all__ = [
     "progress_bar",
     "read_into",
     "DEFAULT_BUFFER_BYTES",
-    "background",
 ]
 
 # (buffer bytes, buffer count) by default. The threads' ring of pinned buffers: larger
@@ -77,49 +70,6 @@ PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
 # A failed or stopped load waits this long for the processes' last reads to answer.
 STUCK_READ_SECONDS = 60
-# Reads in the background (``background``): reading processes used (at most), and how
-# long the feeding thread waits for an answer while copies run (it polls at
-# ``FOREGROUND_POLL`` otherwise: a foreground load wants every slot back at once).
-BACKGROUND_PROCESSES = 4
-BACKGROUND_POLL = 0.002
-FOREGROUND_POLL = 0.0002
-
-_background = threading.local()
-
-
-@contextmanager
-def background(processes: int | None = None) -> Iterator[None]:
-    """Loads started on this thread meanwhile read in the background: through at most
-    ``processes`` reading processes (default ``ONDECK_BACKGROUND_READ_PROCESSES`` or
-    :data:`BACKGROUND_PROCESSES`), their feeding thread polling every
-    :data:`BACKGROUND_POLL` seconds. For loads made beside another stage's compute.
-    0 reads as any other load does."""
-    if processes is None:
-        processes = _background_processes()
-    if processes < 0:
-        raise ValueError(f"background reads take 0 processes or more, not {processes}")
-    saved = getattr(_background, "processes", None)
-    _background.processes = processes or None
-    try:
-        yield
-    finally:
-        _background.processes = saved
-
-
-def background_processes() -> int | None:
-    """The reading processes a load started on this thread now may use: a number within
-    :func:`background`, None outside it (all of them)."""
-    return getattr(_background, "processes", None)
-
-
-def _background_processes() -> int:
-    value = os.environ.get("ONDECK_BACKGROUND_READ_PROCESSES", "")
-    try:
-        return max(0, int(value)) if value.strip() else BACKGROUND_PROCESSES
-    except ValueError:
-        raise ValueError(
-            f"ONDECK_BACKGROUND_READ_PROCESSES must be a whole number, not {value!r}"
-        ) from None
 
 
 def read_into(
@@ -187,8 +137,6 @@ def read_into(
         worker_count = max(1, min(worker_count, len(chunks)))
         if lease is not None:
             worker_count = 1  # the thread that feeds the processes and issues the copies
-        elif background_processes() is not None:
-            worker_count = min(worker_count, background_processes())
         if own_bar:
             bar = progress_bar(total, progress, component, source)
         state = _ReadState(
@@ -200,7 +148,6 @@ def read_into(
             pinned=pinned,
             bar=bar,
             component=component,
-            background=background_processes(),
         )
         for path in paths:
             files[path] = _open(path, component)
@@ -268,7 +215,6 @@ class _ReadState:
     pinned: bool
     bar: object
     component: str | None
-    background: int | None = None  # reading processes of a background read; None: all
 
     def __post_init__(self):
         self.next_index = itertools.count()  # atomic under the GIL
@@ -441,10 +387,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         file_ids = pool.open_files(state.files)
         opened = True
         slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
-        # Slot i is read by process i % count: a background read uses the first few's.
-        readers = pool.count if state.background is None else min(state.background, pool.count)
-        free = deque(index for index in range(pool.slot_count) if index % pool.count < readers)
-        poll = FOREGROUND_POLL if state.background is None else BACKGROUND_POLL
+        free = deque(range(pool.slot_count))
         copying: deque[int] = deque()  # slots whose copies run, in the order issued
         chunks = iter(state.chunks)
         left = len(state.chunks)
@@ -465,7 +408,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
             # fails, the clean-up must not wait for answers that already came.
             answered = [
                 (slot, reading.pop(slot), status, reached)
-                for slot, status, reached in pool.replies(poll if copying else 0.05)
+                for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
             ]
             for slot, chunk, status, reached in answered:
                 if status:

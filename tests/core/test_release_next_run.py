@@ -132,23 +132,3 @@ def test_a_failed_early_load_warns_and_the_next_run_loads_it_itself(monkeypatch,
     assert resident(pipe) == set()
     run(pipe)  # loads it for its own Encode, and ahead again
     assert resident(pipe) == {"encoder"}
-
-
-def test_the_next_runs_load_reads_in_the_background_and_the_runs_own_do_not(monkeypatch, tmp_path):
-    from ondeck.loading import reader
-
-    pipe, loaders = pipeline(
-        monkeypatch, tmp_path, {"Encode": ONE, "Denoise": 8 * ONE, "Decode": ONE}
-    )
-    shares: dict[str, list] = {name: [] for name in loaders}
-    names = {id(loader): name for name, loader in loaders.items()}
-    build = Loader.__call__
-
-    def watched(self):
-        shares[names[id(self)]].append(reader.background_processes())
-        return build(self)
-
-    monkeypatch.setattr(Loader, "__call__", watched)
-    run(pipe)
-    assert shares["encoder"] == [None, reader.BACKGROUND_PROCESSES]  # this run's, the next's
-    assert shares["denoiser"] == [None] and shares["decoder"] == [None]

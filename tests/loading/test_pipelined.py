@@ -276,29 +276,3 @@ def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_fo
     assert torch.equal(forward(again), expected)
     filling.wait()
     assert copies_here and copies_here[0].startswith("ondeck-fill")
-
-
-def test_a_fill_started_in_the_background_reads_in_the_background(six_block_folder, monkeypatch):
-    from ondeck.loading import reader
-
-    seen: list[tuple[str, int | None]] = []
-    real_read_into = reader.read_into
-
-    def watched(*args, **kwargs):
-        seen.append((threading.current_thread().name, reader.background_processes()))
-        return real_read_into(*args, **kwargs)
-
-    monkeypatch.setattr(reader, "read_into", watched)
-    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
-    module, filling = loader.begin()
-    filling.wait()
-    expected = forward(module)
-    assert seen and all(share is None for _, share in seen)
-    del module
-    seen.clear()
-    with reader.background(2):
-        module, filling = loader.begin()
-    filling.wait()
-    assert torch.equal(forward(module), expected)
-    assert any(name.startswith("ondeck-fill") for name, _ in seen)
-    assert seen and all(share == 2 for _, share in seen)

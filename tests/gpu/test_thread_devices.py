@@ -1,0 +1,78 @@
+"""Threads the executor starts load onto the pipeline's GPU, not the first one.
+
+A new thread's current CUDA device is device 0 whatever its starter set; anything a
+loader builds on "the current device" (FSDP2 shards there) would land on the wrong GPU
+of a rank whose pipeline lives on another."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ondeck
+from ondeck.policy import BudgetPolicy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+
+class Apply(ondeck.Stage):
+    def __init__(self, component, name: str):
+        super().__init__()
+        self.component = component
+        self.name = name
+
+    def forward(self, state):
+        state["x"] = self.component(state["x"])
+        return state
+
+
+class ThreeStages(ondeck.Pipeline):
+    lazy_components = ("encoder", "denoiser", "decoder")
+
+    def create_stages(self):
+        c = self.components
+        return [Apply(c["encoder"], "E"), Apply(c["denoiser"], "D"), Apply(c["decoder"], "V")]
+
+
+def recording_loader(seen: list):
+    def load() -> torch.nn.Module:
+        seen.append((threading.current_thread().name, torch.cuda.current_device()))
+        torch.manual_seed(0)
+        return torch.nn.Linear(32, 32).to("cuda")  # the current device, as FSDP2 uses
+
+    return load
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_loads_on_executor_threads_use_the_pipelines_device(prefetch):
+    # A budget that holds two of the three (as declared): each run reloads, the next
+    # one ahead.
+    policy = BudgetPolicy(5 * 2**19, prefetch=prefetch)
+    seen: list = []
+    components = {
+        name: ondeck.LazyModule(
+            name,
+            recording_loader(seen),
+            spec=ondeck.ComponentSpec(cls=torch.nn.Linear, nbytes=2**20),  # as declared
+        )
+        for name in ThreeStages.lazy_components
+    }
+    # As a rank of torchrun does: its GPU made current on the main thread only.
+    torch.cuda.set_device(1)
+    try:
+        pipe = ThreeStages(components, policy=policy)
+        assert pipe.device == torch.device("cuda", 1)
+        for _ in range(2):
+            out = pipe({"x": torch.ones(2, 32, device="cuda:1")})["x"]
+            assert out.device == torch.device("cuda", 1), out.device
+        pipe.close()
+    finally:
+        torch.cuda.set_device(0)
+    threads = {name for name, _ in seen}
+    assert any(name.startswith("ondeck-prefetch") for name in threads) == prefetch, threads
+    assert {device for _, device in seen} == {1}, seen
