@@ -328,6 +328,9 @@ class Decode(Stage):
         self.tiling = tiling
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
         self.last_retries = 0  # the last run's decodes that ran out of memory and were retried
+        # Frame size -> the largest tile area that decoded after a planned one ran out of
+        # memory: later runs start there instead of failing the same way each time.
+        self._tile_area_cap: dict[tuple[int, int], float] = {}
 
     def needs_components(self, state: dict) -> bool:
         # Latents out (the ranks that do not write the video): the VAE is never touched,
@@ -346,9 +349,13 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         if pipeline is None:
             return None
-        return self._tiles(
+        tiles = self._tiles(
             height, width, pipeline.activation_need(self.name), pipeline.activation_room()
         )
+        cap = self._tile_area_cap.get((height, width))
+        if self.tiling and cap is not None and (tiles is None or tiles.area > cap):
+            return decode_tiles(height, width, cap)
+        return tiles
 
     def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
         """Tiles for a decode whose whole frames take ``need`` bytes when ``room`` is left;
@@ -396,6 +403,8 @@ class Decode(Stage):
                 )
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
+        if retries:
+            self._tile_area_cap[(height, width)] = tiles.area
         processor = VideoProcessor(vae_scale_factor=scale)
         state["frames"] = processor.postprocess_video(
             video, output_type=state.get("output_type", "np")

@@ -141,6 +141,38 @@ def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
     assert pipe.components["vae"].use_tiling is False
 
 
+def test_a_tile_size_that_ran_out_of_memory_is_not_tried_again_next_run(
+    wan_folder, whole_frames, monkeypatch
+):
+    from diffusers import AutoencoderKLWan
+
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        # Fits only in tiles of at most a quarter of the frame.
+        attempts.append(self.use_tiling)
+        area = 1.0
+        if self.use_tiling:
+            area = self.tile_sample_min_height * self.tile_sample_min_width / (64 * 64)
+        if area > 0.6:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release")
+    first = pipe.generate("a fox", seed=3, **SHAPE)
+    stage = decode_stage(pipe)
+    assert stage.last_retries >= 1 and len(attempts) == stage.last_retries + 1
+    worked = stage.last_tiles
+    attempts.clear()
+    second = pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [True]  # straight to the tiles that decoded last time
+    assert stage.last_retries == 0 and stage.last_tiles == worked
+    assert torch.equal(torch.as_tensor(first), torch.as_tensor(second))
+    assert close(second, whole_frames) < 0.05
+
+
 def test_without_tiling_out_of_memory_in_decode_is_raised(wan_folder, monkeypatch):
     from diffusers import AutoencoderKLWan
 
