@@ -87,6 +87,9 @@ class Filling:
         started: float | None = None,
     ):
         self.component = component
+        if device.type == "cuda" and device.index is None:
+            # The caller's GPU: on the filling thread an unnumbered "cuda" means GPU 0.
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._groups = list(groups)
         self._fill = fill

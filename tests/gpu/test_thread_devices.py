@@ -77,3 +77,19 @@ def test_loads_on_executor_threads_use_the_pipelines_device(prefetch):
     threads = {name for name, _ in seen}
     assert any(name.startswith("ondeck-prefetch") for name in threads) == prefetch, threads
     assert {device for _, device in seen} == {1}, seen
+
+
+def test_a_pipelined_fill_works_on_the_callers_gpu_when_cuda_is_unnumbered(tmp_path):
+    from ondeck.embedded import build_wan_folder
+    from ondeck.loading import ComponentLoader
+
+    folder = build_wan_folder(tmp_path / "wan", preset="tiny")
+    torch.cuda.set_device(1)
+    try:
+        loader = ComponentLoader(folder, "transformer", device="cuda", pipelined=True)
+        module, filling = loader.begin()
+        assert filling is not None and filling.device == torch.device("cuda", 1)
+        filling.wait()
+        assert {p.device for p in module.parameters()} == {torch.device("cuda", 1)}
+    finally:
+        torch.cuda.set_device(0)
