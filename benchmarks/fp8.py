@@ -94,13 +94,16 @@ def capture_decode_inputs(module, latents_seen: list) -> None:
 
 
 class StageClock:
-    """bf16 eager's stages, timed around diffusers' own calls: the prompt encoding and
-    the VAE decode (each synchronized at its end); the denoise is the rest of the run."""
+    """bf16 eager's stages, timed around diffusers' own calls: the prompt encoding, and
+    the VAE decode with the frames' post-processing (as ondeck's Decode stage does
+    both), each synchronized at its end; the denoise is the rest of the run."""
 
     def __init__(self, pipe) -> None:
         self.seconds: dict[str, float] = {}
         pipe.encode_prompt = self._timed("EncodePrompt", pipe.encode_prompt)
         pipe.vae.decode = self._timed("Decode", pipe.vae.decode)
+        processor = pipe.video_processor
+        processor.postprocess_video = self._timed("Decode", processor.postprocess_video)
 
     def _timed(self, stage: str, function):
         import torch

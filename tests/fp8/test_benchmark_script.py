@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,8 +205,14 @@ def test_bf16_eagers_stages_are_timed_around_diffusers_calls(fp8_script):
         def decode(self, latents):
             return latents
 
+    class Processor:
+        def postprocess_video(self, video, output_type="np"):
+            time.sleep(0.01)
+            return video
+
     class Pipe:
         vae = Vae()
+        video_processor = Processor()
 
         def encode_prompt(self, prompt):
             return prompt
@@ -214,6 +221,9 @@ def test_bf16_eagers_stages_are_timed_around_diffusers_calls(fp8_script):
     clock = fp8_script.StageClock(pipe)
     assert pipe.encode_prompt("a fox") == "a fox"
     assert pipe.vae.decode(3) == 3
+    assert pipe.video_processor.postprocess_video(4, output_type="np") == 4
+    # The frames' post-processing counts to Decode, as in ondeck's Decode stage.
+    assert clock.seconds["Decode"] >= 0.01
     rows = clock.take(run_seconds=100.0)
     assert [row["stage"] for row in rows] == ["EncodePrompt", "Denoise", "Decode"]
     assert 99.0 < rows[1]["seconds"] <= 100.0
