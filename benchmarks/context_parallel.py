@@ -17,7 +17,8 @@ the page cache, then runs in the same call, each in fresh processes, in bf16 at 
   ``--policy`` (``auto``): where every rank's shares fit its card, nothing reloads
   between runs. ``single`` stays under ``release``, the reference the targets name.
 
-Every rank times a run over the same span: from a barrier before ``generate`` to a
+Every process runs with ``ONDECK_RESET_PEAKS=1``, as ``ondeck generate`` does. Every
+rank times a run over the same span: from a barrier before ``generate`` to a
 barrier after it (``seconds``), so the ranks' figures compare; ``own_seconds`` is until
 its own ``generate`` returned, the rest its wait for the other ranks. Rank 0 saves its
 frames after the closing barrier, outside every rank's span (``save_seconds``).
@@ -53,6 +54,10 @@ from pathlib import Path
 
 # Before anything starts NCCL, here and in every process launched from here.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+# As `ondeck generate` runs: every stage's activation peak is measured (stages below an
+# earlier peak too), which `release` needs to load the next run's text encoder during
+# the decode. Without it the decode is never measured and nothing loads ahead.
+os.environ.setdefault("ONDECK_RESET_PEAKS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -337,7 +342,12 @@ def child(args: argparse.Namespace) -> None:
             own_seconds = time.perf_counter() - started
             barrier(cuda)
             seconds = time.perf_counter() - started
-            peak = torch.cuda.max_memory_allocated() if cuda else None
+            peak = None
+            if cuda:
+                # With ONDECK_RESET_PEAKS=1 the tracker resets the statistics per stage and
+                # keeps each stage's peak: the run's is the larger of the two.
+                measured = pipe.tracker.run_peak_measured_bytes(pipe.tracker.runs) or 0
+                peak = max(torch.cuda.max_memory_allocated(), measured)
             stages, events = run_records(pipe, pipe.tracker.runs)
             row = {
                 "prompt": prompt,
