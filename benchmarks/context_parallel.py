@@ -44,6 +44,7 @@ same flow over gloo on a small folder (a check of the script, not a measurement)
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -294,6 +295,7 @@ def child(args: argparse.Namespace) -> None:
         name = f"stacks-{args.label}-rank{distributed.rank()}.txt"
         stacks = open(out_dir() / name, "w")  # noqa: SIM115 (open until the process ends)
         faulthandler.dump_traceback_later(stacks_after, file=stacks)
+        atexit.register(faulthandler.cancel_dump_traceback_later)  # a finished variant
     result: dict = {
         "parallel": parallel,
         "shard": shard,
@@ -572,6 +574,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.stacks_after > 0:
+        if args.stacks_after >= args.timeout:
+            print(
+                f"--stacks-after {args.stacks_after:g} is not below --timeout "
+                f"{args.timeout:g}: a variant that hangs is stopped before its stacks are written",
+                file=sys.stderr,
+            )
         os.environ["ONDECK_BENCH_STACKS_AFTER"] = str(args.stacks_after)
     if args.child:
         child(args)

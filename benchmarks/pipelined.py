@@ -127,7 +127,8 @@ def main() -> None:
         ratio = f"{later / eager_seconds:.3f}" if runs and eager_seconds else "-"
         # The last run alone: the first ondeck mode of a call measures activations in its
         # run 1, so its run 2 may still load what later runs load ahead.
-        last = f"{runs[-1]['seconds'] / eager_last:.3f}" if runs and eager_last else "-"
+        same_count = eager is not None and len(runs) == len(eager.get("runs", []))
+        last = f"{runs[-1]['seconds'] / eager_last:.3f}" if same_count and eager_last else "-"
         exposed = [r.get("exposed_load_seconds") for r in runs[1:]]
         exposed = [e for e in exposed if e is not None]
         first = row.get("first_video_seconds")

@@ -328,9 +328,10 @@ class Decode(Stage):
         self.tiling = tiling
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
         self.last_retries = 0  # the last run's decodes that ran out of memory and were retried
-        # Frame size -> the largest tile area that decoded after a planned one ran out of
-        # memory: later runs start there instead of failing the same way each time.
-        self._tile_area_cap: dict[tuple[int, int], float] = {}
+        # Latent shape (frames, height, width) -> the largest tile area that decoded after
+        # a planned one ran out of memory: later runs of that shape start there instead
+        # of failing the same way each time.
+        self._tile_area_cap: dict[tuple[int, ...], float] = {}
 
     def needs_components(self, state: dict) -> bool:
         # Latents out (the ranks that do not write the video): the VAE is never touched,
@@ -345,16 +346,19 @@ class Decode(Stage):
         tiles = self._tiles(shape["height"], shape["width"], need, room)
         return need if tiles is None else int(need * tiles.area)
 
-    def _planned_tiles(self, height: int, width: int) -> Tiles | None:
+    def _planned_tiles(self, height: int, width: int, latent_shape: tuple) -> Tiles | None:
         pipeline = self._ondeck_pipeline
         if pipeline is None:
             return None
         tiles = self._tiles(
             height, width, pipeline.activation_need(self.name), pipeline.activation_room()
         )
-        cap = self._tile_area_cap.get((height, width))
+        return self._capped(height, width, tiles, self._tile_area_cap.get(latent_shape))
+
+    def _capped(self, height: int, width: int, tiles: Tiles | None, cap: float | None):
+        """``tiles``, or smaller ones where they are larger than ``cap`` (a tile area)."""
         if self.tiling and cap is not None and (tiles is None or tiles.area > cap):
-            return decode_tiles(height, width, cap)
+            return decode_tiles(height, width, cap, scale=self.geometry.scale_spatial)
         return tiles
 
     def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
@@ -362,10 +366,13 @@ class Decode(Stage):
         None for whole frames (they fit, nothing is known, or tiling is off)."""
         if not self.tiling or need is None or room is None or need <= room:
             return None
-        return decode_tiles(height, width, TILE_SAFETY * max(room, 0) / need)
+        fraction = TILE_SAFETY * max(room, 0) / need
+        return decode_tiles(height, width, fraction, scale=self.geometry.scale_spatial)
 
     @torch.no_grad()
     def forward(self, state: dict) -> dict:
+        object.__setattr__(self, "last_tiles", None)  # this run's, once it has decoded
+        object.__setattr__(self, "last_retries", 0)
         if state.get("output_type") == "latent":
             state["frames"] = state["latents"]
             return state
@@ -380,7 +387,8 @@ class Decode(Stage):
         latents = latents / inverse_std + mean
         scale = self.geometry.scale_spatial
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
-        tiles = self._planned_tiles(height, width)
+        latent_shape = tuple(latents.shape[2:])
+        tiles = self._planned_tiles(height, width, latent_shape)
         fraction = 1.0
         retries = 0
         while True:
@@ -404,7 +412,7 @@ class Decode(Stage):
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
         if retries:
-            self._tile_area_cap[(height, width)] = tiles.area
+            self._tile_area_cap[latent_shape] = tiles.area
         processor = VideoProcessor(vae_scale_factor=scale)
         state["frames"] = processor.postprocess_video(
             video, output_type=state.get("output_type", "np")

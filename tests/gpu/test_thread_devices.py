@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ondeck
-from ondeck.policy import BudgetPolicy
+from ondeck.policy import BudgetPolicy, ReleasePolicy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,18 +48,28 @@ def recording_loader(seen: list):
     return load
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_loads_on_executor_threads_use_the_pipelines_device(prefetch):
-    # A budget that holds two of the three as declared (256 MiB each) beside the
-    # measured activations (the CUDA libraries' workspaces, some 33 MiB): each run
-    # reloads, the next stage's ahead.
-    policy = BudgetPolicy(11 * 2**26, prefetch=prefetch)
+# Declared sizes (what plans count), by component.
+SIZES = {
+    # A budget that holds two of the three beside the measured activations (the CUDA
+    # libraries' workspaces, some 33 MiB): each run reloads, the next stage's ahead on
+    # the prefetch thread.
+    "budget": {"encoder": 2**28, "denoiser": 2**28, "decoder": 2**28},
+    # The encoder fits beside the decoder under the denoiser's peak: from run 2 on, the
+    # last stage loads it for the next run on the next-run thread.
+    "release": {"encoder": 2**20, "denoiser": 2**28, "decoder": 2**20},
+}
+THREAD = {"budget": "ondeck-prefetch", "release": "ondeck-next-run"}
+
+
+@pytest.mark.parametrize("kind", ["budget", "release"])
+def test_loads_on_executor_threads_use_the_pipelines_device(kind):
+    policy = BudgetPolicy(11 * 2**26, prefetch=True) if kind == "budget" else ReleasePolicy()
     seen: list = []
     components = {
         name: ondeck.LazyModule(
             name,
             recording_loader(seen),
-            spec=ondeck.ComponentSpec(cls=torch.nn.Linear, nbytes=2**28),  # as declared
+            spec=ondeck.ComponentSpec(cls=torch.nn.Linear, nbytes=SIZES[kind][name]),
         )
         for name in ThreeStages.lazy_components
     }
@@ -67,15 +77,16 @@ def test_loads_on_executor_threads_use_the_pipelines_device(prefetch):
     torch.cuda.set_device(1)
     try:
         pipe = ThreeStages(components, policy=policy)
+        pipe.tracker.reset_peaks = True  # every stage measured: release needs them all
         assert pipe.device == torch.device("cuda", 1)
-        for _ in range(2):
+        for _ in range(3):
             out = pipe({"x": torch.ones(2, 32, device="cuda:1")})["x"]
             assert out.device == torch.device("cuda", 1), out.device
         pipe.close()
     finally:
         torch.cuda.set_device(0)
     threads = {name for name, _ in seen}
-    assert any(name.startswith("ondeck-prefetch") for name in threads) == prefetch, threads
+    assert any(name.startswith(THREAD[kind]) for name in threads), threads
     assert {device for _, device in seen} == {1}, seen
 
 

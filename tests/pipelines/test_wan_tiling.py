@@ -141,6 +141,18 @@ def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
     assert pipe.components["vae"].use_tiling is False
 
 
+def test_tiles_stride_whole_latent_pixels_of_a_16x_vae():
+    from types import SimpleNamespace
+
+    stage = Decode(vae=None, geometry=SimpleNamespace(scale_spatial=16))
+    planned = stage._tiles(480, 832, need=10 * 2**30, room=4 * 2**30)
+    capped = stage._capped(480, 832, None, 0.3)
+    for tiles in (planned, capped):
+        assert tiles is not None and tiles.area <= 0.5
+        assert tiles.stride_height % 16 == 0 and tiles.stride_width % 16 == 0
+    assert stage._capped(480, 832, planned, None) is planned  # no cap: as planned
+
+
 def test_a_tile_size_that_ran_out_of_memory_is_not_tried_again_next_run(
     wan_folder, whole_frames, monkeypatch
 ):
@@ -171,6 +183,8 @@ def test_a_tile_size_that_ran_out_of_memory_is_not_tried_again_next_run(
     assert stage.last_retries == 0 and stage.last_tiles == worked
     assert torch.equal(torch.as_tensor(first), torch.as_tensor(second))
     assert close(second, whole_frames) < 0.05
+    pipe.generate("a fox", seed=3, output_type="latent", **SHAPE)
+    assert stage.last_tiles is None and stage.last_retries == 0  # no decode this run
 
 
 def test_without_tiling_out_of_memory_in_decode_is_raised(wan_folder, monkeypatch):
