@@ -26,6 +26,9 @@ from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
 __all__ = ["ShardedComponentLoader", "shard_rows", "shard_units", "rows_of"]
 
+# Methods other than ``forward`` that callers run a sharded component through.
+ENTRY_METHODS = ("encode", "decode")
+
 
 def shard_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(first row, row count)`` of ``rank``'s shard of a dim of ``rows``, as FSDP2 splits it.
@@ -148,7 +151,7 @@ class ShardedComponentLoader(ComponentLoader):
 
     def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
         """The module sharded over the mesh, its local shards allocated but not filled."""
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         tensors = self.folder.tensors(self.name)
         skeleton = self.folder.skeleton(self.name, self.dtype)
@@ -171,6 +174,11 @@ class ShardedComponentLoader(ComponentLoader):
         for unit in shard_units(module):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=True)
         fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
+        # FSDP2 gathers the root's own weights around ``forward``; a VAE is called
+        # through ``encode`` and ``decode``, which must do the same.
+        for method in ENTRY_METHODS:
+            if callable(getattr(module, method, None)):
+                register_fsdp_forward_method(module, method)
         # Allocates each parameter's local shard only (FSDP2 pads uneven ones to equal
         # sizes), and every buffer whole.
         module.to_empty(device=self.device)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
@@ -28,6 +29,7 @@ from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
 from ..parallel import resolve_parallel
 from ..stages import Pipeline, Stage
+from .split_decode import decoder_margin, plan_slab, split_decode
 
 __all__ = ["WanTextToVideo", "PromptCache", "WanGeometry"]
 
@@ -328,6 +330,7 @@ class Decode(Stage):
         self.tiling = tiling
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
         self.last_retries = 0  # the last run's decodes that ran out of memory and were retried
+        self.last_split = None  # the last run's slab when the ranks split the decode
         # Latent shape (frames, height, width) -> the largest tile area that decoded after
         # a planned one ran out of memory: later runs of that shape start there instead
         # of failing the same way each time.
@@ -335,8 +338,14 @@ class Decode(Stage):
 
     def needs_components(self, state: dict) -> bool:
         # Latents out (the ranks that do not write the video): the VAE is never touched,
-        # so no policy should load it for this stage.
-        return state.get("output_type") != "latent"
+        # so no policy should load it for this stage; under context parallelism such a
+        # rank still decodes its share of the frames for the others.
+        return state.get("output_type") != "latent" or self._parallel() is not None
+
+    def _parallel(self) -> Any:
+        pipeline = self._ondeck_pipeline
+        parallel = getattr(pipeline, "parallel", None) if pipeline is not None else None
+        return parallel if parallel is not None and distributed.is_active() else None
 
     def fit_activations(self, need: int, room: int) -> int:
         pipeline = self._ondeck_pipeline
@@ -373,18 +382,77 @@ class Decode(Stage):
     def forward(self, state: dict) -> dict:
         object.__setattr__(self, "last_tiles", None)  # this run's, once it has decoded
         object.__setattr__(self, "last_retries", 0)
-        if state.get("output_type") == "latent":
+        object.__setattr__(self, "last_split", None)
+        wants_frames = state.get("output_type") != "latent"
+        if self._parallel() is not None:
+            return self._forward_split(state, wants_frames)
+        if not wants_frames:
             state["frames"] = state["latents"]
             return state
-        from diffusers.video_processor import VideoProcessor
+        latents = self._unscaled(state["latents"])
+        video = self._decode_fitting(latents)
+        return self._frames(state, video)
 
-        latents = state["latents"].to(self.vae.device, dtype=self.vae.dtype)
+    def _unscaled(self, latents: torch.Tensor) -> torch.Tensor:
+        """The latents as the VAE takes them: on its device, mean and std put back."""
+        latents = latents.to(self.vae.device, dtype=self.vae.dtype)
         view = (1, self.geometry.z_dim, 1, 1, 1)
         mean = torch.tensor(self.geometry.latents_mean).view(view).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(self.geometry.latents_std).view(view).to(
             latents.device, latents.dtype
         )
-        latents = latents / inverse_std + mean
+        return latents / inverse_std + mean
+
+    def _frames(self, state: dict, video: torch.Tensor) -> dict:
+        from diffusers.video_processor import VideoProcessor
+
+        processor = VideoProcessor(vae_scale_factor=self.geometry.scale_spatial)
+        state["frames"] = processor.postprocess_video(
+            video, output_type=state.get("output_type", "np")
+        )
+        return state
+
+    def _forward_split(self, state: dict, wants_frames: bool) -> dict:
+        """Under context parallelism: every rank decodes a slab of the frames when all of
+        them can (whole frames fit each, the frame is wide enough to be worth it), and
+        the video is gathered on every rank. Otherwise each rank that wants frames
+        decodes them alone. Collective: every rank agrees first."""
+        latents = state["latents"]
+        scale = self.geometry.scale_spatial
+        height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
+        slab = None
+        if self.vae is not None:
+            margin = decoder_margin(self.vae)
+            slab = (
+                None
+                if margin is None
+                else plan_slab(
+                    latents.shape[-2],
+                    latents.shape[-1],
+                    distributed.rank(),
+                    distributed.world_size(),
+                    margin,
+                )
+            )
+        fits = (
+            slab is not None
+            and self._planned_tiles(height, width, tuple(latents.shape[2:])) is None
+        )
+        if all(distributed.gather_all(fits)):
+            video = split_decode(self.vae, self._unscaled(latents), slab)
+            object.__setattr__(self, "last_split", slab)
+            if not wants_frames:
+                state["frames"] = latents
+                return state
+            return self._frames(state, video)
+        if not wants_frames:
+            state["frames"] = latents
+            return state
+        return self._frames(state, self._decode_fitting(self._unscaled(latents)))
+
+    def _decode_fitting(self, latents: torch.Tensor) -> torch.Tensor:
+        """The decode in whole frames, or in tiles where they would not fit; a decode
+        that runs out of memory is retried in smaller tiles."""
         scale = self.geometry.scale_spatial
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         latent_shape = tuple(latents.shape[2:])
@@ -413,11 +481,7 @@ class Decode(Stage):
         object.__setattr__(self, "last_retries", retries)
         if retries:
             self._tile_area_cap[latent_shape] = tiles.area
-        processor = VideoProcessor(vae_scale_factor=scale)
-        state["frames"] = processor.postprocess_video(
-            video, output_type=state.get("output_type", "np")
-        )
-        return state
+        return video
 
     def _decode(self, latents: torch.Tensor, tiles: Tiles | None) -> torch.Tensor:
         if tiles is None:
