@@ -218,7 +218,9 @@ class Filling:
             group = group_of.get(number)
             if group is not None:
                 wait = _BlockWait(self, group)
-                wait.handle = block.register_forward_pre_hook(wait)
+                # First among the block's hooks: FSDP2's gathers the block's weights in
+                # its own, which must find this rank's share in place.
+                wait.handle = block.register_forward_pre_hook(wait, prepend=True)
                 self._handles.append(wait.handle)
 
     def detach(self) -> None:

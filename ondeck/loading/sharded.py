@@ -21,6 +21,7 @@ from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages
 from . import reader
 from .components import ComponentLoader
+from .pipelined import Filling, fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
@@ -119,35 +120,71 @@ class ShardedComponentLoader(ComponentLoader):
         return whole.with_updates(nbytes=self._shard_nbytes)
 
     def begin(self) -> tuple[torch.nn.Module, Any]:
-        """Without a mesh, as :class:`ComponentLoader`'s. Shards load whole: FSDP2 gathers
-        a block's shards from every rank, which must all be in place first."""
+        """Without a mesh, as :class:`ComponentLoader`'s. With one, pipelined as well
+        where the component is large enough: this rank's shards of the blocks arrive
+        behind the compute, each block's forward waits for its own before FSDP2 gathers
+        it from the ranks (every rank waits for its own share, so the gather finds all
+        of them in place)."""
         if self.mesh is None:
             module, filling = super().begin()
             if self.last_source != "host cache":
                 self.bytes_read += self.last_load_bytes
             return module, filling
-        return self._load_shards(), None
-
-    def _load_shards(self) -> torch.nn.Module:
         started = time.perf_counter()
-        module = None
+        module = filling = None
         try:
             module, sources, computed = self._build_sharded()
-            jobs = self._shard_jobs(module, sources, computed)
-            stats = self._read(jobs)
+            jobs, names = self._shard_jobs(module, sources, computed)
+            path = self._pipelined_blocks(self.template)
+            if path is None or not _evenly_sharded(sources, self.mesh):
+                stats = self._read(jobs)
+                self._loaded(stats, started)
+                module.eval()
+                return module, None
+            groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
+            filling = Filling(
+                self.name,
+                [[jobs[i] for i in group] for group in groups],
+                self._fill_group,
+                device=self.device,
+                finished=self._fill_finished(started),
+                started=started,
+            ).start()
+            jobs = None  # the filling holds each group until it is read
+            filling.attach(module, path, group_of)
+            filling.wait_group(0)
             module.eval()
         except BaseException as error:
             # Give this rank's shards back now; the traceback would keep them alive.
+            if filling is not None:
+                filling.cancel()
             if module is not None:
                 free_module_storages(module)
-            module = jobs = None
+            module = jobs = filling = None
             traceback.clear_frames(error.__traceback__)
             raise
+        return module, filling
+
+    def _fill_group(self, group: list[reader.ReadJob]) -> None:
+        stats = self._read(group)
+        self.bytes_read += stats.nbytes
+        self.last_load_bytes += stats.nbytes
+        self.last_source = stats.source
+        self.last_readers = stats.readers
+
+    def _fill_finished(self, started: float):
+        self.last_load_bytes = 0
+
+        def finished(error: BaseException | None) -> None:
+            self.last_load_seconds = time.perf_counter() - started
+
+        return finished
+
+    def _loaded(self, stats: Any, started: float) -> None:
         self.bytes_read += stats.nbytes
         self.last_load_bytes = stats.nbytes
         self.last_source = stats.source
         self.last_load_seconds = time.perf_counter() - started
-        return module
 
     def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
         """The module sharded over the mesh, its local shards allocated but not filled."""
@@ -184,10 +221,14 @@ class ShardedComponentLoader(ComponentLoader):
         module.to_empty(device=self.device)
         return module, sources, computed
 
-    def _shard_jobs(self, module: torch.nn.Module, sources: list, computed: list) -> list:
-        """A read job for this rank's rows of every parameter and for every buffer."""
+    def _shard_jobs(
+        self, module: torch.nn.Module, sources: list, computed: list
+    ) -> tuple[list[reader.ReadJob], list[tuple[str, ...]]]:
+        """A read job for this rank's rows of every parameter and for every buffer, and
+        the module names each job fills."""
         rank, world_size = self.mesh.get_local_rank(), self.mesh.size()
         jobs: list[reader.ReadJob] = []
+        job_names: list[tuple[str, ...]] = []
         with torch.no_grad():
             for slot, info in sources:
                 tensor = get_tensor(module, slot.names[0])
@@ -196,6 +237,7 @@ class ShardedComponentLoader(ComponentLoader):
                     for name in slot.names[1:]:
                         set_tensor(module, name, tensor, parameter=False)
                     jobs.append(reader.ReadJob(info, tensor))
+                    job_names.append(tuple(slot.names))
                     continue
                 local = tensor.to_local()
                 first, count = shard_rows(slot.shape[0], rank, world_size)
@@ -208,12 +250,26 @@ class ShardedComponentLoader(ComponentLoader):
                     )
                 if count:
                     jobs.append(reader.ReadJob(rows_of(info, first, count), local))
-            for names, host_value in computed:
-                moved = get_tensor(module, names[0])
+                    job_names.append(tuple(slot.names))
+            for buffer_names, host_value in computed:
+                moved = get_tensor(module, buffer_names[0])
                 moved.copy_(host_value)
-                for name in names[1:]:
+                for name in buffer_names[1:]:
                     set_tensor(module, name, moved, parameter=False)
-        return jobs
+        return jobs, job_names
+
+
+def _evenly_sharded(sources: list, mesh: Any) -> bool:
+    """Whether every parameter's local shard on this rank is as large as FSDP2's padded
+    one, or empty. A shorter one FSDP2 copies into a padded buffer at the first forward,
+    which a fill behind the compute might not have written yet."""
+    rank, world_size = mesh.get_local_rank(), mesh.size()
+    for slot, _ in sources:
+        if slot.is_parameter and slot.shape:
+            _, count = shard_rows(slot.shape[0], rank, world_size)
+            if 0 < count < math.ceil(slot.shape[0] / world_size):
+                return False
+    return True
 
 
 def shard_nbytes(skeleton: Skeleton, world_size: int) -> int:
