@@ -336,7 +336,8 @@ def child(args: argparse.Namespace) -> None:
                 num_frames=args.frames,
                 num_inference_steps=args.steps,
                 seed=run,
-                # Rank 0 writes the video: only it decodes (the VAE is not split).
+                # Rank 0 writes the video; the others ask for latents and decode only
+                # their share of the split decode.
                 output_type="np" if main else "latent",
             )
             if cuda:
@@ -360,6 +361,7 @@ def child(args: argparse.Namespace) -> None:
                 "stages": stages,
                 "collectives": clock.take(),
                 "events": events,
+                "decode_split": decode_split(pipe),
             }
             if main:
                 saving = time.perf_counter()
@@ -385,6 +387,15 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = {"parallel": None, "world_size": 1, "ranks": [result]}
     emit(result)
+
+
+def decode_split(pipe) -> list[int] | None:
+    """The latent columns (or rows) this rank decoded in the last run; None: whole."""
+    for stage in pipe.stages:
+        slab = getattr(stage, "last_split", None)
+        if slab is not None:
+            return [slab.dim, slab.start, slab.stop]
+    return None
 
 
 def variant_figures(result: dict) -> dict:
