@@ -136,18 +136,23 @@ class ShardedComponentLoader(ComponentLoader):
             module, sources, computed = self._build_sharded()
             jobs, names = self._shard_jobs(module, sources, computed)
             path = self._pipelined_blocks(self.template)
+            self.last_load_bytes = 0
             if path is None or not _evenly_sharded(sources, self.mesh):
-                stats = self._read(jobs)
-                self._loaded(stats, started)
+                self._fill_group(jobs)
+                self.last_load_seconds = time.perf_counter() - started
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
+
+            def finished(error: BaseException | None) -> None:
+                self.last_load_seconds = time.perf_counter() - started
+
             filling = Filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
                 self._fill_group,
                 device=self.device,
-                finished=self._fill_finished(started),
+                finished=finished,
                 started=started,
             ).start()
             jobs = None  # the filling holds each group until it is read
@@ -166,25 +171,12 @@ class ShardedComponentLoader(ComponentLoader):
         return module, filling
 
     def _fill_group(self, group: list[reader.ReadJob]) -> None:
+        """Read ``group`` into this rank's shards, counting what was read."""
         stats = self._read(group)
         self.bytes_read += stats.nbytes
         self.last_load_bytes += stats.nbytes
         self.last_source = stats.source
         self.last_readers = stats.readers
-
-    def _fill_finished(self, started: float):
-        self.last_load_bytes = 0
-
-        def finished(error: BaseException | None) -> None:
-            self.last_load_seconds = time.perf_counter() - started
-
-        return finished
-
-    def _loaded(self, stats: Any, started: float) -> None:
-        self.bytes_read += stats.nbytes
-        self.last_load_bytes = stats.nbytes
-        self.last_source = stats.source
-        self.last_load_seconds = time.perf_counter() - started
 
     def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
         """The module sharded over the mesh, its local shards allocated but not filled."""
@@ -267,7 +259,8 @@ def _evenly_sharded(sources: list, mesh: Any) -> bool:
     for slot, _ in sources:
         if slot.is_parameter and slot.shape:
             _, count = shard_rows(slot.shape[0], rank, world_size)
-            if 0 < count < math.ceil(slot.shape[0] / world_size):
+            _, padded = shard_rows(slot.shape[0], 0, world_size)  # rank 0's is never short
+            if 0 < count < padded:
                 return False
     return True
 

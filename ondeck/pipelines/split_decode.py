@@ -46,10 +46,6 @@ class Slab:
     stop: int
     per_rank: int  # the largest own part: the gathers' padded size
 
-    @property
-    def share(self) -> float:
-        return (self.stop - self.start) / self.length
-
 
 def decoder_margin(vae: Any) -> int | None:
     """Latent pixels a decoded pixel depends on beyond its own, after the attention;

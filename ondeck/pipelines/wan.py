@@ -419,36 +419,32 @@ class Decode(Stage):
         decodes them alone. Collective: every rank agrees first."""
         latents = state["latents"]
         scale = self.geometry.scale_spatial
-        height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
+        margin = decoder_margin(self.vae)
         slab = None
-        if self.vae is not None:
-            margin = decoder_margin(self.vae)
-            slab = (
-                None
-                if margin is None
-                else plan_slab(
-                    latents.shape[-2],
-                    latents.shape[-1],
-                    distributed.rank(),
-                    distributed.world_size(),
-                    margin,
-                )
+        if margin is not None:
+            slab = plan_slab(
+                latents.shape[-2],
+                latents.shape[-1],
+                distributed.rank(),
+                distributed.world_size(),
+                margin,
             )
-        fits = (
-            slab is not None
-            and self._planned_tiles(height, width, tuple(latents.shape[2:])) is None
+        fits = slab is not None and (
+            self._planned_tiles(
+                latents.shape[-2] * scale, latents.shape[-1] * scale, tuple(latents.shape[2:])
+            )
+            is None
         )
+        video = None
         if all(distributed.gather_all(fits)):
             video = split_decode(self.vae, self._unscaled(latents), slab)
             object.__setattr__(self, "last_split", slab)
-            if not wants_frames:
-                state["frames"] = latents
-                return state
-            return self._frames(state, video)
+        elif wants_frames:
+            video = self._decode_fitting(self._unscaled(latents))
         if not wants_frames:
             state["frames"] = latents
             return state
-        return self._frames(state, self._decode_fitting(self._unscaled(latents)))
+        return self._frames(state, video)
 
     def _decode_fitting(self, latents: torch.Tensor) -> torch.Tensor:
         """The decode in whole frames, or in tiles where they would not fit; a decode
