@@ -96,6 +96,13 @@ class Stage:
         (a tiled decode) answers less than ``need``; by default a stage cannot."""
         return need
 
+    def whole_activations(self, measured: int) -> int | None:
+        """What to remember of this run's measured activation peak: the bytes the stage
+        would take doing its work at once. A stage that worked in pieces scales its
+        piece's peak up; None remembers nothing (a measurement that says nothing about
+        the need, e.g. one that includes an attempt that ran out of memory)."""
+        return measured
+
     def needs_components(self, state: Any) -> bool:
         """Whether this run of the stage will touch its components (a cache may answer).
 
@@ -378,9 +385,12 @@ class Pipeline:
         it in the profile of this model and shape."""
         if record.activation_bytes is None:
             return
+        nbytes = self.stages[index].whole_activations(record.activation_bytes)
+        if nbytes is None:
+            return
         previous = self._measured_activation.get(record.stage, 0)
-        self._measured_activation[record.stage] = max(previous, record.activation_bytes)
-        self.record_activation(record.stage, record.activation_bytes)
+        self._measured_activation[record.stage] = max(previous, nbytes)
+        self.record_activation(record.stage, nbytes)
 
     def _before_run(self) -> None:
         self.executor.before_run(self.policy.before_run(self.snapshot()))

@@ -156,7 +156,7 @@ class ComponentLoader:
         placement = self.placement
         try:
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
-            key, raw = self._cached(tensors, placement)
+            key, raw, other = self._cached(tensors, placement)
             on_device: list[int] = []  # the sources read into device tensors, as jobs
             jobs, values, placed = _allocate(
                 sources,
@@ -174,7 +174,7 @@ class ComponentLoader:
                 [sources[i][1].nbytes for i in on_device],
                 path,
             )
-            fill, finished = self._group_filler(jobs, key, raw, started, template)
+            fill, finished = self._group_filler(jobs, key, raw, started, template, other)
             self.last_load_bytes += placed_bytes
             filling = Filling(
                 self.name,
@@ -221,13 +221,23 @@ class ComponentLoader:
         return template.fresh()
 
     def _group_filler(
-        self, jobs: list[reader.ReadJob], key: Any, raw: Any, started: float, template: Skeleton
+        self,
+        jobs: list[reader.ReadJob],
+        key: Any,
+        raw: Any,
+        started: float,
+        template: Skeleton,
+        other: Any = None,
     ):
         """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it;
-        a fill that succeeds then builds the next load's skeleton, on its own thread."""
+        a fill that succeeds then builds the next load's skeleton, on its own thread.
+        ``other`` (see ``_cached``): what its entry holds is copied from there."""
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
         cache = self.host_cache
+        kept = self._from_other(jobs, other) if raw is None else {}
+        if kept and len(kept) == len(jobs):
+            raw = kept  # the other placement's entry holds all of it
         if raw is not None:
             self.last_source, self.last_readers = "host cache", None
             bar = reader.progress_bar(total, self.progress, self.name, "host cache")
@@ -240,31 +250,52 @@ class ComponentLoader:
 
             captured = stored = None
         else:
-            paths = sorted({job.info.path for job in jobs if job.info.nbytes})
+            reading = [job for job in jobs if job.info.name not in kept]
+            paths = sorted({job.info.path for job in reading if job.info.nbytes})
             self.last_source = describe_source(paths) if paths else "disk"
+            if kept:
+                self.last_source = f"host cache and {self.last_source}"
             bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
             # A component kept in a storage dtype is cached as stored, once it is read.
-            stored = list(jobs) if cache and self.storage_dtype is not None else None
+            stored = list(reading) if cache and self.storage_dtype is not None else None
             capturing = cache is not None and stored is None
-            captured = cache.reserve(key, [job.info for job in jobs]) if capturing else None
+            captured = cache.reserve(key, [job.info for job in reading]) if capturing else None
             if captured is not None:
-                for job in jobs:
+                for job in reading:
                     job.capture = captured[job.info.name]
 
             def fill(group: list[reader.ReadJob]) -> None:
-                stats = self._read(group, bar=bar)
-                self.last_readers = stats.readers
+                copy = None
+                if kept:
+                    copy = reader.HostCopy(0, component=self.name, bar=bar)
+                    for job in group:
+                        if job.info.name in kept:
+                            copy.add(self._cached_info(job), kept[job.info.name], job.destination)
+                try:
+                    group = [job for job in group if job.info.name not in kept]
+                    if group:
+                        stats = self._read(group, bar=bar)
+                        self.last_readers = stats.readers
+                    if copy is not None:
+                        copy.finish()
+                finally:
+                    if copy is not None:
+                        copy.close()
+
+        replacing = other[0] if other is not None else None
 
         def finished(error: BaseException | None) -> None:
             if bar is not None:
                 bar.close()
             if captured is not None:
                 if error is None:
-                    cache.commit(key, captured)
+                    cache.commit(key, captured, replacing=replacing, kept=kept)
                 else:
                     cache.discard(key)
+            elif raw is kept and kept and error is None:
+                cache.commit(key, {}, replacing=replacing, kept=kept)
             if stored is not None and error is None:
-                storage.keep_in_cache(cache, key, stored)
+                storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
             if error is None and self._spare is None:
                 self._spare = (template, template.fresh())
@@ -286,7 +317,7 @@ class ComponentLoader:
 
         try:
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
-            key, raw = self._cached(tensors, placement)
+            key, raw, other = self._cached(tensors, placement)
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
                 copy = reader.HostCopy(
@@ -313,7 +344,7 @@ class ComponentLoader:
                 jobs, values, placed = _allocate(
                     sources, self.device, allocated, placement, compute_dtype=self.dtype
                 )
-                self._read_files(jobs, key, while_reading=build)
+                self._read_files(jobs, key, while_reading=build, other=other)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
                 stats = self._read(placed)
@@ -364,16 +395,34 @@ class ComponentLoader:
             self.placement.unload(module)
 
     def _cached(self, tensors: dict[str, TensorInfo], placement: Any):
-        """The host cache key of this load (None without a cache) and its entry, if held."""
+        """The host cache key of this load (None without a cache), its entry if held, and
+        else the entry of this component placed another way, if held (``(key, entry)``:
+        the blocks that stream changed, or none do now; it holds most of what this load
+        needs)."""
         cache = self.host_cache
         if cache is None:
-            return None, None
+            return None, None, None
         key = _cache_key(self.folder, self.name, tensors)
-        if placement is not None:
-            key = (*key, placement.cache_tag)  # a placed load reads fewer tensors here
         if self.storage_dtype is not None:
             key = (*key, ("stored", str(self.storage_dtype), str(self.dtype)))
-        return key, cache.get(key)
+        component_length = len(key)
+        # A placed load reads fewer tensors here; every key of a component (and storage
+        # dtype) ends in its placement, so that only those differ.
+        key = (*key, placement.cache_tag if placement is not None else ("whole",))
+        raw = cache.get(key)
+        other = cache.other_placement(key, component_length) if raw is None else None
+        return key, raw, other
+
+    def _from_other(self, jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+        """The tensors of ``jobs`` that ``other`` (an entry of another placement) holds, as
+        this load can use them: all or, for stored (fp8) bytes, kept only when whole."""
+        if other is None:
+            return {}
+        entry = other[1]
+        kept = {job.info.name: entry[job.info.name] for job in jobs if job.info.name in entry}
+        if self.storage_dtype is not None and len(kept) < len(jobs):
+            return {}  # stored bytes are kept after a whole read (storage.keep_in_cache)
+        return kept
 
     def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
         """How the host cache holds a tensor: as in the file, or as stored (fp8) when the
@@ -383,29 +432,64 @@ class ComponentLoader:
         return storage.as_held(job.info, job.destination)
 
     def _read_files(
-        self, jobs: list[reader.ReadJob], key: Any, while_reading: Callable[[], None]
+        self,
+        jobs: list[reader.ReadJob],
+        key: Any,
+        while_reading: Callable[[], None],
+        other: Any = None,
     ) -> None:
-        """Read from the files, capturing the raw bytes into the host cache where it has room."""
+        """Read from the files, capturing the raw bytes into the host cache where it has
+        room. ``other`` (see ``_cached``): what its entry holds is copied from there, and
+        the new entry takes its place."""
         cache = self.host_cache
-        if cache is not None and self.storage_dtype is not None:
-            # The cache holds the stored bytes (half of bf16's), copied back once read.
-            stats = self._read(jobs, while_reading)
-            storage.keep_in_cache(cache, key, jobs)
-            self._record(stats)
-            return
-        captured = cache.reserve(key, [job.info for job in jobs]) if cache is not None else None
-        if captured is not None:
+        replacing = other[0] if other is not None else None
+        kept = self._from_other(jobs, other)
+        copy = None
+        if kept:
+            copy = reader.HostCopy(
+                sum(job.info.nbytes for job in jobs if job.info.name in kept),
+                progress=self.progress,
+                component=self.name,
+            )
             for job in jobs:
-                job.capture = captured[job.info.name]
+                if job.info.name in kept:
+                    copy.add(self._cached_info(job), kept[job.info.name], job.destination)
+            jobs = [job for job in jobs if job.info.name not in kept]
         try:
-            stats = self._read(jobs, while_reading)
-        except BaseException:
+            if cache is not None and self.storage_dtype is not None:
+                # The cache holds the stored bytes (half of bf16's), copied back once read.
+                stats = self._read(jobs, while_reading) if jobs or copy is None else None
+                if copy is not None:
+                    stats = _joined(
+                        copy.finish(while_copying=None if jobs else while_reading), stats
+                    )
+                    copy = None
+                storage.keep_in_cache(cache, key, jobs, replacing=replacing, kept=kept)
+                self._record(stats)
+                return
+            captured = None
+            if cache is not None and jobs:
+                captured = cache.reserve(key, [job.info for job in jobs])
             if captured is not None:
-                cache.discard(key)
-            raise
-        if captured is not None:
-            cache.commit(key, captured)
-        self._record(stats)
+                for job in jobs:
+                    job.capture = captured[job.info.name]
+            try:
+                stats = self._read(jobs, while_reading) if jobs or copy is None else None
+                if copy is not None:
+                    stats = _joined(
+                        copy.finish(while_copying=None if jobs else while_reading), stats
+                    )
+                    copy = None
+            except BaseException:
+                if captured is not None:
+                    cache.discard(key)
+                raise
+            if captured is not None or (kept and not jobs):
+                cache.commit(key, captured or {}, replacing=replacing, kept=kept)
+            self._record(stats)
+        finally:
+            if copy is not None:
+                copy.close()
 
     def _read(
         self,
@@ -428,6 +512,18 @@ class ComponentLoader:
         self.last_load_bytes = stats.nbytes
         self.last_source = stats.source
         self.last_readers = stats.readers
+
+
+def _joined(copied: reader.ReadStats, read: reader.ReadStats | None) -> reader.ReadStats:
+    """One load's stats from its host-cache copies and its file reads."""
+    if read is None:
+        return copied
+    return reader.ReadStats(
+        copied.nbytes + read.nbytes,
+        max(copied.seconds, read.seconds),
+        f"host cache and {read.source}",
+        read.readers,
+    )
 
 
 def _open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:

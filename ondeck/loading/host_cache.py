@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..memory import is_unified, packed_offsets, pinned_host_bytes
+from ..memory import aligned, is_unified, pinned_host_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
@@ -30,17 +30,43 @@ def default_budget_bytes() -> int:
     return max(0, psutil.virtual_memory().available // 2 - 4 * GiB)
 
 
+# Pinned arenas hold consecutive tensors up to about this many bytes (a larger tensor has
+# one of its own): when a component is placed another way, the arenas holding tensors the
+# new placement still loads stay in the cache, and the others are freed.
+ARENA_BYTES = 256 * 2**20
+
+
 def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, int]]]:
     """Where each tensor's bytes go: ``(arena bytes, {tensor index: offset})``.
 
-    Pinned: one arena of exactly the entry's bytes (``memory.pinned_host_bytes``; torch's
-    pinned allocator would round it up to a power of two, 16 GiB for a 10.1 GiB text
-    encoder). Pageable memory is not rounded: a buffer per tensor, exactly.
+    Pinned: arenas of exactly their tensors' bytes (``memory.pinned_host_bytes``; torch's
+    pinned allocator would round each up to a power of two, 16 GiB for a 10.1 GiB text
+    encoder held in one). Pageable memory is not rounded: a buffer per tensor, exactly.
     """
     if not pinned:
         return [(info.nbytes, {index: 0}) for index, info in enumerate(infos)]
-    offsets, total = packed_offsets([info.nbytes for info in infos])
-    return [(total, dict(enumerate(offsets)))]
+    arenas: list[tuple[int, dict[int, int]]] = []
+    members: dict[int, int] = {}
+    total = 0
+    for index, info in enumerate(infos):
+        nbytes = aligned(info.nbytes)
+        if members and total + nbytes > ARENA_BYTES:
+            arenas.append((total, members))
+            members, total = {}, 0
+        members[index] = total
+        total += nbytes
+    if members:
+        arenas.append((total, members))
+    return arenas
+
+
+def _held_bytes(buffers: dict[str, torch.Tensor]) -> int:
+    """The bytes of the buffers (arenas) that ``buffers``' tensors view, each once."""
+    storages = {}
+    for tensor in buffers.values():
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class HostCache:
@@ -128,13 +154,51 @@ class HostCache:
             self.discard(key)
             raise
 
-    def commit(self, key: Hashable, buffers: dict[str, torch.Tensor]) -> None:
+    def commit(
+        self,
+        key: Hashable,
+        buffers: dict[str, torch.Tensor],
+        *,
+        replacing: Hashable | None = None,
+        kept: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """``buffers`` (from :meth:`reserve`) are full: keep them as ``key``.
+
+        ``replacing``: an entry this one supersedes (the same component placed another
+        way, see :meth:`other_placement`); it goes. ``kept``: its tensors that ``key``
+        holds too, served from its buffers rather than read again; the arenas they view
+        stay held by ``key`` and count there, the others are freed.
+        """
         with self._lock:
             nbytes = self._pending.pop(key, None)
-            if nbytes is None:
+            if nbytes is None and not kept:
                 return
-            self._entries[key] = buffers
-            self._sizes[key] = nbytes
+            if replacing is not None and replacing != key:
+                self._entries.pop(replacing, None)
+                self._sizes.pop(replacing, None)
+            entry = {**(kept or {}), **buffers}
+            self._entries[key] = entry
+            self._sizes[key] = _held_bytes(entry) if kept else nbytes
+
+    def other_placement(
+        self, key: tuple, base_length: int
+    ) -> tuple[Hashable, dict[str, torch.Tensor]] | None:
+        """The most recently used entry, other than ``key``, whose key is as long and starts
+        with the same ``base_length`` items: the same component placed another way (other
+        blocks streamed). Its tensors can serve a load of ``key`` in part; it counts as
+        used, so making room for ``key`` evicts it last."""
+        base = key[:base_length]
+        with self._lock:
+            for other in reversed(self._entries):
+                if (
+                    other != key
+                    and isinstance(other, tuple)
+                    and len(other) == len(key)
+                    and other[:base_length] == base
+                ):
+                    self._entries.move_to_end(other)
+                    return other, self._entries[other]
+        return None
 
     def discard(self, key: Hashable) -> None:
         """Forget a reservation or an entry."""

@@ -355,9 +355,16 @@ def as_held(info: TensorInfo, destination: torch.Tensor) -> TensorInfo:
     return dataclasses.replace(info, dtype=destination.dtype, end=info.start + nbytes)
 
 
-def keep_in_cache(cache: Any, key: Any, jobs: list) -> None:
+def keep_in_cache(
+    cache: Any, key: Any, jobs: list, *, replacing: Any = None, kept: dict | None = None
+) -> None:
     """Copy freshly loaded tensors, as stored, into the host cache where it has room: a
-    reload is then one copy of the stored bytes (fp8: half of bf16's)."""
+    reload is then one copy of the stored bytes (fp8: half of bf16's). ``replacing`` and
+    ``kept``: as ``HostCache.commit`` takes them."""
+    if not jobs:
+        if kept:
+            cache.commit(key, {}, replacing=replacing, kept=kept)
+        return
     infos = [as_held(job.info, job.destination) for job in jobs]
     buffers = cache.reserve(key, infos)
     if buffers is None:
@@ -382,7 +389,7 @@ def keep_in_cache(cache: Any, key: Any, jobs: list) -> None:
         raise
     for stream in streams.values():
         stream.synchronize()
-    cache.commit(key, buffers)
+    cache.commit(key, buffers, replacing=replacing, kept=kept)
 
 
 # -- after the load -----------------------------------------------------------------------

@@ -261,10 +261,13 @@ class Denoise(Stage):
 
 
 # Decoding in tiles: what is kept free for allocations the estimate does not see, the
-# overlap blended between tiles (pixels), and the most tiles along either side.
+# overlap blended between tiles (pixels), the most tiles along either side, and the
+# largest tile area a retry after running out of memory tries, as a share of the area
+# that ran out (the fewest tiles at most that large).
 TILE_SAFETY = 0.85
 TILE_OVERLAP = 64
 MAX_TILES_PER_SIDE = 8
+RETRY_AREA = 0.7
 
 
 @dataclass(frozen=True)
@@ -331,10 +334,12 @@ class Decode(Stage):
         self.last_tiles: Tiles | None = None  # the last run's tiles; None: whole frames
         self.last_retries = 0  # the last run's decodes that ran out of memory and were retried
         self.last_split = None  # the last run's slab when the ranks split the decode
-        # Latent shape (frames, height, width) -> the largest tile area that decoded after
-        # a planned one ran out of memory: later runs of that shape start there instead
-        # of failing the same way each time.
-        self._tile_area_cap: dict[tuple[int, ...], float] = {}
+        self._decoded = False  # whether the last run decoded here (its peak is a decode's)
+        self._need_at_least: int | None = None  # whole frames' need, after running out
+        # Latent shape (frames, height, width) -> (the tile area that decoded after a
+        # planned one ran out of memory, the room then): later runs of that shape with no
+        # more room start there instead of failing the same way each time.
+        self._tile_area_cap: dict[tuple[int, ...], tuple[float, int | None]] = {}
 
     def needs_components(self, state: dict) -> bool:
         # Latents out (the ranks that do not write the video): the VAE is never touched,
@@ -346,6 +351,22 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         parallel = getattr(pipeline, "parallel", None) if pipeline is not None else None
         return parallel if parallel is not None and distributed.is_active() else None
+
+    def whole_activations(self, measured: int) -> int | None:
+        # A tiled or split decode measured one piece: what whole frames would take is
+        # about that over the piece's share of the frame. A run with a decode that ran out
+        # of memory measured the failed attempt too: what it proves is a lower bound (see
+        # _decode_fitting). A run that did not decode here measured no decode.
+        if not self._decoded:
+            return None
+        if self.last_retries:
+            return self._need_at_least or None
+        if self.last_tiles is not None:
+            return int(measured / self.last_tiles.area)
+        slab = self.last_split
+        if slab is not None:
+            return int(measured * slab.length / (slab.stop - slab.start))
+        return measured
 
     def fit_activations(self, need: int, room: int) -> int:
         pipeline = self._ondeck_pipeline
@@ -359,16 +380,27 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         if pipeline is None:
             return None
-        tiles = self._tiles(
-            height, width, pipeline.activation_need(self.name), pipeline.activation_room()
-        )
-        return self._capped(height, width, tiles, self._tile_area_cap.get(latent_shape))
+        room = pipeline.activation_room()
+        need = pipeline.activation_need(self.name)
+        tiles = self._tiles(height, width, need, room)
+        cap, cap_room = self._tile_area_cap.get(latent_shape, (None, None))
+        if need is not None and room is not None and cap_room is not None and room > cap_room:
+            cap = None  # more room than when that size was needed: the need decides
+        return self._capped(height, width, tiles, cap)
 
     def _capped(self, height: int, width: int, tiles: Tiles | None, cap: float | None):
         """``tiles``, or smaller ones where they are larger than ``cap`` (a tile area)."""
         if self.tiling and cap is not None and (tiles is None or tiles.area > cap):
             return decode_tiles(height, width, cap, scale=self.geometry.scale_spatial)
         return tiles
+
+    def _room(self) -> int | None:
+        pipeline = self._ondeck_pipeline
+        return pipeline.activation_room() if pipeline is not None else None
+
+    def _need(self) -> int | None:
+        pipeline = self._ondeck_pipeline
+        return pipeline.activation_need(self.name) if pipeline is not None else None
 
     def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
         """Tiles for a decode whose whole frames take ``need`` bytes when ``room`` is left;
@@ -383,6 +415,8 @@ class Decode(Stage):
         object.__setattr__(self, "last_tiles", None)  # this run's, once it has decoded
         object.__setattr__(self, "last_retries", 0)
         object.__setattr__(self, "last_split", None)
+        object.__setattr__(self, "_decoded", False)
+        object.__setattr__(self, "_need_at_least", None)
         wants_frames = state.get("output_type") != "latent"
         if self._parallel() is not None:
             return self._forward_split(state, wants_frames)
@@ -439,6 +473,7 @@ class Decode(Stage):
         if all(distributed.gather_all(fits)):
             video = split_decode(self.vae, self._unscaled(latents), slab)
             object.__setattr__(self, "last_split", slab)
+            object.__setattr__(self, "_decoded", True)
         elif wants_frames:
             video = self._decode_fitting(self._unscaled(latents))
         if not wants_frames:
@@ -453,8 +488,9 @@ class Decode(Stage):
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         latent_shape = tuple(latents.shape[2:])
         tiles = self._planned_tiles(height, width, latent_shape)
-        fraction = 1.0
         retries = 0
+        room = self._room()
+        object.__setattr__(self, "_need_at_least", self._need())
         while True:
             try:
                 video = self._decode(latents, tiles)
@@ -463,20 +499,32 @@ class Decode(Stage):
                 # A load that ran out of memory is the policy's to handle, not tiling's.
                 if not self.tiling or isinstance(error, LoadError) or not is_out_of_memory(error):
                     raise
-            # Out of memory (the traceback is gone with the except block): half the area.
+            # Out of memory (the traceback is gone with the except block): the fewest
+            # tiles at most RETRY_AREA of the area that ran out.
             retries += 1
-            fraction = (tiles.area if tiles is not None else fraction) / 2
-            tiles = decode_tiles(height, width, fraction, scale=scale)
+            failed_area = tiles.area if tiles is not None else 1.0
+            if room is not None:
+                # Whole frames need more than the room over the area that failed; stored
+                # as the need that plans the area this retry tries.
+                at_least = int(TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA))
+                at_least = max(at_least, self._need_at_least or 0)
+                object.__setattr__(self, "_need_at_least", at_least)
+            tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
             free_cached_memory()
             if tiles is None:
                 raise torch.OutOfMemoryError(
                     f"decoding {height}x{width} frames ran out of memory even in "
                     f"{MAX_TILES_PER_SIDE}x{MAX_TILES_PER_SIDE} tiles"
                 )
+        if tiles is not None and latents.is_cuda:
+            # Tiles mean the device is tight: the tiles' blocks go back to the device
+            # rather than stay cached, split to sizes the next stages do not ask for.
+            torch.cuda.empty_cache()
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
+        object.__setattr__(self, "_decoded", True)
         if retries:
-            self._tile_area_cap[latent_shape] = tiles.area
+            self._tile_area_cap[latent_shape] = (tiles.area, room)
         return video
 
     def _decode(self, latents: torch.Tensor, tiles: Tiles | None) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_stats_count_entries_held_bytes_and_tensor_bytes():
 
 def test_pinned_entries_hold_exactly_their_tensors_aligned_bytes():
     """torch's pinned allocator rounds each request up to a power of two (a 10.1 GiB text
-    encoder in one buffer: 16 GiB); an entry's pinned arena is its bytes, exactly."""
+    encoder in one buffer: 16 GiB); an entry's pinned arenas are its bytes, exactly."""
     from types import SimpleNamespace
 
     from ondeck.loading.host_cache import _arenas
@@ -172,14 +172,29 @@ def test_pinned_entries_hold_exactly_their_tensors_aligned_bytes():
     mib = 2**20
     sizes = [50 * mib + 4096, 135 * mib + 8192, 20 * 1024 + 3] * 120
     infos = [SimpleNamespace(nbytes=n) for n in sizes]
-    ((capacity, members),) = _arenas(infos, pinned=True)
-    assert capacity == sum((n + 255) // 256 * 256 for n in sizes)
-    offsets = [members[i] for i in range(len(sizes))]
-    assert all(offset % 256 == 0 for offset in offsets)
-    for (offset, nbytes), following in zip(
-        zip(offsets, sizes, strict=True), offsets[1:], strict=False
-    ):
-        assert offset + nbytes <= following
-    assert offsets[-1] + sizes[-1] <= capacity
+    arenas = _arenas(infos, pinned=True)
+    assert sum(capacity for capacity, _ in arenas) == sum((n + 255) // 256 * 256 for n in sizes)
+    for capacity, members in arenas:
+        offsets = sorted((offset, sizes[index]) for index, offset in members.items())
+        assert all(offset % 256 == 0 for offset, _ in offsets)
+        for (offset, nbytes), (following, _) in zip(offsets, offsets[1:], strict=False):
+            assert offset + nbytes <= following
+        assert offsets[-1][0] + offsets[-1][1] <= capacity
     # Pageable memory: a buffer per tensor, exactly its bytes.
     assert _arenas(infos[:2], pinned=False) == [(sizes[0], {0: 0}), (sizes[1], {1: 0})]
+
+
+def test_pinned_entries_are_held_in_arenas_of_bounded_size():
+    sizes = [100, host_cache_module.ARENA_BYTES, 7, 3 * host_cache_module.ARENA_BYTES // 4, 5]
+    infos = [info(f"t{i}", nbytes) for i, nbytes in enumerate(sizes)]
+    arenas = host_cache_module._arenas(infos, pinned=True)
+    placed = sorted(index for _, members in arenas for index in members)
+    assert placed == list(range(len(sizes)))  # every tensor once
+    for capacity, members in arenas:
+        # Back to back in file order, within the arena, no larger than the bound unless
+        # one tensor is.
+        ends = [offset + sizes[index] for index, offset in members.items()]
+        assert max(ends) <= capacity
+        assert capacity <= host_cache_module.ARENA_BYTES or len(members) == 1
+        assert list(members) == sorted(members)
+    assert len(arenas) == 3  # [100], [ARENA], [7, 3/4 ARENA, 5]

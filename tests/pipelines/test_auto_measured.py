@@ -15,7 +15,7 @@ import torch
 import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
-from ondeck.pipelines.wan import WanTextToVideo
+from ondeck.pipelines.wan import Decode, WanTextToVideo
 from ondeck.tracker import StageRecord
 from tests.core.helpers import Apply, CountingLoader
 
@@ -72,6 +72,9 @@ def wan_shaped() -> WanShaped:
 
 def measure(pipe, activations) -> None:
     """What a run on the card would have recorded, stage by stage."""
+    for stage in pipe.stages:
+        if isinstance(stage, Decode):
+            object.__setattr__(stage, "_decoded", True)  # as after a whole-frame decode
     for index, (stage, nbytes) in enumerate(activations.items()):
         pipe._stage_measured(index, StageRecord(1, stage, 1.0, 0.0, 0, None, nbytes))
 

@@ -197,3 +197,75 @@ def test_without_tiling_out_of_memory_in_decode_is_raised(wan_folder, monkeypatc
     pipe = wan(wan_folder, "release", vae_tiling=False)
     with pytest.raises(torch.OutOfMemoryError):
         pipe.generate("a fox", seed=3, **SHAPE)
+
+
+def decode_measures(pipe, monkeypatch, nbytes: int) -> None:
+    """Make the tracker report ``nbytes`` of activations for every decode (the CPU
+    measures none), as a CUDA run would."""
+    import dataclasses
+
+    tracker = pipe.tracker
+    real = tracker.stage_finished
+    name = decode_stage(pipe).name
+
+    def finished(stage, *args, **kwargs):
+        record = real(stage, *args, **kwargs)
+        if stage == name:
+            record = dataclasses.replace(record, activation_bytes=nbytes)
+        return record
+
+    monkeypatch.setattr(tracker, "stage_finished", finished)
+
+
+def test_a_tiled_decode_is_remembered_at_what_whole_frames_would_take(
+    wan_folder, profiles, monkeypatch
+):
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    room = pipe.policy.budget_bytes - pipe.component_bytes()["vae"]
+    as_if_decode_measured(pipe, 3 * room)
+    tile_peak = 10 * 2**20
+    decode_measures(pipe, monkeypatch, tile_peak)
+    pipe.generate("a fox", seed=3, **SHAPE)
+    tiles = decode_stage(pipe).last_tiles
+    assert tiles is not None and tiles.area < 0.5
+    # One tile's peak is not the whole frames' need: stored as the tile's over its area.
+    assert pipe.activation_need(decode_stage(pipe).name) == int(tile_peak / tiles.area)
+
+    pipe.generate("a fox", seed=3, output_type="latent", **SHAPE)
+    # No decode this run: nothing about a decode's need is learnt.
+    assert pipe.activation_need(decode_stage(pipe).name) == int(tile_peak / tiles.area)
+
+
+def test_a_decode_that_ran_out_of_memory_is_remembered_as_needing_more_than_the_room(
+    wan_folder, whole_frames, profiles, monkeypatch
+):
+    from diffusers import AutoencoderKLWan
+
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        attempts.append(self.use_tiling)
+        if not self.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
+    assert pipe.activation_need(decode_stage(pipe).name) is None
+    # The failed whole-frame attempt's peak would be the room itself: not a need.
+    decode_measures(pipe, monkeypatch, 123)
+    pipe.generate("a fox", seed=3, **SHAPE)
+    stage = decode_stage(pipe)
+    assert attempts == [False, True] and stage.last_retries == 1
+    room = pipe.policy.budget_bytes - pipe.component_bytes()["vae"]
+    need = pipe.activation_need(stage.name)
+    assert need is not None and need > room  # whole frames needed more than that
+
+    # A new pipeline (a later command) plans tiles from that and does not run out again.
+    attempts.clear()
+    again = wan(wan_folder, "budget", budget="1GiB")
+    frames = again.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [True] and decode_stage(again).last_retries == 0
+    assert close(frames, whole_frames) < 0.05
