@@ -8,7 +8,7 @@ predicted peak is the peak the run will have.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .memory import format_bytes, parse_bytes
@@ -169,9 +169,12 @@ def budget_step(
     budget: int,
     activation: Mapping[str, int | None],
     prefetch: bool,
+    in_pieces: Collection[str] = (),
 ) -> StageStep:
     """Decide evictions and loads before stage ``index``, and what to prefetch during it
     (the next stage that needs a load, in the next run after the last stage).
+    ``in_pieces``: stages that work in pieces to fit the room they find (``Stage.
+    fit_activations``); nothing of the next run loads beside one not yet measured.
 
     Raises ``ValueError`` when the stage's own components and activations cannot fit.
     """
@@ -206,6 +209,16 @@ def budget_step(
     prefetched: list[str] = []
     if prefetch:
         found = next_stage_with_loads(uses, index, resident)
+        unknown = activation.get(use.name) is None
+        if (
+            found is not None
+            and unknown
+            and use.name in in_pieces
+            and index + found[1] >= len(uses)
+        ):
+            # Not beside a stage that works in pieces to fit (a tiled decode) while its
+            # activations are unknown: it would fit the squeeze, and be measured there.
+            found = None
         if found is not None:
             later, distance = found
             incoming = [c for c in uses[later].components if c not in resident]

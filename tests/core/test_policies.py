@@ -96,6 +96,38 @@ def test_prefetch_after_the_last_stage_loads_the_next_runs_first_components():
     assert [s.resident for s in stages if s.name == "Decode"] == [("text_encoder", "vae")] * 2
 
 
+def test_nothing_of_the_next_run_loads_beside_a_stage_that_tiles_before_it_is_measured():
+    # Decode (which tiles to fit) not measured yet: the room the text encoder would take
+    # may be the decode's own, and it would be measured squeezed.
+    def decode_step(activation, in_pieces=("Decode",)):
+        return budget_step(
+            {"vae"},
+            3,
+            uses=USES,
+            nbytes=SIZES,
+            budget=30,
+            activation=activation,
+            prefetch=True,
+            in_pieces=in_pieces,
+        )
+
+    assert decode_step({}).prefetch == ()
+    assert decode_step({"Decode": 8}).prefetch == ("text_encoder",)
+    assert decode_step({}, in_pieces=()).prefetch == ("text_encoder",)  # one that cannot
+    # The next stage of this run is still prefetched beside one not measured.
+    step = budget_step(
+        {"text_encoder"},
+        0,
+        uses=USES,
+        nbytes=SIZES,
+        budget=40,
+        activation={},
+        prefetch=True,
+        in_pieces=("Encode",),
+    )
+    assert step.prefetch == ("transformer",)
+
+
 def test_a_small_component_does_not_lift_the_peak_when_components_move():
     # 37 GiB of components do not fit 32 at once, so they move every run. The VAE (1 of
     # 32: small) kept through denoising would lift the peak above denoising's own need

@@ -269,3 +269,14 @@ def test_a_decode_that_ran_out_of_memory_is_remembered_as_needing_more_than_the_
     frames = again.generate("a fox", seed=3, **SHAPE)
     assert attempts == [True] and decode_stage(again).last_retries == 0
     assert close(frames, whole_frames) < 0.05
+
+
+def test_the_budget_policy_knows_the_decode_works_in_pieces(wan_folder):
+    from ondeck.policy import _in_pieces
+
+    pipe = wan(wan_folder, "budget", budget="1GiB")
+    pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
+    assert _in_pieces(pipe.snapshot()) == {decode_stage(pipe).name}
+    fixed = wan(wan_folder, "budget", budget="1GiB", vae_tiling=False)
+    fixed.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
+    assert _in_pieces(fixed.snapshot()) == frozenset()
