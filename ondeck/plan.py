@@ -174,7 +174,7 @@ def budget_step(
     """Decide evictions and loads before stage ``index``, and what to prefetch during it
     (the next stage that needs a load, in the next run after the last stage).
     ``in_pieces``: stages that work in pieces to fit the room they find (``Stage.
-    fit_activations``); nothing of the next run loads beside one not yet measured.
+    fit_activations``); one not yet measured gets the whole budget less its components.
 
     Raises ``ValueError`` when the stage's own components and activations cannot fit.
     """
@@ -182,6 +182,15 @@ def budget_step(
     use = uses[index]
     headroom = activation.get(use.name) or 0
     needed = set(use.components)
+    if (
+        use.name in in_pieces
+        and activation.get(use.name) is None
+        and _moving(uses, nbytes, budget, activation)
+    ):
+        # A stage that works in pieces fits whatever room it finds, and would be measured
+        # in that squeeze: before it is measured, all the room is its own (when components
+        # move anyway; where everything fits, everything stays).
+        headroom = max(headroom, budget - _total(needed, nbytes))
     required = _total(needed, nbytes) + headroom
     if required > budget:
         raise ValueError(
@@ -209,16 +218,6 @@ def budget_step(
     prefetched: list[str] = []
     if prefetch:
         found = next_stage_with_loads(uses, index, resident)
-        unknown = activation.get(use.name) is None
-        if (
-            found is not None
-            and unknown
-            and use.name in in_pieces
-            and index + found[1] >= len(uses)
-        ):
-            # Not beside a stage that works in pieces to fit (a tiled decode) while its
-            # activations are unknown: it would fit the squeeze, and be measured there.
-            found = None
         if found is not None:
             later, distance = found
             incoming = [c for c in uses[later].components if c not in resident]
@@ -239,6 +238,13 @@ def budget_step(
     return StageStep(tuple(evict), tuple(missing), tuple(prefetch_evict), tuple(prefetched))
 
 
+def _moving(uses, nbytes: Mapping[str, int], budget: int, activation) -> bool:
+    """Whether the components cannot all stay, beside the largest activations known."""
+    everything = {c for use in uses for c in use.components}
+    largest_activation = max((activation.get(use.name) or 0 for use in uses), default=0)
+    return _total(everything, nbytes) + largest_activation > budget
+
+
 class _PeakGuard:
     """Keeps small components from lifting the run's peak when components move anyway.
 
@@ -250,9 +256,7 @@ class _PeakGuard:
 
     def __init__(self, uses, nbytes: Mapping[str, int], budget: int, activation) -> None:
         self.nbytes = nbytes
-        everything = {c for use in uses for c in use.components}
-        largest_activation = max((activation.get(use.name) or 0 for use in uses), default=0)
-        self.active = _total(everything, nbytes) + largest_activation > budget
+        self.active = _moving(uses, nbytes, budget, activation)
         self.peak = unavoidable_peak(uses, nbytes, activation)
         self.small = SMALL_PREFETCH_FRACTION * budget
 

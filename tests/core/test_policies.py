@@ -96,25 +96,41 @@ def test_prefetch_after_the_last_stage_loads_the_next_runs_first_components():
     assert [s.resident for s in stages if s.name == "Decode"] == [("text_encoder", "vae")] * 2
 
 
-def test_nothing_of_the_next_run_loads_beside_a_stage_that_tiles_before_it_is_measured():
-    # Decode (which tiles to fit) not measured yet: the room the text encoder would take
-    # may be the decode's own, and it would be measured squeezed.
+def test_a_stage_that_tiles_has_the_budget_to_itself_until_it_is_measured():
+    # Decode tiles to fit: not measured yet, whatever it shares the budget with would be
+    # room it tiles around, and it would be measured in that squeeze. The transformer,
+    # kept through it for the next run otherwise, goes; nothing loads beside it.
     def decode_step(activation, in_pieces=("Decode",)):
         return budget_step(
-            {"vae"},
+            {"transformer", "vae"},
             3,
             uses=USES,
             nbytes=SIZES,
-            budget=30,
+            budget=36,  # the components move: 37 do not fit
             activation=activation,
             prefetch=True,
             in_pieces=in_pieces,
         )
 
-    assert decode_step({}).prefetch == ()
-    assert decode_step({"Decode": 8}).prefetch == ("text_encoder",)
-    assert decode_step({}, in_pieces=()).prefetch == ("text_encoder",)  # one that cannot
-    # The next stage of this run is still prefetched beside one not measured.
+    first = decode_step({})
+    assert first.evict == ("transformer",) and first.prefetch == ()
+    assert decode_step({"Decode": 3}).evict == ()  # measured: 30 fit
+    assert decode_step({}, in_pieces=()).evict == ()  # a stage that cannot tile
+    # Where everything fits, everything stays.
+    assert (
+        budget_step(
+            {"text_encoder", "transformer", "vae"},
+            3,
+            uses=USES,
+            nbytes=SIZES,
+            budget=60,
+            activation={},
+            prefetch=True,
+            in_pieces=("Decode",),
+        ).evict
+        == ()
+    )
+    # Another stage not measured yet keeps and prefetches as before.
     step = budget_step(
         {"text_encoder"},
         0,
@@ -123,7 +139,7 @@ def test_nothing_of_the_next_run_loads_beside_a_stage_that_tiles_before_it_is_me
         budget=40,
         activation={},
         prefetch=True,
-        in_pieces=("Encode",),
+        in_pieces=("Decode",),
     )
     assert step.prefetch == ("transformer",)
 
