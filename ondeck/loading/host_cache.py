@@ -30,10 +30,21 @@ def default_budget_bytes() -> int:
     return max(0, psutil.virtual_memory().available // 2 - 4 * GiB)
 
 
-# Pinned arenas hold consecutive tensors up to about this many bytes (a larger tensor has
-# one of its own): when a component is placed another way, the arenas holding tensors the
-# new placement still loads stay in the cache, and the others are freed.
+# Pinned arenas hold consecutive tensors of one block up to about this many bytes (a
+# larger tensor has one of its own): when a component is placed another way (other blocks
+# streamed), the arenas holding tensors the new placement still loads stay in the cache,
+# and the others are freed whole.
 ARENA_BYTES = 256 * 2**20
+
+
+def _block_of(name: str) -> str:
+    """The numbered module a tensor belongs to (``blocks.12`` of ``blocks.12.ffn.weight``),
+    or "" for one outside any."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return ""
 
 
 def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, int]]]:
@@ -48,11 +59,14 @@ def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, 
     arenas: list[tuple[int, dict[int, int]]] = []
     members: dict[int, int] = {}
     total = 0
+    block = None
     for index, info in enumerate(infos):
         nbytes = aligned(info.nbytes)
-        if members and total + nbytes > ARENA_BYTES:
+        name = getattr(info, "name", "")
+        if members and (total + nbytes > ARENA_BYTES or _block_of(name) != block):
             arenas.append((total, members))
             members, total = {}, 0
+        block = _block_of(name)
         members[index] = total
         total += nbytes
     if members:

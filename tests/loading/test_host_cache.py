@@ -198,3 +198,8 @@ def test_pinned_entries_are_held_in_arenas_of_bounded_size():
         assert capacity <= host_cache_module.ARENA_BYTES or len(members) == 1
         assert list(members) == sorted(members)
     assert len(arenas) == 3  # [100], [ARENA], [7, 3/4 ARENA, 5]
+    # A numbered block's tensors never share an arena with another's: when a block moves
+    # to streaming, its arenas are freed whole.
+    names = ["blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.10.a", "norm.weight", "proj.bias"]
+    arenas = host_cache_module._arenas([info(name, 64) for name in names], pinned=True)
+    assert [sorted(members) for _, members in arenas] == [[0, 1], [2], [3], [4, 5]]

@@ -116,9 +116,9 @@ def test_plan_counts_a_tiled_decode_at_what_fits(wan_folder, profiles):
         fixed.generate("a fox", seed=3, **SHAPE)
 
 
-def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
-    wan_folder, whole_frames, monkeypatch
-):
+def whole_frames_run_out_of_memory(monkeypatch) -> list[bool]:
+    """Make a whole-frame VAE decode run out of memory, a tiled one work; returns the
+    decodes attempted (True: in tiles)."""
     from diffusers import AutoencoderKLWan
 
     real_decode = AutoencoderKLWan.decode
@@ -131,6 +131,13 @@ def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
         return real_decode(self, *args, **kwargs)
 
     monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    return attempts
+
+
+def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
+    wan_folder, whole_frames, monkeypatch
+):
+    attempts = whole_frames_run_out_of_memory(monkeypatch)
     pipe = wan(wan_folder, "release")
     frames = pipe.generate("a fox", seed=3, **SHAPE)
     assert attempts == [False, True]
@@ -239,18 +246,7 @@ def test_a_tiled_decode_is_remembered_at_what_whole_frames_would_take(
 def test_a_decode_that_ran_out_of_memory_is_remembered_as_needing_more_than_the_room(
     wan_folder, whole_frames, profiles, monkeypatch
 ):
-    from diffusers import AutoencoderKLWan
-
-    real_decode = AutoencoderKLWan.decode
-    attempts = []
-
-    def decode(self, *args, **kwargs):
-        attempts.append(self.use_tiling)
-        if not self.use_tiling:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
-        return real_decode(self, *args, **kwargs)
-
-    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    attempts = whole_frames_run_out_of_memory(monkeypatch)
     pipe = wan(wan_folder, "budget", budget="1GiB")
     pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
     assert pipe.activation_need(decode_stage(pipe).name) is None
