@@ -207,6 +207,7 @@ def pinned_host_bytes(nbytes: int) -> Any:
     except Exception:
         status = -1
     if status != 0:
+        consume_cuda_error()
         del owner
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     # Runs as the owner is collected, before numpy frees its memory.
@@ -216,8 +217,26 @@ def pinned_host_bytes(nbytes: int) -> Any:
 
 def _unregister(pointer: int) -> None:
     try:
-        _cudart().cudaHostUnregister(pointer)
+        if int(_cudart().cudaHostUnregister(pointer)) != 0:
+            consume_cuda_error()
     except Exception:  # at interpreter exit CUDA may be gone; the memory goes with it
+        pass
+
+
+def consume_cuda_error() -> None:
+    """Clear the error a failed CUDA runtime call left on this thread.
+
+    The runtime keeps the last error per thread until it is read, and torch reads it at
+    its next kernel launch: a refused ``cudaHostRegister`` would otherwise surface as the
+    failure of some later, unrelated kernel. A one-element launch reads (and clears) it.
+    """
+    import torch
+
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return  # nothing may be launched into a graph being captured
+        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    except Exception:  # the launch reported it: read, and so cleared
         pass
 
 

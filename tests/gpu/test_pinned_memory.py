@@ -29,6 +29,21 @@ def test_exact_pinned_bytes_copy_asynchronously_and_are_unregistered_after():
     gc.collect()
     # Unregistered already: a second unregister of the same pages is refused.
     assert int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0
+    # That refusal stays CUDA's last error on this thread until read: cleared, the next
+    # kernel launches (uncleared, it failed a later test's first launch).
+    memory.consume_cuda_error()
+    assert torch.ones(3, device="cuda").sum().item() == 3
+
+
+def test_a_refused_registration_does_not_fail_the_next_kernel(monkeypatch):
+    def refused(pointer, nbytes):
+        # What a refusal leaves behind: CUDA's last error set on this thread.
+        return int(torch.cuda.cudart().cudaHostUnregister(pointer))  # never registered
+
+    monkeypatch.setattr(memory, "register_host_memory", refused)
+    host = memory.pinned_host_bytes(2**20)
+    assert host.numel() == 2**20 and host.is_pinned()  # torch's pinned allocator instead
+    assert torch.ones(3, device="cuda").sum().item() == 3
 
 
 def test_a_host_cache_entry_takes_its_bytes_not_the_next_power_of_two():
