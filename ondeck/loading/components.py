@@ -444,52 +444,53 @@ class ComponentLoader:
         cache = self.host_cache
         replacing = other[0] if other is not None else None
         kept = self._from_other(jobs, other)
-        copy = None
-        if kept:
-            copy = reader.HostCopy(
-                sum(job.info.nbytes for job in jobs if job.info.name in kept),
-                progress=self.progress,
-                component=self.name,
-            )
+        reading = [job for job in jobs if job.info.name not in kept]
+        # A component kept in a storage dtype is cached as stored (half of bf16's bytes),
+        # copied back once read; otherwise the reads capture the file bytes.
+        stored = cache is not None and self.storage_dtype is not None
+        captured = None
+        if cache is not None and reading and not stored:
+            captured = cache.reserve(key, [job.info for job in reading])
+        if captured is not None:
+            for job in reading:
+                job.capture = captured[job.info.name]
+        try:
+            stats = self._copy_and_read(jobs, kept, reading, while_reading)
+        except BaseException:
+            if captured is not None:
+                cache.discard(key)
+            raise
+        if stored:
+            storage.keep_in_cache(cache, key, reading, replacing=replacing, kept=kept)
+        elif captured is not None or (kept and not reading):
+            cache.commit(key, captured or {}, replacing=replacing, kept=kept)
+        self._record(stats)
+
+    def _copy_and_read(
+        self,
+        jobs: list[reader.ReadJob],
+        kept: dict[str, torch.Tensor],
+        reading: list[reader.ReadJob],
+        while_reading: Callable[[], None],
+    ) -> reader.ReadStats:
+        """Copy the jobs whose tensors ``kept`` holds from the host cache while the others
+        (``reading``) are read from the files."""
+        if not kept:
+            return self._read(reading, while_reading)
+        copy = reader.HostCopy(
+            sum(job.info.nbytes for job in jobs if job.info.name in kept),
+            progress=self.progress,
+            component=self.name,
+        )
+        try:
             for job in jobs:
                 if job.info.name in kept:
                     copy.add(self._cached_info(job), kept[job.info.name], job.destination)
-            jobs = [job for job in jobs if job.info.name not in kept]
-        try:
-            if cache is not None and self.storage_dtype is not None:
-                # The cache holds the stored bytes (half of bf16's), copied back once read.
-                stats = self._read(jobs, while_reading) if jobs or copy is None else None
-                if copy is not None:
-                    stats = _joined(
-                        copy.finish(while_copying=None if jobs else while_reading), stats
-                    )
-                    copy = None
-                storage.keep_in_cache(cache, key, jobs, replacing=replacing, kept=kept)
-                self._record(stats)
-                return
-            captured = None
-            if cache is not None and jobs:
-                captured = cache.reserve(key, [job.info for job in jobs])
-            if captured is not None:
-                for job in jobs:
-                    job.capture = captured[job.info.name]
-            try:
-                stats = self._read(jobs, while_reading) if jobs or copy is None else None
-                if copy is not None:
-                    stats = _joined(
-                        copy.finish(while_copying=None if jobs else while_reading), stats
-                    )
-                    copy = None
-            except BaseException:
-                if captured is not None:
-                    cache.discard(key)
-                raise
-            if captured is not None or (kept and not jobs):
-                cache.commit(key, captured or {}, replacing=replacing, kept=kept)
-            self._record(stats)
+            read = self._read(reading, while_reading) if reading else None
+            copied = copy.finish(while_copying=None if reading else while_reading)
         finally:
-            if copy is not None:
-                copy.close()
+            copy.close()
+        return _joined(copied, read)
 
     def _read(
         self,
