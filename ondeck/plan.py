@@ -8,7 +8,7 @@ predicted peak is the peak the run will have.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .memory import format_bytes, parse_bytes
@@ -169,12 +169,9 @@ def budget_step(
     budget: int,
     activation: Mapping[str, int | None],
     prefetch: bool,
-    in_pieces: Collection[str] = (),
 ) -> StageStep:
     """Decide evictions and loads before stage ``index``, and what to prefetch during it
     (the next stage that needs a load, in the next run after the last stage).
-    ``in_pieces``: stages that work in pieces to fit the room they find (``Stage.
-    fit_activations``); one not yet measured gets the whole budget less its components.
 
     Raises ``ValueError`` when the stage's own components and activations cannot fit.
     """
@@ -182,15 +179,6 @@ def budget_step(
     use = uses[index]
     headroom = activation.get(use.name) or 0
     needed = set(use.components)
-    if (
-        use.name in in_pieces
-        and activation.get(use.name) is None
-        and _moving(uses, nbytes, budget, activation)
-    ):
-        # A stage that works in pieces fits whatever room it finds, and would be measured
-        # in that squeeze: before it is measured, all the room is its own (when components
-        # move anyway; where everything fits, everything stays).
-        headroom = max(headroom, budget - _total(needed, nbytes))
     required = _total(needed, nbytes) + headroom
     if required > budget:
         raise ValueError(
@@ -238,13 +226,6 @@ def budget_step(
     return StageStep(tuple(evict), tuple(missing), tuple(prefetch_evict), tuple(prefetched))
 
 
-def _moving(uses, nbytes: Mapping[str, int], budget: int, activation) -> bool:
-    """Whether the components cannot all stay, beside the largest activations known."""
-    everything = {c for use in uses for c in use.components}
-    largest_activation = max((activation.get(use.name) or 0 for use in uses), default=0)
-    return _total(everything, nbytes) + largest_activation > budget
-
-
 class _PeakGuard:
     """Keeps small components from lifting the run's peak when components move anyway.
 
@@ -256,7 +237,9 @@ class _PeakGuard:
 
     def __init__(self, uses, nbytes: Mapping[str, int], budget: int, activation) -> None:
         self.nbytes = nbytes
-        self.active = _moving(uses, nbytes, budget, activation)
+        everything = {c for use in uses for c in use.components}
+        largest_activation = max((activation.get(use.name) or 0 for use in uses), default=0)
+        self.active = _total(everything, nbytes) + largest_activation > budget
         self.peak = unavoidable_peak(uses, nbytes, activation)
         self.small = SMALL_PREFETCH_FRACTION * budget
 

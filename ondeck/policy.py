@@ -158,16 +158,6 @@ class Policy:
         return estimate, "\n".join([note, *fitted])
 
 
-def _in_pieces(snapshot: Snapshot) -> frozenset[str]:
-    """The stages that work in pieces to fit less room than they need (a tiled decode)."""
-    need, room = 1 << 40, 1 << 39
-    return frozenset(
-        use.name
-        for fit, use in zip(snapshot.fit_activations, snapshot.uses, strict=False)
-        if fit(need, room) < need
-    )
-
-
 class EagerPolicy(Policy):
     """Load every component up front and keep it, like a plain loader."""
 
@@ -339,7 +329,6 @@ class BudgetPolicy(Policy):
                 budget=self.budget_bytes,
                 activation=activation,
                 prefetch=self.prefetch,
-                in_pieces=_in_pieces(snapshot),
             )
         except ValueError as error:
             raise BudgetError(f"{error}; nothing more was loaded") from error

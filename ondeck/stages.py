@@ -356,6 +356,16 @@ class Pipeline:
         needs, _ = self.policy.activation_needs(self.snapshot())
         return needs.get(stage)
 
+    def make_room(self) -> bool:
+        """Out of memory inside the running stage: free what the policy lets go (a
+        prefetch, components kept for later stages); whether anything was freed. For a
+        stage that handles running out of memory itself, such as a decode that tiles,
+        before it works in smaller pieces."""
+        index = self._current_index
+        if index is None:
+            return False
+        return self._recover_from_oom(index)
+
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget
         less what is resident, else what the device has left; None where unknown."""

@@ -398,6 +398,10 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         return pipeline.activation_room() if pipeline is not None else None
 
+    def _make_room(self) -> bool:
+        pipeline = self._ondeck_pipeline
+        return pipeline.make_room() if pipeline is not None else False
+
     def _need(self) -> int | None:
         pipeline = self._ondeck_pipeline
         return pipeline.activation_need(self.name) if pipeline is not None else None
@@ -489,6 +493,7 @@ class Decode(Stage):
         latent_shape = tuple(latents.shape[2:])
         tiles = self._planned_tiles(height, width, latent_shape)
         retries = 0
+        made_room = False
         room = self._room()
         object.__setattr__(self, "_need_at_least", self._need())
         while True:
@@ -499,18 +504,25 @@ class Decode(Stage):
                 # A load that ran out of memory is the policy's to handle, not tiling's.
                 if not self.tiling or isinstance(error, LoadError) or not is_out_of_memory(error):
                     raise
-            # Out of memory (the traceback is gone with the except block): the fewest
-            # tiles at most RETRY_AREA of the area that ran out.
+            # Out of memory (the traceback is gone with the except block).
             retries += 1
             failed_area = tiles.area if tiles is not None else 1.0
             if room is not None:
                 # Whole frames need more than the room over the area that failed; stored
-                # as the need that plans the area this retry tries.
+                # as the need that plans the area a retry in smaller tiles tries.
                 at_least = int(TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA))
                 at_least = max(at_least, self._need_at_least or 0)
                 object.__setattr__(self, "_need_at_least", at_least)
-            tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
             free_cached_memory()
+            if not made_room:
+                # First what the policy lets go (the next run's components loading
+                # beside, or kept for later), then the same tiles again.
+                made_room = True
+                if self._make_room():
+                    room = self._room()
+                    continue
+            # Then the fewest tiles at most RETRY_AREA of the area that ran out.
+            tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
             if tiles is None:
                 raise torch.OutOfMemoryError(
                     f"decoding {height}x{width} frames ran out of memory even in "
@@ -523,7 +535,9 @@ class Decode(Stage):
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
         object.__setattr__(self, "_decoded", True)
-        if retries:
+        if tiles is None:
+            self._tile_area_cap.pop(latent_shape, None)  # whole frames decoded
+        elif retries:
             self._tile_area_cap[latent_shape] = (tiles.area, room)
         return video
 

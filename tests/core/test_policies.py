@@ -96,54 +96,6 @@ def test_prefetch_after_the_last_stage_loads_the_next_runs_first_components():
     assert [s.resident for s in stages if s.name == "Decode"] == [("text_encoder", "vae")] * 2
 
 
-def test_a_stage_that_tiles_has_the_budget_to_itself_until_it_is_measured():
-    # Decode tiles to fit: not measured yet, whatever it shares the budget with would be
-    # room it tiles around, and it would be measured in that squeeze. The transformer,
-    # kept through it for the next run otherwise, goes; nothing loads beside it.
-    def decode_step(activation, in_pieces=("Decode",)):
-        return budget_step(
-            {"transformer", "vae"},
-            3,
-            uses=USES,
-            nbytes=SIZES,
-            budget=36,  # the components move: 37 do not fit
-            activation=activation,
-            prefetch=True,
-            in_pieces=in_pieces,
-        )
-
-    first = decode_step({})
-    assert first.evict == ("transformer",) and first.prefetch == ()
-    assert decode_step({"Decode": 3}).evict == ()  # measured: 30 fit
-    assert decode_step({}, in_pieces=()).evict == ()  # a stage that cannot tile
-    # Where everything fits, everything stays.
-    assert (
-        budget_step(
-            {"text_encoder", "transformer", "vae"},
-            3,
-            uses=USES,
-            nbytes=SIZES,
-            budget=60,
-            activation={},
-            prefetch=True,
-            in_pieces=("Decode",),
-        ).evict
-        == ()
-    )
-    # Another stage not measured yet keeps and prefetches as before.
-    step = budget_step(
-        {"text_encoder"},
-        0,
-        uses=USES,
-        nbytes=SIZES,
-        budget=40,
-        activation={},
-        prefetch=True,
-        in_pieces=("Decode",),
-    )
-    assert step.prefetch == ("transformer",)
-
-
 def test_a_small_component_does_not_lift_the_peak_when_components_move():
     # 37 GiB of components do not fit 32 at once, so they move every run. The VAE (1 of
     # 32: small) kept through denoising would lift the peak above denoising's own need

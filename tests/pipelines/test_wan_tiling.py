@@ -254,7 +254,8 @@ def test_a_decode_that_ran_out_of_memory_is_remembered_as_needing_more_than_the_
     decode_measures(pipe, monkeypatch, 123)
     pipe.generate("a fox", seed=3, **SHAPE)
     stage = decode_stage(pipe)
-    assert attempts == [False, True] and stage.last_retries == 1
+    # Whole frames, again once the budget let go of the other components, then tiles.
+    assert attempts == [False, False, True] and stage.last_retries == 2
     room = pipe.policy.budget_bytes - pipe.component_bytes()["vae"]
     need = pipe.activation_need(stage.name)
     assert need is not None and need > room  # whole frames needed more than that
@@ -267,12 +268,30 @@ def test_a_decode_that_ran_out_of_memory_is_remembered_as_needing_more_than_the_
     assert close(frames, whole_frames) < 0.05
 
 
-def test_the_budget_policy_knows_the_decode_works_in_pieces(wan_folder):
-    from ondeck.policy import _in_pieces
+def test_a_decode_out_of_memory_first_frees_what_the_policy_lets_go(
+    wan_folder, whole_frames, profiles, monkeypatch
+):
+    from diffusers import AutoencoderKLWan
+
+    from ondeck.lazy import is_loaded
 
     pipe = wan(wan_folder, "budget", budget="1GiB")
-    pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
-    assert _in_pieces(pipe.snapshot()) == {decode_stage(pipe).name}
-    fixed = wan(wan_folder, "budget", budget="1GiB", vae_tiling=False)
-    fixed.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
-    assert _in_pieces(fixed.snapshot()) == frozenset()
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        # Whole frames fit only once nothing else is on the device.
+        others = [n for n in ("text_encoder", "transformer") if is_loaded(pipe.deferred[n])]
+        attempts.append((self.use_tiling, others))
+        if others:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    frames = pipe.generate("a fox", seed=3, **SHAPE)
+    # Everything fits the budget, so the budget kept the other components for the next
+    # run: they go, and whole frames decode.
+    assert attempts == [(False, ["text_encoder", "transformer"]), (False, [])]
+    stage = decode_stage(pipe)
+    assert stage.last_tiles is None and stage.last_retries == 1
+    assert close(frames, whole_frames) < 1e-6
