@@ -236,26 +236,16 @@ class ComponentLoader:
         self.last_load_bytes = total
         cache = self.host_cache
         kept = self._from_other(jobs, other) if raw is None else {}
-        if kept and len(kept) == len(jobs):
-            raw = kept  # the other placement's entry holds all of it
-        if raw is not None:
+        held = raw if raw is not None else kept  # what the host cache serves
+        reading = [job for job in jobs if job.info.name not in held]
+        captured = stored = None
+        if raw is not None or (kept and not reading):
             self.last_source, self.last_readers = "host cache", None
-            bar = reader.progress_bar(total, self.progress, self.name, "host cache")
-
-            def fill(group: list[reader.ReadJob]) -> None:
-                copy = reader.HostCopy(0, component=self.name, bar=bar)
-                for job in group:
-                    copy.add(self._cached_info(job), raw[job.info.name], job.destination)
-                copy.finish()
-
-            captured = stored = None
         else:
-            reading = [job for job in jobs if job.info.name not in kept]
             paths = sorted({job.info.path for job in reading if job.info.nbytes})
             self.last_source = describe_source(paths) if paths else "disk"
-            if kept:
+            if held:
                 self.last_source = f"host cache and {self.last_source}"
-            bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
             # A component kept in a storage dtype is cached as stored, once it is read.
             stored = list(reading) if cache and self.storage_dtype is not None else None
             capturing = cache is not None and stored is None
@@ -263,24 +253,12 @@ class ComponentLoader:
             if captured is not None:
                 for job in reading:
                     job.capture = captured[job.info.name]
+        bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
 
-            def fill(group: list[reader.ReadJob]) -> None:
-                copy = None
-                if kept:
-                    copy = reader.HostCopy(0, component=self.name, bar=bar)
-                    for job in group:
-                        if job.info.name in kept:
-                            copy.add(self._cached_info(job), kept[job.info.name], job.destination)
-                try:
-                    group = [job for job in group if job.info.name not in kept]
-                    if group:
-                        stats = self._read(group, bar=bar)
-                        self.last_readers = stats.readers
-                    if copy is not None:
-                        copy.finish()
-                finally:
-                    if copy is not None:
-                        copy.close()
+        def fill(group: list[reader.ReadJob]) -> None:
+            stats = self._copy_and_read(group, held, bar=bar)
+            if any(job.info.name not in held for job in group):
+                self.last_readers = stats.readers
 
         replacing = other[0] if other is not None else None
 
@@ -292,7 +270,7 @@ class ComponentLoader:
                     cache.commit(key, captured, replacing=replacing, kept=kept)
                 else:
                     cache.discard(key)
-            elif raw is kept and kept and error is None:
+            elif kept and not reading and error is None:
                 cache.commit(key, {}, replacing=replacing, kept=kept)
             if stored is not None and error is None:
                 storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
@@ -455,7 +433,7 @@ class ComponentLoader:
             for job in reading:
                 job.capture = captured[job.info.name]
         try:
-            stats = self._copy_and_read(jobs, kept, reading, while_reading)
+            stats = self._copy_and_read(jobs, kept, while_reading)
         except BaseException:
             if captured is not None:
                 cache.discard(key)
@@ -469,24 +447,25 @@ class ComponentLoader:
     def _copy_and_read(
         self,
         jobs: list[reader.ReadJob],
-        kept: dict[str, torch.Tensor],
-        reading: list[reader.ReadJob],
-        while_reading: Callable[[], None],
+        held: dict[str, torch.Tensor],
+        while_reading: Callable[[], None] | None = None,
+        bar: Any = None,
     ) -> reader.ReadStats:
-        """Copy the jobs whose tensors ``kept`` holds from the host cache while the others
-        (``reading``) are read from the files."""
-        if not kept:
-            return self._read(reading, while_reading)
-        copy = reader.HostCopy(
-            sum(job.info.nbytes for job in jobs if job.info.name in kept),
-            progress=self.progress,
-            component=self.name,
-        )
+        """Copy the jobs whose tensors the host cache holds (``held``) into their
+        destinations while the others are read from the files."""
+        if not held:
+            return self._read(jobs, while_reading, bar=bar)
+        reading = [job for job in jobs if job.info.name not in held]
+        if bar is None:
+            total = sum(job.info.nbytes for job in jobs if job.info.name in held)
+            copy = reader.HostCopy(total, progress=self.progress, component=self.name)
+        else:
+            copy = reader.HostCopy(0, component=self.name, bar=bar)
         try:
             for job in jobs:
-                if job.info.name in kept:
-                    copy.add(self._cached_info(job), kept[job.info.name], job.destination)
-            read = self._read(reading, while_reading) if reading else None
+                if job.info.name in held:
+                    copy.add(self._cached_info(job), held[job.info.name], job.destination)
+            read = self._read(reading, while_reading, bar=bar) if reading else None
             copied = copy.finish(while_copying=None if reading else while_reading)
         finally:
             copy.close()

@@ -62,11 +62,10 @@ def _arenas(infos: list[TensorInfo], pinned: bool) -> list[tuple[int, dict[int, 
     block = None
     for index, info in enumerate(infos):
         nbytes = aligned(info.nbytes)
-        name = getattr(info, "name", "")
-        if members and (total + nbytes > ARENA_BYTES or _block_of(name) != block):
+        previous, block = block, _block_of(info.name)
+        if members and (total + nbytes > ARENA_BYTES or block != previous):
             arenas.append((total, members))
             members, total = {}, 0
-        block = _block_of(name)
         members[index] = total
         total += nbytes
     if members:

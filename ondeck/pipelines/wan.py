@@ -376,12 +376,13 @@ class Decode(Stage):
         tiles = self._tiles(shape["height"], shape["width"], need, room)
         return need if tiles is None else int(need * tiles.area)
 
-    def _planned_tiles(self, height: int, width: int, latent_shape: tuple) -> Tiles | None:
-        pipeline = self._ondeck_pipeline
-        if pipeline is None:
+    def _planned_tiles(
+        self, height: int, width: int, latent_shape: tuple, need: int | None, room: int | None
+    ) -> Tiles | None:
+        """The tiles to start with: as ``need`` and ``room`` ask (``_room``, ``_need``),
+        no larger than a size that ran out of memory before with as little room."""
+        if self._ondeck_pipeline is None:
             return None
-        room = pipeline.activation_room()
-        need = pipeline.activation_need(self.name)
         tiles = self._tiles(height, width, need, room)
         cap, cap_room = self._tile_area_cap.get(latent_shape, (None, None))
         if need is not None and room is not None and cap_room is not None and room > cap_room:
@@ -469,7 +470,11 @@ class Decode(Stage):
             )
         fits = slab is not None and (
             self._planned_tiles(
-                latents.shape[-2] * scale, latents.shape[-1] * scale, tuple(latents.shape[2:])
+                latents.shape[-2] * scale,
+                latents.shape[-1] * scale,
+                tuple(latents.shape[2:]),
+                self._need(),
+                self._room(),
             )
             is None
         )
@@ -491,11 +496,11 @@ class Decode(Stage):
         scale = self.geometry.scale_spatial
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         latent_shape = tuple(latents.shape[2:])
-        tiles = self._planned_tiles(height, width, latent_shape)
+        need, room = self._need(), self._room()
+        tiles = self._planned_tiles(height, width, latent_shape, need, room)
         retries = 0
         made_room = False
-        room = self._room()
-        object.__setattr__(self, "_need_at_least", self._need())
+        object.__setattr__(self, "_need_at_least", need)
         while True:
             try:
                 video = self._decode(latents, tiles)
@@ -513,14 +518,15 @@ class Decode(Stage):
                 at_least = int(TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA))
                 at_least = max(at_least, self._need_at_least or 0)
                 object.__setattr__(self, "_need_at_least", at_least)
-            free_cached_memory()
             if not made_room:
                 # First what the policy lets go (the next run's components loading
-                # beside, or kept for later), then the same tiles again.
+                # beside, or kept for later; the allocator's cache goes with them), then
+                # the same tiles again.
                 made_room = True
                 if self._make_room():
                     room = self._room()
                     continue
+            free_cached_memory()
             # Then the fewest tiles at most RETRY_AREA of the area that ran out.
             tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
             if tiles is None:

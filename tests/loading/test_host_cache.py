@@ -171,7 +171,7 @@ def test_pinned_entries_hold_exactly_their_tensors_aligned_bytes():
 
     mib = 2**20
     sizes = [50 * mib + 4096, 135 * mib + 8192, 20 * 1024 + 3] * 120
-    infos = [SimpleNamespace(nbytes=n) for n in sizes]
+    infos = [SimpleNamespace(name=f"t{i}", nbytes=n) for i, n in enumerate(sizes)]
     arenas = _arenas(infos, pinned=True)
     assert sum(capacity for capacity, _ in arenas) == sum((n + 255) // 256 * 256 for n in sizes)
     for capacity, members in arenas:
