@@ -233,7 +233,13 @@ def bf16_plan_at(folder: Path, budget: int | None) -> dict | None:
 
 def run_pipeline(args) -> dict:
     import torch
-    from wan_modes import PROMPTS, bytes_streamed, emulate_device, streaming_summary
+    from wan_modes import (
+        PROMPTS,
+        allocator_counts,
+        bytes_streamed,
+        emulate_device,
+        streaming_summary,
+    )
 
     folder = Path(args.folder)
     emulate_device(args.memory_gib)
@@ -267,6 +273,7 @@ def run_pipeline(args) -> dict:
         by_component_before = streamed_by_component(pipe)
         loaded_before = pipe.tracker.bytes_loaded if hasattr(pipe, "tracker") else 0
         seen_before = len(latents_seen)
+        allocator_before = allocator_counts()
         started = time.perf_counter()
         with PeakSampler(torch.cuda.memory_reserved) as sampler:
             if args.child == "bf16-eager":
@@ -287,6 +294,7 @@ def run_pipeline(args) -> dict:
             "sampled_peak_reserved_bytes": sampler.peak,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "bytes_streamed": bytes_streamed(pipe) - streamed_before,
+            "allocator": {k: v - allocator_before.get(k, 0) for k, v in allocator_counts().items()},
         }
         if hasattr(pipe, "tracker"):
             row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
@@ -525,6 +533,14 @@ def print_stage_table(rows: dict) -> None:
         if any(budgets):
             shown = ", ".join(f"{b / GiB:.2f}" if b else "-" for b in budgets)
             print(f"{mode} budget per run (GiB): {shown}")
+        counts = [r.get("allocator") or {} for r in row["runs"]]
+        if any(counts):
+            shown = "; ".join(
+                f"run {i} retries {c.get('num_alloc_retries', 0)}, cudaMalloc "
+                f"{c.get('num_device_alloc', 0)}, cudaFree {c.get('num_device_free', 0)}"
+                for i, c in enumerate(counts, start=1)
+            )
+            print(f"{mode} allocator: {shown}")
 
 
 def build_parser() -> argparse.ArgumentParser:

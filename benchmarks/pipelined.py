@@ -169,6 +169,18 @@ def main() -> None:
             )
             print(f"{name:<14} {parts}")
 
+    print("\nper run: allocator retries / cudaMalloc calls; torch's pinned allocator GiB held")
+    for name, row in rows.items():
+        parts = []
+        for run in row.get("runs", []):
+            counts = run.get("allocator") or {}
+            pinned = (run.get("pinned_allocator_bytes") or {}).get("allocated_bytes.current")
+            held = f"{pinned / GiB:.2f}" if pinned is not None else "-"
+            parts.append(
+                f"{counts.get('num_alloc_retries', '-')}/{counts.get('num_device_alloc', '-')} {held}"
+            )
+        print(f"{name:<14} " + ", ".join(parts))
+
 
 if __name__ == "__main__":
     main()

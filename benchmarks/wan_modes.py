@@ -202,6 +202,25 @@ def frames_digest(frames) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
+def pinned_allocator_bytes() -> dict:
+    """torch's pinned host allocator: bytes in use and bytes it keeps (empty if unknown)."""
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:
+        return {}
+    return {k: v for k, v in stats.items() if "bytes" in k and k.endswith(("current", "peak"))}
+
+
+def allocator_counts() -> dict:
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+    return {k: stats.get(k, 0) for k in keys}
+
+
 def restart_peak_rss() -> bool:
     """Reset VmHWM after setup; False where the kernel does not allow it."""
     reset_peak_rss()
@@ -273,6 +292,7 @@ def main() -> None:
                 reset_peak_rss()  # each run's own peak; the generations' is their maximum
             loaded_before = getattr(getattr(pipe, "tracker", None), "bytes_loaded", 0)
             streamed_before = bytes_streamed(pipe)
+            allocator_before = allocator_counts()
             started = time.perf_counter()
             with PeakSampler(torch.cuda.memory_reserved) as sampler:
                 if args.mode in PIPE_CALL_MODES:
@@ -307,6 +327,14 @@ def main() -> None:
                 "frames_mean": float(frames.mean()),
                 "frames_sha256": frames_digest(frames),
                 "rss_bytes": rss_bytes(),
+                # What torch's pinned allocator holds (staging buffers, its own cache):
+                # host RSS that neither the host cache nor streaming accounts for.
+                "pinned_allocator_bytes": pinned_allocator_bytes(),
+                # cudaMalloc calls and retries after freeing the cache (each retry waits
+                # for the device): an allocator working at its limit.
+                "allocator": {
+                    k: v - allocator_before.get(k, 0) for k, v in allocator_counts().items()
+                },
             }
             if per_run_rss:
                 row["peak_rss_bytes"] = peak_rss_bytes()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..memory import packed_offsets, pinned_host_bytes
+from ..memory import pinned_host_bytes
 from .layout import DEFAULT_BANDWIDTH_SOURCE, DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND
 
-__all__ = ["HostCopies", "host_to_device_bytes_per_second", "pack_arenas"]
+__all__ = ["HostCopies", "host_to_device_bytes_per_second"]
 
 
 _BANDWIDTH: dict[str, float] = {}
@@ -52,80 +52,60 @@ def _measure_bandwidth(device: Any, nbytes: int = 128 * 2**20, repeats: int = 4)
 
 
 class HostCopies:
-    """Streamed blocks' weights in host memory, each block packed in one region.
+    """Streamed blocks' weights in host memory, one region per block.
 
-    Pinned arenas hold exactly their blocks' bytes (``memory.pinned_host_bytes``; torch's
-    pinned allocator would round each up to a power of two). Arenas are planned when the
-    layout is set and allocated when a load first needs them.
+    A region holds exactly its block's packed bytes (pinned: ``memory.pinned_host_bytes``;
+    torch's pinned allocator would round each up to a power of two). Regions are planned
+    when the layout is set, allocated when a load first needs them, and freed when their
+    block stops streaming: a re-plan that keeps a block on the device leaves no host copy
+    of it behind.
     """
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
-        self._arenas: list[Any] = []  # a tensor, or None until needed
-        self._capacity: list[int] = []
-        self._members: list[set[int]] = []
-        self._where: dict[int, tuple[int, int, int]] = {}  # block -> arena, offset, bytes
+        self._sizes: dict[int, int] = {}  # planned block -> bytes
+        self._regions: dict[int, Any] = {}  # allocated block -> uint8 tensor
         self.filled: set[int] = set()
 
     @property
     def nbytes(self) -> int:
-        return sum(arena.numel() for arena in self._arenas if arena is not None)
+        return sum(region.numel() for region in self._regions.values())
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
         """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
-        already held keep their place and their contents."""
-        for block in [b for b in self._where if b not in wanted]:
-            arena, _, _ = self._where.pop(block)
+        already held keep their contents, the others' regions are freed."""
+        for block in [b for b in self._sizes if b not in wanted]:
+            del self._sizes[block]
+            self._regions.pop(block, None)
             self.filled.discard(block)
-            self._members[arena].discard(block)
-            if not self._members[arena]:
-                self._arenas[arena] = None
-                self._capacity[arena] = 0
-        new = {b: n for b, n in sorted(wanted.items()) if b not in self._where}
-        for capacity, members in pack_arenas(new):
-            self._arenas.append(None)
-            self._capacity.append(capacity)
-            self._members.append(set(members))
-            for block, offset in members.items():
-                self._where[block] = (len(self._arenas) - 1, offset, new[block])
+        for block, nbytes in wanted.items():
+            self._sizes.setdefault(block, nbytes)
 
     def region(self, block: int) -> Any:
         import torch
 
-        arena, offset, nbytes = self._where[block]
-        if self._arenas[arena] is None:
-            capacity = self._capacity[arena]
-            self._arenas[arena] = (
-                pinned_host_bytes(capacity)
-                if self.pinned
-                else torch.empty(capacity, dtype=torch.uint8)
+        region = self._regions.get(block)
+        if region is None:
+            nbytes = self._sizes[block]
+            region = (
+                pinned_host_bytes(nbytes) if self.pinned else torch.empty(nbytes, dtype=torch.uint8)
             )
-        return self._arenas[arena][offset : offset + nbytes]
+            self._regions[block] = region
+        return region
 
     def drop_unfilled(self) -> None:
-        """Free arenas none of whose blocks hold their weights (a load failed)."""
-        for arena, members in enumerate(self._members):
-            if self._arenas[arena] is not None and not members & self.filled:
-                self._arenas[arena] = None
+        """Free the regions of blocks that do not hold their weights (a load failed)."""
+        for block in [b for b in self._regions if b not in self.filled]:
+            del self._regions[block]
 
     def clear(self) -> int:
-        """Free every arena, keeping the plan: a later load fills them again."""
+        """Free every region, keeping the plan: a later load fills them again."""
         freed = self.nbytes
-        self._arenas = [None] * len(self._arenas)
+        self._regions.clear()
         self.filled.clear()
         if freed and self.pinned:
             _empty_host_cache()
         return freed
-
-
-def pack_arenas(sizes: Mapping[int, int]) -> list[tuple[int, dict[int, int]]]:
-    """Blocks (index -> bytes), in index order, in one arena of exactly their aligned
-    bytes: ``[(arena bytes, {block: offset})]`` (none for no blocks)."""
-    if not sizes:
-        return []
-    blocks = sorted(sizes)
-    offsets, total = packed_offsets([sizes[b] for b in blocks])
-    return [(total, dict(zip(blocks, offsets, strict=True)))]
 
 
 def _empty_host_cache() -> None:

@@ -138,3 +138,33 @@ def test_the_pinned_host_cache_holds_and_serves_the_fp8_bytes(folders):
     assert loader.last_source == "host cache"
     assert_same_module(second, first)
     assert same_bits(forward(second), forward(reference(folders["fp32"])))
+
+
+@pytest.mark.parametrize("via", [None, torch.bfloat16])
+def test_casts_of_many_chunks_and_groups_equal_one_cast_of_the_tensor(tmp_path, readers, via):
+    """Tensors of several cast groups (the last one short) and of less than one chunk,
+    cast to fp8 on the device, equal the tensor cast at once, through either reader."""
+    from safetensors.torch import save_file
+
+    from ondeck.loading import ReadJob, read_header, read_into
+    from ondeck.loading.chunks import CAST_GROUP_BYTES
+
+    generator = torch.Generator().manual_seed(5)
+    file_dtype = torch.float32 if via is not None else torch.bfloat16
+    tensors = {
+        "big": torch.randn(CAST_GROUP_BYTES * 5 // 2 // 4 + 3, generator=generator),
+        "small": torch.randn(7, 3, generator=generator),
+    }
+    tensors = {name: t.to(file_dtype) for name, t in tensors.items()}
+    path = tmp_path / "cast.safetensors"
+    save_file(tensors, str(path))
+    jobs = [
+        ReadJob(info, torch.empty(info.shape, dtype=FP8, device="cuda"), via=via)
+        for info in read_header(path).tensors.values()
+    ]
+    stats = read_into(jobs, progress=False, buffer_bytes=2**20)
+    assert stats.readers == readers
+    for job in jobs:
+        source = tensors[job.info.name].cuda()
+        expected = (source.to(via) if via is not None else source).to(FP8)
+        assert same_bits(job.destination, expected), job.info.name

@@ -12,7 +12,7 @@ from ondeck.streaming import (
     plan_streaming,
     stream_layout,
 )
-from ondeck.streaming.host import pack_arenas
+from ondeck.streaming.host import HostCopies
 from ondeck.streaming.layout import streamed_blocks
 
 GiB = 2**30
@@ -132,16 +132,26 @@ def test_without_streaming_inputs_the_plan_is_unchanged():
     assert plan.streamed == {} and not plan.fits()
 
 
-def test_arenas_hold_exactly_their_blocks_aligned_bytes():
-    sizes = dict.fromkeys(range(13), BLOCK + 4096)
-    block = (BLOCK + 4096 + 255) // 256 * 256  # each block starts on a 256-byte boundary
-    ((capacity, members),) = pack_arenas(sizes)
-    assert sorted(members) == list(range(13))
-    assert capacity == 13 * block
-    assert sorted(members.values()) == [i * block for i in range(13)]
-    assert pack_arenas({}) == []
-    ((odd, _),) = pack_arenas({0: 1, 1: 1})
-    assert odd == 512
+def test_host_copies_hold_each_streamed_block_once_and_free_a_block_that_stops_streaming():
+    import weakref
+
+    copies = HostCopies(pinned=False)
+    copies.keep_only({0: 1000, 1: 3000, 2: 500})
+    regions = {block: copies.region(block) for block in (0, 1, 2)}
+    assert {b: r.numel() for b, r in regions.items()} == {0: 1000, 1: 3000, 2: 500}
+    assert copies.nbytes == 4500
+    copies.filled.update({0, 1, 2})
+    regions[1].fill_(7)
+    gone = weakref.ref(regions.pop(1))
+    # A re-plan keeps block 1 on the device and streams block 3 instead.
+    copies.keep_only({0: 1000, 2: 500, 3: 200})
+    assert gone() is None  # block 1's host bytes are freed, not kept beside the others
+    assert copies.nbytes == 1500 and copies.filled == {0, 2}
+    assert copies.region(0) is regions[0]  # held blocks keep their contents
+    assert copies.region(3).numel() == 200 and copies.nbytes == 1700
+    copies.drop_unfilled()  # block 3 was never filled
+    assert copies.nbytes == 1500
+    assert copies.clear() == 1500 and copies.nbytes == 0
 
 
 def test_activations_not_measured_yet_stay_free_in_every_decision():
