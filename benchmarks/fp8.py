@@ -164,6 +164,7 @@ def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
                 "seconds": record.seconds,
                 "exposed_load_seconds": record.exposed_load_seconds,
                 "activation_bytes": record.activation_bytes,
+                "allocator_retries": getattr(record, "allocator_retries", None),
                 "loaded_bytes": loaded.pop(record.stage, {}),
             }
         )
@@ -243,6 +244,10 @@ def run_pipeline(args) -> dict:
 
     folder = Path(args.folder)
     emulate_device(args.memory_gib)
+    if args.measured_reserve_mib is not None:
+        import ondeck.policy
+
+        ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES = args.measured_reserve_mib << 20
     result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
     latents_seen: list = []
     started = time.perf_counter()
@@ -502,7 +507,7 @@ def print_stage_table(rows: dict) -> None:
     streamed blocks before run 1 and after each run."""
     print(
         f"\n{'mode':<10} {'run':>3} {'stage':<15} {'s':>7} {'exposed':>7} "
-        f"{'act GiB':>7}  {'loaded GiB':<22} streamed GiB"
+        f"{'act GiB':>7} {'retries':>7}  {'loaded GiB':<22} streamed GiB"
     )
     for mode, row in rows.items():
         for run, entry in enumerate(row.get("runs") or [], start=1):
@@ -512,7 +517,8 @@ def print_stage_table(rows: dict) -> None:
                 print(
                     f"{mode:<10} {run:>3} {stage['stage'][:15]:<15} {stage['seconds']:>7.2f} "
                     f"{exposed if exposed is not None else float('nan'):>7.2f} "
-                    f"{(activation or 0) / GiB if activation is not None else float('nan'):>7.2f}  "
+                    f"{(activation or 0) / GiB if activation is not None else float('nan'):>7.2f} "
+                    f"{stage.get('allocator_retries', '-')!s:>7}  "
                     f"{_gib_by_name(stage.get('loaded_bytes') or {}):<22} "
                     f"{_gib_by_name(stage.get('streamed_bytes') or {})}"
                 )
@@ -557,6 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--host-cache-gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--latents", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--measured-reserve-mib",
+        type=int,
+        help="what-if: the automatic budget's reserve once activations are measured "
+        "(ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES) for the fp8 modes",
+    )
     return parser
 
 
@@ -602,6 +614,8 @@ def main(argv: list[str] | None = None) -> None:
             command += ["--memory-gib", str(memory_gib)]
         if mode in HOST_CACHE_GIB:
             command += ["--host-cache-gib", str(HOST_CACHE_GIB[mode])]
+        if args.measured_reserve_mib is not None:
+            command += ["--measured-reserve-mib", str(args.measured_reserve_mib)]
         row = run_child(command, timeout=args.timeout)
         rows[mode] = row
         if row.get("latents_file") and Path(row["latents_file"]).exists():

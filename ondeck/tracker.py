@@ -37,6 +37,9 @@ class StageRecord:
     resident_bytes_at_start: int
     peak_measured_bytes: int | None
     activation_bytes: int | None
+    # Times the CUDA allocator found no room, freed its cache and tried again during the
+    # stage (each waits for the device): memory at its limit. None off CUDA.
+    allocator_retries: int | None = None
 
 
 def _resets_peaks_by_default() -> bool:
@@ -86,6 +89,7 @@ class MemoryTracker:
         self._allocated_at_mark: int | None = None
         # Reset mode: the stage's peak before its compute began (its statistics reset then).
         self._peak_before_reset: int | None = None
+        self._retries_at_start: int | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -154,6 +158,16 @@ class MemoryTracker:
     def _on_cuda(self) -> bool:
         return str(self.device).startswith("cuda")
 
+    def _allocator_retries(self) -> int | None:
+        if not self._on_cuda():
+            return None
+        import torch
+
+        try:
+            return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+        except Exception:
+            return None
+
     def _mark(self, *, stage_start: bool) -> None:
         """The measured part of a stage begins here (at its start, then at its compute)."""
         import torch
@@ -196,6 +210,7 @@ class MemoryTracker:
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
             self._compute_resident = self.resident_bytes
+            self._retries_at_start = self._allocator_retries()
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
 
@@ -225,6 +240,9 @@ class MemoryTracker:
                 peak = max(compute_peak, self._peak_before_reset or 0)
             if overall_peak is not None:
                 self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
+            retries = self._allocator_retries()
+            if retries is not None and self._retries_at_start is not None:
+                retries -= self._retries_at_start
             record = StageRecord(
                 run=self.runs,
                 stage=stage,
@@ -233,6 +251,7 @@ class MemoryTracker:
                 resident_bytes_at_start=self._stage_resident_at_start,
                 peak_measured_bytes=peak,
                 activation_bytes=activation,
+                allocator_retries=retries,
             )
             self.stages.append(record)
             self._stage_started = None
