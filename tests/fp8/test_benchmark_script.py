@@ -148,7 +148,7 @@ def test_every_mode_runs_in_its_own_process_and_the_comparison_is_written(
     assert "fp8-16" in table and "transformer fp8" in table
     lines = table.splitlines()
     assert (
-        "fp8-16       2 Denoise            8.00    0.25    1.00  tr 13.00               tr 2.00"
+        "fp8-16       2 Denoise            8.00    0.25    1.00       -  tr 13.00               tr 2.00"
         in lines
     )
     assert (
