@@ -164,7 +164,7 @@ def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
                 "seconds": record.seconds,
                 "exposed_load_seconds": record.exposed_load_seconds,
                 "activation_bytes": record.activation_bytes,
-                "allocator_retries": getattr(record, "allocator_retries", None),
+                "allocator_retries": record.allocator_retries,
                 "loaded_bytes": loaded.pop(record.stage, {}),
             }
         )
@@ -299,7 +299,7 @@ def run_pipeline(args) -> dict:
             "sampled_peak_reserved_bytes": sampler.peak,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
             "bytes_streamed": bytes_streamed(pipe) - streamed_before,
-            "allocator": {k: v - allocator_before.get(k, 0) for k, v in allocator_counts().items()},
+            "allocator": allocator_counts(since=allocator_before),
         }
         if hasattr(pipe, "tracker"):
             row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before

@@ -213,12 +213,14 @@ def pinned_allocator_bytes() -> dict:
     return {k: v for k, v in stats.items() if "bytes" in k and k.endswith(("current", "peak"))}
 
 
-def allocator_counts() -> dict:
+def allocator_counts(since: dict | None = None) -> dict:
+    """The CUDA allocator's counts of cudaMalloc/cudaFree calls, retries and out-of-memory
+    errors; the change from ``since`` when given."""
     import torch
 
     stats = torch.cuda.memory_stats()
     keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
-    return {k: stats.get(k, 0) for k in keys}
+    return {k: stats.get(k, 0) - (since or {}).get(k, 0) for k in keys}
 
 
 def restart_peak_rss() -> bool:
@@ -332,9 +334,7 @@ def main() -> None:
                 "pinned_allocator_bytes": pinned_allocator_bytes(),
                 # cudaMalloc calls and retries after freeing the cache (each retry waits
                 # for the device): an allocator working at its limit.
-                "allocator": {
-                    k: v - allocator_before.get(k, 0) for k, v in allocator_counts().items()
-                },
+                "allocator": allocator_counts(since=allocator_before),
             }
             if per_run_rss:
                 row["peak_rss_bytes"] = peak_rss_bytes()

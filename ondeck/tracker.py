@@ -240,9 +240,11 @@ class MemoryTracker:
                 peak = max(compute_peak, self._peak_before_reset or 0)
             if overall_peak is not None:
                 self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
-            retries = self._allocator_retries()
-            if retries is not None and self._retries_at_start is not None:
-                retries -= self._retries_at_start
+            retries, at_start = self._allocator_retries(), self._retries_at_start
+            if retries is not None and at_start is not None:
+                retries -= at_start
+            else:
+                retries = None  # not counted at both ends: unknown, not a lifetime total
             record = StageRecord(
                 run=self.runs,
                 stage=stage,
@@ -256,6 +258,7 @@ class MemoryTracker:
             self.stages.append(record)
             self._stage_started = None
             self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
+            self._retries_at_start = None
             self._record("stage_end", stage, 0)
             return record
 

@@ -32,7 +32,8 @@ PROGRESS_MIN_BYTES = 64 * 2**20
 BAR_LOCK = threading.Lock()  # progress bars updated from several reading threads
 # A cast to a CUDA destination is issued once per this many file bytes of a tensor (a
 # group of consecutive chunks), not once per chunk: the one thread that issues a
-# process-read load's copies is its limit, and a cast per chunk cost it a tenth.
+# process-read load's copies pays a device allocation and a cast launch per group
+# instead. Whether that lifts the fp8 reload rate is not shown yet (BENCHMARKS.md).
 CAST_GROUP_BYTES = 16 * 2**20
 
 

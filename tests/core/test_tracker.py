@@ -21,6 +21,7 @@ class FakeAllocator:
         self.allocated = 0
         self.peak = 0
         self.resets = 0
+        self.retries = 0  # times it freed its cache and tried again
 
     def allocate(self, nbytes: int) -> None:
         self.allocated += nbytes
@@ -39,11 +40,19 @@ class FakeAllocator:
         self.resets += 1
         self.peak = self.allocated
 
+    def memory_stats(self, device=None) -> dict:
+        return {"num_alloc_retries": self.retries}
+
 
 @pytest.fixture
 def cuda(monkeypatch) -> FakeAllocator:
     fake = FakeAllocator()
-    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+    for name in (
+        "memory_allocated",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+        "memory_stats",
+    ):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     return fake
 
@@ -149,7 +158,33 @@ def test_nothing_is_read_from_cuda_for_a_cpu_device(cuda, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", refuse)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
+    monkeypatch.setattr(torch.cuda, "memory_stats", refuse)
     tracker = MemoryTracker(device="cpu", reset_peaks=True)
     tracker.run_started()
     record = stage(tracker, cuda, "Encode", GiB, GiB)
     assert (record.peak_measured_bytes, record.activation_bytes) == (None, None)
+    assert record.allocator_retries is None
+
+
+def test_each_stage_counts_the_allocator_retries_made_while_it_ran(cuda):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    cuda.retries = 40  # before the run: not any stage's
+    tracker.stage_started("Denoise")
+    cuda.retries += 3
+    assert tracker.stage_finished("Denoise").allocator_retries == 3
+    assert stage(tracker, cuda, "Decode", GiB, GiB).allocator_retries == 0
+
+
+def test_retries_not_counted_at_the_stage_start_are_unknown_not_a_total(cuda, monkeypatch):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    cuda.retries = 40
+
+    def unavailable(device=None):
+        raise RuntimeError("no statistics")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", unavailable)
+    tracker.stage_started("Denoise")
+    monkeypatch.setattr(torch.cuda, "memory_stats", cuda.memory_stats)
+    assert tracker.stage_finished("Denoise").allocator_retries is None
