@@ -294,6 +294,21 @@ def _leaves_weights(module: Any, method: str, args: tuple, kwargs: dict) -> bool
     return device == first.device
 
 
+class _HooksOnly:
+    """A transform declared to leave the weights alone (``reads_weights=False``)."""
+
+    reads_weights = False
+
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn
+
+    def __call__(self, module: Any) -> Any:
+        return self.fn(module)
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+
 def _tell_observers(proxy: Any, observers: list, kind: str, seconds: float) -> None:
     """A pipelined load's news for the observers that listen for it: ``after_wait`` (a
     forward waited for its block) and ``after_fill`` (every weight is in place)."""
@@ -489,7 +504,8 @@ class LazyModule:
         replay = list(object.__getattribute__(self, "_ondeck_replay"))
         try:
             if filling is not None and (
-                transforms or not all(_leaves_weights(module, *call) for call in replay)
+                any(getattr(fn, "reads_weights", True) for fn in transforms)
+                or not all(_leaves_weights(module, *call) for call in replay)
             ):
                 # A transform or a cast reads the weights: they must all be there first.
                 filling.wait()
@@ -604,12 +620,19 @@ class LazyModule:
 
     # -- hooks --------------------------------------------------------------------------
 
-    def add_transform(self, fn: Callable[[Any], Any]) -> LazyModule:
+    def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
         """Apply ``fn(module) -> module`` after every load, in registration order.
 
         If the component is already loaded, ``fn`` is applied to it now as well.
+        ``reads_weights=False`` declares that ``fn`` only adds hooks or attributes and
+        never touches a parameter or buffer (context parallelism's split and gather
+        hooks): a pipelined load then still starts computing before its last block is
+        in. Otherwise every weight is in place before ``fn`` runs.
         """
-        self._complete_filling()  # a transform may read the weights
+        if not reads_weights:
+            fn = _HooksOnly(fn)
+        else:
+            self._complete_filling()  # a transform may read the weights
         with object.__getattribute__(self, "_ondeck_lock"):
             object.__getattribute__(self, "_ondeck_transforms").append(fn)
             module = object.__getattribute__(self, "_ondeck_module")

@@ -358,7 +358,7 @@ def split_sequences(parallel: ContextParallel, components: dict[str, Any], devic
         parallel.check_model(name, proxy.spec.cls, proxy.spec.config)
     parallel.start(device)
     for proxy in planned.values():
-        proxy.add_transform(parallel.attach)
+        proxy.add_transform(parallel.attach, reads_weights=False)
 
 
 def compare_frames(reference: Any, candidate: Any) -> dict[str, Any]:

@@ -594,7 +594,7 @@ class WanTextToVideo(Pipeline):
             # A transform, not a call on the proxy: every load builds a fresh module, and
             # the split/gather hooks must be on each one.
             if is_lazy(transformer):
-                transformer.add_transform(self.parallel.attach)
+                transformer.add_transform(self.parallel.attach, reads_weights=False)
             else:
                 self.parallel.attach(transformer)
 

@@ -219,6 +219,43 @@ def test_a_replayed_cast_waits_for_the_weights_before_it_runs(six_block_folder):
         assert torch.equal(a, b), name
 
 
+def test_a_transform_that_leaves_the_weights_alone_does_not_wait_for_them(
+    six_block_folder, monkeypatch
+):
+    gates = GatedReads(monkeypatch, gated_blocks=[BLOCKS - 1])
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    )
+    hooked: list[torch.nn.Module] = []
+    proxy.add_transform(lambda module: hooked.append(module) or module, reads_weights=False)
+    loaded = proxy.materialize(complete=False)  # the last block is still held back
+    assert hooked == [loaded]
+    assert object.__getattribute__(proxy, "_ondeck_filling") is not None
+    # A transform that may read the weights waits for every one of them.
+    weighed: list[float] = []
+    reader = threading.Thread(
+        target=lambda: proxy.add_transform(
+            lambda module: (
+                weighed.append(float(module.blocks[BLOCKS - 1].ffn.net[2].weight.detach().sum()))
+                or module
+            )
+        )
+    )
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and weighed == []
+    gates.open_all()
+    reader.join(30)
+    whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    assert weighed == [float(whole.blocks[BLOCKS - 1].ffn.net[2].weight.sum())]
+    # Both apply again at the next load, which waits for every weight (one transform reads).
+    proxy.release()
+    hooked.clear()
+    proxy.materialize(complete=False)
+    assert len(hooked) == 1 and len(weighed) == 2
+    assert object.__getattribute__(proxy, "_ondeck_filling") is None
+
+
 @pytest.mark.parametrize("policy", ["release", "budget"])
 def test_a_pipeline_computes_while_blocks_arrive_and_gives_the_same_frames(
     six_block_folder, policy
