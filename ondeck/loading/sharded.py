@@ -146,6 +146,7 @@ class ShardedComponentLoader(ComponentLoader):
 
             def finished(error: BaseException | None) -> None:
                 self.last_load_seconds = time.perf_counter() - started
+                self._build_spare(error)
 
             filling = Filling(
                 self.name,
@@ -170,6 +171,13 @@ class ShardedComponentLoader(ComponentLoader):
             raise
         return module, filling
 
+    def _build_spare(self, error: BaseException | None) -> None:
+        """After a load that succeeded, the next one's skeleton, built now (behind the
+        compute when the load was pipelined) instead of while the next stage waits."""
+        if error is None and self._spare is None:
+            template = self.folder.template(self.name, self.dtype)
+            self._spare = (template, template.fresh())
+
     def _fill_group(self, group: list[reader.ReadJob]) -> None:
         """Read ``group`` into this rank's shards, counting what was read."""
         stats = self._read(group)
@@ -183,7 +191,8 @@ class ShardedComponentLoader(ComponentLoader):
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         tensors = self.folder.tensors(self.name)
-        skeleton = self.folder.skeleton(self.name, self.dtype)
+        template = self.folder.template(self.name, self.dtype)
+        skeleton = self._take_skeleton(template)
         sources = match_tensors(skeleton, tensors, self.name, self.folder.directory(self.name))
         module = skeleton.module
         # Final dtypes before sharding: FSDP2 keeps each parameter's dtype as it finds it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ondeck import distributed
+from ondeck.loading.skeleton import Skeleton
 from ondeck.pipelines.wan import WanTextToVideo
 
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
@@ -50,11 +52,31 @@ def main(folder: str, out: Path) -> None:
         }
 
     # The last pipeline's loads are pipelined: a load returns before its blocks are in.
-    module, filling = pipe.loaders["transformer"].begin()
-    seen["pipelined_filling"] = filling is not None
-    if filling is not None:
-        filling.wait()
-    del module, filling
+    # Its fill's thread then copies the skeleton the next load shards, so the next load
+    # copies none on the caller's thread.
+    copies: list[str] = []
+    fresh = Skeleton.fresh
+
+    def watched(skeleton):
+        copies.append(threading.current_thread().name)
+        return fresh(skeleton)
+
+    Skeleton.fresh = watched
+    try:
+        module, filling = pipe.loaders["transformer"].begin()
+        seen["pipelined_filling"] = filling is not None
+        if filling is not None:
+            filling.wait()
+        del module, filling
+        seen["skeleton_copies_filling"] = list(copies)
+        copies.clear()
+        module, filling = pipe.loaders["transformer"].begin()
+        seen["skeleton_copies_next_begin"] = list(copies)
+        if filling is not None:
+            filling.wait()
+        del module, filling
+    finally:
+        Skeleton.fresh = fresh
 
     proxy = pipe.components["transformer"]
     seen["fsdp_while_unloaded"] = isinstance(proxy, FSDPModule)

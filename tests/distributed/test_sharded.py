@@ -146,6 +146,16 @@ def test_sharded_loads_can_fill_behind_the_compute(ranks):
 
 
 @needs_gloo
+def test_a_sharded_load_shards_the_skeleton_its_last_fill_built(ranks):
+    """Copying a 14B transformer's skeleton takes about half a second: a pipelined sharded
+    load leaves the next load's copy built on its fill's thread, not on the caller's."""
+    for seen in ranks:
+        assert seen["skeleton_copies_filling"]
+        assert all(name.startswith("ondeck-fill") for name in seen["skeleton_copies_filling"])
+        assert seen["skeleton_copies_next_begin"] == []
+
+
+@needs_gloo
 def test_each_rank_holds_about_half_the_transformer(ranks, one_process):
     whole = one_process["component_bytes"]["transformer"]
     for seen in ranks:
