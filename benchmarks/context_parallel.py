@@ -16,6 +16,10 @@ the page cache, then runs in the same call, each in fresh processes, in bf16 at 
 - ``context-auto``: ``context`` under the policy ``ondeck generate`` picks with no
   ``--policy`` (``auto``): where every rank's shares fit its card, nothing reloads
   between runs. ``single`` stays under ``release``, the reference the targets name.
+- ``single-cache`` and ``context-cache``: ``single`` and ``context`` with a host cache of
+  40 GiB per process (``--host-cache 40GiB``): each process keeps what it read (one
+  rank's shares only, under ``context``) in pinned host memory, and later runs reload
+  from there instead of the page cache.
 
 Every process runs with ``ONDECK_RESET_PEAKS=1``, as ``ondeck generate`` does. Every
 rank times a run over the same span: from a barrier before ``generate`` to a
@@ -83,18 +87,28 @@ PROMPTS = [
 # against the single GPU measured in the same call.
 TIME_TARGET = 0.60
 PEAK_TARGET = 0.60
+# Enough for one process's weights: the whole pipeline (37.7 GiB) on one GPU, one
+# rank's shares (19.1 GiB) under context parallelism.
+HOST_CACHE_GIB = 40
+
 # name: (context parallel, split by FSDP2 (None: --shard as given), policy).
+# name: (context parallel, components split by FSDP2 (None: --shard), policy, GiB of
+# host cache per process)
 VARIANTS = {
-    "single": (False, (), "release"),
-    "context": (True, None, "release"),
-    "context-noshard": (True, (), "release"),
-    "context-auto": (True, None, "auto"),
+    "single": (False, (), "release", 0),
+    "context": (True, None, "release", 0),
+    "context-noshard": (True, (), "release", 0),
+    "context-auto": (True, None, "auto", 0),
+    "single-cache": (False, (), "release", HOST_CACHE_GIB),
+    "context-cache": (True, None, "release", HOST_CACHE_GIB),
 }
 LABELS = {
     "single": "single (1 GPU)",
     "context": "context, FSDP2",
     "context-noshard": "context, no FSDP2",
     "context-auto": "context, FSDP2, auto",
+    "single-cache": "single, host cache",
+    "context-cache": "context, host cache",
 }
 # Where the time in collectives is taken, as (module, class or None, function, kind):
 # diffusers' Ulysses all-to-all and the gather of the transformer's output, FSDP2's
@@ -278,6 +292,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from ondeck import distributed
+    from ondeck.loading.host_cache import HostCache
     from ondeck.pipelines.wan import WanTextToVideo
 
     parallel = args.degree if args.degree > 1 else None
@@ -314,6 +329,7 @@ def child(args: argparse.Namespace) -> None:
             shard=shard,
             parallel=parallel,
             progress=False,
+            host_cache=HostCache(int(args.host_cache_gib * GiB)) if args.host_cache_gib else None,
         )
         result["setup_seconds"] = time.perf_counter() - started
         # Plain loaders (the single variant) do not count what they read: an observer does.
@@ -457,6 +473,12 @@ def table(report: dict) -> str:
             f"{r / GiB:.2f}" if r is not None else "?" for r in figures["bytes_read_per_rank"]
         )
         lines.append(f"{label:<22} {runs:<24} {peaks:<16} {read:<16}")
+    cached = variants.get("single-cache", {}).get("figures", {})
+    if cached.get("run_seconds") and variants.get("context-cache", {}).get("figures", {}).get(
+        "run_seconds"
+    ):
+        ratio = variants["context-cache"]["figures"]["later_seconds"] / cached["later_seconds"]
+        lines.append(f"context-cache against single-cache: runs 2-3 time ratio {ratio:.2f}")
     for name, variant in variants.items():
         figures = variant.get("figures") or {}
         if name == "single" or not single.get("run_seconds") or not figures.get("run_seconds"):
@@ -536,9 +558,10 @@ def stage_tables(report: dict, run: int = 1) -> str:
 
 def variant_commands(args: argparse.Namespace, common: list[str]) -> dict[str, list[str]]:
     commands = {}
-    for name, (parallel, shard, policy) in VARIANTS.items():
+    for name, (parallel, shard, policy, cache_gib) in VARIANTS.items():
         shard_text = args.shard if shard is None else ",".join(shard)
         child = [str(HERE), *common, "--label", name, "--shard", shard_text, "--policy", policy]
+        child += ["--host-cache-gib", str(cache_gib)]
         if parallel:
             launcher = ["-m", "torch.distributed.run", "--standalone"]
             child = [*launcher, f"--nproc-per-node={args.gpus}", *child, "--degree", str(args.gpus)]
@@ -574,6 +597,7 @@ def main() -> None:
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", default="release", help=argparse.SUPPRESS)
+    parser.add_argument("--host-cache-gib", type=float, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--degree", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--label", help=argparse.SUPPRESS)
     parser.add_argument(

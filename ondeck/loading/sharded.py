@@ -20,7 +20,7 @@ import torch
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages
 from . import reader
-from .components import ComponentLoader
+from .components import ComponentLoader, _cache_key
 from .pipelined import Filling, fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
@@ -86,8 +86,9 @@ class ShardedComponentLoader(ComponentLoader):
     """
 
     def __init__(self, folder: Any, name: str, *, mesh: Any = None, **options: Any):
-        if mesh is not None:
-            # The host cache keeps whole files; a rank needs only its share of them.
+        if mesh is not None and options.get("storage_dtype") is not None:
+            # A shard is read as it is stored in the files; kept as fp8 it would need
+            # its stored bytes cached per rank, which sharding does not do.
             options.pop("host_cache", None)
         super().__init__(folder, name, **options)
         self.mesh = mesh
@@ -126,32 +127,36 @@ class ShardedComponentLoader(ComponentLoader):
         it from the ranks (every rank waits for its own share, so the gather finds all
         of them in place)."""
         if self.mesh is None:
-            module, filling = super().begin()
-            if self.last_source != "host cache":
-                self.bytes_read += self.last_load_bytes
-            return module, filling
+            return super().begin()
         started = time.perf_counter()
         module = filling = None
         try:
             module, sources, computed = self._build_sharded()
             jobs, names = self._shard_jobs(module, sources, computed)
-            path = self._pipelined_blocks(self.template)
+            template = self.folder.template(self.name, self.dtype)
+            path = self._pipelined_blocks(template)
+            key = raw = None
+            if self.host_cache is not None:
+                # This rank's rows only: an entry per rank and number of ranks.
+                tensors = self.folder.tensors(self.name)
+                shard = ("shard", self.mesh.get_local_rank(), self.mesh.size())
+                key = (*_cache_key(self.folder, self.name, tensors), shard)
+                raw = self.host_cache.get(key)
             self.last_load_bytes = 0
             if path is None or not _evenly_sharded(sources, self.mesh):
-                self._fill_group(jobs)
+                if raw is not None:
+                    self._record(self._copy_and_read(jobs, raw))
+                else:
+                    self._read_files(jobs, key, while_reading=None)
                 self.last_load_seconds = time.perf_counter() - started
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
-
-            def finished(error: BaseException | None) -> None:
-                self.last_load_seconds = time.perf_counter() - started
-                self._build_spare(error)
-
+            fill, finished = self._group_filler(jobs, key, raw, started, template)
             filling = Filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
-                self._fill_group,
+                fill,
                 device=self.device,
                 finished=finished,
                 started=started,
@@ -171,20 +176,17 @@ class ShardedComponentLoader(ComponentLoader):
             raise
         return module, filling
 
-    def _build_spare(self, error: BaseException | None) -> None:
-        """After a load that succeeded, the next one's skeleton, built now (behind the
-        compute when the load was pipelined) instead of while the next stage waits."""
-        if error is None and self._spare is None:
-            template = self.folder.template(self.name, self.dtype)
-            self._spare = (template, template.fresh())
-
-    def _fill_group(self, group: list[reader.ReadJob]) -> None:
-        """Read ``group`` into this rank's shards, counting what was read."""
-        stats = self._read(group)
+    def _read(
+        self,
+        jobs: list[reader.ReadJob],
+        while_reading: Any = None,
+        bar: Any = None,
+    ) -> reader.ReadStats:
+        """Read from the files, counting the bytes in ``bytes_read`` (copies from the host
+        cache do not pass here)."""
+        stats = super()._read(jobs, while_reading, bar=bar)
         self.bytes_read += stats.nbytes
-        self.last_load_bytes += stats.nbytes
-        self.last_source = stats.source
-        self.last_readers = stats.readers
+        return stats
 
     def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
         """The module sharded over the mesh, its local shards allocated but not filled."""

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ondeck import distributed
+from ondeck.loading.host_cache import HostCache
 from ondeck.loading.skeleton import Skeleton
 from ondeck.pipelines.wan import WanTextToVideo
 
@@ -77,6 +78,30 @@ def main(folder: str, out: Path) -> None:
         del module, filling
     finally:
         Skeleton.fresh = fresh
+
+    # With a host cache each rank keeps its own rows: the second run reads no file.
+    # (The cache serves CPU loads here, which it refuses outside tests.)
+    HostCache.enabled_for = staticmethod(lambda device: True)
+    cached = WanTextToVideo.from_folder(
+        folder,
+        shard=("transformer", "text_encoder"),
+        policy="release",
+        dtype=torch.float32,
+        device="cpu",
+        progress=False,
+        pipelined=True,
+        host_cache=HostCache(budget_bytes=2**30, pin=False),
+    )
+    reads = []
+    for prompt in ("a cat", "a fox"):  # not one prompt twice: its encoding would be reused
+        frames = cached.generate(prompt, negative_prompt="blurry", seed=7, **SHAPE)
+        reads.append({name: loader.bytes_read for name, loader in cached.loaders.items()})
+    np.save(out / f"host-cache-rank{rank}.npy", frames)
+    seen["host_cache"] = {
+        "bytes_read": reads,
+        "sources": {name: loader.last_source for name, loader in cached.loaders.items()},
+    }
+    del cached
 
     proxy = pipe.components["transformer"]
     seen["fsdp_while_unloaded"] = isinstance(proxy, FSDPModule)

@@ -72,6 +72,7 @@ def ranks(wan_folder, tmp_path_factory):
     torchrun(str(HERE / "rank_worker.py"), str(wan_folder), str(out), cwd=out)
     seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for rank_seen in seen:
+        rank_seen["host_cache_frames"] = np.load(out / f"host-cache-rank{rank_seen['rank']}.npy")
         rank_seen["frames"] = {
             label: np.load(out / f"{label}-rank{rank_seen['rank']}.npy")
             for label in rank_seen["runs"]
@@ -153,6 +154,18 @@ def test_a_sharded_load_shards_the_skeleton_its_last_fill_built(ranks):
         assert seen["skeleton_copies_filling"]
         assert all(name.startswith("ondeck-fill") for name in seen["skeleton_copies_filling"])
         assert seen["skeleton_copies_next_begin"] == []
+
+
+@needs_gloo
+def test_with_a_host_cache_each_rank_reloads_its_rows_from_memory(ranks, one_process, tmp_path):
+    for seen in ranks:
+        first, second = seen["host_cache"]["bytes_read"]
+        for name in ("transformer", "text_encoder"):
+            assert first[name] > 0
+            assert second[name] == first[name], name  # the second run read no file
+            assert seen["host_cache"]["sources"][name] == "host cache", name
+        assert first["transformer"] < one_process["component_bytes"]["transformer"] * 0.6
+        assert np.array_equal(seen["host_cache_frames"], one_process["frames"])
 
 
 @needs_gloo
