@@ -9,6 +9,7 @@ what the run does.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,14 @@ AUTO_HEADROOM_MIN_BYTES = 1 << 30
 # library workspaces. Not on unified memory, where other processes share the pool.
 AUTO_MEASURED_HEADROOM_FRACTION = 0.02
 AUTO_MEASURED_HEADROOM_MIN_BYTES = 256 << 20
+# A stage during which the CUDA allocator kept freeing its cache and trying again (at
+# least RETRY_RESERVE_MIN_RETRIES times in a run, and never out of memory) ran at the
+# allocator's limit, each retry waiting for the device: its later runs in this
+# process plan with this much more reserve for each run that did so, up to
+# RETRY_RESERVE_MAX_STEPS runs. Nothing of it is stored in the activation profiles.
+RETRY_RESERVE_STEP_BYTES = 512 << 20
+RETRY_RESERVE_MAX_STEPS = 2
+RETRY_RESERVE_MIN_RETRIES = 8
 
 
 def _view(source: Any) -> Snapshot:
@@ -72,6 +81,9 @@ class Policy:
         # Set when a stored activation profile would make a run refuse that fits without
         # it: the run measures again instead (see BudgetPolicy.before_run).
         self.distrust_stored = False
+        # Set when the reserve for stages whose allocator retried would make a run
+        # refuse that fits without it (see BudgetPolicy.plan_for).
+        self.skip_retry_reserve = False
 
     def attached(self, snapshot: Snapshot) -> Steps:
         """What to do when the pipeline takes this policy on."""
@@ -127,7 +139,19 @@ class Policy:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
         needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
+        for stage, extra in self.retry_reserves(snapshot, needs).items():
+            needs[stage] += extra
         return needs, note
+
+    def retry_reserves(self, snapshot: Snapshot, needs: Mapping[str, int | None]) -> dict[str, int]:
+        """Reserve added per stage whose allocator kept retrying (``RETRY_RESERVE_*``)."""
+        if self.skip_retry_reserve:
+            return {}
+        return {
+            stage: min(runs, RETRY_RESERVE_MAX_STEPS) * RETRY_RESERVE_STEP_BYTES
+            for stage, runs in snapshot.retried_stages.items()
+            if needs.get(stage) is not None
+        }
 
     def activation_estimate(
         self, source: Any, budget: int | None = None
@@ -155,6 +179,12 @@ class Policy:
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
+        reserves = self.retry_reserves(snapshot, needs)
+        if reserves:
+            fitted.append(
+                "more reserve where the CUDA allocator kept retrying: "
+                + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
+            )
         return estimate, "\n".join([note, *fitted])
 
 
@@ -264,6 +294,7 @@ class BudgetPolicy(Policy):
     def before_run(self, snapshot: Snapshot) -> Steps:
         self._skipped = set()
         self.distrust_stored = False
+        self.skip_retry_reserve = False
         plan = self.plan_for(snapshot, self.budget_bytes)
         if plan.profile_set_aside:
             self.distrust_stored = True  # the run decides as its plan did, and re-measures
@@ -286,10 +317,23 @@ class BudgetPolicy(Policy):
         return NOTHING
 
     def plan_for(self, source: Any, budget: int | None = None) -> Plan:
-        """The plan; where stored activation peaks alone make it overflow, the plan
-        without them (``profile_set_aside``): a stored value may come from another card,
-        an older version or damage, and must not block a run that fits without it."""
+        """The plan. Where the reserve for stages whose allocator retried makes it
+        overflow, the plan without that reserve (a slower run beats a refused one). Where
+        stored activation peaks alone make it overflow, the plan without them
+        (``profile_set_aside``): a stored value may come from another card, an older
+        version or damage, and must not block a run that fits without it."""
         snapshot = _view(source)
+        plan = self._plan_with_stored(snapshot, budget)
+        if plan.overflow() is None or self.skip_retry_reserve or not snapshot.retried_stages:
+            return plan
+        self.skip_retry_reserve = True
+        relaxed = self._plan_with_stored(snapshot, budget)
+        if relaxed.overflow() is not None:
+            self.skip_retry_reserve = False
+            return plan
+        return relaxed
+
+    def _plan_with_stored(self, snapshot: Snapshot, budget: int | None) -> Plan:
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan

@@ -42,6 +42,8 @@ class Snapshot:
     stored_activation: Mapping[str, int] = field(default_factory=dict)
     stored_note: str = ""
     measured_activation: Mapping[str, int] = field(default_factory=dict)
+    # Stages whose CUDA allocator kept retrying, with how many runs (this process) it did.
+    retried_stages: Mapping[str, int] = field(default_factory=dict)
     device: Any = None
     fit_activations: tuple[Callable[[int, int], int], ...] = ()
     # Whether the stage about to run will touch its components (a cache may say no).
@@ -57,6 +59,7 @@ class Snapshot:
             "streamed_bytes",
             "stored_activation",
             "measured_activation",
+            "retried_stages",
             "loaders",
             "streamable_blocks",
         ):

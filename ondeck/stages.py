@@ -25,7 +25,7 @@ from .lazy import (
 )
 from .memory import parse_bytes, resolve_device
 from .plan import Plan, StageUse, release_schedule
-from .policy import choose_auto, make_policy
+from .policy import RETRY_RESERVE_MIN_RETRIES, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
 from .tracker import MemoryTracker, StageRecord
@@ -180,6 +180,7 @@ class Pipeline:
         self._measured_bytes: dict[str, int] = {}
         self._profile_shape: dict[str, Any] | None = None
         self._measured_activation: dict[str, int] = {}
+        self._retried_stages: dict[str, int] = {}
         # Carries out every decision the policy makes; owns the threads that loads use.
         self.executor = Executor(self)
         self.components = _Components(self)
@@ -195,6 +196,7 @@ class Pipeline:
         self.policy = None
         # Peaks measured under another policy (or device) do not carry over.
         self._measured_activation = {}
+        self._retried_stages = {}
         if policy == "auto" and budget is None:
             self.policy = choose_auto(self.snapshot(), prefetch=prefetch)
         else:
@@ -317,6 +319,7 @@ class Pipeline:
             stored_activation=stored,
             stored_note=note,
             measured_activation=self._measured_activation,
+            retried_stages=self._retried_stages,
             device=self.device,
             fit_activations=tuple(stage.fit_activations for stage in self.stages),
             needs_components=needs_components,
@@ -392,7 +395,18 @@ class Pipeline:
 
     def _stage_measured(self, index: int, record: StageRecord) -> None:
         """Keep the largest activation peak measured per stage (device bytes), and store
-        it in the profile of this model and shape."""
+        it in the profile of this model and shape. Count the runs in which the stage's
+        allocator kept retrying (``policy.RETRY_RESERVE_MIN_RETRIES``) without running
+        out of memory, in this process only: the plan gives it more reserve."""
+        retries = record.allocator_retries
+        # A stage that ran out of memory (a tiled decode finding its tiles) learns from
+        # that instead.
+        if (
+            retries is not None
+            and not record.allocator_ooms
+            and retries >= (RETRY_RESERVE_MIN_RETRIES)
+        ):
+            self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
         if record.activation_bytes is None:
             return
         nbytes = self.stages[index].whole_activations(record.activation_bytes)

@@ -40,6 +40,9 @@ class StageRecord:
     # Times the CUDA allocator found no room, freed its cache and tried again during the
     # stage (each waits for the device): memory at its limit. None off CUDA.
     allocator_retries: int | None = None
+    # Of those, the ones that still found no room: out-of-memory errors (a tiled decode
+    # learning its tiles raises and catches them on purpose). None off CUDA.
+    allocator_ooms: int | None = None
 
 
 def _resets_peaks_by_default() -> bool:
@@ -89,7 +92,7 @@ class MemoryTracker:
         self._allocated_at_mark: int | None = None
         # Reset mode: the stage's peak before its compute began (its statistics reset then).
         self._peak_before_reset: int | None = None
-        self._retries_at_start: int | None = None
+        self._retries_at_start: tuple[int, int] | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -158,13 +161,15 @@ class MemoryTracker:
     def _on_cuda(self) -> bool:
         return str(self.device).startswith("cuda")
 
-    def _allocator_retries(self) -> int | None:
+    def _allocator_counts(self) -> tuple[int, int] | None:
+        """The CUDA allocator's retries and out-of-memory errors so far; None off CUDA."""
         if not self._on_cuda():
             return None
         import torch
 
         try:
-            return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+            stats = torch.cuda.memory_stats(self.device)
+            return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0))
         except Exception:
             return None
 
@@ -210,7 +215,7 @@ class MemoryTracker:
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
             self._compute_resident = self.resident_bytes
-            self._retries_at_start = self._allocator_retries()
+            self._retries_at_start = self._allocator_counts()
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
 
@@ -240,11 +245,10 @@ class MemoryTracker:
                 peak = max(compute_peak, self._peak_before_reset or 0)
             if overall_peak is not None:
                 self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
-            retries, at_start = self._allocator_retries(), self._retries_at_start
-            if retries is not None and at_start is not None:
-                retries -= at_start
-            else:
-                retries = None  # not counted at both ends: unknown, not a lifetime total
+            counts, at_start = self._allocator_counts(), self._retries_at_start
+            retries = ooms = None  # not counted at both ends: unknown, not a lifetime total
+            if counts is not None and at_start is not None:
+                retries, ooms = counts[0] - at_start[0], counts[1] - at_start[1]
             record = StageRecord(
                 run=self.runs,
                 stage=stage,
@@ -254,6 +258,7 @@ class MemoryTracker:
                 peak_measured_bytes=peak,
                 activation_bytes=activation,
                 allocator_retries=retries,
+                allocator_ooms=ooms,
             )
             self.stages.append(record)
             self._stage_started = None

@@ -22,6 +22,7 @@ class FakeAllocator:
         self.peak = 0
         self.resets = 0
         self.retries = 0  # times it freed its cache and tried again
+        self.ooms = 0  # of those, the ones that still found no room
 
     def allocate(self, nbytes: int) -> None:
         self.allocated += nbytes
@@ -41,7 +42,7 @@ class FakeAllocator:
         self.peak = self.allocated
 
     def memory_stats(self, device=None) -> dict:
-        return {"num_alloc_retries": self.retries}
+        return {"num_alloc_retries": self.retries, "num_ooms": self.ooms}
 
 
 @pytest.fixture
@@ -172,7 +173,9 @@ def test_each_stage_counts_the_allocator_retries_made_while_it_ran(cuda):
     cuda.retries = 40  # before the run: not any stage's
     tracker.stage_started("Denoise")
     cuda.retries += 3
-    assert tracker.stage_finished("Denoise").allocator_retries == 3
+    cuda.ooms += 1
+    record = tracker.stage_finished("Denoise")
+    assert (record.allocator_retries, record.allocator_ooms) == (3, 1)
     assert stage(tracker, cuda, "Decode", GiB, GiB).allocator_retries == 0
 
 

@@ -200,3 +200,58 @@ def test_measured_activations_that_do_not_fit_still_stream(
     plan = pipe.plan()
     assert plan.budget == total - int(0.02 * total)
     assert "transformer" in plan.streamed and plan.fits()
+
+
+def retried(pipe, stage: str, retries: int, ooms: int = 0, activation: int | None = None):
+    """A run of ``stage`` during which the CUDA allocator retried ``retries`` times."""
+    index = [use.name for use in pipe.stage_uses()].index(stage)
+    need = MEASURED.get(stage) if activation is None else activation
+    record = StageRecord(2, stage, 1.0, 0.0, 0, None, need, retries, ooms)
+    pipe._stage_measured(index, record)
+
+
+def test_a_stage_whose_allocator_kept_retrying_plans_with_more_reserve(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    stored: list[tuple[str, int]] = []
+    monkeypatch.setattr(pipe, "record_activation", lambda stage, n: stored.append((stage, n)))
+    measure(pipe, MEASURED)
+    step = policy_module.RETRY_RESERVE_STEP_BYTES
+
+    def need(stage):
+        return pipe.policy.activation_needs(pipe)[0][stage]
+
+    # A stage that ran out of memory (a tiled decode finding its tiles) learns from that;
+    # a few stray retries are not a stage at the allocator's limit.
+    retried(pipe, "Decode", 60, ooms=20)
+    retried(pipe, "Denoise", policy_module.RETRY_RESERVE_MIN_RETRIES - 1)
+    assert (need("Denoise"), need("Decode")) == (MEASURED["Denoise"], MEASURED["Decode"])
+    retried(pipe, "Denoise", 40)
+    assert need("Denoise") == MEASURED["Denoise"] + step
+    assert need("Decode") == MEASURED["Decode"]  # only the stage that retried
+    plan = pipe.plan()
+    assert plan.fits()  # 13.58 + 1.6 + 0.5 GiB fit the measured budget of 15.68
+    assert "'Denoise' +512.00 MiB" in plan.activation_note
+    for _ in range(3):
+        retried(pipe, "Denoise", 40)
+    assert need("Denoise") == MEASURED["Denoise"] + policy_module.RETRY_RESERVE_MAX_STEPS * step
+    # The profile keeps what was measured, never the reserve.
+    assert {n for stage, n in stored if stage == "Denoise"} == {MEASURED["Denoise"]}
+    # Two steps would overflow (this transformer cannot stream): the run plans without
+    # them rather than refusing.
+    pipe.policy.before_run(pipe.snapshot())
+    assert pipe.policy.skip_retry_reserve
+    plan = pipe.plan()
+    assert plan.fits() and resident(plan, 2)["Denoise"] == ("transformer",)
+
+
+def test_the_retry_reserve_streams_a_block_more_where_streaming_can(
+    saved_wan_folder, monkeypatch, scaled_margins
+):
+    pipe, total = tiny_wan(saved_wan_folder, monkeypatch, 0.95)
+    assert not pipe.plan().streamed
+    monkeypatch.setattr(policy_module, "RETRY_RESERVE_STEP_BYTES", int(0.05 * total))
+    retried(pipe, "Denoise", 40, activation=pipe._measured_activation["Denoise"])
+    plan = pipe.plan()
+    assert "transformer" in plan.streamed and plan.fits()
+    assert not pipe.policy.skip_retry_reserve
