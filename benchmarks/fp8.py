@@ -146,13 +146,20 @@ def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
     """One run's stages from the tracker: seconds, exposed load seconds, activations, and
     the bytes loaded (and streamed) per component while each stage ran."""
     loaded: dict[str, dict[str, int]] = {}
+    # Where each stage's exposed load seconds went: each load's return, waits for a
+    # pipelined load's blocks (count and sum), each fill's end, per component.
+    timings: dict[str, list] = {}
     stage = None
     for event in tracker.events:
         if event.run != run:
             continue
         if event.kind == "stage_start":
             stage = event.name
-        elif event.kind == "load":
+        if event.kind in ("load", "wait", "fill"):
+            timings.setdefault(stage or "", []).append(
+                [event.kind, event.name, round(event.duration_seconds or 0, 4)]
+            )
+        if event.kind == "load":
             # A load before the first stage, or after the last, counts to the run's first.
             per = loaded.setdefault(stage or "", {})
             per[event.name] = per.get(event.name, 0) + event.nbytes
@@ -166,6 +173,7 @@ def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
                 "activation_bytes": record.activation_bytes,
                 "allocator_retries": record.allocator_retries,
                 "loaded_bytes": loaded.pop(record.stage, {}),
+                "load_events": _summarised(timings.pop(record.stage, [])),
             }
         )
     if rows and "" in loaded:
@@ -179,6 +187,21 @@ def stage_rows(tracker, run: int, streamed: dict[str, int]) -> list[dict]:
     if holder is not None:
         holder["streamed_bytes"] = {name: n for name, n in streamed.items() if n}
     return rows
+
+
+def _summarised(events: list) -> list:
+    """Load events in order, each run of waits for one component as one entry."""
+    out: list = []
+    for kind, name, seconds in events:
+        last = out[-1] if out else None
+        if kind == "wait" and last is not None and last[0] == "waits" and last[1] == name:
+            last[2] += 1
+            last[3] = round(last[3] + seconds, 4)
+        elif kind == "wait":
+            out.append(["waits", name, 1, seconds])
+        else:
+            out.append([kind, name, seconds])
+    return out
 
 
 def component_nbytes(pipe, names=STORED) -> dict[str, int]:
@@ -313,6 +336,9 @@ def run_pipeline(args) -> dict:
             after = pipe.plan()  # with the activations this run measured
             row["plan_after"] = {"summary": after.fit_summary(), "blocks": planned_blocks(after)}
             row["decode"] = decode_report(pipe)
+            row["sources"] = {
+                name: getattr(loader, "last_source", None) for name, loader in pipe.loaders.items()
+            }
         elif clock is not None:
             row["stages"] = clock.take(row["seconds"])
         if len(latents_seen) > seen_before:
@@ -522,6 +548,15 @@ def print_stage_table(rows: dict) -> None:
                     f"{_gib_by_name(stage.get('loaded_bytes') or {}):<22} "
                     f"{_gib_by_name(stage.get('streamed_bytes') or {})}"
                 )
+    for mode, row in rows.items():
+        runs = row.get("runs") or []
+        if len(runs) < 3:
+            continue
+        for stage in runs[2].get("stages") or []:
+            if stage.get("load_events"):
+                print(f"{mode} run 3 {stage['stage']} loads: {stage['load_events']}")
+        if runs[2].get("sources"):
+            print(f"{mode} run 3 last sources: {runs[2]['sources']}")
     for mode, row in rows.items():
         if "planned_blocks_before_run_1" not in row:
             continue
