@@ -254,9 +254,16 @@ class ComponentLoader:
                 for job in reading:
                     job.capture = captured[job.info.name]
         bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
+        # The destinations are allocated by now: the fill's copies need only wait for the
+        # work queued before this point, never for the compute queued while they arrive
+        # (a fence taken at each group would make every block's copy wait for the blocks
+        # before it to finish computing).
+        fences = reader.device_fences(
+            {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+        )
 
         def fill(group: list[reader.ReadJob]) -> None:
-            stats = self._copy_and_read(group, held, bar=bar)
+            stats = self._copy_and_read(group, held, bar=bar, fences=fences)
             if any(job.info.name not in held for job in group):
                 self.last_readers = stats.readers
 
@@ -450,22 +457,26 @@ class ComponentLoader:
         held: dict[str, torch.Tensor],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
+        fences: dict | None = None,
     ) -> reader.ReadStats:
         """Copy the jobs whose tensors the host cache holds (``held``) into their
-        destinations while the others are read from the files."""
+        destinations while the others are read from the files. ``fences``: as
+        :func:`~.reader.read_into` takes them."""
         if not held:
-            return self._read(jobs, while_reading, bar=bar)
+            return self._read(jobs, while_reading, bar=bar, fences=fences)
         reading = [job for job in jobs if job.info.name not in held]
         if bar is None:
             total = sum(job.info.nbytes for job in jobs if job.info.name in held)
-            copy = reader.HostCopy(total, progress=self.progress, component=self.name)
+            copy = reader.HostCopy(
+                total, progress=self.progress, component=self.name, fences=fences
+            )
         else:
-            copy = reader.HostCopy(0, component=self.name, bar=bar)
+            copy = reader.HostCopy(0, component=self.name, bar=bar, fences=fences)
         try:
             for job in jobs:
                 if job.info.name in held:
                     copy.add(self._cached_info(job), held[job.info.name], job.destination)
-            read = self._read(reading, while_reading, bar=bar) if reading else None
+            read = self._read(reading, while_reading, bar=bar, fences=fences) if reading else None
             copied = copy.finish(while_copying=None if reading else while_reading)
         finally:
             copy.close()
@@ -476,10 +487,12 @@ class ComponentLoader:
         jobs: list[reader.ReadJob],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
+        fences: dict | None = None,
     ) -> reader.ReadStats:
         return reader.read_into(
             jobs,
             bar=bar,
+            fences=fences,
             while_reading=while_reading,
             threads=self.threads,
             buffer_bytes=self.buffer_bytes,

@@ -3,6 +3,7 @@ files and from the host cache) computes exactly what a whole load computes."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -44,9 +45,9 @@ def slow_reads(monkeypatch, seconds: float = 0.05) -> None:
     """Each group's read takes a while, so the forward overtakes the loading."""
     read = ComponentLoader._read
 
-    def slowly(loader, jobs, while_reading=None, bar=None):
+    def slowly(loader, jobs, while_reading=None, bar=None, fences=None):
         time.sleep(seconds)
-        return read(loader, jobs, while_reading, bar)
+        return read(loader, jobs, while_reading, bar, fences)
 
     monkeypatch.setattr(ComponentLoader, "_read", slowly)
 
@@ -79,3 +80,38 @@ def test_from_the_host_cache_too(six_blocks):
     assert again.last_source == "host cache" and filling is not None
     assert torch.equal(forward(module), expected)
     filling.wait()
+
+
+@pytest.mark.parametrize("source", ["files", "host cache"])
+def test_a_fill_does_not_wait_for_compute_queued_after_its_destinations(
+    six_blocks, monkeypatch, source
+):
+    """Copies into a pipelined load's blocks start after what was queued when its memory
+    was allocated, not after the compute queued since: otherwise each block's weights
+    would start arriving only once the blocks before it had computed."""
+    options = dict(device="cuda", pipelined=True)
+    if source == "host cache":
+        options["host_cache"] = HostCache(2**30)
+        ComponentLoader(six_blocks, "transformer", **options)()  # fills the cache
+    gate = threading.Event()
+    original = ComponentLoader._copy_and_read
+
+    def gated(loader, jobs, *args, **kwargs):
+        if any(job.info.name.startswith("blocks.2.") for job in jobs):
+            assert gate.wait(30), "the test never opened the gate"
+        return original(loader, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(ComponentLoader, "_copy_and_read", gated)
+    loader = ComponentLoader(six_blocks, "transformer", **options)
+    module, filling = loader.begin()
+    if source == "host cache":
+        assert loader.last_source == "host cache"
+    torch.cuda._sleep(2_000_000_000)  # about a second of the device, queued after the load
+    slept = torch.cuda.Event()
+    slept.record()
+    gate.set()
+    filling.wait()
+    assert not slept.query()  # every block arrived while the device was still busy
+    torch.cuda.synchronize()
+    whole = ComponentLoader(six_blocks, "transformer", device="cuda", pipelined=False)()
+    assert torch.equal(forward(module), forward(whole))
