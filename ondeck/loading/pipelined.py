@@ -91,6 +91,14 @@ class Filling:
             # The caller's GPU: on the filling thread an unnumbered "cuda" means GPU 0.
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        # The filling thread's own stream, ordered after the work queued here, now that
+        # the destinations are allocated. The thread synchronises it after each group; on
+        # the compute's stream that would wait for every kernel queued since, and each
+        # block's weights would start arriving only once the blocks before it computed.
+        self._stream = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
         self._groups = list(groups)
         self._fill = fill
         self._finished = finished
@@ -127,8 +135,10 @@ class Filling:
     def _run(self) -> None:
         error: BaseException | None = None
         try:
-            context = torch.cuda.device(self.device) if self.device.type == "cuda" else None
-            with context or contextlib.nullcontext():
+            on_device = self._stream is not None
+            context = torch.cuda.device(self.device) if on_device else contextlib.nullcontext()
+            stream = torch.cuda.stream(self._stream) if on_device else contextlib.nullcontext()
+            with context, stream:
                 for group in self._groups:
                     if self._stop.is_set():
                         raise LoadError(
@@ -136,9 +146,9 @@ class Filling:
                             component=self.component,
                         )
                     self._fill(group)
-                    if self.device.type == "cuda":
-                        # Copies this thread issued on its current stream are done too.
-                        torch.cuda.current_stream(self.device).synchronize()
+                    if on_device:
+                        # Copies this thread issued on its own stream are done too.
+                        self._stream.synchronize()
                     with self._progress:
                         self._filled += 1
                         self._progress.notify_all()
