@@ -352,6 +352,9 @@ class Plan:
     transfer_source: str = ""
     # True when stored activation peaks were set aside because they alone overflowed.
     profile_set_aside: bool = False
+    # True when the reserve for stages whose allocator retried was left out because it
+    # alone overflowed.
+    retry_reserve_dropped: bool = False
 
     @property
     def device_bytes(self) -> dict[str, int]:

@@ -296,6 +296,8 @@ class BudgetPolicy(Policy):
         self.distrust_stored = False
         self.skip_retry_reserve = False
         plan = self.plan_for(snapshot, self.budget_bytes)
+        # The run's stages decide as its plan did.
+        self.skip_retry_reserve = plan.retry_reserve_dropped
         if plan.profile_set_aside:
             self.distrust_stored = True  # the run decides as its plan did, and re-measures
             warnings.warn(
@@ -318,38 +320,38 @@ class BudgetPolicy(Policy):
 
     def plan_for(self, source: Any, budget: int | None = None) -> Plan:
         """The plan. Where the reserve for stages whose allocator retried makes it
-        overflow, the plan without that reserve (a slower run beats a refused one). Where
-        stored activation peaks alone make it overflow, the plan without them
-        (``profile_set_aside``): a stored value may come from another card, an older
-        version or damage, and must not block a run that fits without it."""
+        overflow, the plan without that reserve (``retry_reserve_dropped``: a slower run
+        beats a refused one). Where stored activation peaks alone still make it overflow,
+        the plan without them (``profile_set_aside``): a stored value may come from
+        another card, an older version or damage, and must not block a run that fits
+        without it. Leaves the policy as it found it: ``before_run`` acts on the flags."""
         snapshot = _view(source)
-        plan = self._plan_with_stored(snapshot, budget)
-        if plan.overflow() is None or self.skip_retry_reserve or not snapshot.retried_stages:
-            return plan
-        self.skip_retry_reserve = True
-        relaxed = self._plan_with_stored(snapshot, budget)
-        if relaxed.overflow() is not None:
-            self.skip_retry_reserve = False
-            return plan
-        return relaxed
-
-    def _plan_with_stored(self, snapshot: Snapshot, budget: int | None) -> Plan:
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan
+        if snapshot.retried_stages and not self.skip_retry_reserve:
+            without = self._relaxed(snapshot, budget, "skip_retry_reserve")
+            if without.overflow() is None:
+                without.retry_reserve_dropped = True
+                return without
         stored = dict(snapshot.stored_activation)
         if not stored:
             return plan
-        self.distrust_stored = True
-        try:
-            relaxed = super().plan_for(snapshot, budget)
-        finally:
-            self.distrust_stored = False
+        relaxed = self._relaxed(snapshot, budget, "distrust_stored")
         if relaxed.overflow() is not None:
             return plan
         relaxed.profile_set_aside = True
         relaxed.activation_note += "\n" + _set_aside_note(stored, "")
         return relaxed
+
+    def _relaxed(self, snapshot: Snapshot, budget: int | None, flag: str) -> Plan:
+        """The plan with ``flag`` (an attribute of this policy) set, then restored."""
+        before = getattr(self, flag)
+        setattr(self, flag, True)
+        try:
+            return super().plan_for(snapshot, budget)
+        finally:
+            setattr(self, flag, before)
 
     def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
         uses = list(snapshot.uses)

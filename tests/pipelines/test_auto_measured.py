@@ -255,3 +255,35 @@ def test_the_retry_reserve_streams_a_block_more_where_streaming_can(
     plan = pipe.plan()
     assert "transformer" in plan.streamed and plan.fits()
     assert not pipe.policy.skip_retry_reserve
+
+
+def test_the_retry_reserve_goes_before_a_stored_profile_that_fits_without_it(monkeypatch, tmp_path):
+    import warnings
+
+    from tests.core.helpers import use_profiles
+
+    fake_card(monkeypatch, 16 * GIB)
+    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
+    for stage, nbytes in MEASURED.items():
+        store.record("wan-shaped", {"width": 8}, stage, nbytes)
+
+    class Profiled(WanShaped):
+        profile_model = "wan-shaped"
+
+        def profile_shape(self, state):
+            return {"width": state["x"].shape[1]}
+
+    pipe = Profiled(wan_shaped().components, device="cpu")
+    pipe._profile_shape = {"width": 8}  # as after a run of that shape, sizes as declared
+    assert pipe.policy.activation_needs(pipe)[0] == MEASURED  # the stored peaks
+    for _ in range(2):
+        retried(pipe, "Denoise", 40)  # two steps: 13.58 + 1.6 + 1 GiB overflow 15.68
+    plan = pipe.plan()
+    assert plan.retry_reserve_dropped and not plan.profile_set_aside
+    assert not pipe.policy.skip_retry_reserve  # asking for a plan changes nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "set aside" warning
+        pipe.policy.before_run(pipe.snapshot())
+    assert pipe.policy.skip_retry_reserve and not pipe.policy.distrust_stored
+    assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
+    pipe.close()
