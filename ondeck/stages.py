@@ -400,7 +400,8 @@ class Pipeline:
         out of memory, in this process only: the plan gives it more reserve."""
         retries = record.allocator_retries
         # A stage that ran out of memory (a tiled decode finding its tiles) learns from
-        # that instead.
+        # that instead. The counts are the device's: a load running beside the stage
+        # (a prefetch, a fill) counts in them too, and shares the stage's room anyway.
         if (
             retries is not None
             and not record.allocator_ooms

@@ -17,7 +17,7 @@ from .blocks import find_blocks
 from .folder import ModelFolder
 from .host_cache import HostCache
 from .page_cache import describe_source
-from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups
+from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
@@ -176,14 +176,14 @@ class ComponentLoader:
             )
             fill, finished = self._group_filler(jobs, key, raw, started, template, other)
             self.last_load_bytes += placed_bytes
-            filling = Filling(
+            filling = start_filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
                 fill,
+                finished,
                 device=self.device,
-                finished=finished,
                 started=started,
-            ).start()
+            )
             jobs = None  # the filling holds each group until it is read
             skeleton = self._take_skeleton(template)
             _install(skeleton, sources, values, self.device, allocated)
@@ -231,7 +231,14 @@ class ComponentLoader:
     ):
         """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it;
         a fill that succeeds then builds the next load's skeleton, on its own thread.
-        ``other`` (see ``_cached``): what its entry holds is copied from there."""
+        ``other`` (see ``_cached``): what its entry holds is copied from there. The caller
+        must call ``finished`` (with the error) if the filling never starts."""
+        # The destinations are allocated by now: the fill's copies need only wait for the
+        # work queued before this point, never for the compute queued while they arrive.
+        # (Taken before the cache reserves anything, which only ``finished`` gives back.)
+        fences = reader.device_fences(
+            {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+        )
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
         cache = self.host_cache
@@ -254,13 +261,6 @@ class ComponentLoader:
                 for job in reading:
                     job.capture = captured[job.info.name]
         bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
-        # The destinations are allocated by now: the fill's copies need only wait for the
-        # work queued before this point, never for the compute queued while they arrive
-        # (a fence taken at each group would make every block's copy wait for the blocks
-        # before it to finish computing).
-        fences = reader.device_fences(
-            {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
-        )
 
         def fill(group: list[reader.ReadJob]) -> None:
             stats = self._copy_and_read(group, held, bar=bar, fences=fences)

@@ -24,7 +24,7 @@ import torch
 from ..errors import LoadError
 from .blocks import block_index
 
-__all__ = ["Filling", "fill_groups", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]
+__all__ = ["Filling", "fill_groups", "start_filling", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]
 
 # Consecutive blocks are read together until a group holds this much: each group is one
 # read with its own start-up and drain.
@@ -251,3 +251,23 @@ class _BlockWait:
     def __call__(self, _module: Any, _args: Any) -> None:
         self.filling.wait_group(self.group)
         self.handle.remove()
+
+
+def start_filling(
+    component: str,
+    groups: Sequence[Any],
+    fill: Callable[[Any], None],
+    finished: Callable[[BaseException | None], None],
+    *,
+    device: torch.device,
+    started: float | None = None,
+) -> Filling:
+    """A started :class:`Filling`. If it cannot start, ``finished`` hears the error (it
+    gives back what the load reserved, a host cache entry say) before it propagates."""
+    try:
+        return Filling(
+            component, groups, fill, device=device, finished=finished, started=started
+        ).start()
+    except BaseException as error:
+        finished(error)
+        raise

@@ -21,11 +21,11 @@ from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages
 from . import reader
 from .components import ComponentLoader, _cache_key
-from .pipelined import Filling, fill_groups
+from .pipelined import fill_groups, start_filling
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
 
-__all__ = ["ShardedComponentLoader", "shard_rows", "shard_units", "rows_of"]
+__all__ = ["ShardedComponentLoader", "shard_cache_key", "shard_rows", "shard_units", "rows_of"]
 
 # Methods other than ``forward`` that callers run a sharded component through.
 ENTRY_METHODS = ("encode", "decode")
@@ -137,10 +137,9 @@ class ShardedComponentLoader(ComponentLoader):
             path = self._pipelined_blocks(template)
             key = raw = None
             if self.host_cache is not None:
-                # This rank's rows only: an entry per rank and number of ranks.
-                tensors = self.folder.tensors(self.name)
-                shard = ("shard", self.mesh.get_local_rank(), self.mesh.size())
-                key = (*_cache_key(self.folder, self.name, tensors), shard)
+                key = shard_cache_key(
+                    self.folder, self.name, self.mesh.get_local_rank(), self.mesh.size()
+                )
                 raw = self.host_cache.get(key)
             self.last_load_bytes = 0
             if path is None or not _evenly_sharded(sources, self.mesh):
@@ -153,14 +152,14 @@ class ShardedComponentLoader(ComponentLoader):
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
             fill, finished = self._group_filler(jobs, key, raw, started, template)
-            filling = Filling(
+            filling = start_filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
                 fill,
+                finished,
                 device=self.device,
-                finished=finished,
                 started=started,
-            ).start()
+            )
             jobs = None  # the filling holds each group until it is read
             filling.attach(module, path, group_of)
             filling.wait_group(0)
@@ -261,6 +260,16 @@ class ShardedComponentLoader(ComponentLoader):
                 for name in buffer_names[1:]:
                     set_tensor(module, name, moved, parameter=False)
         return jobs, job_names
+
+
+def shard_cache_key(folder: Any, name: str, rank: int, world_size: int) -> tuple:
+    """The host cache key of one rank's rows of a component: an entry per rank and number
+    of ranks. A whole or streamed load looks for its component placed another way among
+    keys of its own length that share its items before the placement
+    (``HostCache.other_placement``); this key, five items with the shard fourth, is
+    never one of them (a plain load's key has four, a stored one's the storage fourth)."""
+    base = _cache_key(folder, name, folder.tensors(name))
+    return (*base, ("shard", rank, world_size), ("rows",))
 
 
 def _evenly_sharded(sources: list, mesh: Any) -> bool:

@@ -252,3 +252,29 @@ def test_generate_command_shards_under_torchrun(wan_folder, tmp_path):
     file_nbytes = ModelFolder.open(wan_folder).file_bytes("transformer")
     read = [summary["bytes_read_from_files"]["transformer"] for summary in report["ranks"]]
     assert sum(read) == file_nbytes
+
+
+def test_a_whole_load_never_takes_a_ranks_rows_from_the_host_cache(wan_folder, monkeypatch):
+    """One process, one cache: a rank's rows of the transformer are not the transformer
+    placed another way."""
+    from ondeck.loading import ComponentLoader, HostCache
+    from ondeck.loading.sharded import shard_cache_key
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    folder = ModelFolder.open(wan_folder)
+    tensors = folder.tensors("transformer")
+    rows = [rows_of(info, *shard_rows(info.shape[0], 0, WORLD_SIZE)) for info in tensors.values()]
+    key = shard_cache_key(folder, "transformer", 0, WORLD_SIZE)
+    buffers = cache.reserve(key, rows)
+    for buffer in buffers.values():
+        buffer.fill_(7)  # bytes a whole load must never copy in
+    cache.commit(key, buffers)
+    plain = ComponentLoader(wan_folder, "transformer")()
+    loader = ComponentLoader(wan_folder, "transformer", host_cache=cache)
+    cached = loader()
+    assert loader.last_source != "host cache"
+    for (name, a), (_, b) in zip(
+        plain.state_dict().items(), cached.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -313,3 +313,26 @@ def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_fo
     assert torch.equal(forward(again), expected)
     filling.wait()
     assert copies_here and copies_here[0].startswith("ondeck-fill")
+
+
+def test_a_filling_that_cannot_start_gives_back_its_host_cache_reservation(
+    six_block_folder, monkeypatch
+):
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+
+    def no_thread(filling):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(pipelined.Filling, "start", no_thread)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True, host_cache=cache)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        loader.begin()
+    assert cache._pending == {} and cache.resident_bytes == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    loader()  # the next load can still reserve, and fills the cache
+    assert cache.resident_bytes > 0
