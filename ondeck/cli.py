@@ -173,7 +173,9 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-cache",
         type=_host_cache,
-        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off)",
+        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off); "
+        "under torchrun the size is per process, and a --shard component keeps only the "
+        "rank's own rows",
     )
     _add_library(parser)
 
