@@ -70,6 +70,23 @@ def wan_shaped() -> WanShaped:
     return WanShaped(components, device="cpu")
 
 
+def profiled_wan_shaped(monkeypatch, tmp_path) -> WanShaped:
+    """The Wan-shaped pipeline with a stored profile of ``MEASURED`` for runs of width 8."""
+    from tests.core.helpers import use_profiles
+
+    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
+    for stage, nbytes in MEASURED.items():
+        store.record("wan-shaped", {"width": 8}, stage, nbytes)
+
+    class Profiled(WanShaped):
+        profile_model = "wan-shaped"
+
+        def profile_shape(self, state):
+            return {"width": state["x"].shape[1]}
+
+    return Profiled(wan_shaped().components, device="cpu")
+
+
 def measure(pipe, activations) -> None:
     """What a run on the card would have recorded, stage by stage."""
     for stage in pipe.stages:
@@ -130,20 +147,8 @@ def test_a_run_plans_against_the_measured_budget_from_then_on(monkeypatch):
 
 
 def test_a_stored_profile_of_the_run_shape_counts_as_measured(monkeypatch, tmp_path):
-    from tests.core.helpers import use_profiles
-
     fake_card(monkeypatch, 16 * GIB)
-    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
-    for stage, nbytes in MEASURED.items():
-        store.record("wan-shaped", {"width": 8}, stage, nbytes)
-
-    class Profiled(WanShaped):
-        profile_model = "wan-shaped"
-
-        def profile_shape(self, state):
-            return {"width": state["x"].shape[1]}
-
-    pipe = Profiled(wan_shaped().components, device="cpu")
+    pipe = profiled_wan_shaped(monkeypatch, tmp_path)
     pipe({"x": torch.ones(2, 8)})  # its first run already plans with the stored peaks
     assert pipe.policy.budget_bytes == 16 * GIB - int(0.02 * 16 * GIB)
     pipe.close()
@@ -260,20 +265,8 @@ def test_the_retry_reserve_streams_a_block_more_where_streaming_can(
 def test_the_retry_reserve_goes_before_a_stored_profile_that_fits_without_it(monkeypatch, tmp_path):
     import warnings
 
-    from tests.core.helpers import use_profiles
-
     fake_card(monkeypatch, 16 * GIB)
-    store = use_profiles(monkeypatch, tmp_path / "profiles.json")
-    for stage, nbytes in MEASURED.items():
-        store.record("wan-shaped", {"width": 8}, stage, nbytes)
-
-    class Profiled(WanShaped):
-        profile_model = "wan-shaped"
-
-        def profile_shape(self, state):
-            return {"width": state["x"].shape[1]}
-
-    pipe = Profiled(wan_shaped().components, device="cpu")
+    pipe = profiled_wan_shaped(monkeypatch, tmp_path)
     pipe._profile_shape = {"width": 8}  # as after a run of that shape, sizes as declared
     assert pipe.policy.activation_needs(pipe)[0] == MEASURED  # the stored peaks
     for _ in range(2):
