@@ -405,7 +405,7 @@ class Pipeline:
         if (
             retries is not None
             and not record.allocator_ooms
-            and retries >= (RETRY_RESERVE_MIN_RETRIES)
+            and retries >= RETRY_RESERVE_MIN_RETRIES
         ):
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
         if record.activation_bytes is None:

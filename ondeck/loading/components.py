@@ -233,12 +233,6 @@ class ComponentLoader:
         a fill that succeeds then builds the next load's skeleton, on its own thread.
         ``other`` (see ``_cached``): what its entry holds is copied from there. The caller
         must call ``finished`` (with the error) if the filling never starts."""
-        # The destinations are allocated by now: the fill's copies need only wait for the
-        # work queued before this point, never for the compute queued while they arrive.
-        # (Taken before the cache reserves anything, which only ``finished`` gives back.)
-        fences = reader.device_fences(
-            {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
-        )
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
         cache = self.host_cache
@@ -263,7 +257,7 @@ class ComponentLoader:
         bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
 
         def fill(group: list[reader.ReadJob]) -> None:
-            stats = self._copy_and_read(group, held, bar=bar, fences=fences)
+            stats = self._copy_and_read(group, held, bar=bar)
             if any(job.info.name not in held for job in group):
                 self.last_readers = stats.readers
 
@@ -457,26 +451,22 @@ class ComponentLoader:
         held: dict[str, torch.Tensor],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-        fences: dict | None = None,
     ) -> reader.ReadStats:
         """Copy the jobs whose tensors the host cache holds (``held``) into their
-        destinations while the others are read from the files. ``fences``: as
-        :func:`~.reader.read_into` takes them."""
+        destinations while the others are read from the files."""
         if not held:
-            return self._read(jobs, while_reading, bar=bar, fences=fences)
+            return self._read(jobs, while_reading, bar=bar)
         reading = [job for job in jobs if job.info.name not in held]
         if bar is None:
             total = sum(job.info.nbytes for job in jobs if job.info.name in held)
-            copy = reader.HostCopy(
-                total, progress=self.progress, component=self.name, fences=fences
-            )
+            copy = reader.HostCopy(total, progress=self.progress, component=self.name)
         else:
-            copy = reader.HostCopy(0, component=self.name, bar=bar, fences=fences)
+            copy = reader.HostCopy(0, component=self.name, bar=bar)
         try:
             for job in jobs:
                 if job.info.name in held:
                     copy.add(self._cached_info(job), held[job.info.name], job.destination)
-            read = self._read(reading, while_reading, bar=bar, fences=fences) if reading else None
+            read = self._read(reading, while_reading, bar=bar) if reading else None
             copied = copy.finish(while_copying=None if reading else while_reading)
         finally:
             copy.close()
@@ -487,12 +477,10 @@ class ComponentLoader:
         jobs: list[reader.ReadJob],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-        fences: dict | None = None,
     ) -> reader.ReadStats:
         return reader.read_into(
             jobs,
             bar=bar,
-            fences=fences,
             while_reading=while_reading,
             threads=self.threads,
             buffer_bytes=self.buffer_bytes,

@@ -258,21 +258,12 @@ class HostCopy:
     ``add`` each ``(info, raw, destination)``, then ``finish`` (or ``close``, after a
     failure); ``total`` bytes is for the progress bar (or ``bar``, advanced and left open). On CUDA the copies run
     asynchronously on a side stream; ``finish`` runs ``while_copying`` once all are
-    issued, then waits for them. They start after the work queued on the calling thread's
-    stream when each batch is issued, or, given ``fences`` (device to event, recorded when
-    the destinations were allocated), after those.
+    issued, then waits for them.
     """
 
     def __init__(
-        self,
-        total: int,
-        *,
-        progress: bool = True,
-        component: str | None = None,
-        bar: Any = None,
-        fences: dict | None = None,
+        self, total: int, *, progress: bool = True, component: str | None = None, bar: Any = None
     ):
-        self._fences = fences or {}
         self._started = time.perf_counter()
         self._own_bar = bar is None
         self._bar = progress_bar(total, progress, component, "host cache") if bar is None else bar
@@ -293,11 +284,7 @@ class HostCopy:
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
-            fence = self._fences.get(device)
-            if fence is not None:
-                stream.wait_event(fence)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(device))
+            stream.wait_stream(torch.cuda.current_stream(device))
         for info, raw, destination in batch:
             if info.nbytes:
                 source = raw.view(info.dtype).reshape(info.shape)

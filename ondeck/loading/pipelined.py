@@ -92,9 +92,10 @@ class Filling:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # The filling thread's own stream, ordered after the work queued here, now that
-        # the destinations are allocated. The thread synchronises it after each group; on
-        # the compute's stream that would wait for every kernel queued since, and each
-        # block's weights would start arriving only once the blocks before it computed.
+        # the destinations are allocated. Its reads and host-cache copies fence on it (the
+        # thread's current stream), and it synchronises it after each group; on the
+        # compute's stream both would wait for every kernel queued since, and each block's
+        # weights would start arriving only once the blocks before it computed.
         self._stream = None
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)

@@ -85,7 +85,6 @@ def read_into(
     while_reading: Callable[[], None] | None = None,
     processes: bool | None = None,
     bar: Any = None,
-    fences: dict | None = None,
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
@@ -102,11 +101,6 @@ def read_into(
     instead. ``buffer_bytes`` and ``buffer_count`` default to :data:`PROCESS_RING` or
     :data:`THREAD_RING`. ``bar``: a progress bar to advance (left open) instead of one of
     its own, for a load read in several parts.
-
-    Device copies start after the work queued on the calling thread's stream so far (the
-    destinations may reuse memory it still reads), or after ``fences`` (from
-    :func:`device_fences`, recorded when the destinations were allocated): a load read
-    behind the compute must not wait for compute queued since.
     """
     sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
     for name, value in sizes.items():
@@ -150,7 +144,7 @@ def read_into(
         state = _ReadState(
             chunks=chunks,
             files=files,
-            fences=fences if fences is not None else device_fences(devices),
+            fences=_fences(devices),
             buffer_bytes=buffer_bytes,
             buffers_per_thread=max(1, buffer_count // worker_count),
             pinned=pinned,
@@ -264,10 +258,8 @@ class _Slot:
         self.copying = True
 
 
-def device_fences(devices) -> dict:
-    """An event per CUDA device on the calling thread's current stream, recorded now:
-    destinations allocated before it may reuse memory that stream's earlier work still
-    reads, so copies into them start after it."""
+def _fences(devices) -> dict:
+    """Destinations may reuse memory the caller's stream still reads: copies start after it."""
     fences = {}
     for device in devices:
         event = torch.cuda.Event()

@@ -180,11 +180,10 @@ class ShardedComponentLoader(ComponentLoader):
         jobs: list[reader.ReadJob],
         while_reading: Any = None,
         bar: Any = None,
-        fences: dict | None = None,
     ) -> reader.ReadStats:
         """Read from the files, counting the bytes in ``bytes_read`` (copies from the host
         cache do not pass here)."""
-        stats = super()._read(jobs, while_reading, bar=bar, fences=fences)
+        stats = super()._read(jobs, while_reading, bar=bar)
         self.bytes_read += stats.nbytes
         return stats
 

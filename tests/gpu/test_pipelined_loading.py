@@ -45,9 +45,9 @@ def slow_reads(monkeypatch, seconds: float = 0.05) -> None:
     """Each group's read takes a while, so the forward overtakes the loading."""
     read = ComponentLoader._read
 
-    def slowly(loader, jobs, while_reading=None, bar=None, fences=None):
+    def slowly(loader, jobs, while_reading=None, bar=None):
         time.sleep(seconds)
-        return read(loader, jobs, while_reading, bar, fences)
+        return read(loader, jobs, while_reading, bar)
 
     monkeypatch.setattr(ComponentLoader, "_read", slowly)
 

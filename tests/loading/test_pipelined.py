@@ -53,7 +53,7 @@ class GatedReads:
         self.read_blocks: list[int | None] = []
         original = ComponentLoader._read
 
-        def read(loader, jobs, while_reading=None, bar=None, fences=None):
+        def read(loader, jobs, while_reading=None, bar=None):
             block = _block_of(jobs[0].info.name)
             self.read_blocks.append(block)
             gate = self.gates.get(block)
@@ -61,7 +61,7 @@ class GatedReads:
                 assert gate.wait(30), "the test never opened a gate"
             if block is not None and block == self.fail_block:
                 raise OSError("the disk went away")
-            return original(loader, jobs, while_reading, bar, fences)
+            return original(loader, jobs, while_reading, bar)
 
         monkeypatch.setattr(ComponentLoader, "_read", read)
 
