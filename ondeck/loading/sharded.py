@@ -131,9 +131,9 @@ class ShardedComponentLoader(ComponentLoader):
         started = time.perf_counter()
         module = filling = None
         try:
-            module, sources, computed = self._build_sharded()
-            jobs, names = self._shard_jobs(module, sources, computed)
             template = self.folder.template(self.name, self.dtype)
+            module, sources, computed = self._build_sharded(template)
+            jobs, names = self._shard_jobs(module, sources, computed)
             path = self._pipelined_blocks(template)
             key = raw = None
             if self.host_cache is not None:
@@ -187,12 +187,11 @@ class ShardedComponentLoader(ComponentLoader):
         self.bytes_read += stats.nbytes
         return stats
 
-    def _build_sharded(self) -> tuple[torch.nn.Module, list, list]:
+    def _build_sharded(self, template: Skeleton) -> tuple[torch.nn.Module, list, list]:
         """The module sharded over the mesh, its local shards allocated but not filled."""
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         tensors = self.folder.tensors(self.name)
-        template = self.folder.template(self.name, self.dtype)
         skeleton = self._take_skeleton(template)
         sources = match_tensors(skeleton, tensors, self.name, self.folder.directory(self.name))
         module = skeleton.module
