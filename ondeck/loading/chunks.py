@@ -15,8 +15,6 @@ from ..errors import LoadError
 from .safetensors_format import TensorInfo
 
 __all__ = [
-    "CAST_GROUP_BYTES",
-    "CastGroup",
     "Chunk",
     "PROGRESS_MIN_BYTES",
     "ReadJob",
@@ -30,11 +28,6 @@ __all__ = [
 # Below this, a progress bar is noise.
 PROGRESS_MIN_BYTES = 64 * 2**20
 BAR_LOCK = threading.Lock()  # progress bars updated from several reading threads
-# A cast to a CUDA destination is issued once per this many file bytes of a tensor (a
-# group of consecutive chunks), not once per chunk: the one thread that issues a
-# process-read load's copies pays a device allocation and a cast launch per group
-# instead. Whether that lifts the fp8 reload rate is not shown yet (BENCHMARKS.md).
-CAST_GROUP_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -77,39 +70,6 @@ class Chunk:
     hi: int
     direct: bool
     cast: bool
-    # For a cast to a CUDA destination: the group of consecutive chunks cast together when
-    # one thread delivers them all (``CastGroup``); None otherwise.
-    group: CastGroup | None = None
-
-
-class CastGroup:
-    """Consecutive chunks of one tensor whose file bytes are copied one by one into a
-    device buffer in the file's dtype, then cast into the destination at once when the
-    last has arrived. Every copy and the cast go to the stream of the one thread that
-    delivers the group (a buffer freed here is reused only after them, on that stream).
-    """
-
-    def __init__(self, target: torch.Tensor, lo: int, hi: int, chunks: int, job: ReadJob):
-        self.target = target  # the group's part of the destination, flat
-        self.lo, self.hi = lo, hi  # byte range within the tensor's file data
-        self.left = chunks
-        self.job = job
-        self._buffer: torch.Tensor | None = None
-
-    def deliver(self, chunk: Chunk, staged: torch.Tensor) -> None:
-        """Copy ``chunk``'s staged file bytes to the device; cast once all have come."""
-        if self._buffer is None:
-            self._buffer = torch.empty(
-                self.hi - self.lo, dtype=torch.uint8, device=self.target.device
-            )
-        self._buffer[chunk.lo - self.lo : chunk.hi - self.lo].copy_(staged, non_blocking=True)
-        self.left -= 1
-        if not self.left:
-            source = self._buffer.view(self.job.info.dtype)
-            if self.job.via is not None:
-                source = source.to(self.job.via)
-            self.target.copy_(source, non_blocking=True)
-            self._buffer = None
 
 
 def plan_chunks(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
@@ -143,19 +103,10 @@ def plan_chunks(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | Non
             flat = flat.view(torch.uint8)
         itemsize = info.dtype.itemsize
         step = max(itemsize, buffer_bytes // itemsize * itemsize)
-        grouped = cast and target.device.type == "cuda"
-        span = step * max(1, CAST_GROUP_BYTES // step)  # a group: whole chunks
-        for start in range(0, info.nbytes, span):
-            end = min(start + span, info.nbytes)
-            group = None
-            if grouped:
-                count = -(-(end - start) // step)
-                whole = flat[start // itemsize : end // itemsize]
-                group = CastGroup(whole, start, end, count, job)
-            for lo in range(start, end, step):
-                hi = min(lo + step, end)
-                part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
-                chunks.append(Chunk(job, part, lo, hi, direct, cast, group))
+        for lo in range(0, info.nbytes, step):
+            hi = min(lo + step, info.nbytes)
+            part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
+            chunks.append(Chunk(job, part, lo, hi, direct, cast))
     return chunks, temporaries
 
 

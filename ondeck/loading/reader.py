@@ -17,9 +17,7 @@ is the ring, never the file. Two kinds of reader fill the ring:
 
 A cast to a CUDA destination (file dtype differs) goes through a temporary on the
 device in the file's dtype, which torch's allocator then keeps cached for the copying
-thread's stream: up to a 20 MiB block per thread, reusable by later loads' threads. The
-one thread of a process read casts a group of chunks at a time (``CastGroup``, 16 MiB):
-one allocation and one cast kernel per group, not per chunk.
+thread's stream: up to a 20 MiB block per thread, reusable by later loads' threads.
 """
 
 from __future__ import annotations
@@ -417,7 +415,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
                 length = chunk.hi - chunk.lo
-                stream = _deliver_one_of_all(chunk, slots[slot].buffer[:length], streams)
+                stream = _deliver(chunk, slots[slot].buffer[:length], streams)
                 if stream is None:
                     free.append(slot)
                 else:
@@ -465,18 +463,6 @@ def _read_error(info: TensorInfo, component: str | None, reached: int, reason: s
     else:
         problem = f"read failed at byte {reached}: {reason}"
     return LoadError(f"{where(info, component)}: {problem}", component=component, path=info.path)
-
-
-def _deliver_one_of_all(
-    chunk: Chunk, staged: torch.Tensor, streams: dict
-) -> torch.cuda.Stream | None:
-    """``_deliver`` for the one thread that delivers every chunk of a load: a cast to the
-    device waits for the rest of its group and is issued once for all (``CastGroup``)."""
-    stream = streams.get(chunk.target.device)
-    if chunk.group is None or stream is None:
-        return _deliver(chunk, staged, streams)
-    chunk.group.deliver(chunk, staged)
-    return stream
 
 
 def _deliver(chunk: Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:

@@ -482,25 +482,3 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
     loaded = read_by_processes(path, threads=2, buffer_bytes=1024, buffer_count=4)
     assert same_bits(loaded["w"], tensor)
     assert len(stream.events) == -(-tensor.nbytes // 1024)  # every chunk copied late
-
-
-def test_a_cast_group_casts_once_its_last_chunk_has_come_in_any_order():
-    from ondeck.loading.chunks import CastGroup, Chunk, ReadJob
-    from ondeck.loading.safetensors_format import TensorInfo
-
-    source = torch.randn(40, dtype=torch.float32)
-    raw = source.view(torch.uint8)
-    info = TensorInfo("w", torch.float32, (40,), 0, 160, "file")
-    target = torch.zeros(40, dtype=torch.float64)
-    job = ReadJob(info, target)
-    group = CastGroup(target[4:36], 16, 144, 3, job)
-    pieces = [(16, 64), (64, 112), (112, 144)]
-    chunks = [
-        Chunk(job, target[lo // 4 : hi // 4], lo, hi, False, True, group) for lo, hi in pieces
-    ]
-    for chunk in (chunks[2], chunks[0]):
-        group.deliver(chunk, raw[chunk.lo : chunk.hi].clone())
-        assert not target.any()  # nothing is cast before the group is complete
-    group.deliver(chunks[1], raw[64:112].clone())
-    assert torch.equal(target[4:36], source[4:36].double())
-    assert not target[:4].any() and not target[36:].any()
