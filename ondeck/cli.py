@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     the traceback instead."""
     arguments = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in arguments or os.environ.get("ONDECK_DEBUG", "") not in ("", "0")
+    finished = False
     try:
         args = build_parser().parse_args(arguments)
         commands = {
@@ -301,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             "profiles": profiles,
         }
         with _warnings_as_lines(debug):
-            return commands[args.command](args)
+            code = commands[args.command](args)
+        finished = True
+        return code
     except KeyboardInterrupt:
         if debug:
             raise
@@ -318,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         first = _first_line(error)
         print(f"ondeck: error: {type(error).__name__}: {first} ({DEBUG_HINT})", file=sys.stderr)
         return 1
+    finally:
+        # Every rank leaves together after a command that finished; after a failure the
+        # others may never arrive, so this rank leaves alone.
+        distributed.shutdown(wait=finished)
 
 
 @contextlib.contextmanager
@@ -589,7 +596,6 @@ def generate(args: argparse.Namespace) -> int:
     if joined:
         report = distributed.merged_report(pipe, report)  # collective: every rank sends
         if not main:
-            distributed.shutdown()
             return 0
     print(
         f"ondeck: components sum to {format_bytes(report['sum_bytes'])}; "
@@ -598,7 +604,6 @@ def generate(args: argparse.Namespace) -> int:
     )
     if joined:
         _print_ranks(report["ranks"])
-        distributed.shutdown()
     code = _write_results(
         out, report, pipe, frames_out[0], title=f"ondeck {pipe.policy.name}: {path.name}"
     )

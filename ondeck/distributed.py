@@ -99,14 +99,29 @@ def init(backend: str | None = None) -> None:
     _state["owned"] = True
 
 
-def shutdown() -> None:
-    """Leave the process group, if :func:`init` created it."""
+def shutdown(*, wait: bool = True) -> None:
+    """Leave the process group, if :func:`init` created it.
+
+    ``wait``: every rank first waits for the others to get here. The group's threads can
+    outlive this call (torch keeps references to a group its functional collectives
+    used), and one still finishing a collective when the interpreter exits aborts the
+    process: a rank that left early was seen to. After the barrier none is. Pass False
+    after a failure, when the other ranks may never arrive.
+    """
+    _state["meshes"].clear()
+    owned, _state["owned"] = _state["owned"], False
+    if not (owned and is_active()):
+        return
     import torch.distributed as dist
 
-    _state["meshes"].clear()
-    if _state["owned"] and is_active():
-        dist.destroy_process_group()
-    _state["owned"] = False
+    if wait:
+        if dist.get_backend() == "nccl":  # its barrier otherwise guesses the device
+            import torch
+
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def device_mesh(device: Any) -> Any:
