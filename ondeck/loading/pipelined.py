@@ -13,15 +13,18 @@ module still filling waits for all of it first (``LazyModule.materialize``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import LoadError
+from . import process_reader  # noqa: F401  its exit handler is registered first: see below
 from .blocks import block_index
 
 __all__ = ["Filling", "fill_groups", "start_filling", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]
@@ -31,6 +34,9 @@ __all__ = ["Filling", "fill_groups", "start_filling", "MIN_GROUP_BYTES", "MIN_PI
 MIN_GROUP_BYTES = 64 * 2**20
 # Below this a component loads whole: its load is too short to hide.
 MIN_PIPELINED_BYTES = 256 * 2**20
+
+# Fillings whose thread has started; see _stop_fillings.
+_started: weakref.WeakSet[Filling] = weakref.WeakSet()
 
 
 def fill_groups(
@@ -118,6 +124,7 @@ class Filling:
         )
 
     def start(self) -> Filling:
+        _started.add(self)
         self._thread.start()
         return self
 
@@ -252,6 +259,20 @@ class _BlockWait:
     def __call__(self, _module: Any, _args: Any) -> None:
         self.filling.wait_group(self.group)
         self.handle.remove()
+
+
+def _stop_fillings() -> None:
+    """Stop every filling still running when the interpreter exits, after the group it
+    is reading, and wait for it. Its thread (a daemon) would otherwise be frozen inside
+    torch mid-copy as Python shuts down, which can abort the exit; a filling's last
+    steps (caching, the spare skeleton) can still run after its module computed."""
+    for filling in list(_started):
+        filling.cancel()
+
+
+# Exit handlers run last-registered first: this one, registered after the reading
+# processes' (imported above), stops the fillings before those processes are closed.
+atexit.register(_stop_fillings)
 
 
 def start_filling(

@@ -4,6 +4,8 @@ forward waits for its own weights; a failure or a release mid-fill leaves nothin
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -336,3 +338,39 @@ def test_a_filling_that_cannot_start_gives_back_its_host_cache_reservation(
     monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
     loader()  # the next load can still reserve, and fills the cache
     assert cache.resident_bytes > 0
+
+
+EXITS_MID_FILL = """
+import sys, time
+from pathlib import Path
+import torch
+from ondeck.loading.pipelined import start_filling
+
+log = Path(sys.argv[1])
+
+def fill(group):
+    with log.open("a") as out:
+        out.write(f"group {group}\\n")
+    time.sleep(0.05)
+
+def finished(error):
+    with log.open("a") as out:
+        out.write(f"finished {type(error).__name__}\\n")
+
+filling = start_filling("transformer", list(range(200)), fill, finished, device=torch.device("cpu"))
+filling.wait_group(0)
+"""
+
+
+def test_a_filling_still_running_at_exit_is_stopped_and_waited_for(tmp_path):
+    # The script ends after its first group; 200 groups would take 10 s. A daemon thread
+    # left inside torch as the interpreter shuts down can abort the exit, so the exit
+    # stops the filling after its current group and lets it finish.
+    log = tmp_path / "log.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_MID_FILL, str(log)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    lines = log.read_text().splitlines()
+    assert lines[-1] == "finished LoadError"  # "loading was stopped", after the group it read
+    assert 1 <= len(lines) - 1 < 200
