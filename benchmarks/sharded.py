@@ -289,3 +289,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from ondeck import distributed
+
+    if distributed.joined():  # a torchrun child: see end_process for why it ends so
+        distributed.end_process()

@@ -282,7 +282,10 @@ def console() -> int:
     """The ``ondeck`` command: ``main`` in a process of its own."""
     for name, value in PROCESS_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    return main()
+    code = main()
+    if distributed.joined():  # a torchrun worker: see end_process for why it ends so
+        distributed.end_process(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

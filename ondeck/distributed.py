@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import OndeckError
 from .memory import process_peak_rss_bytes
@@ -19,10 +19,12 @@ from .memory import process_peak_rss_bytes
 __all__ = [
     "context_mesh",
     "device_mesh",
+    "end_process",
     "gather_all",
     "init",
     "is_active",
     "is_main",
+    "joined",
     "launched_with_torchrun",
     "main_first",
     "merged_report",
@@ -38,7 +40,8 @@ __all__ = [
 # value in the environment wins.
 NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0"}
 
-_state: dict[str, Any] = {"owned": False, "meshes": {}}
+# "joined": init ran in this process (it made a process group, or found one).
+_state: dict[str, Any] = {"owned": False, "joined": False, "meshes": {}}
 
 
 def launched_with_torchrun() -> bool:
@@ -79,6 +82,7 @@ def init(backend: str | None = None) -> None:
     for key, value in NCCL_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     if is_active():
+        _state["joined"] = True
         return
     import torch
     import torch.distributed as dist
@@ -96,17 +100,15 @@ def init(backend: str | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
-    _state["owned"] = True
+    _state["owned"] = _state["joined"] = True
 
 
 def shutdown(*, wait: bool = True) -> None:
     """Leave the process group, if :func:`init` created it.
 
-    ``wait``: every rank first waits for the others to get here. The group's threads can
-    outlive this call (torch keeps references to a group its functional collectives
-    used), and one still finishing a collective when the interpreter exits aborts the
-    process: a rank that left early was seen to. After the barrier none is. Pass False
-    after a failure, when the other ranks may never arrive.
+    ``wait``: every rank first waits for the others to get here, so none tears down its
+    side of a group the others still use. Pass False after a failure, when the other
+    ranks may never arrive. To end the process too, use :func:`end_process`.
     """
     _state["meshes"].clear()
     owned, _state["owned"] = _state["owned"], False
@@ -122,6 +124,41 @@ def shutdown(*, wait: bool = True) -> None:
         else:
             dist.barrier()
     dist.destroy_process_group()
+
+
+def joined() -> bool:
+    """True once :func:`init` has run in this process (it may have left the group since)."""
+    return _state["joined"]
+
+
+def end_process(status: int = 0) -> NoReturn:
+    """Leave the process group (:func:`shutdown`) and end this process with ``status``,
+    skipping the interpreter's teardown. The last call of a ``torchrun`` worker.
+
+    The exit handlers (``atexit``) run first, with Python whole, and the standard
+    streams are flushed; only the teardown after them is left out. It is where gloo
+    aborts: torch keeps a group its functional collectives used (context parallelism,
+    DTensor) to the end, and the group's threads release each finished collective's
+    tensors when they get to it. One that gets there after Python began to shut down
+    cannot take the interpreter's lock and takes the process down with SIGABRT
+    ("terminate called without an active exception"), so torchrun reports a failed
+    run whose work was done.
+    """
+    import atexit
+    import sys
+
+    try:
+        try:
+            shutdown()
+        except Exception as error:  # the others may be gone: say so, and fail
+            print(f"ondeck: leaving the process group failed: {error}", file=sys.stderr)
+            status = status or 1
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
 
 
 def device_mesh(device: Any) -> Any:

@@ -129,7 +129,7 @@ def main(folder: str, six_block_folder: str, out: Path) -> None:
     except Exception as error:
         seen["diffusers_indivisible"] = f"{type(error).__name__}: {error}"
     (out / f"rank{rank}.json").write_text(json.dumps(seen, default=str))
-    distributed.shutdown()
+    distributed.end_process()
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main(folder: str, out: Path) -> None:
     seen["shard_storage_bytes_released"] = sum(s.untyped_storage().nbytes() for s in shards)
     seen["fsdp_after_release"] = isinstance(proxy, FSDPModule)
     (out / f"rank{rank}.json").write_text(json.dumps(seen, default=str))
-    distributed.shutdown()
+    distributed.end_process()
 
 
 if __name__ == "__main__":

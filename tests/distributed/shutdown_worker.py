@@ -24,6 +24,7 @@ def main(out: Path) -> None:
     distributed.shutdown()
     if rank == 1:
         (out / "rank1-saw").write_text("yes" if arrived.exists() else "no")
+    distributed.end_process()
 
 
 if __name__ == "__main__":

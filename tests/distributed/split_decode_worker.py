@@ -71,7 +71,7 @@ def main(folder: str, out: Path) -> None:
         if rank == 0:
             np.save(out / f"{label}-frames.npy", frames)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
-    distributed.shutdown()
+    distributed.end_process()
 
 
 if __name__ == "__main__":
