@@ -92,7 +92,7 @@ class MemoryTracker:
         self._allocated_at_mark: int | None = None
         # Reset mode: the stage's peak before its compute began (its statistics reset then).
         self._peak_before_reset: int | None = None
-        self._retries_at_start: tuple[int, int] | None = None
+        self._allocator_counts_at_start: tuple[int, int] | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -215,7 +215,7 @@ class MemoryTracker:
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
             self._compute_resident = self.resident_bytes
-            self._retries_at_start = self._allocator_counts()
+            self._allocator_counts_at_start = self._allocator_counts()
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
 
@@ -245,7 +245,7 @@ class MemoryTracker:
                 peak = max(compute_peak, self._peak_before_reset or 0)
             if overall_peak is not None:
                 self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
-            counts, at_start = self._allocator_counts(), self._retries_at_start
+            counts, at_start = self._allocator_counts(), self._allocator_counts_at_start
             retries = ooms = None  # not counted at both ends: unknown, not a lifetime total
             if counts is not None and at_start is not None:
                 retries, ooms = counts[0] - at_start[0], counts[1] - at_start[1]
@@ -263,7 +263,7 @@ class MemoryTracker:
             self.stages.append(record)
             self._stage_started = None
             self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
-            self._retries_at_start = None
+            self._allocator_counts_at_start = None
             self._record("stage_end", stage, 0)
             return record
 
