@@ -18,7 +18,9 @@ mode, each mode a process of its own (clean peaks), all in one call:
   components released between runs come back from pinned fp8 bytes in host memory, not
   from the bf16 files.
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
-  fp8, twice each after a warm-up load: file GB/s (the files hold bf16 either way).
+  fp8, three times each after a warm-up load, taking turns: file GB/s (the files hold
+  bf16 either way), and the device allocations each load made. A third arm loads fp8
+  with the reader casting as it did before its staging buffers.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -42,6 +44,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -359,47 +362,87 @@ def run_pipeline(args) -> dict:
     return result
 
 
+def _deliver_with_temporaries(chunk, staged, streams, staging):
+    """How the reader cast on the device before its staging buffers: a temporary per
+    chunk from the copying thread's side stream (the A/B arm of ``reload``)."""
+    source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
+    stream = streams.get(chunk.target.device)
+    if chunk.cast and stream is not None:
+        source = source.to(chunk.target.device, non_blocking=True)
+    if chunk.cast and chunk.job.via is not None:
+        source = source.to(chunk.job.via)
+    chunk.target.copy_(source, non_blocking=stream is not None)
+    return stream
+
+
 def reload_rates(args) -> dict:
-    """Each component, bf16 and fp8, loaded from the page cache: file bytes per second."""
+    """Each component, bf16 and fp8, loaded from the page cache: file bytes per second.
+    The arms of one component take turns, attempt by attempt, so that a drift of the
+    machine during the call reaches all of them alike. ``fp8, temporaries``: the reader
+    as it cast before its staging buffers, in the same process."""
     import torch
+    from wan_modes import allocator_counts
 
     from ondeck.lazy import module_nbytes
     from ondeck.loading import ComponentLoader, ModelFolder
+    from ondeck.loading import reader as reader_module
 
+    staged_deliver = reader_module._deliver
     folder = ModelFolder.open(args.folder)
     rows = {}
+    arms = ("bf16", "fp8", "fp8, temporaries")
     for name in STORED:
-        for weights in ("bf16", "fp8"):
-            loader = ComponentLoader(
+        loaders = {
+            arm: ComponentLoader(
                 folder,
                 name,
                 device="cuda",
                 dtype=torch.bfloat16,
-                storage_dtype="fp8" if weights == "fp8" else None,
+                storage_dtype=None if arm == "bf16" else "fp8",
                 progress=False,
             )
-            seconds = []
-            for attempt in range(3):  # the first starts the reading processes
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                module = loader()
-                torch.cuda.synchronize()
+            for arm in arms
+        }
+        seconds = {arm: [] for arm in arms}
+        allocations = {arm: [] for arm in arms}
+        stored = {}
+        for attempt in range(4):  # the first starts the reading processes
+            for arm, loader in loaders.items():
+                patched = _deliver_with_temporaries if "temporaries" in arm else staged_deliver
+                reader_module._deliver = patched
+                try:
+                    torch.cuda.synchronize()
+                    before = allocator_counts()
+                    started = time.perf_counter()
+                    module = loader()
+                    torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - started
+                    counts = allocator_counts(before)
+                finally:
+                    reader_module._deliver = staged_deliver
                 if attempt:
-                    seconds.append(time.perf_counter() - started)
-                stored = module_nbytes(module)  # tied weights once
+                    seconds[arm].append(elapsed)
+                    allocations[arm].append(counts["num_device_alloc"])
+                stored[arm] = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
                 torch.cuda.empty_cache()
-            file_bytes = folder.file_bytes(name)
-            best = min(seconds)
-            rows[f"{name} {weights}"] = {
+        file_bytes = folder.file_bytes(name)
+        for arm in arms:
+            middle = statistics.median(seconds[arm])
+            rows[f"{name} {arm}"] = {
                 "file_bytes": file_bytes,
-                "stored_bytes": stored,
-                "seconds": seconds,
-                "file_gb_per_second": file_bytes / best / 1e9,
-                "readers": loader.last_readers,
+                "stored_bytes": stored[arm],
+                "seconds": seconds[arm],
+                "file_gb_per_second": file_bytes / middle / 1e9,
+                "device_allocations": allocations[arm],
+                "readers": loaders[arm].last_readers,
             }
-            print(f"reload {name} {weights}: {file_bytes / best / 1e9:.1f} GB/s", file=sys.stderr)
+            print(
+                f"reload {name} {arm}: {file_bytes / middle / 1e9:.1f} GB/s, "
+                f"{allocations[arm]} device allocations",
+                file=sys.stderr,
+            )
     return {"mode": "reload", "reload": rows}
 
 
@@ -514,11 +557,17 @@ def print_table(rows: dict, summary: dict) -> None:
     print_stage_table(rows)
     reload = summary.get("reload") or {}
     if reload:
-        print(f"\n{'reload from page cache':<26} {'file GB/s':>9} {'stored GiB':>10}")
+        print(
+            f"\n{'reload from page cache (median of 3)':<36} {'file GB/s':>9} "
+            f"{'/ bf16':>6} {'stored GiB':>10} {'device allocs':>13}"
+        )
         for name, entry in reload.items():
+            bf16 = reload.get(name.split(" ")[0] + " bf16", entry)
+            ratio = entry["file_gb_per_second"] / bf16["file_gb_per_second"]
             print(
-                f"{name:<26} {entry['file_gb_per_second']:>9.1f} "
-                f"{entry['stored_bytes'] / GiB:>10.2f}"
+                f"{name:<36} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
+                f"{entry['stored_bytes'] / GiB:>10.2f} "
+                f"{'/'.join(str(n) for n in entry.get('device_allocations', [])):>13}"
             )
 
 

@@ -15,9 +15,12 @@ is the ring, never the file. Two kinds of reader fill the ring:
   contended by all the threads, which holds a warm page-cache load to about half of what
   the processes reach (BENCHMARKS.md).
 
-A cast to a CUDA destination (file dtype differs) goes through a temporary on the
-device in the file's dtype, which torch's allocator then keeps cached for the copying
-thread's stream: up to a 20 MiB block per thread, reusable by later loads' threads.
+A cast to a CUDA destination (file dtype differs) goes through a staging buffer on the
+device in the file's dtype, one chunk long, one per copying thread. The load allocates it
+on the caller's stream before the copies' fence, so the allocator reuses it from one load
+(or pipelined group) to the next. Allocated by each copying thread on its side stream
+instead, it would be a new allocator segment for every stream the pool hands out, that is
+a device allocation per group.
 """
 
 from __future__ import annotations
@@ -142,6 +145,8 @@ def read_into(
         state = _ReadState(
             chunks=chunks,
             files=files,
+            # Before the fences: the copies that use it start after the caller's stream.
+            staging=_cast_staging(chunks, buffer_bytes, worker_count),
             fences=_fences(devices),
             buffer_bytes=buffer_bytes,
             buffers_per_thread=max(1, buffer_count // worker_count),
@@ -209,6 +214,8 @@ class _ReadState:
 
     chunks: list
     files: dict
+    # device -> one buffer per copying thread, for casts on the device (``_cast_staging``)
+    staging: dict
     fences: dict  # device -> event on the caller's stream that copies must start after
     buffer_bytes: int
     buffers_per_thread: int
@@ -256,6 +263,23 @@ class _Slot:
         self.copying = True
 
 
+def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
+    """For each CUDA device some chunk is cast on: ``workers`` buffers of ``buffer_bytes``
+    each (a chunk's file bytes), allocated on the caller's current stream."""
+    devices = {c.target.device for c in chunks if c.cast and c.target.device.type == "cuda"}
+    return {
+        device: [
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(workers)
+        ]
+        for device in devices
+    }
+
+
+def _take_staging(state: _ReadState) -> dict:
+    """This copying thread's own staging buffer on each device."""
+    return {device: buffers.pop() for device, buffers in state.staging.items() if buffers}
+
+
 def _fences(devices) -> dict:
     """Destinations may reuse memory the caller's stream still reads: copies start after it."""
     fences = {}
@@ -294,6 +318,7 @@ def _read_chunks(state: _ReadState) -> None:
     slots: deque[_Slot] = deque()
     try:
         streams = _side_streams(state.fences)
+        staging = _take_staging(state)
         while not state.stop.is_set():
             index = next(state.next_index)
             if index >= len(state.chunks):
@@ -308,7 +333,7 @@ def _read_chunks(state: _ReadState) -> None:
             elif job.capture is not None:
                 staged = job.capture[chunk.lo : chunk.hi]
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
-                _deliver(chunk, staged, streams)
+                _deliver(chunk, staged, streams, staging)
             else:
                 if len(slots) < state.buffers_per_thread:
                     slot = _Slot(
@@ -320,7 +345,7 @@ def _read_chunks(state: _ReadState) -> None:
                 slots.append(slot)
                 staged = slot.buffer if length == state.buffer_bytes else slot.buffer[:length]
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
-                stream = _deliver(chunk, staged, streams)
+                stream = _deliver(chunk, staged, streams, staging)
                 if stream is not None:
                     slot.mark_copying(stream)
             if state.bar is not None:
@@ -384,6 +409,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
     opened = False
     try:
         streams = _side_streams(state.fences)
+        staging = _take_staging(state)
         file_ids = pool.open_files(state.files)
         opened = True
         slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
@@ -415,7 +441,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
                 length = chunk.hi - chunk.lo
-                stream = _deliver(chunk, slots[slot].buffer[:length], streams)
+                stream = _deliver(chunk, slots[slot].buffer[:length], streams, staging)
                 if stream is None:
                     free.append(slot)
                 else:
@@ -465,15 +491,23 @@ def _read_error(info: TensorInfo, component: str | None, reached: int, reason: s
     return LoadError(f"{where(info, component)}: {problem}", component=component, path=info.path)
 
 
-def _deliver(chunk: Chunk, staged: torch.Tensor, streams: dict) -> torch.cuda.Stream | None:
+def _deliver(
+    chunk: Chunk, staged: torch.Tensor, streams: dict, staging: dict
+) -> torch.cuda.Stream | None:
     """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
-    issued on this thread's stream for the device, which is returned."""
+    issued on this thread's stream for the device, which is returned. ``staging``: this
+    thread's buffer on each device that casts."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
-    stream = streams.get(chunk.target.device)
+    device = chunk.target.device
+    stream = streams.get(device)
     if chunk.cast and stream is not None:
         # Cast on the device: a host-to-device copy_ that changes the dtype converts on
-        # the host first, on this thread, and the read then runs at the CPU's pace.
-        source = source.to(chunk.target.device, non_blocking=True)
+        # the host first, on this thread, and the read then runs at the CPU's pace. The
+        # stream runs in order, so the next chunk's copy into the buffer waits for this
+        # chunk's cast to have read it.
+        on_device = staging[device][: staged.numel()].view(source.dtype)
+        on_device.copy_(source, non_blocking=True)
+        source = on_device
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)

@@ -1,0 +1,69 @@
+"""Decoded video to host frames: diffusers' values, one host copy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from ondeck.pipelines.wan import host_frames
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_frames_equal_diffusers_postprocess_bit_for_bit(dtype):
+    from diffusers.video_processor import VideoProcessor
+
+    generator = torch.Generator().manual_seed(0)
+    # Values past [-1, 1] on both sides: the clamp must be the same too.
+    video = (torch.randn(2, 3, 5, 16, 24, generator=generator) * 1.5).to(dtype)
+    expected = VideoProcessor(vae_scale_factor=8).postprocess_video(video.clone(), "np")
+
+    frames = host_frames(video.clone())
+
+    assert frames.dtype == np.float32 and frames.shape == expected.shape == (2, 5, 16, 24, 3)
+    assert frames.flags.c_contiguous
+    assert np.array_equal(frames.view(np.uint32), expected.view(np.uint32))
+
+
+_PEAK = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    video = torch.empty(1, 3, 33, 480, 832).uniform_(-1.2, 1.2)  # 0.15 GiB
+    before = peak()
+    if sys.argv[1] == "ondeck":
+        from ondeck.pipelines.wan import host_frames
+        frames = host_frames(video)
+    else:
+        from diffusers.video_processor import VideoProcessor
+        frames = VideoProcessor(vae_scale_factor=8).postprocess_video(video, "np")
+    print(json.dumps({"grew": peak() - before, "frames": frames.nbytes}))
+    """
+)
+
+
+def _peak_growth(way: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, way], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
+def test_host_frames_take_one_copy_of_host_memory_where_diffusers_takes_two():
+    ondeck = _peak_growth("ondeck")
+    diffusers = _peak_growth("diffusers")
+    frames_kib = ondeck["frames"] / 1024
+    # diffusers: the denormalised frames and their stack; ondeck: the finished array only.
+    assert diffusers["grew"] > 1.8 * frames_kib
+    assert ondeck["grew"] < 1.2 * frames_kib
