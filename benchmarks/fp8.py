@@ -20,7 +20,7 @@ mode, each mode a process of its own (clean peaks), all in one call:
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
   fp8, three times each after a warm-up load, taking turns: file GB/s (the files hold
   bf16 either way), and the device allocations each load made. A third arm loads fp8
-  with each chunk's copy and cast on one stream, as the reader did before its cast stream.
+  with the reader casting as it did before its staging buffers.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -362,16 +362,13 @@ def run_pipeline(args) -> dict:
     return result
 
 
-def _deliver_on_one_stream(chunk, staged, streams, casts):
-    """How the reader cast on the device with its staging buffer on the copy stream:
-    each chunk's copy waits for the cast before it (the A/B arm of ``reload``)."""
+def _deliver_with_temporaries(chunk, staged, streams, staging):
+    """How the reader cast on the device before its staging buffers: a temporary per
+    chunk from the copying thread's side stream (the A/B arm of ``reload``)."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     stream = streams.get(chunk.target.device)
     if chunk.cast and stream is not None:
-        buffer = casts[chunk.target.device].buffers[0]
-        on_device = buffer[: source.numel() * source.element_size()].view(source.dtype)
-        on_device.copy_(source, non_blocking=True)
-        source = on_device
+        source = source.to(chunk.target.device, non_blocking=True)
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)
@@ -381,9 +378,8 @@ def _deliver_on_one_stream(chunk, staged, streams, casts):
 def reload_rates(args) -> dict:
     """Each component, bf16 and fp8, loaded from the page cache: file bytes per second.
     The arms of one component take turns, attempt by attempt, so that a drift of the
-    machine during the call reaches all of them alike. ``fp8, one stream``: the reader
-    with its copies and casts on one stream, in the same process. ``deliver_seconds``:
-    the time the copying thread spent issuing copies and casts."""
+    machine during the call reaches all of them alike. ``fp8, temporaries``: the reader
+    as it cast before its staging buffers, in the same process."""
     import torch
     from wan_modes import allocator_counts
 
@@ -394,7 +390,7 @@ def reload_rates(args) -> dict:
     staged_deliver = reader_module._deliver
     folder = ModelFolder.open(args.folder)
     rows = {}
-    arms = ("bf16", "fp8", "fp8, one stream")
+    arms = ("bf16", "fp8", "fp8, temporaries")
     for name in STORED:
         loaders = {
             arm: ComponentLoader(
@@ -409,21 +405,11 @@ def reload_rates(args) -> dict:
         }
         seconds = {arm: [] for arm in arms}
         allocations = {arm: [] for arm in arms}
-        delivering = {arm: [] for arm in arms}
         stored = {}
         for attempt in range(4):  # the first starts the reading processes
             for arm, loader in loaders.items():
-                chosen = _deliver_on_one_stream if "one stream" in arm else staged_deliver
-                spent = [0.0]
-
-                def timed(*args, chosen=chosen, spent=spent):
-                    began = time.perf_counter()
-                    try:
-                        return chosen(*args)
-                    finally:
-                        spent[0] += time.perf_counter() - began
-
-                reader_module._deliver = timed
+                patched = _deliver_with_temporaries if "temporaries" in arm else staged_deliver
+                reader_module._deliver = patched
                 try:
                     torch.cuda.synchronize()
                     before = allocator_counts()
@@ -437,7 +423,6 @@ def reload_rates(args) -> dict:
                 if attempt:
                     seconds[arm].append(elapsed)
                     allocations[arm].append(counts["num_device_alloc"])
-                    delivering[arm].append(spent[0])
                 stored[arm] = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
@@ -451,13 +436,11 @@ def reload_rates(args) -> dict:
                 "seconds": seconds[arm],
                 "file_gb_per_second": file_bytes / middle / 1e9,
                 "device_allocations": allocations[arm],
-                "deliver_seconds": delivering[arm],
                 "readers": loaders[arm].last_readers,
             }
             print(
                 f"reload {name} {arm}: {file_bytes / middle / 1e9:.1f} GB/s, "
-                f"{allocations[arm]} device allocations, issuing "
-                f"{statistics.median(delivering[arm]):.3f} s",
+                f"{allocations[arm]} device allocations",
                 file=sys.stderr,
             )
     return {"mode": "reload", "reload": rows}
@@ -576,7 +559,7 @@ def print_table(rows: dict, summary: dict) -> None:
     if reload:
         print(
             f"\n{'reload from page cache (median of 3)':<36} {'file GB/s':>9} "
-            f"{'/ bf16':>6} {'stored GiB':>10} {'device allocs':>13} {'issuing s':>9}"
+            f"{'/ bf16':>6} {'stored GiB':>10} {'device allocs':>13}"
         )
         for name, entry in reload.items():
             bf16 = reload.get(name.split(" ")[0] + " bf16", entry)
@@ -584,8 +567,7 @@ def print_table(rows: dict, summary: dict) -> None:
             print(
                 f"{name:<36} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
                 f"{entry['stored_bytes'] / GiB:>10.2f} "
-                f"{'/'.join(str(n) for n in entry.get('device_allocations', [])):>13} "
-                f"{statistics.median(entry.get('deliver_seconds') or [float('nan')]):>9.3f}"
+                f"{'/'.join(str(n) for n in entry.get('device_allocations', [])):>13}"
             )
 
 

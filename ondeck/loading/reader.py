@@ -15,13 +15,12 @@ is the ring, never the file. Two kinds of reader fill the ring:
   contended by all the threads, which holds a warm page-cache load to about half of what
   the processes reach (BENCHMARKS.md).
 
-A cast to a CUDA destination (file dtype differs) copies the file's bytes to a staging
-buffer on the device and casts from there on a second stream of the copying thread, so
-that the next chunk's copy runs while this chunk is cast: on one stream the copy engine
-would wait for every cast (about a tenth of an fp8 reload's time on an H200). Each
-copying thread has two staging buffers per device, one chunk each, taking turns. The
-load allocates them on the caller's stream before the copies' fence, so the allocator
-reuses them from one load (or pipelined group) to the next.
+A cast to a CUDA destination (file dtype differs) goes through a staging buffer on the
+device in the file's dtype, one chunk long, one per copying thread. The load allocates it
+on the caller's stream before the copies' fence, so the allocator reuses it from one load
+(or pipelined group) to the next. Allocated by each copying thread on its side stream
+instead, it would be a new allocator segment for every stream the pool hands out, that is
+a device allocation per group.
 """
 
 from __future__ import annotations
@@ -215,7 +214,7 @@ class _ReadState:
 
     chunks: list
     files: dict
-    # device -> each copying thread's staging buffers for casts on it (``_cast_staging``)
+    # device -> one buffer per copying thread, for casts on the device (``_cast_staging``)
     staging: dict
     fences: dict  # device -> event on the caller's stream that copies must start after
     buffer_bytes: int
@@ -264,78 +263,21 @@ class _Slot:
         self.copying = True
 
 
-# Staging buffers per copying thread and device: one is copied into while the other's
-# cast runs.
-CAST_BUFFERS = 2
-
-
 def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
-    """For each CUDA device some chunk is cast on: ``CAST_BUFFERS`` buffers of
-    ``buffer_bytes`` (a chunk's file bytes) per copying thread, allocated on the caller's
-    current stream."""
+    """For each CUDA device some chunk is cast on: ``workers`` buffers of ``buffer_bytes``
+    each (a chunk's file bytes), allocated on the caller's current stream."""
     devices = {c.target.device for c in chunks if c.cast and c.target.device.type == "cuda"}
     return {
         device: [
-            [
-                torch.empty(buffer_bytes, dtype=torch.uint8, device=device)
-                for _ in range(CAST_BUFFERS)
-            ]
-            for _ in range(workers)
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for _ in range(workers)
         ]
         for device in devices
     }
 
 
-class _Casts:
-    """A copying thread's casts on one device: its staging buffers, taken in turn, and
-    the stream the casts run on."""
-
-    def __init__(self, buffers: list[torch.Tensor], device: torch.device):
-        self.buffers = buffers
-        self.stream = torch.cuda.Stream(device)
-        self.copied = [torch.cuda.Event() for _ in buffers]
-        self.cast = [torch.cuda.Event() for _ in buffers]
-        self.used = [False] * len(buffers)
-        self.turn = 0
-
-    def deliver(self, chunk: Chunk, source: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """Copy ``source`` (host, the file's dtype) to a staging buffer on ``stream`` and
-        cast it into the chunk's target on the cast stream, after the copy."""
-        turn = self.turn
-        self.turn = (turn + 1) % len(self.buffers)
-        if self.used[turn]:
-            stream.wait_event(self.cast[turn])  # the buffer's last cast has read it
-        nbytes = source.numel() * source.element_size()
-        on_device = self.buffers[turn][:nbytes].view(source.dtype)
-        on_device.copy_(source, non_blocking=True)
-        self.copied[turn].record(stream)
-        # The copy stream started after the caller's fence, so the cast (which writes the
-        # target) is ordered after it too.
-        self.stream.wait_event(self.copied[turn])
-        with torch.cuda.stream(self.stream):
-            _cast_into(chunk, on_device)
-        self.cast[turn].record(self.stream)
-        self.used[turn] = True
-
-
-def _cast_into(chunk: Chunk, on_device: torch.Tensor) -> None:
-    """The cast itself, on the current (cast) stream."""
-    if chunk.job.via is not None:
-        on_device = on_device.to(chunk.job.via)
-    chunk.target.copy_(on_device, non_blocking=True)
-
-
-def _take_casts(state: _ReadState) -> dict:
-    """This copying thread's casts on each device (its staging buffers, a stream)."""
-    return {
-        device: _Casts(buffers.pop(), device)
-        for device, buffers in state.staging.items()
-        if buffers
-    }
-
-
-def _cast_streams(casts: dict) -> list:
-    return [cast.stream for cast in casts.values()]
+def _take_staging(state: _ReadState) -> dict:
+    """This copying thread's own staging buffer on each device."""
+    return {device: buffers.pop() for device, buffers in state.staging.items() if buffers}
 
 
 def _fences(devices) -> dict:
@@ -360,10 +302,10 @@ def _side_streams(fences: dict) -> dict:
     return streams
 
 
-def _wait_for(streams: list, state: _ReadState) -> None:
+def _wait_for(streams: dict, state: _ReadState) -> None:
     """Wait for every stream, also after a failure (the caller frees the destinations
     then); an asynchronous copy error surfacing here fails the read."""
-    for stream in streams:
+    for stream in streams.values():
         try:
             stream.synchronize()
         except BaseException as error:
@@ -373,11 +315,10 @@ def _wait_for(streams: list, state: _ReadState) -> None:
 def _read_chunks(state: _ReadState) -> None:
     """A reading thread: take the next chunk until none are left or the read has failed."""
     streams = {}
-    casts = {}
     slots: deque[_Slot] = deque()
     try:
         streams = _side_streams(state.fences)
-        casts = _take_casts(state)
+        staging = _take_staging(state)
         while not state.stop.is_set():
             index = next(state.next_index)
             if index >= len(state.chunks):
@@ -392,7 +333,7 @@ def _read_chunks(state: _ReadState) -> None:
             elif job.capture is not None:
                 staged = job.capture[chunk.lo : chunk.hi]
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
-                _deliver(chunk, staged, streams, casts)
+                _deliver(chunk, staged, streams, staging)
             else:
                 if len(slots) < state.buffers_per_thread:
                     slot = _Slot(
@@ -404,7 +345,7 @@ def _read_chunks(state: _ReadState) -> None:
                 slots.append(slot)
                 staged = slot.buffer if length == state.buffer_bytes else slot.buffer[:length]
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
-                stream = _deliver(chunk, staged, streams, casts)
+                stream = _deliver(chunk, staged, streams, staging)
                 if stream is not None:
                     slot.mark_copying(stream)
             if state.bar is not None:
@@ -413,7 +354,7 @@ def _read_chunks(state: _ReadState) -> None:
     except BaseException as error:
         state.fail(error)
     finally:
-        _wait_for([*streams.values(), *_cast_streams(casts)], state)
+        _wait_for(streams, state)
 
 
 def _processes_wanted(jobs: Sequence[ReadJob], processes: bool | None, devices) -> bool:
@@ -464,12 +405,11 @@ def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
 
 def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
     streams = {}
-    casts = {}
     reading: dict[int, Chunk] = {}  # slot -> the chunk being read into it
     opened = False
     try:
         streams = _side_streams(state.fences)
-        casts = _take_casts(state)
+        staging = _take_staging(state)
         file_ids = pool.open_files(state.files)
         opened = True
         slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
@@ -501,7 +441,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
                 length = chunk.hi - chunk.lo
-                stream = _deliver(chunk, slots[slot].buffer[:length], streams, casts)
+                stream = _deliver(chunk, slots[slot].buffer[:length], streams, staging)
                 if stream is None:
                     free.append(slot)
                 else:
@@ -535,7 +475,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         except BaseException as error:
             pool.broken = True
             state.fail(error)
-        _wait_for([*streams.values(), *_cast_streams(casts)], state)
+        _wait_for(streams, state)
 
 
 def _read_error(info: TensorInfo, component: str | None, reached: int, reason: str | None):
@@ -552,18 +492,22 @@ def _read_error(info: TensorInfo, component: str | None, reached: int, reason: s
 
 
 def _deliver(
-    chunk: Chunk, staged: torch.Tensor, streams: dict, casts: dict
+    chunk: Chunk, staged: torch.Tensor, streams: dict, staging: dict
 ) -> torch.cuda.Stream | None:
     """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
-    issued on this thread's stream for the device, which is returned: once it has run, the
-    staged bytes may be overwritten. ``casts``: this thread's :class:`_Casts` by device."""
+    issued on this thread's stream for the device, which is returned. ``staging``: this
+    thread's buffer on each device that casts."""
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
-    stream = streams.get(chunk.target.device)
+    device = chunk.target.device
+    stream = streams.get(device)
     if chunk.cast and stream is not None:
         # Cast on the device: a host-to-device copy_ that changes the dtype converts on
-        # the host first, on this thread, and the read then runs at the CPU's pace.
-        casts[chunk.target.device].deliver(chunk, source, stream)
-        return stream
+        # the host first, on this thread, and the read then runs at the CPU's pace. The
+        # stream runs in order, so the next chunk's copy into the buffer waits for this
+        # chunk's cast to have read it.
+        on_device = staging[device][: staged.numel()].view(source.dtype)
+        on_device.copy_(source, non_blocking=True)
+        source = on_device
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)

@@ -167,35 +167,3 @@ def test_casts_of_many_chunks_equal_one_cast_of_the_tensor(tmp_path, readers, vi
         source = tensors[job.info.name].cuda()
         expected = (source.to(via) if via is not None else source).to(FP8)
         assert same_bits(job.destination, expected), job.info.name
-
-
-def test_a_staging_buffer_is_copied_into_again_only_after_its_cast_read_it(
-    tmp_path, readers, monkeypatch
-):
-    """Each cast is held back on the device (a sleep queued before it on the cast
-    stream) while the copies run on: the next copy into a staging buffer must still wait
-    for the cast that reads it, or the cast reads a later chunk's bytes."""
-    from safetensors.torch import save_file
-
-    from ondeck.loading import ReadJob, read_header, read_into
-    from ondeck.loading import reader as reader_module
-
-    original = reader_module._cast_into
-    casts = []
-
-    def late_cast(chunk, on_device):
-        torch.cuda._sleep(2_000_000)  # about a millisecond, on the cast stream
-        casts.append(torch.cuda.current_stream())
-        original(chunk, on_device)
-
-    monkeypatch.setattr(reader_module, "_cast_into", late_cast)
-    generator = torch.Generator().manual_seed(7)
-    source = torch.randn(64 * 2**16, generator=generator).to(torch.bfloat16)
-    path = tmp_path / "late.safetensors"
-    save_file({"w": source}, str(path))
-    (info,) = read_header(path).tensors.values()
-    job = ReadJob(info, torch.empty(info.shape, dtype=FP8, device="cuda"))
-    read_into([job], progress=False, buffer_bytes=2**16)
-    assert len(casts) == 2 * 64 * 2**16 // 2**16  # a cast per chunk, on the cast stream
-    assert all(stream != torch.cuda.default_stream() for stream in casts)
-    assert same_bits(job.destination, source.cuda().to(FP8))

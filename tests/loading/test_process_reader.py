@@ -469,7 +469,7 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
 
     stream = _LateStream()
 
-    def deliver_later(chunk, staged, streams, casts):
+    def deliver_later(chunk, staged, streams, staging):
         source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
         stream.next_copy = (chunk.target, source)
         return stream
