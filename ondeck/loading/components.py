@@ -168,7 +168,7 @@ class ComponentLoader:
             )
             # The placement's own memory (streamed blocks' host copies): read before any
             # compute, once; later loads find it filled.
-            placed_bytes = self._read(placed).nbytes if placed else 0
+            placed_bytes = self._fill_placed(placed, other).nbytes if placed else 0
             groups, group_of = fill_groups(
                 [sources[i][0].names for i in on_device],
                 [sources[i][1].nbytes for i in on_device],
@@ -326,7 +326,7 @@ class ComponentLoader:
                 self._read_files(jobs, key, while_reading=build, other=other)
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
-                stats = self._read(placed)
+                stats = self._fill_placed(placed, other)
                 self.last_load_bytes += stats.nbytes
             if "module" not in built:
                 build()
@@ -402,6 +402,17 @@ class ComponentLoader:
         if self.storage_dtype is not None and len(kept) < len(jobs):
             return {}  # stored bytes are kept after a whole read (storage.keep_in_cache)
         return kept
+
+    def _fill_placed(self, placed: list[reader.ReadJob], other: Any) -> reader.ReadStats:
+        """Fill the placement's own memory (streamed blocks' host copies). A block that
+        starts streaming after a re-plan was resident before: ``other``, this component's
+        cache entry of the last placement, holds its bytes, and they are copied from
+        there, not read again (in fp8, not cast again on the CPU)."""
+        held = {}
+        if other is not None:
+            entry = other[1]
+            held = {job.info.name: entry[job.info.name] for job in placed if job.info.name in entry}
+        return self._copy_and_read(placed, held)
 
     def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
         """How the host cache holds a tensor: as in the file, or as stored (fp8) when the

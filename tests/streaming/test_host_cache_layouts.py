@@ -113,8 +113,10 @@ def test_a_new_placement_reads_only_what_the_cache_lacks(
     newly_resident = set(first) - set(then)
     newly_streamed = set(then) - set(first)
     # From the files: the blocks now resident that streamed before (the cache never held
-    # them), and the host copies of blocks streaming now for the first time. Nothing else.
-    assert read_blocks == newly_resident | newly_streamed
+    # them). The host copies of blocks streaming now for the first time come from the
+    # cache, which held them as resident blocks. Nothing else is read.
+    assert read_blocks == newly_resident
+    assert newly_streamed or newly_resident  # each case moves blocks one way
     assert loader.last_source.startswith("host cache")
     # One entry for the component: the new placement's, which took the old one's place,
     # holding the resident tensors and no more (the streamed blocks' bytes are freed).
@@ -147,8 +149,9 @@ def test_stored_fp8_bytes_serve_a_new_placement_that_needs_no_more(
     streamer.use_layout(layout(sizes, then))
     file_reads.clear()
     module = loader()
-    # Only the host copies of the blocks streaming for the first time come from the files.
-    assert {block_of(name) for name in file_reads} == set(then) - set(first)
+    # The host copies of the blocks streaming for the first time come from the stored
+    # entry too: nothing is read (or cast) again.
+    assert set(then) - set(first) and file_reads == []
     assert len(cache.keys()) == 1
     with torch.no_grad():
         torch.testing.assert_close(module(**inputs_in(torch.bfloat16))[0], expected, rtol=0, atol=0)
