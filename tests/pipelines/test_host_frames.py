@@ -38,14 +38,16 @@ _PEAK = textwrap.dedent(
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
+    from diffusers.video_processor import VideoProcessor
+    from ondeck.pipelines.wan import host_frames
+
+    processor = VideoProcessor(vae_scale_factor=8)
     video = torch.empty(1, 3, 33, 480, 832).uniform_(-1.2, 1.2)  # 0.15 GiB
     before = peak()
     if sys.argv[1] == "ondeck":
-        from ondeck.pipelines.wan import host_frames
         frames = host_frames(video)
     else:
-        from diffusers.video_processor import VideoProcessor
-        frames = VideoProcessor(vae_scale_factor=8).postprocess_video(video, "np")
+        frames = processor.postprocess_video(video, "np")
     print(json.dumps({"grew": peak() - before, "frames": frames.nbytes}))
     """
 )
@@ -65,5 +67,5 @@ def test_host_frames_take_one_copy_of_host_memory_where_diffusers_takes_two():
     diffusers = _peak_growth("diffusers")
     frames_kib = ondeck["frames"] / 1024
     # diffusers: the denormalised frames and their stack; ondeck: the finished array only.
-    assert diffusers["grew"] > 1.8 * frames_kib
+    assert diffusers["grew"] > 1.6 * frames_kib
     assert ondeck["grew"] < 1.2 * frames_kib
