@@ -111,12 +111,10 @@ def test_a_new_placement_reads_only_what_the_cache_lacks(
 
     read_blocks = {block_of(name) for name in file_reads}
     newly_resident = set(first) - set(then)
-    newly_streamed = set(then) - set(first)
     # From the files: the blocks now resident that streamed before (the cache never held
     # them). The host copies of blocks streaming now for the first time come from the
     # cache, which held them as resident blocks. Nothing else is read.
     assert read_blocks == newly_resident
-    assert newly_streamed or newly_resident  # each case moves blocks one way
     assert loader.last_source.startswith("host cache")
     # One entry for the component: the new placement's, which took the old one's place,
     # holding the resident tensors and no more (the streamed blocks' bytes are freed).
