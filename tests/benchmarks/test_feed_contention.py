@@ -24,7 +24,9 @@ def test_feed_contention_measures_every_row_and_writes_its_json(tmp_path):
     document = json.loads((tmp_path / "feed_contention.json").read_text())
     rows = document["rows"]
     assert [(row["beside"], row["slots"]) for row in rows] == [
-        (beside, slots) for beside in ("alone", "torch ops", "pure Python") for slots in (24, 6)
+        (beside, slots)
+        for beside in ("alone", "torch ops", "pure Python", "pure Python, switch 0.5 ms")
+        for slots in (24, 6)
     ]
     assert document["bytes"] == 64 * 2**20
     assert all(row["gb_per_second"] > 0 for row in rows)
