@@ -44,8 +44,11 @@ _PEAK = textwrap.dedent(
     processor = VideoProcessor(vae_scale_factor=8)
     video = torch.empty(1, 3, 33, 480, 832).uniform_(-1.2, 1.2)  # 0.15 GiB
     before = status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # the high-water mark starts again from here
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # the high-water mark starts again from here
+    except OSError:
+        pass  # not allowed here: the check below finds it
     if status("VmHWM:") > before + 16 * 1024:
         print(json.dumps({"reset": False}))
         sys.exit(0)
