@@ -395,10 +395,7 @@ class ComponentLoader:
     def _from_other(self, jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
         """The tensors of ``jobs`` that ``other`` (an entry of another placement) holds, as
         this load can use them: all or, for stored (fp8) bytes, kept only when whole."""
-        if other is None:
-            return {}
-        entry = other[1]
-        kept = {job.info.name: entry[job.info.name] for job in jobs if job.info.name in entry}
+        kept = _held_by(jobs, other)
         if self.storage_dtype is not None and len(kept) < len(jobs):
             return {}  # stored bytes are kept after a whole read (storage.keep_in_cache)
         return kept
@@ -408,11 +405,7 @@ class ComponentLoader:
         starts streaming after a re-plan was resident before: ``other``, this component's
         cache entry of the last placement, holds its bytes, and they are copied from
         there, not read again (in fp8, not cast again on the CPU)."""
-        held = {}
-        if other is not None:
-            entry = other[1]
-            held = {job.info.name: entry[job.info.name] for job in placed if job.info.name in entry}
-        return self._copy_and_read(placed, held)
+        return self._copy_and_read(placed, _held_by(placed, other))
 
     def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
         """How the host cache holds a tensor: as in the file, or as stored (fp8) when the
@@ -504,6 +497,15 @@ class ComponentLoader:
         self.last_load_bytes = stats.nbytes
         self.last_source = stats.source
         self.last_readers = stats.readers
+
+
+def _held_by(jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``jobs`` that ``other`` (``(key, entry)`` of the host cache, or
+    None) holds, by name."""
+    if other is None:
+        return {}
+    entry = other[1]
+    return {job.info.name: entry[job.info.name] for job in jobs if job.info.name in entry}
 
 
 def _joined(copied: reader.ReadStats, read: reader.ReadStats | None) -> reader.ReadStats:
