@@ -20,7 +20,8 @@ mode, each mode a process of its own (clean peaks), all in one call:
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
   fp8, three times each after a warm-up load, taking turns: file GB/s (the files hold
   bf16 either way), and the device allocations each load made. A third arm loads fp8
-  with the reader casting as it did before its staging buffers.
+  with the reader casting as it did before its staging halves: each chunk cast as soon
+  as it is copied, on the copy's stream.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -362,24 +363,31 @@ def run_pipeline(args) -> dict:
     return result
 
 
-def _deliver_with_temporaries(chunk, staged, streams, staging):
-    """How the reader cast on the device before its staging buffers: a temporary per
-    chunk from the copying thread's side stream (the A/B arm of ``reload``)."""
-    source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
-    stream = streams.get(chunk.target.device)
-    if chunk.cast and stream is not None:
-        source = source.to(chunk.target.device, non_blocking=True)
-    if chunk.cast and chunk.job.via is not None:
-        source = source.to(chunk.job.via)
-    chunk.target.copy_(source, non_blocking=stream is not None)
+def _deliver_chunk_by_chunk(chunk, staged, streams, casts):
+    """How the reader cast before its staging halves (the A/B arm of ``reload``): each
+    chunk copied into the start of the staging buffer and cast out of it at once, both
+    on the copying thread's stream."""
+    device = chunk.target.device
+    stream = streams.get(device)
+    if not (chunk.cast and stream is not None):
+        return STAGED_DELIVER[0](chunk, staged, streams, casts)
+    source = staged.view(chunk.job.info.dtype)
+    place = casts[device].halves[0][: staged.numel()].view(source.dtype)
+    place.copy_(source, non_blocking=True)
+    if chunk.job.via is not None:
+        place = place.to(chunk.job.via)
+    chunk.target.copy_(place, non_blocking=True)
     return stream
+
+
+STAGED_DELIVER: list = []  # the reader's own _deliver, while an arm replaces it
 
 
 def reload_rates(args) -> dict:
     """Each component, bf16 and fp8, loaded from the page cache: file bytes per second.
     The arms of one component take turns, attempt by attempt, so that a drift of the
-    machine during the call reaches all of them alike. ``fp8, temporaries``: the reader
-    as it cast before its staging buffers, in the same process."""
+    machine during the call reaches all of them alike. ``fp8, chunk by chunk``: the
+    reader as it cast before its staging halves, in the same process."""
     import torch
     from wan_modes import allocator_counts
 
@@ -388,9 +396,10 @@ def reload_rates(args) -> dict:
     from ondeck.loading import reader as reader_module
 
     staged_deliver = reader_module._deliver
+    STAGED_DELIVER[:] = [staged_deliver]
     folder = ModelFolder.open(args.folder)
     rows = {}
-    arms = ("bf16", "fp8", "fp8, temporaries")
+    arms = ("bf16", "fp8", "fp8, chunk by chunk")
     for name in STORED:
         loaders = {
             arm: ComponentLoader(
@@ -408,7 +417,7 @@ def reload_rates(args) -> dict:
         stored = {}
         for attempt in range(4):  # the first starts the reading processes
             for arm, loader in loaders.items():
-                patched = _deliver_with_temporaries if "temporaries" in arm else staged_deliver
+                patched = _deliver_chunk_by_chunk if "chunk by chunk" in arm else staged_deliver
                 reader_module._deliver = patched
                 try:
                     torch.cuda.synchronize()

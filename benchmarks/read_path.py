@@ -347,7 +347,7 @@ class Phases:
         }
 
 
-def _deliver_nothing(chunk, staged, streams):
+def _deliver_nothing(chunk, staged, streams, casts):
     return None
 
 

@@ -167,3 +167,39 @@ def test_casts_of_many_chunks_equal_one_cast_of_the_tensor(tmp_path, readers, vi
         source = tensors[job.info.name].cuda()
         expected = (source.to(via) if via is not None else source).to(FP8)
         assert same_bits(job.destination, expected), job.info.name
+
+
+def test_a_staging_half_is_copied_into_only_after_its_casts(tmp_path, readers, monkeypatch):
+    """Casts held back on their stream (a long kernel before each batch): the chunks
+    copied into the other half meanwhile, and then into this one again, wait for them,
+    so every tensor still equals its one cast. Halves of two chunks, so the load
+    goes round the staging buffer many times."""
+    from safetensors.torch import save_file
+
+    from ondeck.loading import ReadJob, read_header, read_into
+    from ondeck.loading import reader as reader_module
+
+    issue = reader_module._DeviceCasts._issue
+
+    def late(pending):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds on the casts stream
+        issue(pending)
+
+    chunk = 2**16
+    monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
+    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late))
+    generator = torch.Generator().manual_seed(9)
+    tensors = {
+        f"t{i}": torch.randn(3 * chunk // 2 + i, generator=generator).to(torch.bfloat16)
+        for i in range(6)
+    }
+    path = tmp_path / "late.safetensors"
+    save_file(tensors, str(path))
+    jobs = [
+        ReadJob(info, torch.empty(info.shape, dtype=FP8, device="cuda"))
+        for info in read_header(path).tensors.values()
+    ]
+    stats = read_into(jobs, progress=False, buffer_bytes=chunk, threads=1)
+    assert stats.readers == readers
+    for job in jobs:
+        assert same_bits(job.destination, tensors[job.info.name].cuda().to(FP8)), job.info.name
