@@ -18,10 +18,12 @@ mode, each mode a process of its own (clean peaks), all in one call:
   components released between runs come back from pinned fp8 bytes in host memory, not
   from the bf16 files.
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
-  fp8, three times each after a warm-up load, taking turns: file GB/s (the files hold
-  bf16 either way), and the device allocations each load made. A third arm loads fp8
+  fp8, five times each (``--reload-attempts``) after a warm-up load, taking turns: file
+  GB/s of the whole load and of its read alone (the files hold bf16 either way), and
+  the device allocations each load made. A third arm loads fp8
   with the reader casting as it did before its staging halves: each chunk cast as soon
-  as it is copied, on the copy's stream.
+  as it is copied, on the copy's stream. The other arms fill pipelined, a read per
+  group of blocks, as the pipelines load; a fourth loads bf16 whole, in one read.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -386,8 +388,11 @@ STAGED_DELIVER: list = []  # the reader's own _deliver, while an arm replaces it
 def reload_rates(args) -> dict:
     """Each component, bf16 and fp8, loaded from the page cache: file bytes per second.
     The arms of one component take turns, attempt by attempt, so that a drift of the
-    machine during the call reaches all of them alike. ``fp8, chunk by chunk``: the
-    reader as it cast before its staging halves, in the same process."""
+    machine during the call reaches all of them alike, and the order of the arms turns
+    from one attempt to the next (no arm always follows the same one). Beside each
+    load's seconds, its read's alone (the reads, copies and casts, without building the
+    module). ``fp8, chunk by chunk``: the reader as it cast before its staging halves,
+    in the same process."""
     import torch
     from wan_modes import allocator_counts
 
@@ -399,7 +404,7 @@ def reload_rates(args) -> dict:
     STAGED_DELIVER[:] = [staged_deliver]
     folder = ModelFolder.open(args.folder)
     rows = {}
-    arms = ("bf16", "fp8", "fp8, chunk by chunk")
+    arms = ("bf16", "fp8", "fp8, chunk by chunk", "bf16, whole")
     for name in STORED:
         loaders = {
             arm: ComponentLoader(
@@ -407,16 +412,20 @@ def reload_rates(args) -> dict:
                 name,
                 device="cuda",
                 dtype=torch.bfloat16,
-                storage_dtype=None if arm == "bf16" else "fp8",
+                storage_dtype="fp8" if arm.startswith("fp8") else None,
                 progress=False,
+                pipelined=False if arm.endswith("whole") else None,
             )
             for arm in arms
         }
         seconds = {arm: [] for arm in arms}
+        read_seconds = {arm: [] for arm in arms}
         allocations = {arm: [] for arm in arms}
         stored = {}
-        for attempt in range(4):  # the first starts the reading processes
-            for arm, loader in loaders.items():
+        for attempt in range(1 + args.reload_attempts):  # the first starts the processes
+            for turn in range(len(arms)):
+                arm = arms[(attempt + turn) % len(arms)]
+                loader = loaders[arm]
                 patched = _deliver_chunk_by_chunk if "chunk by chunk" in arm else staged_deliver
                 reader_module._deliver = patched
                 try:
@@ -431,6 +440,7 @@ def reload_rates(args) -> dict:
                     reader_module._deliver = staged_deliver
                 if attempt:
                     seconds[arm].append(elapsed)
+                    read_seconds[arm].append(loader.last_read_seconds)
                     allocations[arm].append(counts["num_device_alloc"])
                 stored[arm] = module_nbytes(module)  # tied weights once
                 del module
@@ -443,7 +453,9 @@ def reload_rates(args) -> dict:
                 "file_bytes": file_bytes,
                 "stored_bytes": stored[arm],
                 "seconds": seconds[arm],
+                "read_seconds": read_seconds[arm],
                 "file_gb_per_second": file_bytes / middle / 1e9,
+                "read_gb_per_second": file_bytes / statistics.median(read_seconds[arm]) / 1e9,
                 "device_allocations": allocations[arm],
                 "readers": loaders[arm].last_readers,
             }
@@ -567,16 +579,20 @@ def print_table(rows: dict, summary: dict) -> None:
     reload = summary.get("reload") or {}
     if reload:
         print(
-            f"\n{'reload from page cache (median of 3)':<36} {'file GB/s':>9} "
-            f"{'/ bf16':>6} {'stored GiB':>10} {'device allocs':>13}"
+            f"\n{'reload from page cache (medians)':<36} {'file GB/s':>9} "
+            f"{'/ bf16':>6} {'read GB/s':>9} {'/ bf16':>6} {'stored GiB':>10} "
+            f"{'device allocs':>13}"
         )
         for name, entry in reload.items():
             bf16 = reload.get(name.split(" ")[0] + " bf16", entry)
             ratio = entry["file_gb_per_second"] / bf16["file_gb_per_second"]
+            read = entry.get("read_gb_per_second", float("nan"))
+            read_ratio = read / bf16.get("read_gb_per_second", float("nan"))
             print(
                 f"{name:<36} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
+                f"{read:>9.1f} {read_ratio:>6.3f} "
                 f"{entry['stored_bytes'] / GiB:>10.2f} "
-                f"{'/'.join(str(n) for n in entry.get('device_allocations', [])):>13}"
+                f"{'/'.join(str(n) for n in sorted(set(entry.get('device_allocations', [])))):>13}"
             )
 
 
@@ -651,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--full-runs", type=int, default=1, help="prompts for fp8-full (at most --runs)"
     )
     parser.add_argument("--timeout", type=float, default=240, help="seconds per mode")
+    parser.add_argument(
+        "--reload-attempts", type=int, default=5, help="timed loads per arm in reload"
+    )
     # Internal: one mode in this process.
     parser.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
@@ -709,6 +728,8 @@ def main(argv: list[str] | None = None) -> None:
             command += ["--host-cache-gib", str(HOST_CACHE_GIB[mode])]
         if args.measured_reserve_mib is not None:
             command += ["--measured-reserve-mib", str(args.measured_reserve_mib)]
+        if mode == "reload":
+            command += ["--reload-attempts", str(args.reload_attempts)]
         row = run_child(command, timeout=args.timeout)
         rows[mode] = row
         if row.get("latents_file") and Path(row["latents_file"]).exists():

@@ -87,6 +87,7 @@ class ComponentLoader:
         self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
+        self.last_read_seconds = 0.0  # the reads and copies alone, without the skeleton
         self.last_source: str | None = None
         self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 
@@ -495,6 +496,7 @@ class ComponentLoader:
 
     def _record(self, stats: reader.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes
+        self.last_read_seconds = stats.seconds
         self.last_source = stats.source
         self.last_readers = stats.readers
 
