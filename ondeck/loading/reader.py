@@ -291,7 +291,8 @@ class _DeviceCasts:
     ``add`` copies a chunk's file bytes into the current half on the thread's stream
     (``copies``). When the half is full, ``flush`` issues every cast out of it on the
     ``casts`` stream, after an event for its copies, and the next chunks go to the other
-    half, once the casts last issued from that one are done.
+    half, once the casts last issued from that one are done. Chunks of one tensor that
+    arrive in order lie side by side in the half and are cast in one operation.
     """
 
     def __init__(self, buffer: torch.Tensor, copies: torch.cuda.Stream, fence):
@@ -305,7 +306,7 @@ class _DeviceCasts:
         self.cast_issued = [False, False]
         self.current = 0
         self.used = 0
-        self.pending: list[tuple[Chunk, torch.Tensor]] = []
+        self.pending: list[_Staged] = []
 
     def add(self, chunk: Chunk, source: torch.Tensor) -> None:
         """Stage ``source`` (pinned host memory, the file's dtype) for ``chunk``'s cast."""
@@ -315,10 +316,19 @@ class _DeviceCasts:
             self.current ^= 1
             if self.cast_issued[self.current]:
                 self.copies.wait_event(self.cast[self.current])
-        place = self.halves[self.current][self.used : self.used + nbytes].view(source.dtype)
+        start = self.used
+        place = self.halves[self.current][start : start + nbytes].view(source.dtype)
         place.copy_(source, non_blocking=True)
-        self.pending.append((chunk, place))
         self.used += -(-nbytes // _ALIGN) * _ALIGN
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.job is chunk.job and last.hi == chunk.lo and last.end == start:
+            # The tensor's next bytes, staged right behind its last ones: one cast for both.
+            count = last.place.numel() + place.numel()
+            last.place = last.place.as_strided((count,), (1,))
+            last.target = last.target.as_strided((count,), (1,))
+            last.hi, last.end = chunk.hi, start + nbytes
+        else:
+            self.pending.append(_Staged(chunk.job, chunk.target, place, chunk.hi, start + nbytes))
 
     def flush(self) -> None:
         """Issue the casts of every chunk staged in the current half."""
@@ -335,10 +345,23 @@ class _DeviceCasts:
         self.used = 0
 
     @staticmethod
-    def _issue(pending: list) -> None:
-        for chunk, place in pending:
-            source = place.to(chunk.job.via) if chunk.job.via is not None else place
-            chunk.target.copy_(source, non_blocking=True)
+    def _issue(pending: list[_Staged]) -> None:
+        for staged in pending:
+            via = staged.job.via
+            source = staged.place.to(via) if via is not None else staged.place
+            staged.target.copy_(source, non_blocking=True)
+
+
+@dataclass
+class _Staged:
+    """Consecutive bytes of one tensor in a staging half, up to byte ``hi`` of its file
+    data, and where they go; ``end``: where they end in the half."""
+
+    job: ReadJob
+    target: torch.Tensor
+    place: torch.Tensor
+    hi: int
+    end: int
 
 
 def _device_casts(state: _ReadState, streams: dict) -> dict:

@@ -170,19 +170,21 @@ def test_casts_of_many_chunks_equal_one_cast_of_the_tensor(tmp_path, readers, vi
 
 
 def test_a_staging_half_is_copied_into_only_after_its_casts(tmp_path, readers, monkeypatch):
-    """Casts held back on their stream (a long kernel before each batch): the chunks
+    """Casts held back on their stream (a long kernel before each half's): the chunks
     copied into the other half meanwhile, and then into this one again, wait for them,
-    so every tensor still equals its one cast. Halves of two chunks, so the load
-    goes round the staging buffer many times."""
+    so every tensor still equals its one cast. Halves of two chunks, so the load goes
+    round the staging buffer many times."""
     from safetensors.torch import save_file
 
     from ondeck.loading import ReadJob, read_header, read_into
     from ondeck.loading import reader as reader_module
 
     issue = reader_module._DeviceCasts._issue
+    casts: list[int] = []
 
     def late(pending):
         torch.cuda._sleep(20_000_000)  # tens of milliseconds on the casts stream
+        casts.append(len(pending))
         issue(pending)
 
     chunk = 2**16
@@ -203,3 +205,7 @@ def test_a_staging_half_is_copied_into_only_after_its_casts(tmp_path, readers, m
     assert stats.readers == readers
     for job in jobs:
         assert same_bits(job.destination, tensors[job.info.name].cuda().to(FP8)), job.info.name
+    # One reader: the chunks arrive in order, and a tensor's chunks side by side in a
+    # half are cast together.
+    chunks = sum(-(-t.nbytes // chunk) for t in tensors.values())
+    assert len(casts) > 2 and sum(casts) < chunks
