@@ -274,7 +274,7 @@ def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
     """For each CUDA device some chunk is cast on: ``workers`` staging buffers (two halves
     of one chunk's file bytes or more each), allocated on the caller's current stream."""
     devices = {c.target.device for c in chunks if c.cast and c.target.device.type == "cuda"}
-    half = max(buffer_bytes, CAST_STAGING_BYTES // (2 * workers)) // _ALIGN * _ALIGN
+    half = _half_bytes(buffer_bytes, workers)
     return {
         device: [torch.empty(2 * half, dtype=torch.uint8, device=device) for _ in range(workers)]
         for device in devices
@@ -283,6 +283,13 @@ def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
 
 # Each chunk's place in a staging half starts at a multiple of this: a view of any dtype.
 _ALIGN = 256
+
+
+def _half_bytes(buffer_bytes: int, workers: int) -> int:
+    """A staging half: a whole chunk at least, aligned, all of them within
+    :data:`CAST_STAGING_BYTES` where chunks that large allow it."""
+    chunk = -(-buffer_bytes // _ALIGN) * _ALIGN
+    return max(chunk, CAST_STAGING_BYTES // (2 * workers) // _ALIGN * _ALIGN)
 
 
 class _DeviceCasts:

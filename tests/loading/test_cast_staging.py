@@ -1,0 +1,154 @@
+"""The staging of casts on the device (``reader._DeviceCasts``), driven on the CPU: where
+each chunk lands in the two halves, which chunks are cast together, and that every
+tensor ends up equal to its own cast, whatever order the chunks arrive in.
+
+On a GPU the two streams order the copies and the casts (tests/loading/test_fp8_cuda.py);
+here every operation runs when issued, so the stream objects only record what waits for
+what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ondeck.loading import ReadJob, read_header
+from ondeck.loading import reader as reader_module
+from ondeck.loading.chunks import plan_chunks
+
+FP8 = torch.float8_e4m3fn
+CHUNK = 4096
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        self.device = device
+        self.waited: list = []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class FakeEvent:
+    def __init__(self):
+        self.recorded_on: list = []
+
+    def record(self, stream) -> None:
+        self.recorded_on.append(stream)
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def tensors_and_chunks(tmp_path, sizes, file_dtype=torch.bfloat16, chunk_bytes=CHUNK):
+    generator = torch.Generator().manual_seed(11)
+    tensors = {
+        f"t{i}": torch.randn(size, generator=generator).to(file_dtype)
+        for i, size in enumerate(sizes)
+    }
+    path = tmp_path / "cast.safetensors"
+    save_file(tensors, str(path))
+    raw = path.read_bytes()
+    jobs = [
+        ReadJob(info, torch.empty(info.shape, dtype=FP8))
+        for info in read_header(path).tensors.values()
+    ]
+    chunks, _ = plan_chunks(jobs, chunk_bytes, "transformer")
+
+    def file_bytes(chunk):
+        info = chunk.job.info
+        data = bytearray(raw[info.start + chunk.lo : info.start + chunk.hi])
+        return torch.frombuffer(data, dtype=torch.uint8).view(info.dtype)
+
+    return tensors, jobs, chunks, file_bytes
+
+
+def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
+    """Every chunk through one thread's staging buffer; the casts issued, half by half."""
+    issued: list[list] = []
+    original = reader_module._DeviceCasts._issue
+
+    def issue(pending):
+        issued.append(
+            [(staged.job.info.name, staged.hi, staged.place.nbytes) for staged in pending]
+        )
+        original(pending)
+
+    buffer = torch.empty(2 * half_chunks * chunk_bytes, dtype=torch.uint8)
+    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent())
+    casts._issue = issue
+    for chunk in chunks:
+        casts.add(chunk, file_bytes(chunk))
+    casts.flush()
+    return casts, issued
+
+
+@pytest.mark.parametrize("half_chunks", [1, 2, 5])
+@pytest.mark.parametrize("chunk_bytes", [CHUNK, CHUNK + 64])
+def test_chunks_in_order_are_cast_together_and_equal_the_tensors_cast(
+    tmp_path, cpu_streams, half_chunks, chunk_bytes
+):
+    """Chunks of 4160 bytes: each place in a half starts 256-byte aligned, so a tensor's
+    consecutive chunks lie apart there, and are cast apart."""
+    sizes = [CHUNK * 3 // 2 + 5, 7, CHUNK * 5, 3, CHUNK // 2 + 1]  # bf16: 3, 1, 10, 1, 1 chunks
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, sizes, chunk_bytes=chunk_bytes)
+    _, issued = stage(chunks, file_bytes, half_chunks, chunk_bytes)
+    for job in jobs:
+        assert torch.equal(
+            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
+        ), job.info.name
+    casts = sum(len(batch) for batch in issued)
+    if half_chunks == 1 or chunk_bytes % 256:
+        assert casts == len(chunks)  # nothing to cast together
+    else:
+        assert casts < len(chunks)
+    # A half never holds more than its bytes.
+    largest = max(sum(nbytes for *_, nbytes in batch) for batch in issued)
+    assert largest <= half_chunks * chunk_bytes
+
+
+def test_chunks_out_of_order_land_apart_and_still_equal_the_tensors_cast(tmp_path, cpu_streams):
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 6, 9, CHUNK * 4])
+    shuffled = list(chunks)
+    random.Random(3).shuffle(shuffled)
+    casts, issued = stage(shuffled, file_bytes, half_chunks=3)
+    for job in jobs:
+        assert torch.equal(
+            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
+        ), job.info.name
+    # Each staged run ends where a chunk of its tensor ended.
+    ends = {name: {c.hi for c in chunks if c.job.info.name == name} for name in tensors}
+    assert all(hi in ends[name] for batch in issued for name, hi, _ in batch)
+    # Every half but the first is copied into only after waiting for its last casts.
+    assert len(casts.copies.waited) == max(0, len(issued) - 2) > 0
+
+
+def test_a_file_of_float32_cast_via_bfloat16(tmp_path, cpu_streams):
+    """``via``: the chunks staged together are rounded through it as one."""
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(
+        tmp_path, [CHUNK * 2 + 3, 5], file_dtype=torch.float32
+    )
+    for job in jobs:
+        job.via = torch.bfloat16
+    stage(chunks, file_bytes, half_chunks=4)
+    for job in jobs:
+        expected = tensors[job.info.name].to(torch.bfloat16).to(FP8)
+        assert torch.equal(job.destination.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("chunk_bytes", [CHUNK, CHUNK + 64, 3 * CHUNK + 8, 64 * 2**20 + 64])
+@pytest.mark.parametrize("workers", [1, 3, 16])
+def test_each_half_holds_a_whole_chunk_and_starts_aligned(chunk_bytes, workers):
+    half = reader_module._half_bytes(chunk_bytes, workers)
+    assert half >= chunk_bytes and half % 256 == 0
+    assert half * 2 * workers <= max(
+        reader_module.CAST_STAGING_BYTES, 2 * workers * (chunk_bytes + 255)
+    )
