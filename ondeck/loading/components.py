@@ -238,6 +238,7 @@ class ComponentLoader:
         must call ``finished`` (with the error) if the filling never starts."""
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
+        self.last_read_seconds = 0.0
         cache = self.host_cache
         kept = self._from_other(jobs, other) if raw is None else {}
         held = raw if raw is not None else kept  # what the host cache serves

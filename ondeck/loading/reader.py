@@ -76,9 +76,9 @@ __all__ = [
 THREAD_RING = (8 * 2**20, 32)
 PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
-# Device bytes a load's casts are staged in, shared among its copying threads; each
-# thread's two halves hold one chunk each at least.
-CAST_STAGING_BYTES = 64 * 2**20
+# Device bytes a load's casts are staged in, shared among its copying threads. A thread
+# whose share holds less than two chunks gets one chunk and casts chunk by chunk.
+CAST_STAGING_BYTES = 32 * 2**20
 # A failed or stopped load waits this long for the processes' last reads to answer.
 STUCK_READ_SECONDS = 60
 
@@ -272,12 +272,12 @@ class _Slot:
 
 
 def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
-    """For each CUDA device some chunk is cast on: ``workers`` staging buffers (two halves
-    of one chunk's file bytes or more each), allocated on the caller's current stream."""
+    """For each CUDA device some chunk is cast on: ``workers`` staging buffers
+    (``_staging_bytes``), allocated on the caller's current stream."""
     devices = {c.target.device for c in chunks if c.cast and c.target.device.type == "cuda"}
-    half = _half_bytes(buffer_bytes, workers)
+    nbytes = _staging_bytes(buffer_bytes, workers)
     return {
-        device: [torch.empty(2 * half, dtype=torch.uint8, device=device) for _ in range(workers)]
+        device: [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(workers)]
         for device in devices
     }
 
@@ -286,11 +286,16 @@ def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
 _ALIGN = 256
 
 
-def _half_bytes(buffer_bytes: int, workers: int) -> int:
-    """A staging half: a whole chunk at least, aligned, all of them within
-    :data:`CAST_STAGING_BYTES` where chunks that large allow it."""
-    chunk = -(-buffer_bytes // _ALIGN) * _ALIGN
-    return max(chunk, CAST_STAGING_BYTES // (2 * workers) // _ALIGN * _ALIGN)
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _staging_bytes(buffer_bytes: int, workers: int) -> int:
+    """A copying thread's staging buffer: its share of :data:`CAST_STAGING_BYTES`, two
+    aligned halves, where that holds two chunks; else one chunk."""
+    share = CAST_STAGING_BYTES // workers // (2 * _ALIGN) * (2 * _ALIGN)
+    chunk = _aligned(buffer_bytes)
+    return share if share >= 2 * chunk else chunk
 
 
 class _DeviceCasts:
@@ -301,14 +306,21 @@ class _DeviceCasts:
     ``casts`` stream, after an event for its copies, and the next chunks go to the other
     half, once the casts last issued from that one are done. Chunks of one tensor that
     arrive in order lie side by side in the half and are cast in one operation.
+
+    A buffer too small for two chunks of ``chunk_bytes`` is one half: each chunk's casts
+    are issued on the thread's stream when the next chunk comes, before its copy.
     """
 
-    def __init__(self, buffer: torch.Tensor, copies: torch.cuda.Stream, fence):
-        half = buffer.numel() // 2
-        self.halves = (buffer[:half], buffer[half:])
+    def __init__(self, buffer: torch.Tensor, copies: torch.cuda.Stream, fence, chunk_bytes: int):
         self.copies = copies
-        self.casts = torch.cuda.Stream(copies.device)
-        self.casts.wait_event(fence)  # its casts write where the caller's stream may read
+        if buffer.numel() >= 2 * _aligned(chunk_bytes):
+            half = buffer.numel() // 2 // _ALIGN * _ALIGN
+            self.halves = (buffer[:half], buffer[half : 2 * half])
+            self.casts = torch.cuda.Stream(copies.device)
+            self.casts.wait_event(fence)  # its casts write where the caller's stream may read
+        else:
+            self.halves = (buffer, buffer)
+            self.casts = copies
         self.copied = (torch.cuda.Event(), torch.cuda.Event())
         self.cast = (torch.cuda.Event(), torch.cuda.Event())
         self.cast_issued = [False, False]
@@ -341,6 +353,11 @@ class _DeviceCasts:
     def flush(self) -> None:
         """Issue the casts of every chunk staged in the current half."""
         if not self.pending:
+            return
+        if self.casts is self.copies:  # one half: in stream order behind the copies
+            self._issue(self.pending)
+            self.pending = []
+            self.used = 0
             return
         copied, cast = self.copied[self.current], self.cast[self.current]
         copied.record(self.copies)
@@ -375,7 +392,9 @@ class _Staged:
 def _device_casts(state: _ReadState, streams: dict) -> dict:
     """This copying thread's :class:`_DeviceCasts` on each device that casts."""
     return {
-        device: _DeviceCasts(buffers.pop(), streams[device], state.fences[device])
+        device: _DeviceCasts(
+            buffers.pop(), streams[device], state.fences[device], state.buffer_bytes
+        )
         for device, buffers in state.staging.items()
         if buffers
     }
@@ -389,7 +408,7 @@ def _finish_casts(casts: dict, state: _ReadState) -> None:
                 device_casts.flush()
         except BaseException as error:
             state.fail(error)
-    _wait_for({i: c.casts for i, c in enumerate(casts.values())}, state)
+    _wait_for({i: c.casts for i, c in enumerate(casts.values()) if c.casts is not c.copies}, state)
 
 
 def _fences(devices) -> dict:

@@ -82,8 +82,9 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
         )
         original(pending)
 
-    buffer = torch.empty(2 * half_chunks * chunk_bytes, dtype=torch.uint8)
-    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent())
+    half = half_chunks * reader_module._aligned(chunk_bytes)
+    buffer = torch.empty(2 * half, dtype=torch.uint8)
+    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), chunk_bytes)
     casts._issue = issue
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
@@ -144,11 +145,34 @@ def test_a_file_of_float32_cast_via_bfloat16(tmp_path, cpu_streams):
         assert torch.equal(job.destination.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("chunk_bytes", [CHUNK, CHUNK + 64, 3 * CHUNK + 8, 64 * 2**20 + 64])
+def test_a_buffer_of_one_chunk_casts_each_chunk_behind_its_copy(tmp_path, cpu_streams):
+    """No room for two halves: the casts go on the copies' own stream, no events, a
+    chunk's casts issued before the next chunk is copied over them."""
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 3, 5, CHUNK])
+    buffer = torch.empty(reader_module._aligned(CHUNK), dtype=torch.uint8)
+    copies = FakeStream("cpu")
+    casts = reader_module._DeviceCasts(buffer, copies, FakeEvent(), CHUNK)
+    assert casts.casts is copies
+    for chunk in chunks:
+        casts.add(chunk, file_bytes(chunk))
+    casts.flush()
+    for job in jobs:
+        assert torch.equal(
+            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
+        ), job.info.name
+    assert copies.waited == []
+
+
+@pytest.mark.parametrize("chunk_bytes", [CHUNK, CHUNK + 64, 3 * CHUNK + 8, 8 * 2**20, 2**25 + 64])
 @pytest.mark.parametrize("workers", [1, 3, 16])
-def test_each_half_holds_a_whole_chunk_and_starts_aligned(chunk_bytes, workers):
-    half = reader_module._half_bytes(chunk_bytes, workers)
-    assert half >= chunk_bytes and half % 256 == 0
-    assert half * 2 * workers <= max(
-        reader_module.CAST_STAGING_BYTES, 2 * workers * (chunk_bytes + 255)
-    )
+def test_a_threads_staging_is_its_share_in_two_halves_or_one_chunk(chunk_bytes, workers):
+    nbytes = reader_module._staging_bytes(chunk_bytes, workers)
+    aligned = reader_module._aligned(chunk_bytes)
+    if nbytes >= 2 * aligned:
+        assert nbytes % 512 == 0  # two halves, each aligned
+        assert nbytes * workers <= reader_module.CAST_STAGING_BYTES
+    else:
+        assert nbytes == aligned >= chunk_bytes
+    # The reading processes' one copying thread, at the default ring, gets halves.
+    if workers == 1 and chunk_bytes <= 8 * 2**20:
+        assert nbytes == reader_module.CAST_STAGING_BYTES

@@ -169,27 +169,43 @@ def test_casts_of_many_chunks_equal_one_cast_of_the_tensor(tmp_path, readers, vi
         assert same_bits(job.destination, expected), job.info.name
 
 
-def test_a_staging_half_is_copied_into_only_after_its_casts(tmp_path, readers, monkeypatch):
-    """Casts held back on their stream (a long kernel before each half's): the chunks
-    copied into the other half meanwhile, and then into this one again, wait for them,
-    so every tensor still equals its one cast. Halves of two chunks, so the load goes
-    round the staging buffer many times."""
+@pytest.mark.parametrize("held_back", ["casts", "copies"])
+def test_each_stream_waits_for_the_other_at_a_staging_half(
+    tmp_path, readers, monkeypatch, held_back
+):
+    """A long kernel before each half's casts: the chunks copied into that half next wait
+    for them. A long kernel before each chunk's copy: the half's casts wait for its
+    copies. Either way every tensor still equals its one cast. Halves of two chunks, so
+    the load goes round the staging buffer many times."""
     from safetensors.torch import save_file
 
     from ondeck.loading import ReadJob, read_header, read_into
     from ondeck.loading import reader as reader_module
 
     issue = reader_module._DeviceCasts._issue
+    add = reader_module._DeviceCasts.add
     casts: list[int] = []
 
-    def late(pending):
+    def late_casts(pending):
         torch.cuda._sleep(20_000_000)  # tens of milliseconds on the casts stream
+        casts.append(len(pending))
+        issue(pending)
+
+    def late_copy(self, chunk, source):
+        torch.cuda._sleep(5_000_000)  # on the copying thread's stream, before the copy
+        add(self, chunk, source)
+
+    def counted(pending):
         casts.append(len(pending))
         issue(pending)
 
     chunk = 2**16
     monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
-    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late))
+    if held_back == "casts":
+        monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late_casts))
+    else:
+        monkeypatch.setattr(reader_module._DeviceCasts, "add", late_copy)
+        monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(counted))
     generator = torch.Generator().manual_seed(9)
     tensors = {
         f"t{i}": torch.randn(3 * chunk // 2 + i, generator=generator).to(torch.bfloat16)
