@@ -22,7 +22,7 @@ full, the casts out of it are issued together on a stream of their own while the
 chunks are copied into the other half. The copy engine runs as it does for a load without
 a cast, and the two streams wait for each other once per half, not once per chunk: cast
 after each chunk's copy on one stream, the copies stop for every cast (fp8 reloads read at
-0.85-0.87 of bf16's rate that way, and at 0.95-0.97 in halves, in one benchmark call).
+0.85-0.87 of bf16's rate that way, and at 0.95-0.97 in halves of 32 MiB, in one call).
 A tensor's chunks that lie side by side in a half are cast in one operation. The load allocates the buffers on the caller's stream
 before the copies' fence, so the allocator reuses them from one load (or pipelined group)
 to the next; allocated on a side stream, each would be a new allocator segment per group.
