@@ -23,7 +23,8 @@ mode, each mode a process of its own (clean peaks), all in one call:
   the device allocations each load made. A third arm loads fp8
   with the reader casting as it did before its staging halves: each chunk cast as soon
   as it is copied, on the copy's stream. The other arms fill pipelined, a read per
-  group of blocks, as the pipelines load; a fourth loads bf16 whole, in one read.
+  group of blocks, as the pipelines load; a fourth loads bf16 whole, in one read, and a
+  fifth fp8 with twice the reader's staging on the device (64 MiB).
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -404,7 +405,8 @@ def reload_rates(args) -> dict:
     STAGED_DELIVER[:] = [staged_deliver]
     folder = ModelFolder.open(args.folder)
     rows = {}
-    arms = ("bf16", "fp8", "fp8, chunk by chunk", "bf16, whole")
+    arms = ("bf16", "fp8", "fp8, chunk by chunk", "bf16, whole", "fp8, 64 MiB staging")
+    staging_bytes = reader_module.CAST_STAGING_BYTES
     for name in STORED:
         loaders = {
             arm: ComponentLoader(
@@ -428,6 +430,8 @@ def reload_rates(args) -> dict:
                 loader = loaders[arm]
                 patched = _deliver_chunk_by_chunk if "chunk by chunk" in arm else staged_deliver
                 reader_module._deliver = patched
+                if arm.endswith("64 MiB staging"):
+                    reader_module.CAST_STAGING_BYTES = 64 * 2**20
                 try:
                     torch.cuda.synchronize()
                     before = allocator_counts()
@@ -438,6 +442,7 @@ def reload_rates(args) -> dict:
                     counts = allocator_counts(before)
                 finally:
                     reader_module._deliver = staged_deliver
+                    reader_module.CAST_STAGING_BYTES = staging_bytes
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)
