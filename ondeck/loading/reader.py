@@ -23,9 +23,10 @@ chunks are copied into the other half. The copy engine runs as it does for a loa
 a cast, and the two streams wait for each other once per half, not once per chunk: cast
 after each chunk's copy on one stream, the copies stop for every cast (fp8 reloads read at
 0.85-0.87 of bf16's rate that way, and at 0.95-0.97 in halves of 32 MiB, in one call).
-A tensor's chunks that lie side by side in a half are cast in one operation. The load allocates the buffers on the caller's stream
-before the copies' fence, so the allocator reuses them from one load (or pipelined group)
-to the next; allocated on a side stream, each would be a new allocator segment per group.
+A tensor's chunks that lie side by side in a half are cast in one operation. The load
+allocates the buffers on the caller's stream before the copies' fence, so the allocator
+reuses them from one load (or pipelined group) to the next; allocated on a side stream,
+each would be a new allocator segment per group.
 """
 
 from __future__ import annotations
@@ -339,7 +340,7 @@ class _DeviceCasts:
         start = self.used
         place = self.halves[self.current][start : start + nbytes].view(source.dtype)
         place.copy_(source, non_blocking=True)
-        self.used += -(-nbytes // _ALIGN) * _ALIGN
+        self.used += _aligned(nbytes)
         last = self.pending[-1] if self.pending else None
         if last is not None and last.job is chunk.job and last.hi == chunk.lo and last.end == start:
             # The tensor's next bytes, staged right behind its last ones: one cast for both.
@@ -356,16 +357,14 @@ class _DeviceCasts:
             return
         if self.casts is self.copies:  # one half: in stream order behind the copies
             self._issue(self.pending)
-            self.pending = []
-            self.used = 0
-            return
-        copied, cast = self.copied[self.current], self.cast[self.current]
-        copied.record(self.copies)
-        self.casts.wait_event(copied)
-        with torch.cuda.stream(self.casts):
-            self._issue(self.pending)
-        cast.record(self.casts)
-        self.cast_issued[self.current] = True
+        else:
+            copied, cast = self.copied[self.current], self.cast[self.current]
+            copied.record(self.copies)
+            self.casts.wait_event(copied)
+            with torch.cuda.stream(self.casts):
+                self._issue(self.pending)
+            cast.record(self.casts)
+            self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
 
