@@ -308,6 +308,10 @@ class _DeviceCasts:
     half, once the casts last issued from that one are done. Chunks of one tensor that
     arrive in order lie side by side in the half and are cast in one operation.
 
+    ``add`` is on the copying thread's path for every chunk, beside a load that casts
+    nothing: it issues the copy and keeps byte offsets, nothing else. The typed views of
+    the half and of the destinations are made in ``flush``, once per run of chunks.
+
     A buffer too small for two chunks of ``chunk_bytes`` is one half: each chunk's casts
     are issued on the thread's stream when the next chunk comes, before its copy.
     """
@@ -322,6 +326,7 @@ class _DeviceCasts:
         else:
             self.halves = (buffer, buffer)
             self.casts = copies
+        self.half_bytes = self.halves[0].numel()
         self.copied = (torch.cuda.Event(), torch.cuda.Event())
         self.cast = (torch.cuda.Event(), torch.cuda.Event())
         self.cast_issued = [False, False]
@@ -330,60 +335,62 @@ class _DeviceCasts:
         self.pending: list[_Staged] = []
 
     def add(self, chunk: Chunk, source: torch.Tensor) -> None:
-        """Stage ``source`` (pinned host memory, the file's dtype) for ``chunk``'s cast."""
-        nbytes = source.numel() * source.element_size()
-        if self.used + nbytes > self.halves[0].numel():
+        """Stage ``source`` (pinned host bytes, ``uint8``) for ``chunk``'s cast."""
+        nbytes = source.numel()
+        if self.used + nbytes > self.half_bytes:
             self.flush()
             self.current ^= 1
             if self.cast_issued[self.current]:
                 self.copies.wait_event(self.cast[self.current])
         start = self.used
-        place = self.halves[self.current][start : start + nbytes].view(source.dtype)
-        place.copy_(source, non_blocking=True)
+        self.halves[self.current][start : start + nbytes].copy_(source, non_blocking=True)
         self.used += _aligned(nbytes)
         last = self.pending[-1] if self.pending else None
         if last is not None and last.job is chunk.job and last.hi == chunk.lo and last.end == start:
             # The tensor's next bytes, staged right behind its last ones: one cast for both.
-            count = last.place.numel() + place.numel()
-            last.place = last.place.as_strided((count,), (1,))
-            last.target = last.target.as_strided((count,), (1,))
             last.hi, last.end = chunk.hi, start + nbytes
         else:
-            self.pending.append(_Staged(chunk.job, chunk.target, place, chunk.hi, start + nbytes))
+            self.pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, start + nbytes))
 
     def flush(self) -> None:
         """Issue the casts of every chunk staged in the current half."""
         if not self.pending:
             return
+        half = self.halves[self.current]
         if self.casts is self.copies:  # one half: in stream order behind the copies
-            self._issue(self.pending)
+            self._issue(self.pending, half)
         else:
             copied, cast = self.copied[self.current], self.cast[self.current]
             copied.record(self.copies)
             self.casts.wait_event(copied)
             with torch.cuda.stream(self.casts):
-                self._issue(self.pending)
+                self._issue(self.pending, half)
             cast.record(self.casts)
             self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
 
     @staticmethod
-    def _issue(pending: list[_Staged]) -> None:
+    def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
         for staged in pending:
-            via = staged.job.via
-            source = staged.place.to(via) if via is not None else staged.place
-            staged.target.copy_(source, non_blocking=True)
+            info, via = staged.job.info, staged.job.via
+            source = half[staged.start : staged.end].view(info.dtype)
+            target = staged.target
+            if target.numel() != source.numel():  # chunks merged: the run's whole span
+                target = target.as_strided((source.numel(),), (1,))
+            if via is not None:
+                source = source.to(via)
+            target.copy_(source, non_blocking=True)
 
 
 @dataclass
 class _Staged:
-    """Consecutive bytes of one tensor in a staging half, up to byte ``hi`` of its file
-    data, and where they go; ``end``: where they end in the half."""
+    """Consecutive bytes of one tensor staged in a half, from ``start`` to ``end`` there,
+    up to byte ``hi`` of the tensor's file data; ``target``: its first chunk's target."""
 
     job: ReadJob
     target: torch.Tensor
-    place: torch.Tensor
+    start: int
     hi: int
     end: int
 
@@ -631,14 +638,14 @@ def _deliver(
     """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
     issued on this thread's stream for the device, which is returned. ``casts``: this
     thread's :class:`_DeviceCasts` on each device that casts."""
-    source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     device = chunk.target.device
     stream = streams.get(device)
     if chunk.cast and stream is not None:
         # Cast on the device: a host-to-device copy_ that changes the dtype converts on
         # the host first, on this thread, and the read then runs at the CPU's pace.
-        casts[device].add(chunk, source)
+        casts[device].add(chunk, staged)
         return stream
+    source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)
     chunk.target.copy_(source, non_blocking=stream is not None)

@@ -66,7 +66,7 @@ def tensors_and_chunks(tmp_path, sizes, file_dtype=torch.bfloat16, chunk_bytes=C
     def file_bytes(chunk):
         info = chunk.job.info
         data = bytearray(raw[info.start + chunk.lo : info.start + chunk.hi])
-        return torch.frombuffer(data, dtype=torch.uint8).view(info.dtype)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
     return tensors, jobs, chunks, file_bytes
 
@@ -76,11 +76,11 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
     issued: list[list] = []
     original = reader_module._DeviceCasts._issue
 
-    def issue(pending):
+    def issue(pending, half):
         issued.append(
-            [(staged.job.info.name, staged.hi, staged.place.nbytes) for staged in pending]
+            [(staged.job.info.name, staged.hi, staged.end - staged.start) for staged in pending]
         )
-        original(pending)
+        original(pending, half)
 
     half = half_chunks * reader_module._aligned(chunk_bytes)
     buffer = torch.empty(2 * half, dtype=torch.uint8)

@@ -186,18 +186,18 @@ def test_each_stream_waits_for_the_other_at_a_staging_half(
     add = reader_module._DeviceCasts.add
     casts: list[int] = []
 
-    def late_casts(pending):
+    def late_casts(pending, half):
         torch.cuda._sleep(20_000_000)  # tens of milliseconds on the casts stream
         casts.append(len(pending))
-        issue(pending)
+        issue(pending, half)
 
     def late_copy(self, chunk, source):
         torch.cuda._sleep(5_000_000)  # on the copying thread's stream, before the copy
         add(self, chunk, source)
 
-    def counted(pending):
+    def counted(pending, half):
         casts.append(len(pending))
-        issue(pending)
+        issue(pending, half)
 
     chunk = 2**16
     monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
