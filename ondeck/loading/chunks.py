@@ -70,14 +70,25 @@ class Chunk:
     hi: int
     direct: bool
     cast: bool
+    group: int = 0  # the job's group in a read in groups (``read_in_groups``)
 
 
-def plan_chunks(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | None):
+def plan_chunks(
+    jobs: Sequence[ReadJob],
+    buffer_bytes: int,
+    component: str | None,
+    groups: Sequence[int] | None = None,
+):
     """The chunks of every job, in file order, at most ``buffer_bytes`` each, and the
-    contiguous temporaries of destinations that are not contiguous (copied in after)."""
+    contiguous temporaries of destinations that are not contiguous (copied in after).
+    ``groups``: each job's group (a read in groups); the chunks then come group by
+    group, in file order within each."""
     chunks: list[Chunk] = []
     temporaries: list[tuple[torch.Tensor, ReadJob]] = []
-    for job in sorted(jobs, key=lambda j: (j.info.path or "", j.info.start)):
+    group_of = dict(zip(map(id, jobs), groups, strict=True)) if groups is not None else {}
+    for job in sorted(
+        jobs, key=lambda j: (group_of.get(id(j), 0), j.info.path or "", j.info.start)
+    ):
         info, destination = job.info, job.destination
         if destination.numel() != info.numel:
             raise LoadError(
@@ -106,7 +117,7 @@ def plan_chunks(jobs: Sequence[ReadJob], buffer_bytes: int, component: str | Non
         for lo in range(0, info.nbytes, step):
             hi = min(lo + step, info.nbytes)
             part = flat[lo // itemsize : hi // itemsize] if cast else flat[lo:hi]
-            chunks.append(Chunk(job, part, lo, hi, direct, cast))
+            chunks.append(Chunk(job, part, lo, hi, direct, cast, group_of.get(id(job), 0)))
     return chunks, temporaries
 
 

@@ -177,7 +177,7 @@ class ComponentLoader:
                 [sources[i][1].nbytes for i in on_device],
                 path,
             )
-            fill, finished = self._group_filler(jobs, key, raw, started, template, other)
+            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, template, other)
             self.last_load_bytes += placed_bytes
             filling = start_filling(
                 self.name,
@@ -186,6 +186,7 @@ class ComponentLoader:
                 finished,
                 device=self.device,
                 started=started,
+                fill_all=fill_all,
             )
             jobs = None  # the filling holds each group until it is read
             skeleton = self._take_skeleton(template)
@@ -269,6 +270,18 @@ class ComponentLoader:
                 self.last_readers = stats.readers
             self.last_read_seconds = time.perf_counter() - first_read[0]
 
+        def fill_all(groups: list[list[reader.ReadJob]], reached) -> None:
+            """Everything from the files: one read for all groups."""
+            first_read.append(time.perf_counter())
+
+            def in_place(index: int) -> None:
+                self.last_read_seconds = time.perf_counter() - first_read[0]
+                reached(index)
+
+            stats = self._read_in_groups(groups, in_place, bar)
+            self.last_readers = stats.readers
+            self.last_read_seconds = time.perf_counter() - first_read[0]
+
         replacing = other[0] if other is not None else None
 
         def finished(error: BaseException | None) -> None:
@@ -287,7 +300,7 @@ class ComponentLoader:
             if error is None and self._spare is None:
                 self._spare = (template, template.fresh())
 
-        return fill, finished
+        return fill, (fill_all if not held else None), finished
 
     def _load_whole(
         self, tensors: dict[str, TensorInfo], template: Skeleton, started: float
@@ -499,6 +512,20 @@ class ComponentLoader:
             buffer_count=self.buffer_count,
             progress=self.progress,
             component=self.name,
+        )
+
+    def _read_in_groups(
+        self, groups: list[list[reader.ReadJob]], reached: Callable[[int], None], bar: Any
+    ) -> reader.ReadStats:
+        return reader.read_in_groups(
+            groups,
+            reached,
+            threads=self.threads,
+            buffer_bytes=self.buffer_bytes,
+            buffer_count=self.buffer_count,
+            progress=self.progress,
+            component=self.name,
+            bar=bar,
         )
 
     def _record(self, stats: reader.ReadStats) -> None:

@@ -78,19 +78,22 @@ class Filling:
     """The weights of one loaded module, still arriving group by group.
 
     ``fill(group)`` puts one group's tensors in place and returns once they are complete
-    on their device; it runs on the filling's own thread, group after group. ``finished``
-    is called on that thread at the end, with the error if one stopped it.
+    on their device; it runs on the filling's own thread, group after group. Or
+    ``fill_all(groups, reached)`` puts them all in place, calling ``reached(i)`` once
+    group ``i`` is complete, in order (one read for all groups). ``finished`` is called
+    on that thread at the end, with the error if one stopped it.
     """
 
     def __init__(
         self,
         component: str,
         groups: Sequence[Any],
-        fill: Callable[[Any], None],
+        fill: Callable[[Any], None] | None,
         *,
         device: torch.device,
         finished: Callable[[BaseException | None], None] | None = None,
         started: float | None = None,
+        fill_all: Callable[[list, Callable[[int], None]], None] | None = None,
     ):
         self.component = component
         if device.type == "cuda" and device.index is None:
@@ -108,6 +111,7 @@ class Filling:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._groups = list(groups)
         self._fill = fill
+        self._fill_all = fill_all
         self._finished = finished
         self._filled = 0  # groups complete, in order
         self._progress = threading.Condition()
@@ -147,19 +151,21 @@ class Filling:
             context = torch.cuda.device(self.device) if on_device else contextlib.nullcontext()
             stream = torch.cuda.stream(self._stream) if on_device else contextlib.nullcontext()
             with context, stream:
-                for group in self._groups:
-                    if self._stop.is_set():
+                if self._fill_all is not None:
+                    self._fill_all(self._groups, self._reached)
+                    if self._filled < len(self._groups):
                         raise LoadError(
-                            f"component '{self.component}': loading was stopped",
+                            f"component '{self.component}': the fill ended with "
+                            f"{len(self._groups) - self._filled} groups of blocks not in place",
                             component=self.component,
                         )
+                for index, group in enumerate(self._groups if self._fill_all is None else ()):
+                    self._check_stop()
                     self._fill(group)
                     if on_device:
                         # Copies this thread issued on its own stream are done too.
                         self._stream.synchronize()
-                    with self._progress:
-                        self._filled += 1
-                        self._progress.notify_all()
+                    self._mark_filled(index)
         except BaseException as failure:
             error = failure
         finally:
@@ -175,6 +181,26 @@ class Filling:
                     self._progress.notify_all()
         if error is None:
             self._tell("fill", self.seconds)
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise LoadError(
+                f"component '{self.component}': loading was stopped", component=self.component
+            )
+
+    def _mark_filled(self, index: int) -> None:
+        with self._progress:
+            if index != self._filled:
+                raise RuntimeError(f"group {index} reached after {self._filled} groups")
+            self._filled += 1
+            self._progress.notify_all()
+
+    def _reached(self, index: int) -> None:
+        """``fill_all``'s report: group ``index`` is in place. Stops the read if the
+        filling was cancelled and groups remain."""
+        self._mark_filled(index)
+        if index + 1 < len(self._groups):
+            self._check_stop()
 
     def _tell(self, kind: str, seconds: float) -> None:
         with self._progress:
@@ -278,17 +304,24 @@ atexit.register(_stop_fillings)
 def start_filling(
     component: str,
     groups: Sequence[Any],
-    fill: Callable[[Any], None],
+    fill: Callable[[Any], None] | None,
     finished: Callable[[BaseException | None], None],
     *,
     device: torch.device,
     started: float | None = None,
+    fill_all: Callable[[list, Callable[[int], None]], None] | None = None,
 ) -> Filling:
     """A started :class:`Filling`. If it cannot start, ``finished`` hears the error (it
     gives back what the load reserved, a host cache entry say) before it propagates."""
     try:
         return Filling(
-            component, groups, fill, device=device, finished=finished, started=started
+            component,
+            groups,
+            fill,
+            device=device,
+            finished=finished,
+            started=started,
+            fill_all=fill_all,
         ).start()
     except BaseException as error:
         finished(error)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -66,6 +67,7 @@ __all__ = [
     "HostCopy",
     "progress_bar",
     "read_into",
+    "read_in_groups",
     "DEFAULT_BUFFER_BYTES",
 ]
 
@@ -95,6 +97,8 @@ def read_into(
     while_reading: Callable[[], None] | None = None,
     processes: bool | None = None,
     bar: Any = None,
+    _lease: process_reader.Lease | None = None,
+    _grouped: tuple[Sequence[int], int, Callable[[int], None]] | None = None,
 ) -> ReadStats:
     """Read every job's tensor from its file into its destination. Blocks until done.
 
@@ -110,7 +114,8 @@ def read_into(
     dtype; never when a job captures. Where they are unavailable or busy, threads read
     instead. ``buffer_bytes`` and ``buffer_count`` default to :data:`PROCESS_RING` or
     :data:`THREAD_RING`. ``bar``: a progress bar to advance (left open) instead of one of
-    its own, for a load read in several parts.
+    its own, for a load read in several parts. (``_lease``, ``_grouped``: see
+    :func:`read_in_groups`.)
     """
     sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
     for name, value in sizes.items():
@@ -122,13 +127,13 @@ def read_into(
     source = describe_source(paths) if paths else "disk"
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
     pinned = bool(devices)
-    lease = None
+    lease = _lease
     own_bar = bar is None
     files: dict[str, int] = {}
     workers: list[threading.Thread] = []
     bar = None
     try:
-        if total and _processes_wanted(jobs, processes, devices):
+        if lease is None and total and _processes_wanted(jobs, processes, devices):
             lease = _lease_processes(threads, buffer_bytes, buffer_count, pinned)
         if lease is not None:
             buffer_bytes, buffer_count = lease.pool.slot_bytes, lease.pool.slot_count
@@ -139,7 +144,8 @@ def read_into(
                 # The pinned allocator rounds each buffer up to a power of two: round
                 # down instead, so the ring stays within buffer_bytes x buffer_count.
                 buffer_bytes = 1 << (buffer_bytes.bit_length() - 1)
-        chunks, temporaries = plan_chunks(jobs, buffer_bytes, component)
+        groups = _grouped[0] if _grouped is not None else None
+        chunks, temporaries = plan_chunks(jobs, buffer_bytes, component, groups)
         worker_count = threads or min(16, max(4, os.cpu_count() or 4))
         staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
         if staging:
@@ -163,6 +169,19 @@ def read_into(
             bar=bar,
             component=component,
         )
+        if _grouped is not None:
+            if lease is None:
+                raise ValueError("a read in groups goes through the reading processes")
+            groups, count, reached = _grouped
+            state.count_groups(count)
+            job_group = dict(zip(map(id, jobs), groups, strict=True))
+            waiting: dict[int, list] = {}
+            for target, job in temporaries:
+                waiting.setdefault(job_group[id(job)], []).append((target, job))
+            temporaries = []  # each group's are copied in once it is reached
+            while_reading = _reaching(state, reached, waiting)
+            if not chunks:
+                state.advance_groups({}, {})
         for path in paths:
             files[path] = _open(path, component)
         for index in range(worker_count if chunks else 0):
@@ -205,6 +224,52 @@ def read_into(
     return ReadStats(total, time.perf_counter() - started, source, readers)
 
 
+def read_in_groups(
+    groups: Sequence[Sequence[ReadJob]],
+    reached: Callable[[int], None],
+    *,
+    threads: int | None = None,
+    buffer_bytes: int | None = None,
+    buffer_count: int | None = None,
+    progress: bool = True,
+    component: str | None = None,
+    processes: bool | None = None,
+    bar: Any = None,
+) -> ReadStats:
+    """Read ``groups`` of jobs in order (a pipelined load: the parts a forward pass uses
+    first, then each block). ``reached(i)`` runs on the calling thread once group ``i``
+    is complete on its devices, group after group, while the later groups are read; an
+    error it raises stops the read and propagates.
+
+    Through the reading processes (as :func:`read_into` chooses them) it is one read:
+    the next group's chunks are read and copied while the last ones of a group are, and
+    nothing drains or starts again between groups (each did: about 4 ms a group on the
+    H200, a third of a 0.3 s text encoder load). Otherwise one read per group.
+    """
+    jobs = [job for group in groups for job in group]
+    devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
+    lease = None
+    if any(job.info.nbytes for job in jobs) and _processes_wanted(jobs, processes, devices):
+        lease = _lease_processes(threads, buffer_bytes, buffer_count, bool(devices))
+    options = dict(threads=threads, buffer_bytes=buffer_bytes, buffer_count=buffer_count)
+    options.update(progress=progress, component=component, bar=bar)
+    if lease is not None:
+        indices = [index for index, group in enumerate(groups) for _ in group]
+        return read_into(jobs, _lease=lease, _grouped=(indices, len(groups), reached), **options)
+    started = time.perf_counter()
+    parts = []
+    for index, group in enumerate(groups):
+        parts.append(read_into(group, processes=processes, **options))
+        reached(index)
+    sources = [part.source for part in parts if part.nbytes] or ["disk"]
+    return ReadStats(
+        sum(part.nbytes for part in parts),
+        time.perf_counter() - started,
+        sources[0],
+        parts[-1].readers if parts else "threads",
+    )
+
+
 def _join(workers: list[threading.Thread]) -> None:
     """Wait for every started worker (each waits for its own device copies), and forget them."""
     for worker in workers:
@@ -237,12 +302,79 @@ class _ReadState:
         self.stop = threading.Event()
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
+        self.group_chunks: list[int] | None = None  # a read in groups: see count_groups
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
             if self.failure is None:
                 self.failure = error
         self.stop.set()
+
+    # A read in groups (``read_in_groups``): the one copying thread counts each group's
+    # chunks as it issues their copies and, group by group in order, hands the caller's
+    # thread the events its copies and casts end with.
+
+    def count_groups(self, count: int) -> None:
+        self.group_chunks = [0] * count
+        for chunk in self.chunks:
+            self.group_chunks[chunk.group] += 1
+        self.delivered = [0] * count
+        self.next_group = 0
+        self.reached: queue.SimpleQueue = queue.SimpleQueue()
+
+    def delivered_chunk(self, chunk: Chunk, streams: dict, casts: dict) -> None:
+        if self.group_chunks is not None:
+            self.delivered[chunk.group] += 1
+            self.advance_groups(streams, casts)
+
+    def advance_groups(self, streams: dict, casts: dict) -> None:
+        """Hand over every group whose copies are all issued, and all before it."""
+        counts = self.group_chunks
+        while (
+            self.next_group < len(counts)
+            and self.delivered[self.next_group] == counts[self.next_group]
+        ):
+            events = []
+            for device_casts in casts.values():
+                device_casts.flush()  # its casts too, out of a half it then leaves
+                if device_casts.casts is not device_casts.copies:
+                    events.append(_recorded(device_casts.casts))
+            events.extend(_recorded(stream) for stream in streams.values())
+            self.reached.put((self.next_group, events))
+            self.next_group += 1
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _reaching(state: _ReadState, reached: Callable[[int], None], waiting: dict) -> Callable:
+    """The calling thread's part of a read in groups: wait for each group's copies and
+    casts on the device, in order, copy in its temporaries (``waiting``), then hand it
+    to ``reached``. Returns early if the read stops (its error is raised after)."""
+
+    def reach() -> None:
+        for _ in range(len(state.group_chunks)):
+            while True:
+                try:
+                    group, events = state.reached.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    if state.stop.is_set():
+                        return
+            for event in events:
+                event.synchronize()
+            copies = waiting.pop(group, ())
+            for target, job in copies:
+                job.destination.copy_(target)
+            for device in {job.destination.device for _, job in copies}:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+            reached(group)
+
+    return reach
 
 
 class _Slot:
@@ -339,9 +471,8 @@ class _DeviceCasts:
         nbytes = source.numel()
         if self.used + nbytes > self.half_bytes:
             self.flush()
-            self.current ^= 1
-            if self.cast_issued[self.current]:
-                self.copies.wait_event(self.cast[self.current])
+        if self.used == 0 and self.cast_issued[self.current]:
+            self.copies.wait_event(self.cast[self.current])  # its last casts read it
         start = self.used
         self.halves[self.current][start : start + nbytes].copy_(source, non_blocking=True)
         self.used += _aligned(nbytes)
@@ -353,7 +484,8 @@ class _DeviceCasts:
             self.pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, start + nbytes))
 
     def flush(self) -> None:
-        """Issue the casts of every chunk staged in the current half."""
+        """Issue the casts of every chunk staged in the current half; later chunks go to
+        the other half, once its last casts are done."""
         if not self.pending:
             return
         half = self.halves[self.current]
@@ -369,6 +501,7 @@ class _DeviceCasts:
             self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
+        self.current ^= 1
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
@@ -552,6 +685,8 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         casts = _device_casts(state, streams)
         file_ids = pool.open_files(state.files)
         opened = True
+        if state.group_chunks is not None:
+            state.advance_groups(streams, casts)  # groups with nothing to read
         slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
         free = deque(range(pool.slot_count))
         copying: deque[int] = deque()  # slots whose copies run, in the order issued
@@ -587,6 +722,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 else:
                     slots[slot].mark_copying(stream)
                     copying.append(slot)
+                state.delivered_chunk(chunk, streams, casts)
                 left -= 1
                 if state.bar is not None:
                     state.bar.update(length)

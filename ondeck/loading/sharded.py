@@ -151,7 +151,7 @@ class ShardedComponentLoader(ComponentLoader):
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
-            fill, finished = self._group_filler(jobs, key, raw, started, template)
+            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, template)
             filling = start_filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
@@ -159,6 +159,7 @@ class ShardedComponentLoader(ComponentLoader):
                 finished,
                 device=self.device,
                 started=started,
+                fill_all=fill_all,
             )
             jobs = None  # the filling holds each group until it is read
             filling.attach(module, path, group_of)
@@ -184,6 +185,11 @@ class ShardedComponentLoader(ComponentLoader):
         """Read from the files, counting the bytes in ``bytes_read`` (copies from the host
         cache do not pass here)."""
         stats = super()._read(jobs, while_reading, bar=bar)
+        self.bytes_read += stats.nbytes
+        return stats
+
+    def _read_in_groups(self, groups, reached, bar) -> reader.ReadStats:
+        stats = super()._read_in_groups(groups, reached, bar)
         self.bytes_read += stats.nbytes
         return stats
 

@@ -153,7 +153,10 @@ def test_a_sharded_load_shards_the_skeleton_its_last_fill_built(ranks):
     for seen in ranks:
         assert seen["skeleton_copies_filling"]
         assert all(name.startswith("ondeck-fill") for name in seen["skeleton_copies_filling"])
-        assert seen["skeleton_copies_next_begin"] == []
+        # None on the caller's thread (the next fill may already build its own spare).
+        assert not [
+            n for n in seen["skeleton_copies_next_begin"] if not n.startswith("ondeck-fill")
+        ]
 
 
 @needs_gloo

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ondeck.lazy import LazyModule
-from ondeck.loading import ComponentLoader, HostCache, pipelined
+from ondeck.loading import ComponentLoader, HostCache, pipelined, reader
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,15 +41,26 @@ def forward(module) -> torch.Tensor:
         )[0]
 
 
+def held_back(monkeypatch, blocks, hold) -> None:
+    """``hold()`` runs on the copying thread before the first chunk of each of ``blocks``
+    is copied: from the files the groups are one read, held back only there."""
+    deliver = reader._deliver
+    seen: set[str] = set()
+
+    def holding(chunk, staged, streams, casts):
+        name = chunk.job.info.name
+        block = name.split(".")[1] if name.startswith("blocks.") else None
+        if block in blocks and block not in seen:
+            seen.add(block)
+            hold()
+        return deliver(chunk, staged, streams, casts)
+
+    monkeypatch.setattr(reader, "_deliver", holding)
+
+
 def slow_reads(monkeypatch, seconds: float = 0.05) -> None:
-    """Each group's read takes a while, so the forward overtakes the loading."""
-    read = ComponentLoader._read
-
-    def slowly(loader, jobs, while_reading=None, bar=None):
-        time.sleep(seconds)
-        return read(loader, jobs, while_reading, bar)
-
-    monkeypatch.setattr(ComponentLoader, "_read", slowly)
+    """Each block's weights take a while to come, so the forward overtakes the loading."""
+    held_back(monkeypatch, {str(block) for block in range(64)}, lambda: time.sleep(seconds))
 
 
 def test_a_forward_that_overtakes_the_loading_computes_the_whole_loads_result(
@@ -101,7 +112,10 @@ def test_a_fill_does_not_wait_for_compute_queued_after_its_destinations(
             assert gate.wait(30), "the test never opened the gate"
         return original(loader, jobs, *args, **kwargs)
 
-    monkeypatch.setattr(ComponentLoader, "_copy_and_read", gated)
+    if source == "host cache":
+        monkeypatch.setattr(ComponentLoader, "_copy_and_read", gated)
+    else:
+        held_back(monkeypatch, {"2"}, lambda: gate.wait(30))
     loader = ComponentLoader(six_blocks, "transformer", **options)
     module, filling = loader.begin()
     if source == "host cache":

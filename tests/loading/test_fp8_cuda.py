@@ -225,3 +225,53 @@ def test_each_stream_waits_for_the_other_at_a_staging_half(
     # half are cast together.
     chunks = sum(-(-t.nbytes // chunk) for t in tensors.values())
     assert len(casts) > 2 and sum(casts) < chunks
+
+
+@pytest.mark.parametrize("stored", ["fp8", "bf16"])
+def test_a_read_in_groups_hands_over_each_group_done_on_the_device(tmp_path, monkeypatch, stored):
+    """One read through the processes for every group: when a group is handed over, its
+    copies (and casts) are done on the device, though each copy and each half's casts
+    were queued behind a long kernel. The destinations start as NaN."""
+    from safetensors.torch import save_file
+
+    from ondeck.loading import ReadJob, read_header
+    from ondeck.loading import reader as reader_module
+
+    monkeypatch.setenv("ONDECK_READ_PROCESSES", "1")
+    issue, deliver = reader_module._DeviceCasts._issue, reader_module._deliver
+
+    def late_casts(pending, half):
+        torch.cuda._sleep(10_000_000)
+        issue(pending, half)
+
+    def late_copy(chunk, staged, streams, casts):
+        torch.cuda._sleep(2_000_000)  # on the copying thread's stream, before the copy
+        return deliver(chunk, staged, streams, casts)
+
+    chunk = 2**16
+    monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
+    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late_casts))
+    monkeypatch.setattr(reader_module, "_deliver", late_copy)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {
+        f"t{i}": torch.randn(chunk // 3 + 97 * i, generator=generator).to(torch.bfloat16)
+        for i in range(9)
+    }
+    path = tmp_path / "groups.safetensors"
+    save_file(tensors, str(path))
+    dtype = FP8 if stored == "fp8" else torch.bfloat16
+    jobs = {
+        info.name: ReadJob(info, torch.full(info.shape, float("nan"), device="cuda").to(dtype))
+        for info in read_header(path).tensors.values()
+    }
+    groups = [[jobs[f"t{i}"] for i in members] for members in ([8, 0], [3], [1, 2, 4], [7, 5, 6])]
+    reached: list[int] = []
+
+    def check(index: int) -> None:
+        reached.append(index)
+        for job in groups[index]:
+            expected = tensors[job.info.name].cuda().to(dtype)
+            assert same_bits(job.destination, expected), job.info.name
+
+    stats = reader_module.read_in_groups(groups, check, progress=False, buffer_bytes=chunk)
+    assert stats.readers == "processes" and reached == [0, 1, 2, 3]

@@ -16,7 +16,7 @@ from streaming.conftest import BLOCKS, build_six_block_folder
 
 from ondeck.errors import LoadError
 from ondeck.lazy import LazyModule
-from ondeck.loading import ComponentLoader, pipelined
+from ondeck.loading import ComponentLoader, pipelined, reader
 from ondeck.loading.pipelined import fill_groups
 
 
@@ -47,15 +47,16 @@ def forward(module):
 
 
 class GatedReads:
-    """Holds the reads of chosen groups (by their first tensor's block) until opened."""
+    """Holds the reads of chosen groups (by their first tensor's block) until opened.
+    On the CPU a pipelined load reads its groups one read each (``read_in_groups``)."""
 
     def __init__(self, monkeypatch, gated_blocks=(), fail_block=None):
         self.gates = {block: threading.Event() for block in gated_blocks}
         self.fail_block = fail_block
         self.read_blocks: list[int | None] = []
-        original = ComponentLoader._read
+        original = reader.read_into
 
-        def read(loader, jobs, while_reading=None, bar=None):
+        def read(jobs, **options):
             block = _block_of(jobs[0].info.name)
             self.read_blocks.append(block)
             gate = self.gates.get(block)
@@ -63,9 +64,9 @@ class GatedReads:
                 assert gate.wait(30), "the test never opened a gate"
             if block is not None and block == self.fail_block:
                 raise OSError("the disk went away")
-            return original(loader, jobs, while_reading, bar)
+            return original(jobs, **options)
 
-        monkeypatch.setattr(ComponentLoader, "_read", read)
+        monkeypatch.setattr(reader, "read_into", read)
 
     def open(self, block):
         self.gates[block].set()

@@ -482,3 +482,94 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
     loaded = read_by_processes(path, threads=2, buffer_bytes=1024, buffer_count=4)
     assert same_bits(loaded["w"], tensor)
     assert len(stream.events) == -(-tensor.nbytes // 1024)  # every chunk copied late
+
+
+def grouped_file(tmp_path, count=5):
+    """Tensors of a few chunks each (and one empty), split into groups out of file order."""
+    tensors = {f"t{i}": random_tensor(torch.float32, (40 + i, 31), i) for i in range(count)}
+    tensors["empty"] = torch.empty(0, 4)
+    path = write_safetensors(tmp_path / "g.safetensors", tensors)
+    jobs = {job.info.name: job for job in jobs_for(path)}
+    groups = [[jobs["t3"]], [], [jobs["t0"], jobs["empty"]], [jobs["t4"], jobs["t1"]], [jobs["t2"]]]
+    return tensors, groups
+
+
+def test_a_read_in_groups_hands_over_each_group_complete_and_in_order(tmp_path, monkeypatch):
+    """One read through the processes; at each group's turn its tensors are in place,
+    while a later group's chunks may already have been read."""
+    from ondeck.loading import reader as reader_module
+
+    tensors, groups = grouped_file(tmp_path)
+    reads: list[int] = []
+    original = reader_module.read_into
+    monkeypatch.setattr(
+        reader_module, "read_into", lambda jobs, **o: reads.append(len(jobs)) or original(jobs, **o)
+    )
+    reached: list[int] = []
+
+    def check(index: int) -> None:
+        reached.append(index)
+        for job in groups[index]:
+            assert same_bits(job.destination, tensors[job.info.name]), job.info.name
+
+    stats = reader_module.read_in_groups(
+        groups, check, progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6
+    )
+    assert stats.readers == "processes" and reads == [6]  # one read for all the groups
+    assert reached == [0, 1, 2, 3, 4]
+    assert stats.nbytes == sum(t.nbytes for t in tensors.values())
+
+
+def test_a_read_in_groups_by_threads_reads_group_after_group(tmp_path):
+    tensors, groups = grouped_file(tmp_path)
+    from ondeck.loading import reader as reader_module
+
+    reached: list[int] = []
+
+    def check(index: int) -> None:
+        reached.append(index)
+        for job in groups[index]:
+            assert same_bits(job.destination, tensors[job.info.name]), job.info.name
+
+    stats = reader_module.read_in_groups(groups, check, progress=False, processes=False)
+    assert stats.readers == "threads" and reached == [0, 1, 2, 3, 4]
+
+
+def test_an_error_at_a_group_stops_the_read_and_the_processes_serve_the_next(tmp_path):
+    from ondeck.loading import reader as reader_module
+
+    tensors, groups = grouped_file(tmp_path)
+    options = dict(progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6)
+
+    def refuse(index: int) -> None:
+        if index == 2:
+            raise LoadError("component 'transformer': loading was stopped")
+
+    with pytest.raises(LoadError, match="loading was stopped"):
+        reader_module.read_in_groups(groups, refuse, **options)
+    first = pids()
+    (tmp_path / "again").mkdir()
+    tensors, groups = grouped_file(tmp_path / "again")
+    reached: list[int] = []
+    reader_module.read_in_groups(groups, reached.append, **options)
+    assert reached == [0, 1, 2, 3, 4] and pids() == first
+    for group in groups:
+        for job in group:
+            assert same_bits(job.destination, tensors[job.info.name])
+
+
+def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_path):
+    from ondeck.loading import reader as reader_module
+
+    tensors, groups = grouped_file(tmp_path)
+    path = groups[0][0].info.path
+    jobs = [job for group in groups for job in group if job.info.nbytes]
+    last = max(jobs, key=lambda job: job.info.end)
+    os.truncate(path, last.info.start + 8)  # inside the last tensor of the file
+    reached: list[int] = []
+    with pytest.raises(LoadError, match=rf"g\.safetensors, tensor '{last.info.name}'"):
+        reader_module.read_in_groups(
+            groups, reached.append, progress=False, processes=True, buffer_bytes=1024
+        )
+    failed_group = next(i for i, group in enumerate(groups) if last in group)
+    assert reached == list(range(failed_group))
