@@ -49,6 +49,7 @@ from . import process_reader
 from .chunks import (
     BAR_LOCK,
     Chunk,
+    ChunkPlan,
     ReadJob,
     ReadStats,
     plan_chunks,
@@ -147,7 +148,7 @@ def read_into(
         groups = _grouped[0] if _grouped is not None else None
         chunks, temporaries = plan_chunks(jobs, buffer_bytes, component, groups)
         worker_count = threads or min(16, max(4, os.cpu_count() or 4))
-        staging = any(not chunk.direct and chunk.job.capture is None for chunk in chunks)
+        staging = any(not job.direct and job.job.capture is None for job in chunks.jobs)
         if staging:
             # Each thread owns two ring buffers or more (one is read into while the
             # other's copy runs): the ring, not the thread count, bounds memory.
@@ -286,7 +287,7 @@ def _join(workers: list[threading.Thread]) -> None:
 class _ReadState:
     """What every reading thread shares: the chunks, handed out in order, and the outcome."""
 
-    chunks: list
+    chunks: ChunkPlan
     files: dict
     # device -> one staging buffer per copying thread, for casts on the device
     staging: dict
@@ -316,8 +317,8 @@ class _ReadState:
 
     def count_groups(self, count: int) -> None:
         self.group_chunks = [0] * count
-        for chunk in self.chunks:
-            self.group_chunks[chunk.group] += 1
+        for job in self.chunks.jobs:
+            self.group_chunks[job.group] += job.count
         self.delivered = [0] * count
         self.next_group = 0
         self.reached: queue.SimpleQueue = queue.SimpleQueue()
@@ -404,10 +405,10 @@ class _Slot:
         self.copying = True
 
 
-def _cast_staging(chunks: list, buffer_bytes: int, workers: int) -> dict:
+def _cast_staging(chunks: ChunkPlan, buffer_bytes: int, workers: int) -> dict:
     """For each CUDA device some chunk is cast on: ``workers`` staging buffers
     (``_staging_bytes``), allocated on the caller's current stream."""
-    devices = {c.target.device for c in chunks if c.cast and c.target.device.type == "cuda"}
+    devices = {j.target.device for j in chunks.jobs if j.cast and j.target.device.type == "cuda"}
     nbytes = _staging_bytes(buffer_bytes, workers)
     return {
         device: [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(workers)]
