@@ -15,6 +15,12 @@ is the ring, never the file. Two kinds of reader fill the ring:
   contended by all the threads, which holds a warm page-cache load to about half of what
   the processes reach (BENCHMARKS.md).
 
+A pipelined load reads its groups of blocks in one read through the processes
+(:func:`read_in_groups`): the copying thread hands each group over, in order, with
+events its copies and casts end with, and the caller's thread waits on them and lets
+the group compute. Group after group as separate reads, each drained and started anew,
+left the copy engine idle 3-5 ms between groups.
+
 A cast to a CUDA destination (file dtype differs) goes through a staging buffer on the
 device in the file's dtype, one per copying thread, in two halves (:class:`_DeviceCasts`).
 Chunks are copied into one half, one after the other, on the thread's stream; once it is
