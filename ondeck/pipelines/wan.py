@@ -106,9 +106,12 @@ class WanGeometry:
     z_dim: int
     latents_mean: tuple[float, ...]
     latents_std: tuple[float, ...]
+    # The transformer's rotary positions per axis (``rope_max_seq_len``); None: unbounded.
+    max_positions: int | None = None
 
     @classmethod
     def from_configs(cls, transformer_config: Any, vae_config: Any) -> WanGeometry:
+        positions = getattr(transformer_config, "rope_max_seq_len", None)
         return cls(
             latent_channels=int(transformer_config.in_channels),
             patch_size=tuple(transformer_config.patch_size),
@@ -117,7 +120,45 @@ class WanGeometry:
             z_dim=int(vae_config.z_dim),
             latents_mean=tuple(vae_config.latents_mean),
             latents_std=tuple(vae_config.latents_std),
+            max_positions=int(positions) if positions else None,
         )
+
+    def beyond_positions(self, height: int, width: int, frames: int) -> list[tuple[str, int, str]]:
+        """``(side, value, why)`` for each side of a (snapped) shape with more patches than
+        the transformer has rotary positions: diffusers' forward would fail on it with a
+        shape error after every component loaded."""
+        if self.max_positions is None:
+            return []
+        limit = self.max_positions
+        _, _, latent_frames, latent_height, latent_width = self.latent_shape(
+            1, height, width, frames
+        )
+        time_patch, height_patch, width_patch = self.patch_size
+        sides = (
+            (
+                "height",
+                height,
+                latent_height // height_patch,
+                limit * height_patch * self.scale_spatial,
+            ),
+            ("width", width, latent_width // width_patch, limit * width_patch * self.scale_spatial),
+            (
+                "frames",
+                frames,
+                latent_frames // time_patch,
+                (limit * time_patch - 1) * self.scale_temporal + 1,
+            ),
+        )
+        return [
+            (
+                side,
+                value,
+                f"{patches} patches along it, more than the transformer's {limit} rotary "
+                f"positions (its rope_max_seq_len); at most {most}",
+            )
+            for side, value, patches, most in sides
+            if patches > limit
+        ]
 
     def snap(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
         """Round a requested shape the way diffusers does: frames = 4k+1, sides to patches."""
@@ -776,6 +817,8 @@ class WanTextToVideo(Pipeline):
     ) -> Any:
         """Generate one video; returns frames as diffusers would (``np``: B×F×H×W×C)."""
         height, width, num_frames = self.geometry.snap(height, width, num_frames)
+        for side, value, why in self.geometry.beyond_positions(height, width, num_frames):
+            raise ValueError(f"{side} {value} does not suit this model: {why}")
         if self.parallel is not None:  # before anything loads
             self.parallel.check_sequence(
                 "transformer",

@@ -167,6 +167,16 @@ def pairs(argv: list[str]) -> dict[str, str]:
             ["--frames", "6"],
             "--frames: must be 4k+1 for this model (1, 5, 9, ...), got 6 (try 5 or 9)",
         ),
+        (  # the tiny transformer's rope_max_seq_len is 32: 32 patches of 16 pixels
+            ["--width", "528"],
+            "--width: 528 is too large for this model: 33 patches along it, more than the "
+            "transformer's 32 rotary positions (its rope_max_seq_len); at most 512",
+        ),
+        (
+            ["--frames", "129"],
+            "--frames: 129 is too large for this model: 33 patches along it, more than the "
+            "transformer's 32 rotary positions (its rope_max_seq_len); at most 125",
+        ),
     ],
     ids=lambda v: str(v),
 )
