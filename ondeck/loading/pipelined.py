@@ -152,6 +152,7 @@ class Filling:
             stream = torch.cuda.stream(self._stream) if on_device else contextlib.nullcontext()
             with context, stream:
                 if self._fill_all is not None:
+                    self._check_stop()
                     self._fill_all(self._groups, self._reached)
                     if self._filled < len(self._groups):
                         raise LoadError(

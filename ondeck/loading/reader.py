@@ -124,10 +124,7 @@ def read_into(
     its own, for a load read in several parts. (``_lease``, ``_grouped``: see
     :func:`read_in_groups`.)
     """
-    sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
-    for name, value in sizes.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, not {value}")
+    _check_sizes(threads, buffer_bytes, buffer_count)
     started = time.perf_counter()
     total = sum(job.info.nbytes for job in jobs)
     paths = sorted({job.info.path for job in jobs if job.info.nbytes})
@@ -253,6 +250,7 @@ def read_in_groups(
     nothing drains or starts again between groups (each did: about 4 ms a group on the
     H200, a third of a 0.3 s text encoder load). Otherwise one read per group.
     """
+    _check_sizes(threads, buffer_bytes, buffer_count)  # before the lease, which read_into frees
     jobs = [job for group in groups for job in group]
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
     lease = None
@@ -267,6 +265,10 @@ def read_in_groups(
     parts = []
     for index, group in enumerate(groups):
         parts.append(read_into(group, processes=processes, **options))
+        # A destination that is not contiguous was copied in on this thread's stream.
+        for device in {j.destination.device for j in group if not j.destination.is_contiguous()}:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
         reached(index)
     sources = [part.source for part in parts if part.nbytes] or ["disk"]
     return ReadStats(
@@ -275,6 +277,13 @@ def read_in_groups(
         sources[0],
         parts[-1].readers if parts else "threads",
     )
+
+
+def _check_sizes(threads, buffer_bytes, buffer_count) -> None:
+    sizes = {"threads": threads, "buffer_bytes": buffer_bytes, "buffer_count": buffer_count}
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
 
 
 def _join(workers: list[threading.Thread]) -> None:

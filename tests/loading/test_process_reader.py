@@ -573,3 +573,15 @@ def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_
         )
     failed_group = next(i for i, group in enumerate(groups) if last in group)
     assert reached == list(range(failed_group))
+
+
+def test_a_read_in_groups_with_a_bad_size_takes_no_processes(tmp_path):
+    from ondeck.loading import reader as reader_module
+
+    _, groups = grouped_file(tmp_path)
+    with pytest.raises(ValueError, match="buffer_count must be at least 1, not 0"):
+        reader_module.read_in_groups(groups, lambda _: None, processes=True, buffer_count=0)
+    stats = reader_module.read_in_groups(
+        groups, lambda _: None, progress=False, processes=True, buffer_bytes=1024
+    )
+    assert stats.readers == "processes"  # the pool was not left leased
