@@ -160,13 +160,14 @@ class Filling:
                             f"{len(self._groups) - self._filled} groups of blocks not in place",
                             component=self.component,
                         )
-                for index, group in enumerate(self._groups if self._fill_all is None else ()):
-                    self._check_stop()
-                    self._fill(group)
-                    if on_device:
-                        # Copies this thread issued on its own stream are done too.
-                        self._stream.synchronize()
-                    self._mark_filled(index)
+                else:
+                    for index, group in enumerate(self._groups):
+                        self._check_stop()
+                        self._fill(group)
+                        if on_device:
+                            # Copies this thread issued on its own stream are done too.
+                            self._stream.synchronize()
+                        self._mark_filled(index)
         except BaseException as failure:
             error = failure
         finally:
