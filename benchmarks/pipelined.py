@@ -15,6 +15,9 @@ libraries and touches CUDA, so the first mode starts as warm as the others:
     auto           ``ondeck generate`` with no flags on the whole card
     auto-24        the same on a card emulated at 24 GiB
     budget-8       ondeck budget on a card emulated at 8 GiB, 64 GiB host cache
+    mmgp-1         mmgp profile 1 (every model pinned in host memory, swapped in whole)
+    mmgp-2         mmgp profile 2 (pinned, blocks streamed within its budget); both need
+                   mmgp 3.8.2 and optimum-quanto installed (benchmarks/vs_mmgp.py)
 
 Every mode runs with ONDECK_RESET_PEAKS=1, as ``ondeck generate`` runs: each stage's
 activation peak is measured (and stored), which the release policy needs to know that
@@ -61,6 +64,8 @@ MODES = {
     "auto": ("ondeck-default", None, {}),
     "auto-24": ("ondeck-default", 24, {}),
     "budget-8": ("ondeck-budget", 8, {"host_cache_gib": 64}),
+    "mmgp-1": ("mmgp-1", None, {}),
+    "mmgp-2": ("mmgp-2", None, {}),
 }
 
 
