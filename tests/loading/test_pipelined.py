@@ -4,6 +4,7 @@ forward waits for its own weights; a failure or a release mid-fill leaves nothin
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -379,3 +380,46 @@ def test_a_filling_still_running_at_exit_is_stopped_and_waited_for(tmp_path):
     lines = log.read_text().splitlines()
     assert lines[-1] == "finished LoadError"  # "loading was stopped", after the group it read
     assert 1 <= len(lines) - 1 < 200
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
+    six_block_folder, monkeypatch
+):
+    """Through the reading processes a pipelined load is one read (on the CPU only when
+    asked for): blocks 0 and 1 compute while block 2's first chunk is held back."""
+    monkeypatch.setattr(reader, "_processes_wanted", lambda jobs, processes, devices: True)
+    reads: list[int] = []
+    read_into = reader.read_into
+    monkeypatch.setattr(
+        reader,
+        "read_into",
+        lambda jobs, **options: reads.append(len(jobs)) or read_into(jobs, **options),
+    )
+    gate = threading.Event()
+    deliver = reader._deliver
+
+    def holding(chunk, staged, streams, casts):
+        if chunk.job.info.name.startswith("blocks.2."):
+            assert gate.wait(30), "the test never opened the gate"
+        return deliver(chunk, staged, streams, casts)
+
+    monkeypatch.setattr(reader, "_deliver", holding)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    module, filling = loader.begin()
+    ran: list[int] = []
+    for number, block in enumerate(module.blocks):
+        block.register_forward_hook(lambda *_, number=number: ran.append(number))
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
+    worker.start()
+    _wait_until(lambda: ran == [0, 1])
+    worker.join(0.3)
+    assert worker.is_alive() and ran == [0, 1]  # block 2 waits for its own weights
+    gate.set()
+    worker.join(30)
+    filling.wait()
+    assert len(reads) == 1 and loader.last_readers == "processes"  # one read for all groups
+    monkeypatch.undo()
+    whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    assert torch.equal(result["out"], forward(whole))
