@@ -423,3 +423,66 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     monkeypatch.undo()
     whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
     assert torch.equal(result["out"], forward(whole))
+
+
+def _one_read(monkeypatch, hold_block: int, fail: bool = False) -> threading.Event:
+    """Pipelined loads read through the processes (one read); the copying thread waits at
+    the first chunk of ``hold_block`` until the returned gate opens, then fails if asked."""
+    monkeypatch.setattr(reader, "_processes_wanted", lambda jobs, processes, devices: True)
+    gate = threading.Event()
+    deliver = reader._deliver
+
+    def holding(chunk, staged, streams, casts):
+        if chunk.job.info.name.startswith(f"blocks.{hold_block}."):
+            assert gate.wait(30), "the test never opened the gate"
+            if fail:
+                raise OSError("the disk went away")
+        return deliver(chunk, staged, streams, casts)
+
+    monkeypatch.setattr(reader, "_deliver", holding)
+    return gate
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder, monkeypatch):
+    gate = _one_read(monkeypatch, hold_block=2)
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    )
+    module = proxy.materialize(complete=False)
+    filling = object.__getattribute__(proxy, "_ondeck_filling")
+    storage = module.blocks[0].attn1.to_q.weight.untyped_storage()
+    reference = weakref.ref(module)
+    del module
+    releasing = threading.Thread(target=proxy.release)
+    releasing.start()
+    releasing.join(0.3)
+    assert releasing.is_alive()  # waits for the copying thread: nothing writes freed memory
+    gate.set()
+    releasing.join(30)
+    assert not releasing.is_alive()
+    assert isinstance(filling.failure, LoadError) and "stopped" in str(filling.failure)
+    assert storage.nbytes() == 0
+    gc.collect()
+    assert reference() is None
+    monkeypatch.undo()
+    expected = forward(ComponentLoader(six_block_folder, "transformer", pipelined=False)())
+    assert torch.equal(forward(proxy), expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+def test_a_read_failing_mid_way_fails_the_forward_that_needs_the_block(
+    six_block_folder, monkeypatch
+):
+    gate = _one_read(monkeypatch, hold_block=3, fail=True)
+    gate.set()
+    proxy = LazyModule(
+        "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    )
+    with pytest.raises(LoadError, match="transformer"):
+        forward(proxy)
+    module = weakref.ref(object.__getattribute__(proxy, "_ondeck_module"))
+    with pytest.raises(LoadError):
+        proxy.materialize()
+    gc.collect()
+    assert module() is None
