@@ -24,7 +24,9 @@ mode, each mode a process of its own (clean peaks), all in one call:
   with the reader casting as it did before its staging halves: each chunk cast as soon
   as it is copied, on the copy's stream. The other arms fill pipelined, a read per
   group of blocks, as the pipelines load; a fourth loads bf16 whole, in one read, and a
-  fifth fp8 with each staging half's casts issued in one ``torch._foreach_copy_``.
+  fifth fp8 with each staging half's casts issued in one ``torch._foreach_copy_``, a
+  sixth fp8 with the copy stream waiting for a half's last casts at every reuse, done or
+  not (as the reader did before it asked the event first).
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -399,6 +401,12 @@ def _issue_together(pending, half):
     torch._foreach_copy_(targets, sources, non_blocking=True)
 
 
+def _always_wait(self, half):
+    """The A/B arm ``fp8, waiting at every half``: the copy stream waits for a staging
+    half's last casts even when they are done (the reader before it asked the event)."""
+    self.copies.wait_event(self.cast[half])
+
+
 STAGED_DELIVER: list = []  # the reader's own _deliver, while an arm replaces it
 
 
@@ -421,8 +429,16 @@ def reload_rates(args) -> dict:
     STAGED_DELIVER[:] = [staged_deliver]
     folder = ModelFolder.open(args.folder)
     rows = {}
-    arms = ("bf16", "fp8", "fp8, chunk by chunk", "bf16, whole", "fp8, a half's casts in one call")
+    arms = (
+        "bf16",
+        "fp8",
+        "fp8, chunk by chunk",
+        "bf16, whole",
+        "fp8, a half's casts in one call",
+        "fp8, waiting at every half",
+    )
     staged_issue = reader_module._DeviceCasts._issue
+    staged_wait = reader_module._DeviceCasts._wait_for_casts
     for name in STORED:
         loaders = {
             arm: ComponentLoader(
@@ -448,6 +464,8 @@ def reload_rates(args) -> dict:
                 reader_module._deliver = patched
                 if arm.endswith("in one call"):
                     reader_module._DeviceCasts._issue = staticmethod(_issue_together)
+                if arm.endswith("every half"):
+                    reader_module._DeviceCasts._wait_for_casts = _always_wait
                 try:
                     torch.cuda.synchronize()
                     before = allocator_counts()
@@ -459,6 +477,7 @@ def reload_rates(args) -> dict:
                 finally:
                     reader_module._deliver = staged_deliver
                     reader_module._DeviceCasts._issue = staticmethod(staged_issue)
+                    reader_module._DeviceCasts._wait_for_casts = staged_wait
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)

@@ -488,7 +488,8 @@ class _DeviceCasts:
         if self.used + nbytes > self.half_bytes:
             self.flush()
         if self.used == 0 and self.cast_issued[self.current]:
-            self.copies.wait_event(self.cast[self.current])  # its last casts read it
+            self.cast_issued[self.current] = False
+            self._wait_for_casts(self.current)
         start = self.used
         self.halves[self.current][start : start + nbytes].copy_(source, non_blocking=True)
         self.used += _aligned(nbytes)
@@ -498,6 +499,13 @@ class _DeviceCasts:
             last.hi, last.end = chunk.hi, start + nbytes
         else:
             self.pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, start + nbytes))
+
+    def _wait_for_casts(self, half: int) -> None:
+        """Before copying into ``half`` again: its last casts read it. Usually they are
+        done by now (the other half was filled meanwhile), and then the copy stream is
+        not made to wait at all."""
+        if not self.cast[half].query():
+            self.copies.wait_event(self.cast[half])
 
     def flush(self) -> None:
         """Issue the casts of every chunk staged in the current half; later chunks go to

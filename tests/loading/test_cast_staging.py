@@ -34,11 +34,16 @@ class FakeStream:
 
 
 class FakeEvent:
+    done = False  # what query() answers: the work before it has finished
+
     def __init__(self):
         self.recorded_on: list = []
 
     def record(self, stream) -> None:
         self.recorded_on.append(stream)
+
+    def query(self) -> bool:
+        return self.done
 
 
 @pytest.fixture
@@ -176,3 +181,17 @@ def test_a_threads_staging_is_its_share_in_two_halves_or_one_chunk(chunk_bytes, 
     # The reading processes' one copying thread, at the default ring, gets halves.
     if workers == 1 and chunk_bytes <= 8 * 2**20:
         assert nbytes == reader_module.CAST_STAGING_BYTES
+
+
+def test_a_half_whose_casts_are_done_is_copied_into_without_a_wait(
+    tmp_path, cpu_streams, monkeypatch
+):
+    """The copy stream waits for a half's last casts only while they are still running."""
+    monkeypatch.setattr(FakeEvent, "done", True)
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 6, 9, CHUNK * 4])
+    casts, issued = stage(chunks, file_bytes, half_chunks=2)
+    assert len(issued) > 2 and casts.copies.waited == []
+    for job in jobs:
+        assert torch.equal(
+            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
+        ), job.info.name
