@@ -421,10 +421,8 @@ def _check_shape(pipe: Any, height: int | None, width: int | None, frames: int |
             f"argument --frames: must be {step}k+1 for this model (1, {step + 1}, "
             f"{2 * step + 1}, ...), got {frames} (try {_either(below, below + step)})"
         )
-    given = {"height": height, "width": width, "frames": frames}
-    for side, value, why in geometry.beyond_positions(height or 16, width or 16, frames or 1):
-        if given[side] is not None:
-            raise UsageError(f"argument --{side}: {value} is too large for this model: {why}")
+    for side, value, why in geometry.beyond_positions(height, width, frames):
+        raise UsageError(f"argument --{side}: {value} is too large for this model: {why}")
 
 
 def _either(below: int, above: int) -> str:

@@ -123,31 +123,22 @@ class WanGeometry:
             max_positions=int(positions) if positions else None,
         )
 
-    def beyond_positions(self, height: int, width: int, frames: int) -> list[tuple[str, int, str]]:
-        """``(side, value, why)`` for each side of a (snapped) shape with more patches than
-        the transformer has rotary positions: diffusers' forward would fail on it with a
-        shape error after every component loaded."""
+    def beyond_positions(
+        self, height: int | None, width: int | None, frames: int | None
+    ) -> list[tuple[str, int, str]]:
+        """``(side, value, why)`` for each side given (None: not given) with more patches
+        than the transformer has rotary positions: diffusers' forward would fail on it
+        with a shape error after every component loaded."""
         if self.max_positions is None:
             return []
         limit = self.max_positions
-        _, _, latent_frames, latent_height, latent_width = self.latent_shape(
-            1, height, width, frames
-        )
         time_patch, height_patch, width_patch = self.patch_size
+        # A side not given counts as none: zero pixels, one frame.
+        along_time, along_height, along_width = self.patches(height or 0, width or 0, frames or 1)
         sides = (
-            (
-                "height",
-                height,
-                latent_height // height_patch,
-                limit * height_patch * self.scale_spatial,
-            ),
-            ("width", width, latent_width // width_patch, limit * width_patch * self.scale_spatial),
-            (
-                "frames",
-                frames,
-                latent_frames // time_patch,
-                (limit * time_patch - 1) * self.scale_temporal + 1,
-            ),
+            ("height", height, along_height, limit * height_patch * self.scale_spatial),
+            ("width", width, along_width, limit * width_patch * self.scale_spatial),
+            ("frames", frames, along_time, (limit * time_patch - 1) * self.scale_temporal + 1),
         )
         return [
             (
@@ -157,7 +148,7 @@ class WanGeometry:
                 f"positions (its rope_max_seq_len); at most {most}",
             )
             for side, value, patches, most in sides
-            if patches > limit
+            if value is not None and patches > limit
         ]
 
     def snap(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
@@ -171,15 +162,19 @@ class WanGeometry:
 
     def tokens(self, height: int, width: int, frames: int) -> int:
         """The transformer's sequence length for a (snapped) shape: latent patches."""
+        along_time, along_height, along_width = self.patches(height, width, frames)
+        return along_time * along_height * along_width
+
+    def patches(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
+        """Latent patches along time, height and width for a (snapped) shape."""
         _, _, latent_frames, latent_height, latent_width = self.latent_shape(
             1, height, width, frames
         )
         time_patch, height_patch, width_patch = self.patch_size
         return (
-            latent_frames
-            // time_patch
-            * (latent_height // height_patch)
-            * (latent_width // width_patch)
+            latent_frames // time_patch,
+            latent_height // height_patch,
+            latent_width // width_patch,
         )
 
     def latent_shape(self, batch: int, height: int, width: int, frames: int) -> tuple[int, ...]:
