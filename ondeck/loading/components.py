@@ -503,29 +503,21 @@ class ComponentLoader:
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
     ) -> reader.ReadStats:
-        return reader.read_into(
-            jobs,
-            bar=bar,
-            while_reading=while_reading,
-            threads=self.threads,
-            buffer_bytes=self.buffer_bytes,
-            buffer_count=self.buffer_count,
-            progress=self.progress,
-            component=self.name,
-        )
+        return reader.read_into(jobs, bar=bar, while_reading=while_reading, **self._read_options())
 
     def _read_in_groups(
         self, groups: list[list[reader.ReadJob]], reached: Callable[[int], None], bar: Any
     ) -> reader.ReadStats:
-        return reader.read_in_groups(
-            groups,
-            reached,
+        return reader.read_in_groups(groups, reached, bar=bar, **self._read_options())
+
+    def _read_options(self) -> dict[str, Any]:
+        """This loader's settings for the reader, the same for every read it makes."""
+        return dict(
             threads=self.threads,
             buffer_bytes=self.buffer_bytes,
             buffer_count=self.buffer_count,
             progress=self.progress,
             component=self.name,
-            bar=bar,
         )
 
     def _record(self, stats: reader.ReadStats) -> None:

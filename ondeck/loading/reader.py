@@ -27,8 +27,8 @@ Chunks are copied into one half, one after the other, on the thread's stream; on
 full, the casts out of it are issued together on a stream of their own while the next
 chunks are copied into the other half. The copy engine runs as it does for a load without
 a cast, and the two streams wait for each other once per half, not once per chunk: cast
-after each chunk's copy on one stream, the copies stop for every cast (fp8 reloads read at
-0.85-0.87 of bf16's rate that way, and at 0.95-0.97 in halves of 32 MiB, in one call).
+after each chunk's copy on one stream, the copies stop for every cast (BENCHMARKS.md
+compares the two: the halves read closer to bf16's rate, still short of it).
 A tensor's chunks that lie side by side in a half are cast in one operation. The load
 allocates the buffers on the caller's stream before the copies' fence, so the allocator
 reuses them from one load (or pipelined group) to the next; allocated on a side stream,
@@ -137,8 +137,8 @@ def read_into(
     workers: list[threading.Thread] = []
     bar = None
     try:
-        if lease is None and total and _processes_wanted(jobs, processes, devices):
-            lease = _lease_processes(threads, buffer_bytes, buffer_count, pinned)
+        if lease is None:
+            lease = _lease_if_wanted(jobs, processes, devices, threads, buffer_bytes, buffer_count)
         if lease is not None:
             buffer_bytes, buffer_count = lease.pool.slot_bytes, lease.pool.slot_count
         else:
@@ -253,9 +253,7 @@ def read_in_groups(
     _check_sizes(threads, buffer_bytes, buffer_count)  # before the lease, which read_into frees
     jobs = [job for group in groups for job in group]
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}
-    lease = None
-    if any(job.info.nbytes for job in jobs) and _processes_wanted(jobs, processes, devices):
-        lease = _lease_processes(threads, buffer_bytes, buffer_count, bool(devices))
+    lease = _lease_if_wanted(jobs, processes, devices, threads, buffer_bytes, buffer_count)
     options = dict(threads=threads, buffer_bytes=buffer_bytes, buffer_count=buffer_count)
     options.update(progress=progress, component=component, bar=bar)
     if lease is not None:
@@ -576,12 +574,7 @@ def _finish_casts(casts: dict, state: _ReadState) -> None:
 
 def _fences(devices) -> dict:
     """Destinations may reuse memory the caller's stream still reads: copies start after it."""
-    fences = {}
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        fences[device] = event
-    return fences
+    return {device: _recorded(torch.cuda.current_stream(device)) for device in devices}
 
 
 def _side_streams(fences: dict) -> dict:
@@ -661,6 +654,14 @@ def _processes_wanted(jobs: Sequence[ReadJob], processes: bool | None, devices) 
     if processes is not None:
         return processes
     return bool(devices) and not any(reads_directly(job) for job in jobs)
+
+
+def _lease_if_wanted(jobs, processes, devices, threads, buffer_bytes, buffer_count):
+    """The reading processes' lease for a read of ``jobs``, if it has bytes and wants
+    them (``_processes_wanted``) and they are free; else None."""
+    if any(job.info.nbytes for job in jobs) and _processes_wanted(jobs, processes, devices):
+        return _lease_processes(threads, buffer_bytes, buffer_count, pinned=bool(devices))
+    return None
 
 
 def _lease_processes(threads, buffer_bytes, buffer_count, pinned):
