@@ -120,12 +120,7 @@ def test_a_block_waits_for_exactly_its_own_weights(six_block_folder, monkeypatch
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
     module, filling = loader.begin()  # returns with every block still held back
     assert gates.read_blocks == [None, 0]  # the parts outside the blocks, then block 0 waits
-    ran: list[int] = []
-    for number, block in enumerate(module.blocks):
-        block.register_forward_hook(lambda *_, number=number: ran.append(number))
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
-    worker.start()
+    ran, result, worker = forward_in_background(module)
     worker.join(0.3)
     assert worker.is_alive() and ran == []  # block 0 is not in yet
     gates.open(0)
@@ -143,6 +138,18 @@ def test_a_block_waits_for_exactly_its_own_weights(six_block_folder, monkeypatch
     assert 0.3 < loader.last_read_seconds <= loader.last_load_seconds
     reference = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
     assert torch.equal(result["out"], forward(reference))
+
+
+def forward_in_background(module) -> tuple[list[int], dict, threading.Thread]:
+    """A forward of ``module`` on a started thread: the blocks it ran, in order, and its
+    output under ``"out"`` once it returns."""
+    ran: list[int] = []
+    for number, block in enumerate(module.blocks):
+        block.register_forward_hook(lambda *_, number=number: ran.append(number))
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
+    worker.start()
+    return ran, result, worker
 
 
 def _wait_until(condition, seconds: float = 10.0) -> None:
@@ -388,7 +395,7 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
 ):
     """Through the reading processes a pipelined load is one read (on the CPU only when
     asked for): blocks 0 and 1 compute while block 2's first chunk is held back."""
-    monkeypatch.setattr(reader, "_processes_wanted", lambda jobs, processes, devices: True)
+    gate, _ = _one_read(monkeypatch, hold_block=2)
     reads: list[int] = []
     read_into = reader.read_into
     monkeypatch.setattr(
@@ -396,23 +403,9 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
         "read_into",
         lambda jobs, **options: reads.append(len(jobs)) or read_into(jobs, **options),
     )
-    gate = threading.Event()
-    deliver = reader._deliver
-
-    def holding(chunk, staged, streams, casts):
-        if chunk.job.info.name.startswith("blocks.2."):
-            assert gate.wait(30), "the test never opened the gate"
-        return deliver(chunk, staged, streams, casts)
-
-    monkeypatch.setattr(reader, "_deliver", holding)
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
     module, filling = loader.begin()
-    ran: list[int] = []
-    for number, block in enumerate(module.blocks):
-        block.register_forward_hook(lambda *_, number=number: ran.append(number))
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
-    worker.start()
+    ran, result, worker = forward_in_background(module)
     _wait_until(lambda: ran == [0, 1])
     worker.join(0.3)
     assert worker.is_alive() and ran == [0, 1]  # block 2 waits for its own weights
@@ -425,27 +418,31 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     assert torch.equal(result["out"], forward(whole))
 
 
-def _one_read(monkeypatch, hold_block: int, fail: bool = False) -> threading.Event:
+def _one_read(
+    monkeypatch, hold_block: int, fail: bool = False
+) -> tuple[threading.Event, threading.Event]:
     """Pipelined loads read through the processes (one read); the copying thread waits at
-    the first chunk of ``hold_block`` until the returned gate opens, then fails if asked."""
+    the first chunk of ``hold_block`` until the returned gate opens, then fails if asked.
+    The second event is set once the copying thread waits there."""
     monkeypatch.setattr(reader, "_processes_wanted", lambda jobs, processes, devices: True)
-    gate = threading.Event()
+    gate, held = threading.Event(), threading.Event()
     deliver = reader._deliver
 
     def holding(chunk, staged, streams, casts):
         if chunk.job.info.name.startswith(f"blocks.{hold_block}."):
+            held.set()
             assert gate.wait(30), "the test never opened the gate"
             if fail:
                 raise OSError("the disk went away")
         return deliver(chunk, staged, streams, casts)
 
     monkeypatch.setattr(reader, "_deliver", holding)
-    return gate
+    return gate, held
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
 def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder, monkeypatch):
-    gate = _one_read(monkeypatch, hold_block=2)
+    gate, held = _one_read(monkeypatch, hold_block=2)
     proxy = LazyModule(
         "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
     )
@@ -454,6 +451,9 @@ def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder,
     storage = module.blocks[0].attn1.to_q.weight.untyped_storage()
     reference = weakref.ref(module)
     del module
+    # Released while the copying thread is inside block 2 (released earlier, the read
+    # stops at the next group's end, before it gets there).
+    assert held.wait(10)
     releasing = threading.Thread(target=proxy.release)
     releasing.start()
     releasing.join(0.3)
@@ -474,7 +474,7 @@ def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder,
 def test_a_read_failing_mid_way_fails_the_forward_that_needs_the_block(
     six_block_folder, monkeypatch
 ):
-    gate = _one_read(monkeypatch, hold_block=3, fail=True)
+    gate, _ = _one_read(monkeypatch, hold_block=3, fail=True)
     gate.set()
     proxy = LazyModule(
         "transformer", ComponentLoader(six_block_folder, "transformer", pipelined=True)
