@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import out_dir, ready_wan14b_folder  # noqa: E402
+from common import out_dir, ready_wan14b_folder, reload_arm_loader  # noqa: E402
 
 ARMS = ("bf16", "fp8", "bf16, whole", "fp8, whole")
 GAP_US = 50
@@ -88,22 +88,14 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ondeck.loading import ComponentLoader, ModelFolder
+    from ondeck.loading import ModelFolder
 
     path, _ = ready_wan14b_folder(Path(args.folder))
     folder = ModelFolder.open(path)
     results: dict[str, dict] = {}
     for name in args.components.split(","):
         for arm in ARMS:
-            loader = ComponentLoader(
-                folder,
-                name,
-                device="cuda",
-                dtype=torch.bfloat16,
-                storage_dtype="fp8" if arm.startswith("fp8") else None,
-                progress=False,
-                pipelined=False if arm.endswith("whole") else None,
-            )
+            loader = reload_arm_loader(folder, name, arm)
             loader()  # warm-up: the reading processes start, the allocator fills
             gc.collect()
             torch.cuda.empty_cache()

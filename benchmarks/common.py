@@ -122,6 +122,25 @@ def drop_page_cache(paths) -> None:
         pass
 
 
+def reload_arm_loader(folder, name: str, arm: str):
+    """A ``ComponentLoader`` of component ``name`` on CUDA for a reload arm named like
+    ``"fp8, ..."`` or ``"bf16, whole"``: fp8 storage when the arm starts with fp8, loaded
+    whole when it ends with whole, pipelined as the pipelines load otherwise."""
+    import torch
+
+    from ondeck.loading import ComponentLoader
+
+    return ComponentLoader(
+        folder,
+        name,
+        device="cuda",
+        dtype=torch.bfloat16,
+        storage_dtype="fp8" if arm.startswith("fp8") else None,
+        progress=False,
+        pipelined=False if arm.endswith("whole") else None,
+    )
+
+
 def warm_page_cache(paths) -> None:
     for path in paths:
         with open(path, "rb") as handle:

@@ -70,6 +70,7 @@ from common import (  # noqa: E402
     parse_modes,
     peak_rss_bytes,
     ready_wan14b_folder,
+    reload_arm_loader,
     run_child,
 )
 
@@ -422,7 +423,7 @@ def reload_rates(args) -> dict:
     from wan_modes import allocator_counts
 
     from ondeck.lazy import module_nbytes
-    from ondeck.loading import ComponentLoader, ModelFolder
+    from ondeck.loading import ModelFolder
     from ondeck.loading import reader as reader_module
 
     staged_deliver = reader_module._deliver
@@ -440,18 +441,7 @@ def reload_rates(args) -> dict:
     staged_issue = reader_module._DeviceCasts._issue
     staged_wait = reader_module._DeviceCasts._wait_for_casts
     for name in STORED:
-        loaders = {
-            arm: ComponentLoader(
-                folder,
-                name,
-                device="cuda",
-                dtype=torch.bfloat16,
-                storage_dtype="fp8" if arm.startswith("fp8") else None,
-                progress=False,
-                pipelined=False if arm.endswith("whole") else None,
-            )
-            for arm in arms
-        }
+        loaders = {arm: reload_arm_loader(folder, name, arm) for arm in arms}
         seconds = {arm: [] for arm in arms}
         read_seconds = {arm: [] for arm in arms}
         allocations = {arm: [] for arm in arms}
