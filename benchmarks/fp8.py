@@ -22,11 +22,10 @@ mode, each mode a process of its own (clean peaks), all in one call:
   GB/s of the whole load and of its read alone (the files hold bf16 either way), and
   the device allocations each load made. A third arm loads fp8
   with the reader casting as it did before its staging halves: each chunk cast as soon
-  as it is copied, on the copy's stream. The other arms fill pipelined, a read per
-  group of blocks, as the pipelines load; a fourth loads bf16 whole, in one read, and a
-  fifth fp8 with each staging half's casts issued in one ``torch._foreach_copy_``, a
-  sixth fp8 with the copy stream waiting for a half's last casts at every reuse, done or
-  not (as the reader did before it asked the event first).
+  as it is copied, on the copy's stream. The other arms fill pipelined, in one read
+  for all groups of blocks, as the pipelines load; a fourth loads bf16 whole, and a
+  fifth fp8 with each cast out of a staging half issued by a ``copy_`` of its own from
+  Python (the reader issues a half's casts in one call).
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -386,26 +385,17 @@ def _deliver_chunk_by_chunk(chunk, staged, streams, casts):
     return stream
 
 
-def _issue_together(pending, half):
-    """The A/B arm ``fp8, a half's casts in one call``: every cast out of a staging half
-    issued by one ``torch._foreach_copy_`` instead of a ``copy_`` each."""
-    import torch
-
-    targets, sources = [], []
+def _issue_each(pending, half):
+    """The A/B arm ``fp8, a cast per tensor``: the casts out of a staging half issued by
+    a ``copy_`` each from Python, as the reader did before it issued them in one call."""
     for staged in pending:
         source = half[staged.start : staged.end].view(staged.job.info.dtype)
         target = staged.target
         if target.numel() != source.numel():
             target = target.as_strided((source.numel(),), (1,))
-        targets.append(target)
-        sources.append(source.to(staged.job.via) if staged.job.via is not None else source)
-    torch._foreach_copy_(targets, sources, non_blocking=True)
-
-
-def _always_wait(self, half):
-    """The A/B arm ``fp8, waiting at every half``: the copy stream waits for a staging
-    half's last casts even when they are done (the reader before it asked the event)."""
-    self.copies.wait_event(self.cast[half])
+        if staged.job.via is not None:
+            source = source.to(staged.job.via)
+        target.copy_(source, non_blocking=True)
 
 
 STAGED_DELIVER: list = []  # the reader's own _deliver, while an arm replaces it
@@ -435,11 +425,9 @@ def reload_rates(args) -> dict:
         "fp8",
         "fp8, chunk by chunk",
         "bf16, whole",
-        "fp8, a half's casts in one call",
-        "fp8, waiting at every half",
+        "fp8, a cast per tensor",
     )
     staged_issue = reader_module._DeviceCasts._issue
-    staged_wait = reader_module._DeviceCasts._wait_for_casts
     for name in STORED:
         loaders = {arm: reload_arm_loader(folder, name, arm) for arm in arms}
         seconds = {arm: [] for arm in arms}
@@ -452,10 +440,8 @@ def reload_rates(args) -> dict:
                 loader = loaders[arm]
                 patched = _deliver_chunk_by_chunk if "chunk by chunk" in arm else staged_deliver
                 reader_module._deliver = patched
-                if arm.endswith("in one call"):
-                    reader_module._DeviceCasts._issue = staticmethod(_issue_together)
-                if arm.endswith("every half"):
-                    reader_module._DeviceCasts._wait_for_casts = _always_wait
+                if arm.endswith("per tensor"):
+                    reader_module._DeviceCasts._issue = staticmethod(_issue_each)
                 try:
                     torch.cuda.synchronize()
                     before = allocator_counts()
@@ -467,7 +453,6 @@ def reload_rates(args) -> dict:
                 finally:
                     reader_module._deliver = staged_deliver
                     reader_module._DeviceCasts._issue = staticmethod(staged_issue)
-                    reader_module._DeviceCasts._wait_for_casts = staged_wait
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)

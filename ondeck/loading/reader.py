@@ -527,15 +527,30 @@ class _DeviceCasts:
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
+        """Every cast out of ``half`` in one call: a half holds dozens of runs, and a
+        ``copy_`` each kept the copying thread (and the GIL) busy between its copies."""
+        targets, sources = [], []
         for staged in pending:
             info, via = staged.job.info, staged.job.via
             source = half[staged.start : staged.end].view(info.dtype)
             target = staged.target
             if target.numel() != source.numel():  # chunks merged: the run's whole span
                 target = target.as_strided((source.numel(),), (1,))
-            if via is not None:
-                source = source.to(via)
-            target.copy_(source, non_blocking=True)
+            targets.append(target)
+            sources.append(source if via is None else source.to(via))
+        _copy_all(targets, sources)
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i, issued by one call where torch has
+    it (``_foreach_copy_`` casts as ``copy_`` does; it is not public API, so a torch
+    without it gets the loop)."""
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is not None:
+        copy_all(targets, sources, non_blocking=True)
+        return
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source, non_blocking=True)
 
 
 @dataclass

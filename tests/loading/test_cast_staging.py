@@ -46,11 +46,25 @@ class FakeEvent:
         return self.done
 
 
-@pytest.fixture
-def cpu_streams(monkeypatch):
+@pytest.fixture(params=["one call", "a copy_ each"])
+def cpu_streams(request, monkeypatch):
+    """Fake streams, and a half's casts issued either by ``torch._foreach_copy_`` or, as
+    on a torch without it, by a ``copy_`` each."""
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    if request.param == "a copy_ each":
+        monkeypatch.delattr(torch, "_foreach_copy_")
+    else:
+        calls = []
+        foreach = torch._foreach_copy_
+        monkeypatch.setattr(
+            torch, "_foreach_copy_", lambda *a, **k: calls.append(1) or foreach(*a, **k)
+        )
+        yield
+        assert calls  # the casts went through the one call
+        return
+    yield
 
 
 def tensors_and_chunks(tmp_path, sizes, file_dtype=torch.bfloat16, chunk_bytes=CHUNK):
