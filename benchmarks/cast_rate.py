@@ -1,0 +1,153 @@
+"""The reader's rate casting bf16 file bytes to fp8 on the device, against copying them.
+
+    python benchmarks/cast_rate.py [--blocks 8] [--attempts 6]
+
+A safetensors file of ``--blocks`` Wan 2.1 14B-shaped transformer blocks (bf16, random;
+eight blocks are 5.3 GiB), in the page cache, read through the reading processes into
+device tensors with ``reader.read_into``: no module, no pipelining, the read alone.
+The block's matrices are the ones fp8 storage casts; its vectors are kept as they are.
+
+Arms, per ring slot size (the chunk the reading processes hand over; 4 MiB is the
+default): bf16 (copies into the destinations), fp8 with the default 32 MiB cast staging
+(two halves), and fp8 with 128 MiB of staging. The arms of one slot size take turns,
+their order turning each attempt, after a warm-up read each; a slot size restarts the
+reading processes, so each size's arms run together. Medians of the file bytes' GB/s,
+and fp8 ÷ bf16 within each size. Writes cast_rate.json to $OUT; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import out_dir, warm_page_cache  # noqa: E402
+
+DIM, FFN = 5120, 13824
+MiB = 2**20
+
+
+def block_shapes(dim: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for attn in ("attn1", "attn2"):
+        for part in ("to_q", "to_k", "to_v", "to_out.0"):
+            shapes[f"{attn}.{part}.weight"] = (dim, dim)
+            shapes[f"{attn}.{part}.bias"] = (dim,)
+        shapes[f"{attn}.norm_q.weight"] = (dim,)
+        shapes[f"{attn}.norm_k.weight"] = (dim,)
+    shapes["ffn.net.0.proj.weight"] = (ffn, dim)
+    shapes["ffn.net.0.proj.bias"] = (ffn,)
+    shapes["ffn.net.2.weight"] = (dim, ffn)
+    shapes["ffn.net.2.bias"] = (dim,)
+    shapes["norm2.weight"] = (dim,)
+    shapes["scale_shift_table"] = (1, 6, dim)
+    return shapes
+
+
+def build_file(path: Path, blocks: int, dim: int, ffn: int) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    if path.exists():
+        return path
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = {}
+    for index in range(blocks):
+        for name, shape in block_shapes(dim, ffn).items():
+            tensor = torch.randn(shape, device=device, dtype=torch.bfloat16)
+            tensors[f"blocks.{index}.{name}"] = tensor.cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
+
+
+def jobs_for(path: Path, arm: str, device):
+    import torch
+
+    from ondeck.loading import ReadJob, read_header
+
+    jobs = []
+    for info in read_header(path).tensors.values():
+        cast = arm.startswith("fp8") and len(info.shape) == 2
+        dtype = torch.float8_e4m3fn if cast else info.dtype
+        jobs.append(ReadJob(info, torch.empty(info.shape, dtype=dtype, device=device)))
+    return jobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--file", default="/tmp/cast-rate/blocks.safetensors")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--attempts", type=int, default=6)
+    parser.add_argument("--slots-mib", default="4,16", help="ring slot sizes to try")
+    parser.add_argument("--tiny", action="store_true", help="CPU check: small tensors")
+    args = parser.parse_args()
+
+    import torch
+
+    from ondeck.loading import reader
+
+    dim, ffn = (64, 160) if args.tiny else (DIM, FFN)
+    path = build_file(Path(args.file), args.blocks, dim, ffn)
+    warm_page_cache([str(path)])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    nbytes = path.stat().st_size
+    default_staging = reader.CAST_STAGING_BYTES
+    arms = {"bf16": None, "fp8": default_staging, "fp8, 128 MiB staging": 128 * MiB}
+    rows: dict[str, dict] = {}
+    for slot_mib in (int(s) for s in args.slots_mib.split(",")):
+        seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+        for attempt in range(1 + args.attempts):  # the first of each arm warms it
+            names = list(arms)
+            for turn in range(len(names)):
+                arm = names[(attempt + turn) % len(names)]
+                reader.CAST_STAGING_BYTES = arms[arm] or default_staging
+                try:
+                    jobs = jobs_for(path, arm, device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    stats = reader.read_into(
+                        jobs, buffer_bytes=slot_mib * MiB, progress=False, component="blocks"
+                    )
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - started
+                finally:
+                    reader.CAST_STAGING_BYTES = default_staging
+                if attempt:
+                    seconds[arm].append(elapsed)
+                del jobs
+            print(f"slot {slot_mib} MiB, attempt {attempt}: {stats.readers}", flush=True)
+        for arm, values in seconds.items():
+            median = statistics.median(values)
+            rows[f"{arm}, {slot_mib} MiB slots"] = {
+                "seconds": values,
+                "gb_per_second": nbytes / median / 1e9,
+                "slot_mib": slot_mib,
+                "arm": arm,
+            }
+    document = {
+        "file_bytes": nbytes,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "command": "python benchmarks/cast_rate.py " + " ".join(sys.argv[1:]),
+    }
+    (out_dir() / "cast_rate.json").write_text(json.dumps(document, indent=2))
+    print(f"\n{nbytes / 2**30:.2f} GiB file, medians of {args.attempts} reads per arm")
+    print(f"{'arm':<36} {'GB/s':>6} {'/ bf16':>7}")
+    for name, row in rows.items():
+        base = rows[f"bf16, {row['slot_mib']} MiB slots"]["gb_per_second"]
+        print(f"{name:<36} {row['gb_per_second']:>6.1f} {row['gb_per_second'] / base:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
