@@ -527,8 +527,9 @@ class _DeviceCasts:
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
-        """Every cast out of ``half`` in one call: a half holds dozens of runs, and a
-        ``copy_`` each kept the copying thread (and the GIL) busy between its copies."""
+        """Every cast out of ``half``, issued in one call: the copying thread makes one
+        call per half instead of one per run of chunks. (On the H200 the read was no
+        faster beyond the spread between calls; BENCHMARKS.md has the A/B.)"""
         targets, sources = [], []
         for staged in pending:
             info, via = staged.job.info, staged.job.via
