@@ -88,7 +88,7 @@ class Filling:
         self,
         component: str,
         groups: Sequence[Any],
-        fill: Callable[[Any], None] | None,
+        fill: Callable[[Any], None],
         *,
         device: torch.device,
         finished: Callable[[BaseException | None], None] | None = None,
@@ -306,7 +306,7 @@ atexit.register(_stop_fillings)
 def start_filling(
     component: str,
     groups: Sequence[Any],
-    fill: Callable[[Any], None] | None,
+    fill: Callable[[Any], None],
     finished: Callable[[BaseException | None], None],
     *,
     device: torch.device,

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,9 +264,7 @@ def read_in_groups(
     for index, group in enumerate(groups):
         parts.append(read_into(group, processes=processes, **options))
         # A destination that is not contiguous was copied in on this thread's stream.
-        for device in {j.destination.device for j in group if not j.destination.is_contiguous()}:
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
+        _synchronize_current(j.destination for j in group if not j.destination.is_contiguous())
         reached(index)
     sources = [part.source for part in parts if part.nbytes] or ["disk"]
     return ReadStats(
@@ -275,6 +273,14 @@ def read_in_groups(
         sources[0],
         parts[-1].readers if parts else "threads",
     )
+
+
+def _synchronize_current(destinations: Iterable[torch.Tensor]) -> None:
+    """Wait for this thread's current stream on each CUDA device of ``destinations``: the
+    temporaries of destinations that are not contiguous are copied in on it."""
+    for device in {tensor.device for tensor in destinations}:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _check_sizes(threads, buffer_bytes, buffer_count) -> None:
@@ -383,9 +389,7 @@ def _reaching(state: _ReadState, reached: Callable[[int], None], waiting: dict) 
             copies = waiting.pop(group, ())
             for target, job in copies:
                 job.destination.copy_(target)
-            for device in {job.destination.device for _, job in copies}:
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
+            _synchronize_current(job.destination for _, job in copies)
             reached(group)
 
     return reach
