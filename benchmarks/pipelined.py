@@ -30,9 +30,9 @@ user's second command does.
 Per mode: runs 2-3 (median) and their ratio to eager, run 1, exposed load seconds,
 peak reserved (sampled), host peak RSS, time to first video (process start to frames
 in hand, imports included; and the same less the imports, which every mode's process
-makes first, the component classes too), and whether release's frames equal release-whole's bit for
-bit (SHA-256 of every run's frames). Writes pipelined.json and the timeline PNGs of
-the release modes to $OUT.
+makes first, the component classes too), and whether release's frames equal
+release-whole's bit for bit (SHA-256 of every run's frames). Writes pipelined.json and
+the timeline PNGs of the release modes to $OUT.
 """
 
 from __future__ import annotations

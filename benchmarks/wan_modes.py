@@ -232,7 +232,9 @@ def restart_peak_rss() -> bool:
 
 def import_component_classes(folder: Path) -> None:
     """Import the class model_index.json names for each component, as every mode's
-    set-up would (diffusers' from_pretrained, mmgp's, ondeck's from_folder)."""
+    set-up would (diffusers' from_pretrained, mmgp's, ondeck's from_folder). Not through
+    ondeck's ``ModelFolder.component_class``: the diffusers and mmgp modes import
+    nothing of ondeck, and their imports stay theirs alone."""
     import importlib
     import json
 
