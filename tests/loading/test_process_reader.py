@@ -494,9 +494,21 @@ def grouped_file(tmp_path, count=5):
     return tensors, groups
 
 
+def checking_in_place(groups, tensors, reached: list[int]):
+    """A ``reached`` that notes each group and asserts its tensors are in place."""
+
+    def check(index: int) -> None:
+        reached.append(index)
+        for job in groups[index]:
+            assert same_bits(job.destination, tensors[job.info.name]), job.info.name
+
+    return check
+
+
 def test_a_read_in_groups_hands_over_each_group_complete_and_in_order(tmp_path, monkeypatch):
     """One read through the processes; at each group's turn its tensors are in place,
-    while a later group's chunks may already have been read."""
+    while a later group's chunks may already have been read. Each chunk's copy is slowed,
+    so that a group handed over early would be seen incomplete."""
     from ondeck.loading import reader as reader_module
 
     tensors, groups = grouped_file(tmp_path)
@@ -505,12 +517,15 @@ def test_a_read_in_groups_hands_over_each_group_complete_and_in_order(tmp_path, 
     monkeypatch.setattr(
         reader_module, "read_into", lambda jobs, **o: reads.append(len(jobs)) or original(jobs, **o)
     )
-    reached: list[int] = []
+    deliver = reader_module._deliver
 
-    def check(index: int) -> None:
-        reached.append(index)
-        for job in groups[index]:
-            assert same_bits(job.destination, tensors[job.info.name]), job.info.name
+    def slowly(*args):
+        time.sleep(0.005)
+        return deliver(*args)
+
+    monkeypatch.setattr(reader_module, "_deliver", slowly)
+    reached: list[int] = []
+    check = checking_in_place(groups, tensors, reached)
 
     stats = reader_module.read_in_groups(
         groups, check, progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6
@@ -525,11 +540,7 @@ def test_a_read_in_groups_by_threads_reads_group_after_group(tmp_path):
     from ondeck.loading import reader as reader_module
 
     reached: list[int] = []
-
-    def check(index: int) -> None:
-        reached.append(index)
-        for job in groups[index]:
-            assert same_bits(job.destination, tensors[job.info.name]), job.info.name
+    check = checking_in_place(groups, tensors, reached)
 
     stats = reader_module.read_in_groups(groups, check, progress=False, processes=False)
     assert stats.readers == "threads" and reached == [0, 1, 2, 3, 4]
