@@ -116,6 +116,66 @@ def test_text_encoder_in_fp8_equals_its_weights_rounded_to_fp8_computed_in_bf16(
     assert feed_forward.wo.weight.dtype == FP8  # the forward left fp8 behind
 
 
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shape and dtype of every tensor the ops inside it return."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.made.append((tuple(tensor.shape), tensor.dtype))
+        return out
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_an_fp8_embedding_upcasts_the_rows_it_looks_up_never_its_whole_table(wan_bf16, pipelined):
+    loader = ComponentLoader(
+        wan_bf16, "text_encoder", dtype=torch.bfloat16, storage_dtype="fp8", pipelined=pipelined
+    )
+    model = loader()
+    table = model.shared.weight
+    assert table.dtype == FP8
+    ids = torch.tensor([[5, 9, 13, 2], [7, 7, 0, 31]])
+    with torch.no_grad(), _Shapes() as shapes:
+        rows = model.shared(ids)
+    # The values diffusers' hook gives: the whole table upcast, then looked up.
+    assert same_bits(rows, torch.nn.functional.embedding(ids, table.to(torch.bfloat16)))
+    assert table.dtype == FP8 and model.shared.weight is table
+    assert shapes.made, "the dispatch mode saw no op"
+    # Views of the table in fp8 and bytes, and bf16 of the rows alone: no bf16 table.
+    assert (tuple(table.shape), torch.bfloat16) not in shapes.made, shapes.made
+    assert (tuple(ids.shape) + (table.shape[1],), torch.bfloat16) in shapes.made
+    # A lookup that rewrites its table (max_norm) goes through the casting hook instead.
+    model.shared.max_norm = 1e9
+    with torch.no_grad(), _Shapes() as shapes:
+        again = model.shared(ids)
+    model.shared.max_norm = None
+    assert same_bits(again, rows)
+    assert (tuple(table.shape), torch.bfloat16) in shapes.made
+    assert model.shared.weight.dtype == FP8
+
+
+def test_an_embedding_subclass_with_its_own_forward_is_upcast_whole(wan_bf16):
+    from ondeck.loading import storage
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2
+
+    layer = Scaled(8, 4)
+    assert not storage._gathers_rows(layer)
+    assert storage._gathers_rows(torch.nn.Embedding(8, 4))
+    holder = torch.nn.Sequential(layer).to(torch.bfloat16)
+    storage.upcast_for_compute(holder, "torch", FP8, torch.bfloat16, ["0"], in_place=False)
+    ids = torch.tensor([1, 3])
+    with torch.no_grad():
+        assert same_bits(holder(ids), layer.weight.to(torch.bfloat16)[ids] * 2)
+
+
 def test_with_float16_compute_the_layers_kept_in_float32_stay_float32(wan_bf16):
     model = ComponentLoader(
         wan_bf16, "text_encoder", dtype=torch.float16, storage_dtype="fp8", pipelined=False
