@@ -211,6 +211,93 @@ class RssSampler(PeakSampler):
         super().__init__(rss_bytes, interval)
 
 
+class PhaseClock:
+    """Times calls of named functions while it is open: each call's label, component (the
+    ``name`` of the object it was called on, if any), start (seconds since the clock's
+    last ``take``), seconds and thread. ``targets``: ``{label: (owner, attribute)}``, an
+    owner being a module or a class; each is patched back on close. Calls nest: a phase
+    holds the time of the phases it calls."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]):
+        self.targets = targets
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._zero = time.perf_counter()
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrapped(self, label: str, function):
+        import functools
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                ended = time.perf_counter()
+                event = {
+                    "phase": label,
+                    "component": _component_of(args[0]) if args else "",
+                    "start": round(started - self._zero, 6),
+                    "seconds": round(ended - started, 6),
+                    "thread": threading.current_thread().name,
+                }
+                with self._lock:
+                    self.events.append(event)
+
+        return timed
+
+    def __enter__(self) -> PhaseClock:
+        for label, (owner, attribute) in self.targets.items():
+            own = vars(owner).get(attribute)  # None: inherited (a class) or absent
+            self._saved.append((owner, attribute, own))
+            if isinstance(own, staticmethod):
+                wrapped = staticmethod(self._wrapped(label, own.__func__))
+            else:
+                wrapped = self._wrapped(label, getattr(owner, attribute))
+            setattr(owner, attribute, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attribute, own in reversed(self._saved):
+            if own is None:
+                delattr(owner, attribute)  # inherited again
+            else:
+                setattr(owner, attribute, own)
+        self._saved.clear()
+
+    def take(self) -> list[dict]:
+        with self._lock:
+            events, self.events = self.events, []
+            self._zero = time.perf_counter()
+        return events
+
+
+def _component_of(owner) -> str:
+    """The component an object belongs to, read without ``__getattr__`` (a lazy
+    proxy's would load it)."""
+    for attribute in ("_ondeck_name", "name", "component"):
+        try:
+            value = object.__getattribute__(owner, attribute)
+        except (AttributeError, TypeError):
+            continue
+        if isinstance(value, str):
+            return value
+    return ""
+
+
+def phase_totals(events: list[dict]) -> dict[str, dict]:
+    """``{"phase component": {"seconds": total, "calls": n, "longest": s}}`` of ``events``."""
+    totals: dict[str, dict] = {}
+    for event in events:
+        key = f"{event['phase']} {event['component']}".strip()
+        row = totals.setdefault(key, {"seconds": 0.0, "calls": 0, "longest": 0.0})
+        row["seconds"] += event["seconds"]
+        row["calls"] += 1
+        row["longest"] = max(row["longest"], event["seconds"])
+    return totals
+
+
 def parse_modes(parser, text: str, known, kind: str = "modes") -> list[str]:
     """The comma-separated names of ``text``, in order; an unknown one is a usage error."""
     modes = [name.strip() for name in text.split(",") if name.strip()]

@@ -62,12 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB,
     PeakSampler,
+    PhaseClock,
     decode_report,
     emit,
     later_seconds,
     out_dir,
     parse_modes,
     peak_rss_bytes,
+    phase_totals,
     ready_wan14b_folder,
     reload_arm_loader,
     run_child,
@@ -264,6 +266,39 @@ def bf16_plan_at(folder: Path, budget: int | None) -> dict | None:
     }
 
 
+def phase_targets(pipe) -> dict:
+    """What an ondeck run's loads and releases spend their time in (``PhaseClock``)."""
+    from ondeck import executor, lazy
+    from ondeck.loading import components, pipelined
+    from ondeck.streaming import streamer
+
+    loader = components.ComponentLoader
+    policy = type(pipe.policy)
+    return {
+        "begin": (loader, "begin"),
+        "load whole": (loader, "_load_whole"),
+        "match tensors": (components, "match_tensors"),
+        "allocate": (components, "_allocate"),
+        "cache lookup": (loader, "_cached"),
+        "fill placed": (loader, "_fill_placed"),
+        "start filling": (components, "start_filling"),
+        "take skeleton": (loader, "_take_skeleton"),
+        "install": (components, "_install"),
+        "wait for group": (pipelined.Filling, "wait_group"),
+        "finish": (components, "_finish"),
+        "upcast hooks": (loader, "_upcast_for_compute"),
+        "arm streaming": (streamer.BlockStreamer, "finish"),
+        "disarm streaming": (streamer.BlockStreamer, "unload"),
+        "release": (lazy.LazyModule, "release"),
+        "prefetch wait": (executor.Executor, "wait_for"),
+        "next run wait": (executor.Executor, "_join_next_run"),
+        "free cached": (executor, "free_cached_memory"),
+        "policy before stage": (policy, "before_stage"),
+        "policy after stage": (policy, "after_stage"),
+        "policy before load": (policy, "before_load"),
+    }
+
+
 def run_pipeline(args) -> dict:
     import torch
     from wan_modes import (
@@ -303,9 +338,12 @@ def run_pipeline(args) -> dict:
         )
     torch.cuda.synchronize()
     result["setup_seconds"] = time.perf_counter() - started
+    phases = PhaseClock(phase_targets(pipe) if args.phases and clock is None else {})
+    phases.__enter__()
     kept = []  # the latents of each run's (first) decode
     for run, prompt in enumerate(PROMPTS[: args.runs]):
         torch.cuda.reset_peak_memory_stats()
+        phases.take()
         streamed_before = bytes_streamed(pipe)
         by_component_before = streamed_by_component(pipe)
         loaded_before = pipe.tracker.bytes_loaded if hasattr(pipe, "tracker") else 0
@@ -350,11 +388,16 @@ def run_pipeline(args) -> dict:
             }
         elif clock is not None:
             row["stages"] = clock.take(row["seconds"])
+        if phases.targets:
+            events = phases.take()
+            row["phases"] = phase_totals(events)
+            row["phase_events"] = events
         if len(latents_seen) > seen_before:
             kept.append(latents_seen[seen_before])
         result["runs"].append(row)
         print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
         gc.collect()
+    phases.__exit__(None, None, None)
     if args.child == "bf16-eager":
         result["resident_bytes"] = component_nbytes(pipe)
     else:
@@ -647,6 +690,15 @@ def print_stage_table(rows: dict) -> None:
         if runs[2].get("sources"):
             print(f"{mode} run 3 last sources: {runs[2]['sources']}")
     for mode, row in rows.items():
+        runs = row.get("runs") or []
+        if runs and runs[-1].get("phases"):
+            totals = sorted(runs[-1]["phases"].items(), key=lambda item: -item[1]["seconds"])
+            shown = "; ".join(
+                f"{name} {t['seconds']:.3f} s/{t['calls']} (longest {t['longest']:.3f})"
+                for name, t in totals[:16]
+            )
+            print(f"{mode} run {len(runs)} phases: {shown}")
+    for mode, row in rows.items():
         if "planned_blocks_before_run_1" not in row:
             continue
 
@@ -696,6 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what-if: the automatic budget's reserve once activations are measured "
         "(ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES) for the fp8 modes",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time the loads' and releases' parts in the ondeck modes (PhaseClock): "
+        "per run, totals and every call",
+    )
     return parser
 
 
@@ -743,6 +801,8 @@ def main(argv: list[str] | None = None) -> None:
             command += ["--host-cache-gib", str(HOST_CACHE_GIB[mode])]
         if args.measured_reserve_mib is not None:
             command += ["--measured-reserve-mib", str(args.measured_reserve_mib)]
+        if args.phases:
+            command += ["--phases"]
         if mode == "reload":
             command += ["--reload-attempts", str(args.reload_attempts)]
         row = run_child(command, timeout=args.timeout)
