@@ -20,12 +20,11 @@ mode, each mode a process of its own (clean peaks), all in one call:
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
   fp8, five times each (``--reload-attempts``) after a warm-up load, taking turns: file
   GB/s of the whole load and of its read alone (the files hold bf16 either way), and
-  the device allocations each load made. A third arm loads fp8
-  with the reader casting as it did before its staging halves: each chunk cast as soon
-  as it is copied, on the copy's stream. The other arms fill pipelined, in one read
-  for all groups of blocks, as the pipelines load; a fourth loads bf16 whole, and a
-  fifth fp8 with each cast out of a staging half issued by a ``copy_`` of its own from
-  Python (the reader issues a half's casts in one call).
+  the device allocations each load made. The arms fill pipelined, in one read for all
+  groups of blocks, as the pipelines load, but one that loads bf16 whole. Each load
+  starts with the allocator's cache empty (new device memory, as a first load), but
+  those ``into cached memory``: bf16 and fp8 again, the allocator holding mapped memory
+  enough for the module (as a reload in a running pipeline usually finds).
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -411,66 +410,30 @@ def run_pipeline(args) -> dict:
     return result
 
 
-def _deliver_chunk_by_chunk(chunk, staged, streams, casts):
-    """How the reader cast before its staging halves (the A/B arm of ``reload``): each
-    chunk copied into the start of the staging buffer and cast out of it at once, both
-    on the copying thread's stream."""
-    device = chunk.target.device
-    stream = streams.get(device)
-    if not (chunk.cast and stream is not None):
-        return STAGED_DELIVER[0](chunk, staged, streams, casts)
-    source = staged.view(chunk.job.info.dtype)
-    place = casts[device].halves[0][: staged.numel()].view(source.dtype)
-    place.copy_(source, non_blocking=True)
-    if chunk.job.via is not None:
-        place = place.to(chunk.job.via)
-    chunk.target.copy_(place, non_blocking=True)
-    return stream
-
-
-def _issue_each(pending, half):
-    """The A/B arm ``fp8, a cast per tensor``: the casts out of a staging half issued by
-    a ``copy_`` each from Python, as the reader did before it issued them in one call."""
-    for staged in pending:
-        source = half[staged.start : staged.end].view(staged.job.info.dtype)
-        target = staged.target
-        if target.numel() != source.numel():
-            target = target.as_strided((source.numel(),), (1,))
-        if staged.job.via is not None:
-            source = source.to(staged.job.via)
-        target.copy_(source, non_blocking=True)
-
-
-STAGED_DELIVER: list = []  # the reader's own _deliver, while an arm replaces it
-
-
 def reload_rates(args) -> dict:
     """Each component, bf16 and fp8, loaded from the page cache: file bytes per second.
     The arms of one component take turns, attempt by attempt, so that a drift of the
     machine during the call reaches all of them alike, and the order of the arms turns
     from one attempt to the next (no arm always follows the same one). Beside each
     load's seconds, its read's alone (the reads, copies and casts, without building the
-    module). ``fp8, chunk by chunk``: the reader as it cast before its staging halves,
-    in the same process."""
+    module). Every load but those ``into cached memory`` starts with the allocator's
+    cache empty, as a first load does; those find mapped memory enough for the module
+    in it, as a reload in a running pipeline usually does."""
     import torch
     from wan_modes import allocator_counts
 
     from ondeck.lazy import module_nbytes
     from ondeck.loading import ModelFolder
-    from ondeck.loading import reader as reader_module
 
-    staged_deliver = reader_module._deliver
-    STAGED_DELIVER[:] = [staged_deliver]
     folder = ModelFolder.open(args.folder)
     rows = {}
     arms = (
         "bf16",
         "fp8",
-        "fp8, chunk by chunk",
         "bf16, whole",
-        "fp8, a cast per tensor",
+        "bf16, into cached memory",
+        "fp8, into cached memory",
     )
-    staged_issue = reader_module._DeviceCasts._issue
     for name in STORED:
         loaders = {arm: reload_arm_loader(folder, name, arm) for arm in arms}
         seconds = {arm: [] for arm in arms}
@@ -481,21 +444,17 @@ def reload_rates(args) -> dict:
             for turn in range(len(arms)):
                 arm = arms[(attempt + turn) % len(arms)]
                 loader = loaders[arm]
-                patched = _deliver_chunk_by_chunk if "chunk by chunk" in arm else staged_deliver
-                reader_module._deliver = patched
-                if arm.endswith("per tensor"):
-                    reader_module._DeviceCasts._issue = staticmethod(_issue_each)
-                try:
-                    torch.cuda.synchronize()
-                    before = allocator_counts()
-                    started = time.perf_counter()
-                    module = loader()
-                    torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - started
-                    counts = allocator_counts(before)
-                finally:
-                    reader_module._deliver = staged_deliver
-                    reader_module._DeviceCasts._issue = staticmethod(staged_issue)
+                torch.cuda.empty_cache()
+                if arm.endswith("into cached memory"):
+                    room = torch.empty(loader.spec.nbytes + 2**30, dtype=torch.uint8, device="cuda")
+                    del room
+                torch.cuda.synchronize()
+                before = allocator_counts()
+                started = time.perf_counter()
+                module = loader()
+                torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
+                counts = allocator_counts(before)
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)
@@ -503,7 +462,6 @@ def reload_rates(args) -> dict:
                 stored[arm] = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
-                torch.cuda.empty_cache()
         file_bytes = folder.file_bytes(name)
         for arm in arms:
             middle = statistics.median(seconds[arm])
@@ -637,17 +595,18 @@ def print_table(rows: dict, summary: dict) -> None:
     reload = summary.get("reload") or {}
     if reload:
         print(
-            f"\n{'reload from page cache (medians)':<36} {'file GB/s':>9} "
+            f"\n{'reload from page cache (medians)':<44} {'file GB/s':>9} "
             f"{'/ bf16':>6} {'read GB/s':>9} {'/ bf16':>6} {'stored GiB':>10} "
             f"{'device allocs':>13}"
         )
         for name, entry in reload.items():
-            bf16 = reload.get(name.split(" ")[0] + " bf16", entry)
+            kept = ", into cached memory" if name.endswith(", into cached memory") else ""
+            bf16 = reload.get(name.split(" ")[0] + " bf16" + kept, entry)
             ratio = entry["file_gb_per_second"] / bf16["file_gb_per_second"]
             read = entry.get("read_gb_per_second", float("nan"))
             read_ratio = read / bf16.get("read_gb_per_second", float("nan"))
             print(
-                f"{name:<36} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
+                f"{name:<44} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
                 f"{read:>9.1f} {read_ratio:>6.3f} "
                 f"{entry['stored_bytes'] / GiB:>10.2f} "
                 f"{'/'.join(str(n) for n in sorted(set(entry.get('device_allocations', [])))):>13}"

@@ -195,9 +195,6 @@ class ComponentLoader:
             filling.attach(module, path, group_of)
             filling.wait_group(0)
             _finish(module, self.name)
-            # The filling writes into the module's tensors after it computes: cast copies
-            # beside them, never in place.
-            self._upcast_for_compute(module, template, in_place=False)
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
@@ -222,7 +219,17 @@ class ComponentLoader:
         spare, self._spare = self._spare, None
         if spare is not None and spare[0] is template:
             return spare[1]
-        return template.fresh()
+        return self._pipelined_skeleton(template)
+
+    def _pipelined_skeleton(self, template: Skeleton) -> Skeleton:
+        """A fresh skeleton for a pipelined load, its stored layers already hooked to
+        compute in the compute dtype (the hooks hold no tensor, so a spare built ahead
+        takes them off the load's path). The filling writes into the module's tensors
+        after it starts computing: the hooks put upcast copies beside them, never cast
+        in place."""
+        skeleton = template.fresh()
+        self._upcast_for_compute(skeleton.module, template, in_place=False)
+        return skeleton
 
     def _group_filler(
         self,
@@ -298,7 +305,7 @@ class ComponentLoader:
                 storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
             if error is None and self._spare is None:
-                self._spare = (template, template.fresh())
+                self._spare = (template, self._pipelined_skeleton(template))
 
         return fill, (fill_all if not held else None), finished
 
