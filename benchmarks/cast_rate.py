@@ -1,6 +1,6 @@
 """The reader's rate casting bf16 file bytes to fp8 on the device, against copying them.
 
-    python benchmarks/cast_rate.py [--blocks 8] [--attempts 6]
+    python benchmarks/cast_rate.py [--blocks 8] [--attempts 10]
 
 A safetensors file of ``--blocks`` Wan 2.1 14B-shaped transformer blocks (bf16, random;
 eight blocks are 5.3 GiB), in the page cache, read through the reading processes into
@@ -8,19 +8,23 @@ device tensors with ``reader.read_into``: no module, no pipelining, the read alo
 The block's matrices are the ones fp8 storage casts; its vectors are kept as they are.
 
 Arms, per ring slot size (the chunk the reading processes hand over; 4 MiB is the
-default): bf16 (copies into the destinations), fp8 with the default 32 MiB cast staging
-(two halves), fp8 with 128 MiB of staging, and bf16 and fp8 read in groups, a block a
-group, as a pipelined load reads (``reader.read_in_groups``, each group handed over to
-a callback that does nothing once its copies and casts are done). The arms of one slot
-size take turns, their order turning each attempt, after a warm-up read each; a slot
-size restarts the reading processes, so each size's arms run together. Medians of the
-file bytes' GB/s, and fp8 ÷ bf16 read the same way within each size. Writes
-cast_rate.json to $OUT; prints a table last.
+default): bf16 (copies into the destinations), fp8 with the default cast staging (two
+halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
+and fp8 read in groups, a block a group, as a pipelined load reads
+(``reader.read_in_groups``, each group handed over to a callback that does nothing once
+its copies and casts are done). The arms of one slot size take turns, their order
+turning each attempt, after a warm-up read each; a slot size restarts the reading
+processes, so each size's arms run together. Medians of the file bytes' GB/s, and fp8
+÷ bf16 read the same way within each size. Beside each read: the collector's pauses
+(count and seconds, from ``gc.callbacks``) and how often the copying thread came back
+to a staging half whose casts were not done yet (the copy stream then waits for them).
+Writes cast_rate.json to $OUT; prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -30,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import out_dir, warm_page_cache  # noqa: E402
+from common import CollectorClock, out_dir, warm_page_cache  # noqa: E402
 
 DIM, FFN = 5120, 13824
 MiB = 2**20
@@ -91,11 +95,47 @@ def by_block(jobs) -> list[list]:
     return list(groups.values())
 
 
+class Pauses:
+    """Per read (``with pauses:``): the collector's passes (``CollectorClock``), and the
+    copying thread's returns to a staging half, with how many found its casts not done."""
+
+    def __init__(self):
+        from ondeck.loading import reader
+
+        self.last: dict = {}
+        self.collector = CollectorClock().__enter__()
+        self._halves = {"cast_waits": 0, "half_returns": 0}
+        self._reader = reader
+        self._original = reader._DeviceCasts._wait_for_casts
+        halves, original = self._halves, self._original
+
+        def wait_for_casts(casts, half):
+            halves["half_returns"] += 1
+            if not casts.cast[half].query():
+                halves["cast_waits"] += 1
+            return original(casts, half)
+
+        reader._DeviceCasts._wait_for_casts = wait_for_casts
+
+    def __enter__(self):
+        self.collector.take()
+        for key in self._halves:
+            self._halves[key] = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.last = {**self.collector.take(), **self._halves}
+
+    def close(self) -> None:
+        self.collector.__exit__()
+        self._reader._DeviceCasts._wait_for_casts = self._original
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--file", default="/tmp/cast-rate/blocks.safetensors")
     parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--attempts", type=int, default=6)
+    parser.add_argument("--attempts", type=int, default=10)
     parser.add_argument("--slots-mib", default="4", help="ring slot sizes to try, e.g. 4,16")
     parser.add_argument("--tiny", action="store_true", help="CPU check: small tensors")
     args = parser.parse_args()
@@ -113,37 +153,46 @@ def main() -> None:
     arms = {
         "bf16": None,
         "fp8": default_staging,
-        "fp8, 128 MiB staging": 128 * MiB,
+        "fp8, collector paused": default_staging,
         "bf16, in groups": None,
         "fp8, in groups": default_staging,
     }
+    pauses = Pauses()
     rows: dict[str, dict] = {}
     for slot_mib in (int(s) for s in args.slots_mib.split(",")):
         seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+        seen: dict[str, list[dict]] = {arm: [] for arm in arms}
         for attempt in range(1 + args.attempts):  # the first of each arm warms it
             names = list(arms)
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
                 reader.CAST_STAGING_BYTES = arms[arm] or default_staging
+                paused = arm.endswith("collector paused") and gc.isenabled()
                 try:
                     jobs = jobs_for(path, arm, device)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    options = dict(buffer_bytes=slot_mib * MiB, progress=False)
-                    if arm.endswith("in groups"):
-                        stats = reader.read_in_groups(
-                            by_block(jobs), lambda index: None, component="blocks", **options
-                        )
-                    else:
-                        stats = reader.read_into(jobs, component="blocks", **options)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - started
+                    with pauses:
+                        if paused:
+                            gc.disable()
+                        started = time.perf_counter()
+                        options = dict(buffer_bytes=slot_mib * MiB, progress=False)
+                        if arm.endswith("in groups"):
+                            stats = reader.read_in_groups(
+                                by_block(jobs), lambda index: None, component="blocks", **options
+                            )
+                        else:
+                            stats = reader.read_into(jobs, component="blocks", **options)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - started
                 finally:
+                    if paused:
+                        gc.enable()
                     reader.CAST_STAGING_BYTES = default_staging
                 if attempt:
                     seconds[arm].append(elapsed)
+                    seen[arm].append(pauses.last)
                 del jobs
             print(f"slot {slot_mib} MiB, attempt {attempt}: {stats.readers}", flush=True)
         for arm, values in seconds.items():
@@ -153,7 +202,9 @@ def main() -> None:
                 "gb_per_second": nbytes / median / 1e9,
                 "slot_mib": slot_mib,
                 "arm": arm,
+                "per_read": seen[arm],
             }
+    pauses.close()
     document = {
         "file_bytes": nbytes,
         "rows": rows,
@@ -164,11 +215,23 @@ def main() -> None:
     }
     (out_dir() / "cast_rate.json").write_text(json.dumps(document, indent=2))
     print(f"\n{nbytes / 2**30:.2f} GiB file, medians of {args.attempts} reads per arm")
-    print(f"{'arm':<36} {'GB/s':>6} {'/ bf16':>7}")
+    print(
+        f"{'arm':<36} {'GB/s':>6} {'/ bf16':>7} {'gc':>6} {'gc ms':>9} {'waits/halves':<13} "
+        f"{'min ms':>6} {'max ms':>6}  (medians per read)"
+    )
     for name, row in rows.items():
         bf16 = "bf16, in groups" if row["arm"].endswith("in groups") else "bf16"
         base = rows[f"{bf16}, {row['slot_mib']} MiB slots"]["gb_per_second"]
-        print(f"{name:<36} {row['gb_per_second']:>6.1f} {row['gb_per_second'] / base:>7.3f}")
+        reads = row["per_read"]
+        collections = statistics.median(r["collections"] for r in reads)
+        paused_ms = statistics.median(r["collector_seconds"] for r in reads) * 1e3
+        waits = statistics.median(r["cast_waits"] for r in reads)
+        halves = statistics.median(r["half_returns"] for r in reads)
+        print(
+            f"{name:<36} {row['gb_per_second']:>6.1f} {row['gb_per_second'] / base:>7.3f} "
+            f"{collections:>6.0f} {paused_ms:>9.2f} {waits:>6.0f}/{halves:<6.0f} "
+            f"{min(row['seconds']) * 1e3:>6.1f} {max(row['seconds']) * 1e3:>6.1f}"
+        )
 
 
 if __name__ == "__main__":

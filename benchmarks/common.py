@@ -273,6 +273,56 @@ class PhaseClock:
         return events
 
 
+class CollectorClock:
+    """Python's cyclic garbage collector's passes while it is open, by generation:
+    ``take()`` returns ``{"collections", "collector_seconds", "oldest_collections",
+    "longest_seconds"}`` since the last take. A pass holds the interpreter lock
+    throughout: every thread that issues copies waits for it."""
+
+    def __init__(self):
+        self._started: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.counts = {
+            "collections": 0,
+            "collector_seconds": 0.0,
+            "oldest_collections": 0,
+            "longest_seconds": 0.0,
+        }
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if self._started is None:
+            return
+        seconds = time.perf_counter() - self._started
+        self._started = None
+        counts = self.counts
+        counts["collections"] += 1
+        counts["collector_seconds"] += seconds
+        counts["longest_seconds"] = max(counts["longest_seconds"], seconds)
+        if info.get("generation") == 2:
+            counts["oldest_collections"] += 1
+
+    def __enter__(self) -> CollectorClock:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def take(self) -> dict:
+        counts = self.counts
+        self._reset()
+        return counts
+
+
 def _component_of(owner) -> str:
     """The component an object belongs to, read without ``__getattr__`` (a lazy
     proxy's would load it)."""

@@ -20,11 +20,12 @@ mode, each mode a process of its own (clean peaks), all in one call:
 - ``reload``: the transformer and the text encoder loaded from the page cache, bf16 and
   fp8, five times each (``--reload-attempts``) after a warm-up load, taking turns: file
   GB/s of the whole load and of its read alone (the files hold bf16 either way), and
-  the device allocations each load made. The arms fill pipelined, in one read for all
-  groups of blocks, as the pipelines load, but one that loads bf16 whole. Each load
-  starts with the allocator's cache empty (new device memory, as a first load), but
-  those ``into cached memory``: bf16 and fp8 again, the allocator holding mapped memory
-  enough for the module (as a reload in a running pipeline usually finds).
+  the device allocations and the garbage collector's passes each load made. The arms
+  fill pipelined, in one read for all groups of blocks, as the pipelines load. Each
+  load starts with the allocator's cache empty (new device memory, as a first load),
+  but those ``into cached memory``: bf16 and fp8 again, the allocator holding mapped
+  memory enough for the module (as a reload in a running pipeline usually finds).
+  ``fp8, collector paused``: Python's cyclic collector disabled during the load.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -59,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    CollectorClock,
     GiB,
     PeakSampler,
     PhaseClock,
@@ -430,15 +432,17 @@ def reload_rates(args) -> dict:
     arms = (
         "bf16",
         "fp8",
-        "bf16, whole",
+        "fp8, collector paused",
         "bf16, into cached memory",
         "fp8, into cached memory",
     )
+    collector = CollectorClock().__enter__()
     for name in STORED:
         loaders = {arm: reload_arm_loader(folder, name, arm) for arm in arms}
         seconds = {arm: [] for arm in arms}
         read_seconds = {arm: [] for arm in arms}
         allocations = {arm: [] for arm in arms}
+        collected = {arm: [] for arm in arms}
         stored = {}
         for attempt in range(1 + args.reload_attempts):  # the first starts the processes
             for turn in range(len(arms)):
@@ -448,17 +452,26 @@ def reload_rates(args) -> dict:
                 if arm.endswith("into cached memory"):
                     room = torch.empty(loader.spec.nbytes + 2**30, dtype=torch.uint8, device="cuda")
                     del room
+                paused = arm.endswith("collector paused") and gc.isenabled()
                 torch.cuda.synchronize()
                 before = allocator_counts()
-                started = time.perf_counter()
-                module = loader()
-                torch.cuda.synchronize()
-                elapsed = time.perf_counter() - started
+                collector.take()
+                if paused:
+                    gc.disable()
+                try:
+                    started = time.perf_counter()
+                    module = loader()
+                    torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - started
+                finally:
+                    if paused:
+                        gc.enable()
                 counts = allocator_counts(before)
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)
                     allocations[arm].append(counts["num_device_alloc"])
+                    collected[arm].append(collector.take())
                 stored[arm] = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
@@ -473,6 +486,7 @@ def reload_rates(args) -> dict:
                 "file_gb_per_second": file_bytes / middle / 1e9,
                 "read_gb_per_second": file_bytes / statistics.median(read_seconds[arm]) / 1e9,
                 "device_allocations": allocations[arm],
+                "collector": collected[arm],
                 "readers": loaders[arm].last_readers,
             }
             print(
@@ -480,6 +494,7 @@ def reload_rates(args) -> dict:
                 f"{allocations[arm]} device allocations",
                 file=sys.stderr,
             )
+    collector.__exit__()
     return {"mode": "reload", "reload": rows}
 
 
@@ -597,7 +612,7 @@ def print_table(rows: dict, summary: dict) -> None:
         print(
             f"\n{'reload from page cache (medians)':<44} {'file GB/s':>9} "
             f"{'/ bf16':>6} {'read GB/s':>9} {'/ bf16':>6} {'stored GiB':>10} "
-            f"{'device allocs':>13}"
+            f"{'device allocs':>13} {'gc passes/old/ms':>17}"
         )
         for name, entry in reload.items():
             kept = ", into cached memory" if name.endswith(", into cached memory") else ""
@@ -609,8 +624,18 @@ def print_table(rows: dict, summary: dict) -> None:
                 f"{name:<44} {entry['file_gb_per_second']:>9.1f} {ratio:>6.3f} "
                 f"{read:>9.1f} {read_ratio:>6.3f} "
                 f"{entry['stored_bytes'] / GiB:>10.2f} "
-                f"{'/'.join(str(n) for n in sorted(set(entry.get('device_allocations', [])))):>13}"
+                f"{'/'.join(str(n) for n in sorted(set(entry.get('device_allocations', [])))):>13} "
+                f"{_collector_medians(entry.get('collector') or []):>17}"
             )
+
+
+def _collector_medians(loads: list[dict]) -> str:
+    if not loads:
+        return "-"
+    passes = statistics.median(load["collections"] for load in loads)
+    oldest = statistics.median(load["oldest_collections"] for load in loads)
+    seconds = statistics.median(load["collector_seconds"] for load in loads)
+    return f"{passes:.0f}/{oldest:.0f}/{seconds * 1e3:.1f}"
 
 
 def _gib_by_name(nbytes: dict[str, int]) -> str:
