@@ -96,8 +96,10 @@ def by_block(jobs) -> list[list]:
 
 
 class Pauses:
-    """Per read (``with pauses:``): the collector's passes (``CollectorClock``), and the
-    copying thread's returns to a staging half, with how many found its casts not done."""
+    """Per read (``with pauses:``): the collector's passes (``CollectorClock``), the
+    copying thread's returns to a staging half, with how many found its casts not done,
+    and the copying thread's CPU seconds against its wall seconds (the thread that feeds
+    the reading processes and issues every copy and cast)."""
 
     def __init__(self):
         from ondeck.loading import reader
@@ -105,6 +107,7 @@ class Pauses:
         self.last: dict = {}
         self.collector = CollectorClock().__enter__()
         self._halves = {"cast_waits": 0, "half_returns": 0}
+        self._halves.update(copy_thread_cpu_seconds=0.0, copy_thread_seconds=0.0)
         self._reader = reader
         self._original = reader._DeviceCasts._wait_for_casts
         halves, original = self._halves, self._original
@@ -116,6 +119,18 @@ class Pauses:
             return original(casts, half)
 
         reader._DeviceCasts._wait_for_casts = wait_for_casts
+        self._feed = reader._feed_claimed
+        feed = self._feed
+
+        def feed_claimed(state, pool):
+            cpu, wall = time.thread_time(), time.perf_counter()
+            try:
+                return feed(state, pool)
+            finally:
+                halves["copy_thread_cpu_seconds"] += time.thread_time() - cpu
+                halves["copy_thread_seconds"] += time.perf_counter() - wall
+
+        reader._feed_claimed = feed_claimed
 
     def __enter__(self):
         self.collector.take()
@@ -129,6 +144,7 @@ class Pauses:
     def close(self) -> None:
         self.collector.__exit__()
         self._reader._DeviceCasts._wait_for_casts = self._original
+        self._reader._feed_claimed = self._feed
 
 
 def main() -> None:
@@ -217,7 +233,8 @@ def main() -> None:
     print(f"\n{nbytes / 2**30:.2f} GiB file, medians of {args.attempts} reads per arm")
     print(
         f"{'arm':<36} {'GB/s':>6} {'/ bf16':>7} {'gc':>6} {'gc ms':>9} {'waits/halves':<13} "
-        f"{'min ms':>6} {'max ms':>6}  (medians per read)"
+        f"{'min ms':>6} {'max ms':>6} {'busy':>5}  (medians per read; busy: the copying "
+        "thread's CPU seconds / its seconds)"
     )
     for name, row in rows.items():
         bf16 = "bf16, in groups" if row["arm"].endswith("in groups") else "bf16"
@@ -227,10 +244,16 @@ def main() -> None:
         paused_ms = statistics.median(r["collector_seconds"] for r in reads) * 1e3
         waits = statistics.median(r["cast_waits"] for r in reads)
         halves = statistics.median(r["half_returns"] for r in reads)
+        shares = [
+            r["copy_thread_cpu_seconds"] / r["copy_thread_seconds"]
+            for r in reads
+            if r["copy_thread_seconds"]
+        ]
+        busy = statistics.median(shares) if shares else float("nan")  # threads: no feed
         print(
             f"{name:<36} {row['gb_per_second']:>6.1f} {row['gb_per_second'] / base:>7.3f} "
             f"{collections:>6.0f} {paused_ms:>9.2f} {waits:>6.0f}/{halves:<6.0f} "
-            f"{min(row['seconds']) * 1e3:>6.1f} {max(row['seconds']) * 1e3:>6.1f}"
+            f"{min(row['seconds']) * 1e3:>6.1f} {max(row['seconds']) * 1e3:>6.1f} {busy:>5.2f}"
         )
 
 
