@@ -454,13 +454,15 @@ class _DeviceCasts:
 
     ``add`` copies a chunk's file bytes into the current half on the thread's stream
     (``copies``). When the half is full, ``flush`` issues every cast out of it on the
-    ``casts`` stream, after an event for its copies, and the next chunks go to the other
-    half, once the casts last issued from that one are done. Chunks of one tensor that
-    arrive in order lie side by side in the half and are cast in one operation.
+    ``casts`` stream, after the copies, and the next chunks go to the other half, once
+    the casts last issued from that one are done. Chunks of one tensor that arrive in
+    order lie side by side in the half and are cast in one operation.
 
-    ``add`` is on the copying thread's path for every chunk, beside a load that casts
-    nothing: it issues the copy and keeps byte offsets, nothing else. The typed views of
-    the half and of the destinations are made in ``flush``, once per run of chunks.
+    This runs on the copying thread for every chunk, and that one Python thread also
+    feeds the reading processes and issues every copy: its time per chunk bounds the
+    read. So ``add`` issues the copy into a view made once (a whole chunk's place in a
+    half) and keeps byte offsets; typed views are made in ``flush``, once per run of
+    chunks, with the cast stream set current by hand rather than through a context.
 
     A buffer too small for two chunks of ``chunk_bytes`` is one half: each chunk's casts
     are issued on the thread's stream when the next chunk comes, before its copy.
@@ -477,7 +479,13 @@ class _DeviceCasts:
             self.halves = (buffer, buffer)
             self.casts = copies
         self.half_bytes = self.halves[0].numel()
-        self.copied = (torch.cuda.Event(), torch.cuda.Event())
+        # A whole chunk's places in each half, at multiples of its aligned size.
+        self.chunk_bytes, self.step = chunk_bytes, _aligned(chunk_bytes)
+        last = self.half_bytes - chunk_bytes  # the last start a whole chunk fits at
+        self.places = tuple(
+            [half[start : start + chunk_bytes] for start in range(0, last + 1, self.step)]
+            for half in self.halves
+        )
         self.cast = (torch.cuda.Event(), torch.cuda.Event())
         self.cast_issued = [False, False]
         self.current = 0
@@ -489,18 +497,24 @@ class _DeviceCasts:
         nbytes = source.numel()
         if self.used + nbytes > self.half_bytes:
             self.flush()
-        if self.used == 0 and self.cast_issued[self.current]:
-            self.cast_issued[self.current] = False
-            self._wait_for_casts(self.current)
-        start = self.used
-        self.halves[self.current][start : start + nbytes].copy_(source, non_blocking=True)
-        self.used += _aligned(nbytes)
-        last = self.pending[-1] if self.pending else None
+        start, current = self.used, self.current
+        if start == 0 and self.cast_issued[current]:
+            self.cast_issued[current] = False
+            self._wait_for_casts(current)
+        if nbytes == self.chunk_bytes and start % self.step == 0:
+            place = self.places[current][start // self.step]
+        else:
+            place = self.halves[current][start : start + nbytes]
+        place.copy_(source, non_blocking=True)
+        end = start + nbytes
+        self.used = -(-end // _ALIGN) * _ALIGN
+        pending = self.pending
+        last = pending[-1] if pending else None
         if last is not None and last.job is chunk.job and last.hi == chunk.lo and last.end == start:
             # The tensor's next bytes, staged right behind its last ones: one cast for both.
-            last.hi, last.end = chunk.hi, start + nbytes
+            last.hi, last.end = chunk.hi, end
         else:
-            self.pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, start + nbytes))
+            pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, end))
 
     def _wait_for_casts(self, half: int) -> None:
         """Before copying into ``half`` again: its last casts read it. Usually they are
@@ -518,12 +532,13 @@ class _DeviceCasts:
         if self.casts is self.copies:  # one half: in stream order behind the copies
             self._issue(self.pending, half)
         else:
-            copied, cast = self.copied[self.current], self.cast[self.current]
-            copied.record(self.copies)
-            self.casts.wait_event(copied)
-            with torch.cuda.stream(self.casts):
+            self.casts.wait_stream(self.copies)
+            torch.cuda.set_stream(self.casts)  # the thread's current stream is the copies'
+            try:
                 self._issue(self.pending, half)
-            cast.record(self.casts)
+            finally:
+                torch.cuda.set_stream(self.copies)
+            self.cast[self.current].record(self.casts)
             self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
@@ -532,8 +547,7 @@ class _DeviceCasts:
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
         """Every cast out of ``half``, issued in one call: the copying thread makes one
-        call per half instead of one per run of chunks. (On the H200 the read was no
-        faster beyond the spread between calls; BENCHMARKS.md has the A/B.)"""
+        call per half instead of one per run of chunks."""
         targets, sources = [], []
         for staged in pending:
             info, via = staged.job.info, staged.job.via
@@ -558,7 +572,7 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         target.copy_(source, non_blocking=True)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Staged:
     """Consecutive bytes of one tensor staged in a half, from ``start`` to ``end`` there,
     up to byte ``hi`` of the tensor's file data; ``target``: its first chunk's target."""

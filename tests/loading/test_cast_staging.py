@@ -22,6 +22,7 @@ from ondeck.loading.chunks import plan_chunks
 
 FP8 = torch.float8_e4m3fn
 CHUNK = 4096
+CURRENT: list = []  # the streams set current, in order (torch.cuda.set_stream, faked)
 
 
 class FakeStream:
@@ -31,6 +32,9 @@ class FakeStream:
 
     def wait_event(self, event) -> None:
         self.waited.append(event)
+
+    def wait_stream(self, stream) -> None:
+        self.waited.append(stream)
 
 
 class FakeEvent:
@@ -53,6 +57,8 @@ def cpu_streams(request, monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", CURRENT.append)
+    CURRENT.clear()
     calls = []
     if request.param == "a copy_ each":
         monkeypatch.delattr(torch, "_foreach_copy_")
@@ -98,6 +104,8 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
         issued.append(
             [(staged.job.info.name, staged.hi, staged.end - staged.start) for staged in pending]
         )
+        # Issued on the cast stream, made current, after the copies.
+        assert CURRENT[-1] is casts.casts and casts.casts.waited[-1] is casts.copies
         original(pending, half)
 
     half = half_chunks * reader_module._aligned(chunk_bytes)
@@ -107,6 +115,8 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
     casts.flush()
+    # The copies' stream is current again after every half.
+    assert CURRENT == [casts.casts, casts.copies] * len(issued)
     return casts, issued
 
 
