@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,108 +54,55 @@ def _measure_bandwidth(device: Any, nbytes: int = 128 * 2**20, repeats: int = 4)
 class HostCopies:
     """Streamed blocks' weights in host memory, one region per block.
 
-        A region holds exactly its block's packed bytes (pinned: ``memory.pinned_host_bytes``;
-        torch's pinned allocator would round each up to a power of two). Regions are planned
-        when the layout is set, allocated when a load first needs them, and freed when their
-        block stops streaming: a re-plan that keeps a block on the device leaves no host copy
-        of it behind.
-
-        A re-plan that streams more blocks of a component loaded before allocates their
-        regions ahead, on a thread of its own: pinning a 14B transformer block's 0.35 GB
-        takes about a tenth of a second, which the next load would otherwise wait for before
-        its stage starts. A load that needs a region being allocated ahead waits for it; one
-    not begun yet, it allocates itself.
+    A region holds exactly its block's packed bytes (pinned: ``memory.pinned_host_bytes``;
+    torch's pinned allocator would round each up to a power of two). Regions are planned
+    when the layout is set, allocated when a load first needs them, and freed when their
+    block stops streaming: a re-plan that keeps a block on the device leaves no host copy
+    of it behind.
     """
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._sizes: dict[int, int] = {}  # planned block -> bytes
         self._regions: dict[int, Any] = {}  # allocated block -> uint8 tensor
-        self._ahead: set[int] = set()  # blocks a thread is allocating ahead, or will
-        self._allocating: int | None = None  # the one it is allocating now
-        self._changed = threading.Condition()
         self.filled: set[int] = set()
 
     @property
     def nbytes(self) -> int:
-        with self._changed:
-            return sum(region.numel() for region in self._regions.values())
+        return sum(region.numel() for region in self._regions.values())
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
         """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
         already held keep their contents, the others' regions are freed."""
-        with self._changed:
-            for block in [b for b in self._sizes if b not in wanted]:
-                del self._sizes[block]
-                self._regions.pop(block, None)
-                self._ahead.discard(block)
-                self.filled.discard(block)
-            added = [block for block in wanted if block not in self._sizes]
-            for block, nbytes in wanted.items():
-                self._sizes.setdefault(block, nbytes)
-            if added and self._regions:  # a re-plan of a component loaded before
-                self._ahead.update(added)
-                threading.Thread(
-                    target=self._allocate_ahead,
-                    args=(added,),
-                    name="ondeck-host-copies",
-                    daemon=True,
-                ).start()
-            self._changed.notify_all()
-
-    def _allocate_ahead(self, blocks: list[int]) -> None:
-        for block in blocks:
-            with self._changed:
-                if block not in self._ahead:
-                    continue  # dropped, freed, or taken over by a load, since
-                nbytes = self._sizes[block]
-                self._allocating = block
-            region = None
-            try:
-                region = self._allocate(nbytes)
-            except Exception:
-                pass  # the load allocates it itself, and reports what goes wrong
-            finally:
-                with self._changed:
-                    self._allocating = None
-                    if block in self._ahead:  # still wanted
-                        self._ahead.discard(block)
-                        if region is not None:
-                            self._regions.setdefault(block, region)
-                    self._changed.notify_all()
-
-    def _allocate(self, nbytes: int) -> Any:
-        import torch
-
-        return pinned_host_bytes(nbytes) if self.pinned else torch.empty(nbytes, dtype=torch.uint8)
+        for block in [b for b in self._sizes if b not in wanted]:
+            del self._sizes[block]
+            self._regions.pop(block, None)
+            self.filled.discard(block)
+        for block, nbytes in wanted.items():
+            self._sizes.setdefault(block, nbytes)
 
     def region(self, block: int) -> Any:
-        with self._changed:
-            # Being allocated ahead: wait for it; only queued: allocate it here instead.
-            self._changed.wait_for(lambda: self._allocating != block)
-            self._ahead.discard(block)
-            region = self._regions.get(block)
-            if region is None:
-                region = self._allocate(self._sizes[block])
-                self._regions[block] = region
-            return region
+        import torch
+
+        region = self._regions.get(block)
+        if region is None:
+            nbytes = self._sizes[block]
+            region = (
+                pinned_host_bytes(nbytes) if self.pinned else torch.empty(nbytes, dtype=torch.uint8)
+            )
+            self._regions[block] = region
+        return region
 
     def drop_unfilled(self) -> None:
         """Free the regions of blocks that do not hold their weights (a load failed)."""
-        with self._changed:
-            self._ahead.clear()
-            for block in [b for b in self._regions if b not in self.filled]:
-                del self._regions[block]
-            self._changed.notify_all()
+        for block in [b for b in self._regions if b not in self.filled]:
+            del self._regions[block]
 
     def clear(self) -> int:
         """Free every region, keeping the plan: a later load fills them again."""
-        with self._changed:
-            freed = sum(region.numel() for region in self._regions.values())
-            self._ahead.clear()  # what is being allocated ahead is dropped when done
-            self._regions.clear()
-            self.filled.clear()
-            self._changed.notify_all()
+        freed = self.nbytes
+        self._regions.clear()
+        self.filled.clear()
         if freed and self.pinned:
             _empty_host_cache()
         return freed

@@ -146,115 +146,12 @@ def test_host_copies_hold_each_streamed_block_once_and_free_a_block_that_stops_s
     # A re-plan keeps block 1 on the device and streams block 3 instead.
     copies.keep_only({0: 1000, 2: 500, 3: 200})
     assert gone() is None  # block 1's host bytes are freed, not kept beside the others
-    assert copies.filled == {0, 2}
+    assert copies.nbytes == 1500 and copies.filled == {0, 2}
     assert copies.region(0) is regions[0]  # held blocks keep their contents
     assert copies.region(3).numel() == 200 and copies.nbytes == 1700
     copies.drop_unfilled()  # block 3 was never filled
     assert copies.nbytes == 1500
     assert copies.clear() == 1500 and copies.nbytes == 0
-
-
-class Allocations:
-    """HostCopies' allocations, by block size and thread; ``hold`` makes one size wait."""
-
-    def __init__(self, monkeypatch):
-        import threading
-
-        self.made: list[tuple[int, str]] = []
-        self.held: dict[int, threading.Event] = {}
-        self.started: dict[int, threading.Event] = {}
-        original = HostCopies._allocate
-
-        def allocate(copies, nbytes):
-            self.made.append((nbytes, threading.current_thread().name))
-            if nbytes in self.held:
-                self.started[nbytes].set()
-                assert self.held[nbytes].wait(10)
-            return original(copies, nbytes)
-
-        monkeypatch.setattr(HostCopies, "_allocate", allocate)
-
-    def hold(self, nbytes: int):
-        import threading
-
-        self.held[nbytes], self.started[nbytes] = threading.Event(), threading.Event()
-        return self.held[nbytes], self.started[nbytes]
-
-
-def settled(copies: HostCopies) -> None:
-    """Wait until nothing is being allocated ahead, nor queued to be."""
-    with copies._changed:
-        idle = copies._changed.wait_for(
-            lambda: not copies._ahead and copies._allocating is None, timeout=10
-        )
-        assert idle
-
-
-def test_a_replan_that_streams_more_blocks_allocates_their_host_copies_ahead(monkeypatch):
-    allocations = Allocations(monkeypatch)
-    copies = HostCopies(pinned=False)
-    copies.keep_only({0: 1000, 1: 3000})
-    settled(copies)
-    assert allocations.made == []  # a first plan: the load allocates, when it needs them
-    held = {block: copies.region(block) for block in (0, 1)}
-    assert [thread for _, thread in allocations.made] == ["MainThread"] * 2
-    copies.keep_only({0: 1000, 1: 3000, 2: 500, 3: 200})
-    settled(copies)
-    ahead = [(n, t) for n, t in allocations.made[2:]]
-    assert ahead == [(500, "ondeck-host-copies"), (200, "ondeck-host-copies")]
-    assert copies.nbytes == 4700
-    made = len(allocations.made)
-    assert copies.region(2).numel() == 500 and copies.region(3).numel() == 200
-    assert len(allocations.made) == made  # the load found them allocated
-    assert copies.region(0) is held[0]
-
-
-def test_a_load_waits_for_a_region_being_allocated_and_takes_over_one_not_begun(monkeypatch):
-    import threading
-
-    allocations = Allocations(monkeypatch)
-    copies = HostCopies(pinned=False)
-    copies.keep_only({0: 1000})
-    copies.region(0)
-    release, started = allocations.hold(500)
-    copies.keep_only({0: 1000, 2: 500, 3: 200})
-    assert started.wait(10)  # block 2 is being allocated ahead; block 3 waits its turn
-    assert copies.region(3).numel() == 200  # taken over: allocated here, without waiting
-    assert allocations.made[-1] == (200, "MainThread")
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(copies.region(2)))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # block 2 is still being allocated: the load waits
-    release.set()
-    waiter.join(10)
-    assert got and got[0].numel() == 500
-    settled(copies)
-    assert [n for n, _ in allocations.made].count(500) == 1  # allocated once
-    assert [n for n, _ in allocations.made].count(200) == 1
-
-
-def test_host_copies_freed_while_allocated_ahead_are_not_kept(monkeypatch):
-    import weakref
-
-    allocations = Allocations(monkeypatch)
-    copies = HostCopies(pinned=False)
-    copies.keep_only({0: 1000})
-    copies.region(0)
-    release, started = allocations.hold(500)
-    regions = []
-    original = HostCopies._allocate
-    monkeypatch.setattr(
-        HostCopies, "_allocate", lambda c, n: regions.append(original(c, n)) or regions[-1]
-    )
-    copies.keep_only({0: 1000, 2: 500})
-    assert started.wait(10)
-    assert copies.clear() == 1000  # block 0's; block 2 is still being allocated
-    release.set()
-    settled(copies)
-    assert copies.nbytes == 0 and copies._regions == {}
-    gone = weakref.ref(regions.pop())
-    assert gone() is None  # dropped when done, not installed
 
 
 def test_activations_not_measured_yet_stay_free_in_every_decision():
