@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CollectorClock, out_dir, warm_page_cache  # noqa: E402
+from common import CollectorClock, warm_page_cache, write_document  # noqa: E402
 
 DIM, FFN = 5120, 13824
 MiB = 2**20
@@ -221,15 +220,7 @@ def main() -> None:
                 "per_read": seen[arm],
             }
     pauses.close()
-    document = {
-        "file_bytes": nbytes,
-        "rows": rows,
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "command": "python benchmarks/cast_rate.py " + " ".join(sys.argv[1:]),
-    }
-    (out_dir() / "cast_rate.json").write_text(json.dumps(document, indent=2))
+    write_document("cast_rate", {"file_bytes": nbytes, "rows": rows})
     print(f"\n{nbytes / 2**30:.2f} GiB file, medians of {args.attempts} reads per arm")
     print(
         f"{'arm':<36} {'GB/s':>6} {'/ bf16':>7} {'gc':>6} {'gc ms':>9} {'waits/halves':<13} "

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import out_dir, ready_wan14b_folder, reload_arm_loader  # noqa: E402
+from common import ready_wan14b_folder, reload_arm_loader, write_document  # noqa: E402
 
 ARMS = ("bf16", "fp8", "bf16, whole", "fp8, whole")
 GAP_US = 50
@@ -116,14 +116,7 @@ def main() -> None:
             del module
             gc.collect()
             torch.cuda.empty_cache()
-    document = {
-        "rows": results,
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "command": "python benchmarks/cast_trace.py " + " ".join(sys.argv[1:]),
-    }
-    (out_dir() / "cast_trace.json").write_text(json.dumps(document, indent=2))
+    write_document("cast_trace", {"rows": results})
     print(
         f"\n{'load':<26} {'read s':>7} {'span ms':>8} {'busy':>6} {'GB/s busy':>9} "
         f"{'GB/s span':>9} {'gaps>50us':>9} {'gap ms':>7} {'kernel ms':>9}  longest gaps (us)"

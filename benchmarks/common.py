@@ -434,6 +434,24 @@ def out_dir() -> Path:
     return path
 
 
+def write_document(script: str, fields: dict) -> Path:
+    """``fields`` with the date, device, torch version and command line, written as
+    ``{script}.json`` to the output folder; returns its path."""
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    document = {
+        **fields,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device,
+        "torch": torch.__version__,
+        "command": f"python benchmarks/{script}.py " + " ".join(sys.argv[1:]),
+    }
+    path = out_dir() / f"{script}.json"
+    path.write_text(json.dumps(document, indent=2))
+    return path
+
+
 def decode_report(pipe) -> dict | None:
     """How the last run decoded: tiles (0: whole frames), one tile's share of a frame,
     and decodes that ran out of memory and were retried in smaller tiles. None for a

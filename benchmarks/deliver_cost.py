@@ -19,7 +19,6 @@ writes deliver_cost.json to $OUT.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import out_dir  # noqa: E402
+from common import write_document  # noqa: E402
 
 MiB = 2**20
 SLOT = 4 * MiB
@@ -111,16 +110,8 @@ def main() -> None:
         }
         for arm, values in seconds.items()
     }
-    document = {
-        "rows": rows,
-        "chunks_per_round": args.chunks,
-        "slot_bytes": SLOT,
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "command": "python benchmarks/deliver_cost.py " + " ".join(sys.argv[1:]),
-    }
-    (out_dir() / "deliver_cost.json").write_text(json.dumps(document, indent=2))
+    fields = {"rows": rows, "chunks_per_round": args.chunks, "slot_bytes": SLOT}
+    write_document("deliver_cost", fields)
     base = rows["bf16"]["microseconds_per_chunk"]
     print(f"\n{'arm':<28} {'us/chunk':>9} {'- bf16':>8}  (CPU of the copying thread, medians)")
     for arm, row in rows.items():

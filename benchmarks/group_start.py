@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import _randomise, out_dir, warm_page_cache  # noqa: E402
+from common import _randomise, warm_page_cache, write_document  # noqa: E402
 
 ARMS = ("one read, chunks made as reached", "one read, chunks made up front", "a read per group")
 
@@ -128,15 +128,7 @@ def main() -> None:
         row["read_gb_per_second"] = nbytes / row["read"] / 1e9
         row["samples"] = figures[arm]
         rows[arm] = row
-    document = {
-        "rows": rows,
-        "file_bytes": nbytes,
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "command": "python benchmarks/group_start.py " + " ".join(sys.argv[1:]),
-    }
-    (out_dir() / "group_start.json").write_text(json.dumps(document, indent=2))
+    write_document("group_start", {"rows": rows, "file_bytes": nbytes})
     print(f"\n{'arm':<34} {'begin s':>8} {'fill s':>7} {'read GB/s':>9}   (medians)")
     for arm, row in rows.items():
         print(f"{arm:<34} {row['begin']:8.3f} {row['fill']:7.3f} {row['read_gb_per_second']:9.1f}")
