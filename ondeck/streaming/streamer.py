@@ -109,6 +109,7 @@ class BlockStreamer:
             for tensor in block_tensors
         }
         self._streamed: frozenset[int] = frozenset()
+        self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
         self._reading = 0
@@ -195,6 +196,24 @@ class BlockStreamer:
 
     def host_region(self, block: int) -> Any:
         return self._host.region(block)
+
+    def placeholders(self, block: int) -> list[Any]:
+        """Meta tensors standing for ``block``'s streamed tensors once the module is
+        released (shape and dtype only), one per tensor name; made once, shared by
+        every load's module, as they hold nothing."""
+        import torch
+
+        made = self._placeholders.get(block)
+        if made is None:
+            made = []
+            with torch.inference_mode(False):
+                for tensor in self._tensors[block]:
+                    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    if tensor.is_parameter:
+                        meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                    made.extend([meta] * len(tensor.names))
+            self._placeholders[block] = made
+        return made
 
     def block_tensors(self, block: int) -> tuple[_Tensor, ...]:
         return self._tensors[block]
@@ -304,26 +323,20 @@ class _Armed:
         self.clock = 0
         blocks = module.get_submodule(streamer.path)
         self.targets: dict[int, list[tuple[Any, str, bool]]] = {}
-        self.placeholders: list[tuple[Any, str, bool, Any]] = []
         self.sources = {block: streamer.host_region(block) for block in self.order}
         self.nbytes = {block: streamer.sizes.packed_bytes[block] for block in self.order}
+        # Looked up once: get_submodule per tensor walks from the root each time (the
+        # arming is on the load's path, before the stage can start).
+        modules = dict(module.named_modules())
         for block in self.order:
-            targets = []
-            for tensor in streamer.block_tensors(block):
-                for name in tensor.names:
-                    owner_name, _, attribute = name.rpartition(".")
-                    owner = module.get_submodule(owner_name)
-                    targets.append((owner, attribute, tensor.is_parameter))
-                    meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                    if tensor.is_parameter:
-                        meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
-                    self.placeholders.append((owner, attribute, tensor.is_parameter, meta))
-            self.targets[block] = targets
-            # Parameters viewing each slot, made once here, outside any inference mode.
-            for slot in self.slots:
-                slot.bound[block] = self._views(block, slot)
+            self.targets[block] = [
+                (modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor.is_parameter)
+                for tensor in streamer.block_tensors(block)
+                for name in tensor.names
+            ]
             # Until the block first runs, its tensors view slot 0: right shape, dtype and
             # device (so .device, .dtype and .to() behave), never computed on unbound.
+            # The other slots' views are made when the block first lands in one.
             self._bind(block, self.slots[0])
         # Registered as buffers, the slots count in the component's measured bytes.
         self.slot_names = []
@@ -412,19 +425,27 @@ class _Armed:
         self.stats.bytes_copied += nbytes
 
     def _views(self, block: int, slot: _Slot) -> list[Any]:
+        """The parameters and buffers of ``block`` viewing ``slot``, made once per slot.
+        Made outside any inference mode (a hook may run inside one): they stay the
+        module's tensors, usable as any other parameter after the forward."""
         import torch
 
+        values = slot.bound.get(block)
+        if values is not None:
+            return values
         values = []
-        for tensor in self.streamer.block_tensors(block):
-            view = _view(slot.buffer, tensor)
-            if tensor.is_parameter:
-                view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
-            values.extend([view] * len(tensor.names))
+        with torch.inference_mode(False):
+            for tensor in self.streamer.block_tensors(block):
+                view = _view(slot.buffer, tensor)
+                if tensor.is_parameter:
+                    view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
+                values.extend([view] * len(tensor.names))
+        slot.bound[block] = values
         return values
 
     def _bind(self, block: int, slot: _Slot) -> None:
         for (owner, attribute, is_parameter), value in zip(
-            self.targets[block], slot.bound[block], strict=True
+            self.targets[block], self._views(block, slot), strict=True
         ):
             if is_parameter:
                 owner._parameters[attribute] = value
@@ -437,17 +458,20 @@ class _Armed:
             handle.remove()
         self.handles.clear()
         self.copies.synchronize()  # a prefetch may still be writing into a slot
-        for owner, attribute, is_parameter, placeholder in self.placeholders:
-            if is_parameter:
-                owner._parameters[attribute] = placeholder
-            else:
-                owner._buffers[attribute] = placeholder
+        for block, targets in self.targets.items():
+            placeholders = self.streamer.placeholders(block)
+            for (owner, attribute, is_parameter), placeholder in zip(
+                targets, placeholders, strict=True
+            ):
+                if is_parameter:
+                    owner._parameters[attribute] = placeholder
+                else:
+                    owner._buffers[attribute] = placeholder
         for name in self.slot_names:
             self.module._buffers.pop(name, None)
         for slot in self.slots:
             slot.bound.clear()
         self.slots.clear()
-        self.placeholders.clear()
         self.targets.clear()
         self.sources.clear()
         self.module = None

@@ -91,3 +91,44 @@ def test_blocks_run_out_of_order_still_compute_on_their_own_weights(six_block_fo
         for seed in range(2):
             assert torch.equal(module(**inputs(seed))[0], reference(**inputs(seed))[0])
     pipe.release_all()
+
+
+def test_slot_views_are_made_when_a_block_first_lands_and_are_ordinary_tensors(
+    six_block_folder,
+):
+    """Arming makes slot 0's views (every streamed block binds there until it runs); a
+    block's views into another slot are made when it first lands there, in the pass,
+    which may run in inference mode: they must be ordinary parameters all the same."""
+    pipe, layout, module, reference = streamed_and_reference(six_block_folder, 2)
+    slots = pipe.policy.streaming.streamers["transformer"]._armed.slots
+    assert len(slots) >= 2
+    assert set(slots[0].bound) == set(layout.streamed)
+    assert all(not slot.bound for slot in slots[1:])
+    with torch.inference_mode():
+        assert torch.equal(module(**inputs(0))[0], reference(**inputs(0))[0])
+    assert any(slot.bound for slot in slots[1:])
+    made = {id(view) for slot in slots for views in slot.bound.values() for view in views}
+    for block in layout.streamed:
+        assert not any(tensor.is_inference() for tensor in module.blocks[block].parameters())
+    with torch.inference_mode():
+        module(**inputs(1))
+    again = {id(view) for slot in slots for views in slot.bound.values() for view in views}
+    assert again == made  # made once per block and slot
+    # Outside inference mode, with autograd on, the same module computes as before.
+    assert torch.equal(module(**inputs(2))[0].detach(), reference(**inputs(2))[0].detach())
+    pipe.release_all()
+
+
+def test_released_streamed_tensors_are_meta_placeholders_made_once(six_block_folder):
+    pipe, layout, module, _ = streamed_and_reference(six_block_folder, 2)
+    block = layout.streamed[0]
+    weights = [name for name, _ in module.blocks[block].named_parameters()]
+    pipe.release_all()
+    first = dict(module.blocks[block].named_parameters())
+    assert all(tensor.is_meta for tensor in first.values())
+    second_module = pipe.components["transformer"].materialize()
+    assert second_module is not module
+    pipe.release_all()
+    second = dict(second_module.blocks[block].named_parameters())
+    assert list(second) == weights
+    assert all(second[name] is first[name] for name in weights)  # shared, nothing held
