@@ -1,4 +1,5 @@
-"""What arming a loaded transformer for block streaming costs, on the load's path.
+"""What arming a loaded transformer for block streaming, and installing its tensors,
+cost on the load's path.
 
     python benchmarks/arm_cost.py [--device cpu|cuda] [--streamed 27] [--slots 3]
 
@@ -7,9 +8,10 @@ start: slots allocated, hooks registered, and every streamed tensor bound to a v
 a slot. The work is per tensor, not per byte, so a Wan 2.1 transformer of 40 blocks with
 tiny dimensions (27 tensors a block, as the 14B has) costs what the 14B's does. This
 loads it ``--loads`` times with ``--streamed`` of its blocks streamed through
-``--slots`` slots, releasing it after each, and times the arming alone
-(``_Armed.__init__``) and the release's (``BlockStreamer.unload``). Prints the medians
-(the first load warms up and is left out); writes arm_cost.json to $OUT.
+``--slots`` slots, releasing it after each, and times the installing of its tensors in
+the module (``components._install``), the arming alone (``_Armed.__init__``) and the
+release's (``BlockStreamer.unload``). Prints the medians (the first load warms up and is
+left out); writes arm_cost.json to $OUT.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def main() -> None:
 
     import torch
 
-    from ondeck.loading import ComponentLoader
+    from ondeck.loading import ComponentLoader, components
     from ondeck.streaming import BlockStreamer, StreamLayout, describe_blocks, find_blocks
     from ondeck.streaming import streamer as streamer_module
 
@@ -99,15 +101,22 @@ def main() -> None:
         progress=False,
     )
     armed: list[float] = []
+    installed: list[float] = []
     released: list[float] = []
-    arm = streamer_module._Armed.__init__
+    arm, install = streamer_module._Armed.__init__, components._install
 
     def timed_arm(self, *arguments, **options):
         started = time.perf_counter()
         arm(self, *arguments, **options)
         armed.append(time.perf_counter() - started)
 
+    def timed_install(*arguments, **options):
+        started = time.perf_counter()
+        install(*arguments, **options)
+        installed.append(time.perf_counter() - started)
+
     streamer_module._Armed.__init__ = timed_arm
+    components._install = timed_install
     try:
         for _ in range(args.loads):
             module = loader()
@@ -117,9 +126,12 @@ def main() -> None:
             del module
     finally:
         streamer_module._Armed.__init__ = arm
+        components._install = install
     rows = {
+        "install_seconds": installed[1:],
         "arm_seconds": armed[1:],
         "unload_seconds": released[1:],
+        "install_median_ms": statistics.median(installed[1:]) * 1e3,
         "arm_median_ms": statistics.median(armed[1:]) * 1e3,
         "unload_median_ms": statistics.median(released[1:]) * 1e3,
     }
@@ -128,7 +140,8 @@ def main() -> None:
     write_document("arm_cost", fields)
     print(
         f"{len(streamed)} of {BLOCKS} blocks streamed, {args.slots} slots, "
-        f"{len(tensors[0])} tensors a block, on {device}: arming {rows['arm_median_ms']:.1f} ms, "
+        f"{len(tensors[0])} tensors a block, on {device}: installing "
+        f"{rows['install_median_ms']:.1f} ms, arming {rows['arm_median_ms']:.1f} ms, "
         f"release {rows['unload_median_ms']:.1f} ms (medians of {args.loads - 1} loads)"
     )
 

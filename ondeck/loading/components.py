@@ -20,7 +20,7 @@ from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
+from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
 __all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
 
@@ -622,9 +622,10 @@ def _allocate(
 def _install(skeleton: Skeleton, sources, values, device: torch.device, allocated: list) -> None:
     """Put the allocated tensors in the skeleton's module, and move the buffers the file lacks."""
     module = skeleton.module
+    modules = module_paths(module)
     for (slot, _), value in zip(sources, values, strict=True):
         for name in slot.names:
-            set_tensor(module, name, value, parameter=slot.is_parameter)
+            set_tensor(module, name, value, parameter=slot.is_parameter, modules=modules)
     for names in skeleton.extra_buffers.values():
         # Not in the file: computed by __init__ on the host; moved, compactly, like the rest.
         buffer = get_tensor(module, names[0])
@@ -632,7 +633,7 @@ def _install(skeleton: Skeleton, sources, values, device: torch.device, allocate
         allocated.append(moved)
         moved.copy_(buffer)
         for name in names:
-            set_tensor(module, name, moved, parameter=False)
+            set_tensor(module, name, moved, parameter=False, modules=modules)
 
 
 def _finish(module: torch.nn.Module, component: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "build_skeleton",
     "library_of",
     "match_tensors",
+    "module_paths",
 ]
 
 # Building a module under a dtype changes torch's process-wide default dtype for a moment;
@@ -560,11 +561,29 @@ def get_tensor(module: torch.nn.Module, name: str):
     return getattr(module.get_submodule(owner) if owner else module, attribute)
 
 
-def set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, *, parameter: bool) -> None:
-    """Put ``value`` at ``name`` (dotted) as a parameter or a buffer, replacing what is there."""
+def set_tensor(
+    module: torch.nn.Module,
+    name: str,
+    value: torch.Tensor,
+    *,
+    parameter: bool,
+    modules: dict[str, torch.nn.Module] | None = None,
+) -> None:
+    """Put ``value`` at ``name`` (dotted) as a parameter or a buffer, replacing what is
+    there. ``modules`` (``module_paths(module)``) finds the owner without walking from
+    the root: a caller setting every tensor of a large model passes it."""
     owner_name, _, attribute = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
+    if modules is not None:
+        owner = modules[owner_name]
+    else:
+        owner = module.get_submodule(owner_name) if owner_name else module
     if parameter:
         owner._parameters[attribute] = value
     else:
         owner._buffers[attribute] = value
+
+
+def module_paths(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every submodule by each dotted path it is reached by (a module shared by two
+    parents under both), the root under ``""``."""
+    return dict(module.named_modules(remove_duplicate=False))

@@ -327,7 +327,9 @@ class _Armed:
         self.nbytes = {block: streamer.sizes.packed_bytes[block] for block in self.order}
         # Looked up once: get_submodule per tensor walks from the root each time (the
         # arming is on the load's path, before the stage can start).
-        modules = dict(module.named_modules())
+        from ..loading.skeleton import module_paths
+
+        modules = module_paths(module)
         for block in self.order:
             self.targets[block] = [
                 (modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor.is_parameter)

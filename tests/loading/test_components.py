@@ -262,3 +262,22 @@ def test_lazy_module_retries_after_a_failed_load(wan_template, monkeypatch):
     assert caught.value.component == "vae"
     monkeypatch.undo()
     assert isinstance(vae.materialize(), AutoencoderKLWan)
+
+
+def test_set_tensor_through_module_paths_reaches_a_module_shared_by_two_parents():
+    """A load installs every tensor through one table of the module's paths; a module
+    that two parents share (as T5's encoder shares its embedding) is in it under both."""
+    from ondeck.loading.skeleton import module_paths, set_tensor
+
+    shared = torch.nn.Linear(2, 2)
+    root = torch.nn.Module()
+    root.first = torch.nn.Sequential(shared)
+    root.second = torch.nn.Sequential(torch.nn.Identity(), shared)
+    modules = module_paths(root)
+    assert modules[""] is root and modules["first.0"] is modules["second.1"] is shared
+    value = torch.nn.Parameter(torch.ones(2, 2))
+    set_tensor(root, "second.1.weight", value, parameter=True, modules=modules)
+    assert root.first[0].weight is value
+    buffer = torch.zeros(3)
+    set_tensor(root, "scale", buffer, parameter=False, modules=modules)
+    assert root.scale is buffer
