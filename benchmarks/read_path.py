@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import itertools
 import json
 import os
@@ -35,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import build_transformer_folder, median, out_dir, warm_page_cache  # noqa: E402
+from common import (  # noqa: E402
+    PhaseClock,
+    build_transformer_folder,
+    median,
+    out_dir,
+    warm_page_cache,
+)
 
 GB = 1e9
 MiB = 2**20
@@ -284,56 +289,37 @@ def window_copy_seconds(files: list[str], window: int, threads: int, register) -
         mapped.close()
 
 
-class Phases:
+class Phases(PhaseClock):
     """Time the load's steps by wrapping them: allocating destinations, read_into (the
     module is installed meanwhile), and within it reads, waits for a ring buffer and copy
     issues.
     With ``copy=False`` the copier issues no device copies (reads alone)."""
 
     def __init__(self, copy: bool = True):
-        self.copy = copy
-        self.totals: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _add(self, name: str, seconds: float) -> None:
-        with self._lock:
-            self.totals[name] = self.totals.get(name, 0.0) + seconds
-            self.counts[name] = self.counts.get(name, 0) + 1
-
-    def _timed(self, name: str, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._add(name, time.perf_counter() - started)
-
-        return wrapper
-
-    def __enter__(self):
         from ondeck.loading import components, process_reader, reader
 
-        steps = [
-            (reader, "_pread_exact", "pread"),
-            (reader, "_deliver", "copy issue"),
-            (reader._Slot, "wait", "ring wait"),
-            (reader, "read_into", "read_into"),
-            (process_reader.ReadingProcesses, "replies", "reply wait"),
-            (components, "_allocate", "allocate"),
-            (components, "_install", "install"),
-        ]
-        self._saved = [(owner, attr, name, getattr(owner, attr)) for owner, attr, name in steps]
-        for owner, attr, name, original in self._saved:
-            if attr == "_deliver" and not self.copy:
-                original = _deliver_nothing
-            setattr(owner, attr, self._timed(name, original))
-        return self
+        steps = {
+            "pread": (reader, "_pread_exact"),
+            "copy issue": (reader, "_deliver"),
+            "ring wait": (reader._Slot, "wait"),
+            "read_into": (reader, "read_into"),
+            "reply wait": (process_reader.ReadingProcesses, "replies"),
+            "allocate": (components, "_allocate"),
+            "install": (components, "_install"),
+        }
+        super().__init__(steps, events=False)
+        self.copy = copy
+        self._reader = reader
+
+    def __enter__(self):
+        self._deliver = self._reader._deliver
+        if not self.copy:
+            self._reader._deliver = _deliver_nothing  # then timed as the copy issue
+        return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        for owner, attr, _, original in self._saved:
-            setattr(owner, attr, original)
+        super().__exit__(*exc)
+        self._reader._deliver = self._deliver
 
     def summary(self, loads: int) -> dict:
         """Per load: seconds (thread-seconds for steps on several threads), calls, mean µs."""

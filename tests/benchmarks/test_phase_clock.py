@@ -92,3 +92,44 @@ def test_the_clock_times_every_call_with_its_component_and_puts_everything_back(
     assert totals["load transformer"]["calls"] == 2
     assert totals["helper"]["calls"] == 2
     assert totals["work"]["seconds"] == events[0]["seconds"]
+
+
+def test_totals_only_and_calls_that_raise_still_raise(common):
+    module = types.ModuleType("fake")
+
+    def fail():
+        raise KeyError("inner")
+
+    module.fail, module.work = fail, lambda value: value + 1
+    with common.PhaseClock(
+        {"fail": (module, "fail"), "work": (module, "work")}, events=False
+    ) as clock:
+        assert module.work(1) == 2 and module.work(2) == 3
+        try:
+            module.fail()
+        except KeyError as error:
+            assert error.args == ("inner",)
+        else:
+            raise AssertionError("the wrapped call's error was swallowed")
+    assert clock.events == []
+    assert clock.counts == {"work": 2, "fail": 1}
+    assert set(clock.totals) == {"work", "fail"} and all(t >= 0 for t in clock.totals.values())
+
+
+def test_read_paths_phases_time_the_reader_and_give_its_copy_back(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for name in ("common", "read_path"):
+        sys.modules.pop(name, None)
+    import read_path
+
+    from ondeck.loading import components, reader
+
+    deliver, install = reader._deliver, components._install
+    with read_path.Phases(copy=False) as phases:
+        assert reader._deliver is not deliver
+        assert reader._deliver(None, None, {}, {}) is None  # the reads alone: no copy
+    assert reader._deliver is deliver and components._install is install
+    assert phases.counts == {"copy issue": 1}
+    assert phases.summary(1)["copy issue"]["calls_per_load"] == 1
+    for name in ("common", "read_path"):
+        sys.modules.pop(name, None)
