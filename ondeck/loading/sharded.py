@@ -23,7 +23,7 @@ from . import reader
 from .components import ComponentLoader, _cache_key
 from .pipelined import fill_groups, start_filling
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, get_tensor, match_tensors, set_tensor
+from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
 __all__ = ["ShardedComponentLoader", "shard_cache_key", "shard_rows", "shard_units", "rows_of"]
 
@@ -201,6 +201,7 @@ class ShardedComponentLoader(ComponentLoader):
         skeleton = self._take_skeleton(template)
         sources = match_tensors(skeleton, tensors, self.name, self.folder.directory(self.name))
         module = skeleton.module
+        modules = module_paths(module)
         # Final dtypes before sharding: FSDP2 keeps each parameter's dtype as it finds it.
         # Frozen parameters: FSDP2 gathers a block of mixed dtypes (float32 norms beside
         # bf16 weights) only when none of them is trainable.
@@ -209,7 +210,7 @@ class ShardedComponentLoader(ComponentLoader):
             if slot.is_parameter:
                 value = torch.nn.Parameter(value, requires_grad=False)
             for name in slot.names:
-                set_tensor(module, name, value, parameter=slot.is_parameter)
+                set_tensor(module, name, value, parameter=slot.is_parameter, modules=modules)
         # Buffers the files lack were computed on the host by __init__; to_empty below
         # replaces every tensor, so keep them to copy back.
         computed = [
