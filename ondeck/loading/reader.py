@@ -507,7 +507,7 @@ class _DeviceCasts:
             place = self.halves[current][start : start + nbytes]
         place.copy_(source, non_blocking=True)
         end = start + nbytes
-        self.used = -(-end // _ALIGN) * _ALIGN
+        self.used = _aligned(end)
         pending = self.pending
         last = pending[-1] if pending else None
         if last is not None and last.job is chunk.job and last.hi == chunk.lo and last.end == start:
