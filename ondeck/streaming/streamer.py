@@ -446,8 +446,12 @@ class _Armed:
         return values
 
     def _bind(self, block: int, slot: _Slot) -> None:
+        self._put(block, self._views(block, slot))
+
+    def _put(self, block: int, values: list[Any]) -> None:
+        """Make ``values`` the module's tensors of ``block``, in ``targets`` order."""
         for (owner, attribute, is_parameter), value in zip(
-            self.targets[block], self._views(block, slot), strict=True
+            self.targets[block], values, strict=True
         ):
             if is_parameter:
                 owner._parameters[attribute] = value
@@ -460,15 +464,8 @@ class _Armed:
             handle.remove()
         self.handles.clear()
         self.copies.synchronize()  # a prefetch may still be writing into a slot
-        for block, targets in self.targets.items():
-            placeholders = self.streamer.placeholders(block)
-            for (owner, attribute, is_parameter), placeholder in zip(
-                targets, placeholders, strict=True
-            ):
-                if is_parameter:
-                    owner._parameters[attribute] = placeholder
-                else:
-                    owner._buffers[attribute] = placeholder
+        for block in self.targets:
+            self._put(block, self.streamer.placeholders(block))
         for name in self.slot_names:
             self.module._buffers.pop(name, None)
         for slot in self.slots:
