@@ -62,18 +62,19 @@ def host_frames(video: torch.Tensor) -> Any:
 
 
 class PromptCache:
-    """Encoded prompts by (prompt, negative prompt, max length, encoder identity).
+    """Encoded prompts by (text, max length, encoder identity, device): one entry per
+    text, so a negative prompt kept across runs with new prompts is encoded once.
 
     A repeated prompt is answered here and never touches (or reloads) the encoder.
     """
 
     def __init__(self, max_entries: int = 32):
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def get(self, key: tuple) -> torch.Tensor | None:
         found = self._entries.get(key)
         if found is None:
             self.misses += 1
@@ -82,7 +83,7 @@ class PromptCache:
         self._entries.move_to_end(key)
         return found
 
-    def put(self, key: tuple, value: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    def put(self, key: tuple, value: torch.Tensor) -> None:
         self._entries[key] = value
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
@@ -197,33 +198,33 @@ class EncodePrompt(Stage):
         self.cache = cache
         self.identity = identity
 
-    def _key(self, state: dict) -> tuple:
-        return (
-            state["prompt"],
-            state["negative_prompt"] if state["guidance_scale"] > 1.0 else None,
-            state["max_sequence_length"],
-            self.identity,
-            str(state["device"]),
-        )
+    def _keys(self, state: dict) -> dict[str, tuple]:
+        """The cache key of each text this run encodes: the prompt, and the negative
+        prompt when guidance uses it."""
+        texts = {"prompt_embeds": state["prompt"]}
+        if state["guidance_scale"] > 1.0:
+            texts["negative_prompt_embeds"] = state["negative_prompt"]
+        scope = (state["max_sequence_length"], self.identity, str(state["device"]))
+        return {name: (text, *scope) for name, text in texts.items()}
 
     def needs_components(self, state: dict) -> bool:
-        return self._key(state) not in self.cache
+        return any(key not in self.cache for key in self._keys(state).values())
 
     def forward(self, state: dict) -> dict:
-        key = self._key(state)
-        cached = self.cache.get(key)
-        if cached is None:
-            positive = self._encode(state["prompt"], state)
-            negative = None
-            if state["guidance_scale"] > 1.0:
-                negative = self._encode(state["negative_prompt"], state)
+        keys = self._keys(state)
+        found = {name: self.cache.get(key) for name, key in keys.items()}
+        encoded = {
+            name: self._encode(keys[name][0], state)
+            for name, embeds in found.items()
+            if embeds is None
+        }
+        for name, embeds in encoded.items():  # moved once all are encoded: one wait
             # Kept in host memory: a cache must not hold device memory the stages need.
-            cached = (positive.cpu(), negative.cpu() if negative is not None else None)
-            self.cache.put(key, cached)
-        device = state["device"]
-        positive, negative = cached
-        state["prompt_embeds"] = positive.to(device)
-        state["negative_prompt_embeds"] = negative.to(device) if negative is not None else None
+            found[name] = embeds.cpu()
+            self.cache.put(keys[name], found[name])
+        state["negative_prompt_embeds"] = None
+        for name, embeds in found.items():
+            state[name] = embeds.to(state["device"])
         return state
 
     @torch.no_grad()

@@ -116,6 +116,29 @@ def test_cached_prompt_does_not_reload_the_text_encoder(wan_folder):
         assert pipe.prompt_cache.hits >= 1
 
 
+def test_a_negative_prompt_kept_across_runs_is_encoded_once(wan_folder, monkeypatch):
+    from ondeck.pipelines.wan import EncodePrompt
+
+    encoded = []
+    encode = EncodePrompt._encode
+
+    def counting(self, prompt, state):
+        encoded.append(prompt)
+        return encode(self, prompt, state)
+
+    monkeypatch.setattr(EncodePrompt, "_encode", counting)
+    pipe = wan(wan_folder, "release")
+    pipe.generate("a fox", negative_prompt="blurry", seed=0, **SHAPE)
+    pipe.generate("a heron", negative_prompt="blurry", seed=0, **SHAPE)
+    assert encoded == ["a fox", "blurry", "a heron"]
+    loads = pipe.components["text_encoder"].load_count
+    pipe.generate("a heron", negative_prompt="blurry", seed=1, **SHAPE)
+    assert pipe.components["text_encoder"].load_count == loads  # nothing to encode
+    pipe.generate("a heron", negative_prompt="grainy", seed=0, **SHAPE)
+    pipe.generate("a heron", negative_prompt="", guidance_scale=1.0, seed=0, **SHAPE)
+    assert encoded == ["a fox", "blurry", "a heron", "grainy"]
+
+
 def test_budget_keeps_components_across_runs_and_loads_nothing_the_second_time(wan_folder):
     pipe = wan(wan_folder, "budget", budget="1GiB")
     pipe.generate("a fox", seed=0, **SHAPE)

@@ -33,8 +33,8 @@ POLICIES = [("release", {}), ("budget", {"budget": "1GiB"})]
 def prompt_cache_nbytes(pipe) -> int:
     """Bytes of the embeddings the pipeline's prompt cache holds (a bounded cache)."""
     total = 0
-    for entry in pipe.prompt_cache._entries.values():
-        total += sum(t.untyped_storage().nbytes() for t in entry if t is not None)
+    for embeds in pipe.prompt_cache._entries.values():
+        total += embeds.untyped_storage().nbytes()
     return total
 
 
