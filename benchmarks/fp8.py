@@ -316,6 +316,10 @@ def run_pipeline(args) -> dict:
         import ondeck.policy
 
         ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES = args.measured_reserve_mib << 20
+    if args.upcast_reserve_copies is not None:
+        import ondeck.policy
+
+        ondeck.policy.UPCAST_RESERVE_COPIES = args.upcast_reserve_copies
     result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
     latents_seen: list = []
     started = time.perf_counter()
@@ -733,6 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES) for the fp8 modes",
     )
     parser.add_argument(
+        "--upcast-reserve-copies",
+        type=int,
+        help="what-if: the largest upcast copies a stage computing from fp8 layers keeps "
+        "room for once its activations are measured (ondeck.policy.UPCAST_RESERVE_COPIES)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="time the loads' and releases' parts in the ondeck modes (PhaseClock): "
@@ -785,6 +795,8 @@ def main(argv: list[str] | None = None) -> None:
             command += ["--host-cache-gib", str(HOST_CACHE_GIB[mode])]
         if args.measured_reserve_mib is not None:
             command += ["--measured-reserve-mib", str(args.measured_reserve_mib)]
+        if args.upcast_reserve_copies is not None:
+            command += ["--upcast-reserve-copies", str(args.upcast_reserve_copies)]
         if args.phases:
             command += ["--phases"]
         if mode == "reload":

@@ -352,8 +352,8 @@ class Plan:
     transfer_source: str = ""
     # True when stored activation peaks were set aside because they alone overflowed.
     profile_set_aside: bool = False
-    # True when the reserve for stages whose allocator retried was left out because it
-    # alone overflowed.
+    # True when the reserves for the allocator (stages whose allocator retried, upcast
+    # copies of stored layers) were left out because they alone overflowed.
     retry_reserve_dropped: bool = False
 
     @property

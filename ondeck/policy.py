@@ -48,6 +48,13 @@ AUTO_MEASURED_HEADROOM_MIN_BYTES = 256 << 20
 RETRY_RESERVE_STEP_BYTES = 512 << 20
 RETRY_RESERVE_MAX_STEPS = 2
 RETRY_RESERVE_MIN_RETRIES = 8
+# A stage computing from weights kept in a storage dtype (fp8) makes a compute-dtype copy
+# of each stored layer's weights for its forward and frees it after: allocations of sizes
+# the activations do not have, layer after layer, which the allocator must find room for
+# beside them. Once the stage's activations are known, its reserve also holds this many
+# of the largest such copy (``ComponentLoader.upcast_bytes``). Dropped, with the retry
+# reserve, where it alone would make a run refuse.
+UPCAST_RESERVE_COPIES = 2
 
 
 def _view(source: Any) -> Snapshot:
@@ -81,8 +88,9 @@ class Policy:
         # Set when a stored activation profile would make a run refuse that fits without
         # it: the run measures again instead (see BudgetPolicy.before_run).
         self.distrust_stored = False
-        # Set when the reserve for stages whose allocator retried would make a run
-        # refuse that fits without it (see BudgetPolicy.plan_for).
+        # Set when the reserves for the allocator (stages whose allocator retried, upcast
+        # copies of stored layers) would make a run refuse that fits without them (see
+        # BudgetPolicy.plan_for).
         self.skip_retry_reserve = False
 
     def attached(self, snapshot: Snapshot) -> Steps:
@@ -139,8 +147,12 @@ class Policy:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
         needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
-        for stage, extra in self.retry_reserves(snapshot, needs).items():
-            needs[stage] += extra
+        for reserves in (
+            self.retry_reserves(snapshot, needs),
+            self.upcast_reserves(snapshot, needs),
+        ):
+            for stage, extra in reserves.items():
+                needs[stage] += extra
         return needs, note
 
     def retry_reserves(self, snapshot: Snapshot, needs: Mapping[str, int | None]) -> dict[str, int]:
@@ -152,6 +164,20 @@ class Policy:
             for stage, runs in snapshot.retried_stages.items()
             if needs.get(stage) is not None
         }
+
+    def upcast_reserves(
+        self, snapshot: Snapshot, needs: Mapping[str, int | None]
+    ) -> dict[str, int]:
+        """Reserve added per stage whose components compute from stored (fp8) weights
+        (``UPCAST_RESERVE_COPIES``)."""
+        if self.skip_retry_reserve or not snapshot.upcast_bytes:
+            return {}
+        reserves = {}
+        for use in snapshot.uses:
+            largest = max((snapshot.upcast_bytes.get(c, 0) for c in use.components), default=0)
+            if largest and needs.get(use.name) is not None:
+                reserves[use.name] = UPCAST_RESERVE_COPIES * largest
+        return reserves
 
     def activation_estimate(
         self, source: Any, budget: int | None = None
@@ -183,6 +209,12 @@ class Policy:
         if reserves:
             fitted.append(
                 "more reserve where the CUDA allocator kept retrying: "
+                + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
+            )
+        reserves = self.upcast_reserves(snapshot, needs)
+        if reserves:
+            fitted.append(
+                "more reserve for the upcast copies of stored (fp8) layers: "
                 + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
             )
         return estimate, "\n".join([note, *fitted])
@@ -319,8 +351,8 @@ class BudgetPolicy(Policy):
         return NOTHING
 
     def plan_for(self, source: Any, budget: int | None = None) -> Plan:
-        """The plan. Where the reserve for stages whose allocator retried makes it
-        overflow, the plan without that reserve (``retry_reserve_dropped``: a slower run
+        """The plan. Where the reserves for the allocator (stages whose allocator retried,
+        upcast copies of stored layers) make it overflow, the plan without them (``retry_reserve_dropped``: a slower run
         beats a refused one). Where stored activation peaks alone still make it overflow,
         the plan without them (``profile_set_aside``): a stored value may come from
         another card, an older version or damage, and must not block a run that fits
@@ -329,7 +361,7 @@ class BudgetPolicy(Policy):
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan
-        if snapshot.retried_stages and not self.skip_retry_reserve:
+        if (snapshot.retried_stages or snapshot.upcast_bytes) and not self.skip_retry_reserve:
             without = self._relaxed(snapshot, budget, "skip_retry_reserve")
             if without.overflow() is None:
                 without.retry_reserve_dropped = True

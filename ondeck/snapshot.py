@@ -52,6 +52,8 @@ class Snapshot:
     later_unneeded: frozenset[int] = frozenset()
     loaders: Mapping[str, Any] = field(default_factory=dict)
     streamable_blocks: Mapping[str, str | None] = field(default_factory=dict)
+    # Per component kept in a storage dtype: the most bytes one layer's upcast copies take.
+    upcast_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +64,7 @@ class Snapshot:
             "retried_stages",
             "loaders",
             "streamable_blocks",
+            "upcast_bytes",
         ):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "uses", tuple(self.uses))

@@ -308,6 +308,7 @@ class Pipeline:
         stored, note = self.activation_profile()
         streaming = getattr(self.policy, "streaming", None)
         deferred = self.deferred
+        loaders = {name: loader_of(proxy) for name, proxy in deferred.items()}
         return Snapshot(
             uses=tuple(uses),
             nbytes=self.component_bytes(),
@@ -324,8 +325,11 @@ class Pipeline:
             fit_activations=tuple(stage.fit_activations for stage in self.stages),
             needs_components=needs_components,
             later_unneeded=later_unneeded,
-            loaders={name: loader_of(proxy) for name, proxy in deferred.items()},
+            loaders=loaders,
             streamable_blocks=getattr(self, "streamable_blocks", None) or {},
+            upcast_bytes={
+                name: upcast for name, loader in loaders.items() if (upcast := _upcast(loader))
+            },
         )
 
     # -- running ------------------------------------------------------------------------
@@ -638,3 +642,12 @@ def _is_loader(value: Any) -> bool:
     if isinstance(value, (torch.nn.Module, torch.Tensor)):
         return False
     return not (hasattr(value, "from_pretrained") or hasattr(value, "save_pretrained"))
+
+
+def _upcast(loader: Any) -> int:
+    """A loader's ``upcast_bytes`` (0 for loaders without one). A folder that cannot be
+    read plans as if nothing were stored: its load reports what is wrong with it."""
+    try:
+        return int(getattr(loader, "upcast_bytes", 0) or 0)
+    except Exception:
+        return 0

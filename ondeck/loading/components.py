@@ -77,6 +77,7 @@ class ComponentLoader:
             self.folder, name, dtype, storage_dtype, self.device
         )
         self._stored_template: Any = None
+        self._upcast_bytes: tuple[Skeleton, int] | None = None
         self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
         self.progress = progress
         self.threads = threads
@@ -106,6 +107,21 @@ class ComponentLoader:
         if self.storage_dtype is None:
             return spec
         return spec.with_updates(nbytes=self.template.nbytes)
+
+    @property
+    def upcast_bytes(self) -> int:
+        """The most bytes of compute-dtype copies one stored layer makes for its forward
+        (0 when nothing is stored): the allocator needs room for them beside the
+        activations (``ondeck.policy.UPCAST_RESERVE_COPIES``). Read from the skeleton."""
+        if self.storage_dtype is None:
+            return 0
+        template = self.template
+        known = self._upcast_bytes
+        if known is None or known[0] is not template:
+            _, _, layers, kept = self._stored_template
+            largest = storage.largest_upcast_bytes(template, layers, kept, self.dtype)
+            known = self._upcast_bytes = (template, largest)
+        return known[1]
 
     @property
     def template(self) -> Skeleton:

@@ -39,6 +39,7 @@ from .safetensors_format import TensorInfo
 __all__ = [
     "FLOAT8_DTYPES",
     "check_quantization",
+    "largest_upcast_bytes",
     "parse_storage_dtype",
     "resolve",
     "rounding_dtype",
@@ -437,6 +438,38 @@ def upcast_for_compute(
             registry.register_hook(_row_gathering_hook_class()(storage, compute), _ROWS_HOOK_NAME)
     if library == "transformers":
         _answer_compute_dtype(module)
+
+
+def largest_upcast_bytes(
+    skeleton: Any,
+    layers: Iterable[str],
+    kept: Mapping[str, tuple[str, ...]],
+    compute: torch.dtype,
+) -> int:
+    """The most bytes of compute-dtype copies one hook makes for a forward: a hooked
+    layer's stored tensors, or a holder's stored children's (``kept``). An Embedding that
+    gathers its rows makes no copy of its table. ``skeleton``: the stored template."""
+    module, stored = skeleton.module, skeleton.stored
+
+    def copies(names: Iterable[str]) -> int:
+        numel = 0
+        for name in names:
+            layer = module.get_submodule(name)
+            if _gathers_rows(layer):
+                continue
+            prefix = f"{name}." if name else ""
+            for table in (layer.named_parameters, layer.named_buffers):
+                for own, tensor in table(recurse=False):
+                    if prefix + own in stored:
+                        numel += tensor.numel()
+        return numel
+
+    groups = [[name] for name in layers]
+    groups += [
+        [f"{holder}.{child}" if holder else child for child in children]
+        for holder, children in kept.items()
+    ]
+    return max((copies(group) for group in groups), default=0) * compute.itemsize
 
 
 def _gathers_rows(layer: torch.nn.Module) -> bool:

@@ -333,3 +333,39 @@ def test_a_pipelined_load_in_fp8_equals_diffusers_and_caches_the_stored_bytes(
     again = loader()
     assert loader.last_source == "host cache"
     assert same_bits(run_transformer(again), reference)
+
+
+class _Upcasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of every fp8-to-wider copy the ops inside it make."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == FP8:
+            self.copies.append(out.numel() * out.element_size())
+        return out
+
+
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_upcast_bytes_are_the_largest_copies_one_stored_layer_makes(wan_bf16, component):
+    loader = ComponentLoader(wan_bf16, component, dtype=torch.bfloat16, storage_dtype="fp8")
+    planned = loader.upcast_bytes  # before anything loads: from the skeleton
+    model = loader()
+    layers = [
+        sum(t.numel() for t in layer.parameters(recurse=False) if t.dtype == FP8) * 2
+        for layer in model.modules()
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv3d))
+    ]
+    assert planned == max(layers) > 0
+    with torch.no_grad(), _Upcasts() as seen:
+        if component == "transformer":
+            run_transformer(model)
+        else:
+            model(input_ids=torch.tensor([[5, 9, 13, 2]]))
+    # The forward's largest copy is one of those layers' weights; none is larger.
+    assert seen.copies and max(seen.copies) <= planned
+    assert max(seen.copies) >= max(layers) // 2
+    assert ComponentLoader(wan_bf16, component, dtype=torch.bfloat16).upcast_bytes == 0

@@ -15,6 +15,7 @@ import torch
 import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
+from ondeck.lazy import loader_of
 from ondeck.pipelines.wan import Decode, WanTextToVideo
 from ondeck.tracker import StageRecord
 from tests.core.helpers import Apply, CountingLoader
@@ -280,3 +281,42 @@ def test_the_retry_reserve_goes_before_a_stored_profile_that_fits_without_it(mon
     assert pipe.policy.skip_retry_reserve and not pipe.policy.distrust_stored
     assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
     pipe.close()
+
+
+def test_stages_computing_from_stored_layers_plan_with_room_for_their_upcast_copies(
+    monkeypatch,
+):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    upcast = {"text_encoder": 80 << 20, "transformer": 135 << 20}  # the fp8 Wan 14B's
+    for name, nbytes in upcast.items():
+        monkeypatch.setattr(loader_of(pipe.deferred[name]), "upcast_bytes", nbytes, raising=False)
+    copies = policy_module.UPCAST_RESERVE_COPIES
+
+    def need(stage):
+        return pipe.policy.activation_needs(pipe)[0][stage]
+
+    assert need("Denoise") is None  # unmeasured: the estimates' reserve covers it
+    measure(pipe, MEASURED)
+    assert need("Denoise") == MEASURED["Denoise"] + copies * upcast["transformer"]
+    assert need("EncodePrompt") == MEASURED["EncodePrompt"] + copies * upcast["text_encoder"]
+    assert need("Decode") == MEASURED["Decode"]  # the VAE is not stored
+    plan = pipe.plan()
+    assert "'Denoise' +270.00 MiB" in plan.activation_note
+    # 13.58 + 1.6 + 0.26 GiB still fit the measured budget of 15.68: the fp8 transformer
+    # stays whole on a 16 GiB card.
+    assert plan.fits() and not plan.streamed
+    assert resident(plan, 2)["Denoise"] == ("transformer",)
+
+
+def test_the_upcast_reserve_goes_where_it_alone_would_make_a_run_refuse(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    loader = loader_of(pipe.deferred["transformer"])
+    monkeypatch.setattr(loader, "upcast_bytes", GIB, raising=False)  # 13.58 + 1.6 + 2
+    measure(pipe, MEASURED)
+    plan = pipe.plan()
+    assert plan.retry_reserve_dropped and plan.fits()
+    pipe.policy.before_run(pipe.snapshot())
+    assert pipe.policy.skip_retry_reserve
+    assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
