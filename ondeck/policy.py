@@ -352,11 +352,12 @@ class BudgetPolicy(Policy):
 
     def plan_for(self, source: Any, budget: int | None = None) -> Plan:
         """The plan. Where the reserves for the allocator (stages whose allocator retried,
-        upcast copies of stored layers) make it overflow, the plan without them (``retry_reserve_dropped``: a slower run
-        beats a refused one). Where stored activation peaks alone still make it overflow,
-        the plan without them (``profile_set_aside``): a stored value may come from
-        another card, an older version or damage, and must not block a run that fits
-        without it. Leaves the policy as it found it: ``before_run`` acts on the flags."""
+        upcast copies of stored layers) make it overflow, the plan without them
+        (``retry_reserve_dropped``: a slower run beats a refused one). Where stored
+        activation peaks alone still make it overflow, the plan without them
+        (``profile_set_aside``): a stored value may come from another card, an older
+        version or damage, and must not block a run that fits without it. Leaves the
+        policy as it found it: ``before_run`` acts on the flags."""
         snapshot = _view(source)
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
