@@ -12,9 +12,11 @@ default): bf16 (copies into the destinations), fp8 with the default cast staging
 halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
 and fp8 read in groups, a block a group, as a pipelined load reads
 (``reader.read_in_groups``, each group handed over to a callback that does nothing once
-its copies and casts are done). The arms of one slot size take turns, their order
-turning each attempt, after a warm-up read each; a slot size restarts the reading
-processes, so each size's arms run together. Medians of the file bytes' GB/s, and fp8
+its copies and casts are done); with ``--chunk-slots N``, bf16 and fp8 arms whose chunks
+span N ring slots (``reader.SLOTS_PER_CHUNK``; each is against bf16 in chunks as large).
+The arms of one ring shape (slot size, ``--ring-slots`` count) take turns, their
+order turning each attempt, after a warm-up read each; a ring shape restarts the reading
+processes, so each shape's arms run together. Medians of the file bytes' GB/s, and fp8
 ÷ bf16 read the same way within each size. Beside each read: the collector's pauses
 (count and seconds, from ``gc.callbacks``) and how often the copying thread came back
 to a staging half whose casts were not done yet (the copy stream then waits for them).
@@ -205,11 +207,22 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--attempts", type=int, default=10)
     parser.add_argument("--slots-mib", default="4", help="ring slot sizes to try, e.g. 4,16")
+    parser.add_argument(
+        "--ring-slots",
+        default="",
+        help="ring slot counts to try (default: the reader's), e.g. 24,48",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU check: small tensors")
     parser.add_argument(
         "--staging-mib",
         default="",
         help="more fp8 arms with these cast staging sizes (reader.CAST_STAGING_BYTES), e.g. 64,128",
+    )
+    parser.add_argument(
+        "--chunk-slots",
+        default="",
+        help="more bf16 and fp8 arms whose chunks span this many ring slots "
+        "(reader.SLOTS_PER_CHUNK), e.g. 1",
     )
     parser.add_argument(
         "--nice",
@@ -246,12 +259,22 @@ def main() -> None:
     }
     for mib in (int(m) for m in args.staging_mib.split(",") if m):
         arms[f"fp8, {mib} MiB staging"] = mib * MiB
+    default_slots = reader.SLOTS_PER_CHUNK
+    slots_of: dict[str, int] = {}
+    for count in (int(c) for c in args.chunk_slots.split(",") if c):
+        for arm in ("bf16", "fp8"):
+            name = f"{arm}, {count}-slot chunks"
+            arms[name] = None if arm == "bf16" else default_staging
+            slots_of[name] = count
     if args.nice:
         arms["bf16, processes niced"] = None
         arms["fp8, processes niced"] = default_staging
     pauses = Pauses()
     rows: dict[str, dict] = {}
-    for slot_mib in (int(s) for s in args.slots_mib.split(",")):
+    rings = [int(r) for r in args.ring_slots.split(",") if r] or [None]
+    shapes = [(int(s), ring) for s in args.slots_mib.split(",") for ring in rings]
+    for slot_mib, ring in shapes:
+        shape = f"{slot_mib} MiB slots" if ring is None else f"{slot_mib} MiB x {ring} slots"
         seconds: dict[str, list[float]] = {arm: [] for arm in arms}
         seen: dict[str, list[dict]] = {arm: [] for arm in arms}
         for attempt in range(1 + args.attempts):  # the first of each arm warms it
@@ -259,6 +282,7 @@ def main() -> None:
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
                 reader.CAST_STAGING_BYTES = arms[arm] or default_staging
+                reader.SLOTS_PER_CHUNK = slots_of.get(arm, default_slots)
                 paused = arm.endswith("collector paused") and gc.isenabled()
                 renice(args.nice if arm.endswith("niced") else 0)
                 try:
@@ -270,6 +294,7 @@ def main() -> None:
                             gc.disable()
                         started = time.perf_counter()
                         options = dict(buffer_bytes=slot_mib * MiB, progress=False)
+                        options.update(buffer_count=ring)
                         if arm.endswith("in groups"):
                             stats = reader.read_in_groups(
                                 by_block(jobs), lambda index: None, component="blocks", **options
@@ -283,14 +308,16 @@ def main() -> None:
                     if paused:
                         gc.enable()
                     reader.CAST_STAGING_BYTES = default_staging
+                    reader.SLOTS_PER_CHUNK = default_slots
                 if attempt:
                     seconds[arm].append(elapsed)
                     seen[arm].append(pauses.last)
                 del jobs
-            print(f"slot {slot_mib} MiB, attempt {attempt}: {stats.readers}", flush=True)
+            print(f"{shape}, attempt {attempt}: {stats.readers}", flush=True)
         for arm, values in seconds.items():
             median = statistics.median(values)
-            rows[f"{arm}, {slot_mib} MiB slots"] = {
+            rows[f"{arm}, {shape}"] = {
+                "shape": shape,
                 "seconds": values,
                 "gb_per_second": nbytes / median / 1e9,
                 "slot_mib": slot_mib,
@@ -312,7 +339,9 @@ def main() -> None:
     )
     for name, row in rows.items():
         bf16 = "bf16, in groups" if row["arm"].endswith("in groups") else "bf16"
-        base = rows[f"{bf16}, {row['slot_mib']} MiB slots"]["gb_per_second"]
+        if row["arm"].endswith("-slot chunks"):  # fp8 against bf16 in chunks as large
+            bf16 = "bf16, " + row["arm"].split(", ", 1)[1]
+        base = rows[f"{bf16}, {row['shape']}"]["gb_per_second"]
         reads = row["per_read"]
         collections = statistics.median(r["collections"] for r in reads)
         paused_ms = statistics.median(r["collector_seconds"] for r in reads) * 1e3

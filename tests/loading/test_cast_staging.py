@@ -104,8 +104,11 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
         issued.append(
             [(staged.job.info.name, staged.hi, staged.end - staged.start) for staged in pending]
         )
-        # Issued on the cast stream, made current, after the copies.
-        assert CURRENT[-1] is casts.casts and casts.casts.waited[-1] is casts.copies
+        # Issued on the cast stream, made current, after the copies: it waits for an
+        # event just recorded on the copies' stream.
+        waited = casts.casts.waited[-1]
+        assert CURRENT[-1] is casts.casts and waited.recorded_on[-1] is casts.copies
+        assert len(waited.recorded_on) == len(issued)  # recorded anew for each half
         original(pending, half)
 
     half = half_chunks * reader_module._aligned(chunk_bytes)
