@@ -12,12 +12,10 @@ default): bf16 (copies into the destinations), fp8 with the default cast staging
 halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
 and fp8 read in groups, a block a group, as a pipelined load reads
 (``reader.read_in_groups``, each group handed over to a callback that does nothing once
-its copies and casts are done); with ``--chunk-slots N``, bf16 and fp8 arms whose chunks
-span N ring slots (``reader.SLOTS_PER_CHUNK``; each is against bf16 in chunks as large).
-The arms of one ring shape (slot size, ``--ring-slots`` count) take turns, their
-order turning each attempt, after a warm-up read each; a ring shape restarts the reading
-processes, so each shape's arms run together. Medians of the file bytes' GB/s, and fp8
-÷ bf16 read the same way within each size. Beside each read: the collector's pauses
+its copies and casts are done). The arms of one ring shape (slot size, ``--ring-slots``
+count) take turns, their order turning each attempt, after a warm-up read each; a ring
+shape restarts the reading processes, so each shape's arms run together. Medians of the
+file bytes' GB/s, and fp8 ÷ bf16 read the same way within each shape. Beside each read: the collector's pauses
 (count and seconds, from ``gc.callbacks``) and how often the copying thread came back
 to a staging half whose casts were not done yet (the copy stream then waits for them).
 Writes cast_rate.json to $OUT; prints a table last.
@@ -219,12 +217,6 @@ def main() -> None:
         help="more fp8 arms with these cast staging sizes (reader.CAST_STAGING_BYTES), e.g. 64,128",
     )
     parser.add_argument(
-        "--chunk-slots",
-        default="",
-        help="more bf16 and fp8 arms whose chunks span this many ring slots "
-        "(reader.SLOTS_PER_CHUNK), e.g. 1",
-    )
-    parser.add_argument(
         "--nice",
         type=int,
         default=0,
@@ -259,13 +251,6 @@ def main() -> None:
     }
     for mib in (int(m) for m in args.staging_mib.split(",") if m):
         arms[f"fp8, {mib} MiB staging"] = mib * MiB
-    default_slots = reader.SLOTS_PER_CHUNK
-    slots_of: dict[str, int] = {}
-    for count in (int(c) for c in args.chunk_slots.split(",") if c):
-        for arm in ("bf16", "fp8"):
-            name = f"{arm}, {count}-slot chunks"
-            arms[name] = None if arm == "bf16" else default_staging
-            slots_of[name] = count
     if args.nice:
         arms["bf16, processes niced"] = None
         arms["fp8, processes niced"] = default_staging
@@ -282,7 +267,6 @@ def main() -> None:
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
                 reader.CAST_STAGING_BYTES = arms[arm] or default_staging
-                reader.SLOTS_PER_CHUNK = slots_of.get(arm, default_slots)
                 paused = arm.endswith("collector paused") and gc.isenabled()
                 renice(args.nice if arm.endswith("niced") else 0)
                 try:
@@ -308,7 +292,6 @@ def main() -> None:
                     if paused:
                         gc.enable()
                     reader.CAST_STAGING_BYTES = default_staging
-                    reader.SLOTS_PER_CHUNK = default_slots
                 if attempt:
                     seconds[arm].append(elapsed)
                     seen[arm].append(pauses.last)
@@ -339,8 +322,6 @@ def main() -> None:
     )
     for name, row in rows.items():
         bf16 = "bf16, in groups" if row["arm"].endswith("in groups") else "bf16"
-        if row["arm"].endswith("-slot chunks"):  # fp8 against bf16 in chunks as large
-            bf16 = "bf16, " + row["arm"].split(", ", 1)[1]
         base = rows[f"{bf16}, {row['shape']}"]["gb_per_second"]
         reads = row["per_read"]
         collections = statistics.median(r["collections"] for r in reads)

@@ -85,11 +85,6 @@ __all__ = [
 # 4 MiB x 24 beat 8 MiB x 32 there, and 8 MiB x 32 beat 4 MiB x 24 on threads).
 THREAD_RING = (8 * 2**20, 32)
 PROCESS_RING = (4 * 2**20, 24)
-# A read through the processes hands the copying thread chunks of this many adjacent ring
-# slots, each slot read by its own process: the reads stay slot-sized and spread over
-# the processes, while the copying thread issues one copy (or one staged cast) per chunk.
-# That thread's time per chunk, not the bytes, bounds a read that casts (BENCHMARKS.md).
-SLOTS_PER_CHUNK = 2
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
 # Device bytes a load's casts are staged in, shared among its copying threads. A thread
 # whose share holds less than two chunks gets one chunk and casts chunk by chunk.
@@ -145,9 +140,7 @@ def read_into(
         if lease is None:
             lease = _lease_if_wanted(jobs, processes, devices, threads, buffer_bytes, buffer_count)
         if lease is not None:
-            pool = lease.pool
-            buffer_bytes = pool.slot_bytes * _slots_per_chunk(pool)
-            buffer_count = pool.slot_count // _slots_per_chunk(pool)
+            buffer_bytes, buffer_count = lease.pool.slot_bytes, lease.pool.slot_count
         else:
             buffer_bytes = max(buffer_bytes or THREAD_RING[0], 64)
             buffer_count = buffer_count or THREAD_RING[1]
@@ -732,10 +725,9 @@ def default_processes() -> int:
 
 
 def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
-    """The one thread of a load read by processes: hand each free place in the ring
-    (:data:`SLOTS_PER_CHUNK` adjacent slots) the next chunk, each slot's piece to the
-    process that owns the slot, and copy each place that comes back full into its
-    chunk's target. A place is free again once its copy has finished."""
+    """The one thread of a load read by processes: hand each free ring slot the next
+    chunk, and copy each slot that comes back full into its chunk's target. A slot is free
+    again once its copy has finished."""
     if not lease.claim():  # the load was given up before this thread started
         state.fail(LoadError("the read was interrupted", component=state.component))
         return
@@ -745,20 +737,10 @@ def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
         lease.release()
 
 
-def _slots_per_chunk(pool: process_reader.ReadingProcesses) -> int:
-    """:data:`SLOTS_PER_CHUNK`, where the ring holds two such chunks or more; else 1."""
-    return SLOTS_PER_CHUNK if pool.slot_count >= 2 * SLOTS_PER_CHUNK else 1
-
-
 def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
     streams = {}
     casts = {}
-    per_chunk = _slots_per_chunk(pool)
-    piece_bytes = pool.slot_bytes
-    # A place: ``per_chunk`` adjacent ring slots, read into by one chunk, a slot a piece.
-    reading: dict[int, int] = {}  # ring slot -> the place its piece is read into
-    chunk_at: dict[int, Chunk] = {}  # place -> the chunk read into it
-    unanswered: dict[int, int] = {}  # place -> its pieces still being read
+    reading: dict[int, Chunk] = {}  # slot -> the chunk being read into it
     opened = False
     try:
         streams = _side_streams(state.fences)
@@ -767,57 +749,41 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
         opened = True
         if state.group_chunks is not None:
             state.advance_groups(streams, casts)  # groups with nothing to read
-        place_bytes = piece_bytes * per_chunk
-        places = [
-            _Slot(pool.ring[index * place_bytes : (index + 1) * place_bytes])
-            for index in range(pool.slot_count // per_chunk)
-        ]
-        free = deque(range(len(places)))
-        copying: deque[int] = deque()  # places whose copies run, in the order issued
+        slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
+        free = deque(range(pool.slot_count))
+        copying: deque[int] = deque()  # slots whose copies run, in the order issued
         chunks = iter(state.chunks)
         left = len(state.chunks)
         while left and not state.stop.is_set():
-            while copying and places[copying[0]].finished():
+            while copying and slots[copying[0]].finished():
                 free.append(copying.popleft())
-            while free and len(chunk_at) < left:
+            while free and len(reading) < left:
                 chunk = next(chunks)
-                place = free.popleft()
+                slot = free.popleft()
                 info = chunk.job.info
-                file_id = file_ids[info.path]
-                chunk_at[place] = chunk
-                unanswered[place] = 0
-                for lo in range(chunk.lo, chunk.hi, piece_bytes):
-                    slot = place * per_chunk + unanswered[place]
-                    length = min(piece_bytes, chunk.hi - lo)
-                    pool.request(slot, file_id, info.start + lo, length)
-                    reading[slot] = place
-                    unanswered[place] += 1
-            if not reading:  # every place waits for its copy
-                places[copying[0]].wait()
+                pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
+                reading[slot] = chunk
+            if not reading:  # every slot waits for its copy
+                slots[copying[0]].wait()
                 continue
-            # Poll soon while copies may free places; otherwise wait, waking to notice a
-            # stop. Every answered piece leaves ``reading`` before any copy is issued: if
-            # one fails, the clean-up must not wait for answers that already came.
+            # Poll soon while copies may free slots; otherwise wait, waking to notice a stop.
+            # Every answered slot leaves ``reading`` before any copy is issued: if one
+            # fails, the clean-up must not wait for answers that already came.
             answered = [
-                (reading.pop(slot), status, reached)
+                (slot, reading.pop(slot), status, reached)
                 for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
             ]
-            for place, status, reached in answered:
-                chunk = chunk_at[place]
+            for slot, chunk, status, reached in answered:
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
-                unanswered[place] -= 1
-                if unanswered[place]:
-                    continue
-                del chunk_at[place]
                 length = chunk.hi - chunk.lo
-                stream = _deliver(chunk, places[place].buffer[:length], streams, casts)
+                stream = _deliver(chunk, slots[slot].buffer[:length], streams, casts)
                 if stream is None:
-                    free.append(place)
+                    free.append(slot)
                 else:
-                    places[place].mark_copying(stream)
-                    copying.append(place)
+                    slots[slot].mark_copying(stream)
+                    copying.append(slot)
                 state.delivered_chunk(chunk, streams, casts)
                 left -= 1
                 if state.bar is not None:

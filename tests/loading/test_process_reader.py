@@ -86,58 +86,6 @@ def test_a_truncated_file_names_the_tensor_and_the_processes_serve_the_next_load
     assert pids() == first  # no stale answer of the failed load reached this one
 
 
-def spy_on_requests(monkeypatch) -> list[tuple[int, int, int]]:
-    """Every read the processes are sent: (ring slot, file offset, length)."""
-    sent = []
-    original = process_reader.ReadingProcesses.request
-
-    def request(pool, slot, file_id, offset, length):
-        sent.append((slot, offset, length))
-        return original(pool, slot, file_id, offset, length)
-
-    monkeypatch.setattr(process_reader.ReadingProcesses, "request", request)
-    return sent
-
-
-@pytest.mark.parametrize("slots", [6, 3])
-def test_a_chunk_spans_adjacent_slots_each_read_by_its_own_process(tmp_path, monkeypatch, slots):
-    """With room for two chunks of SLOTS_PER_CHUNK slots, a chunk is read in slot-sized
-    pieces into adjacent slots (slot s belongs to process s % count); a smaller ring
-    reads a slot a chunk."""
-    from ondeck.loading import reader as reader_module
-
-    sent = spy_on_requests(monkeypatch)
-    tensor = torch.randn(5000)
-    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
-    start = read_header(path).tensors["w"].start
-    loaded = read_by_processes(path, threads=3, buffer_bytes=1024, buffer_count=slots)
-    assert same_bits(loaded["w"], tensor)
-    per_chunk = reader_module.SLOTS_PER_CHUNK if slots >= 2 * reader_module.SLOTS_PER_CHUNK else 1
-    assert sum(length for _, _, length in sent) == tensor.nbytes
-    assert all(length <= 1024 for _, _, length in sent)
-    for number, (slot, offset, _) in enumerate(sent):
-        piece = (offset - start) // 1024
-        assert (offset - start) % 1024 == 0 and slot % per_chunk == piece % per_chunk, number
-    if per_chunk > 1:  # the pieces of a chunk are sent together, into one place
-        pairs = list(zip(sent[::2], sent[1::2], strict=False))
-        assert all(b[0] == a[0] + 1 and b[1] == a[1] + 1024 for a, b in pairs[:-1])
-
-
-def test_a_file_ending_in_a_chunks_second_piece_names_the_byte(tmp_path):
-    """The file ends inside the second slot of a chunk: the load fails naming where."""
-    tensor = torch.randn(512)  # one chunk of two 1 KiB slots
-    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
-    info = read_header(path).tensors["w"]
-    jobs = jobs_for(path)
-    os.truncate(path, info.start + 1024 + 512)
-    with pytest.raises(LoadError, match=rf"tensor 'w': file ended at byte {info.start + 1536}"):
-        read_into(
-            jobs, progress=False, processes=True, threads=2, buffer_bytes=1024, buffer_count=4
-        )
-    good = write_safetensors(tmp_path / "good.safetensors", {"w": tensor})
-    assert same_bits(read_by_processes(good, buffer_bytes=1024)["w"], tensor)
-
-
 def test_a_process_killed_mid_load_fails_it_and_the_next_starts_new_ones(tmp_path, monkeypatch):
     from ondeck.loading import reader as reader_module
 
@@ -533,8 +481,7 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     loaded = read_by_processes(path, threads=2, buffer_bytes=1024, buffer_count=4)
     assert same_bits(loaded["w"], tensor)
-    chunk_bytes = 1024 * reader_module.SLOTS_PER_CHUNK  # four slots: two places
-    assert len(stream.events) == -(-tensor.nbytes // chunk_bytes)  # every chunk copied late
+    assert len(stream.events) == -(-tensor.nbytes // 1024)  # every chunk copied late
 
 
 def grouped_file(tmp_path, count=5):
