@@ -25,7 +25,10 @@ mode, each mode a process of its own (clean peaks), all in one call:
   load starts with the allocator's cache empty (new device memory, as a first load),
   but those ``into cached memory``: bf16 and fp8 again, the allocator holding mapped
   memory enough for the module (as a reload in a running pipeline usually finds).
-  ``fp8, collector paused``: Python's cyclic collector disabled during the load.
+  ``fp8, collector paused``: Python's cyclic collector disabled during the load. A load
+  is timed until the module is whole (the loader's call); the next load's skeleton,
+  built on the filling's thread after that, is waited for untimed. With ``--phases``,
+  each arm's median milliseconds per load in the loader's parts, the read among them.
 
 The latents each run hands to the VAE are kept, and compared per latent frame with
 bf16 eager's (max and mean absolute difference). ``fp8-full`` runs one prompt by default
@@ -52,6 +55,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -433,6 +437,8 @@ def reload_rates(args) -> dict:
 
     folder = ModelFolder.open(args.folder)
     rows = {}
+    phases = PhaseClock(reload_phase_targets() if args.phases else {})
+    phases.__enter__()
     arms = (
         "bf16",
         "fp8",
@@ -447,6 +453,7 @@ def reload_rates(args) -> dict:
         read_seconds = {arm: [] for arm in arms}
         allocations = {arm: [] for arm in arms}
         collected = {arm: [] for arm in arms}
+        timed = {arm: [] for arm in arms}
         stored = {}
         for attempt in range(1 + args.reload_attempts):  # the first starts the processes
             for turn in range(len(arms)):
@@ -460,6 +467,7 @@ def reload_rates(args) -> dict:
                 torch.cuda.synchronize()
                 before = allocator_counts()
                 collector.take()
+                phases.take()
                 if paused:
                     gc.disable()
                 try:
@@ -470,12 +478,18 @@ def reload_rates(args) -> dict:
                 finally:
                     if paused:
                         gc.enable()
+                # The next load's skeleton, built on the filling's thread once this load
+                # has ended, is waited for here, untimed: it never overlaps another load.
+                for thread in threading.enumerate():
+                    if thread.name.startswith("ondeck-fill"):
+                        thread.join()
                 counts = allocator_counts(before)
                 if attempt:
                     seconds[arm].append(elapsed)
                     read_seconds[arm].append(loader.last_read_seconds)
                     allocations[arm].append(counts["num_device_alloc"])
                     collected[arm].append(collector.take())
+                    timed[arm].append(phase_totals(phases.take()))
                 stored[arm] = module_nbytes(module)  # tied weights once
                 del module
                 gc.collect()
@@ -492,6 +506,7 @@ def reload_rates(args) -> dict:
                 "device_allocations": allocations[arm],
                 "collector": collected[arm],
                 "readers": loaders[arm].last_readers,
+                "phases": median_phases(timed[arm]),
             }
             print(
                 f"reload {name} {arm}: {file_bytes / middle / 1e9:.1f} GB/s, "
@@ -499,7 +514,37 @@ def reload_rates(args) -> dict:
                 file=sys.stderr,
             )
     collector.__exit__()
+    phases.__exit__(None, None, None)
     return {"mode": "reload", "reload": rows}
+
+
+def reload_phase_targets() -> dict:
+    """What a reload spends its time in, beside the read (``--phases``)."""
+    from ondeck.loading import components, pipelined
+
+    loader = components.ComponentLoader
+    return {
+        "begin": (loader, "begin"),
+        "match tensors": (components, "match_tensors"),
+        "allocate": (components, "_allocate"),
+        "start filling": (components, "start_filling"),
+        "take skeleton": (loader, "_take_skeleton"),
+        "install": (components, "_install"),
+        "wait for group": (pipelined.Filling, "wait_group"),
+        "finish": (components, "_finish"),
+        "read in groups": (loader, "_read_in_groups"),
+        "next skeleton": (loader, "_pipelined_skeleton"),
+        "wait for the fill": (pipelined.Filling, "wait"),
+    }
+
+
+def median_phases(loads: list[dict]) -> dict[str, float]:
+    """Each phase's median seconds per load (0 in a load that did not call it)."""
+    names = sorted({name for load in loads for name in load})
+    return {
+        name: statistics.median(load.get(name, {}).get("seconds", 0.0) for load in loads)
+        for name in names
+    }
 
 
 def child(args) -> None:
@@ -631,6 +676,13 @@ def print_table(rows: dict, summary: dict) -> None:
                 f"{'/'.join(str(n) for n in sorted(set(entry.get('device_allocations', [])))):>13} "
                 f"{_collector_medians(entry.get('collector') or []):>17}"
             )
+        for name, entry in reload.items():
+            if entry.get("phases"):
+                shown = ", ".join(
+                    f"{phase} {seconds * 1e3:.0f}"
+                    for phase, seconds in sorted(entry["phases"].items(), key=lambda i: -i[1])
+                )
+                print(f"  {name} phases (ms, medians per load): {shown}")
 
 
 def _collector_medians(loads: list[dict]) -> str:

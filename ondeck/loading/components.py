@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import traceback
@@ -193,7 +194,7 @@ class ComponentLoader:
                 [sources[i][1].nbytes for i in on_device],
                 path,
             )
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, template, other)
+            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
             self.last_load_bytes += placed_bytes
             filling = start_filling(
                 self.name,
@@ -203,6 +204,7 @@ class ComponentLoader:
                 device=self.device,
                 started=started,
                 fill_all=fill_all,
+                then=functools.partial(self._prepare_spare, template),
             )
             jobs = None  # the filling holds each group until it is read
             skeleton = self._take_skeleton(template)
@@ -237,6 +239,12 @@ class ComponentLoader:
             return spare[1]
         return self._pipelined_skeleton(template)
 
+    def _prepare_spare(self, template: Skeleton) -> None:
+        """After a pipelined load: the next one's skeleton, built on the filling's thread
+        once the load has ended (nobody waits for it)."""
+        if self._spare is None:
+            self._spare = (template, self._pipelined_skeleton(template))
+
     def _pipelined_skeleton(self, template: Skeleton) -> Skeleton:
         """A fresh skeleton for a pipelined load, its stored layers already hooked to
         compute in the compute dtype (the hooks hold no tensor, so a spare built ahead
@@ -253,11 +261,9 @@ class ComponentLoader:
         key: Any,
         raw: Any,
         started: float,
-        template: Skeleton,
         other: Any = None,
     ):
-        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it;
-        a fill that succeeds then builds the next load's skeleton, on its own thread.
+        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it.
         ``other`` (see ``_cached``): what its entry holds is copied from there. The caller
         must call ``finished`` (with the error) if the filling never starts."""
         total = sum(job.info.nbytes for job in jobs)
@@ -320,8 +326,6 @@ class ComponentLoader:
             if stored is not None and error is None:
                 storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
-            if error is None and self._spare is None:
-                self._spare = (template, self._pipelined_skeleton(template))
 
         return fill, (fill_all if not held else None), finished
 

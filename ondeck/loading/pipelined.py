@@ -81,7 +81,9 @@ class Filling:
     on their device; it runs on the filling's own thread, group after group. Or
     ``fill_all(groups, reached)`` puts them all in place, calling ``reached(i)`` once
     group ``i`` is complete, in order (one read for all groups). ``finished`` is called
-    on that thread at the end, with the error if one stopped it.
+    on that thread at the end, with the error if one stopped it; the fill has ended once
+    it returns. After a fill that succeeded, ``then`` runs on that thread too, once the
+    end is announced: work for a later load (its skeleton) that nobody waits for.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Filling:
         finished: Callable[[BaseException | None], None] | None = None,
         started: float | None = None,
         fill_all: Callable[[list, Callable[[int], None]], None] | None = None,
+        then: Callable[[], None] | None = None,
     ):
         self.component = component
         if device.type == "cuda" and device.index is None:
@@ -113,6 +116,7 @@ class Filling:
         self._fill = fill
         self._fill_all = fill_all
         self._finished = finished
+        self._then = then
         self._filled = 0  # groups complete, in order
         self._progress = threading.Condition()
         self._stop = threading.Event()
@@ -183,6 +187,13 @@ class Filling:
                     self._progress.notify_all()
         if error is None:
             self._tell("fill", self.seconds)
+            if self._then is not None and not self._stop.is_set():
+                try:
+                    self._then()
+                except Exception:
+                    # Only a later load's head start is lost: that load does the same
+                    # work on its own path, and reports its error there.
+                    pass
 
     def _check_stop(self) -> None:
         if self._stop.is_set():
@@ -229,19 +240,24 @@ class Filling:
         self._tell("wait", waited)
 
     def wait(self) -> None:
-        """Block until every group is in place; raise the fill's error if it failed."""
-        self._thread.join()
+        """Block until every group is in place and the fill has ended (not for ``then``);
+        raise the fill's error if it failed."""
+        self._wait_for_end()
         self.detach()
         if self.failure is not None:
             raise self._error()
 
     def cancel(self) -> None:
-        """Stop after the group being read and wait for the thread: nothing writes into the
-        module's memory afterwards. Never raises."""
+        """Stop after the group being read and wait for the fill to end: nothing writes
+        into the module's memory afterwards. Never raises."""
         self._stop.set()
         if self._thread.ident is not None:
-            self._thread.join()
+            self._wait_for_end()
         self.detach()
+
+    def _wait_for_end(self) -> None:
+        with self._progress:
+            self._progress.wait_for(lambda: self._told)
 
     def _error(self) -> LoadError:
         cause = self.failure
@@ -296,6 +312,7 @@ def _stop_fillings() -> None:
     steps (caching, the spare skeleton) can still run after its module computed."""
     for filling in list(_started):
         filling.cancel()
+        filling._thread.join()  # also its ``then``
 
 
 # Exit handlers run last-registered first: this one, registered after the reading
@@ -312,6 +329,7 @@ def start_filling(
     device: torch.device,
     started: float | None = None,
     fill_all: Callable[[list, Callable[[int], None]], None] | None = None,
+    then: Callable[[], None] | None = None,
 ) -> Filling:
     """A started :class:`Filling`. If it cannot start, ``finished`` hears the error (it
     gives back what the load reserved, a host cache entry say) before it propagates."""
@@ -324,6 +342,7 @@ def start_filling(
             finished=finished,
             started=started,
             fill_all=fill_all,
+            then=then,
         ).start()
     except BaseException as error:
         finished(error)

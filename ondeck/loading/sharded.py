@@ -10,6 +10,7 @@ the local shard. No rank ever holds, or reads, a full copy of a sharded paramete
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import traceback
@@ -151,7 +152,7 @@ class ShardedComponentLoader(ComponentLoader):
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, template)
+            fill, fill_all, finished = self._group_filler(jobs, key, raw, started)
             filling = start_filling(
                 self.name,
                 [[jobs[i] for i in group] for group in groups],
@@ -160,6 +161,7 @@ class ShardedComponentLoader(ComponentLoader):
                 device=self.device,
                 started=started,
                 fill_all=fill_all,
+                then=functools.partial(self._prepare_spare, template),
             )
             jobs = None  # the filling holds each group until it is read
             filling.attach(module, path, group_of)

@@ -68,6 +68,7 @@ def main(folder: str, out: Path) -> None:
         seen["pipelined_filling"] = filling is not None
         if filling is not None:
             filling.wait()
+            filling._thread.join()  # it builds the next skeleton after the fill has ended
         del module, filling
         seen["skeleton_copies_filling"] = list(copies)
         copies.clear()

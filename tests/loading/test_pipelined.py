@@ -320,6 +320,7 @@ def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_fo
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
     module, filling = loader.begin()
     filling.wait()  # its thread then copies the skeleton for the next load
+    filling._thread.join()
     expected = forward(module)
     del module
     copies_here.clear()
@@ -328,6 +329,35 @@ def test_the_next_load_finds_its_skeleton_built_behind_the_last_one(six_block_fo
     assert torch.equal(forward(again), expected)
     filling.wait()
     assert copies_here and copies_here[0].startswith("ondeck-fill")
+
+
+def test_a_load_ends_without_waiting_for_the_next_loads_skeleton(six_block_folder, monkeypatch):
+    """The next load's skeleton (a deep copy, and for fp8 storage its hooks: 0.1-0.2 s for
+    a 14B transformer) is built after the fill has ended: whoever waits for the fill (the
+    loader's call, the next run's loads) does not wait for it."""
+    gate, building = threading.Event(), threading.Event()
+    build = ComponentLoader._pipelined_skeleton
+
+    def held(self, template):
+        if threading.current_thread().name.startswith("ondeck-fill"):
+            building.set()
+            assert gate.wait(30), "the test never opened the gate"
+        return build(self, template)
+
+    monkeypatch.setattr(ComponentLoader, "_pipelined_skeleton", held)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
+    expected = forward(ComponentLoader(six_block_folder, "transformer", pipelined=False)())
+    module = loader()  # returns while its filling's thread is held building the next skeleton
+    try:
+        assert building.wait(30) and not gate.is_set()
+        assert loader._spare is None
+        assert torch.equal(forward(module), expected)
+    finally:
+        gate.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("ondeck-fill"):
+            thread.join(30)
+    assert loader._spare is not None  # built once let go, for the next load
 
 
 def test_a_filling_that_cannot_start_gives_back_its_host_cache_reservation(
