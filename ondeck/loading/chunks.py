@@ -64,14 +64,22 @@ class Chunk:
     """One read: a byte range of a job's tensor, and where in the destination it goes."""
 
     job: ReadJob
-    # This chunk's part of the destination (or of its contiguous temporary), flat: raw
-    # bytes when the file's dtype is kept, elements of the destination's dtype when cast.
+    # The destination (or its contiguous temporary), flat. When the file's dtype is kept:
+    # this chunk's raw bytes of it. When cast: all of its elements (``part`` is this
+    # chunk's), as the casts on a device make one view per run of chunks, not per chunk.
     target: torch.Tensor
     lo: int  # byte range within the tensor's file data, element aligned
     hi: int
     direct: bool
     cast: bool
     group: int = 0  # the job's group in a read in groups (``read_in_groups``)
+
+    def part(self) -> torch.Tensor:
+        """This chunk's part of the target."""
+        if not self.cast:
+            return self.target
+        itemsize = self.job.info.dtype.itemsize
+        return self.target[self.lo // itemsize : self.hi // itemsize]
 
 
 def plan_chunks(
@@ -140,14 +148,13 @@ class _JobChunks:
 
     def chunks(self) -> list[Chunk]:
         info = self.job.info
-        itemsize = info.dtype.itemsize
         flat = self.target.reshape(-1)
         if not self.cast:
             flat = flat.view(torch.uint8)
         made = []
         for lo in range(0, info.nbytes, self.step):
             hi = min(lo + self.step, info.nbytes)
-            part = flat[lo // itemsize : hi // itemsize] if self.cast else flat[lo:hi]
+            part = flat if self.cast else flat[lo:hi]
             made.append(Chunk(self.job, part, lo, hi, self.direct, self.cast, self.group))
         return made
 

@@ -170,24 +170,24 @@ class ReadingProcesses:
             raise ReadingProcessExited(f"a reading process is gone: {error}") from error
 
     def replies(self, timeout: float | None) -> list[tuple[int, int, int]]:
-        """``(slot, status, byte reached)`` of every read finished so far, waiting up to
-        ``timeout`` seconds for the first. Status 0: done; an errno; or
-        :data:`~ondeck.loading.reading_process.FILE_ENDED`."""
+        """``(slot, status, byte reached)`` of reads finished so far, an answer from each
+        process that has one, waiting up to ``timeout`` seconds for the first. (A process
+        with a second answer waiting is ready again at the next call: one receive per
+        process, rather than receiving until one fails, which raises.) Status 0: done;
+        an errno; or :data:`~ondeck.loading.reading_process.FILE_ENDED`."""
         answers = []
         for key, _ in self._selector.select(timeout):
-            channel = key.fileobj
-            while True:
-                try:
-                    message = channel.recv(REPLY.size, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                except OSError as error:
-                    self.broken = True
-                    raise ReadingProcessExited(f"a reading process failed: {error}") from error
-                if not message:
-                    self.broken = True
-                    raise ReadingProcessExited("a reading process exited in the middle of a load")
-                answers.append(REPLY.unpack(message))
+            try:
+                message = key.fileobj.recv(REPLY.size, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # ready, yet nothing there: not seen, but never block
+                continue
+            except OSError as error:
+                self.broken = True
+                raise ReadingProcessExited(f"a reading process failed: {error}") from error
+            if not message:
+                self.broken = True
+                raise ReadingProcessExited("a reading process exited in the middle of a load")
+            answers.append(REPLY.unpack(message))
         return answers
 
     def close(self) -> None:

@@ -515,7 +515,7 @@ class _DeviceCasts:
             # The tensor's next bytes, staged right behind its last ones: one cast for both.
             last.hi, last.end = chunk.hi, end
         else:
-            pending.append(_Staged(chunk.job, chunk.target, start, chunk.hi, end))
+            pending.append(_Staged(chunk.job, chunk.target, start, chunk.lo, chunk.hi, end))
 
     def _wait_for_casts(self, half: int) -> None:
         """Before copying into ``half`` again: its last casts read it. Usually they are
@@ -549,18 +549,19 @@ class _DeviceCasts:
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
-        """Every cast out of ``half``, issued in one call: the copying thread makes one
-        call per half instead of one per run of chunks."""
+        """Every cast out of ``half``: one ``copy_`` for the usual half (a run of one
+        tensor's chunks), else one call for all its runs, not one per run."""
         targets, sources = [], []
         for staged in pending:
             info, via = staged.job.info, staged.job.via
             source = half[staged.start : staged.end].view(info.dtype)
-            target = staged.target
-            if target.numel() != source.numel():  # chunks merged: the run's whole span
-                target = target.as_strided((source.numel(),), (1,))
-            targets.append(target)
+            first = staged.lo // info.dtype.itemsize
+            targets.append(staged.target[first : first + source.numel()])
             sources.append(source if via is None else source.to(via))
-        _copy_all(targets, sources)
+        if len(targets) == 1:  # the usual half: one tensor's run
+            targets[0].copy_(sources[0], non_blocking=True)
+        else:
+            _copy_all(targets, sources)
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -578,11 +579,13 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 @dataclass(slots=True)
 class _Staged:
     """Consecutive bytes of one tensor staged in a half, from ``start`` to ``end`` there,
-    up to byte ``hi`` of the tensor's file data; ``target``: its first chunk's target."""
+    bytes ``lo`` to ``hi`` of the tensor's file data; ``target``: the chunks' target (all
+    of the destination's elements, flat)."""
 
     job: ReadJob
     target: torch.Tensor
     start: int
+    lo: int
     hi: int
     end: int
 
@@ -846,7 +849,7 @@ def _deliver(
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)
-    chunk.target.copy_(source, non_blocking=stream is not None)
+    chunk.part().copy_(source, non_blocking=stream is not None)
     return stream
 
 

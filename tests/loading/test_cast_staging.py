@@ -52,14 +52,14 @@ class FakeEvent:
 
 @pytest.fixture(params=["one call", "a copy_ each"])
 def cpu_streams(request, monkeypatch):
-    """Fake streams, and a half's casts issued either by ``torch._foreach_copy_`` or, as
-    on a torch without it, by a ``copy_`` each."""
+    """Fake streams, and the casts of a half of several runs issued either by
+    ``torch._foreach_copy_`` or, as on a torch without it, by a ``copy_`` each."""
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_stream", CURRENT.append)
     CURRENT.clear()
-    calls = []
+    calls, several = [], []
     if request.param == "a copy_ each":
         monkeypatch.delattr(torch, "_foreach_copy_")
     else:
@@ -67,9 +67,16 @@ def cpu_streams(request, monkeypatch):
         monkeypatch.setattr(
             torch, "_foreach_copy_", lambda *a, **k: calls.append(1) or foreach(*a, **k)
         )
+    issue = reader_module._DeviceCasts._issue
+
+    def counting(pending, half):
+        several.extend([1] if len(pending) > 1 else [])
+        return issue(pending, half)
+
+    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(counting))
     yield
     if request.param == "one call":
-        assert calls  # the casts went through the one call
+        assert len(calls) == len(several)  # a half of several runs: one call for all
 
 
 def tensors_and_chunks(tmp_path, sizes, file_dtype=torch.bfloat16, chunk_bytes=CHUNK):
