@@ -24,12 +24,11 @@ left the copy engine idle 3-5 ms between groups.
 A cast to a CUDA destination (file dtype differs) goes through a staging buffer on the
 device in the file's dtype, one per copying thread, in two halves (:class:`_DeviceCasts`).
 Chunks are copied into one half, one after the other, on the thread's stream; once it is
-full, the next chunks are copied into the other half, and the casts out of the full one
-are issued together on a stream of their own, when the copying thread has no answer to
-hand over (at the latest when the other half is full). The copy engine runs as it does
-for a load without a cast, and the two streams wait for each other once per half, not
-once per chunk: cast after each chunk's copy on one stream, the copies stop for every
-cast (BENCHMARKS.md compares the two).
+full, the casts out of it are issued together on a stream of their own while the next
+chunks are copied into the other half. The copy engine runs as it does for a load without
+a cast, and the two streams wait for each other once per half, not once per chunk: cast
+after each chunk's copy on one stream, the copies stop for every cast (BENCHMARKS.md
+compares the two: the halves read closer to bf16's rate, still short of it).
 A tensor's chunks that lie side by side in a half are cast in one operation. The load
 allocates the buffers on the caller's stream before the copies' fence, so the allocator
 reuses them from one load (or pipelined group) to the next; allocated on a side stream,
@@ -454,20 +453,16 @@ class _DeviceCasts:
     """One copying thread's casts on one device, staged in the two halves of its buffer.
 
     ``add`` copies a chunk's file bytes into the current half on the thread's stream
-    (``copies``). When the half is full, the next chunks go to the other half, once the
-    casts last issued from that one are done, and the full half's casts wait to be
-    issued on the ``casts`` stream, after its copies: by ``issue_waiting``, which the
-    copying thread calls when it has nothing else to do (no answer to hand over yet),
-    or at the latest when the other half is full in turn. The thread's time per chunk
-    bounds the read, and a half's casts cost it several times a chunk's copy: issued as
-    the half fills, they would hold back the copies of the chunks that came meanwhile,
-    and the reads of the slots those copies free. Chunks of one tensor that arrive in
+    (``copies``). When the half is full, ``flush`` issues every cast out of it on the
+    ``casts`` stream, after the copies, and the next chunks go to the other half, once
+    the casts last issued from that one are done. Chunks of one tensor that arrive in
     order lie side by side in the half and are cast in one operation.
 
-    So too ``add`` issues the copy into a view made once (a whole chunk's place in a
-    half) and keeps byte offsets; typed views are made when the casts are issued, once
-    per run of chunks, with the cast stream set current by hand rather than through a
-    context.
+    This runs on the copying thread for every chunk, and that one Python thread also
+    feeds the reading processes and issues every copy: its time per chunk bounds the
+    read. So ``add`` issues the copy into a view made once (a whole chunk's place in a
+    half) and keeps byte offsets; typed views are made in ``flush``, once per run of
+    chunks, with the cast stream set current by hand rather than through a context.
 
     A buffer too small for two chunks of ``chunk_bytes`` is one half: each chunk's casts
     are issued on the thread's stream when the next chunk comes, before its copy.
@@ -497,14 +492,12 @@ class _DeviceCasts:
         self.current = 0
         self.used = 0
         self.pending: list[_Staged] = []
-        # The full half whose casts are not issued yet, and what it holds.
-        self.waiting: tuple[int, list[_Staged]] | None = None
 
     def add(self, chunk: Chunk, source: torch.Tensor) -> None:
         """Stage ``source`` (pinned host bytes, ``uint8``) for ``chunk``'s cast."""
         nbytes = source.numel()
         if self.used + nbytes > self.half_bytes:
-            self._next_half()
+            self.flush()
         start, current = self.used, self.current
         if start == 0 and self.cast_issued[current]:
             self.cast_issued[current] = False
@@ -524,19 +517,6 @@ class _DeviceCasts:
         else:
             pending.append(_Staged(chunk.job, chunk.target, start, chunk.lo, chunk.hi, end))
 
-    def _next_half(self) -> None:
-        """The current half is full: its casts wait (``issue_waiting``), and the next
-        chunks go to the other half, whose own casts are issued first if they still
-        wait. One half: its casts are issued now, behind its copies."""
-        if self.casts is self.copies:
-            self.flush()
-            return
-        self.issue_waiting()
-        self.waiting = (self.current, self.pending)
-        self.pending = []
-        self.used = 0
-        self.current ^= 1
-
     def _wait_for_casts(self, half: int) -> None:
         """Before copying into ``half`` again: its last casts read it. Usually they are
         done by now (the other half was filled meanwhile), and then the copy stream is
@@ -544,41 +524,28 @@ class _DeviceCasts:
         if not self.cast[half].query():
             self.copies.wait_event(self.cast[half])
 
-    def issue_waiting(self) -> bool:
-        """Issue the casts of the full half that waits for them; whether there was one."""
-        if self.waiting is None:
-            return False
-        index, pending = self.waiting
-        self.waiting = None
-        self._issue_half(index, pending)
-        return True
-
     def flush(self) -> None:
-        """Issue every cast staged: a full half's that wait, then the current half's;
-        later chunks go to the other half, once its last casts are done."""
-        self.issue_waiting()
+        """Issue the casts of every chunk staged in the current half; later chunks go to
+        the other half, once its last casts are done."""
         if not self.pending:
             return
-        self._issue_half(self.current, self.pending)
+        half = self.halves[self.current]
+        if self.casts is self.copies:  # one half: in stream order behind the copies
+            self._issue(self.pending, half)
+        else:
+            # Not ``wait_stream``: that makes a new event every time.
+            self.copied.record(self.copies)
+            self.casts.wait_event(self.copied)
+            torch.cuda.set_stream(self.casts)  # the thread's current stream is the copies'
+            try:
+                self._issue(self.pending, half)
+            finally:
+                torch.cuda.set_stream(self.copies)
+            self.cast[self.current].record(self.casts)
+            self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
         self.current ^= 1
-
-    def _issue_half(self, index: int, pending: list[_Staged]) -> None:
-        half = self.halves[index]
-        if self.casts is self.copies:  # one half: in stream order behind the copies
-            self._issue(pending, half)
-            return
-        # Not ``wait_stream``: that makes a new event every time.
-        self.copied.record(self.copies)
-        self.casts.wait_event(self.copied)
-        torch.cuda.set_stream(self.casts)  # the thread's current stream is the copies'
-        try:
-            self._issue(pending, half)
-        finally:
-            torch.cuda.set_stream(self.copies)
-        self.cast[index].record(self.casts)
-        self.cast_issued[index] = True
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
@@ -595,11 +562,6 @@ class _DeviceCasts:
             targets[0].copy_(sources[0], non_blocking=True)
         else:
             _copy_all(targets, sources)
-
-
-def _issue_waiting(casts: dict) -> None:
-    for device_casts in casts.values():
-        device_casts.issue_waiting()
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -805,21 +767,14 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
                 reading[slot] = chunk
             if not reading:  # every slot waits for its copy
-                _issue_waiting(casts)
                 slots[copying[0]].wait()
                 continue
             # Poll soon while copies may free slots; otherwise wait, waking to notice a stop.
-            # Casts waiting to be issued are issued once no answer is there to hand over.
-            timeout = 0.0002 if copying else 0.05
-            waiting = any(device_casts.waiting for device_casts in casts.values())
-            replies = pool.replies(0.0 if waiting else timeout)
-            if waiting and not replies:
-                _issue_waiting(casts)
-                replies = pool.replies(timeout)
             # Every answered slot leaves ``reading`` before any copy is issued: if one
             # fails, the clean-up must not wait for answers that already came.
             answered = [
-                (slot, reading.pop(slot), status, reached) for slot, status, reached in replies
+                (slot, reading.pop(slot), status, reached)
+                for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
             ]
             for slot, chunk, status, reached in answered:
                 if status:

@@ -228,35 +228,3 @@ def test_a_half_whose_casts_are_done_is_copied_into_without_a_wait(
         assert torch.equal(
             job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
         ), job.info.name
-
-
-def test_a_full_halfs_casts_wait_for_an_idle_moment_or_the_other_half(tmp_path, cpu_streams):
-    """A full half's casts are not issued as it fills: ``issue_waiting`` issues them (the
-    copying thread calls it when no answer is there to hand over), else they are issued
-    once the other half is full, before the first half is copied into again."""
-    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 7])
-    assert len(chunks) == 14  # bf16: two chunks' bytes a CHUNK
-    issued: list[int] = []  # the half each batch of casts came out of
-    half = 2 * reader_module._aligned(CHUNK)
-    buffer = torch.empty(2 * half, dtype=torch.uint8)
-    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), CHUNK)
-    original = casts._issue
-    casts._issue = lambda pending, out_of: (
-        issued.append(out_of.data_ptr()) or original(pending, out_of)
-    )
-    halves = [h.data_ptr() for h in casts.halves]
-    for chunk in chunks[:3]:  # the first half full, one chunk in the second
-        casts.add(chunk, file_bytes(chunk))
-    assert issued == [] and casts.waiting is not None
-    assert casts.issue_waiting() and issued == [halves[0]]
-    assert not casts.issue_waiting() and issued == [halves[0]]
-    for chunk in chunks[3:7]:  # the second half full, then the first again: never idle
-        casts.add(chunk, file_bytes(chunk))
-    assert issued == [halves[0], halves[1]]  # the second's, before it took chunk 6
-    for chunk in chunks[7:]:
-        casts.add(chunk, file_bytes(chunk))
-    casts.flush()
-    assert issued == [halves[0], halves[1]] * 3 + [halves[0]]
-    assert torch.equal(
-        jobs[0].destination.view(torch.uint8), tensors["t0"].to(FP8).view(torch.uint8)
-    )
