@@ -743,7 +743,9 @@ def _feed(state: _ReadState, lease: process_reader.Lease) -> None:
 def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> None:
     streams = {}
     casts = {}
-    reading: dict[int, Chunk] = {}  # slot -> the chunk being read into it
+    # slot -> the chunk being read into it, and its number in the plan
+    reading: dict[int, tuple[int, Chunk]] = {}
+    requested = 0
     opened = False
     try:
         streams = _side_streams(state.fences)
@@ -765,7 +767,8 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 slot = free.popleft()
                 info = chunk.job.info
                 pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
-                reading[slot] = chunk
+                reading[slot] = (requested, chunk)
+                requested += 1
             if not reading:  # every slot waits for its copy
                 slots[copying[0]].wait()
                 continue
@@ -773,10 +776,13 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
             # Every answered slot leaves ``reading`` before any copy is issued: if one
             # fails, the clean-up must not wait for answers that already came.
             answered = [
-                (slot, reading.pop(slot), status, reached)
+                (*reading.pop(slot), slot, status, reached)
                 for slot, status, reached in pool.replies(0.0002 if copying else 0.05)
             ]
-            for slot, chunk, status, reached in answered:
+            # In plan order: a tensor's chunks answered together are staged side by side
+            # and cast as one.
+            answered.sort(key=_first)
+            for _, chunk, slot, status, reached in answered:
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
@@ -818,6 +824,10 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
             state.fail(error)
         _finish_casts(casts, state)
         _wait_for(streams, state)
+
+
+def _first(item: tuple) -> Any:
+    return item[0]
 
 
 def _read_error(info: TensorInfo, component: str | None, reached: int, reason: str | None):

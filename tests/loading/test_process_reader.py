@@ -596,3 +596,38 @@ def test_a_read_in_groups_with_a_bad_size_takes_no_processes(tmp_path):
         groups, lambda _: None, progress=False, processes=True, buffer_bytes=1024
     )
     assert stats.readers == "processes"  # the pool was not left leased
+
+
+def test_answers_that_come_together_are_handed_over_in_plan_order(tmp_path, monkeypatch):
+    """The processes answer in any order; those of one poll are delivered in plan order,
+    so that a tensor's chunks are staged side by side and cast as one."""
+    from ondeck.loading import reader as reader_module
+
+    replies = process_reader.ReadingProcesses.replies
+    batches: list[int] = []
+
+    def reversed_replies(pool, timeout):
+        time.sleep(0.002)  # let answers gather
+        answers = replies(pool, timeout)
+        if answers:
+            batches.append(len(answers))
+        return answers[::-1]
+
+    delivered: list[int] = []
+    deliver = reader_module._deliver
+
+    def noting(chunk, staged, streams, casts):
+        delivered.append(chunk.lo)
+        return deliver(chunk, staged, streams, casts)
+
+    monkeypatch.setattr(process_reader.ReadingProcesses, "replies", reversed_replies)
+    monkeypatch.setattr(reader_module, "_deliver", noting)
+    tensor = torch.randn(30000)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    assert same_bits(read_by_processes(path, buffer_bytes=1024, buffer_count=8)["w"], tensor)
+    assert max(batches) > 1 and sum(batches) == len(delivered)
+    start = 0
+    for size in batches:
+        together = delivered[start : start + size]
+        assert together == sorted(together), together
+        start += size
