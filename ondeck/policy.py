@@ -147,13 +147,23 @@ class Policy:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
         needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
-        for reserves in (
-            self.retry_reserves(snapshot, needs),
-            self.upcast_reserves(snapshot, needs),
-        ):
+        for _, reserves in self.allocator_reserves(snapshot, needs):
             for stage, extra in reserves.items():
                 needs[stage] += extra
         return needs, note
+
+    def allocator_reserves(
+        self, snapshot: Snapshot, needs: Mapping[str, int | None]
+    ) -> list[tuple[str, dict[str, int]]]:
+        """The reserves for the allocator added to the stages' needs, each with what it
+        is for (the plan's activation note says so)."""
+        return [
+            ("where the CUDA allocator kept retrying", self.retry_reserves(snapshot, needs)),
+            (
+                "for the upcast copies of stored (fp8) layers",
+                self.upcast_reserves(snapshot, needs),
+            ),
+        ]
 
     def retry_reserves(self, snapshot: Snapshot, needs: Mapping[str, int | None]) -> dict[str, int]:
         """Reserve added per stage whose allocator kept retrying (``RETRY_RESERVE_*``)."""
@@ -205,18 +215,12 @@ class Policy:
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
-        reserves = self.retry_reserves(snapshot, needs)
-        if reserves:
-            fitted.append(
-                "more reserve where the CUDA allocator kept retrying: "
-                + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
-            )
-        reserves = self.upcast_reserves(snapshot, needs)
-        if reserves:
-            fitted.append(
-                "more reserve for the upcast copies of stored (fp8) layers: "
-                + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
-            )
+        for purpose, reserves in self.allocator_reserves(snapshot, needs):
+            if reserves:
+                fitted.append(
+                    f"more reserve {purpose}: "
+                    + ", ".join(f"'{stage}' +{format_bytes(n)}" for stage, n in reserves.items())
+                )
         return estimate, "\n".join([note, *fitted])
 
 

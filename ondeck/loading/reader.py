@@ -46,6 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -781,7 +782,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
             ]
             # In plan order: a tensor's chunks answered together are staged side by side
             # and cast as one.
-            answered.sort(key=_first)
+            answered.sort(key=itemgetter(0))
             for _, chunk, slot, status, reached in answered:
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
@@ -824,10 +825,6 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
             state.fail(error)
         _finish_casts(casts, state)
         _wait_for(streams, state)
-
-
-def _first(item: tuple) -> Any:
-    return item[0]
 
 
 def _read_error(info: TensorInfo, component: str | None, reached: int, reason: str | None):

@@ -332,9 +332,9 @@ class _Armed:
         modules = module_paths(module)
         for block in self.order:
             self.targets[block] = [
-                (modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor.is_parameter)
+                (modules[owner], attribute, tensor.is_parameter)
                 for tensor in streamer.block_tensors(block)
-                for name in tensor.names
+                for owner, _, attribute in (name.rpartition(".") for name in tensor.names)
             ]
             # Until the block first runs, its tensors view slot 0: right shape, dtype and
             # device (so .device, .dtype and .to() behave), never computed on unbound.
