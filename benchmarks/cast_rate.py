@@ -12,7 +12,8 @@ default): bf16 (copies into the destinations), fp8 with the default cast staging
 halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
 and fp8 read in groups, a block a group, as a pipelined load reads
 (``reader.read_in_groups``, each group handed over to a callback that does nothing once
-its copies and casts are done). The arms of one ring shape (slot size, ``--ring-slots``
+its copies and casts are done); with ``--torch-copies``, bf16 and fp8 again with their
+copies issued through torch rather than the CUDA driver (``reader.DRIVER_COPIES``). The arms of one ring shape (slot size, ``--ring-slots``
 count) take turns, their order turning each attempt, after a warm-up read each; a ring
 shape restarts the reading processes, so each shape's arms run together. Medians of the
 file bytes' GB/s, and fp8 ÷ bf16 read the same way within each shape. Beside each read: the collector's pauses
@@ -146,6 +147,21 @@ class Pauses:
         self._reader._feed_claimed = self._feed
 
 
+def diagnose(reader, arm: str):
+    """For the diagnostic arms (``--diagnose``), leave out their part of the casting;
+    returns what puts it back."""
+    casts = reader._DeviceCasts
+    if arm.endswith("no cast kernels"):
+        name, stand_in = "_issue", staticmethod(lambda pending, half: None)
+    elif arm.endswith("copies never wait"):
+        name, stand_in = "_wait_for_casts", lambda self, half: None
+    else:
+        return lambda: None
+    original = casts.__dict__[name]
+    setattr(casts, name, stand_in)
+    return lambda: setattr(casts, name, original)
+
+
 def renice(niceness: int) -> None:
     """Set the reading processes' niceness (they are started by the first read)."""
     import os
@@ -162,7 +178,8 @@ def renice(niceness: int) -> None:
 
 def profile_feed(path: Path, device, reader, arms=("bf16", "fp8")) -> dict[str, list[dict]]:
     """One read per arm with the copying thread (``reader._feed_claimed``) under
-    cProfile: its functions by own seconds, the largest first."""
+    cProfile: its functions by own seconds, the largest first. (Calls through the driver
+    are ctypes calls: cProfile does not see them apart from their caller.)"""
     import cProfile
 
     import torch
@@ -199,6 +216,53 @@ def profile_feed(path: Path, device, reader, arms=("bf16", "fp8")) -> dict[str, 
     return profiles
 
 
+def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[str, dict]:
+    """``count`` reads per arm (after the timed ones, arms in turn) under
+    ``torch.profiler`` tracing the device alone: the copy engine's timeline
+    (``cast_trace.timeline``) and the read's milliseconds outside the copies' span.
+    Medians."""
+    import json
+    import tempfile
+
+    import torch
+    from cast_trace import timeline
+    from torch.profiler import ProfilerActivity, profile
+
+    default = reader.CAST_STAGING_BYTES
+    seen: dict[str, list[dict]] = {}
+    for _ in range(count):
+        for arm, staging in arms.items():
+            if arm.endswith(("in groups", "niced", "collector paused")):
+                continue
+            sections, staging = staging if isinstance(staging, tuple) else (2, staging)
+            reader.CAST_STAGING_BYTES, reader.CAST_SECTIONS = staging or default, sections
+            reader.DRIVER_COPIES = not arm.endswith("torch copies")
+            jobs = jobs_for(path, arm, device)
+            torch.cuda.synchronize()
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as traced:
+                    started = time.perf_counter()
+                    reader.read_into(jobs, component="blocks", progress=False)
+                    torch.cuda.synchronize()
+                    read_ms = (time.perf_counter() - started) * 1e3
+            finally:
+                reader.CAST_STAGING_BYTES, reader.CAST_SECTIONS = default, 2
+                reader.DRIVER_COPIES = True
+            with tempfile.TemporaryDirectory() as scratch:
+                trace_path = Path(scratch) / "trace.json"
+                traced.export_chrome_trace(str(trace_path))
+                figures = timeline(json.loads(trace_path.read_text()))
+            figures.update(read_ms=read_ms, outside_ms=read_ms - figures["span_ms"])
+            seen.setdefault(arm, []).append(figures)
+            del jobs
+    keys = ("read_ms", "span_ms", "outside_ms", "busy_fraction", "gb_per_s_busy", "tail_us")
+    keys += ("gaps_over_50us", "kernel_busy_ms")
+    return {
+        arm: {"reads": reads, **{key: statistics.median(r[key] for r in reads) for key in keys}}
+        for arm, reads in seen.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--file", default="/tmp/cast-rate/blocks.safetensors")
@@ -212,9 +276,34 @@ def main() -> None:
     )
     parser.add_argument("--tiny", action="store_true", help="CPU check: small tensors")
     parser.add_argument(
+        "--torch-copies",
+        action="store_true",
+        help="also bf16 and fp8 arms whose copies go through torch (reader.DRIVER_COPIES "
+        "off), not through the CUDA driver",
+    )
+    parser.add_argument(
         "--staging-mib",
         default="",
         help="more fp8 arms with these cast staging sizes (reader.CAST_STAGING_BYTES), e.g. 64,128",
+    )
+    parser.add_argument(
+        "--sections",
+        default="",
+        help="more fp8 arms with the cast staging in this many sections of this many MiB "
+        "(reader.CAST_SECTIONS), e.g. 4x8,4x16",
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also fp8 arms that leave out part of the casting (their bytes are wrong, "
+        "their time tells what that part costs): no cast kernels (nothing issued out of "
+        "a full half), and copies that never wait for a half's casts",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the timed reads, one read per arm under torch.profiler tracing the "
+        "device alone: the copy engine's busy share and idle gaps",
     )
     parser.add_argument(
         "--nice",
@@ -249,8 +338,17 @@ def main() -> None:
         "bf16, in groups": None,
         "fp8, in groups": default_staging,
     }
+    if args.torch_copies:
+        arms["bf16, torch copies"] = None
+        arms["fp8, torch copies"] = default_staging
     for mib in (int(m) for m in args.staging_mib.split(",") if m):
         arms[f"fp8, {mib} MiB staging"] = mib * MiB
+    if args.diagnose:
+        arms["fp8, no cast kernels"] = default_staging
+        arms["fp8, copies never wait"] = default_staging
+    for form in (f for f in args.sections.split(",") if f):
+        count, mib = (int(n) for n in form.split("x"))
+        arms[f"fp8, {count} sections of {mib} MiB"] = (count, count * mib * MiB)
     if args.nice:
         arms["bf16, processes niced"] = None
         arms["fp8, processes niced"] = default_staging
@@ -266,9 +364,14 @@ def main() -> None:
             names = list(arms)
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
-                reader.CAST_STAGING_BYTES = arms[arm] or default_staging
+                staging = arms[arm]
+                sections, staging = staging if isinstance(staging, tuple) else (2, staging)
+                reader.CAST_STAGING_BYTES = staging or default_staging
+                reader.CAST_SECTIONS = sections
+                reader.DRIVER_COPIES = not arm.endswith("torch copies")
                 paused = arm.endswith("collector paused") and gc.isenabled()
                 renice(args.nice if arm.endswith("niced") else 0)
+                undo = diagnose(reader, arm)
                 try:
                     jobs = jobs_for(path, arm, device)
                     if device.type == "cuda":
@@ -292,6 +395,9 @@ def main() -> None:
                     if paused:
                         gc.enable()
                     reader.CAST_STAGING_BYTES = default_staging
+                    reader.CAST_SECTIONS = 2
+                    undo()
+                    reader.DRIVER_COPIES = True
                 if attempt:
                     seconds[arm].append(elapsed)
                     seen[arm].append(pauses.last)
@@ -308,8 +414,22 @@ def main() -> None:
                 "per_read": seen[arm],
             }
     pauses.close()
+    traces = trace_reads(path, device, reader, arms) if args.trace else {}
     profiles = profile_feed(path, device, reader) if args.profile else {}
-    write_document("cast_rate", {"file_bytes": nbytes, "rows": rows, "profiles": profiles})
+    fields = {"file_bytes": nbytes, "rows": rows, "profiles": profiles, "traces": traces}
+    write_document("cast_rate", fields)
+    if traces:
+        print("\ntraced reads (medians of three per arm): the copy engine over the copies' span")
+        print(
+            f"{'arm':<36} {'read ms':>8} {'span ms':>8} {'outside':>8} {'busy':>6} "
+            f"{'GB/s busy':>9} {'gaps>50us':>9} {'kernel ms':>9} {'tail us':>8}"
+        )
+        for arm, row in traces.items():
+            print(
+                f"{arm:<36} {row['read_ms']:8.1f} {row['span_ms']:8.1f} {row['outside_ms']:8.2f} "
+                f"{row['busy_fraction']:6.3f} {row['gb_per_s_busy']:9.1f} "
+                f"{row['gaps_over_50us']:9.0f} {row['kernel_busy_ms']:9.1f} {row['tail_us']:8.0f}"
+            )
     for arm, top in profiles.items():
         print(f"\nthe copying thread under cProfile, {arm}: own seconds, calls, function")
         for row in top[:14]:

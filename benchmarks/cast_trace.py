@@ -64,7 +64,10 @@ def timeline(trace: dict) -> dict:
     long_gaps = sorted((g for g in gaps if g > GAP_US), reverse=True)
     busy_us = sum(b - a for a, b in busy)
     kernel_us = sum(b - a for a, b in _union(kernels))
+    last_kernel = max((end for _, end in kernels), default=last)
     return {
+        # the device's work after the last copy ended (the last casts)
+        "tail_us": max(0.0, last_kernel - last),
         "copies": len(copies),
         "copied_bytes": copied_bytes,
         "span_ms": (last - first) / 1e3,

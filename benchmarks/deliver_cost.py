@@ -10,7 +10,9 @@ delivery alone, with no reading processes: the same pinned 4 MiB slot copied int
 successive chunks of a 192 MiB bf16 tensor, through ``reader._deliver`` with the
 reader's own streams and cast staging. Arms: bf16 (a copy into the destination), and
 fp8 (a copy into the staging half, the half's casts issued when it is full) with the
-reader's staging and with 64 and 128 MiB of it (halves of 8 and 16 chunks). Each round
+reader's staging and with 64 and 128 MiB of it (halves of 8 and 16 chunks); each copy
+and slot event through the CUDA driver (the reader's default, ``reader.DRIVER_COPIES``)
+or, in the "torch copies" arms, through torch. Each round
 issues ``--chunks`` chunks, timed by ``time.thread_time``, then waits for the device;
 rounds take turns between arms. Prints microseconds per chunk (median of rounds) and
 writes deliver_cost.json to $OUT.
@@ -58,16 +60,22 @@ def one_round(arm: str, chunks, slot, device, staging_bytes: int) -> float:
     fence = reader._recorded(torch.cuda.current_stream(device))
     before = torch.cuda.current_stream(device)
     streams = reader._side_streams({device: fence})
+    reader.DRIVER_COPIES = not arm.endswith("torch copies")
+    driver = reader._driver_for(streams)
+    reader.DRIVER_COPIES = True
     casts = {}
     if arm.startswith("fp8"):
         buffer = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
-        casts = {device: reader._DeviceCasts(buffer, streams[device], fence, SLOT)}
-    event = torch.cuda.Event()
+        casts = {device: reader._DeviceCasts(buffer, streams[device], fence, SLOT, driver)}
+    if driver is None:
+        marked = reader._Slot(slot)
+    else:
+        marked = reader._DriverSlot(slot, driver, streams[device])
     try:
         started = time.thread_time()
         for chunk in chunks:
-            stream = reader._deliver(chunk, slot, streams, casts)
-            event.record(stream)  # as the feeding thread marks the slot copying
+            stream = reader._deliver(chunk, slot, streams, casts, driver)
+            marked.mark_copying(stream)  # as the feeding thread marks the slot copying
         for device_casts in casts.values():
             device_casts.flush()
         spent = time.thread_time() - started
@@ -92,6 +100,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     slot = torch.empty(SLOT, dtype=torch.uint8, pin_memory=True)
     staging = {"bf16": 0, "fp8": reader._staging_bytes(SLOT, 1)}
+    staging.update({"bf16, torch copies": 0, "fp8, torch copies": staging["fp8"]})
     staging.update({"fp8, 64 MiB staging": 64 * MiB, "fp8, 128 MiB staging": 128 * MiB})
     arms = tuple(staging)
     prepared = {arm: arm_chunks(arm, args.chunks, device) for arm in arms}

@@ -64,9 +64,10 @@ class Chunk:
     """One read: a byte range of a job's tensor, and where in the destination it goes."""
 
     job: ReadJob
-    # The destination (or its contiguous temporary), flat. When the file's dtype is kept:
-    # this chunk's raw bytes of it. When cast: all of its elements (``part`` is this
-    # chunk's), as the casts on a device make one view per run of chunks, not per chunk.
+    # The destination (or its contiguous temporary), all of it, flat: its raw bytes when
+    # the file's dtype is kept, its elements when cast. ``part`` is this chunk's. The
+    # copying thread of a read through the processes needs no view per chunk: it copies
+    # to an address, and casts make one view per run of chunks.
     target: torch.Tensor
     lo: int  # byte range within the tensor's file data, element aligned
     hi: int
@@ -77,9 +78,14 @@ class Chunk:
     def part(self) -> torch.Tensor:
         """This chunk's part of the target."""
         if not self.cast:
-            return self.target
+            return self.target[self.lo : self.hi]
         itemsize = self.job.info.dtype.itemsize
         return self.target[self.lo // itemsize : self.hi // itemsize]
+
+    @property
+    def address(self) -> int:
+        """Where this chunk's bytes go, when the file's dtype is kept."""
+        return self.target.data_ptr() + self.lo
 
 
 def plan_chunks(
@@ -151,18 +157,17 @@ class _JobChunks:
         flat = self.target.reshape(-1)
         if not self.cast:
             flat = flat.view(torch.uint8)
-        made = []
-        for lo in range(0, info.nbytes, self.step):
-            hi = min(lo + self.step, info.nbytes)
-            part = flat if self.cast else flat[lo:hi]
-            made.append(Chunk(self.job, part, lo, hi, self.direct, self.cast, self.group))
-        return made
+        job, direct, cast, group, nbytes = self.job, self.direct, self.cast, self.group, info.nbytes
+        return [
+            Chunk(job, flat, lo, min(lo + self.step, nbytes), direct, cast, group)
+            for lo in range(0, nbytes, self.step)
+        ]
 
 
 class ChunkPlan(Sequence):
     """Every job's chunks in plan order. Iterating makes each job's chunks as it reaches
     them, so the first read does not wait for a whole component's (a 27 GB transformer
-    has 7,000, a view of its destination each). Indexing (the reading threads take
+    has 7,000). Indexing (the reading threads take
     chunks by number) makes them all, once."""
 
     def __init__(self, jobs: list[_JobChunks]):

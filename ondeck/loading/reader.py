@@ -64,6 +64,7 @@ from .chunks import (
     reads_directly,
     where,
 )
+from .driver import Driver, driver
 from .host_cache import HostCopy
 from .page_cache import describe_source
 from .reading_process import FILE_ENDED
@@ -87,6 +88,11 @@ __all__ = [
 THREAD_RING = (8 * 2**20, 32)
 PROCESS_RING = (4 * 2**20, 24)
 DEFAULT_BUFFER_BYTES = THREAD_RING[0]
+# Copies from the reading processes' ring to one device go through the CUDA driver
+# (:mod:`.driver`) where it can be called; False: through torch.
+DRIVER_COPIES = True
+# The staging's parts, filled in turn (two: halves).
+CAST_SECTIONS = 2
 # Device bytes a load's casts are staged in, shared among its copying threads. A thread
 # whose share holds less than two chunks gets one chunk and casts chunk by chunk.
 CAST_STAGING_BYTES = 32 * 2**20
@@ -401,6 +407,7 @@ class _Slot:
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
+        self.address = buffer.data_ptr()
         self.event: torch.cuda.Event | None = None
         self.event_device: torch.device | None = None
         self.copying = False
@@ -420,6 +427,28 @@ class _Slot:
         if self.event is None or self.event_device != stream.device:
             self.event, self.event_device = torch.cuda.Event(), stream.device
         self.event.record(stream)
+        self.copying = True
+
+
+class _DriverSlot(_Slot):
+    """A ring slot of a read onto one device whose copies go through the driver
+    (:class:`_DriverDeliveries`): its event is recorded on that device's stream and
+    polled through the driver too."""
+
+    def __init__(self, buffer: torch.Tensor, driver: Driver, stream: torch.cuda.Stream):
+        super().__init__(buffer)
+        self.event, self.event_device = torch.cuda.Event(), stream.device
+        self.event.record(stream)  # torch makes the event on its first record
+        self.handle, self.stream = self.event.cuda_event, stream.cuda_stream
+        self.driver = driver
+
+    def finished(self) -> bool:
+        if self.copying and self.driver.done(self.handle):
+            self.copying = False
+        return not self.copying
+
+    def mark_copying(self, stream: torch.cuda.Stream) -> None:
+        self.driver.record(self.handle, self.stream)
         self.copying = True
 
 
@@ -469,17 +498,27 @@ class _DeviceCasts:
     are issued on the thread's stream when the next chunk comes, before its copy.
     """
 
-    def __init__(self, buffer: torch.Tensor, copies: torch.cuda.Stream, fence, chunk_bytes: int):
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        copies: torch.cuda.Stream,
+        fence,
+        chunk_bytes: int,
+        driver: Driver | None = None,
+    ):
         self.copies = copies
-        if buffer.numel() >= 2 * _aligned(chunk_bytes):
-            half = buffer.numel() // 2 // _ALIGN * _ALIGN
-            self.halves = (buffer[:half], buffer[half : 2 * half])
+        self.driver = driver
+        sections = min(CAST_SECTIONS, buffer.numel() // _aligned(chunk_bytes))
+        if sections >= 2:
+            size = buffer.numel() // sections // _ALIGN * _ALIGN
+            self.halves = tuple(buffer[i * size : (i + 1) * size] for i in range(sections))
             self.casts = torch.cuda.Stream(copies.device)
             self.casts.wait_event(fence)  # its casts write where the caller's stream may read
         else:
-            self.halves = (buffer, buffer)
+            self.halves = (buffer,)
             self.casts = copies
         self.half_bytes = self.halves[0].numel()
+        self.addresses = tuple(half.data_ptr() for half in self.halves)
         # A whole chunk's places in each half, at multiples of its aligned size.
         self.chunk_bytes, self.step = chunk_bytes, _aligned(chunk_bytes)
         last = self.half_bytes - chunk_bytes  # the last start a whole chunk fits at
@@ -487,27 +526,49 @@ class _DeviceCasts:
             [half[start : start + chunk_bytes] for start in range(0, last + 1, self.step)]
             for half in self.halves
         )
-        self.cast = (torch.cuda.Event(), torch.cuda.Event())
+        self.cast = tuple(torch.cuda.Event() for _ in self.halves)
         self.copied = torch.cuda.Event()  # the casts of a half start after its copies
-        self.cast_issued = [False, False]
+        self.cast_issued = [False] * len(self.halves)
         self.current = 0
         self.used = 0
         self.pending: list[_Staged] = []
+        if driver is not None:
+            self._by_driver()
+
+    def _by_driver(self) -> None:
+        """Copies, event records, queries and stream waits through the driver, by handle;
+        the thread's current stream becomes the casts' (torch issues the casts there),
+        unless the casts follow the copies on one stream."""
+        self.copies_handle = self.copies.cuda_stream
+        self.casts_handle = self.casts.cuda_stream
+        # torch makes an event on its first record: here, where it waits for nothing.
+        for event in self.cast:
+            event.record(self.casts)
+        self.copied.record(self.copies)
+        self.cast_handles = tuple(event.cuda_event for event in self.cast)
+        self.copied_handle = self.copied.cuda_event
+        if self.casts is not self.copies:
+            torch.cuda.set_stream(self.casts)
 
     def add(self, chunk: Chunk, source: torch.Tensor) -> None:
-        """Stage ``source`` (pinned host bytes, ``uint8``) for ``chunk``'s cast."""
-        nbytes = source.numel()
+        """Stage ``chunk``'s file bytes for its cast from ``source`` (pinned host bytes,
+        ``uint8``, starting with the chunk's: a ring slot may be longer)."""
+        nbytes = chunk.hi - chunk.lo
         if self.used + nbytes > self.half_bytes:
             self.flush()
         start, current = self.used, self.current
         if start == 0 and self.cast_issued[current]:
             self.cast_issued[current] = False
             self._wait_for_casts(current)
-        if nbytes == self.chunk_bytes and start % self.step == 0:
-            place = self.places[current][start // self.step]
+        if self.driver is not None:
+            address = self.addresses[current] + start
+            self.driver.copy(address, source.data_ptr(), nbytes, self.copies_handle)
         else:
-            place = self.halves[current][start : start + nbytes]
-        place.copy_(source, non_blocking=True)
+            if nbytes == self.chunk_bytes and start % self.step == 0:
+                place = self.places[current][start // self.step]
+            else:
+                place = self.halves[current][start : start + nbytes]
+            place.copy_(source if source.numel() == nbytes else source[:nbytes], non_blocking=True)
         end = start + nbytes
         self.used = _aligned(end)
         pending = self.pending
@@ -522,8 +583,12 @@ class _DeviceCasts:
         """Before copying into ``half`` again: its last casts read it. Usually they are
         done by now (the other half was filled meanwhile), and then the copy stream is
         not made to wait at all."""
-        if not self.cast[half].query():
-            self.copies.wait_event(self.cast[half])
+        driver = self.driver
+        if driver is None:
+            if not self.cast[half].query():
+                self.copies.wait_event(self.cast[half])
+        elif not driver.done(self.cast_handles[half]):
+            driver.wait(self.copies_handle, self.cast_handles[half])
 
     def flush(self) -> None:
         """Issue the casts of every chunk staged in the current half; later chunks go to
@@ -533,6 +598,13 @@ class _DeviceCasts:
         half = self.halves[self.current]
         if self.casts is self.copies:  # one half: in stream order behind the copies
             self._issue(self.pending, half)
+        elif self.driver is not None:  # the casts' stream is current (``_by_driver``)
+            driver, current = self.driver, self.current
+            driver.record(self.copied_handle, self.copies_handle)
+            driver.wait(self.casts_handle, self.copied_handle)
+            self._issue(self.pending, half)
+            driver.record(self.cast_handles[current], self.casts_handle)
+            self.cast_issued[current] = True
         else:
             # Not ``wait_stream``: that makes a new event every time.
             self.copied.record(self.copies)
@@ -546,7 +618,7 @@ class _DeviceCasts:
             self.cast_issued[self.current] = True
         self.pending = []
         self.used = 0
-        self.current ^= 1
+        self.current = (self.current + 1) % len(self.halves)
 
     @staticmethod
     def _issue(pending: list[_Staged], half: torch.Tensor) -> None:
@@ -591,11 +663,12 @@ class _Staged:
     end: int
 
 
-def _device_casts(state: _ReadState, streams: dict) -> dict:
-    """This copying thread's :class:`_DeviceCasts` on each device that casts."""
+def _device_casts(state: _ReadState, streams: dict, driver: Driver | None = None) -> dict:
+    """This copying thread's :class:`_DeviceCasts` on each device that casts, copying
+    through ``driver`` if given."""
     return {
         device: _DeviceCasts(
-            buffers.pop(), streams[device], state.fences[device], state.buffer_bytes
+            buffers.pop(), streams[device], state.fences[device], state.buffer_bytes, driver
         )
         for device, buffers in state.staging.items()
         if buffers
@@ -658,7 +731,7 @@ def _read_chunks(state: _ReadState) -> None:
             offset = info.start + chunk.lo
             fd = state.files[info.path]
             if chunk.direct:
-                _pread_exact(fd, chunk.target.data_ptr(), length, offset, info, state.component)
+                _pread_exact(fd, chunk.address, length, offset, info, state.component)
             elif job.capture is not None:
                 staged = job.capture[chunk.lo : chunk.hi]
                 _pread_exact(fd, staged.data_ptr(), length, offset, info, state.component)
@@ -750,12 +823,17 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
     opened = False
     try:
         streams = _side_streams(state.fences)
-        casts = _device_casts(state, streams)
+        driver = _driver_for(streams)
+        casts = _device_casts(state, streams, driver)
         file_ids = pool.open_files(state.files)
         opened = True
         if state.group_chunks is not None:
             state.advance_groups(streams, casts)  # groups with nothing to read
-        slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
+        if driver is None:
+            slots = [_Slot(pool.slot(index)) for index in range(pool.slot_count)]
+        else:
+            (stream,) = streams.values()
+            slots = [_DriverSlot(pool.slot(i), driver, stream) for i in range(pool.slot_count)]
         free = deque(range(pool.slot_count))
         copying: deque[int] = deque()  # slots whose copies run, in the order issued
         chunks = iter(state.chunks)
@@ -787,8 +865,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
                     raise _read_error(chunk.job.info, state.component, reached, reason)
-                length = chunk.hi - chunk.lo
-                stream = _deliver(chunk, slots[slot].buffer[:length], streams, casts)
+                stream = _deliver(chunk, slots[slot].buffer, streams, casts, driver)
                 if stream is None:
                     free.append(slot)
                 else:
@@ -797,7 +874,7 @@ def _feed_claimed(state: _ReadState, pool: process_reader.ReadingProcesses) -> N
                 state.delivered_chunk(chunk, streams, casts)
                 left -= 1
                 if state.bar is not None:
-                    state.bar.update(length)
+                    state.bar.update(chunk.hi - chunk.lo)
     except process_reader.ReadingProcessExited as error:
         where = f"component '{state.component}': " if state.component else ""
         state.fail(LoadError(f"{where}{error}", component=state.component))
@@ -840,12 +917,31 @@ def _read_error(info: TensorInfo, component: str | None, reached: int, reason: s
     return LoadError(f"{where(info, component)}: {problem}", component=component, path=info.path)
 
 
+def _driver_for(streams: dict) -> Driver | None:
+    """The driver's calls for a copying thread whose copies all go to one CUDA device
+    (made current on this thread: the calls act on its context), if it can be called
+    and :data:`DRIVER_COPIES`; else None (copies by torch)."""
+    if not DRIVER_COPIES or len(streams) != 1:
+        return None
+    (device,) = streams
+    calls = driver() if device.type == "cuda" else None
+    if calls is not None:
+        torch.cuda.set_device(device)
+    return calls
+
+
 def _deliver(
-    chunk: Chunk, staged: torch.Tensor, streams: dict, casts: dict
+    chunk: Chunk,
+    staged: torch.Tensor,
+    streams: dict,
+    casts: dict,
+    driver: Driver | None = None,
 ) -> torch.cuda.Stream | None:
-    """Copy staged file bytes into the chunk's target, casting if needed. A device copy is
-    issued on this thread's stream for the device, which is returned. ``casts``: this
-    thread's :class:`_DeviceCasts` on each device that casts."""
+    """Copy staged file bytes into the chunk's target, casting if needed. ``staged``:
+    pinned host bytes starting with the chunk's (a ring slot may be longer). A device
+    copy is issued on this thread's stream for the device, which is returned, through
+    ``driver`` if given (every CUDA destination is then on that stream's device).
+    ``casts``: this thread's :class:`_DeviceCasts` on each device that casts."""
     device = chunk.target.device
     stream = streams.get(device)
     if chunk.cast and stream is not None:
@@ -853,6 +949,12 @@ def _deliver(
         # the host first, on this thread, and the read then runs at the CPU's pace.
         casts[device].add(chunk, staged)
         return stream
+    nbytes = chunk.hi - chunk.lo
+    if driver is not None and stream is not None:
+        driver.copy(chunk.address, staged.data_ptr(), nbytes, stream.cuda_stream)
+        return stream
+    if staged.numel() != nbytes:
+        staged = staged[:nbytes]
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)

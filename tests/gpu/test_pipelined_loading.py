@@ -47,13 +47,13 @@ def held_back(monkeypatch, blocks, hold) -> None:
     deliver = reader._deliver
     seen: set[str] = set()
 
-    def holding(chunk, staged, streams, casts):
+    def holding(chunk, *rest):
         name = chunk.job.info.name
         block = name.split(".")[1] if name.startswith("blocks.") else None
         if block in blocks and block not in seen:
             seen.add(block)
             hold()
-        return deliver(chunk, staged, streams, casts)
+        return deliver(chunk, *rest)
 
     monkeypatch.setattr(reader, "_deliver", holding)
 

@@ -126,3 +126,49 @@ def test_failed_device_copy_stops_the_read_and_raises(tmp_path, monkeypatch):
         read_to_cuda(path, buffer_bytes=4096, buffer_count=2, threads=4)
     # Stopped early: not every one of the 63 chunks was copied.
     assert calls["n"] < 60
+
+
+def test_the_processes_copy_through_the_driver_and_land_as_torch_copies_do(
+    tmp_path, readers, monkeypatch
+):
+    """Through the processes the copying thread queues its copies and marks its slots
+    through the CUDA driver (here it must be found); switched off, through torch. Both
+    land every byte, a tensor of many chunks among them, and the fp8 casts equal."""
+    if readers == "threads":
+        pytest.skip("the threads copy through torch")
+    from ondeck.loading.driver import Driver, driver
+
+    assert driver() is not None, "the CUDA driver library should load on a CUDA machine"
+    calls = {"copy": 0, "record": 0}
+    for name in calls:
+        original = getattr(Driver, name)
+
+        def counted(self, *args, name=name, original=original):
+            calls[name] += 1
+            return original(self, *args)
+
+        monkeypatch.setattr(Driver, name, counted)
+    tensors = {f"t{i}": random_tensor(d, (33, 7), i) for i, d in enumerate(DTYPES)}
+    tensors["many"] = random_tensor(torch.bfloat16, (5000, 301), 99)
+    path = write_safetensors(tmp_path / "d.safetensors", tensors)
+    results = {}
+    for through_driver in (True, False):
+        monkeypatch.setattr(reader_module, "DRIVER_COPIES", through_driver)
+        before = dict(calls)
+        loaded = read_to_cuda(path, buffer_bytes=2**16, buffer_count=8, threads=3)
+        jobs = jobs_for(path, device="cuda")
+        fp8 = [
+            ReadJob(job.info, torch.empty(job.info.shape, dtype=torch.float8_e4m3fn, device="cuda"))
+            for job in jobs
+            if job.info.dtype == torch.bfloat16
+        ]
+        read_into(fp8, progress=False, buffer_bytes=2**16, buffer_count=8, threads=3)
+        used = {name: calls[name] - before[name] for name in calls}
+        assert all(used.values()) == through_driver, used
+        results[through_driver] = (loaded, {job.info.name: job.destination for job in fp8})
+    for name, tensor in tensors.items():
+        assert same_bits(results[True][0][name].cpu(), tensor), name
+        assert same_bits(results[False][0][name].cpu(), tensor), name
+    for name, cast in results[True][1].items():
+        assert same_bits(cast, tensors[name].cuda().to(torch.float8_e4m3fn)), name
+        assert same_bits(cast, results[False][1][name]), name

@@ -192,7 +192,8 @@ def test_each_stream_waits_for_the_other_at_a_staging_half(
         issue(pending, half)
 
     def late_copy(self, chunk, source):
-        torch.cuda._sleep(5_000_000)  # on the copying thread's stream, before the copy
+        with torch.cuda.stream(self.copies):  # before the copy, on its stream
+            torch.cuda._sleep(5_000_000)
         add(self, chunk, source)
 
     def counted(pending, half):
@@ -244,9 +245,10 @@ def test_a_read_in_groups_hands_over_each_group_done_on_the_device(tmp_path, mon
         torch.cuda._sleep(10_000_000)
         issue(pending, half)
 
-    def late_copy(chunk, staged, streams, casts):
-        torch.cuda._sleep(2_000_000)  # on the copying thread's stream, before the copy
-        return deliver(chunk, staged, streams, casts)
+    def late_copy(chunk, staged, streams, *rest):
+        with torch.cuda.stream(streams[chunk.target.device]):  # before the copy, on its stream
+            torch.cuda._sleep(2_000_000)
+        return deliver(chunk, staged, streams, *rest)
 
     chunk = 2**16
     monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)

@@ -458,13 +458,13 @@ def _one_read(
     gate, held = threading.Event(), threading.Event()
     deliver = reader._deliver
 
-    def holding(chunk, staged, streams, casts):
+    def holding(chunk, *rest):
         if chunk.job.info.name.startswith(f"blocks.{hold_block}."):
             held.set()
             assert gate.wait(30), "the test never opened the gate"
             if fail:
                 raise OSError("the disk went away")
-        return deliver(chunk, staged, streams, casts)
+        return deliver(chunk, *rest)
 
     monkeypatch.setattr(reader, "_deliver", holding)
     return gate, held

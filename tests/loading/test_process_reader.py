@@ -469,9 +469,10 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
 
     stream = _LateStream()
 
-    def deliver_later(chunk, staged, streams, staging):
+    def deliver_later(chunk, staged, *rest):
+        staged = staged[: chunk.hi - chunk.lo]  # the whole ring slot
         source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
-        stream.next_copy = (chunk.target, source)
+        stream.next_copy = (chunk.part(), source)
         return stream
 
     monkeypatch.setattr(reader_module, "_side_streams", lambda fences: {stream.device: stream})
@@ -616,9 +617,9 @@ def test_answers_that_come_together_are_handed_over_in_plan_order(tmp_path, monk
     delivered: list[int] = []
     deliver = reader_module._deliver
 
-    def noting(chunk, staged, streams, casts):
+    def noting(chunk, *rest):
         delivered.append(chunk.lo)
-        return deliver(chunk, staged, streams, casts)
+        return deliver(chunk, *rest)
 
     monkeypatch.setattr(process_reader.ReadingProcesses, "replies", reversed_replies)
     monkeypatch.setattr(reader_module, "_deliver", noting)
