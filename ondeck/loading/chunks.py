@@ -167,8 +167,8 @@ class _JobChunks:
 class ChunkPlan(Sequence):
     """Every job's chunks in plan order. Iterating makes each job's chunks as it reaches
     them, so the first read does not wait for a whole component's (a 27 GB transformer
-    has 7,000). Indexing (the reading threads take
-    chunks by number) makes them all, once."""
+    has 7,000). Indexing (the reading threads take chunks by number) makes them all,
+    once."""
 
     def __init__(self, jobs: list[_JobChunks]):
         self.jobs = jobs

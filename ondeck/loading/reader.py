@@ -7,7 +7,9 @@ is the ring, never the file. Two kinds of reader fill the ring:
 
 - Reading processes (:mod:`.process_reader`), for loads into CUDA memory: they pread into
   a ring of shared memory registered with CUDA, and one thread here (``_feed``) hands out
-  the chunks and issues every copy. No reader holds this process's GIL.
+  the chunks and issues every copy, through the CUDA driver where it can be called
+  (:mod:`.driver`: half the thread's time per chunk of ``Tensor.copy_``). No reader
+  holds this process's GIL.
 - Threads of this process (``_read_chunks``), for everything else and as the fallback.
   Each owns its share of a ring of pinned buffers and its own side stream, and issues its
   own copies: a chunk costs a few GIL hand-overs (the read, the copy, at times a wait for
@@ -407,7 +409,6 @@ class _Slot:
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
-        self.address = buffer.data_ptr()
         self.event: torch.cuda.Event | None = None
         self.event_device: torch.device | None = None
         self.copying = False
@@ -432,7 +433,7 @@ class _Slot:
 
 class _DriverSlot(_Slot):
     """A ring slot of a read onto one device whose copies go through the driver
-    (:class:`_DriverDeliveries`): its event is recorded on that device's stream and
+    (``_deliver`` given one): its event is recorded on that device's copy stream and
     polled through the driver too."""
 
     def __init__(self, buffer: torch.Tensor, driver: Driver, stream: torch.cuda.Stream):
@@ -480,7 +481,8 @@ def _staging_bytes(buffer_bytes: int, workers: int) -> int:
 
 
 class _DeviceCasts:
-    """One copying thread's casts on one device, staged in the two halves of its buffer.
+    """One copying thread's casts on one device, staged in the halves of its buffer (or
+    :data:`CAST_SECTIONS` parts of it, filled in turn as the halves are).
 
     ``add`` copies a chunk's file bytes into the current half on the thread's stream
     (``copies``). When the half is full, ``flush`` issues every cast out of it on the
@@ -493,6 +495,9 @@ class _DeviceCasts:
     read. So ``add`` issues the copy into a view made once (a whole chunk's place in a
     half) and keeps byte offsets; typed views are made in ``flush``, once per run of
     chunks, with the cast stream set current by hand rather than through a context.
+    With ``driver`` (the processes' thread, one device) the copies, event records,
+    queries and stream waits go through the driver by handle, and the cast stream
+    stays current: only the casts themselves go through torch.
 
     A buffer too small for two chunks of ``chunk_bytes`` is one half: each chunk's casts
     are issued on the thread's stream when the next chunk comes, before its copy.

@@ -164,7 +164,10 @@ def test_the_processes_copy_through_the_driver_and_land_as_torch_copies_do(
         ]
         read_into(fp8, progress=False, buffer_bytes=2**16, buffer_count=8, threads=3)
         used = {name: calls[name] - before[name] for name in calls}
-        assert all(used.values()) == through_driver, used
+        if through_driver:
+            assert min(used.values()) > 0, used
+        else:
+            assert max(used.values()) == 0, used
         results[through_driver] = (loaded, {job.info.name: job.destination for job in fp8})
     for name, tensor in tensors.items():
         assert same_bits(results[True][0][name].cpu(), tensor), name
