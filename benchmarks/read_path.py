@@ -333,7 +333,7 @@ class Phases(PhaseClock):
         }
 
 
-def _deliver_nothing(chunk, staged, streams, casts):
+def _deliver_nothing(chunk, staged, streams, casts, driver=None):
     return None
 
 

@@ -10,6 +10,7 @@ what.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 
 import pytest
@@ -29,6 +30,7 @@ class FakeStream:
     def __init__(self, device=None):
         self.device = device
         self.waited: list = []
+        self.cuda_stream = id(self)  # the handle the driver is given
 
     def wait_event(self, event) -> None:
         self.waited.append(event)
@@ -42,6 +44,7 @@ class FakeEvent:
 
     def __init__(self):
         self.recorded_on: list = []
+        self.cuda_event = id(self)
 
     def record(self, stream) -> None:
         self.recorded_on.append(stream)
@@ -228,3 +231,64 @@ def test_a_half_whose_casts_are_done_is_copied_into_without_a_wait(
         assert torch.equal(
             job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
         ), job.info.name
+
+
+class FakeDriver:
+    """The driver's calls on the CPU: a copy is a ``memmove``; records, waits and queries
+    are logged, each query answering ``done``."""
+
+    def __init__(self, done: bool):
+        self.answer = done
+        self.log: list[tuple] = []
+
+    def copy(self, destination, source, nbytes, stream) -> None:
+        ctypes.memmove(destination, source, nbytes)
+        self.log.append(("copy", stream))
+
+    def record(self, event, stream) -> None:
+        self.log.append(("record", event, stream))
+
+    def wait(self, stream, event) -> None:
+        self.log.append(("wait", stream, event))
+
+    def done(self, event) -> bool:
+        self.log.append(("done", event))
+        return self.answer
+
+
+@pytest.mark.parametrize("casts_done", [False, True])
+def test_through_the_driver_each_half_is_ordered_by_handles(tmp_path, cpu_streams, casts_done):
+    """With a driver the copies, records, waits and queries go to it by handle: a half's
+    casts wait for an event recorded on the copy stream after its copies and end with
+    that half's event on the cast stream; a half is copied into again after its casts,
+    waited for only while they run. The cast stream is made current once, not per half.
+    Every tensor still equals its cast."""
+    tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 6, 9, CHUNK * 4])
+    driver = FakeDriver(casts_done)
+    buffer = torch.empty(4 * reader_module._aligned(CHUNK), dtype=torch.uint8)
+    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), CHUNK, driver)
+    for chunk in chunks:
+        casts.add(chunk, file_bytes(chunk))
+    casts.flush()
+    for job in jobs:
+        assert torch.equal(
+            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
+        ), job.info.name
+    assert CURRENT == [casts.casts]
+    copies, cast_stream, copied = casts.copies_handle, casts.casts_handle, casts.copied_handle
+    log = driver.log
+    assert sum(entry[0] == "copy" for entry in log) == len(chunks)
+    assert all(entry == ("copy", copies) for entry in log if entry[0] == "copy")
+    halves = [i for i, entry in enumerate(log) if entry == ("wait", cast_stream, copied)]
+    assert len(halves) > 2
+    for number, at in enumerate(halves):
+        assert log[at - 1] == ("record", copied, copies)  # after the half's copies
+        assert log[at + 1] == ("record", casts.cast_handles[number % 2], cast_stream)
+    # Every return to a half whose casts were issued asks whether they are done, and
+    # makes the copies wait for them only when they are not.
+    queries = [i for i, entry in enumerate(log) if entry[0] == "done"]
+    assert len(queries) == len(halves) - 2  # the first two halves had no casts before
+    for at in queries:
+        waited = log[at + 1] == ("wait", copies, log[at][1])
+        assert waited != casts_done
+        assert log[at + 1 + waited][0] == "copy"

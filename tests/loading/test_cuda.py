@@ -139,7 +139,7 @@ def test_the_processes_copy_through_the_driver_and_land_as_torch_copies_do(
     from ondeck.loading.driver import Driver, driver
 
     assert driver() is not None, "the CUDA driver library should load on a CUDA machine"
-    calls = {"copy": 0, "record": 0}
+    calls = {"copy": 0, "record": 0, "done": 0, "wait": 0}
     for name in calls:
         original = getattr(Driver, name)
 
@@ -151,23 +151,27 @@ def test_the_processes_copy_through_the_driver_and_land_as_torch_copies_do(
     tensors = {f"t{i}": random_tensor(d, (33, 7), i) for i, d in enumerate(DTYPES)}
     tensors["many"] = random_tensor(torch.bfloat16, (5000, 301), 99)
     path = write_safetensors(tmp_path / "d.safetensors", tensors)
+    options = dict(progress=False, buffer_bytes=2**16, buffer_count=8, threads=3)
     results = {}
     for through_driver in (True, False):
         monkeypatch.setattr(reader_module, "DRIVER_COPIES", through_driver)
         before = dict(calls)
-        loaded = read_to_cuda(path, buffer_bytes=2**16, buffer_count=8, threads=3)
-        jobs = jobs_for(path, device="cuda")
+        loaded = read_to_cuda(path, **{k: v for k, v in options.items() if k != "progress"})
+        kept = {name: calls[name] - before[name] for name in calls}
         fp8 = [
-            ReadJob(job.info, torch.empty(job.info.shape, dtype=torch.float8_e4m3fn, device="cuda"))
-            for job in jobs
-            if job.info.dtype == torch.bfloat16
+            ReadJob(info, torch.empty(info.shape, dtype=torch.float8_e4m3fn, device="cuda"))
+            for info in read_header(path).tensors.values()
+            if info.dtype == torch.bfloat16
         ]
-        read_into(fp8, progress=False, buffer_bytes=2**16, buffer_count=8, threads=3)
-        used = {name: calls[name] - before[name] for name in calls}
+        before = dict(calls)
+        read_into(fp8, **options)
+        cast = {name: calls[name] - before[name] for name in calls}
         if through_driver:
-            assert min(used.values()) > 0, used
+            # Copies, slot events and their queries; the casts' waits too.
+            assert min(kept["copy"], kept["record"], kept["done"]) > 0, kept
+            assert min(cast.values()) > 0, cast
         else:
-            assert max(used.values()) == 0, used
+            assert max(kept.values()) == max(cast.values()) == 0, (kept, cast)
         results[through_driver] = (loaded, {job.info.name: job.destination for job in fp8})
     for name, tensor in tensors.items():
         assert same_bits(results[True][0][name].cpu(), tensor), name
