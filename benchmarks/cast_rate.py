@@ -12,14 +12,21 @@ default): bf16 (copies into the destinations), fp8 with the default cast staging
 halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
 and fp8 read in groups, a block a group, as a pipelined load reads
 (``reader.read_in_groups``, each group handed over to a callback that does nothing once
-its copies and casts are done); with ``--torch-copies``, bf16 and fp8 again with their
-copies issued through torch rather than the CUDA driver (``reader.DRIVER_COPIES``). The arms of one ring shape (slot size, ``--ring-slots``
-count) take turns, their order turning each attempt, after a warm-up read each; a ring
-shape restarts the reading processes, so each shape's arms run together. Medians of the
-file bytes' GB/s, and fp8 ÷ bf16 read the same way within each shape. Beside each read: the collector's pauses
-(count and seconds, from ``gc.callbacks``) and how often the copying thread came back
-to a staging half whose casts were not done yet (the copy stream then waits for them).
-Writes cast_rate.json to $OUT; prints a table last.
+its copies and casts are done). More arms on request: ``--torch-copies`` (bf16 and fp8
+with their copies issued through torch, not the CUDA driver: ``reader.DRIVER_COPIES``),
+``--staging-mib`` and ``--sections`` (other staging sizes, or the staging in more
+parts: ``reader.CAST_SECTIONS``), ``--diagnose`` (fp8 with part of the casting left
+out, to time that part), ``--nice``. The arms of one ring shape (slot size,
+``--ring-slots`` count) take turns, their order turning each attempt, after a warm-up
+read each; a ring shape restarts the reading processes, so each shape's arms run
+together. Medians of the file bytes' GB/s, and fp8 ÷ bf16 read the same way within
+each shape. Beside each read: the collector's pauses (count and seconds, from
+``gc.callbacks``), how often the copying thread came back to a staging half whose casts
+were not done yet (the copy stream then waits for them), and the copying thread's busy
+share. ``--trace``: three more reads per arm under ``torch.profiler``, the copy engine's
+timeline (busy share, rate, gaps, the read's time outside the copies' span);
+``--profile``: the copying thread under cProfile. Writes cast_rate.json to $OUT; prints
+a table last.
 """
 
 from __future__ import annotations
