@@ -437,6 +437,8 @@ class LazyModule:
                 if module is None:
                     module = self._load_locked(complete)
         if complete and object.__getattribute__(self, "_ondeck_filling") is not None:
+            # A failed fill releases the module; the error's frame here must not keep it.
+            module = None
             self._complete_filling()
             return self.materialize()
         return module

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -177,6 +178,8 @@ class Filling:
         finally:
             self.seconds = time.perf_counter() - self._started
             self.failure = error
+            if error is not None:
+                _forget_locals(error)
             self._groups = []
             try:
                 if self._finished is not None:
@@ -347,3 +350,16 @@ def start_filling(
     except BaseException as error:
         finished(error)
         raise
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback, and in
+    its causes'. The failure outlives the fill (``Filling.failure``, raised again to
+    every waiter), and its frames (the reader's copying thread among them) hold views of
+    the module's tensors, whose memory the failed load frees: a traceback shown with its
+    locals would read freed memory. The lines and names stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__

@@ -512,7 +512,33 @@ def test_a_read_failing_mid_way_fails_the_forward_that_needs_the_block(
     with pytest.raises(LoadError, match="transformer"):
         forward(proxy)
     module = weakref.ref(object.__getattribute__(proxy, "_ondeck_module"))
-    with pytest.raises(LoadError):
+    with pytest.raises(LoadError) as failed:
         proxy.materialize()
     gc.collect()
     assert module() is None
+    # The memory is freed; no frame of the error still holds a view of it (the reader's
+    # chunks), which a traceback shown with its locals would read.
+    assert _freed_tensors_in_frames(failed.value) == []
+
+
+def _freed_tensors_in_frames(error: BaseException) -> list[tuple[str, str]]:
+    """(function, local) of every tensor, or chunk's target, in the frames of ``error``
+    and its causes whose storage no longer holds its elements. Reads no tensor."""
+    from ondeck.loading.chunks import Chunk
+
+    found, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            for name, value in tb.tb_frame.f_locals.items():
+                tensor = value.target if isinstance(value, Chunk) else value
+                if (
+                    isinstance(tensor, torch.Tensor)
+                    and tensor.device.type != "meta"
+                    and tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size()
+                ):
+                    found.append((tb.tb_frame.f_code.co_name, name))
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return found
