@@ -521,6 +521,31 @@ def test_a_read_failing_mid_way_fails_the_forward_that_needs_the_block(
     assert _freed_tensors_in_frames(failed.value) == []
 
 
+@pytest.mark.parametrize("readers", ["processes", "threads"])
+def test_a_whole_load_failing_mid_read_keeps_no_view_of_its_freed_memory(
+    six_block_folder, monkeypatch, readers
+):
+    """Loaded whole, through either reader, a read that fails half way frees what the
+    load took, and no frame of the error keeps a view of it."""
+    if readers == "processes":
+        gate, _ = _one_read(monkeypatch, hold_block=3, fail=True)
+        gate.set()
+    else:
+        monkeypatch.setenv("ONDECK_READ_PROCESSES", "0")
+        original = reader._pread_exact
+
+        def failing(fd, address, length, offset, info, component):
+            if info.name.startswith("blocks.3."):
+                raise OSError("the disk went away")
+            return original(fd, address, length, offset, info, component)
+
+        monkeypatch.setattr(reader, "_pread_exact", failing)
+    loader = ComponentLoader(six_block_folder, "transformer", pipelined=False)
+    with pytest.raises((LoadError, OSError)) as failed:
+        loader()
+    assert _freed_tensors_in_frames(failed.value) == []
+
+
 def _freed_tensors_in_frames(error: BaseException) -> list[tuple[str, str]]:
     """(function, local) of every tensor, or chunk's target, in the frames of ``error``
     and its causes whose storage no longer holds its elements. Reads no tensor."""
