@@ -105,6 +105,15 @@ def tensors_and_chunks(tmp_path, sizes, file_dtype=torch.bfloat16, chunk_bytes=C
     return tensors, jobs, chunks, file_bytes
 
 
+def assert_each_cast(jobs, tensors) -> None:
+    """Every job's destination holds its tensor cast to fp8, bit for bit."""
+    for job in jobs:
+        expected = tensors[job.info.name].to(FP8)
+        assert torch.equal(job.destination.view(torch.uint8), expected.view(torch.uint8)), (
+            job.info.name
+        )
+
+
 def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
     """Every chunk through one thread's staging buffer; the casts issued, half by half."""
     issued: list[list] = []
@@ -143,10 +152,7 @@ def test_chunks_in_order_are_cast_together_and_equal_the_tensors_cast(
     sizes = [CHUNK * 3 // 2 + 5, 7, CHUNK * 5, 3, CHUNK // 2 + 1]  # bf16: 3, 1, 10, 1, 1 chunks
     tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, sizes, chunk_bytes=chunk_bytes)
     _, issued = stage(chunks, file_bytes, half_chunks, chunk_bytes)
-    for job in jobs:
-        assert torch.equal(
-            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
-        ), job.info.name
+    assert_each_cast(jobs, tensors)
     casts = sum(len(batch) for batch in issued)
     if half_chunks == 1 or chunk_bytes % 256:
         assert casts == len(chunks)  # nothing to cast together
@@ -162,10 +168,7 @@ def test_chunks_out_of_order_land_apart_and_still_equal_the_tensors_cast(tmp_pat
     shuffled = list(chunks)
     random.Random(3).shuffle(shuffled)
     casts, issued = stage(shuffled, file_bytes, half_chunks=3)
-    for job in jobs:
-        assert torch.equal(
-            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
-        ), job.info.name
+    assert_each_cast(jobs, tensors)
     # Each staged run ends where a chunk of its tensor ended.
     ends = {name: {c.hi for c in chunks if c.job.info.name == name} for name in tensors}
     assert all(hi in ends[name] for batch in issued for name, hi, _ in batch)
@@ -197,10 +200,7 @@ def test_a_buffer_of_one_chunk_casts_each_chunk_behind_its_copy(tmp_path, cpu_st
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
     casts.flush()
-    for job in jobs:
-        assert torch.equal(
-            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
-        ), job.info.name
+    assert_each_cast(jobs, tensors)
     assert copies.waited == []
 
 
@@ -227,10 +227,7 @@ def test_a_half_whose_casts_are_done_is_copied_into_without_a_wait(
     tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 6, 9, CHUNK * 4])
     casts, issued = stage(chunks, file_bytes, half_chunks=2)
     assert len(issued) > 2 and casts.copies.waited == []
-    for job in jobs:
-        assert torch.equal(
-            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
-        ), job.info.name
+    assert_each_cast(jobs, tensors)
 
 
 class FakeDriver:
@@ -270,10 +267,7 @@ def test_through_the_driver_each_half_is_ordered_by_handles(tmp_path, cpu_stream
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
     casts.flush()
-    for job in jobs:
-        assert torch.equal(
-            job.destination.view(torch.uint8), tensors[job.info.name].to(FP8).view(torch.uint8)
-        ), job.info.name
+    assert_each_cast(jobs, tensors)
     assert CURRENT == [casts.casts]
     copies, cast_stream, copied = casts.copies_handle, casts.casts_handle, casts.copied_handle
     log = driver.log
