@@ -154,6 +154,26 @@ class Pauses:
         self._reader._feed_claimed = self._feed
 
 
+def arm_settings(reader, arm: str, staging):
+    """Set the reader's knobs for ``arm``: the cast staging (bytes, or a pair of
+    sections and bytes), copies through the driver or torch, the parts a diagnostic arm
+    leaves out. Returns what sets them back."""
+    knobs = ("CAST_STAGING_BYTES", "CAST_SECTIONS", "DRIVER_COPIES")
+    saved = {knob: getattr(reader, knob) for knob in knobs}
+    sections, nbytes = staging if isinstance(staging, tuple) else (2, staging)
+    reader.CAST_STAGING_BYTES = nbytes or saved["CAST_STAGING_BYTES"]
+    reader.CAST_SECTIONS = sections
+    reader.DRIVER_COPIES = not arm.endswith("torch copies")
+    undo = diagnose(reader, arm)
+
+    def restore() -> None:
+        undo()
+        for knob, value in saved.items():
+            setattr(reader, knob, value)
+
+    return restore
+
+
 def diagnose(reader, arm: str):
     """For the diagnostic arms (``--diagnose``), leave out their part of the casting;
     returns what puts it back."""
@@ -235,15 +255,12 @@ def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[
     from cast_trace import timeline
     from torch.profiler import ProfilerActivity, profile
 
-    default = reader.CAST_STAGING_BYTES
     seen: dict[str, list[dict]] = {}
     for _ in range(count):
         for arm, staging in arms.items():
             if arm.endswith(("in groups", "niced", "collector paused")):
                 continue
-            sections, staging = staging if isinstance(staging, tuple) else (2, staging)
-            reader.CAST_STAGING_BYTES, reader.CAST_SECTIONS = staging or default, sections
-            reader.DRIVER_COPIES = not arm.endswith("torch copies")
+            restore = arm_settings(reader, arm, staging)
             jobs = jobs_for(path, arm, device)
             torch.cuda.synchronize()
             try:
@@ -253,8 +270,7 @@ def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[
                     torch.cuda.synchronize()
                     read_ms = (time.perf_counter() - started) * 1e3
             finally:
-                reader.CAST_STAGING_BYTES, reader.CAST_SECTIONS = default, 2
-                reader.DRIVER_COPIES = True
+                restore()
             with tempfile.TemporaryDirectory() as scratch:
                 trace_path = Path(scratch) / "trace.json"
                 traced.export_chrome_trace(str(trace_path))
@@ -371,14 +387,9 @@ def main() -> None:
             names = list(arms)
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
-                staging = arms[arm]
-                sections, staging = staging if isinstance(staging, tuple) else (2, staging)
-                reader.CAST_STAGING_BYTES = staging or default_staging
-                reader.CAST_SECTIONS = sections
-                reader.DRIVER_COPIES = not arm.endswith("torch copies")
+                restore = arm_settings(reader, arm, arms[arm])
                 paused = arm.endswith("collector paused") and gc.isenabled()
                 renice(args.nice if arm.endswith("niced") else 0)
-                undo = diagnose(reader, arm)
                 try:
                     jobs = jobs_for(path, arm, device)
                     if device.type == "cuda":
@@ -401,10 +412,7 @@ def main() -> None:
                 finally:
                     if paused:
                         gc.enable()
-                    reader.CAST_STAGING_BYTES = default_staging
-                    reader.CAST_SECTIONS = 2
-                    undo()
-                    reader.DRIVER_COPIES = True
+                    restore()
                 if attempt:
                     seconds[arm].append(elapsed)
                     seen[arm].append(pauses.last)

@@ -523,14 +523,16 @@ class _DeviceCasts:
             self.halves = (buffer,)
             self.casts = copies
         self.half_bytes = self.halves[0].numel()
-        self.addresses = tuple(half.data_ptr() for half in self.halves)
-        # A whole chunk's places in each half, at multiples of its aligned size.
         self.chunk_bytes, self.step = chunk_bytes, _aligned(chunk_bytes)
-        last = self.half_bytes - chunk_bytes  # the last start a whole chunk fits at
-        self.places = tuple(
-            [half[start : start + chunk_bytes] for start in range(0, last + 1, self.step)]
-            for half in self.halves
-        )
+        if driver is not None:  # copies by address
+            self.addresses = tuple(half.data_ptr() for half in self.halves)
+        else:
+            # A whole chunk's places in each half, at multiples of its aligned size.
+            last = self.half_bytes - chunk_bytes  # the last start a whole chunk fits at
+            self.places = tuple(
+                [half[start : start + chunk_bytes] for start in range(0, last + 1, self.step)]
+                for half in self.halves
+            )
         self.cast = tuple(torch.cuda.Event() for _ in self.halves)
         self.copied = torch.cuda.Event()  # the casts of a half start after its copies
         self.cast_issued = [False] * len(self.halves)
