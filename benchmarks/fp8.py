@@ -271,26 +271,36 @@ def bf16_plan_at(folder: Path, budget: int | None) -> dict | None:
     }
 
 
-def phase_targets(pipe) -> dict:
-    """What an ondeck run's loads and releases spend their time in (``PhaseClock``)."""
-    from ondeck import executor, lazy
+def load_phase_targets() -> dict:
+    """The parts of a component's load, timed both in runs and in reloads."""
     from ondeck.loading import components, pipelined
-    from ondeck.streaming import streamer
 
     loader = components.ComponentLoader
-    policy = type(pipe.policy)
     return {
         "begin": (loader, "begin"),
-        "load whole": (loader, "_load_whole"),
         "match tensors": (components, "match_tensors"),
         "allocate": (components, "_allocate"),
-        "cache lookup": (loader, "_cached"),
-        "fill placed": (loader, "_fill_placed"),
         "start filling": (components, "start_filling"),
         "take skeleton": (loader, "_take_skeleton"),
         "install": (components, "_install"),
         "wait for group": (pipelined.Filling, "wait_group"),
         "finish": (components, "_finish"),
+    }
+
+
+def phase_targets(pipe) -> dict:
+    """What an ondeck run's loads and releases spend their time in (``PhaseClock``)."""
+    from ondeck import executor, lazy
+    from ondeck.loading import components
+    from ondeck.streaming import streamer
+
+    loader = components.ComponentLoader
+    policy = type(pipe.policy)
+    return {
+        **load_phase_targets(),
+        "load whole": (loader, "_load_whole"),
+        "cache lookup": (loader, "_cached"),
+        "fill placed": (loader, "_fill_placed"),
         "upcast hooks": (loader, "_upcast_for_compute"),
         "arm streaming": (streamer.BlockStreamer, "finish"),
         "disarm streaming": (streamer.BlockStreamer, "unload"),
@@ -316,13 +326,11 @@ def run_pipeline(args) -> dict:
 
     folder = Path(args.folder)
     emulate_device(args.memory_gib)
-    if args.measured_reserve_mib is not None:
-        import ondeck.policy
+    import ondeck.policy
 
+    if args.measured_reserve_mib is not None:
         ondeck.policy.AUTO_MEASURED_HEADROOM_MIN_BYTES = args.measured_reserve_mib << 20
     if args.upcast_reserve_copies is not None:
-        import ondeck.policy
-
         ondeck.policy.UPCAST_RESERVE_COPIES = args.upcast_reserve_copies
     result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
     latents_seen: list = []
@@ -524,14 +532,7 @@ def reload_phase_targets() -> dict:
 
     loader = components.ComponentLoader
     return {
-        "begin": (loader, "begin"),
-        "match tensors": (components, "match_tensors"),
-        "allocate": (components, "_allocate"),
-        "start filling": (components, "start_filling"),
-        "take skeleton": (loader, "_take_skeleton"),
-        "install": (components, "_install"),
-        "wait for group": (pipelined.Filling, "wait_group"),
-        "finish": (components, "_finish"),
+        **load_phase_targets(),
         "read in groups": (loader, "_read_in_groups"),
         "next skeleton": (loader, "_pipelined_skeleton"),
         "wait for the fill": (pipelined.Filling, "wait"),

@@ -141,16 +141,23 @@ class Policy:
         """The largest activation peak measured per stage, with room to spare: from the
         profile of this model and shape when the pipeline knows its shape, else as
         measured in this process; and a note on where they come from."""
-        snapshot = _view(source)
+        needs, note, _ = self._needs_and_reserves(_view(source))
+        return needs, note
+
+    def _needs_and_reserves(
+        self, snapshot: Snapshot
+    ) -> tuple[dict[str, int | None], str, list[tuple[str, dict[str, int]]]]:
+        """``activation_needs``, and the ``allocator_reserves`` added to them."""
         stored, note = dict(snapshot.stored_activation), snapshot.stored_note
         if self.distrust_stored:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
         needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
-        for _, reserves in self.allocator_reserves(snapshot, needs):
+        added = self.allocator_reserves(snapshot, needs)
+        for _, reserves in added:
             for stage, extra in reserves.items():
                 needs[stage] += extra
-        return needs, note
+        return needs, note, added
 
     def allocator_reserves(
         self, snapshot: Snapshot, needs: Mapping[str, int | None]
@@ -196,7 +203,7 @@ class Policy:
         that can work in pieces (a tiled decode) is counted at what it will take in the
         room its components leave it."""
         snapshot = _view(source)
-        needs, note = self.activation_needs(snapshot)
+        needs, note, added = self._needs_and_reserves(snapshot)
         estimate: dict[str, int | None] = {}
         fitted: list[str] = []
         nbytes = snapshot.nbytes
@@ -215,7 +222,7 @@ class Policy:
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
-        for purpose, reserves in self.allocator_reserves(snapshot, needs):
+        for purpose, reserves in added:
             if reserves:
                 fitted.append(
                     f"more reserve {purpose}: "
