@@ -21,7 +21,7 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     (out / "video.mp4").write_bytes(b"previous complete video")
     (out / "report.json").write_text('{"previous": "run"}')
     command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
-    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "100000"]
+    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
     command += ["--policy", "release", "--output", str(out)]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     environment["ONDECK_CACHE"] = str(tmp_path / "cache")
