@@ -70,7 +70,7 @@ from .driver import Driver, driver
 from .host_cache import HostCopy
 from .page_cache import describe_source
 from .reading_process import FILE_ENDED
-from .safetensors_format import TensorInfo
+from .safetensors_format import TensorInfo, check_unchanged
 
 __all__ = [
     "ReadJob",
@@ -195,8 +195,10 @@ def read_into(
             while_reading = _reaching(state, reached, waiting)
             if not chunks:
                 state.advance_groups({}, {})
+        identities = {job.info.path: job.info.identity for job in jobs}
         for path in paths:
             files[path] = _open(path, component)
+            check_unchanged(path, identities.get(path), component=component, descriptor=files[path])
         for index in range(worker_count if chunks else 0):
             # Listed before it starts: an interrupt inside start() still finds it to join.
             target, args = (_read_chunks, (state,)) if lease is None else (_feed, (state, lease))
