@@ -29,13 +29,13 @@ class FiniteWatch:
 
     def _transform(self, name: str):
         def watch(module: Any) -> Any:
-            targets = [module]
-            decoder = getattr(module, "decoder", None)  # a VAE's decode skips forward
+            module.register_forward_pre_hook(self._before(name), with_kwargs=True)
+            module.register_forward_hook(self._after(name), with_kwargs=True)
+            # A VAE's decode() is not its forward: its decoder's outputs are the VAE's.
+            # (Its inputs come from layers of the VAE's own, so they are not the stage's.)
+            decoder = getattr(module, "decoder", None)
             if decoder is not None and hasattr(decoder, "register_forward_hook"):
-                targets.append(decoder)
-            for target in targets:
-                target.register_forward_pre_hook(self._before(name), with_kwargs=True)
-                target.register_forward_hook(self._after(name), with_kwargs=True)
+                decoder.register_forward_hook(self._after(name), with_kwargs=True)
             return module
 
         return watch

@@ -75,9 +75,9 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     image = read_input_image(args.image) if args.image is not None else None
     with distributed.main_first():  # rank 0 builds the embedded default, if needed, alone
         path, embedded = commands.model_dir(args, say)
+    media = media_of(path)
+    check_media_flags(args, media)  # before the pipeline is built: nothing loads
     pipe = commands.build_pipeline(args, path)
-    media = media_of(pipe)
-    check_media_flags(args, media)
     shape = _shape(args, embedded, media)
     commands.check_shape(
         pipe,

@@ -38,28 +38,38 @@ class Media:
     takes_count: bool  # num_images_per_prompt
 
 
-def media_of(pipe: Any) -> Media:
-    """For ondeck's Wan stages (no ``pipe`` attribute: diffusers' WanPipeline stands in
-    for their documentation) or a diffusers runtime (``pipe.pipe``)."""
-    diffusers_pipe = getattr(pipe, "pipe", None)
-    if diffusers_pipe is None:
-        cls = _diffusers_class("WanPipeline")
-        configs = [_config(pipe.components.get("transformer"))]
-        fps, source = model_fps(cls, {}, configs)
-        return Media("WanPipeline", True, fps, source, False, False, False)
-    cls = type(diffusers_pipe)
-    parameters = _parameters(cls)
-    configs = [getattr(diffusers_pipe, "config", None)]
-    configs += [_config(getattr(diffusers_pipe, name, None)) for name in ("transformer", "unet")]
+def media_of(path: Path) -> Media:
+    """For the model folder at ``path``, from its model_index.json and configs alone
+    (before anything is built): ondeck's Wan stages are documented by diffusers'
+    WanPipeline, any other folder by its pipeline class."""
+    from ..loading import ModelFolder
+    from ..pipelines.wan import is_wan_folder
+
+    folder = ModelFolder.open(path)
+    index = folder.model_index
+    name = "WanPipeline" if is_wan_folder(index) else str(index.get("_class_name"))
+    cls = _diffusers_class(name)
+    parameters = _parameters(cls) if cls is not None else {"num_frames": None}
+    configs = [index] + [_config_of(folder, part) for part in ("transformer", "unet")]
     video = "num_frames" in parameters
     fps, source = model_fps(cls, parameters, configs) if video else (0.0, "")
-    takes_image = "image" in parameters
+    takes_image = "image" in parameters and name != "WanPipeline"
     needs = takes_image and (
-        parameters["image"].default is inspect.Parameter.empty
-        or bool(_NEEDS_IMAGE.search(cls.__name__))
+        parameters["image"].default is inspect.Parameter.empty or bool(_NEEDS_IMAGE.search(name))
     )
     count = "num_images_per_prompt" in parameters
-    return Media(cls.__name__, video, fps, source, takes_image, needs, count)
+    return Media(name, video, fps, source, takes_image, needs, count)
+
+
+def _config_of(folder: Any, part: str) -> dict | None:
+    from ..errors import LoadError
+
+    if part not in folder.component_names:
+        return None
+    try:
+        return folder.config_dict(part)
+    except LoadError:
+        return None  # building the pipeline reports it
 
 
 def model_fps(cls: type | None, parameters: dict, configs: list[Any]) -> tuple[float, str]:
@@ -67,7 +77,7 @@ def model_fps(cls: type | None, parameters: dict, configs: list[Any]) -> tuple[f
     argument (the rate LTX conditions on), a config field, else the rate the pipeline's
     documented example exports at."""
     for name in ("frame_rate", "fps"):
-        default = parameters[name].default if name in parameters else None
+        default = getattr(parameters.get(name), "default", None)
         if _is_rate(default):
             return float(default), f"{cls.__name__}'s {name} argument"
     for config in configs:
@@ -105,11 +115,6 @@ def _get(config: Any, name: str) -> Any:
     if isinstance(config, dict):
         return config.get(name)
     return getattr(config, name, None)
-
-
-def _config(component: Any) -> Any:
-    # A deferred component answers ``.config`` from its spec, without loading.
-    return getattr(component, "config", None) if component is not None else None
 
 
 def _parameters(cls: type) -> dict:
