@@ -116,9 +116,7 @@ def test_the_input_image_changes_the_video(capsys, family, tmp_path, input_image
     assert not np.array_equal(frames[0], frames[1])
 
 
-def test_a_pipeline_that_needs_an_image_and_has_none_is_told_the_flag(
-    capsys, family, tmp_path
-):
+def test_a_pipeline_that_needs_an_image_and_has_none_is_told_the_flag(capsys, family, tmp_path):
     folder = family("wan_i2v")
     capsys.readouterr()  # what building the folder printed
     code, _, err = run(capsys, "generate", folder, *CPU, "--output", tmp_path / "o")
@@ -193,5 +191,3 @@ def test_an_input_image_of_too_many_pixels_is_refused_before_decoding(capsys, tm
     code, _, err = run(capsys, "generate", "m", "--image", path, "--output", tmp_path / "o")
     assert code == 2
     assert "is 9000x9000, more than 64 Mpixels" in err
-
-
