@@ -69,8 +69,7 @@ def check_component_configs(
 
 def _refused(component: str, path: Path, problem: str) -> LoadError:
     return LoadError(
-        f"component '{component}': {path}: {problem}; the folder is damaged or not what it "
-        "claims",
+        f"component '{component}': {path}: {problem}; the folder is damaged or not what it claims",
         component=component,
         path=str(path),
     )
@@ -140,4 +139,3 @@ def _tokenizer_file(path: Path) -> Iterator[str]:
         found = pattern.search(head)
         if found and int(found.group(1)) > MAX_TOKENS:
             yield f"its {what} is {int(found.group(1)):,}; at most {MAX_TOKENS:,}"
-
