@@ -92,10 +92,15 @@ def _label_stages(figure: Any, axes: Any, starts: list[tuple[float, str]]) -> No
         axes.text(seconds, top, f" {name}", va="top", ha="left", fontsize=7, clip_on=False)
         for seconds, name in starts
     ]
+    right_edge = axes.get_window_extent(renderer).x1
     row_ends: list[float] = []  # the right edge, in pixels, of each row's last label
     rows = []
     for text in texts:
         box = text.get_window_extent(renderer)
+        if box.x1 > right_edge:  # a stage near the end: its label ends at its line
+            text.set_text(text.get_text().strip() + " ")
+            text.set_horizontalalignment("right")
+            box = text.get_window_extent(renderer)
         row = next((i for i, right in enumerate(row_ends) if box.x0 > right + 2), None)
         if row is None:
             row_ends.append(box.x1)
