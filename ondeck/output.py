@@ -137,7 +137,12 @@ def _encode(path: Path, pixels: Any, fps: float) -> None:
     """Raw RGB frames into ffmpeg's stdin; its exit status is checked, not trusted."""
     import subprocess
 
-    import imageio_ffmpeg
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        raise ImportError(
+            "imageio-ffmpeg is not installed (pip install imageio-ffmpeg); it finds ffmpeg"
+        ) from None
 
     count, height, width, channels = pixels.shape
     if channels not in (1, 3):

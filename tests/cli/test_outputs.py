@@ -162,6 +162,9 @@ def test_without_imageio_ffmpeg_the_frames_are_kept(capsys, tiny_model, tmp_path
     code, _, err = generate(capsys, tiny_model, out)
     assert code == 1
     [line] = error_lines(err)
-    assert line.startswith(f"ondeck: error: could not write {out / 'video.mp4'}: ImportError")
+    assert line.startswith(
+        f"ondeck: error: could not write {out / 'video.mp4'}: ImportError: imageio-ffmpeg is "
+        "not installed (pip install imageio-ffmpeg)"
+    )
     assert line.endswith(f"the frames are kept in {out / 'frames.npy'} (numpy.load)")
     assert listing(out) == {"report.json", "timeline.png", "frames.npy"}
