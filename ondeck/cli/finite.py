@@ -4,8 +4,8 @@ Every deferred component gets forward hooks (through its load transforms, so the
 survive reloads) that fold "were all floating tensors finite?" into a flag on the
 device, with no synchronisation per call. The flags are read once, after a run whose
 frames are not finite: a component whose first call already got a non-finite input
-was handed it by the stage before; one whose outputs (or its later inputs, in a loop
-it runs itself) were not finite is the culprit.
+was handed it by the stage before; one whose outputs were not finite is the culprit
+(a denoiser's later inputs are its own loop's: they are not checked).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class FiniteWatch:
     def _before(self, name: str):
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             flags = self._flags.setdefault(name, {})
+            if "first_input" in flags:
+                return  # later calls take what this stage's own loop made
             finite = _all_finite((args, kwargs))
-            if finite is None:
-                return
-            key = "later_inputs" if "first_input" in flags else "first_input"
-            flags[key] = finite if key not in flags else flags[key] & finite
+            if finite is not None:
+                flags["first_input"] = finite
 
         return hook
 
@@ -64,15 +64,13 @@ class FiniteWatch:
         """``'Denoise' (transformer)``: the first stage whose output was not finite."""
         holders = _holders(pipe)
         ordered = sorted(self._flags, key=lambda name: holders.get(name, (len(holders), ""))[0])
-        previous = None
         for name in ordered:
             flags = self._flags[name]
             stage = holders.get(name, (0, name))[1]
             if not _true(flags.get("first_input")):
-                return previous or f"'{stage}' was given values that were not finite"
-            if not _true(flags.get("outputs")) or not _true(flags.get("later_inputs")):
+                return f"the one before '{stage}' ({name}), which was handed values not finite"
+            if not _true(flags.get("outputs")):
                 return f"'{stage}' ({name})"
-            previous = f"'{stage}' ({name})"
         return "the last stage, after its components ran (the conversion to pixels)"
 
 

@@ -145,10 +145,12 @@ def _shape(args: argparse.Namespace, embedded: bool, media: Media) -> Shape:
     # `is None`, not `or`: a 0 is refused by the parser, never replaced by a default.
     if not media.video:  # an image pipeline's own default size, unless one is given
         return Shape(args.height, args.width, None, args.steps or defaults["steps"])
+    # A diffusers video pipeline's own frame count (Mochi's 19 = 6k+1), unless given.
+    frames = defaults["frames"] if embedded else (media.default_frames or defaults["frames"])
     return Shape(
         defaults["height"] if args.height is None else args.height,
         defaults["width"] if args.width is None else args.width,
-        defaults["frames"] if args.frames is None else args.frames,
+        frames if args.frames is None else args.frames,
         defaults["steps"] if args.steps is None else args.steps,
     )
 

@@ -36,6 +36,7 @@ class Media:
     takes_image: bool
     needs_image: bool
     takes_count: bool  # num_images_per_prompt
+    default_frames: int | None = None  # the call's own default frame count
 
 
 def media_of(path: Path) -> Media:
@@ -58,7 +59,9 @@ def media_of(path: Path) -> Media:
         parameters["image"].default is inspect.Parameter.empty or bool(_NEEDS_IMAGE.search(name))
     )
     count = "num_images_per_prompt" in parameters
-    return Media(name, video, fps, source, takes_image, needs, count)
+    frames = getattr(parameters.get("num_frames"), "default", None)
+    frames = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
+    return Media(name, video, fps, source, takes_image, needs, count, frames)
 
 
 def _config_of(folder: Any, part: str) -> dict | None:
