@@ -58,7 +58,7 @@ import os, signal, sys
 
 class InterruptTorch:
     def find_spec(self, name, path=None, target=None):
-        if name == "torch":
+        if name == os.environ.get("INTERRUPT_AT", "torch"):
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.SIGINT)
         return None
@@ -67,19 +67,28 @@ sys.meta_path.insert(0, InterruptTorch())
 """
 
 
-@pytest.mark.parametrize("how", ["python -m ondeck", "the ondeck script"])
-def test_ctrl_c_while_torch_is_imported_is_one_line_and_130(how, tmp_path):
+@pytest.mark.parametrize(
+    "how, module",
+    [
+        ("python -m ondeck", "torch"),
+        ("the ondeck script", "torch"),
+        ("python -m ondeck", "diffusers"),  # once the command runs, as it imports diffusers
+    ],
+)
+def test_ctrl_c_while_torch_is_imported_is_one_line_and_130(how, module, tiny_model, tmp_path):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(INTERRUPT_TORCH_IMPORT)
     if how == "python -m ondeck":
-        command = [sys.executable, "-m", "ondeck", "inspect", str(tmp_path)]
+        command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device"]
+        command += ["cpu", "--output", str(tmp_path / "out")]
     else:  # what the installed entry point runs
         script = tmp_path / "bin" / "ondeck"
         script.parent.mkdir()
         script.write_text("import sys\nfrom ondeck.cli import console\nsys.exit(console())\n")
         command = [sys.executable, str(script), "inspect", str(tmp_path)]
     environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    environment["INTERRUPT_AT"] = module
     environment.pop("ONDECK_DEBUG", None)
     finished = subprocess.run(
         command,
