@@ -118,6 +118,7 @@ def test_totals_only_and_calls_that_raise_still_raise(common):
 
 def test_read_paths_phases_time_the_reader_and_give_its_copy_back(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
     for name in ("common", "read_path"):
         sys.modules.pop(name, None)
     import read_path
