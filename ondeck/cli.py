@@ -15,13 +15,13 @@ from typing import Any
 
 # embedded_default, pipeline_for_folder and write_video are called through their modules,
 # where tests replace them.
-from . import distributed, folders, output
+from . import distributed, folder_pipelines, output
 from . import embedded as embedded_module
 from .errors import LoadError, OndeckError
 from .hub import resolve_model
 from .lazy import loader_of
 from .loading import HostCache, ModelFolder
-from .loading.storage import parse_storage_dtype
+from .loading.fp8 import parse_storage_dtype
 from .memory import format_bytes, parse_bytes, resolve_device
 from .output import (
     OutputError,
@@ -459,7 +459,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         raise UsageError(
             f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
-    pipe = folders.pipeline_for_folder(
+    pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
         dtype=_dtype(args.dtype, device),

@@ -24,7 +24,7 @@ from .lazy import (
     pinned,
 )
 from .memory import parse_bytes, resolve_device
-from .plan import Plan, StageUse, release_schedule
+from .planning import Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot

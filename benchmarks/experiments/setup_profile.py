@@ -34,7 +34,7 @@ def main() -> None:
     started = time.perf_counter()
     import torch
 
-    from ondeck.loading.folder import ModelFolder
+    from ondeck.loading.model_folder import ModelFolder
     from ondeck.pipelines.wan import WanTextToVideo
 
     result: dict = {"import_ondeck_seconds": time.perf_counter() - started, "classes": {}}

@@ -13,10 +13,10 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages, free_storage
-from . import reader, storage
+from . import fp8, reads
 from .blocks import find_blocks
-from .folder import ModelFolder
 from .host_cache import HostCache
+from .model_folder import ModelFolder
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
@@ -48,7 +48,7 @@ class ComponentLoader:
 
     ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
     would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
-    ``dtype`` for its forward (``ondeck.loading.storage``). A checkpoint saved in float8
+    ``dtype`` for its forward (``ondeck.loading.fp8``). A checkpoint saved in float8
     stays so by default.
     """
 
@@ -74,7 +74,7 @@ class ComponentLoader:
         self.folder = _open_folder(folder, name)
         self.name = name
         self.device = torch.device(device)
-        self.dtype, self.storage_dtype = storage.resolve(
+        self.dtype, self.storage_dtype = fp8.resolve(
             self.folder, name, dtype, storage_dtype, self.device
         )
         self._stored_template: Any = None
@@ -120,7 +120,7 @@ class ComponentLoader:
         known = self._upcast_bytes
         if known is None or known[0] is not template:
             _, _, layers, kept = self._stored_template
-            largest = storage.largest_upcast_bytes(template, layers, kept, self.dtype)
+            largest = fp8.largest_upcast_bytes(template, layers, kept, self.dtype)
             known = self._upcast_bytes = (template, largest)
         return known[1]
 
@@ -131,10 +131,10 @@ class ComponentLoader:
         if self.storage_dtype is None:
             return template
         if self._stored_template is None or self._stored_template[0] is not template:
-            stored, layers = storage.stored_tensors(
+            stored, layers = fp8.stored_tensors(
                 template.module, template.library, self.storage_dtype, self.dtype
             )
-            kept = storage.kept_layers(template.module, self.dtype)
+            kept = fp8.kept_layers(template.module, self.dtype)
             self._stored_template = (template, template.with_stored(stored), layers, kept)
         return self._stored_template[1]
 
@@ -257,7 +257,7 @@ class ComponentLoader:
 
     def _group_filler(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         key: Any,
         raw: Any,
         started: float,
@@ -288,10 +288,10 @@ class ComponentLoader:
             if captured is not None:
                 for job in reading:
                     job.capture = captured[job.info.name]
-        bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
+        bar = reads.progress_bar(total, self.progress, self.name, self.last_source)
         first_read: list[float] = []
 
-        def fill(group: list[reader.ReadJob]) -> None:
+        def fill(group: list[reads.ReadJob]) -> None:
             if not first_read:
                 first_read.append(time.perf_counter())
             stats = self._copy_and_read(group, held, bar=bar)
@@ -299,7 +299,7 @@ class ComponentLoader:
                 self.last_readers = stats.readers
             self.last_read_seconds = time.perf_counter() - first_read[0]
 
-        def fill_all(groups: list[list[reader.ReadJob]], reached) -> None:
+        def fill_all(groups: list[list[reads.ReadJob]], reached) -> None:
             """Everything from the files: one read for all groups."""
             first_read.append(time.perf_counter())
 
@@ -324,7 +324,7 @@ class ComponentLoader:
             elif kept and not reading and error is None:
                 cache.commit(key, {}, replacing=replacing, kept=kept)
             if stored is not None and error is None:
-                storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
+                fp8.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
 
         return fill, (fill_all if not held else None), finished
@@ -347,7 +347,7 @@ class ComponentLoader:
             key, raw, other = self._cached(tensors, placement)
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
-                copy = reader.HostCopy(
+                copy = reads.HostCopy(
                     sum(t.numel() for t in raw.values()),
                     progress=self.progress,
                     component=self.name,
@@ -406,7 +406,7 @@ class ComponentLoader:
         if self.storage_dtype is None:
             return
         _, _, layers, kept = self._stored_template
-        storage.upcast_for_compute(
+        fp8.upcast_for_compute(
             module,
             template.library,
             self.storage_dtype,
@@ -440,31 +440,31 @@ class ComponentLoader:
         other = cache.other_placement(key, component_length) if raw is None else None
         return key, raw, other
 
-    def _from_other(self, jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+    def _from_other(self, jobs: list[reads.ReadJob], other: Any) -> dict[str, torch.Tensor]:
         """The tensors of ``jobs`` that ``other`` (an entry of another placement) holds, as
         this load can use them: all or, for stored (fp8) bytes, kept only when whole."""
         kept = _held_by(jobs, other)
         if self.storage_dtype is not None and len(kept) < len(jobs):
-            return {}  # stored bytes are kept after a whole read (storage.keep_in_cache)
+            return {}  # stored bytes are kept after a whole read (fp8.keep_in_cache)
         return kept
 
-    def _fill_placed(self, placed: list[reader.ReadJob], other: Any) -> reader.ReadStats:
+    def _fill_placed(self, placed: list[reads.ReadJob], other: Any) -> reads.ReadStats:
         """Fill the placement's own memory (streamed blocks' host copies). A block that
         starts streaming after a re-plan was resident before: ``other``, this component's
         cache entry of the last placement, holds its bytes, and they are copied from
         there, not read again (in fp8, not cast again on the CPU)."""
         return self._copy_and_read(placed, _held_by(placed, other))
 
-    def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
+    def _cached_info(self, job: reads.ReadJob) -> TensorInfo:
         """How the host cache holds a tensor: as in the file, or as stored (fp8) when the
         component keeps a storage dtype."""
         if self.storage_dtype is None:
             return job.info
-        return storage.as_held(job.info, job.destination)
+        return fp8.as_held(job.info, job.destination)
 
     def _read_files(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         key: Any,
         while_reading: Callable[[], None],
         other: Any = None,
@@ -492,18 +492,18 @@ class ComponentLoader:
                 cache.discard(key)
             raise
         if stored:
-            storage.keep_in_cache(cache, key, reading, replacing=replacing, kept=kept)
+            fp8.keep_in_cache(cache, key, reading, replacing=replacing, kept=kept)
         elif captured is not None or (kept and not reading):
             cache.commit(key, captured or {}, replacing=replacing, kept=kept)
         self._record(stats)
 
     def _copy_and_read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         held: dict[str, torch.Tensor],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
+    ) -> reads.ReadStats:
         """Copy the jobs whose tensors the host cache holds (``held``) into their
         destinations while the others are read from the files."""
         if not held:
@@ -511,9 +511,9 @@ class ComponentLoader:
         reading = [job for job in jobs if job.info.name not in held]
         if bar is None:
             total = sum(job.info.nbytes for job in jobs if job.info.name in held)
-            copy = reader.HostCopy(total, progress=self.progress, component=self.name)
+            copy = reads.HostCopy(total, progress=self.progress, component=self.name)
         else:
-            copy = reader.HostCopy(0, component=self.name, bar=bar)
+            copy = reads.HostCopy(0, component=self.name, bar=bar)
         try:
             for job in jobs:
                 if job.info.name in held:
@@ -526,16 +526,16 @@ class ComponentLoader:
 
     def _read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
-        return reader.read_into(jobs, bar=bar, while_reading=while_reading, **self._read_options())
+    ) -> reads.ReadStats:
+        return reads.read_into(jobs, bar=bar, while_reading=while_reading, **self._read_options())
 
     def _read_in_groups(
-        self, groups: list[list[reader.ReadJob]], reached: Callable[[int], None], bar: Any
-    ) -> reader.ReadStats:
-        return reader.read_in_groups(groups, reached, bar=bar, **self._read_options())
+        self, groups: list[list[reads.ReadJob]], reached: Callable[[int], None], bar: Any
+    ) -> reads.ReadStats:
+        return reads.read_in_groups(groups, reached, bar=bar, **self._read_options())
 
     def _read_options(self) -> dict[str, Any]:
         """This loader's settings for the reader, the same for every read it makes."""
@@ -547,14 +547,14 @@ class ComponentLoader:
             component=self.name,
         )
 
-    def _record(self, stats: reader.ReadStats) -> None:
+    def _record(self, stats: reads.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes
         self.last_read_seconds = stats.seconds
         self.last_source = stats.source
         self.last_readers = stats.readers
 
 
-def _held_by(jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+def _held_by(jobs: list[reads.ReadJob], other: Any) -> dict[str, torch.Tensor]:
     """The tensors of ``jobs`` that ``other`` (``(key, entry)`` of the host cache, or
     None) holds, by name."""
     if other is None:
@@ -563,11 +563,11 @@ def _held_by(jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
     return {job.info.name: entry[job.info.name] for job in jobs if job.info.name in entry}
 
 
-def _joined(copied: reader.ReadStats, read: reader.ReadStats | None) -> reader.ReadStats:
+def _joined(copied: reads.ReadStats, read: reads.ReadStats | None) -> reads.ReadStats:
     """One load's stats from its host-cache copies and its file reads."""
     if read is None:
         return copied
-    return reader.ReadStats(
+    return reads.ReadStats(
         copied.nbytes + read.nbytes,
         max(copied.seconds, read.seconds),
         f"host cache and {read.source}",
@@ -610,9 +610,9 @@ def _allocate(
     device tensor as soon as that tensor exists; ``job_sources`` gets the index in
     ``sources`` of each read into a device tensor, in order.
     """
-    jobs: list[reader.ReadJob] = []
+    jobs: list[reads.ReadJob] = []
     values: list[torch.Tensor] = []
-    placed: list[reader.ReadJob] = []
+    placed: list[reads.ReadJob] = []
     for index, (slot, info) in enumerate(sources):
         given = placement.destination(slot) if placement is not None else None
         if given is None:
@@ -627,15 +627,15 @@ def _allocate(
         else:
             value = tensor
         values.append(value)
-        via = storage.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
+        via = fp8.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
         if given is None:
-            jobs.append(reader.ReadJob(info, tensor, via=via))
+            jobs.append(reads.ReadJob(info, tensor, via=via))
             if job_sources is not None:
                 job_sources.append(index)
             if on_job is not None:
                 on_job(jobs[-1])
         elif not filled:
-            placed.append(reader.ReadJob(info, tensor, via=via))
+            placed.append(reads.ReadJob(info, tensor, via=via))
     return jobs, values, placed
 
 

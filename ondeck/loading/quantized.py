@@ -29,7 +29,7 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .folder import ModelFolder
+from .model_folder import ModelFolder
 
 __all__ = [
     "PACKAGES",

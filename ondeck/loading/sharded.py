@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages
-from . import reader
+from . import reads
 from .components import ComponentLoader, _cache_key
 from .pipelined import fill_groups, start_filling
 from .safetensors_format import TensorInfo
@@ -180,17 +180,17 @@ class ShardedComponentLoader(ComponentLoader):
 
     def _read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         while_reading: Any = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
+    ) -> reads.ReadStats:
         """Read from the files, counting the bytes in ``bytes_read`` (copies from the host
         cache do not pass here)."""
         stats = super()._read(jobs, while_reading, bar=bar)
         self.bytes_read += stats.nbytes
         return stats
 
-    def _read_in_groups(self, groups, reached, bar) -> reader.ReadStats:
+    def _read_in_groups(self, groups, reached, bar) -> reads.ReadStats:
         stats = super()._read_in_groups(groups, reached, bar)
         self.bytes_read += stats.nbytes
         return stats
@@ -233,11 +233,11 @@ class ShardedComponentLoader(ComponentLoader):
 
     def _shard_jobs(
         self, module: torch.nn.Module, sources: list, computed: list
-    ) -> tuple[list[reader.ReadJob], list[tuple[str, ...]]]:
+    ) -> tuple[list[reads.ReadJob], list[tuple[str, ...]]]:
         """A read job for this rank's rows of every parameter and for every buffer, and
         the module names each job fills."""
         rank, world_size = self.mesh.get_local_rank(), self.mesh.size()
-        jobs: list[reader.ReadJob] = []
+        jobs: list[reads.ReadJob] = []
         job_names: list[tuple[str, ...]] = []
         with torch.no_grad():
             for slot, info in sources:
@@ -246,7 +246,7 @@ class ShardedComponentLoader(ComponentLoader):
                     # Buffers are not sharded; to_empty gave each name its own tensor.
                     for name in slot.names[1:]:
                         set_tensor(module, name, tensor, parameter=False)
-                    jobs.append(reader.ReadJob(info, tensor))
+                    jobs.append(reads.ReadJob(info, tensor))
                     job_names.append(tuple(slot.names))
                     continue
                 local = tensor.to_local()
@@ -259,7 +259,7 @@ class ShardedComponentLoader(ComponentLoader):
                         component=self.name,
                     )
                 if count:
-                    jobs.append(reader.ReadJob(rows_of(info, first, count), local))
+                    jobs.append(reads.ReadJob(rows_of(info, first, count), local))
                     job_names.append(tuple(slot.names))
             for buffer_names, host_value in computed:
                 moved = get_tensor(module, buffer_names[0])

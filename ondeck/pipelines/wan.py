@@ -23,7 +23,7 @@ from .. import distributed
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..loading import ModelFolder, component_loader, load_auxiliary, storage
+from ..loading import ModelFolder, component_loader, fp8, load_auxiliary
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
@@ -686,7 +686,7 @@ class WanTextToVideo(Pipeline):
         ranks (diffusers' context parallelism): each computes its slice, and the frames
         are the same on every rank. Bad set-ups are refused before anything loads.
         ``storage_dtype`` keeps weights in fp8 and
-        computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
+        computes in ``dtype`` (``ondeck.loading.fp8``): one dtype for the text
         encoder and transformer, or a dict by component name.
         """
         models = ("text_encoder", "transformer", "vae")
@@ -714,7 +714,7 @@ class WanTextToVideo(Pipeline):
             spec = folder.spec("transformer")
             parallel.check_model("transformer", spec.cls, spec.config)
             parallel.start(device)
-        stored = storage.storage_by_component(
+        stored = fp8.storage_by_component(
             storage_dtype, {name: folder.component_class(name) for name in models}
         )
         if set(stored) & set(shard):
@@ -746,7 +746,7 @@ class WanTextToVideo(Pipeline):
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
         if stored:  # prompts encoded from fp8 weights are cached apart
-            identity += f":{storage.describe(stored)}"
+            identity += f":{fp8.describe(stored)}"
         return cls(
             components,
             identity=identity,

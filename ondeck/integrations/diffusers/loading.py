@@ -17,7 +17,7 @@ import torch
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
-from ...loading import ComponentLoader, ModelFolder, component_loader, load_auxiliary, storage
+from ...loading import ComponentLoader, ModelFolder, component_loader, fp8, load_auxiliary
 from ...loading.quantized import quantization_method
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
@@ -75,7 +75,7 @@ def from_pretrained(
     context-parallel plan over the ranks (see ``ondeck.parallel``).
     ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
     but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
-    per component (``ondeck.loading.storage``).
+    per component (``ondeck.loading.fp8``).
     """
     import diffusers
 
@@ -105,7 +105,7 @@ def from_pretrained(
     if parallel is not None:
         parallel.join()  # before resolving the device: joining selects this rank's GPU
     device = resolve_device(device)
-    stored = storage.storage_by_component(
+    stored = fp8.storage_by_component(
         storage_dtype,
         {
             name: folder.component_class(name)
