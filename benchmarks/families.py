@@ -24,9 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, later_seconds, out_dir, ready_wan14b_folder, run_child  # noqa: E402
-from defaults import card_label, chosen_policy, peak_reserved  # noqa: E402
-from wan_suite import wan_modes_command  # noqa: E402
+from common import (  # noqa: E402
+    GiB,
+    later_seconds,
+    out_dir,
+    peak_reserved,
+    ready_wan14b_folder,
+    run_child,
+    wan_modes_command,
+)
+from policies import card_label, chosen_policy  # noqa: E402
 
 
 def transfer_floor(row: dict) -> str:
