@@ -20,7 +20,7 @@ from . import embedded as embedded_module
 from .errors import LoadError, OndeckError
 from .hub import resolve_model
 from .lazy import loader_of
-from .loading import HostCache, ModelFolder
+from .loading import FolderLoader, HostCache, ModelFolder
 from .loading.fp8 import parse_storage_dtype
 from .memory import format_bytes, parse_bytes, resolve_device
 from .output import (
@@ -712,7 +712,11 @@ def _stored_names(pipe: Any, weights: Any) -> str:
     loaders = getattr(pipe, "loaders", None) or {
         name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
     }
-    names = [n for n, loader in loaders.items() if getattr(loader, "storage_dtype", None)]
+    names = [
+        n
+        for n, loader in loaders.items()
+        if isinstance(loader, FolderLoader) and loader.storage_dtype is not None
+    ]
     if names:
         return ", ".join(names)
     return ", ".join(weights) if isinstance(weights, dict) else "none"

@@ -15,8 +15,10 @@ from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages, free_storage
 from . import fp8, reads
 from .blocks import find_blocks
-from .host_cache import HostCache
+from .folder_loader import FolderLoader, open_folder
+from .host_cache import HostCache, component_key
 from .model_folder import ModelFolder
+from .options import LoadOptions
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
@@ -26,7 +28,7 @@ from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_ten
 __all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
 
 
-class ComponentLoader:
+class ComponentLoader(FolderLoader):
     """A zero-argument loader for one model component, usable as a ``LazyModule`` loader.
 
     Each call builds the module on the meta device, allocates every tensor directly on
@@ -52,9 +54,6 @@ class ComponentLoader:
     stays so by default.
     """
 
-    # Each call builds a new module, so a LazyModule may free its storage on release.
-    returns_fresh_module = True
-
     def __init__(
         self,
         folder: ModelFolder | str | os.PathLike,
@@ -71,29 +70,28 @@ class ComponentLoader:
         pipelined: bool | None = None,
         storage_dtype: torch.dtype | str | None = None,
     ):
-        self.folder = _open_folder(folder, name)
-        self.name = name
-        self.device = torch.device(device)
+        options = LoadOptions(
+            device=device,
+            dtype=dtype,
+            host_cache=host_cache,
+            progress=progress,
+            pipelined=pipelined,
+            storage_dtype=storage_dtype,
+        )
+        super().__init__(folder, name, options)
         self.dtype, self.storage_dtype = fp8.resolve(
             self.folder, name, dtype, storage_dtype, self.device
         )
         self._stored_template: Any = None
         self._upcast_bytes: tuple[Skeleton, int] | None = None
-        self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
-        self.progress = progress
         self.threads = threads
         self.buffer_bytes = buffer_bytes
         self.buffer_count = buffer_count
         self.placement = placement
-        self.pipelined = pipelined
         self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
-        self.last_load_bytes = 0
-        self.last_load_seconds = 0.0
         # The reads and copies alone (a pipelined load: from its first group's to the end
         # of its last), without building the module.
         self.last_read_seconds = 0.0
-        self.last_source: str | None = None
-        self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 
     def __repr__(self) -> str:
         stored = f", stored in {self.storage_dtype}" if self.storage_dtype is not None else ""
@@ -194,18 +192,8 @@ class ComponentLoader:
                 [sources[i][1].nbytes for i in on_device],
                 path,
             )
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
+            filling = self._start_filling(jobs, groups, key, raw, started, template, other)
             self.last_load_bytes += placed_bytes
-            filling = start_filling(
-                self.name,
-                [[jobs[i] for i in group] for group in groups],
-                fill,
-                finished,
-                device=self.device,
-                started=started,
-                fill_all=fill_all,
-                then=functools.partial(self._prepare_spare, template),
-            )
             jobs = None  # the filling holds each group until it is read
             skeleton = self._take_skeleton(template)
             _install(skeleton, sources, values, self.device, allocated)
@@ -216,18 +204,61 @@ class ComponentLoader:
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
-            if filling is not None:
-                filling.cancel()
-            if placement is not None:
-                placement.abort()
-            for tensor in allocated:
-                free_storage(tensor)
-            tensor = None  # noqa: F841
-            allocated.clear()
+            self._give_back(error, allocated=allocated, filling=filling, placement=placement)
             module = skeleton = values = filling = None  # noqa: F841
-            traceback.clear_frames(error.__traceback__)
             raise
         return module, filling
+
+    def _start_filling(
+        self,
+        jobs: list[reads.ReadJob],
+        groups: list[list[int]],
+        key: Any,
+        raw: Any,
+        started: float,
+        template: Skeleton,
+        other: Any = None,
+    ) -> Filling:
+        """Start the filling of a pipelined load: ``groups`` of ``jobs`` (their indices),
+        read behind the compute; ``key``, ``raw`` and ``other`` as ``_cached`` found them.
+        Once the load has ended, the filling's thread builds the next load's skeleton."""
+        fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
+        return start_filling(
+            self.name,
+            [[jobs[i] for i in group] for group in groups],
+            fill,
+            finished,
+            device=self.device,
+            started=started,
+            fill_all=fill_all,
+            then=functools.partial(self._prepare_spare, template),
+        )
+
+    @staticmethod
+    def _give_back(
+        error: BaseException,
+        *,
+        allocated: list[torch.Tensor] | None = None,
+        module: torch.nn.Module | None = None,
+        filling: Filling | None = None,
+        placement: Any = None,
+    ) -> None:
+        """After a load that failed with ``error``: stop its filling, let the placement
+        take back what it gave, free every tensor the load allocated (or the whole
+        ``module``), and clear the frames of the error's traceback, which would otherwise
+        keep that memory alive for as long as the caller keeps the error. The caller
+        drops its own references to the half-built module."""
+        if filling is not None:
+            filling.cancel()
+        if placement is not None:
+            placement.abort()
+        for tensor in allocated or ():
+            free_storage(tensor)
+        if allocated:
+            allocated.clear()
+        if module is not None:
+            free_module_storages(module)
+        traceback.clear_frames(error.__traceback__)
 
     def _take_skeleton(self, template: Skeleton) -> Skeleton:
         """A fresh skeleton to fill: the one the last pipelined load left ready, else one
@@ -384,17 +415,9 @@ class ComponentLoader:
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
-            if placement is not None:
-                placement.abort()
-            # Give the memory back now, and drop the half-built module: the traceback's
-            # frames would otherwise keep it alive for as long as the caller keeps the error.
-            for tensor in allocated:
-                free_storage(tensor)
-            tensor = None  # noqa: F841 - this frame is the one clear_frames cannot reach
-            allocated.clear()
+            self._give_back(error, allocated=allocated, placement=placement)
             built.clear()
             module = jobs = values = None  # noqa: F841
-            traceback.clear_frames(error.__traceback__)
             raise
         self.last_load_seconds = time.perf_counter() - started
         return module
@@ -429,7 +452,7 @@ class ComponentLoader:
         cache = self.host_cache
         if cache is None:
             return None, None, None
-        key = _cache_key(self.folder, self.name, tensors)
+        key = component_key(self.folder.path, self.name, tensors)
         if self.storage_dtype is not None:
             key = (*key, ("stored", str(self.storage_dtype), str(self.dtype)))
         component_length = len(key)
@@ -575,24 +598,6 @@ def _joined(copied: reads.ReadStats, read: reads.ReadStats | None) -> reads.Read
     )
 
 
-def _open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:
-    if isinstance(folder, ModelFolder):
-        return folder
-    try:
-        return ModelFolder.open(folder)
-    except LoadError as error:
-        raise LoadError(f"component '{name}': {error}", component=name, path=error.path) from None
-
-
-def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
-    # A rewritten file must not be served from memory: the key carries each file's identity.
-    signature = []
-    for path in sorted({info.path for info in tensors.values()}):
-        status = os.stat(path)
-        signature.append((path, status.st_size, status.st_mtime_ns))
-    return (str(folder.path.resolve()), name, tuple(signature))
-
-
 def _allocate(
     sources,
     device: torch.device,
@@ -671,7 +676,7 @@ def _finish(module: torch.nn.Module, component: str) -> None:
 
 def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
     """Load a part without weights (tokenizer, scheduler, feature extractor) from its folder."""
-    folder = _open_folder(folder, name)
+    folder = open_folder(folder, name)
     cls = folder.component_class(name)
     directory = folder.directory(name)
     loader = getattr(cls, "from_pretrained", None)
@@ -696,32 +701,35 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
 
 
 def component_loader(
-    folder: ModelFolder | str | os.PathLike, name: str, **options: Any
+    folder: ModelFolder | str | os.PathLike,
+    name: str,
+    options: LoadOptions | None = None,
+    **keywords: Any,
 ) -> ComponentLoader | QuantizedComponentLoader:
     """The loader for model component ``name``: a :class:`QuantizedComponentLoader` when
-    its config carries a ``quantization_config``, else a :class:`ComponentLoader`
-    (``options`` are its keywords; a quantized component's loader takes ``device``,
-    ``dtype``, ``progress``, refuses ``storage_dtype`` and ``placement``, and the reading
-    options do not apply to it)."""
-    folder = _open_folder(folder, name)
+    its config carries a ``quantization_config``, else a :class:`ComponentLoader`.
+
+    ``options`` and the ``keywords`` that name its fields (``device=``, ``dtype=``, ...)
+    say how it loads; other keywords are :class:`ComponentLoader`'s own (``placement``,
+    the reading options). A quantized component's loader refuses ``storage_dtype`` and
+    ``placement``, and the reading options do not apply to it."""
+    folder = open_folder(folder, name)
+    options, own = LoadOptions.split(options, keywords)
     if quantization_method(folder, name) is None:
-        return ComponentLoader(folder, name, **options)
-    if options.get("placement") is not None:
+        return ComponentLoader(folder, name, **options.keywords(), **own)
+    if own.get("placement") is not None:
         raise LoadError(
             f"component '{name}': it is already quantized, and its weights cannot be placed "
             "elsewhere (block streaming)",
             component=name,
         )
-    kept = ("device", "dtype", "progress", "storage_dtype", "host_cache", "pipelined")
-    return QuantizedComponentLoader(
-        folder, name, **{key: value for key, value in options.items() if key in kept}
-    )
+    return QuantizedComponentLoader(folder, name, **options.keywords())
 
 
 def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:
     """Load any component: models through :func:`component_loader`, other parts as they
     are."""
-    folder = _open_folder(folder, name)
+    folder = open_folder(folder, name)
     if folder.is_model(name):
         return component_loader(folder, name, **options)()
     return load_auxiliary(folder, name)

@@ -10,19 +10,18 @@ the local shard. No rank ever holds, or reads, a full copy of a sharded paramete
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-import traceback
 from typing import Any
 
 import torch
 
 from ..errors import LoadError
-from ..lazy import ComponentSpec, free_module_storages
+from ..lazy import ComponentSpec
 from . import reads
-from .components import ComponentLoader, _cache_key
-from .pipelined import fill_groups, start_filling
+from .components import ComponentLoader
+from .host_cache import component_key
+from .pipelined import fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
@@ -152,29 +151,15 @@ class ShardedComponentLoader(ComponentLoader):
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started)
-            filling = start_filling(
-                self.name,
-                [[jobs[i] for i in group] for group in groups],
-                fill,
-                finished,
-                device=self.device,
-                started=started,
-                fill_all=fill_all,
-                then=functools.partial(self._prepare_spare, template),
-            )
+            filling = self._start_filling(jobs, groups, key, raw, started, template)
             jobs = None  # the filling holds each group until it is read
             filling.attach(module, path, group_of)
             filling.wait_group(0)
             module.eval()
         except BaseException as error:
             # Give this rank's shards back now; the traceback would keep them alive.
-            if filling is not None:
-                filling.cancel()
-            if module is not None:
-                free_module_storages(module)
+            self._give_back(error, module=module, filling=filling)
             module = jobs = filling = None
-            traceback.clear_frames(error.__traceback__)
             raise
         return module, filling
 
@@ -275,7 +260,7 @@ def shard_cache_key(folder: Any, name: str, rank: int, world_size: int) -> tuple
     keys of its own length that share its items before the placement
     (``HostCache.other_placement``); this key, five items with the shard fourth, is
     never one of them (a plain load's key has four, a stored one's the storage fourth)."""
-    base = _cache_key(folder, name, folder.tensors(name))
+    base = component_key(folder.path, name, folder.tensors(name))
     return (*base, ("shard", rank, world_size), ("rows",))
 
 
