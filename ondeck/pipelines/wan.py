@@ -22,7 +22,7 @@ from .. import distributed
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..loading import ModelFolder, component_loader, fp8, load_auxiliary
+from ..loading import HostCache, LoadOptions, ModelFolder, component_loader, fp8, load_auxiliary
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
@@ -605,7 +605,7 @@ class WanTextToVideo(Pipeline):
         policy: Any = "auto",
         budget: Any = None,
         prefetch: bool = True,
-        host_cache: Any = None,
+        host_cache: HostCache | None = None,
         progress: bool = True,
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
@@ -662,28 +662,23 @@ class WanTextToVideo(Pipeline):
         )
         if set(stored) & set(shard):
             raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
+        load = LoadOptions(
+            device=device, host_cache=host_cache, progress=progress, pipelined=pipelined
+        )
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
             if name == "vae" and dtype is not None:
                 component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
-            options = dict(
-                device=device,
-                dtype=component_dtype,
-                host_cache=host_cache,
-                progress=progress,
-                pipelined=pipelined,
-            )
-            if name in stored:
-                options["storage_dtype"] = stored[name]
+            options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
             quantized = quantization_method(folder, name) is not None
             if (shard or parallel is not None) and not quantized:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
-                    folder, name, mesh=mesh if name in shard else None, **options
+                    folder, name, mesh=mesh if name in shard else None, **options.keywords()
                 )
             else:
-                components[name] = component_loader(folder, name, **options)
+                components[name] = component_loader(folder, name, options)
         loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")

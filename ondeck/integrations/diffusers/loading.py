@@ -17,7 +17,15 @@ import torch
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
-from ...loading import ComponentLoader, ModelFolder, component_loader, fp8, load_auxiliary
+from ...loading import (
+    ComponentLoader,
+    HostCache,
+    LoadOptions,
+    ModelFolder,
+    component_loader,
+    fp8,
+    load_auxiliary,
+)
 from ...loading.quantized import quantization_method
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
@@ -45,7 +53,7 @@ def from_pretrained(
     policy: Any = "auto",
     budget: int | str | None = None,
     prefetch: bool = True,
-    host_cache: Any = None,
+    host_cache: HostCache | None = None,
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
@@ -114,6 +122,7 @@ def from_pretrained(
         },
     )
 
+    load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     components: dict[str, PipelineComponent] = {}
     containers: dict[str, torch.nn.Module] = {}
     # Every deferred model, by runtime name: the components, and the models inside
@@ -129,22 +138,15 @@ def from_pretrained(
             continue
         component_dtype = _component_dtype(dtype, name, folder)
         if _is_container(folder, name):
-            found = _deferred_container(folder, name, device, component_dtype, host_cache, progress)
+            found = _deferred_container(folder, name, load.replace(dtype=component_dtype))
             if found is not None:
                 containers[name], parts = found
                 deferred.update(parts)
             continue
         if not _can_defer(folder, name):
             continue
-        component = _deferred_component(
-            folder,
-            name,
-            device,
-            component_dtype,
-            host_cache,
-            progress,
-            stored.get(name),
-        )
+        options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
+        component = _deferred_component(folder, name, options)
         if component is not None:
             components[name] = deferred[name] = component
 
@@ -256,7 +258,7 @@ def _is_container(folder: Any, name: str) -> bool:
 
 
 def _deferred_container(
-    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+    folder: ModelFolder, name: str, options: LoadOptions
 ) -> tuple[torch.nn.Module, dict[str, PipelineComponent]] | None:
     """The container built over a deferred proxy for each model in it, found as diffusers
     finds them (``name``, ``name_1``, ... beside each other); None, with one warning,
@@ -279,7 +281,7 @@ def _deferred_container(
         for index, part in enumerate(parts):
             if not inner.weight_files(part):
                 raise LoadError(f"{folder.path / part} holds no safetensors weights")
-            proxy = _deferred_component(inner, part, device, dtype, host_cache, progress)
+            proxy = _deferred_component(inner, part, options)
             if proxy is None:
                 raise LoadError(f"'{part}' inside it cannot be built", component=name)
             proxies[f"{name}.nets.{index}"] = proxy
@@ -321,27 +323,17 @@ def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
 
 
 def _deferred_component(
-    folder: Any,
-    name: str,
-    device: torch.device,
-    dtype: Any,
-    host_cache: Any,
-    progress: bool,
-    storage_dtype: Any = None,
+    folder: ModelFolder, name: str, options: LoadOptions
 ) -> PipelineComponent | None:
-    def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
+    def make_loader(
+        target_device: torch.device, target_dtype: torch.dtype | None
+    ) -> ComponentLoader:
         return component_loader(
-            folder,
-            name,
-            device=target_device,
-            dtype=target_dtype,
-            host_cache=host_cache,
-            progress=progress,
-            storage_dtype=storage_dtype,
+            folder, name, options.replace(device=target_device, dtype=target_dtype)
         )
 
     try:
-        loader = make_loader(device, dtype)
+        loader = make_loader(options.device, options.dtype)
         spec = loader.spec
     except SkeletonBuildError as error:
         # Only a class ondeck cannot build falls back: a folder whose config and weights
