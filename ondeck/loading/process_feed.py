@@ -53,8 +53,8 @@ def lease_processes(threads, buffer_bytes, buffer_count, pinned):
 
 
 def default_processes() -> int:
-    """Reading processes per load: enough that page-cache copies are not the limit (12
-    on the H200 machine's 16 cores), leaving cores for the thread that issues the copies
+    """Reading processes per load: enough that page-cache copies are not the limit (three
+    quarters of the cores, at most 12), leaving cores for the thread that issues the copies
     and for building the module; shared among the ranks a launcher started on this host
     (``LOCAL_WORLD_SIZE``), which load at the same time."""
     try:
