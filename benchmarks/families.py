@@ -36,15 +36,16 @@ from common import (  # noqa: E402
     folder_bytes,
     later_seconds,
     out_dir,
+    peak_reserved,
     peak_rss_bytes,
     ready_wan14b_folder,
     reset_peak_rss,
     rss_bytes,
     run_child,
+    wan_modes_command,
     warm_page_cache,
 )
-from defaults import card_label, chosen_policy, peak_reserved  # noqa: E402
-from wan_suite import wan_modes_command  # noqa: E402
+from policies import card_label, chosen_policy  # noqa: E402
 
 
 def transfer_floor(row: dict) -> str:

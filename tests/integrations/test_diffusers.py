@@ -333,7 +333,7 @@ def test_progress_advances_once_per_step(folders):
 
 
 def test_folders_of_other_families_plan_and_generate_through_the_integration(folders):
-    from ondeck.folders import pipeline_for_folder
+    from ondeck.folder_pipelines import pipeline_for_folder
     from ondeck.integrations.diffusers import DiffusersRuntime
 
     runtime = pipeline_for_folder(folders["ltx"], policy="release")
