@@ -36,6 +36,7 @@ import torch
 
 from ..memory import register_host_memory
 from .read_worker import OPEN, READ, READY, REPLY
+from .ring import read_path
 
 __all__ = ["Lease", "ReadingProcesses", "ReadingProcessExited", "acquire"]
 
@@ -279,6 +280,8 @@ def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool) -> 
         return None
     if not hasattr(os, "memfd_create") or not sys.executable:
         return None
+    if read_path() == "portable":
+        return None  # the portable path reads on threads alone
     if getattr(sys, "frozen", False):  # a bundled app's executable runs the app, not -S
         return None
     if count < 1 or slot_count < count or slot_count > count * MAX_SLOTS_PER_PROCESS:

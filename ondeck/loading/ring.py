@@ -281,7 +281,71 @@ def read_error(info: TensorInfo, component: str | None, reached: int, reason: st
     return LoadError(f"{where(info, component)}: {problem}", component=component, path=info.path)
 
 
+def read_path() -> str:
+    """How weights are read: ``"fast"``, positional reads (``os.preadv``) on descriptors
+    the threads share, and reading processes where they can start; or ``"portable"``,
+    where ``os.preadv`` is missing (Windows) or ``ONDECK_READ_PATH=portable`` asks for it:
+    threads only, each reading its own ordinary file object with ``readinto``."""
+    if os.environ.get("ONDECK_READ_PATH") == "portable" or not hasattr(os, "preadv"):
+        return "portable"
+    return "fast"
+
+
+# Each reading thread's own file objects, by the shared descriptor they stand in for: a
+# seek and a read on one object are two calls, so no two threads may share it.
+_portable_files = threading.local()
+
+
+def _own_file(fd: int, info: TensorInfo, component: str | None):
+    files = getattr(_portable_files, "files", None)
+    if files is None:
+        files = _portable_files.files = {}
+    found = files.get(fd)
+    if found is not None and found[0] == info.path:
+        return found[1]
+    if found is not None:
+        found[1].close()
+    try:
+        handle = open(info.path, "rb", buffering=0)  # noqa: SIM115 (kept for the thread)
+    except OSError as error:
+        raise read_error(info, component, info.start, error.strerror or str(error)) from error
+    # The file opened again must be the one whose descriptor the read checked.
+    mine, shared = os.fstat(handle.fileno()), os.fstat(fd)
+    if (mine.st_size, mine.st_mtime_ns, mine.st_ino) != (
+        shared.st_size,
+        shared.st_mtime_ns,
+        shared.st_ino,
+    ):
+        handle.close()
+        raise LoadError(
+            f"{where(info, component)}: the file changed while it was being read",
+            component=component,
+            path=info.path,
+        )
+    files[fd] = (info.path, handle)
+    return handle
+
+
+def _read_portable(fd: int, address: int, length: int, offset: int, info, component) -> None:
+    handle = _own_file(fd, info, component)
+    done = 0
+    while done < length:
+        view = memoryview((ctypes.c_char * (length - done)).from_address(address + done)).cast("B")
+        try:
+            handle.seek(offset + done)
+            count = handle.readinto(view)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise read_error(info, component, offset + done, reason) from error
+        if not count:
+            raise read_error(info, component, offset + done, None)
+        done += count
+
+
 def pread_exact(fd: int, address: int, length: int, offset: int, info, component) -> None:
+    if read_path() == "portable":
+        _read_portable(fd, address, length, offset, info, component)
+        return
     done = 0
     while done < length:
         view = (ctypes.c_char * (length - done)).from_address(address + done)
