@@ -294,7 +294,14 @@ class Pipeline:
 
     def plan(self, budget: int | str | None = None) -> Plan:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
-        return self.policy.plan_for(self.snapshot(), parse_bytes(budget))
+        planned = self.policy.plan_for(self.snapshot(), parse_bytes(budget))
+        streaming = getattr(self.policy, "streaming", None)
+        runs = self.tracker.runs
+        if streaming is not None and runs:
+            for name, stats in streaming.stats().items():
+                if name in planned.streamed and stats["passes"]:
+                    planned.passes_per_call[name] = stats["passes"] / runs
+        return planned
 
     def snapshot(
         self, *, needs_components: bool = True, later_unneeded: frozenset[int] = frozenset()
