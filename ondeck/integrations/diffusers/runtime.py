@@ -172,6 +172,7 @@ class DiffusersRuntime(Pipeline):
         with self._run_lock:
             self._running_thread = me
             self._call_arguments = dict(kwargs)
+            self._watch_host()
             try:
                 self._begin_call()
                 try:
@@ -182,6 +183,7 @@ class DiffusersRuntime(Pipeline):
                 self._end_call()
                 return result
             finally:
+                self._unwatch_host()
                 self._record = None
                 self._current_index = None
                 self._running_thread = None
@@ -248,6 +250,7 @@ class DiffusersRuntime(Pipeline):
             self._advance_to(index)
 
     def _advance_to(self, index: int) -> None:
+        self.check_host_memory()
         previous = self._current_index
         if previous is not None:
             self._finish_turn(previous)
