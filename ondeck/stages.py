@@ -153,7 +153,11 @@ class Pipeline:
     """A sequence of stages over named components, some of them deferred.
 
     ``lazy_components`` lists the names that load on demand; ``create_stages``
-    returns the stages, reading components from ``self.components``.
+    returns the stages, reading components from ``self.components``. ``host_memory`` is
+    the process's host budget (bytes or "32GiB"; default: what the machine and its
+    cgroup leave, less a reserve): the plan shows the host pool against it, and a run
+    that outgrows it drops the host cache, then stops with a ``HostMemoryError`` before
+    the kernel would kill the process.
     """
 
     lazy_components: tuple[str, ...] = ()

@@ -95,6 +95,7 @@ class DiffusersRuntime(Pipeline):
         device: Any = None,
         prefetch: bool = True,
         containers: tuple[str, ...] = (),
+        host_memory: int | str | None = None,
     ):
         self.pipe = pipe
         # Pipeline attributes that hold deferred models without being one themselves
@@ -126,7 +127,14 @@ class DiffusersRuntime(Pipeline):
         for name, proxy in components.items():
             if is_vae(proxy.spec.cls):
                 self.decoders[name] = FittingDecode(proxy, self, name)
-        super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
+        super().__init__(
+            components,
+            policy=policy,
+            budget=budget,
+            device=device,
+            prefetch=prefetch,
+            host_memory=host_memory,
+        )
         for proxy in components.values():
             object.__setattr__(proxy, "_ondeck_runtime", self)
 
