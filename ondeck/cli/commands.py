@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import distributed, folders
+from .. import distributed, folder_pipelines
 from .. import embedded as embedded_module
 from ..arguments import ArgumentError, check_generate_arguments
 from ..errors import OndeckError
 from ..hub import resolve_model
 from ..lazy import loader_of
-from ..loading import HostCache, ModelFolder
+from ..loading import FolderLoader, HostCache, ModelFolder
 from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..pipelines import read_model_index
@@ -119,7 +119,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
         raise UsageError(
             f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
-    pipe = folders.pipeline_for_folder(
+    pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
         dtype=dtype_for(args.dtype, device),
@@ -240,7 +240,11 @@ def _stored_names(pipe: Any, weights: Any) -> str:
     loaders = getattr(pipe, "loaders", None) or {
         name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
     }
-    names = [n for n, loader in loaders.items() if getattr(loader, "storage_dtype", None)]
+    names = [
+        n
+        for n, loader in loaders.items()
+        if isinstance(loader, FolderLoader) and loader.storage_dtype is not None
+    ]
     if names:
         return ", ".join(names)
     return ", ".join(weights) if isinstance(weights, dict) else "none"

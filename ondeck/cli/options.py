@@ -100,7 +100,7 @@ def _weights(text: str) -> str | dict[str, str]:
     if not parts:
         raise argparse.ArgumentTypeError("expected fp8 or NAME=fp8, got nothing")
     chosen: dict[str, str] = {}
-    from ..loading.storage import parse_storage_dtype
+    from ..loading.fp8 import parse_storage_dtype
 
     for part in parts:
         name, _, dtype = part.rpartition("=")
