@@ -23,7 +23,7 @@ import ondeck
 import ondeck.diffusers
 from ondeck import profiles as profiles_module
 from ondeck.loading import ModelFolder, read_header
-from ondeck.loading import folder as folder_module
+from ondeck.loading import model_folder as folder_module
 
 from .helpers import (
     MiB,
