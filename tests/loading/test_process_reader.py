@@ -578,9 +578,7 @@ def test_an_error_at_a_group_stops_the_read_and_the_processes_serve_the_next(tmp
             assert same_bits(job.destination, tensors[job.info.name])
 
 
-def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(
-    tmp_path, monkeypatch
-):
+def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_path, monkeypatch):
     from ondeck.loading import reads
 
     # The file ends while it is read, after its identity was checked at the open.
