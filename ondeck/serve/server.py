@@ -1,0 +1,443 @@
+"""The server's state: the served models, the residency manager, the queue, the outputs.
+
+No HTTP here: ``app.py`` puts an ASGI app in front of a ``Server``.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import folders
+from ..embedded import default_cache_dir
+from ..errors import BudgetError, OndeckError
+from ..hub import resolve_model
+from ..loading import HostCache
+from ..memory import format_bytes, resolve_device
+from ..policy import BudgetPolicy, auto_budget_bytes
+from .jobs import Job, JobCancelled, JobFailed, JobQueue
+from .outputs import OutputStore, write_job_files
+from .residency import ResidencyManager, ServedModel
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FPS = 16
+
+
+@dataclass
+class Limits:
+    """What a request may ask for; larger asks are refused before they are queued."""
+
+    body_bytes: int = 8 * 2**20
+    image_bytes: int = 4 * 2**20
+    image_pixels: int = 4096 * 4096
+    prompt_chars: int = 4000
+    side: int = 2048
+    frames: int = 241
+    steps: int = 200
+    images_per_request: int = 4
+    waiting_jobs: int = 64
+
+
+@dataclass
+class ServeConfig:
+    models: dict[str, str]
+    budget_bytes: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    host_cache_bytes: int | None = None
+    weights: Any = None
+    outputs: Path | None = None
+    outputs_cap_bytes: int = 20 * 2**30
+    api_key: str | None = None
+    steps: int | None = None
+    shutdown_grace_seconds: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+
+
+def models_from_root(root: str | os.PathLike) -> dict[str, str]:
+    """Each subfolder of ``root`` holding a model_index.json is a model, by its name."""
+    root = Path(root)
+    if not root.is_dir():
+        raise OndeckError(f"--model-root {root}: not a folder")
+    found = {
+        path.name: str(path)
+        for path in sorted(root.iterdir())
+        if (path / "model_index.json").is_file() and MODEL_NAME.match(path.name)
+    }
+    if not found:
+        raise OndeckError(f"--model-root {root}: no subfolder holds a model_index.json")
+    return found
+
+
+def _torch_dtype(name: str | None, device: Any) -> Any:
+    import torch
+
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _kind(pipeline: Any) -> str:
+    """``video`` when the pipeline's call takes a frame count, else ``image``."""
+    if getattr(pipeline, "pipe", None) is None:  # ondeck's own stages: Wan text-to-video
+        return "video"
+    parameters = inspect.signature(type(pipeline.pipe).__call__).parameters
+    return "video" if "num_frames" in parameters else "image"
+
+
+def _takes_image(pipeline: Any) -> bool:
+    inner = getattr(pipeline, "pipe", None)
+    if inner is None:
+        return False
+    return "image" in inspect.signature(type(inner).__call__).parameters
+
+
+class StepProgress:
+    """What a pipeline advances once per denoising step: counts the job's steps, stops a
+    cancelled job there, and starts the next job's loads at the last step."""
+
+    def __init__(self, job: Job, at_last_step: Any):
+        self.job = job
+        self.at_last_step = at_last_step
+
+    def update(self, n: int = 1) -> None:
+        if self.job.cancel_event.is_set():
+            raise JobCancelled(self.job.id)
+        self.job.step += n
+        if self.job.step >= self.job.total_steps:
+            self.at_last_step()
+
+
+class Server:
+    """Holds the served models under one budget and runs their jobs in order."""
+
+    def __init__(self, config: ServeConfig, *, say: Any = print):
+        self.config = config
+        self.say = say
+        self.device = resolve_device(config.device)
+        self.dtype = _torch_dtype(config.dtype, self.device)
+        budget = config.budget_bytes
+        if budget is None:
+            budget, _ = auto_budget_bytes(self.device)
+        self.budget_bytes = int(budget)
+        self.host_cache = HostCache(config.host_cache_bytes) if config.host_cache_bytes else None
+        outputs = config.outputs or default_cache_dir() / "serve-outputs"
+        self.outputs = OutputStore(outputs, config.outputs_cap_bytes)
+        self.started_at = time.time()
+        self.models: dict[str, ServedModel] = {}
+        for name, source in config.models.items():
+            self.models[name] = self._build(name, source)
+        self.manager = ResidencyManager(self.models, self.budget_bytes)
+        self.queue = JobQueue(self._run_job, max_waiting=config.limits.waiting_jobs)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
+        self._writing: set[str] = set()
+        self.last_report: dict[str, Any] | None = None
+        self.last_job_id: str | None = None
+        self.jobs_run = 0
+        self.jobs_failed = 0
+
+    def _build(self, name: str, source: str) -> ServedModel:
+        if not MODEL_NAME.match(name):
+            raise OndeckError(
+                f"model name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
+            )
+        path = resolve_model(source)
+        policy = BudgetPolicy(self.budget_bytes)
+        pipeline = folders.pipeline_for_folder(
+            path,
+            device=self.device,
+            dtype=self.dtype,
+            policy=policy,
+            host_cache=self.host_cache,
+            **({"storage_dtype": self.config.weights} if self.config.weights else {}),
+        )
+        # Each job's timeline and report are its own: the tracker keeps the last run.
+        pipeline.tracker.keep_runs = 1
+        pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
+        served = ServedModel(
+            name=name, source=str(source), pipeline=pipeline, policy=policy, kind=_kind(pipeline)
+        )
+        served.path = Path(path)  # type: ignore[attr-defined]
+        served.takes_image = _takes_image(pipeline)  # type: ignore[attr-defined]
+        return served
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.queue.start()
+
+    def stop(self) -> None:
+        """Waiting jobs fail; the running one gets the grace period to finish, then is
+        stopped at its next step; files being written are completed."""
+        current = self.queue.current
+        timer = None
+        if current is not None:
+            timer = threading.Timer(
+                self.config.shutdown_grace_seconds, current.cancel, args=("stopped by shutdown",)
+            )
+            timer.daemon = True
+            timer.start()
+        self.queue.stop()
+        if timer is not None:
+            timer.cancel()
+        self._writer.shutdown(wait=True)
+        self.manager.wait_for_prefetch()
+        for model in self.models.values():
+            model.pipeline.close()
+
+    # -- jobs -----------------------------------------------------------------------
+
+    def default_steps(self, model: ServedModel) -> int:
+        if self.config.steps is not None:
+            return self.config.steps
+        return 50 if model.kind == "video" else 30
+
+    def frames_for(self, model: ServedModel, seconds: str | None, frames: int | None) -> int:
+        if frames is None:
+            try:
+                duration = float(seconds) if seconds is not None else 4.0
+            except ValueError:
+                raise JobFailed(
+                    400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
+                ) from None
+            if not 0 < duration <= self.config.limits.frames / FPS:
+                raise JobFailed(
+                    400,
+                    "invalid_value",
+                    f"seconds must be more than 0 and at most {self.config.limits.frames / FPS:g}",
+                    "seconds",
+                )
+            frames = int(round(duration * FPS)) + 1
+        geometry = getattr(model.pipeline, "geometry", None)
+        if geometry is not None:  # Wan: 4k+1 frames
+            step = geometry.scale_temporal
+            frames = (frames - 1) // step * step + 1
+        return max(1, frames)
+
+    def check_shape(self, model: ServedModel, job: Job) -> None:
+        """Refuse, before queueing, a shape the model's configs rule out (Wan's rotary
+        positions); other pipelines check their inputs when the job runs."""
+        geometry = getattr(model.pipeline, "geometry", None)
+        if geometry is None:
+            return
+        for side, value, why in geometry.beyond_positions(job.height, job.width, job.frames or 1):
+            param = "frames" if side == "frames" else "size"
+            raise JobFailed(
+                400, "invalid_value", f"{side} {value} is too large for {job.model}: {why}", param
+            )
+
+    def submit(self, job: Job) -> Job:
+        job.total_steps = (job.steps or 0) * (job.n if job.kind == "image" else 1)
+        return self.queue.submit(job)
+
+    def _run_job(self, job: Job, upcoming: list[str]) -> None:
+        model = self.models[job.model]
+        pipeline = model.pipeline
+        job.status = "in_progress"
+        job.started_at = time.perf_counter()
+        try:
+            self.manager.prepare(job.model, upcoming)
+
+            def at_last_step() -> None:
+                waiting = self.queue.upcoming_models()
+                self.manager.prefetch_ahead(job.model, waiting[0] if waiting else None)
+
+            progress = StepProgress(job, at_last_step)
+            plan = pipeline.plan(model.policy.budget_bytes)
+            started = time.perf_counter()
+            outputs = []
+            for index in range(job.n if job.kind == "image" else 1):
+                # Only what the request set: each pipeline keeps its own defaults.
+                extra: dict[str, Any] = {}
+                if job.input_image is not None:
+                    extra["image"] = job.input_image
+                if job.guidance is not None:
+                    extra["guidance_scale"] = job.guidance
+                if job.kind == "video":
+                    extra["num_frames"] = job.frames
+                outputs.append(
+                    pipeline.generate(
+                        job.prompt,
+                        negative_prompt=job.negative_prompt,
+                        height=job.height,
+                        width=job.width,
+                        num_inference_steps=job.steps,
+                        seed=job.seed + index,
+                        progress=progress,
+                        **extra,
+                    )
+                )
+            job.run_seconds = time.perf_counter() - started
+            frames = outputs if job.kind == "image" else outputs[0]
+            self._check_finite(frames)
+        except JobCancelled:
+            job.fail(
+                JobFailed(409, "cancelled", f"the job was {job.cancel_reason} at step {job.step}")
+            )
+            self._after_failure(model)
+            return
+        except JobFailed as error:
+            job.fail(error)
+            self._after_failure(model)
+            return
+        except Exception as error:
+            job.fail(describe_failure(error))
+            self._after_failure(model)
+            return
+        finally:
+            self.manager.finished(job.model)
+        self.jobs_run += 1
+        report = pipeline.report()
+        report.update(
+            model=job.model,
+            model_dir=str(model.path),  # type: ignore[attr-defined]
+            prompt=job.prompt,
+            shape={
+                "height": job.height,
+                "width": job.width,
+                "frames": job.frames,
+                "steps": job.steps,
+            },
+            seed=job.seed,
+            run_seconds=[job.run_seconds],
+            sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
+            predicted_peak_bytes=plan.peak_bytes,
+            weights=self.config.weights or "as computed",
+            server_budget_bytes=self.budget_bytes,
+            job_budget_bytes=model.policy.budget_bytes,
+        )
+        self.last_report = report
+        self.last_job_id = job.id
+        job.report = report
+        # The timeline is drawn from a copy: the next job of this model records into the
+        # tracker while the writer draws.
+        view = copy.copy(pipeline.tracker)
+        view.events = list(pipeline.tracker.events)
+        view.stages = list(pipeline.tracker.stages)
+        self._writing.add(job.id)
+        self._writer.submit(self._write, job, report, view, frames, model)
+
+    def _write(self, job: Job, report: dict, view: Any, frames: Any, model: ServedModel) -> None:
+        try:
+            folder = self.outputs.folder(job.id)
+            job.files = write_job_files(
+                folder,
+                report,
+                view,
+                frames,
+                kind=model.kind,
+                title=f"ondeck serve: {job.model} ({job.id[:12]})",
+            )
+            job.complete()
+        except Exception as error:
+            job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
+            self.outputs.remove(job.id)
+        finally:
+            self._writing.discard(job.id)
+            self.outputs.trim(keep=set(self._writing))
+
+    @staticmethod
+    def _check_finite(frames: Any) -> None:
+        import numpy as np
+
+        for batch in frames if isinstance(frames, list) else [frames]:
+            if not np.isfinite(np.asarray(batch)).all():
+                raise JobFailed(
+                    500,
+                    "non_finite_output",
+                    "the pipeline produced NaN or infinite pixels; nothing was written",
+                )
+
+    def _after_failure(self, model: ServedModel) -> None:
+        """A failed job frees what its model holds (a run that raised has released it
+        already; one whose output was refused has not), and the allocator's cache, so
+        the next job starts from no more than the server held before."""
+        self.jobs_failed += 1
+        self.manager.wait_for_prefetch()
+        model.pipeline.release_all()
+        gc.collect()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    # -- reading --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        current = self.queue.current
+        residency = self.manager.status()
+        return {
+            "object": "ondeck.status",
+            "device": str(self.device),
+            "budget_bytes": self.budget_bytes,
+            "budget": format_bytes(self.budget_bytes),
+            "resident_bytes": residency["resident_bytes"],
+            "resident": residency["resident"],
+            "evictions": residency["evictions"],
+            "prefetched": residency["prefetched"],
+            "models": {
+                name: {
+                    "kind": model.kind,
+                    "source": model.source,
+                    "component_bytes": model.pipeline.component_bytes(),
+                    "policy_budget_bytes": model.policy.budget_bytes,
+                }
+                for name, model in self.models.items()
+            },
+            "running": job_summary(current) if current is not None else None,
+            "queue": [job_summary(job) for job in self.queue.waiting()],
+            "jobs_run": self.jobs_run,
+            "jobs_failed": self.jobs_failed,
+            "last_job": {"id": self.last_job_id, "report": _brief(self.last_report)},
+            "plan": self.manager.plan().to_dict(),
+            "outputs": {
+                "folder": str(self.outputs.root),
+                "bytes": self.outputs.total_bytes(),
+                "cap_bytes": self.outputs.cap_bytes,
+            },
+        }
+
+
+def _brief(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The last job's report without its event list (that is in report.json)."""
+    if report is None:
+        return None
+    return {k: v for k, v in report.items() if k != "events"}
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "model": job.model,
+        "kind": job.kind,
+        "status": job.status,
+        "progress": job.progress,
+        "step": job.step,
+        "total_steps": job.total_steps,
+    }
+
+
+def describe_failure(error: BaseException) -> JobFailed:
+    """The one error a failed job answers with."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, BudgetError) or _is_out_of_memory(error):
+        return JobFailed(503, "insufficient_memory", f"out of memory after retries: {text}")
+    if isinstance(error, (ValueError, TypeError)):
+        return JobFailed(400, "invalid_value", text)
+    return JobFailed(500, "server_error", f"{type(error).__name__}: {text}")
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
