@@ -18,9 +18,9 @@ def models(tmp_path_factory):
     return build_models(tmp_path_factory.mktemp("serve-models"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(models, tmp_path_factory):
-    """One server for a module's tests: all four models under one small budget."""
+    """One server for the session's tests: all four models under one small budget."""
     process = ServerProcess(
         models, "--budget", BUDGET, "--steps", "2", tmp=tmp_path_factory.mktemp("serve")
     )

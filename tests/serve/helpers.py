@@ -106,7 +106,8 @@ class ServerProcess:
         raise RuntimeError(f"the server did not answer in {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 60) -> int:
