@@ -384,7 +384,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/ondeck/jobs/{job_id}/timeline")
     async def job_timeline(job_id: str) -> Any:
-        return _content(find_job(job_id), "timeline", "image/png")
+        job = find_job(job_id)
+        if job.status == "completed":
+            await asyncio.to_thread(server.timeline, job)
+        return _content(job, "timeline", "image/png")
 
     @app.get("/v1/ondeck/jobs/{job_id}/image")
     async def job_image(job_id: str) -> Any:

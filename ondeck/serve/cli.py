@@ -158,6 +158,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="on SIGTERM, how long the running job may take to finish before it is stopped",
     )
     serve.add_argument(
+        "--no-lookahead",
+        action="store_true",
+        help="evict the least recently used model and load nothing ahead, whatever waits",
+    )
+    serve.add_argument(
         "--plan",
         action="store_true",
         help="print what stays resident across the models and what a switch loads, then exit",
@@ -220,6 +225,7 @@ def _config(args: argparse.Namespace) -> Any:
         api_key=api_key,
         steps=args.steps,
         shutdown_grace_seconds=args.shutdown_grace,
+        lookahead=not args.no_lookahead,
         limits=Limits(
             body_bytes=args.max_body,
             prompt_chars=args.max_prompt,

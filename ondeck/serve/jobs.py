@@ -65,6 +65,7 @@ class Job:
     cancel_reason: str = ""
     files: dict[str, str] = field(default_factory=dict)
     report: dict[str, Any] | None = None
+    timeline_view: Any = None  # what the timeline is drawn from, until it is drawn
     run_seconds: float | None = None
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)

@@ -77,21 +77,11 @@ def png_bytes(pixels: Any) -> bytes:
     return buffer.getvalue()
 
 
-def write_job_files(
-    folder: Path, report: dict, tracker_view: Any, frames: Any, *, kind: str, title: str
-) -> dict[str, str]:
-    """report.json and timeline.png first, then video.mp4 (or image.png): what a local
-    ``ondeck generate`` writes. Returns the names written, by role."""
-    from ..timeline import plot
-
+def write_job_files(folder: Path, report: dict, frames: Any, *, kind: str) -> dict[str, str]:
+    """report.json first, then video.mp4 (or image.png): what a local ``ondeck generate``
+    writes, less the timeline (``draw_timeline``, on first request). Returns the paths
+    written, by role."""
     files = {"report": str(write_json(folder / "report.json", report))}
-    timeline = folder / "timeline.png"
-    try:
-        with atomic_path(timeline) as temporary:
-            plot(tracker_view, temporary, title=title)
-        files["timeline"] = str(timeline)
-    except OSError as error:
-        raise OutputError(f"could not write {timeline}: {error.strerror or error}") from error
     if kind == "image":
         for index, batch in enumerate(frames):
             name = "image.png" if index == 0 else f"image-{index}.png"
@@ -101,3 +91,17 @@ def write_job_files(
     else:
         files["video"] = str(write_video(folder / "video.mp4", frames[0]))
     return files
+
+
+def draw_timeline(folder: Path, tracker_view: Any, *, title: str) -> Path:
+    """timeline.png of one job, renamed into place when complete. Drawn when first asked
+    for: matplotlib takes longer than many a small job."""
+    from ..timeline import plot
+
+    path = folder / "timeline.png"
+    try:
+        with atomic_path(path) as temporary:
+            plot(tracker_view, temporary, title=title)
+    except OSError as error:
+        raise OutputError(f"could not write {path}: {error.strerror or error}") from error
+    return path

@@ -26,7 +26,7 @@ from ..loading import HostCache
 from ..memory import format_bytes, resolve_device
 from ..policy import BudgetPolicy, auto_budget_bytes
 from .jobs import Job, JobCancelled, JobFailed, JobQueue
-from .outputs import OutputStore, write_job_files
+from .outputs import OutputStore, draw_timeline, write_job_files
 from .residency import ResidencyManager, ServedModel
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -61,6 +61,10 @@ class ServeConfig:
     api_key: str | None = None
     steps: int | None = None
     shutdown_grace_seconds: float = 30.0
+    # Whether the queue steers residency: eviction by the waiting jobs' next use, and the
+    # next job's first components loaded beside the current decode. Off: least recently
+    # used, nothing ahead (what the benchmark compares against).
+    lookahead: bool = True
     limits: Limits = field(default_factory=Limits)
 
 
@@ -141,6 +145,7 @@ class Server:
         self.queue = JobQueue(self._run_job, max_waiting=config.limits.waiting_jobs)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
         self._writing: set[str] = set()
+        self._drawing = threading.Lock()
         self.last_report: dict[str, Any] | None = None
         self.last_job_id: str | None = None
         self.jobs_run = 0
@@ -245,12 +250,14 @@ class Server:
         pipeline = model.pipeline
         job.status = "in_progress"
         job.started_at = time.perf_counter()
+        lookahead = self.config.lookahead
         try:
-            self.manager.prepare(job.model, upcoming)
+            self.manager.prepare(job.model, upcoming if lookahead else [])
 
             def at_last_step() -> None:
                 waiting = self.queue.upcoming_models()
-                self.manager.prefetch_ahead(job.model, waiting[0] if waiting else None)
+                if lookahead and waiting:
+                    self.manager.prefetch_ahead(job.model, waiting[0])
 
             progress = StepProgress(job, at_last_step)
             plan = pipeline.plan(model.policy.budget_bytes)
@@ -330,14 +337,8 @@ class Server:
     def _write(self, job: Job, report: dict, view: Any, frames: Any, model: ServedModel) -> None:
         try:
             folder = self.outputs.folder(job.id)
-            job.files = write_job_files(
-                folder,
-                report,
-                view,
-                frames,
-                kind=model.kind,
-                title=f"ondeck serve: {job.model} ({job.id[:12]})",
-            )
+            job.files = write_job_files(folder, report, frames, kind=model.kind)
+            job.timeline_view = view
             job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
@@ -345,6 +346,20 @@ class Server:
         finally:
             self._writing.discard(job.id)
             self.outputs.trim(keep=set(self._writing))
+
+    def timeline(self, job: Job) -> str | None:
+        """The path of the job's timeline.png, drawn now if it was not yet; None when
+        the job has none (not completed, or its folder went past the cap)."""
+        with self._drawing:
+            if "timeline" in job.files or job.timeline_view is None:
+                return job.files.get("timeline")
+            folder = self.outputs.root / job.id
+            if not folder.is_dir():
+                return None
+            title = f"ondeck serve: {job.model} ({job.id[:12]})"
+            job.files["timeline"] = str(draw_timeline(folder, job.timeline_view, title=title))
+            job.timeline_view = None  # drawn: its events need not stay in memory
+            return job.files["timeline"]
 
     @staticmethod
     def _check_finite(frames: Any) -> None:
@@ -382,6 +397,8 @@ class Server:
             "budget_bytes": self.budget_bytes,
             "budget": format_bytes(self.budget_bytes),
             "resident_bytes": residency["resident_bytes"],
+            "device_allocated_bytes": _allocated(self.device),
+            "process_rss_bytes": _rss(),
             "resident": residency["resident"],
             "evictions": residency["evictions"],
             "prefetched": residency["prefetched"],
@@ -406,6 +423,24 @@ class Server:
                 "cap_bytes": self.outputs.cap_bytes,
             },
         }
+
+
+def _allocated(device: Any) -> int | None:
+    """Device bytes allocated by torch now (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _rss() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return None
 
 
 def _brief(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
