@@ -262,7 +262,15 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     app = create_app(server)
-    uv = uvicorn.Server(
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Before uvicorn waits for open connections: the waiting jobs fail at once
+            # (answering their callers), and no new job starts.
+            server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    uv = Uvicorn(
         uvicorn.Config(
             app,
             host=args.host,

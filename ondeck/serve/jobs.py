@@ -64,8 +64,6 @@ class Job:
     cancelled: bool = False
     cancel_reason: str = ""
     files: dict[str, str] = field(default_factory=dict)
-    report: dict[str, Any] | None = None
-    timeline_view: Any = None  # what the timeline is drawn from, until it is drawn
     run_seconds: float | None = None
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
@@ -189,8 +187,14 @@ class JobQueue:
                     self._condition.notify_all()
 
     def stop(self, *, timeout: float | None = None) -> None:
-        """No new jobs; the waiting ones fail, the running one finishes (or is cancelled
-        by the caller); returns once the device thread is idle."""
+        """``close``, then return once the device thread is idle."""
+        self.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """No new jobs; the waiting ones fail; the running one goes on (or is cancelled
+        by the caller)."""
         with self._condition:
             self._stopping = True
             while self._waiting:
@@ -202,5 +206,3 @@ class JobQueue:
                         )
                     )
             self._condition.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)

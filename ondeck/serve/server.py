@@ -5,9 +5,9 @@ No HTTP here: ``app.py`` puts an ASGI app in front of a ``Server``.
 
 from __future__ import annotations
 
-import copy
 import gc
 import inspect
+import json
 import os
 import re
 import threading
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from .. import folders
@@ -146,6 +147,7 @@ class Server:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
         self._writing: set[str] = set()
         self._drawing = threading.Lock()
+        self._grace_timer: threading.Timer | None = None
         self.last_report: dict[str, Any] | None = None
         self.last_job_id: str | None = None
         self.jobs_run = 0
@@ -181,20 +183,26 @@ class Server:
     def start(self) -> None:
         self.queue.start()
 
-    def stop(self) -> None:
-        """Waiting jobs fail; the running one gets the grace period to finish, then is
-        stopped at its next step; files being written are completed."""
+    def begin_shutdown(self) -> None:
+        """Waiting jobs fail now; the running one gets the grace period to finish, then
+        is stopped at its next step."""
+        if self._grace_timer is not None:
+            return
+        self.queue.close()
         current = self.queue.current
-        timer = None
-        if current is not None:
-            timer = threading.Timer(
-                self.config.shutdown_grace_seconds, current.cancel, args=("stopped by shutdown",)
-            )
-            timer.daemon = True
-            timer.start()
+        self._grace_timer = threading.Timer(
+            self.config.shutdown_grace_seconds,
+            lambda: current.cancel("stopped by shutdown") if current is not None else None,
+        )
+        self._grace_timer.daemon = True
+        self._grace_timer.start()
+
+    def stop(self) -> None:
+        """``begin_shutdown``, then wait for the running job and the files being written,
+        and close every pipeline."""
+        self.begin_shutdown()
         self.queue.stop()
-        if timer is not None:
-            timer.cancel()
+        self._grace_timer.cancel()
         self._writer.shutdown(wait=True)
         self.manager.wait_for_prefetch()
         for model in self.models.values():
@@ -303,6 +311,7 @@ class Server:
             return
         finally:
             self.manager.finished(job.model)
+            job.input_image = None  # a kept job keeps no request payload
         self.jobs_run += 1
         report = pipeline.report()
         report.update(
@@ -325,20 +334,13 @@ class Server:
         )
         self.last_report = report
         self.last_job_id = job.id
-        job.report = report
-        # The timeline is drawn from a copy: the next job of this model records into the
-        # tracker while the writer draws.
-        view = copy.copy(pipeline.tracker)
-        view.events = list(pipeline.tracker.events)
-        view.stages = list(pipeline.tracker.stages)
         self._writing.add(job.id)
-        self._writer.submit(self._write, job, report, view, frames, model)
+        self._writer.submit(self._write, job, report, frames, model)
 
-    def _write(self, job: Job, report: dict, view: Any, frames: Any, model: ServedModel) -> None:
+    def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:
             folder = self.outputs.folder(job.id)
             job.files = write_job_files(folder, report, frames, kind=model.kind)
-            job.timeline_view = view
             job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
@@ -351,14 +353,22 @@ class Server:
         """The path of the job's timeline.png, drawn now if it was not yet; None when
         the job has none (not completed, or its folder went past the cap)."""
         with self._drawing:
-            if "timeline" in job.files or job.timeline_view is None:
+            if "timeline" in job.files or "report" not in job.files:
                 return job.files.get("timeline")
-            folder = self.outputs.root / job.id
-            if not folder.is_dir():
+            # Drawn from report.json, which holds the job's events: nothing of a finished
+            # job stays in memory for a timeline that may never be asked for.
+            try:
+                report = json.loads(Path(job.files["report"]).read_text())
+            except (OSError, ValueError):
                 return None
+            view = SimpleNamespace(
+                device=report["device"],
+                events=[SimpleNamespace(**event) for event in report["events"]],
+                stages=[SimpleNamespace(**stage) for stage in report["stages"]],
+            )
             title = f"ondeck serve: {job.model} ({job.id[:12]})"
-            job.files["timeline"] = str(draw_timeline(folder, job.timeline_view, title=title))
-            job.timeline_view = None  # drawn: its events need not stay in memory
+            folder = Path(job.files["report"]).parent
+            job.files["timeline"] = str(draw_timeline(folder, view, title=title))
             return job.files["timeline"]
 
     @staticmethod
