@@ -361,9 +361,14 @@ class Server:
                 report = json.loads(Path(job.files["report"]).read_text())
             except (OSError, ValueError):
                 return None
+            # From the job's first event: the tracker's clock started with the pipeline.
+            start = min((event["seconds"] for event in report["events"]), default=0.0)
             view = SimpleNamespace(
                 device=report["device"],
-                events=[SimpleNamespace(**event) for event in report["events"]],
+                events=[
+                    SimpleNamespace(**{**event, "seconds": event["seconds"] - start})
+                    for event in report["events"]
+                ],
                 stages=[SimpleNamespace(**stage) for stage in report["stages"]],
             )
             title = f"ondeck serve: {job.model} ({job.id[:12]})"
