@@ -80,6 +80,7 @@ class ResidencyManager:
         self.prefetched: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._prefetch_thread: threading.Thread | None = None
+        self._plan: ServePlan | None = None
 
     # -- what is resident -----------------------------------------------------------
 
@@ -154,7 +155,10 @@ class ResidencyManager:
         ]
 
     def finished(self, name: str) -> None:
+        """A job of ``name`` is over; the plan for the set is worked out again here, on
+        the device thread (a job's measurements refine it; the status only reads it)."""
         self.models[name].last_used = time.monotonic()
+        self._plan = plan_models(self.models, self.budget_bytes)
 
     # -- loading the next job's first components -----------------------------------
 
@@ -237,7 +241,11 @@ class ResidencyManager:
     # -- the plan for the set -------------------------------------------------------
 
     def plan(self) -> ServePlan:
-        return plan_models(self.models, self.budget_bytes)
+        """The plan for every served model, as of the last job's end."""
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = plan_models(self.models, self.budget_bytes)
+        return plan
 
     def status(self) -> dict[str, Any]:
         resident = self.resident()

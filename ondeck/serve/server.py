@@ -143,6 +143,7 @@ class Server:
         for name, source in config.models.items():
             self.models[name] = self._build(name, source)
         self.manager = ResidencyManager(self.models, self.budget_bytes)
+        self.manager.plan()  # here, before any job runs: the status only reads it
         self.queue = JobQueue(self._run_job, max_waiting=config.limits.waiting_jobs)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
         self._writing: set[str] = set()

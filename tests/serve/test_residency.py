@@ -98,3 +98,36 @@ def test_the_plan_for_a_set_says_what_stays_and_what_a_switch_loads(models):
     roomy = served(models, 8 * 2**20).manager.plan()
     assert roomy.all_resident and set(roomy.switch_bytes.values()) == {0}
     assert "every model stays resident" in str(roomy)
+
+
+def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
+    from ondeck.cli import main
+
+    code = main(
+        ["serve", "--model", f"wan={models['wan']}", "--model", f"sd3={models['sd3']}"]
+        + ["--device", "cpu", "--budget", "1800KiB", "--plan"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "one budget of 1.76 MiB for 2 models" in printed
+    assert "wan -> sd3: 1.53 MiB" in printed
+
+
+def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
+    from ondeck.serve.server import models_from_root
+
+    for name in ("wan", "sd3"):
+        (tmp_path / name).symlink_to(models[name], target_is_directory=True)
+    (tmp_path / "notes").mkdir()  # no model_index.json: not a model
+    assert models_from_root(tmp_path) == {
+        "sd3": str(tmp_path / "sd3"),
+        "wan": str(tmp_path / "wan"),
+    }
+
+
+def test_a_wrong_serve_argument_is_one_line_and_status_2(capsys):
+    from ondeck.cli import main
+
+    assert main(["serve", "--model", "no-equals-sign"]) == 2
+    error = capsys.readouterr().err
+    assert "expected NAME=FOLDER_OR_REPO_ID" in error and len(error.strip().splitlines()) == 1
