@@ -180,6 +180,9 @@ class JobQueue:
                 self.current = job
             try:
                 self._run(job, [j.model for j in self.waiting()])
+            except Exception as error:  # the device thread outlives any one job
+                if not job.finished:
+                    job.fail(JobFailed(500, "server_error", f"{type(error).__name__}: {error}"))
             finally:
                 with self._condition:
                     self.current = None

@@ -296,19 +296,17 @@ class Server:
             job.run_seconds = time.perf_counter() - started
             frames = outputs if job.kind == "image" else outputs[0]
             self._check_finite(frames)
-        except JobCancelled:
-            job.fail(
-                JobFailed(409, "cancelled", f"the job was {job.cancel_reason} at step {job.step}")
-            )
-            self._after_failure(model)
-            return
-        except JobFailed as error:
-            job.fail(error)
-            self._after_failure(model)
-            return
         except Exception as error:
-            job.fail(describe_failure(error))
+            # What the model held is freed before the job answers: its caller's next
+            # request finds the server as it was before.
             self._after_failure(model)
+            if isinstance(error, JobCancelled):
+                failure = JobFailed(
+                    409, "cancelled", f"the job was {job.cancel_reason} at step {job.step}"
+                )
+            else:
+                failure = error if isinstance(error, JobFailed) else describe_failure(error)
+            job.fail(failure)
             return
         finally:
             self.manager.finished(job.model)
@@ -393,9 +391,9 @@ class Server:
         """A failed job frees what its model holds (a run that raised has released it
         already; one whose output was refused has not), and the allocator's cache, so
         the next job starts from no more than the server held before."""
-        self.jobs_failed += 1
         self.manager.wait_for_prefetch()
         model.pipeline.release_all()
+        self.jobs_failed += 1
         gc.collect()
         if self.device.type == "cuda":
             import torch

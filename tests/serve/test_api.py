@@ -127,9 +127,14 @@ def test_a_client_that_disconnects_stops_its_image_job(server):
                     "/v1/images/generations",
                     json={"model": "sd3", "prompt": "a fox", "size": "32x32", "steps": 200},
                 )
-        wait_for(lambda: status(http)["jobs_failed"] == failed_before + 1, timeout=30)
-        state = status(http)
-        assert state["running"] is None
+        state = wait_for(
+            lambda: (
+                (s := status(http))["running"] is None
+                and s["jobs_failed"] == failed_before + 1
+                and s
+            ),
+            timeout=30,
+        )
         assert state["resident"]["sd3"] == {}
 
 
