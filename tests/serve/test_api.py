@@ -279,3 +279,39 @@ def test_the_report_and_timeline_of_a_job_are_served(server):
     assert report["shape"] == {"height": 32, "width": 32, "frames": 5, "steps": 2}
     assert timeline.headers["content-type"] == "image/png" and timeline.content[:4] == b"\x89PNG"
     assert np.asarray(Image.open(io.BytesIO(timeline.content))).ndim == 3
+
+
+def test_an_input_image_is_only_an_inline_image_for_a_model_that_takes_one(server):
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, "PNG")
+    png = base64.b64encode(buffer.getvalue()).decode()
+    with server.client() as http:
+        fetched = http.post(
+            "/v1/videos",
+            json={
+                "model": "wan",
+                "prompt": "a fox",
+                **VIDEO,
+                "input_reference": {"image_url": "http://169.254.169.254/"},
+            },
+        )
+        assert fetched.status_code == 400 and "data: URL" in fetched.json()["error"]["message"]
+        inline = http.post(
+            "/v1/videos",
+            json={
+                "model": "wan",
+                "prompt": "a fox",
+                **VIDEO,
+                "input_reference": {"image_url": f"data:image/png;base64,{png}"},
+            },
+        )
+        assert (
+            inline.status_code == 400
+            and "takes no input image" in inline.json()["error"]["message"]
+        )
+        upload = http.post(
+            "/v1/videos",
+            data={"model": "wan", "prompt": "a fox"},
+            files={"input_reference": ("big.png", b"\0" * (5 * 2**20), "image/png")},
+        )
+        assert upload.status_code == 413

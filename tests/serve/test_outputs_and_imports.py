@@ -64,3 +64,17 @@ def test_a_full_queue_refuses_more_and_a_cancelled_waiting_job_never_runs():
     wait_for(lambda: queue.last_finished is first, timeout=10)
     queue.stop(timeout=10)
     assert ran == [first.id]
+
+
+def test_running_out_of_memory_is_a_503_and_bad_input_a_400():
+    import torch
+
+    from ondeck.errors import BudgetError
+    from ondeck.serve.server import describe_failure
+
+    assert describe_failure(BudgetError("stage 'Denoise' needs 3 GiB more")).status == 503
+    assert (
+        describe_failure(torch.OutOfMemoryError("CUDA out of memory")).code == "insufficient_memory"
+    )
+    assert describe_failure(ValueError("height must be divisible by 16")).status == 400
+    assert describe_failure(RuntimeError("something else")).status == 500
