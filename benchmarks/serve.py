@@ -140,7 +140,15 @@ def build_flux_folder(path: Path) -> Path:
                 is_gated_act=True,
             )
         ).to(torch.bfloat16)
-        clip = CLIPTextModel(CLIPTextConfig(projection_dim=768)).to(torch.bfloat16)
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                hidden_size=768,
+                intermediate_size=3072,
+                num_attention_heads=12,
+                num_hidden_layers=12,
+                projection_dim=768,
+            )
+        ).to(torch.bfloat16)
         vae = AutoencoderKL(
             in_channels=3,
             out_channels=3,
