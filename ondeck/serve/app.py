@@ -113,7 +113,8 @@ class BodyTooLarge(Exception):
     pass
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server) -> Any:
+    """The ASGI app over ``server``: the FastAPI routes behind the key and size guard."""
     limits = server.config.limits
     app = FastAPI(title="ondeck serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
