@@ -29,7 +29,9 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .folder import ModelFolder
+from .folder_loader import FolderLoader
+from .model_folder import ModelFolder
+from .options import LoadOptions
 
 __all__ = [
     "PACKAGES",
@@ -84,13 +86,11 @@ def describe_method(method: str) -> str:
     return repr(method) if method else "an unnamed"
 
 
-class QuantizedComponentLoader:
+class QuantizedComponentLoader(FolderLoader):
     """A zero-argument loader for one quantized component, usable as a ``LazyModule``
     loader: each call builds the module through its library's quantizer, onto
     ``device``, computing in ``dtype``. ``spec`` reads only the config and the weight
     files' headers."""
-
-    returns_fresh_module = True
 
     def __init__(
         self,
@@ -104,12 +104,9 @@ class QuantizedComponentLoader:
         host_cache: Any = None,
         pipelined: bool | None = None,
     ):
-        self.folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
-        self.name = name
-        self.device = torch.device(device)
-        self.progress = progress
+        options = LoadOptions(device=device, dtype=dtype, progress=progress, pipelined=pipelined)
+        super().__init__(folder, name, options)
         self.host_cache = None  # quantized weights come from their files every load
-        self.pipelined = pipelined
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
         self.method = _method_in(self.config) or ""
@@ -152,10 +149,6 @@ class QuantizedComponentLoader:
             self.folder.resolve_dtype(name, dtype) if dtype else _compute_dtype(self.config)
         )
         self._nbytes: int | None = None
-        self.last_load_bytes = 0
-        self.last_load_seconds = 0.0
-        self.last_source: str | None = None
-        self.last_readers: str | None = None
 
     def __repr__(self) -> str:
         return (

@@ -22,7 +22,7 @@ from .. import distributed
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..loading import ModelFolder, component_loader, load_auxiliary, storage
+from ..loading import HostCache, LoadOptions, ModelFolder, component_loader, fp8, load_auxiliary
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
@@ -569,6 +569,51 @@ class Decode(Stage):
                 setattr(vae, name, value)
 
 
+WAN_MODELS = ("text_encoder", "transformer", "vae")
+
+
+def _check_shard(folder: ModelFolder, shard: tuple[str, ...]) -> None:
+    """Refuse what cannot be sharded before anything starts."""
+    unknown = sorted(set(shard) - set(WAN_MODELS))
+    if unknown:
+        raise ValueError(f"cannot shard {unknown}; Wan's components are {WAN_MODELS}")
+    for name in shard:
+        method = quantization_method(folder, name)
+        if method is not None:
+            raise LoadError(
+                f"component '{name}': it is already quantized ({method or 'unnamed'}), "
+                "and FSDP2 sharding does not apply to it; leave it out of shard",
+                component=name,
+            )
+
+
+def _model_loaders(
+    folder: ModelFolder,
+    load: LoadOptions,
+    dtype: torch.dtype | None,
+    stored: dict[str, Any],
+    shard: tuple[str, ...],
+    mesh: Any,
+    parallel: Any,
+) -> dict[str, Any]:
+    """The loader of each of Wan's models: sharded over the ranks where asked."""
+    loaders: dict[str, Any] = {}
+    for name in WAN_MODELS:
+        component_dtype = dtype
+        if name == "vae" and dtype is not None:
+            component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
+        options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
+        quantized = quantization_method(folder, name) is not None
+        if (shard or parallel is not None) and not quantized:
+            # Unsharded components load whole on every rank, counting what they read.
+            loaders[name] = ShardedComponentLoader(
+                folder, name, mesh=mesh if name in shard else None, **options.keywords()
+            )
+        else:
+            loaders[name] = component_loader(folder, name, options)
+    return loaders
+
+
 class WanTextToVideo(Pipeline):
     """Wan 2.1 text-to-video with its text encoder, transformer and VAE on demand."""
 
@@ -605,7 +650,7 @@ class WanTextToVideo(Pipeline):
         policy: Any = "auto",
         budget: Any = None,
         prefetch: bool = True,
-        host_cache: Any = None,
+        host_cache: HostCache | None = None,
         progress: bool = True,
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
@@ -613,6 +658,7 @@ class WanTextToVideo(Pipeline):
         pipelined: bool | None = None,
         parallel: Any = None,
         storage_dtype: Any = None,
+        host_memory: int | str | None = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -629,23 +675,13 @@ class WanTextToVideo(Pipeline):
         ranks (diffusers' context parallelism): each computes its slice, and the frames
         are the same on every rank. Bad set-ups are refused before anything loads.
         ``storage_dtype`` keeps weights in fp8 and
-        computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
-        encoder and transformer, or a dict by component name.
+        computes in ``dtype`` (``ondeck.loading.fp8``): one dtype for the text
+        encoder and transformer, or a dict by component name. ``host_memory``: the host
+        budget (:class:`ondeck.Pipeline`).
         """
-        models = ("text_encoder", "transformer", "vae")
         shard = tuple(shard)
-        unknown = sorted(set(shard) - set(models))
-        if unknown:
-            raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
         folder = ModelFolder.open(path, libraries=libraries)
-        for name in shard:
-            method = quantization_method(folder, name)
-            if method is not None:
-                raise LoadError(
-                    f"component '{name}': it is already quantized ({method or 'unnamed'}), "
-                    "and FSDP2 sharding does not apply to it; leave it out of shard",
-                    component=name,
-                )
+        _check_shard(folder, shard)
         if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)
@@ -657,39 +693,21 @@ class WanTextToVideo(Pipeline):
             spec = folder.spec("transformer")
             parallel.check_model("transformer", spec.cls, spec.config)
             parallel.start(device)
-        stored = storage.storage_by_component(
-            storage_dtype, {name: folder.component_class(name) for name in models}
+        stored = fp8.storage_by_component(
+            storage_dtype, {name: folder.component_class(name) for name in WAN_MODELS}
         )
         if set(stored) & set(shard):
             raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
-        components: dict[str, Any] = {}
-        for name in models:
-            component_dtype = dtype
-            if name == "vae" and dtype is not None:
-                component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
-            options = dict(
-                device=device,
-                dtype=component_dtype,
-                host_cache=host_cache,
-                progress=progress,
-                pipelined=pipelined,
-            )
-            if name in stored:
-                options["storage_dtype"] = stored[name]
-            quantized = quantization_method(folder, name) is not None
-            if (shard or parallel is not None) and not quantized:
-                # Unsharded components load whole on every rank, counting what they read.
-                components[name] = ShardedComponentLoader(
-                    folder, name, mesh=mesh if name in shard else None, **options
-                )
-            else:
-                components[name] = component_loader(folder, name, **options)
+        load = LoadOptions(
+            device=device, host_cache=host_cache, progress=progress, pipelined=pipelined
+        )
+        components = _model_loaders(folder, load, dtype, stored, shard, mesh, parallel)
         loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
         if stored:  # prompts encoded from fp8 weights are cached apart
-            identity += f":{storage.describe(stored)}"
+            identity += f":{fp8.describe(stored)}"
         return cls(
             components,
             identity=identity,
@@ -701,6 +719,7 @@ class WanTextToVideo(Pipeline):
             prefetch=prefetch,
             vae_tiling=vae_tiling,
             parallel=parallel,
+            host_memory=host_memory,
         )
 
     def profile_shape(self, state: dict) -> dict[str, Any]:
