@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LoadError, OndeckError
-from ..loading.storage import parse_storage_dtype
+from ..loading.fp8 import parse_storage_dtype
 from ..memory import format_bytes, parse_bytes
 
 THREE_LINES = """\

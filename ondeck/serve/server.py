@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .. import folders
+from .. import folder_pipelines
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
 from ..hub import resolve_model
@@ -161,7 +161,7 @@ class Server:
             )
         path = resolve_model(source)
         policy = BudgetPolicy(self.budget_bytes)
-        pipeline = folders.pipeline_for_folder(
+        pipeline = folder_pipelines.pipeline_for_folder(
             path,
             device=self.device,
             dtype=self.dtype,
