@@ -34,6 +34,7 @@ from .parallel import describe_split, resolve_parallel, sequence_split
 from .pipelines import read_model_index
 from .pipelines.wan import is_wan_folder
 from .profiles import ActivationProfiles, profiles_path
+from .serve import cli as serve_cli
 
 EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
 REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=_positive, default=2)
     bench.add_argument("--device")
     _add_debug(bench)
+    serve_cli.add_parser(commands)
     return parser
 
 
@@ -298,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(arguments)
         commands = {
-            "generate": generate,
+            "generate": serve_cli.remote_or(generate),
+            "serve": serve_cli.serve,
             "plan": plan,
             "inspect": inspect,
             "bench": bench,
