@@ -21,6 +21,7 @@ from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
+from .single_file import SingleFileFolder, pieces_of
 from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
 __all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
@@ -402,19 +403,27 @@ class ComponentLoader:
     def _upcast_for_compute(
         self, module: torch.nn.Module, template: Skeleton, *, in_place: bool
     ) -> None:
-        """Hook the layers kept in the storage dtype to compute in ``dtype``."""
-        if self.storage_dtype is None:
-            return
-        _, _, layers, kept = self._stored_template
-        storage.upcast_for_compute(
-            module,
-            template.library,
-            self.storage_dtype,
-            self.dtype,
-            layers,
-            in_place=in_place,
-            kept=kept,
-        )
+        """Hook the layers kept in the storage dtype to compute in ``dtype``, and the
+        weights of an fp8_scaled file to compute scaled."""
+        if self.storage_dtype is not None:
+            _, _, layers, kept = self._stored_template
+            storage.upcast_for_compute(
+                module,
+                template.library,
+                self.storage_dtype,
+                self.dtype,
+                layers,
+                in_place=in_place,
+                kept=kept,
+            )
+        if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name):
+            storage.apply_weight_scales(
+                module,
+                self.folder.weight_scales(self.name),
+                self.storage_dtype,
+                self.dtype,
+                self.device,
+            )
 
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""
@@ -628,14 +637,16 @@ def _allocate(
             value = tensor
         values.append(value)
         via = storage.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
-        if given is None:
-            jobs.append(reader.ReadJob(info, tensor, via=via))
-            if job_sources is not None:
-                job_sources.append(index)
-            if on_job is not None:
-                on_job(jobs[-1])
-        elif not filled:
-            placed.append(reader.ReadJob(info, tensor, via=via))
+        # A tensor a single-file conversion assembles is read part by part into place.
+        for part, destination in pieces_of(info, tensor):
+            if given is None:
+                jobs.append(reader.ReadJob(part, destination, via=via))
+                if job_sources is not None:
+                    job_sources.append(index)
+                if on_job is not None:
+                    on_job(jobs[-1])
+            elif not filled:
+                placed.append(reader.ReadJob(part, destination, via=via))
     return jobs, values, placed
 
 

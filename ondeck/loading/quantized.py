@@ -53,6 +53,8 @@ def quantization_method(folder: ModelFolder, name: str) -> str | None:
     """The ``quant_method`` of ``name``'s ``quantization_config``, lower-cased ("" when it
     names none); None when its config has none (or cannot be read: the load reports
     that)."""
+    if name in (getattr(folder, "gguf_files", None) or {}):
+        return "gguf"  # a .gguf single file given for the component
     try:
         config = folder.config_dict(name)
     except LoadError:
@@ -112,7 +114,8 @@ class QuantizedComponentLoader:
         self.pipelined = pipelined
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
-        self.method = _method_in(self.config) or ""
+        given = (getattr(self.folder, "gguf_files", None) or {}).get(name)
+        self.method = "gguf" if given is not None else (_method_in(self.config) or "")
         package = package_name(self.method)
         if package is None or not package_installed(self.method):
             state = (
@@ -144,7 +147,7 @@ class QuantizedComponentLoader:
                     component=name,
                     path=str(config_path),
                 )
-            self.path = _gguf_file(self.directory, name)
+            self.path = given if given is not None else _gguf_file(self.directory, name)
         else:
             self.folder.require_weights(name)
             self.path = self.directory

@@ -8,7 +8,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...loading import ComponentLoader, ModelFolder, component_loader, load_auxiliary, storage
 from ...loading.quantized import quantization_method
+from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
 from ...parallel import resolve_parallel, split_sequences
@@ -51,6 +52,8 @@ def from_pretrained(
     libraries: tuple[str, ...] | list[str] = (),
     parallel: Any = None,
     storage_dtype: Any = None,
+    components: Mapping[str, str | os.PathLike] | None = None,
+    loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -76,6 +79,11 @@ def from_pretrained(
     ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
     but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
     per component (``ondeck.loading.storage``).
+    ``components`` maps a component name to a single checkpoint file that replaces its
+    weights: a ``.safetensors`` file in the original repository's key names or diffusers'
+    (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
+    (``ondeck.loading.single_file``). ``loras`` lists LoRA files (or ``(file, scale)``
+    pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``.
     """
     import diffusers
 
@@ -91,6 +99,8 @@ def from_pretrained(
         )
     path = _local_folder(path, kwargs)
     folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
+    if components:
+        folder = SingleFileFolder(folder, components)
     base_class = _pipeline_class(diffusers, folder)
     for name in folder.component_names:
         if name in kwargs:
@@ -171,7 +181,40 @@ def from_pretrained(
         containers=tuple(containers),
     )
     pipe.ondeck.parallel = parallel
+    if loras:
+        load_loras(pipe, loras)
     return pipe
+
+
+def load_loras(
+    pipe: Any, loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]]
+) -> list[str]:
+    """Load each LoRA file into ``pipe`` (on every transformer it applies to: Wan 2.2's
+    two experts both) and set their scales; returns the adapter names. Nothing loads: the
+    calls are recorded on the components and applied at every load."""
+    names: list[str] = []
+    scales: list[float] = []
+    for entry in loras:
+        file, scale = entry if isinstance(entry, tuple) else (entry, 1.0)
+        file = Path(os.fspath(file)).expanduser()
+        if not file.is_file():
+            raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
+        name = f"lora_{len(names)}_{file.stem}"
+        options: dict[str, Any] = {"adapter_name": name}
+        if getattr(pipe, "transformer_2", None) is not None:
+            options["load_into_transformer_2"] = True
+        try:
+            pipe.load_lora_weights(str(file), **options)
+        except Exception as error:
+            raise LoadError(
+                f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
+                f"{type(error).__name__}: {error}",
+                path=str(file),
+            ) from error
+        names.append(name)
+        scales.append(float(scale))
+    pipe.set_adapters(names, scales)
+    return names
 
 
 def _route_sub_pipelines(pipe: Any) -> None:
