@@ -78,6 +78,9 @@ class ComponentLoader:
         self.dtype, self.storage_dtype = storage.resolve(
             self.folder, name, dtype, storage_dtype, self.device
         )
+        # Stored because the file holds float8, not by the caller's choice: the tensors
+        # the file holds in float8 stay so, the others load in the compute dtype.
+        self._as_saved = storage_dtype is None and self.storage_dtype is not None
         self._stored_template: Any = None
         self._upcast_bytes: tuple[Skeleton, int] | None = None
         self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
@@ -135,6 +138,9 @@ class ComponentLoader:
             stored, layers = storage.stored_tensors(
                 template.module, template.library, self.storage_dtype, self.dtype
             )
+            if self._as_saved:
+                sources = match_tensors(template, self.folder.tensors(self.name), self.name)
+                stored, layers = storage.as_saved(template.module, stored, layers, sources)
             kept = storage.kept_layers(template.module, self.dtype)
             self._stored_template = (template, template.with_stored(stored), layers, kept)
         return self._stored_template[1]
@@ -405,6 +411,12 @@ class ComponentLoader:
     ) -> None:
         """Hook the layers kept in the storage dtype to compute in ``dtype``, and the
         weights of an fp8_scaled file to compute scaled."""
+        scales = (
+            self.folder.weight_scales(self.name)
+            if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name)
+            else {}
+        )
+        scaled = {name.rpartition(".")[0] for name in scales}
         if self.storage_dtype is not None:
             _, _, layers, kept = self._stored_template
             storage.upcast_for_compute(
@@ -412,17 +424,15 @@ class ComponentLoader:
                 template.library,
                 self.storage_dtype,
                 self.dtype,
-                layers,
-                in_place=in_place,
+                [layer for layer in layers if layer not in scaled],
+                # diffusers' own hook would store every layer it casts (a float8 file's
+                # wider layers stay as wide), and scaled layers get a hook of their own.
+                in_place=in_place and not self._as_saved and not scales,
                 kept=kept,
             )
-        if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name):
+        if scales:
             storage.apply_weight_scales(
-                module,
-                self.folder.weight_scales(self.name),
-                self.storage_dtype,
-                self.dtype,
-                self.device,
+                module, scales, self.storage_dtype, self.dtype, self.device
             )
 
     def unload(self, module: torch.nn.Module) -> None:

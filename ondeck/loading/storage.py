@@ -440,6 +440,33 @@ def upcast_for_compute(
         _answer_compute_dtype(module)
 
 
+def as_saved(
+    module: torch.nn.Module,
+    stored: Mapping[str, torch.dtype],
+    layers: Iterable[str],
+    sources: Iterable[tuple[Any, TensorInfo]],
+) -> tuple[dict[str, torch.dtype], tuple[str, ...]]:
+    """Of the tensors layerwise casting would store (and the layers it hooks), those the
+    checkpoint itself holds in float8: a float8 file keeps its float8 tensors as they are
+    and its wider ones as wide, rather than rounding them to float8 as well."""
+    saved = {
+        name
+        for slot, info in sources
+        if info.dtype in FLOAT8_DTYPES
+        for name in slot.names
+    }
+    kept = {name: dtype for name, dtype in stored.items() if name in saved}
+    hooked = tuple(
+        layer
+        for layer in layers
+        if any(
+            f"{layer}.{name}" in kept
+            for name, _ in module.get_submodule(layer).named_parameters(recurse=False)
+        )
+    )
+    return kept, hooked
+
+
 def apply_weight_scales(
     module: torch.nn.Module,
     scales: Mapping[str, torch.Tensor],
@@ -451,7 +478,8 @@ def apply_weight_scales(
     scale.to(compute)``, the dequantization that format defines (a float8 weight, and a
     float32 scale beside it, one per weight), and stays as stored. The layer's casting hook,
     if it has one, is replaced by one that also scales; its other stored tensors are upcast
-    as before. ``scales``: ``{tensor name: scale}``."""
+    as before. ``scales``: ``{tensor name: scale}``; their layers must have no casting
+    hook yet."""
     from diffusers.hooks import HookRegistry
 
     by_layer: dict[str, dict[str, torch.Tensor]] = {}
@@ -461,8 +489,6 @@ def apply_weight_scales(
     for name, layer_scales in by_layer.items():
         layer = module.get_submodule(name)
         registry = HookRegistry.check_if_exists_or_initialize(layer)
-        if registry.get_hook(_HOOK_NAME) is not None:
-            registry.remove_hook(_HOOK_NAME, recurse=False)
         hook = _scaling_hook_class()(storage or compute, compute, layer_scales)
         registry.register_hook(hook, _HOOK_NAME)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from references import in_fresh_tensors
 from safetensors.torch import load_file, save_file
-from streaming.conftest import budget_keeping, build_six_block_folder, transformer_blocks
+from streaming.conftest import budget_keeping, build_six_block_folder
 
 FP8 = torch.float8_e4m3fn
 SHAPE = dict(height=16, width=16, num_frames=5, num_inference_steps=2, max_sequence_length=16)
@@ -89,7 +89,7 @@ def load(base: Path, policy: str = "release", **options):
     from ondeck.streaming import StreamOptions
 
     if policy == "streaming":
-        budget = budget_keeping(transformer_blocks(base), 2)
+        budget = budget_keeping(stored_blocks(load(base, "release", **options)), 2)
         streaming = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
         policy = BudgetPolicy(budget, streaming=streaming)
     pipe = ondeck.diffusers.from_pretrained(
@@ -97,6 +97,14 @@ def load(base: Path, policy: str = "release", **options):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def stored_blocks(pipe):
+    """The transformer's block sizes as it loads (in float8, when stored so)."""
+    from ondeck.streaming import describe_blocks, find_blocks
+
+    template = object.__getattribute__(pipe.transformer, "_ondeck_loader").template
+    return describe_blocks(template, find_blocks(template.module))[0]
 
 
 def streamed_passes(pipe) -> int:
