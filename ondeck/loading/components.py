@@ -431,9 +431,7 @@ class ComponentLoader:
                 kept=kept,
             )
         if scales:
-            storage.apply_weight_scales(
-                module, scales, self.storage_dtype, self.dtype, self.device
-            )
+            storage.apply_weight_scales(module, scales, self.storage_dtype, self.dtype, self.device)
 
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""

@@ -257,7 +257,10 @@ def converted_tensors(
     """The file's ``tensors`` under the names ``convert(checkpoint=..., config=...)``
     (a diffusers conversion function) gives them, each one a file tensor, a narrower byte
     range of one, or an :class:`AssembledTensor`. Reads no data."""
-    checkpoint = {key: _Traced(info.shape, info.dtype, ((key, 0, info.numel),)) for key, info in tensors.items()}
+    checkpoint = {
+        key: _Traced(info.shape, info.dtype, ((key, 0, info.numel),))
+        for key, info in tensors.items()
+    }
     try:
         with torch.device("meta"):
             converted = convert(checkpoint=checkpoint, config=config)

@@ -433,6 +433,7 @@ def upcast_for_compute(
             _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
     for name in layers:
         layer = module.get_submodule(name)
+        _answer_adapter_dtype(layer, compute)
         if _gathers_rows(layer):
             registry = HookRegistry.check_if_exists_or_initialize(layer)
             registry.register_hook(_row_gathering_hook_class()(storage, compute), _ROWS_HOOK_NAME)
@@ -449,12 +450,7 @@ def as_saved(
     """Of the tensors layerwise casting would store (and the layers it hooks), those the
     checkpoint itself holds in float8: a float8 file keeps its float8 tensors as they are
     and its wider ones as wide, rather than rounding them to float8 as well."""
-    saved = {
-        name
-        for slot, info in sources
-        if info.dtype in FLOAT8_DTYPES
-        for name in slot.names
-    }
+    saved = {name for slot, info in sources if info.dtype in FLOAT8_DTYPES for name in slot.names}
     kept = {name: dtype for name, dtype in stored.items() if name in saved}
     hooked = tuple(
         layer
@@ -488,9 +484,17 @@ def apply_weight_scales(
         by_layer.setdefault(layer, {})[attribute] = scale.to(device=device, dtype=compute)
     for name, layer_scales in by_layer.items():
         layer = module.get_submodule(name)
+        _answer_adapter_dtype(layer, compute)
         registry = HookRegistry.check_if_exists_or_initialize(layer)
         hook = _scaling_hook_class()(storage or compute, compute, layer_scales)
         registry.register_hook(hook, _HOOK_NAME)
+
+
+def _answer_adapter_dtype(layer: torch.nn.Module, compute: torch.dtype) -> None:
+    """PEFT makes a LoRA beside a layer in the dtype of its weight, unless the layer says
+    its ``compute_dtype`` (as bitsandbytes' layers do): a stored layer says it, so a
+    LoRA on it is made and computed in the compute dtype, not rounded to float8."""
+    layer.compute_dtype = compute
 
 
 @functools.cache

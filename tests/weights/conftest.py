@@ -72,7 +72,7 @@ def reference_frames(folder: Path, loras=(), prompt="a fox", transformer_2=False
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
-    for index, (path, scale) in enumerate(loras):
+    for index, (path, _) in enumerate(loras):
         options = {"load_into_transformer_2": True} if transformer_2 else {}
         pipe.load_lora_weights(str(path), adapter_name=f"lora_{index}", **options)
     if loras:
@@ -177,12 +177,13 @@ def fp8_scaled(weights, base, tmp_path_factory):
 
 
 def lora_state(weights: dict[str, torch.Tensor], rank: int = 4, seed: int = 5):
-    """LoRA matrices for every attention projection of the blocks: ``{diffusers layer
+    """LoRA matrices for every attention and feed-forward layer of the blocks (all a
+    musubi-tuner LoRA names): ``{diffusers layer
     name: (down, up)}``, large enough to change the output visibly."""
     generator = torch.Generator().manual_seed(seed)
     layers = {}
     for key, tensor in weights.items():
-        if re.search(r"\.attn[12]\.to_(q|k|v|out\.0)\.weight$", key):
+        if re.search(r"\.(attn[12]\.to_(q|k|v|out\.0)|ffn\.net\.(0\.proj|2))\.weight$", key):
             out_features, in_features = tensor.shape
             down = torch.randn(rank, in_features, generator=generator) * 0.3
             up = torch.randn(out_features, rank, generator=generator) * 0.3
@@ -202,12 +203,16 @@ def lora_files(weights, tmp_path_factory):
     for layer, (down, up) in layers.items():
         diffusers_layout[f"transformer.{layer}.lora_A.weight"] = down
         diffusers_layout[f"transformer.{layer}.lora_B.weight"] = up
-        kohya = "lora_unet_" + original_name(layer).removeprefix("model.diffusion_model.")
+        original = original_name(f"{layer}.weight").removesuffix(".weight")
+        kohya = "lora_unet_" + original.removeprefix("model.diffusion_model.")
         kohya = kohya.replace(".", "_")
         musubi_layout[f"{kohya}.lora_down.weight"] = down
         musubi_layout[f"{kohya}.lora_up.weight"] = up
         musubi_layout[f"{kohya}.alpha"] = torch.tensor(float(rank))
-    paths = {"diffusers": root / "lora_diffusers.safetensors", "musubi": root / "lora_musubi.safetensors"}
+    paths = {
+        "diffusers": root / "lora_diffusers.safetensors",
+        "musubi": root / "lora_musubi.safetensors",
+    }
     save_file(diffusers_layout, str(paths["diffusers"]))
     save_file(musubi_layout, str(paths["musubi"]))
     return paths

@@ -34,14 +34,19 @@ def test_the_keys_come_from_diffusers_conversion_read_from_the_header_alone(
 ):
     opened = []
     real = reader.read_into
-    monkeypatch.setattr(reader, "read_into", lambda jobs, **kw: opened.append(jobs) or real(jobs, **kw))
+    monkeypatch.setattr(
+        reader, "read_into", lambda jobs, **kw: opened.append(jobs) or real(jobs, **kw)
+    )
     folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
 
     tensors = folder.tensors("transformer")
     spec = folder.spec("transformer", torch.float32)
 
     assert "blocks.0.attn1.to_q.weight" in tensors
-    assert tensors["blocks.0.attn1.to_q.weight"].name == "model.diffusion_model.blocks.0.self_attn.q.weight"
+    assert (
+        tensors["blocks.0.attn1.to_q.weight"].name
+        == "model.diffusion_model.blocks.0.self_attn.q.weight"
+    )
     assert tensors["blocks.0.norm2.weight"].name.endswith("blocks.0.norm3.weight"), "swapped norms"
     assert spec.nbytes == ModelFolder.open(base).spec("transformer", torch.float32).nbytes
     assert opened == [], "nothing but the header is read"
@@ -159,7 +164,9 @@ def test_a_conversion_that_computes_with_values_is_refused_naming_the_tensor(tmp
         return {"w": checkpoint["w"] * 2}
 
     with pytest.raises(LoadError, match=r"computes tensor 'w' \(mul"):
-        converted_tensors(adding, read_header(path).tensors, component="transformer", path=str(path))
+        converted_tensors(
+            adding, read_header(path).tensors, component="transformer", path=str(path)
+        )
 
 
 def test_single_file_tensors_match_the_original_after_a_round_trip(weights, original_file):
