@@ -468,7 +468,8 @@ def decode_report(pipe) -> dict | None:
     """How the last run decoded: tiles (0: whole frames), one tile's share of a frame,
     and decodes that ran out of memory and were retried in smaller tiles. None for a
     pipeline without ondeck's tiling decode."""
-    for stage in getattr(pipe, "stages", None) or ():
+    decoders = list(getattr(pipe, "decoders", {}).values())  # the diffusers path's VAEs
+    for stage in decoders + list(getattr(pipe, "stages", None) or ()):
         if hasattr(stage, "last_tiles") and hasattr(stage, "last_retries"):
             tiles = stage.last_tiles
             return {

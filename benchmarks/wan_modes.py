@@ -132,6 +132,19 @@ def ondeck_pipeline(folder: Path, mode: str, args):
     from ondeck.loading import HostCache
     from ondeck.pipelines.wan import WanTextToVideo
 
+    if mode in ("ondeck-diffusers", "ondeck-diffusers-release"):
+        # The general path a user of any family takes: ondeck.diffusers, no policy
+        # argument (auto), or release; the VAE in float32 as diffusers eager has it.
+        import ondeck.diffusers
+
+        pipe = ondeck.diffusers.from_pretrained(
+            folder,
+            torch_dtype={"default": torch.bfloat16, "vae": torch.float32},
+            device="cuda",
+            progress=False,
+            **({"policy": "release"} if mode.endswith("release") else {}),
+        )
+        return pipe.ondeck
     if mode == "ondeck-default":
         # Exactly what `ondeck generate MODEL_DIR` builds with no flags: auto, no budget.
         return WanTextToVideo.from_folder(

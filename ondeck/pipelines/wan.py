@@ -9,7 +9,6 @@ match ``diffusers.WanPipeline``.
 from __future__ import annotations
 
 import html
-import math
 import os
 import re
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
 from ..parallel import resolve_parallel
 from ..stages import Pipeline, Stage
+from ..tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles
 from .split_decode import decoder_margin, plan_slab, split_decode
 
 __all__ = ["WanTextToVideo", "PromptCache", "WanGeometry"]
@@ -310,63 +310,6 @@ class Denoise(Stage):
                 progress.update(1)
         state["latents"] = latents
         return state
-
-
-# Decoding in tiles: what is kept free for allocations the estimate does not see, the
-# overlap blended between tiles (pixels), the most tiles along either side, and the
-# largest tile area a retry after running out of memory tries, as a share of the area
-# that ran out (the fewest tiles at most that large).
-TILE_SAFETY = 0.85
-TILE_OVERLAP = 64
-MAX_TILES_PER_SIDE = 8
-RETRY_AREA = 0.7
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """A tiled decode's tile and stride, in pixels; ``area`` is one tile's share of a frame."""
-
-    height: int
-    width: int
-    stride_height: int
-    stride_width: int
-    count: int
-    area: float
-
-
-def decode_tiles(height: int, width: int, fraction: float, *, scale: int = 8) -> Tiles | None:
-    """The fewest tiles whose area is at most ``fraction`` of a ``height`` x ``width``
-    frame; None when no split down to ``MAX_TILES_PER_SIDE`` per side is that small.
-
-    Strides are whole latent pixels (``scale``); neighbouring tiles overlap by
-    ``TILE_OVERLAP`` pixels (less on small frames), blended so that no seam shows.
-    """
-    # Fewest tiles first; among as many, the squarest.
-    splits = sorted(
-        (rows * cols, abs(height / rows - width / cols), rows, cols)
-        for rows in range(1, MAX_TILES_PER_SIDE + 1)
-        for cols in range(1, MAX_TILES_PER_SIDE + 1)
-        if rows * cols > 1
-    )
-    for count, _, rows, cols in splits:
-        stride_height, tile_height = _tile_side(height, rows, scale)
-        stride_width, tile_width = _tile_side(width, cols, scale)
-        area = min(tile_height, height) * min(tile_width, width) / (height * width)
-        if area <= fraction:
-            return Tiles(tile_height, tile_width, stride_height, stride_width, count, area)
-    return None
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return math.ceil(value / multiple) * multiple
-
-
-def _tile_side(length: int, pieces: int, scale: int) -> tuple[int, int]:
-    if pieces == 1:
-        whole = _round_up(length, scale)
-        return whole, whole
-    stride = _round_up(math.ceil(length / pieces), scale)
-    return stride, stride + min(TILE_OVERLAP, stride // 2 // scale * scale)
 
 
 class Decode(Stage):

@@ -22,7 +22,7 @@ from .layout import (
     stream_layout,
 )
 from .pipeline import BlockStreaming, StreamOptions
-from .streamer import BlockStreamer, StreamStats, describe_blocks, find_blocks
+from .streamer import BlockStreamer, StreamStats, describe_blocks, find_block_lists, find_blocks
 
 __all__ = [
     "BlockSizes",
@@ -35,6 +35,7 @@ __all__ = [
     "StreamingInputs",
     "describe_blocks",
     "evenly_spaced",
+    "find_block_lists",
     "find_blocks",
     "plan_streaming",
     "stream_layout",

@@ -7,7 +7,7 @@ decide with them, so the plan predicts exactly what the run will hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +39,23 @@ UNMEASURED_ACTIVATION_FRACTION = 0.10
 class BlockSizes:
     """A component's repeated blocks, known from its meta skeleton: what streaming needs."""
 
-    path: str  # the ModuleList, e.g. "blocks"
+    path: str  # the ModuleList, e.g. "blocks"; several joined by "+"
     block_bytes: tuple[int, ...]  # each block's tensors, exactly
     packed_bytes: tuple[int, ...]  # each block packed in one buffer (a slot, a host copy)
     other_bytes: int  # everything outside the blocks: always resident
+    # Blocks per list where a component has several (double- then single-stream), in
+    # the joint numbering; empty for one list.
+    list_counts: tuple[int, ...] = ()
 
     @property
     def block_count(self) -> int:
         return len(self.block_bytes)
+
+    def groups(self) -> list[range]:
+        """Each list's blocks in the joint numbering."""
+        counts = self.list_counts or (self.block_count,)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
     @property
     def total_bytes(self) -> int:
@@ -121,34 +130,85 @@ def stream_layout(
 
     Everything resident when the whole component fits. None when even streaming every
     block does not fit (the non-block parts and the slots alone are too large).
-    ``previous``: the blocks streamed now (``streamed_blocks``).
+    ``previous``: the blocks streamed now (``streamed_blocks``). With several lists of
+    blocks of different sizes, the layout that copies the fewest bytes per pass wins:
+    streaming only the smaller blocks keeps the slots small (see ``_choices``).
     """
     count = sizes.block_count
     if sizes.total_bytes <= available_bytes:
         return StreamLayout(sizes.path, count, tuple(range(count)), (), 0, 0, sizes.total_bytes, 0)
-    for kept in range(count - 1, -1, -1):
-        streamed = streamed_blocks(count, count - kept, previous)
-        keep = set(range(count)) - set(streamed)
-        resident = tuple(sorted(keep))
-        slot_count = max(1, min(slots, len(streamed)))
-        slot_bytes = max(sizes.packed_bytes[i] for i in streamed)
-        device = (
-            sizes.other_bytes
-            + sum(sizes.block_bytes[i] for i in resident)
-            + slot_count * slot_bytes
+    best: StreamLayout | None = None
+    for streamed in _choices(sizes, previous):
+        layout = _layout_of(sizes, streamed, slots)
+        if layout.device_bytes > available_bytes:
+            continue
+        if best is None or (layout.bytes_per_pass, len(layout.streamed)) < (
+            best.bytes_per_pass,
+            len(best.streamed),
+        ):
+            best = layout
+        if len(sizes.groups()) == 1:
+            break  # one list: the first that fits streams the fewest blocks
+    return best
+
+
+def _layout_of(sizes: BlockSizes, streamed: tuple[int, ...], slots: int) -> StreamLayout:
+    count = sizes.block_count
+    resident = tuple(i for i in range(count) if i not in set(streamed))
+    slot_count = max(1, min(slots, len(streamed)))
+    slot_bytes = max(sizes.packed_bytes[i] for i in streamed)
+    device = sizes.other_bytes + sum(sizes.block_bytes[i] for i in resident)
+    return StreamLayout(
+        sizes.path,
+        count,
+        resident,
+        streamed,
+        slot_count,
+        slot_bytes,
+        device + slot_count * slot_bytes,
+        sum(sizes.packed_bytes[i] for i in streamed),
+    )
+
+
+def _choices(sizes: BlockSizes, previous: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """Candidate sets of streamed blocks, each list's share spread evenly within it.
+
+    One list: one block more each time. Several: for each slot size a list's blocks need,
+    the lists whose blocks fit that slot stream, those with the largest blocks first
+    (fewest copies for the bytes), so the caller can pick the fewest bytes per pass.
+    """
+    groups = sizes.groups()
+    held = set(previous)
+    if len(groups) == 1:
+        for streamed in range(1, sizes.block_count + 1):
+            yield streamed_blocks(sizes.block_count, streamed, previous)
+        return
+    largest = [max(sizes.packed_bytes[i] for i in group) for group in groups]
+    for slot_bytes in sorted(set(largest)):
+        eligible = sorted(
+            (g for g in range(len(groups)) if largest[g] <= slot_bytes),
+            key=lambda g: -largest[g],
         )
-        if device <= available_bytes:
-            return StreamLayout(
-                sizes.path,
-                count,
-                resident,
-                streamed,
-                slot_count,
-                slot_bytes,
-                device,
-                sum(sizes.packed_bytes[i] for i in streamed),
-            )
-    return None
+        counts = [0] * len(groups)
+        for g in eligible:
+            group = groups[g]
+            earlier = [i - group.start for i in group if i in held]
+            for streamed in range(1, len(group) + 1):
+                counts[g] = streamed
+                chosen = []
+                for other, group_other in enumerate(groups):
+                    if not counts[other]:
+                        continue
+                    local_held = [i - group_other.start for i in group_other if i in held]
+                    chosen.extend(
+                        group_other.start + i
+                        for i in streamed_blocks(
+                            len(group_other),
+                            counts[other],
+                            local_held if other != g else earlier,
+                        )
+                    )
+                yield tuple(sorted(chosen))
 
 
 @dataclass(frozen=True)
@@ -195,8 +255,11 @@ def plan_streaming(
     """Which components to stream, and how, so that every stage fits ``budget``.
 
     ``uses`` are the stages (``name``, ``components``) in order. A stage whose components
-    and activations overflow streams its largest component with repeated blocks; that
-    component gets what the tightest stage holding it leaves free.
+    and activations overflow streams its largest component with repeated blocks, and the
+    next largest too while streaming every block of those chosen would not be enough
+    (two transformers in one stage, a text encoder beside one). Each chosen component
+    gets, in the tightest stage holding it, its share by size of what the components not
+    streamed there leave free.
     """
     choice = StreamingChoice()
     notes = choice.notes
@@ -218,9 +281,9 @@ def plan_streaming(
                 f"({', '.join(use.components) or 'none'}) has repeated blocks to stream"
             )
             continue
-        pick = max(streamable, key=lambda c: (nbytes[c], c))
-        if pick not in chosen:
-            chosen.append(pick)
+        for pick in _streamed_in_stage(use, streamable, nbytes, budget, activation, inputs):
+            if pick not in chosen:
+                chosen.append(pick)
 
     guess = int(budget * inputs.unmeasured_activation_fraction)
     for component in chosen:
@@ -233,8 +296,11 @@ def plan_streaming(
             if headroom is None:
                 headroom = guess
                 guessed.append(use.name)
-            others = sum(nbytes[c] for c in set(use.components) if c != component)
-            room = budget - headroom - others
+            streamed_here = [c for c in set(use.components) if c in chosen]
+            others = sum(nbytes[c] for c in set(use.components) if c not in streamed_here)
+            share = nbytes[component] / max(1, sum(nbytes[c] for c in streamed_here))
+            room = int((budget - headroom - others) * share)
+            others += sum(nbytes[c] for c in streamed_here if c != component)
             if available is None or room < available:
                 available, tightest = room, (use.name, others, headroom)
         layout = stream_layout(
@@ -265,3 +331,31 @@ def plan_streaming(
                     "for them while its component streams"
                 )
     return choice
+
+
+def _streamed_in_stage(
+    use: Any,
+    streamable: list[str],
+    nbytes: Mapping[str, int],
+    budget: int,
+    activation: Mapping[str, int | None],
+    inputs: StreamingInputs,
+) -> list[str]:
+    """The components ``use`` streams: the largest first, then the next while what
+    the chosen ones need at least (non-block parts and slots) still leaves too little."""
+    held = set(use.components)
+    headroom = activation.get(use.name)
+    if headroom is None:
+        headroom = int(budget * inputs.unmeasured_activation_fraction)
+    picked: list[str] = []
+    for pick in sorted(streamable, key=lambda c: (-nbytes[c], c)):
+        picked.append(pick)
+        least = 0
+        for component in picked:
+            sizes = inputs.candidates[component]
+            slots = max(1, min(inputs.slots, sizes.block_count))
+            least += sizes.other_bytes + slots * max(sizes.packed_bytes)
+        rest = sum(nbytes[c] for c in held if c not in picked)
+        if rest + least + headroom <= budget:
+            return picked
+    return picked

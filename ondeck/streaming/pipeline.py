@@ -25,7 +25,7 @@ from .layout import (
     StreamingInputs,
     StreamLayout,
 )
-from .streamer import BlockStreamer, describe_blocks, find_blocks
+from .streamer import BlockStreamer, describe_blocks, find_block_lists
 
 __all__ = ["BlockStreaming", "StreamOptions"]
 
@@ -112,8 +112,8 @@ class BlockStreaming:
             streamer = None
             try:
                 skeleton = loader.template  # as loaded: stored (fp8) tensors in fp8
-                path = find_blocks(skeleton.module, hint)
-                sizes, tensors = describe_blocks(skeleton, path) if path else (None, None)
+                lists = find_block_lists(skeleton.module, hint)
+                sizes, tensors = describe_blocks(skeleton, lists) if lists else (None, None)
                 # A loader that loads a share of the component (one rank's shards) does
                 # not stream: its blocks are not whole on this device.
                 if sizes is not None and loader.spec.nbytes == sizes.total_bytes:
@@ -123,6 +123,7 @@ class BlockStreaming:
                         tensors,
                         loader.device,
                         keep_host_copies=self.options.keep_host_copies,
+                        lists=lists,
                     )
             except Exception:
                 streamer = None  # the load itself reports what is wrong with the folder
@@ -179,6 +180,7 @@ class BlockStreaming:
         for name, streamer in self.streamers.items():
             layout = streamer.layout
             result[name] = {
+                "path": streamer.path,
                 "resident_blocks": list(layout.resident) if layout else [],
                 "streamed_blocks": list(layout.streamed) if layout else [],
                 "bytes_per_pass": layout.bytes_per_pass if layout else 0,

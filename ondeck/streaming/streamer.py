@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..loading.blocks import block_index, find_blocks
+from ..loading.blocks import BlockLists, find_block_lists, find_blocks
 from .host import HostCopies
 from .layout import BlockSizes, StreamLayout, packed_offsets
 
-__all__ = ["BlockStreamer", "StreamStats", "describe_blocks", "find_blocks"]
+__all__ = ["BlockStreamer", "StreamStats", "describe_blocks", "find_block_lists", "find_blocks"]
 
 
 @dataclass
@@ -44,12 +44,18 @@ class _Tensor:
     requires_grad: bool
 
 
-def describe_blocks(skeleton: Any, path: str) -> tuple[BlockSizes, tuple[tuple[_Tensor, ...], ...]]:
-    """Bytes per block and each block's packed tensor layout, from a meta skeleton."""
-    count = len(skeleton.module.get_submodule(path))
+def describe_blocks(
+    skeleton: Any, lists: BlockLists | str
+) -> tuple[BlockSizes, tuple[tuple[_Tensor, ...], ...]]:
+    """Bytes per block and each block's packed tensor layout, from a meta skeleton.
+
+    ``lists``: the component's lists of blocks (a path names one), numbered jointly."""
+    if isinstance(lists, str):
+        lists = BlockLists((lists,), (len(skeleton.module.get_submodule(lists)),))
+    count = lists.block_count
     members: list[list[Any]] = [[] for _ in range(count)]
     for slot in skeleton.slots:
-        index = block_index(slot.names, path)
+        index = lists.index(slot.names)
         if index is not None:
             members[index].append(slot)
     tensors, block_bytes, packed = [], [], []
@@ -72,7 +78,9 @@ def describe_blocks(skeleton: Any, path: str) -> tuple[BlockSizes, tuple[tuple[_
         block_bytes.append(sum(slot.nbytes for slot in slots))
         packed.append(end)
     other = skeleton.nbytes - sum(block_bytes)
-    return BlockSizes(path, tuple(block_bytes), tuple(packed), other), tuple(tensors)
+    list_counts = lists.counts if len(lists.counts) > 1 else ()
+    sizes = BlockSizes(str(lists), tuple(block_bytes), tuple(packed), other, list_counts)
+    return sizes, tuple(tensors)
 
 
 class BlockStreamer:
@@ -92,12 +100,14 @@ class BlockStreamer:
         device: Any,
         *,
         keep_host_copies: bool = True,
+        lists: BlockLists | None = None,
     ):
         import torch
 
         self.component = component
         self.sizes = sizes
         self.path = sizes.path
+        self.lists = lists or BlockLists((sizes.path,), (sizes.block_count,))
         self.device = torch.device(device)
         self.keep_host_copies = keep_host_copies
         self.layout: StreamLayout | None = None
@@ -320,8 +330,12 @@ class _Armed:
         self.copies.start_after_current()
         self.order = layout.streamed
         self.position = {block: index for index, block in enumerate(self.order)}
+        # The order the first pass runs the streamed blocks in, which prefetching follows
+        # from the second pass on: lists numbered one after the other may interleave.
+        self.first_pass: list[int] | None = []
+        self.passes = 0
         self.clock = 0
-        blocks = module.get_submodule(streamer.path)
+        blocks = streamer.lists.modules(module)
         self.targets: dict[int, list[tuple[Any, str, bool]]] = {}
         self.sources = {block: streamer.host_region(block) for block in self.order}
         self.nbytes = {block: streamer.sizes.packed_bytes[block] for block in self.order}
@@ -360,13 +374,27 @@ class _Armed:
 
     def _pass_starts(self, module: Any, args: Any) -> None:
         self.stats.passes += 1
+        self.passes += 1
+        if self.passes > 1 and self.first_pass is not None:
+            if self.first_pass:
+                self._follow(self.first_pass)
+            self.first_pass = None
         for slot in self.slots:
             if slot.busy:  # a pass that raised never reached the block's end hook
                 self.copies.record(slot.free)
                 slot.busy = False
         self._prefetch(0, len(self.slots))
 
+    def _follow(self, seen: list[int]) -> None:
+        """Prefetch in the order ``seen``, then any streamed block it did not reach."""
+        order = list(dict.fromkeys(seen))
+        order += [block for block in self.order if block not in set(order)]
+        self.order = tuple(order)
+        self.position = {block: index for index, block in enumerate(self.order)}
+
     def _block_starts(self, block: int, module: Any, args: Any) -> None:
+        if self.first_pass is not None:
+            self.first_pass.append(block)
         slot = self._holding(block)
         if slot is None:  # not prefetched (first pass, or blocks ran out of order)
             slot = self._free_slot() or self._idle_slot()

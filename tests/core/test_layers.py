@@ -126,6 +126,7 @@ FLOORS: dict[str, int] = {
     "ondeck.output": 0,
     "ondeck.hub": 0,
     "ondeck.embedded": 0,
+    "ondeck.tiles": 0,
     # 1: the proxy, and the record of what was resident when
     "ondeck.lazy": 1,
     "ondeck.tracker": 1,

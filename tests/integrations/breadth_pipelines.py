@@ -164,7 +164,7 @@ def build_hunyuan_video(path: Path) -> None:
     torch.manual_seed(0)
     transformer = HunyuanVideoTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10,
-        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=1,
+        num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=1,
         patch_size_t=1, guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
         rope_axes_dim=(2, 4, 4),
     )  # fmt: skip
@@ -271,7 +271,7 @@ def build_flux_kontext(path: Path) -> None:
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
     )  # fmt: skip
@@ -601,7 +601,7 @@ def build_chroma(path: Path) -> None:
 
     torch.manual_seed(0)
     transformer = ChromaTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
         axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32, approximator_layers=1,
         approximator_num_channels=16,

@@ -165,8 +165,8 @@ def build_flux(path: Path) -> None:
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=2,
+        num_single_layers=2,
         attention_head_dim=16,
         num_attention_heads=2,
         joint_attention_dim=32,

@@ -193,3 +193,60 @@ def test_stream_layout_shrinks_within_what_streams_now():
     assert len(second.streamed) == 11 and set(second.streamed) <= set(first.streamed)
     assert second.device_bytes <= budget
     assert stream_layout(sizes, budget).device_bytes == second.device_bytes
+
+
+# A transformer with two lists of blocks: 4 large double-stream blocks, then 8 single-stream
+# blocks a quarter of their size (a Flux or HunyuanVideo in miniature).
+TWO_LISTS = BlockSizes(
+    "transformer_blocks+single_transformer_blocks",
+    (400,) * 4 + (100,) * 8,
+    (400,) * 4 + (100,) * 8,
+    50,
+    (4, 8),
+)
+
+
+def test_two_lists_stream_the_small_blocks_first_when_that_moves_fewer_bytes():
+    # 300 bytes must leave the device; streaming small blocks needs slots of 100, large
+    # ones slots of 400: the small blocks move fewer bytes per pass.
+    available = TWO_LISTS.total_bytes - 300
+    layout = stream_layout(TWO_LISTS, available, slots=2)
+    assert layout.device_bytes <= available
+    assert set(layout.streamed) <= set(range(4, 12)), "only single-stream blocks stream"
+    assert layout.slot_bytes == 100
+    assert layout.bytes_per_pass == 100 * len(layout.streamed)
+
+
+def test_two_lists_both_stream_when_one_is_not_enough():
+    # Almost everything must go: the single-stream list alone holds only 800 bytes.
+    available = 50 + 2 * 400 + 400
+    layout = stream_layout(TWO_LISTS, available, slots=2)
+    assert layout.device_bytes <= available
+    groups = TWO_LISTS.groups()
+    assert any(block in groups[0] for block in layout.streamed)
+    assert any(block in groups[1] for block in layout.streamed)
+    # No other choice of streamed blocks that fits moves fewer bytes.
+    import itertools
+
+    best = min(
+        sum(TWO_LISTS.packed_bytes[i] for i in streamed)
+        for count in range(1, 13)
+        for streamed in itertools.combinations(range(12), count)
+        if 50
+        + sum(TWO_LISTS.block_bytes[i] for i in range(12) if i not in streamed)
+        + min(2, count) * max(TWO_LISTS.packed_bytes[i] for i in streamed)
+        <= available
+    )
+    assert layout.bytes_per_pass == best
+
+
+def test_a_stage_with_two_large_components_streams_both():
+    uses = [StageUse("Denoise", ("transformer", "transformer_2"))]
+    sizes = {"transformer": WAN14B.total_bytes, "transformer_2": WAN14B.total_bytes}
+    inputs = StreamingInputs(
+        {"transformer": WAN14B, "transformer_2": WAN14B}, unmeasured_activation_fraction=0.0
+    )
+    budget = 20 * GiB
+    choice = plan_streaming(uses, sizes, budget=budget, activation={}, inputs=inputs)
+    assert set(choice.layouts) == {"transformer", "transformer_2"}
+    assert sum(layout.device_bytes for layout in choice.layouts.values()) <= budget

@@ -149,6 +149,10 @@ class PipelineComponent(LazyModule):
             raise AttributeError(attribute)
         if attribute in _PLACEMENT_METHODS and self._can_retarget():
             return self._placement_call(attribute)
+        if attribute == "decode" and _is_vae(declared):
+            runtime = object.__getattribute__(self, "_ondeck_runtime")
+            if runtime is not None:
+                return runtime.fitting_decode(self)  # sized to fit, tiles if need be
         if attribute in _CONFIGURING_METHODS and hasattr(declared or type(module), attribute):
             return self._recorded_call(attribute)
         if module is None:
@@ -319,6 +323,15 @@ class PipelineComponent(LazyModule):
         new_loader = make_loader(new_device, new_dtype)
         object.__setattr__(self, "_ondeck_loader", new_loader)
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
+
+
+def _is_vae(cls: type | None) -> bool:
+    """One of diffusers' autoencoders, whose ``decode`` ondeck sizes to fit."""
+    return (
+        cls is not None
+        and cls.__module__.startswith("diffusers.models.autoencoders")
+        and callable(getattr(cls, "decode", None))
+    )
 
 
 def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:

@@ -16,7 +16,9 @@ from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy
 from ...memory import resolve_device
 from ...stages import Pipeline, Stage
+from ...tiles import TILE_SAFETY
 from .component import PipelineComponent
+from .decode import FittingDecode
 
 
 class ComponentTurn(Stage):
@@ -33,6 +35,25 @@ class ComponentTurn(Stage):
 
     def forward(self, state: Any) -> Any:
         return state
+
+    def _decoder(self) -> FittingDecode | None:
+        pipeline = self._ondeck_pipeline
+        return pipeline.decoders.get(self.name) if pipeline is not None else None
+
+    def whole_activations(self, measured: int) -> int | None:
+        decoder = self._decoder()
+        if decoder is None:
+            return measured
+        whole = decoder.whole_activations(measured)
+        if whole is not None:
+            decoder.measured(whole)
+        return whole
+
+    def fit_activations(self, need: int, room: int) -> int:
+        decoder = self._decoder()
+        if decoder is None or decoder.style is None or not decoder.last_elements:
+            return need
+        return min(need, max(0, int(room * TILE_SAFETY)))
 
 
 class _CallRecord:
@@ -95,6 +116,8 @@ class DiffusersRuntime(Pipeline):
         self._held_back: list[int] = []
         self._record: _CallRecord | None = None
         self._acting = 0
+        # Each VAE's decode, sized to fit (see ``fitting_decode``).
+        self.decoders: dict[str, FittingDecode] = {}
         super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
         for proxy in components.values():
             object.__setattr__(proxy, "_ondeck_runtime", self)
@@ -117,6 +140,14 @@ class DiffusersRuntime(Pipeline):
             if stage.name == name:
                 return index
         return None
+
+    def fitting_decode(self, proxy: PipelineComponent) -> FittingDecode:
+        """``proxy.decode`` that decodes in tiles when whole frames would not fit."""
+        name = self._name_of(proxy)
+        decoder = self.decoders.get(name)
+        if decoder is None or decoder.proxy is not proxy:
+            decoder = self.decoders[name] = FittingDecode(proxy, self, name)
+        return decoder
 
     # -- calls --------------------------------------------------------------------------
 

@@ -1,0 +1,301 @@
+"""A diffusers VAE's decode that always fits: whole frames where they fit what is left,
+else the VAE's own tiling (``enable_tiling`` and its tile sizes, called, not copied),
+and after running out of memory, first room made by the policy, then smaller tiles.
+
+``pipe.vae.decode`` on a deferred VAE answers :class:`FittingDecode`; the pipeline calls
+it as it would the VAE's own method, with the same arguments and result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import BudgetError, LoadError
+from ...lazy import is_out_of_memory
+from ...memory import format_bytes, free_cached_memory
+from ...tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, tiles_for
+
+__all__ = ["FittingDecode", "TilingStyle", "estimated_need", "tiling_style"]
+
+# Device bytes a decode takes, before any is measured, per output element (pixel of one
+# frame in flight) per channel of the VAE's widest level: the feature map, the
+# convolution's output and the temporaries beside them. Errs low: an estimate above the
+# need tiles a decode that would have fitted, and tiles change the pixels a little; one
+# below it costs one attempt that runs out of memory.
+ESTIMATE_BYTES_PER_ELEMENT_CHANNEL = 4
+# Frames of output a video VAE holds at once while decoding (it decodes latent frame
+# by latent frame with a cache of the previous ones).
+FRAMES_IN_FLIGHT = 4
+
+# The three ways diffusers' VAEs take tile sizes.
+STRIDES = "strides"  # enable_tiling(tile_sample_min_height=..., tile_sample_stride_height=...)
+OVERLAP_FACTORS = "overlap factors"  # enable_tiling(tile_sample_min_height=..., tile_overlap_...)
+SQUARE = "square"  # attributes tile_sample_min_size / tile_latent_min_size
+
+
+@dataclass(frozen=True)
+class TilingStyle:
+    """How one VAE class tiles: ``kind`` is one of the styles above, or None when it
+    tiles only at sizes of its own (``enable_tiling()`` with no sizes)."""
+
+    kind: str | None
+    names: tuple[str, ...]  # the attributes the style sets, saved and restored
+
+    def settings(self, tiles: Tiles, scale: int) -> dict[str, Any]:
+        if self.kind == STRIDES:
+            return {
+                "tile_sample_min_height": tiles.height,
+                "tile_sample_min_width": tiles.width,
+                "tile_sample_stride_height": tiles.stride_height,
+                "tile_sample_stride_width": tiles.stride_width,
+            }
+        if self.kind == OVERLAP_FACTORS:
+            return {
+                "tile_sample_min_height": tiles.height,
+                "tile_sample_min_width": tiles.width,
+                "tile_overlap_factor_height": 1 - tiles.stride_height / tiles.height,
+                "tile_overlap_factor_width": 1 - tiles.stride_width / tiles.width,
+            }
+        return {}
+
+    def apply(self, module: Any, tiles: Tiles, scale: int) -> None:
+        """Turn on the VAE's own tiling at ``tiles``'s sizes."""
+        if self.kind == SQUARE:
+            # Two latent pixels at least: the VAE overlaps a quarter of a tile, which
+            # must be a whole latent pixel.
+            side = max(tiles.height, tiles.width, 2 * scale)
+            module.tile_sample_min_size = side
+            module.tile_latent_min_size = side // scale
+            module.enable_tiling()
+            return
+        module.enable_tiling(**self.settings(tiles, scale))
+
+
+def tiling_style(cls: type) -> TilingStyle | None:
+    """The tiling a VAE class offers; None when it has none."""
+    enable = getattr(cls, "enable_tiling", None)
+    if enable is None:
+        return None
+    parameters = set(inspect.signature(enable).parameters)
+    if {"tile_sample_min_height", "tile_sample_stride_height"} <= parameters:
+        names = (
+            "use_tiling",
+            "tile_sample_min_height",
+            "tile_sample_min_width",
+            "tile_sample_stride_height",
+            "tile_sample_stride_width",
+        )
+        return TilingStyle(STRIDES, names)
+    if {"tile_sample_min_height", "tile_overlap_factor_height"} <= parameters:
+        names = (
+            "use_tiling",
+            "tile_sample_min_height",
+            "tile_sample_min_width",
+            "tile_latent_min_height",
+            "tile_latent_min_width",
+            "tile_overlap_factor_height",
+            "tile_overlap_factor_width",
+        )
+        return TilingStyle(OVERLAP_FACTORS, names)
+    if "tile_sample_min_size" in parameters or _sets_attribute(cls, "tile_sample_min_size"):
+        return TilingStyle(SQUARE, ("use_tiling", "tile_sample_min_size", "tile_latent_min_size"))
+    if _sets_attribute(cls, "use_tiling"):
+        return TilingStyle(None, ("use_tiling",))
+    return None
+
+
+def _sets_attribute(cls: type, name: str) -> bool:
+    try:
+        return f"self.{name} =" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+
+
+def spatial_scale(config: Any) -> int:
+    """Pixels per latent pixel along a side, from the VAE's config."""
+    get = config.get if hasattr(config, "get") else lambda key, default=None: default
+    for key in ("spatial_compression_ratio", "scale_factor_spatial"):
+        value = get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    downsample = get("temperal_downsample")  # Wan's VAE
+    if isinstance(downsample, (list, tuple)):
+        return 2 ** len(downsample)
+    channels = get("block_out_channels")
+    if isinstance(channels, (list, tuple)) and channels:
+        return 2 ** (len(channels) - 1)
+    return 8
+
+
+def _widest_channels(config: Any) -> int:
+    get = config.get if hasattr(config, "get") else lambda key, default=None: default
+    channels = get("decoder_block_out_channels") or get("block_out_channels")
+    if isinstance(channels, (list, tuple)) and channels:
+        return max(int(c) for c in channels)
+    base, multipliers = get("base_dim"), get("dim_mult")  # Wan's VAE
+    if isinstance(base, int) and isinstance(multipliers, (list, tuple)) and multipliers:
+        return base * max(int(m) for m in multipliers)
+    return 512
+
+
+def estimated_need(config: Any, latent_shape: tuple[int, ...], element_bytes: int) -> int:
+    """Device bytes a whole-frame decode of ``latent_shape`` takes, from the config alone."""
+    scale = spatial_scale(config)
+    batch = latent_shape[0] if latent_shape else 1
+    frames = 1
+    if len(latent_shape) == 5:
+        frames = min(FRAMES_IN_FLIGHT, 1 + 4 * (latent_shape[2] - 1))
+    pixels = latent_shape[-2] * scale * latent_shape[-1] * scale
+    channels = _widest_channels(config)
+    return batch * frames * pixels * channels * element_bytes * ESTIMATE_BYTES_PER_ELEMENT_CHANNEL
+
+
+class FittingDecode:
+    """``vae.decode`` for one deferred VAE of a diffusers pipeline run by ondeck.
+
+    The need of a whole-frame decode comes from the last one measured, scaled to the
+    latents' size, else from the config (:func:`estimated_need`); the room from the
+    runtime (the budget, else the device, less what is resident). Tiles are diffusers'
+    own, sized to fit; the VAE's settings are put back after the call.
+    """
+
+    def __init__(self, proxy: Any, runtime: Any, name: str):
+        self.proxy = proxy
+        self.runtime = runtime
+        self.name = name
+        spec = object.__getattribute__(proxy, "_ondeck_spec")
+        self.style = tiling_style(spec.cls) if spec.cls is not None else None
+        self.config = spec.config or {}
+        self.last_tiles: Tiles | None = None
+        self.last_retries = 0
+        self.last_elements: int | None = None
+        # Whole frames' bytes per output element, measured (or, after running out of
+        # memory, at least this much).
+        self.bytes_per_element: float | None = None
+
+    # -- what the runtime asks ------------------------------------------------------------
+
+    def whole_activations(self, measured: int) -> int | None:
+        """A tiled decode measured one tile: whole frames take about that over its area."""
+        if self.last_retries:
+            return None
+        if self.last_tiles is not None:
+            return int(measured / self.last_tiles.area)
+        return measured
+
+    def measured(self, nbytes: int) -> None:
+        """The turn's measured peak for whole frames, kept per output element."""
+        if self.last_elements and nbytes:
+            self.bytes_per_element = nbytes / self.last_elements
+
+    # -- the call -------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        latents = args[0] if args else kwargs.get("z", kwargs.get("latents"))
+        if not isinstance(latents, torch.Tensor) or latents.dim() not in (4, 5):
+            return self._module().decode(*args, **kwargs)
+        scale = spatial_scale(self.config)
+        height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
+        elements = (
+            latents.shape[0]
+            * height
+            * width
+            * (min(FRAMES_IN_FLIGHT, latents.shape[2]) if latents.dim() == 5 else 1)
+        )
+        self.last_elements = elements
+        need = self._need(latents, elements)
+        self._refuse_if_it_cannot_fit(need, height, width)
+        module = self._module()
+        if getattr(module, "use_tiling", False):
+            self.last_tiles, self.last_retries = None, 0
+            return module.decode(*args, **kwargs)  # tiling the caller chose
+        room = self.runtime.activation_room()
+        if need is not None and room is not None and need > room and self.runtime.make_room():
+            room = self.runtime.activation_room()
+        tiles = tiles_for(height, width, need, room, scale=scale) if self.style else None
+        retries, made_room = 0, False
+        while True:
+            try:
+                result = self._decode(module, tiles, scale, args, kwargs)
+                break
+            except Exception as error:
+                if isinstance(error, LoadError) or not is_out_of_memory(error):
+                    raise
+            retries += 1
+            failed_area = tiles.area if tiles is not None else 1.0
+            if room is not None:
+                at_least = TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA)
+                self.bytes_per_element = max(self.bytes_per_element or 0, at_least / elements)
+            if not made_room:
+                made_room = True
+                if self.runtime.make_room():
+                    room = self.runtime.activation_room()
+                    continue
+            free_cached_memory()
+            if self.style is None:
+                raise BudgetError(
+                    f"component '{self.name}' ({type(module).__name__}): decoding "
+                    f"{height}x{width} ran out of memory, and this VAE class cannot decode "
+                    "in tiles; try a lower resolution or a larger budget"
+                )
+            tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
+            if tiles is None:
+                raise torch.OutOfMemoryError(
+                    f"component '{self.name}': decoding {height}x{width} ran out of memory "
+                    f"even in {MAX_TILES_PER_SIDE}x{MAX_TILES_PER_SIDE} tiles"
+                )
+        if tiles is not None and latents.is_cuda:
+            torch.cuda.empty_cache()  # tiles mean the device is tight
+        self.last_tiles, self.last_retries = tiles, retries
+        return result
+
+    def _module(self) -> Any:
+        return self.proxy.materialize()
+
+    def _need(self, latents: torch.Tensor, elements: int) -> int | None:
+        if self.bytes_per_element is not None:
+            return int(self.bytes_per_element * elements)
+        return estimated_need(self.config, tuple(latents.shape), latents.element_size())
+
+    def _refuse_if_it_cannot_fit(self, need: int | None, height: int, width: int) -> None:
+        """A VAE that cannot tile, whose whole frames cannot fit even with nothing else
+        resident: a BudgetError before it loads (unless a prefetch loaded it already)."""
+        if self.style is not None or need is None:
+            return
+        budget = self.runtime.policy.budget_bytes
+        if budget is None:
+            return
+        weights = object.__getattribute__(self.proxy, "_ondeck_spec").nbytes or 0
+        if weights + need > budget:
+            raise BudgetError(
+                f"component '{self.name}' ({self.proxy.__class__.__name__}): decoding "
+                f"{height}x{width} needs about {format_bytes(need)} beside its "
+                f"{format_bytes(weights)} of weights, more than the budget of "
+                f"{format_bytes(budget)}, and this VAE class cannot decode in tiles; try a "
+                "lower resolution or a larger budget"
+            )
+
+    def _decode(
+        self, module: Any, tiles: Tiles | None, scale: int, args: tuple, kwargs: dict
+    ) -> Any:
+        if tiles is None:
+            return module.decode(*args, **kwargs)
+        with _settings_kept(module, self.style.names):
+            self.style.apply(module, tiles, scale)
+            return module.decode(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _settings_kept(module: Any, names: tuple[str, ...]) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in names if hasattr(module, name)}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)

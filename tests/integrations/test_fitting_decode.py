@@ -1,0 +1,120 @@
+"""The VAE's decode on the diffusers path: whole frames where they fit, diffusers' own
+tiles where they do not, and a decode that runs out of memory recovers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from references import in_fresh_tensors
+
+import ondeck.diffusers
+from ondeck.errors import BudgetError
+from ondeck.integrations.diffusers import DiffusersRuntime
+from ondeck.integrations.diffusers.decode import spatial_scale, tiling_style
+
+from .breadth_pipelines import ALL_FAMILIES
+from .tiny_pipelines import run
+
+# Families whose tiny frames leave room for two latent pixels a tile or more.
+TILING_FAMILIES = ["wan", "ltx", "flux", "sd3"]
+
+
+def load(path, policy="release", budget=None):
+    pipe = ondeck.diffusers.from_pretrained(
+        path, device="cpu", policy=policy, budget=budget, progress=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def plain_tiled(family, folder, tiles):
+    """Plain diffusers, its VAE tiled at ``tiles`` through its own enable_tiling."""
+    pipe = ALL_FAMILIES[family].pipeline_type().from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    in_fresh_tensors(pipe)
+    vae = pipe.vae
+    tiling_style(type(vae)).apply(vae, tiles, spatial_scale(vae.config))
+    return run(pipe, ALL_FAMILIES[family])
+
+
+@pytest.mark.parametrize("family", TILING_FAMILIES)
+def test_a_decode_without_room_tiles_as_diffusers_tiles(family, folders, monkeypatch):
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: 1)
+    pipe = load(folders[family])
+    output = run(pipe, ALL_FAMILIES[family])
+    tiles = pipe.ondeck.decoders["vae"].last_tiles
+    assert tiles is not None and tiles.count > 1, "one byte of room: the decode tiles"
+    assert np.array_equal(output, plain_tiled(family, folders[family], tiles))
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_a_decode_with_room_decodes_whole_frames(family, folders, references):
+    pipe = load(folders[family])
+    assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
+    assert pipe.ondeck.decoders["vae"].last_tiles is None
+
+
+def _running_out(times: int | None):
+    """A transform making the VAE's whole-frame decode run out of memory ``times``
+    times (None: always); tiled decodes run."""
+    count = {"raised": 0}
+
+    def transform(vae):
+        decode = vae.decode
+
+        def failing(*args, **kwargs):
+            whole = not getattr(vae, "use_tiling", False)
+            if whole and (times is None or count["raised"] < times):
+                count["raised"] += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return decode(*args, **kwargs)
+
+        vae.decode = failing
+        return vae
+
+    return transform, count
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_running_out_once_frees_what_the_policy_kept_and_decodes_whole(
+    family, folders, references, monkeypatch
+):
+    pipe = load(folders[family], "budget")
+    made_room = []
+    original = DiffusersRuntime.make_room
+    monkeypatch.setattr(
+        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+    )
+    transform, count = _running_out(1)
+    pipe.ondeck.add_transform("vae", transform)
+    assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
+    assert count["raised"] == 1 and made_room, "room was made before the retry"
+    decoder = pipe.ondeck.decoders["vae"]
+    assert decoder.last_tiles is None and decoder.last_retries == 1
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_running_out_every_time_whole_decodes_in_diffusers_tiles(family, folders):
+    pipe = load(folders[family])
+    transform, count = _running_out(None)
+    pipe.ondeck.add_transform("vae", transform)
+    output = run(pipe, ALL_FAMILIES[family])
+    tiles = pipe.ondeck.decoders["vae"].last_tiles
+    assert count["raised"] >= 1 and tiles is not None
+    assert np.array_equal(output, plain_tiled(family, folders[family], tiles))
+
+
+def test_a_vae_that_cannot_tile_is_refused_before_it_loads(folders, monkeypatch):
+    from ondeck.integrations.diffusers import decode
+
+    pipe = ondeck.diffusers.from_pretrained(
+        folders["flux"], device="cpu", policy="budget", budget="1GiB", prefetch=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    monkeypatch.setattr(decode.FittingDecode, "_need", lambda self, latents, n: 2**40)
+    pipe.ondeck.decoders.clear()
+    monkeypatch.setattr(decode, "tiling_style", lambda cls: None)
+    with pytest.raises(BudgetError, match="cannot decode in tiles"):
+        run(pipe, ALL_FAMILIES["flux"])
+    assert not ondeck.is_loaded(pipe.ondeck.deferred["vae"])
