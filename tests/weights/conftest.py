@@ -73,8 +73,11 @@ def reference_frames(folder: Path, loras=(), prompt="a fox", transformer_2=False
 
     pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
     for index, (path, _) in enumerate(loras):
-        options = {"load_into_transformer_2": True} if transformer_2 else {}
-        pipe.load_lora_weights(str(path), adapter_name=f"lora_{index}", **options)
+        pipe.load_lora_weights(str(path), adapter_name=f"lora_{index}")
+        if transformer_2:
+            pipe.load_lora_weights(
+                str(path), adapter_name=f"lora_{index}", load_into_transformer_2=True
+            )
     if loras:
         pipe.set_adapters([f"lora_{i}" for i in range(len(loras))], [s for _, s in loras])
     pipe.set_progress_bar_config(disable=True)
@@ -232,3 +235,27 @@ __all__ = [
     "streamed_passes",
     "with_transformer",
 ]
+
+
+@pytest.fixture(scope="session")
+def two_experts(base, tmp_path_factory) -> Path:
+    """A Wan 2.2-style folder: a second transformer (other weights) for the low-noise
+    steps: with two steps (timesteps 1000 and 500) and the switch at 900, each expert
+    computes one."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+
+    path = tmp_path_factory.mktemp("wan22") / "two-experts"
+    shutil.copytree(base, path)
+    expert = WanTransformer3DModel.from_pretrained(base / "transformer")
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for parameter in expert.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    expert.save_pretrained(path / "transformer_2")
+    index = json.loads((path / "model_index.json").read_text())
+    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+    index["boundary_ratio"] = 0.9
+    (path / "model_index.json").write_text(json.dumps(index))
+    return path

@@ -154,3 +154,19 @@ def test_compile_is_replayed_after_every_reload(base, reference):
     assert np.array_equal(frames(pipe), reference)
     assert np.array_equal(frames(pipe), reference)
     assert len(seen) == 2 and all(module._compiled_call_impl is not None for module in seen)
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+def test_a_lora_goes_on_both_experts_of_a_two_transformer_pipeline(two_experts, lora_files, policy):
+    expected = reference_frames(
+        two_experts, loras=[(lora_files["diffusers"], 0.7)], transformer_2=True
+    )
+    without = reference_frames(two_experts)
+    pipe = load(two_experts, policy, loras=[(lora_files["musubi"], 0.7)])
+
+    assert not np.array_equal(expected, without)
+    first_only = reference_frames(two_experts, loras=[(lora_files["diffusers"], 0.7)])
+    assert not np.array_equal(first_only, expected), "the second expert computes too"
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert pipe.transformer.recorded_adapters() == pipe.transformer_2.recorded_adapters() != []

@@ -189,8 +189,8 @@ def from_pretrained(
 def load_loras(
     pipe: Any, loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]]
 ) -> list[str]:
-    """Load each LoRA file into ``pipe`` (on every transformer it applies to: Wan 2.2's
-    two experts both) and set their scales; returns the adapter names. Nothing loads: the
+    """Load each LoRA file into ``pipe`` (on every transformer: Wan 2.2's two experts
+    both) and set their scales; returns the adapter names. Nothing loads: the
     calls are recorded on the components and applied at every load."""
     names: list[str] = []
     scales: list[float] = []
@@ -200,11 +200,14 @@ def load_loras(
         if not file.is_file():
             raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
         name = f"lora_{len(names)}_{file.stem}"
-        options: dict[str, Any] = {"adapter_name": name}
+        # diffusers puts a LoRA on one expert a call: the first, or with
+        # load_into_transformer_2 the second.
+        experts = [{}]
         if getattr(pipe, "transformer_2", None) is not None:
-            options["load_into_transformer_2"] = True
+            experts.append({"load_into_transformer_2": True})
         try:
-            pipe.load_lora_weights(str(file), **options)
+            for expert in experts:
+                pipe.load_lora_weights(str(file), adapter_name=name, **expert)
         except Exception as error:
             raise LoadError(
                 f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
