@@ -259,3 +259,41 @@ def two_experts(base, tmp_path_factory) -> Path:
     index["boundary_ratio"] = 0.9
     (path / "model_index.json").write_text(json.dumps(index))
     return path
+
+
+@pytest.fixture(scope="session")
+def gguf_base(tmp_path_factory) -> Path:
+    """The six-block folder with widths GGUF's 32-value quantization blocks divide."""
+    return build_six_block_folder(
+        tmp_path_factory.mktemp("weights-gguf") / "base", attention_head_dim=32, ffn_dim=128
+    )
+
+
+@pytest.fixture(scope="session")
+def gguf_file(gguf_base, tmp_path_factory):
+    """(the transformer as a GGUF file in the original key names, the blocks' matrices
+    Q8_0 and everything else F32, written with the ``gguf`` package; the folder of the
+    weights it stands for: the Q8_0 values dequantized)."""
+    gguf = pytest.importorskip("gguf")
+
+    root = tmp_path_factory.mktemp("gguf")
+    weights = load_file(str(transformer_file(gguf_base)))
+    path = root / "wan2.1_t2v_tiny-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    exact = {}
+    for key, tensor in weights.items():
+        name = original_name(key).removeprefix("model.diffusion_model.")
+        array = tensor.numpy()
+        if _is_stored(key, tensor):
+            quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            restored = gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0)
+            exact[key] = torch.from_numpy(restored.reshape(array.shape).copy())
+        else:
+            writer.add_tensor(name, array)
+            exact[key] = tensor
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, with_transformer(gguf_base, root / "reference", exact)
