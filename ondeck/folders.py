@@ -23,7 +23,9 @@ def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
     """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
     path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
     model_index = read_model_index(path)
-    if is_wan_folder(model_index):
+    # Single files and LoRAs go through diffusers' own key conversions and LoRA loading.
+    brought = options.get("components") or options.get("loras")
+    if is_wan_folder(model_index) and not brought:
         return WanTextToVideo.from_folder(path, **options)
     return from_pretrained(path, **options).ondeck
 
