@@ -12,9 +12,14 @@ its library, which applies the quantizer the config names:
   safetensors weights as the library's ``save_pretrained`` wrote them: the class's own
   ``from_pretrained``, which reads the quantization from the config.
 
-Like any other component it loads on first use and is freed on release. ondeck's own
-reader, host cache, pipelined loading, block streaming, fp8 storage and sharding do not
-apply to it, and asking for them is refused before anything loads.
+Like any other component it loads on first use and is freed on release. A GGUF
+component's quantized bytes also sit in the host cache, when one is given, so a reload
+copies them from host memory. ondeck's own reader, pipelined loading, block streaming,
+fp8 storage and sharding do not apply to quantized components, and asking for them is
+refused before anything loads.
+
+A ``.gguf`` single file given for a component (``ondeck.loading.single_file``) loads the
+same way, with the base folder's config.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from ..errors import LoadError
 from ..lazy import ComponentSpec
 from .folder import ModelFolder
+from .safetensors_format import TensorInfo
 
 __all__ = [
     "PACKAGES",
@@ -110,7 +116,10 @@ class QuantizedComponentLoader:
         self.name = name
         self.device = torch.device(device)
         self.progress = progress
-        self.host_cache = None  # quantized weights come from their files every load
+        # GGUF tensors can sit in the host cache as they are stored (quantized); other
+        # quantized weights come from their files every load.
+        self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
+        self._gguf_layout: dict[str, tuple[torch.dtype, tuple[int, ...], Any]] | None = None
         self.pipelined = pipelined
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
@@ -149,6 +158,7 @@ class QuantizedComponentLoader:
                 )
             self.path = given if given is not None else _gguf_file(self.directory, name)
         else:
+            self.host_cache = None
             self.folder.require_weights(name)
             self.path = self.directory
         self.dtype = (
@@ -205,25 +215,80 @@ class QuantizedComponentLoader:
         files = [self.path] if self.path.is_file() else list(self.folder.weight_files(self.name))
         self.last_load_bytes = sum(Path(file).stat().st_size for file in files)
         self.last_load_seconds = time.perf_counter() - started
-        self.last_source = "file"
         return module
 
     def _load(self) -> torch.nn.Module:
         if self.method == "gguf":
             from diffusers import GGUFQuantizationConfig
 
+            self.last_source = "file"
+            source = self._cached_gguf() if self.host_cache is not None else str(self.path)
             return self.cls.from_single_file(
-                str(self.path),
+                source,
                 config=str(self.directory),
                 quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
                 torch_dtype=self.dtype,
                 device=str(self.device),
                 local_files_only=True,
             )
+        self.last_source = "file"
         options: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
         if self.device.type != "cpu":
             options["device_map"] = {"": str(self.device)}
         return self.cls.from_pretrained(str(self.directory), **options)
+
+    def _cached_gguf(self) -> dict[str, torch.Tensor]:
+        """The GGUF checkpoint as diffusers reads it (``load_gguf_checkpoint``), served
+        from the host cache once a load has put its quantized bytes there: a reload then
+        copies those bytes to the device instead of parsing and reading the file. The
+        entry is keyed on the file's identity, so a rewritten file is read again."""
+        from diffusers.models.model_loading_utils import load_gguf_checkpoint
+        from diffusers.quantizers.gguf.utils import GGUFParameter
+
+        status = self.path.stat()
+        key = ("gguf", str(self.path.resolve()), status.st_size, status.st_mtime_ns)
+        entry = self.host_cache.get(key)
+        if entry is not None and self._gguf_layout is not None:
+            self.last_source = "host cache"
+            checkpoint = {}
+            for name, (dtype, shape, quant_type) in self._gguf_layout.items():
+                tensor = entry[name].view(dtype).view(shape)
+                if self.device.type == "cpu":
+                    tensor = tensor.clone()  # a CPU module would otherwise own the entry
+                checkpoint[name] = (
+                    GGUFParameter(tensor, quant_type=quant_type)
+                    if quant_type is not None
+                    else tensor
+                )
+            return checkpoint
+        checkpoint = load_gguf_checkpoint(str(self.path), return_tensors=True)
+        plain = {name: tensor.as_subclass(torch.Tensor) for name, tensor in checkpoint.items()}
+        layout = {
+            name: (tensor.dtype, tuple(tensor.shape), getattr(checkpoint[name], "quant_type", None))
+            for name, tensor in plain.items()
+        }
+        infos = [
+            TensorInfo(
+                name,
+                torch.uint8,
+                (t.numel() * t.element_size(),),
+                0,
+                t.numel() * t.element_size(),
+                str(self.path),
+            )
+            for name, t in plain.items()
+        ]
+        buffers = self.host_cache.reserve(key, infos)
+        if buffers is not None:
+            try:
+                for name, tensor in plain.items():
+                    buffers[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            except BaseException:
+                self.host_cache.discard(key)
+                raise
+            self.host_cache.commit(key, buffers)
+            self._gguf_layout = layout
+        return checkpoint
 
 
 def _gguf_file(directory: Path, name: str) -> Path:

@@ -107,3 +107,18 @@ def test_a_gguf_component_that_would_have_to_stream_says_so(gguf_base, gguf_file
     with pytest.raises(ondeck.BudgetError, match="nothing was loaded"):
         pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]})
         frames(pipe)
+
+
+def test_a_gguf_component_reloads_from_the_host_cache(gguf_base, gguf_file, gguf_reference, monkeypatch):
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]}, host_cache=cache)
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+
+    assert np.array_equal(frames(pipe), gguf_reference)
+    assert loader.last_source == "file"
+    assert np.array_equal(frames(pipe), gguf_reference)
+    assert loader.last_source == "host cache"
+    assert np.array_equal(frames(pipe), gguf_reference), "the entry outlives a release"
