@@ -109,7 +109,9 @@ def test_a_gguf_component_that_would_have_to_stream_says_so(gguf_base, gguf_file
         frames(pipe)
 
 
-def test_a_gguf_component_reloads_from_the_host_cache(gguf_base, gguf_file, gguf_reference, monkeypatch):
+def test_a_gguf_component_reloads_from_the_host_cache(
+    gguf_base, gguf_file, gguf_reference, monkeypatch
+):
     from ondeck.loading import HostCache
 
     monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))

@@ -172,3 +172,86 @@ def test_a_conversion_that_computes_with_values_is_refused_naming_the_tensor(tmp
 def test_single_file_tensors_match_the_original_after_a_round_trip(weights, original_file):
     read = load_file(str(original_file))
     assert len(read) == len(weights)
+
+
+# -- a conversion that assembles tensors, through the whole loader -------------------------
+
+
+@pytest.fixture(scope="module")
+def swapped_file(weights, tmp_path_factory):
+    """The original-key file with the halves of every block matrix swapped, as Flux's and
+    HunyuanVideo's originals store their modulations (shift before scale)."""
+    from diffusers.loaders.single_file_utils import swap_scale_shift
+
+    from .conftest import original_name
+
+    stored = {}
+    for key, tensor in weights.items():
+        swapped = key.startswith("blocks.") and tensor.dim() == 2
+        stored[original_name(key)] = swap_scale_shift(tensor, 0) if swapped else tensor
+    path = tmp_path_factory.mktemp("swapped") / "wan_swapped.safetensors"
+    save_file(stored, str(path))
+    return path
+
+
+@pytest.fixture
+def swapping_conversion(monkeypatch):
+    """diffusers' Wan conversion, then the halves of every block matrix swapped back with
+    diffusers' swap_scale_shift: each such tensor is read as two byte ranges."""
+    from diffusers.loaders.single_file_utils import (
+        convert_wan_transformer_to_diffusers,
+        swap_scale_shift,
+    )
+
+    from ondeck.loading import single_file
+
+    def convert(checkpoint, **kwargs):
+        converted = convert_wan_transformer_to_diffusers(checkpoint, **kwargs)
+        for key, tensor in converted.items():
+            if key.startswith("blocks.") and tensor.dim() == 2:
+                converted[key] = swap_scale_shift(tensor, 0)
+        return converted
+
+    monkeypatch.setattr(single_file, "conversion_for", lambda cls: convert)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_assembled_tensors_load_in_place_under_each_policy(
+    base, swapped_file, swapping_conversion, reference, policy
+):
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": swapped_file})
+    assert isinstance(folder.tensors("transformer")["blocks.0.attn1.to_q.weight"], AssembledTensor)
+    pipe = load(base, policy, components={"transformer": swapped_file})
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference)
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+
+
+def test_assembled_tensors_load_pipelined(base, weights, swapped_file, swapping_conversion):
+    from ondeck.loading import ComponentLoader
+
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": swapped_file})
+    loader = ComponentLoader(folder, "transformer", dtype=torch.float32, pipelined=True)
+
+    module = loader()
+
+    state = module.state_dict()
+    for key, tensor in weights.items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_assembled_tensors_reload_from_the_host_cache(
+    base, swapped_file, swapping_conversion, reference, monkeypatch
+):
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    pipe = load(base, "release", components={"transformer": swapped_file}, host_cache=cache)
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference)
+    assert loader.last_source == "host cache"
