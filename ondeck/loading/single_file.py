@@ -35,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import LoadError
-from .folder import ModelFolder
+from .folder import TRUSTED_LIBRARIES, ModelFolder
 from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
 
 __all__ = [
@@ -175,11 +175,15 @@ class _Traced(torch.Tensor):
         return tree_map(wrap, result)
 
 
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{operator}__"
+    for operator in ("add sub mul matmul truediv floordiv mod pow and or xor lshift rshift".split())
+)
+
+
 def _is_in_place(name: str) -> bool:
-    if name in ("__setitem__", "copy_", "set_"):
+    if name in ("__setitem__", "copy_", "set_") or name in _IN_PLACE_OPERATORS:
         return True
-    if name.startswith("__i") and name.endswith("__"):
-        return True  # __iadd__, __imul__, ...
     return name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
 
 
@@ -360,10 +364,8 @@ class SingleFileFolder(ModelFolder):
     """
 
     def __init__(self, base: ModelFolder, files: Mapping[str, str | os.PathLike]):
-        super().__init__(
-            base.path, base.model_index, variant=base.variant, libraries=base.libraries[2:]
-        )
-        self.libraries = base.libraries
+        extra = [library for library in base.libraries if library not in TRUSTED_LIBRARIES]
+        super().__init__(base.path, base.model_index, variant=base.variant, libraries=extra)
         paths = {name: Path(os.fspath(path)).expanduser() for name, path in files.items()}
         # .gguf files load through diffusers' GGUF support (``ondeck.loading.quantized``).
         self.gguf_files = {n: p for n, p in paths.items() if single_file_kind(p) == "gguf"}
@@ -486,6 +488,11 @@ class SingleFileFolder(ModelFolder):
         return scales
 
 
+def _file_key(info: TensorInfo) -> str:
+    """The file tensor ``info`` reads from (a piece is named ``key[first:end]``)."""
+    return info.name.split("[")[0]
+
+
 def _is_scale_name(key: str) -> bool:
     return key.endswith(SCALE_SUFFIXES)
 
@@ -521,9 +528,7 @@ def _scale_owners(converted, scales, file_tensors, component, path) -> dict[str,
     for model_key, info in converted.items():
         if _is_scale_name(model_key):
             continue
-        sources = {piece.name.split("[")[0] for piece in getattr(info, "pieces", ())} or {
-            info.name.split("[")[0]
-        }
+        sources = {_file_key(piece) for piece in getattr(info, "pieces", ())} or {_file_key(info)}
         found = {scale_of[source] for source in sources if source in scale_of}
         if len(found) > 1 or (found and len(found) != len(sources)):
             raise LoadError(

@@ -69,3 +69,11 @@ def test_plan_with_a_single_file_reads_no_weights(capsys, base, original_file, m
 
     assert code in (0, 1), err
     assert "transformer" in out
+
+
+def test_sharding_with_a_single_file_is_refused_before_anything_loads(base, original_file):
+    from ondeck.errors import LoadError
+    from ondeck.folders import pipeline_for_folder
+
+    with pytest.raises(LoadError, match="leave out --transformer"):
+        pipeline_for_folder(base, components={"transformer": original_file}, shard=("transformer",))

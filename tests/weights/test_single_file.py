@@ -255,3 +255,21 @@ def test_assembled_tensors_reload_from_the_host_cache(
     assert np.array_equal(frames(pipe), reference)
     assert np.array_equal(frames(pipe), reference)
     assert loader.last_source == "host cache"
+
+
+def test_a_conversion_that_changes_a_tensor_in_place_is_refused(tmp_path):
+    from ondeck.loading import read_header
+
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(4, 3), "b": torch.randn(4)}, str(path))
+
+    def scaling(checkpoint, **kwargs):
+        weight = checkpoint.pop("w")
+        weight.mul_(2)
+        first, second = checkpoint.pop("b").chunk(2)  # unpacking a split is fine
+        return {"w": weight, "b0": first, "b1": second}
+
+    with pytest.raises(LoadError, match=r"computes tensor 'w' \(mul_ \(changes it in place"):
+        converted_tensors(
+            scaling, read_header(path).tensors, component="transformer", path=str(path)
+        )
