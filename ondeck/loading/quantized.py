@@ -149,13 +149,20 @@ class QuantizedComponentLoader:
         self.cls = self.folder.component_class(name)
         self.directory = self.folder.directory(name)
         if self.method == "gguf":
-            if library != "diffusers" or not hasattr(self.cls, "from_single_file"):
+            # A transformers model (a T5 text encoder) loads a given .gguf file through
+            # transformers' own GGUF support, which dequantizes it as it loads.
+            through_transformers = library == "transformers" and given is not None
+            if not through_transformers and (
+                library != "diffusers" or not hasattr(self.cls, "from_single_file")
+            ):
                 raise LoadError(
                     f"component '{name}': gguf weights load through diffusers' single-file "
                     f"loading, which {library}.{self.cls.__name__} does not have",
                     component=name,
                     path=str(config_path),
                 )
+            if through_transformers:
+                self.host_cache = None  # loaded dequantized: the file is what is small
             self.path = given if given is not None else _gguf_file(self.directory, name)
         else:
             self.host_cache = None
@@ -182,6 +189,8 @@ class QuantizedComponentLoader:
         if self._nbytes is None:
             if self.method == "gguf":
                 tensors = _gguf_tensors(self.path, self.name)
+                if self.library == "transformers":  # dequantized as it loads
+                    tensors = [(key, True, numel, stored) for key, _, numel, stored in tensors]
             else:
                 tensors = [
                     (key, info.dtype.is_floating_point, info.numel, info.nbytes)
@@ -218,6 +227,17 @@ class QuantizedComponentLoader:
         return module
 
     def _load(self) -> torch.nn.Module:
+        if self.method == "gguf" and self.library == "transformers":
+            self.last_source = "file"
+            options = {"torch_dtype": self.dtype, "local_files_only": True}
+            if self.device.type != "cpu":
+                options["device_map"] = {"": str(self.device)}
+            return self.cls.from_pretrained(
+                str(self.path.parent),
+                gguf_file=str(self.path),
+                config=self.cls.config_class.from_pretrained(str(self.directory)),
+                **options,
+            )
         if self.method == "gguf":
             from diffusers import GGUFQuantizationConfig
 

@@ -297,3 +297,43 @@ def gguf_file(gguf_base, tmp_path_factory):
     writer.write_tensors_to_file()
     writer.close()
     return path, with_transformer(gguf_base, root / "reference", exact)
+
+
+@pytest.fixture(scope="session")
+def text_encoder_gguf(base, tmp_path_factory) -> Path:
+    """The text encoder (UMT5) as a GGUF file in llama.cpp's names, its matrices Q8_0, as
+    city96's umt5-xxl GGUF files are written."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import UMT5EncoderModel
+
+    encoder = UMT5EncoderModel.from_pretrained(base / "text_encoder")
+    config = encoder.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5ENCODER, config.num_layers)
+    path = tmp_path_factory.mktemp("gguf-te") / "umt5-tiny-Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="t5encoder")
+    writer.add_name("umt5")
+    writer.add_context_length(512)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_block_count(config.num_layers)
+    writer.add_head_count(config.num_heads)
+    writer.add_key_length(config.d_kv)
+    writer.add_value_length(config.d_kv)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_relative_attn_buckets_count(config.relative_attention_num_buckets)
+    writer.add_vocab_size(config.vocab_size)
+    for key, tensor in encoder.state_dict().items():
+        if key == "encoder.embed_tokens.weight":
+            continue  # tied to shared
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        array = tensor.float().numpy()
+        if ".blk." in name and array.ndim == 2 and "rel_b" not in name:
+            quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

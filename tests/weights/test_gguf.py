@@ -124,3 +124,28 @@ def test_a_gguf_component_reloads_from_the_host_cache(
     assert np.array_equal(frames(pipe), gguf_reference)
     assert loader.last_source == "host cache"
     assert np.array_equal(frames(pipe), gguf_reference), "the entry outlives a release"
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+def test_a_gguf_text_encoder_loads_through_transformers(base, text_encoder_gguf, reference, policy):
+    import torch
+    from diffusers import WanPipeline
+    from references import in_fresh_tensors
+    from transformers import UMT5EncoderModel
+
+    encoder = UMT5EncoderModel.from_pretrained(
+        str(text_encoder_gguf.parent),
+        gguf_file=str(text_encoder_gguf),
+        config=UMT5EncoderModel.config_class.from_pretrained(base / "text_encoder"),
+        torch_dtype=torch.float32,
+    )
+    plain = WanPipeline.from_pretrained(base, text_encoder=encoder, dtype=torch.float32)
+    plain.set_progress_bar_config(disable=True)
+    expected = frames(in_fresh_tensors(plain))
+    assert not np.array_equal(expected, reference), "the Q8_0 encoder differs from the folder's"
+    pipe = load(base, policy, components={"text_encoder": text_encoder_gguf})
+    assert not ondeck.is_loaded(pipe.text_encoder)
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert pipe.ondeck.plan().component_bytes["text_encoder"] > 0
