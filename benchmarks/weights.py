@@ -32,6 +32,10 @@ run at most 1.06x eager; GGUF Q8_0 completes at 16 and 8 GiB (ondeck does not st
 blocks, so where the whole transformer does not fit it stops with a BudgetError before
 loading: the table says so); one LoRA under release at most 1.03x the run without.
 
+Run 1's frames of every mode are compared with eager's (same prompt and seed): the
+difference fp8, GGUF and the LoRA make against the bf16 folder, and 0 for a single file
+holding the same bf16 weights.
+
 Needs diffusers, transformers, gguf and peft where it runs (the writers, the eager
 reference and ondeck.diffusers all use them). Writes weights.json to $OUT and prints the
 table last.
@@ -42,8 +46,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -303,9 +309,15 @@ def run_mode(args) -> dict:
         started = time.perf_counter()
         try:
             generator = torch.Generator("cpu").manual_seed(run)
-            pipe(prompt, generator=generator, **shape)
+            output = pipe(prompt, generator=generator, **shape)
             if cuda:
                 torch.cuda.synchronize()
+            if run == 0:  # compared with eager's by the parent
+                import numpy as np
+
+                frames_path = Path(args.frames_dir) / f"{args.child}.npy"
+                np.save(frames_path, np.asarray(output.frames, dtype=np.float32))
+                result["frames_file"] = str(frames_path)
         except Exception as error:
             result["error"] = f"run {run + 1}: {type(error).__name__}: {error}".splitlines()[0]
             break
@@ -404,6 +416,24 @@ def summarise(rows: dict) -> dict:
     }
 
 
+def frame_differences(rows: dict) -> dict:
+    """Run 1's frames of each mode against eager's (the bf16 folder): max and mean
+    absolute difference, pixels in [0, 1]. The same prompt and seed for every mode."""
+    import numpy as np
+
+    reference = rows.get("eager", {}).get("frames_file")
+    if not reference:
+        return {}
+    expected = np.load(reference)
+    differences = {}
+    for mode, row in rows.items():
+        if mode == "eager" or not row.get("frames_file"):
+            continue
+        difference = np.abs(np.load(row["frames_file"]) - expected)
+        differences[mode] = {"max": float(difference.max()), "mean": float(difference.mean())}
+    return differences
+
+
 def print_table(rows: dict, summary: dict) -> None:
     print()
     print(f"{'mode':<17} {'runs 2+ s':>9} {'x eager':>8} {'peak GiB':>9}  transformer from / note")
@@ -443,6 +473,10 @@ def print_table(rows: dict, summary: dict) -> None:
     print(
         f"recompile seconds per reload            {shown(summary['recompile_seconds_per_reload'])}"
     )
+    print()
+    print("frames of run 1 against eager's (bf16 folder): max / mean absolute difference")
+    for mode, difference in summary.get("frames_vs_eager", {}).items():
+        print(f"  {mode:<17} {difference['max']:.3e} / {difference['mean']:.3e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -455,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="a tiny folder: smoke-test the modes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--files", help=argparse.SUPPRESS)
+    parser.add_argument("--frames-dir", help=argparse.SUPPRESS)
     return parser
 
 
@@ -472,6 +507,7 @@ def main(argv: list[str] | None = None) -> None:
 
         folder, _ = ready_wan14b_folder(Path(args.folder))
     files = {key: str(path) for key, path in write_files(folder, folder.parent / "files").items()}
+    frames_dir = Path(tempfile.mkdtemp(prefix="ondeck-weights-frames-"))
     rows = {}
     for mode in modes:
         child = [
@@ -482,10 +518,13 @@ def main(argv: list[str] | None = None) -> None:
             "--runs", str(args.runs),
             "--reload-attempts", str(args.reload_attempts),
             "--device", args.device,
+            "--frames-dir", str(frames_dir),
         ] + (["--tiny"] if args.tiny else [])  # fmt: skip
         rows[mode] = run_child(child, timeout=MODES[mode][1] * 60 * (1 if not args.tiny else 2))
         print(f"{mode}: {later(rows[mode]) or rows[mode].get('error')}", flush=True)
     summary = summarise(rows)
+    summary["frames_vs_eager"] = frame_differences(rows)
+    shutil.rmtree(frames_dir, ignore_errors=True)
     path = write_document("weights", {"rows": rows, "summary": summary, "files": files})
     print(f"wrote {path}")
     print_table(rows, summary)
