@@ -24,6 +24,8 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	# The loading tests again on the portable read path (no os.preadv, no reading processes).
+	ONDECK_READ_PATH=portable $(PY) -m pytest -q tests/loading
 
 test-gpu: $(if $(filter $(PY),$(PYTHON_GPU)),$(STAMP))
 	$(PYTHON_GPU) -m pytest -q -m gpu $(GPU_TESTS)

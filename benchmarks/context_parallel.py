@@ -69,13 +69,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     GiB,
+    count_reads,
     emit,
     folder_bytes,
     out_dir,
     parse_modes,
     ready_wan14b_folder,
+    run_variant,
 )
-from sharded import count_reads, run_variant  # noqa: E402
 
 HERE = Path(__file__).resolve()
 PROMPTS = [

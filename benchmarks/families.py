@@ -1,7 +1,11 @@
 """The general path on every card: a folder through ``ondeck.diffusers.from_pretrained``
 with no policy argument, against diffusers eager in the same call.
 
-    python benchmarks/families.py [--folder DIR] [--cards full,24,16,8] [--runs 3]
+    python benchmarks/families.py [--family wan|sd35] [--folder DIR] [--cards full,24,16,8]
+
+``--family sd35``: an SD3.5-Large-shaped folder (an 8B MMDiT, CLIP-L, CLIP-G and T5-XXL
+text encoders, random weights, letter tokenizers: no download), 1024x1024, 8 steps,
+the same modes and table.
 
 Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 480x832,
 33 frames, 4 steps, three prompts per mode, each mode in its own process
@@ -24,9 +28,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, later_seconds, out_dir, ready_wan14b_folder, run_child  # noqa: E402
-from defaults import card_label, chosen_policy, peak_reserved  # noqa: E402
-from wan_suite import wan_modes_command  # noqa: E402
+from common import (  # noqa: E402
+    GiB,
+    PeakSampler,
+    decode_report,
+    emit,
+    folder_bytes,
+    later_seconds,
+    out_dir,
+    peak_reserved,
+    peak_rss_bytes,
+    ready_wan14b_folder,
+    reset_peak_rss,
+    rss_bytes,
+    run_child,
+    wan_modes_command,
+    warm_page_cache,
+)
+from policies import card_label, chosen_policy  # noqa: E402
 
 
 def transfer_floor(row: dict) -> str:
@@ -48,22 +67,198 @@ def decoded(row: dict) -> str:
     return text + (f", {last['retries']} retried" if last.get("retries") else "")
 
 
+def build_sd35_folder(path: Path) -> Path:
+    """SD3.5 Large's shapes with random bf16 weights, as the pipeline saves them."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        ByT5Tokenizer,
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    if (path / "model_index.json").exists():
+        return path
+
+    def clip(hidden: int, layers: int, heads: int, act: str):
+        config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=hidden, intermediate_size=4 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads, projection_dim=hidden,
+            max_position_embeddings=77, hidden_act=act, bos_token_id=0, eos_token_id=1,
+            pad_token_id=1,
+        )  # fmt: skip
+        return CLIPTextModelWithProjection(config)
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        vocab.update({f"{c}{suffix}": len(vocab) for c in "abcdefghijklmnopqrstuvwxyz"})
+    with torch.device("cuda"):
+        parts = dict(
+            transformer=SD3Transformer2DModel(
+                sample_size=128, patch_size=2, in_channels=16, num_layers=38,
+                attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
+                caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+                pos_embed_max_size=192, qk_norm="rms_norm",
+            ),
+            text_encoder=clip(768, 12, 12, "quick_gelu"),
+            text_encoder_2=clip(1280, 32, 20, "gelu"),
+            text_encoder_3=T5EncoderModel(
+                T5Config(
+                    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                    num_heads=64, feed_forward_proj="gated-gelu",
+                )
+            ),
+            vae=AutoencoderKL(
+                in_channels=3, out_channels=3, latent_channels=16,
+                down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
+                use_post_quant_conv=False, sample_size=1024,
+            ),
+        )  # fmt: skip
+    with torch.no_grad():
+        for module in parts.values():
+            module.to(torch.bfloat16)
+            for parameter in module.parameters():
+                parameter.normal_(0, 0.02)
+    StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        tokenizer=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77),
+        tokenizer_2=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77),
+        tokenizer_3=ByT5Tokenizer(),
+        **parts,
+    ).save_pretrained(path, max_shard_size="5GB")
+    del parts
+    torch.cuda.empty_cache()
+    return path
+
+
+IMAGE_PROMPTS = ["a red fox in fresh snow", "a grey heron in a misty river", "a neon street"]
+
+
+def image_child(args) -> None:
+    """One mode of the image family, in this process: prints its RESULT line."""
+    import torch
+
+    if args.memory_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * GiB / total))
+    import diffusers
+
+    import ondeck.diffusers
+
+    result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
+    reset_peak_rss()
+    started = time.perf_counter()
+    try:
+        if args.child == "diffusers-eager":
+            pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(
+                args.folder, torch_dtype=torch.bfloat16
+            ).to("cuda")
+            runtime = None
+        else:
+            options = {"policy": "release"} if args.child.endswith("release") else {}
+            pipe = ondeck.diffusers.from_pretrained(
+                args.folder, torch_dtype=torch.bfloat16, device="cuda", progress=False, **options
+            )
+            runtime = pipe.ondeck
+            result["policy_reason"] = runtime.policy.reason
+            plan = runtime.plan()
+            result["predicted_peak_bytes"] = plan.peak_bytes
+            if plan.streamed:
+                print(plan, file=sys.stderr, flush=True)
+                result["planned_streaming"] = {
+                    name: {
+                        "bytes_per_pass": layout.bytes_per_pass,
+                        "predicted_seconds_per_pass": layout.transfer_seconds(
+                            plan.transfer_bytes_per_second or 0
+                        ),
+                    }
+                    for name, layout in plan.streamed.items()
+                }
+        pipe.set_progress_bar_config(disable=True)
+        result["setup_seconds"] = time.perf_counter() - started
+        for run, prompt in enumerate(IMAGE_PROMPTS[: args.runs]):
+            started = time.perf_counter()
+            with PeakSampler(torch.cuda.memory_reserved) as sampler:
+                images = pipe(
+                    prompt,
+                    height=1024,
+                    width=1024,
+                    num_inference_steps=args.steps,
+                    guidance_scale=5.0,
+                    generator=torch.Generator("cpu").manual_seed(run),
+                    output_type="np",
+                ).images
+                torch.cuda.synchronize()
+            row = {
+                "seconds": time.perf_counter() - started,
+                "sampled_peak_reserved_bytes": sampler.peak,
+                "rss_bytes": rss_bytes(),
+                "image_mean": float(images.mean()),
+            }
+            if runtime is not None:
+                row["decode"] = decode_report(runtime)
+                row["exposed_load_seconds"] = runtime.tracker.exposed_load_seconds(run + 1)
+            result["runs"].append(row)
+            print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr)
+    except Exception as error:
+        import traceback
+
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+        result["traceback"] = traceback.format_exc()[-3000:]
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    emit(result)
+
+
+def image_command(folder: Path, mode: str, runs: int, steps: int, memory: int | None) -> list:
+    command = [__file__, "--child", mode, "--folder", str(folder), "--runs", str(runs)]
+    command += ["--steps", str(steps)]
+    return command + (["--memory-gib", str(memory)] if memory else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", default=os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved"))
+    parser.add_argument("--family", choices=["wan", "sd35"], default="wan")
+    parser.add_argument("--folder")
     parser.add_argument("--cards", default="full,24,16,8")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="sd35: denoising steps")
     parser.add_argument("--no-release", action="store_true")
+    parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        image_child(args)
+        return
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
-    path, sizes = ready_wan14b_folder(Path(args.folder))
+    if args.family == "wan":
+        folder = args.folder or os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved")
+        path, sizes = ready_wan14b_folder(Path(folder))
+    else:
+        path = build_sd35_folder(Path(args.folder or "/tmp/sd35"))
+        sizes = folder_bytes(path)
+        print(
+            f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v)
+        )
+        warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
     rows: list[dict] = []
 
     def write() -> None:
         document = {
-            "family": "wan2.1-14b",
+            "family": args.family,
             "folder_bytes": sizes,
             "rows": rows,
             "date": time.strftime("%Y-%m-%d"),
@@ -71,15 +266,17 @@ def main() -> None:
         }
         (out_dir() / "families.json").write_text(json.dumps(document, indent=2, default=str))
 
-    plan = [("diffusers-eager", "full")]
+    plan = [] if args.no_eager else [("diffusers-eager", "full")]
     plan += [("ondeck-diffusers", card) for card in args.cards.split(",") if card]
     if not args.no_release:
         plan.append(("ondeck-diffusers-release", "full"))
     for mode, card in plan:
         memory = None if card == "full" else int(card)
-        row = run_child(
-            wan_modes_command(path, mode, args.runs, memory_gib=memory), timeout=args.timeout
-        )
+        if args.family == "wan":
+            command = wan_modes_command(path, mode, args.runs, memory_gib=memory)
+        else:
+            command = image_command(path, mode, args.runs, args.steps, memory)
+        row = run_child(command, timeout=args.timeout)
         row.update(mode=mode, card=card)
         rows.append(row)
         runs = ", ".join(f"{r['seconds']:.1f}" for r in row.get("runs", []))

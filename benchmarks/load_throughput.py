@@ -103,7 +103,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from ondeck.loading import ComponentLoader, HostCache, ModelFolder, reader
+    from ondeck.loading import ComponentLoader, HostCache, ModelFolder, reads
 
     started = time.perf_counter()
     folder_path = build_transformer_folder(Path(args.folder), num_layers=args.layers)
@@ -210,7 +210,7 @@ def main() -> None:
     warm, warm_rss = ondeck_runs(lambda: None, args.repeats)
     record("ondeck, warm page cache", warm, rss_added=warm_rss, readers=loader.last_readers)
     buffer_bytes, buffer_count = (
-        reader.PROCESS_RING if loader.last_readers == "processes" else reader.THREAD_RING
+        reads.PROCESS_RING if loader.last_readers == "processes" else reads.THREAD_RING
     )
     ring_bytes = buffer_bytes * buffer_count
 

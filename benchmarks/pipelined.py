@@ -17,7 +17,7 @@ libraries and touches CUDA, so the first mode starts as warm as the others:
     budget-8       ondeck budget on a card emulated at 8 GiB, 64 GiB host cache
     mmgp-1         mmgp profile 1 (every model pinned in host memory, swapped in whole)
     mmgp-2         mmgp profile 2 (pinned, blocks streamed within its budget); both need
-                   mmgp 3.8.2 and optimum-quanto installed (benchmarks/vs_mmgp.py)
+                   mmgp 3.8.2 and optimum-quanto installed (benchmarks/compare.py)
 
 Every mode runs with ONDECK_RESET_PEAKS=1, as ``ondeck generate`` runs: each stage's
 activation peak is measured (and stored), which the release policy needs to know that
@@ -50,12 +50,12 @@ from common import (  # noqa: E402
     GiB,
     later_seconds,
     out_dir,
+    peak_reserved,
     ready_wan14b_folder,
     run_child,
+    wan_modes_command,
     warm_libraries,
 )
-from defaults import peak_reserved  # noqa: E402
-from wan_suite import wan_modes_command  # noqa: E402
 
 # name: (wan_modes mode, emulated GiB, extra options)
 MODES = {

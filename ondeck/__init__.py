@@ -4,10 +4,12 @@ Importing ondeck does not import diffusers; ``import ondeck.diffusers`` does.
 """
 
 from .errors import BudgetError, ConcurrentRunError, LoadError, OndeckError
-from .folders import plan  # ``ondeck.plan`` is this function, not the module plan.py
+from .folder_pipelines import (
+    plan,  # ``ondeck.plan`` is this function; the module is ondeck.planning
+)
 from .lazy import ComponentSpec, LazyModule, is_lazy, is_loaded
 from .memory import format_bytes, parse_bytes
-from .plan import Plan
+from .planning import Plan
 from .policy import BudgetPolicy, EagerPolicy, Policy, ReleasePolicy
 from .stages import Pipeline, Stage
 from .tracker import MemoryTracker

@@ -15,13 +15,13 @@ from typing import Any
 
 # embedded_default, pipeline_for_folder and write_video are called through their modules,
 # where tests replace them.
-from . import distributed, folders, output
+from . import distributed, folder_pipelines, output
 from . import embedded as embedded_module
 from .errors import LoadError, OndeckError
 from .hub import resolve_model
 from .lazy import loader_of
-from .loading import HostCache, ModelFolder
-from .loading.storage import parse_storage_dtype
+from .loading import FolderLoader, HostCache, ModelFolder
+from .loading.fp8 import parse_storage_dtype
 from .memory import format_bytes, parse_bytes, resolve_device
 from .output import (
     OutputError,
@@ -509,7 +509,7 @@ def _pipeline(args: argparse.Namespace, path: Path) -> Any:
         raise UsageError(
             f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
         )
-    pipe = folders.pipeline_for_folder(
+    pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
         dtype=_dtype(args.dtype, device),
@@ -763,7 +763,11 @@ def _stored_names(pipe: Any, weights: Any) -> str:
     loaders = getattr(pipe, "loaders", None) or {
         name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
     }
-    names = [n for n, loader in loaders.items() if getattr(loader, "storage_dtype", None)]
+    names = [
+        n
+        for n, loader in loaders.items()
+        if isinstance(loader, FolderLoader) and loader.storage_dtype is not None
+    ]
     if names:
         return ", ".join(names)
     return ", ".join(weights) if isinstance(weights, dict) else "none"

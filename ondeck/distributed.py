@@ -14,6 +14,7 @@ import os
 from typing import Any, NoReturn
 
 from .errors import OndeckError
+from .loading.folder_loader import FolderLoader
 from .memory import process_peak_rss_bytes
 
 __all__ = [
@@ -232,9 +233,7 @@ def rank_summary(pipeline: Any) -> dict[str, Any]:
     """This rank's memory and disk figures: what the tracker saw and what the loaders read."""
     tracker = pipeline.tracker
     loaders = getattr(pipeline, "loaders", None) or {}
-    bytes_read = {
-        name: getattr(loader, "bytes_read", None) for name, loader in sorted(loaders.items())
-    }
+    bytes_read = {name: _bytes_read(loader) for name, loader in sorted(loaders.items())}
     # Each stage's largest activation peak (device bytes allocated beyond the weights);
     # None where it was not measured (on CPU).
     activations: dict[str, int | None] = {}
@@ -261,6 +260,11 @@ def rank_summary(pipeline: Any) -> dict[str, Any]:
             None if not bytes_read or None in bytes_read.values() else sum(bytes_read.values())
         ),
     }
+
+
+def _bytes_read(loader: Any) -> int | None:
+    """What a loader has read from the files; None where it does not count."""
+    return loader.bytes_read if isinstance(loader, FolderLoader) else None
 
 
 def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | None:
@@ -290,7 +294,7 @@ def merged_report(pipeline: Any, report: dict[str, Any]) -> dict[str, Any] | Non
         "sharded": sorted(
             name
             for name, loader in (getattr(pipeline, "loaders", None) or {}).items()
-            if getattr(loader, "mesh", None) is not None
+            if isinstance(loader, FolderLoader) and loader.mesh is not None
         ),
         "ranks": gathered,
     }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import LoadError
+from .loader import as_loader
 
 __all__ = [
     "ComponentSpec",
@@ -357,7 +358,7 @@ class LazyModule:
         setter(self, "_ondeck_pins", {})
         setter(self, "_ondeck_pins_changed", threading.Condition(threading.RLock()))
         setter(self, "_ondeck_load_count", 0)
-        setter(self, "_ondeck_free_storage", bool(getattr(loader, "returns_fresh_module", False)))
+        setter(self, "_ondeck_free_storage", bool(as_loader(loader).returns_fresh_module))
         setter(self, "_ondeck_filling", None)
 
     # -- what is known without loading ------------------------------------------------
@@ -488,10 +489,9 @@ class LazyModule:
     def _run_loader(self, name: str, complete: bool = True) -> tuple[Any, Any]:
         """The loaded module with transforms and replayed calls applied, and the filling
         still bringing its weights in (None when they are all in place)."""
-        loader = object.__getattribute__(self, "_ondeck_loader")
-        begin = None if complete else getattr(loader, "begin", None)
+        loader = as_loader(object.__getattribute__(self, "_ondeck_loader"))
         try:
-            module, filling = begin() if begin is not None else (loader(), None)
+            module, filling = (loader(), None) if complete else loader.begin()
         except LoadError as error:
             if error.component is None:
                 error.component = name
@@ -583,9 +583,8 @@ class LazyModule:
             lambda fn=fn: _call_with_optional_module(fn, module)
             for fn in object.__getattribute__(self, "_ondeck_release_callbacks")
         ]
-        unload = getattr(object.__getattribute__(self, "_ondeck_loader"), "unload", None)
-        if unload is not None:
-            hooks.append(lambda: unload(module))
+        unload = as_loader(object.__getattribute__(self, "_ondeck_loader")).unload
+        hooks.append(lambda: unload(module))
         for hook in hooks:
             try:
                 hook()

@@ -2,7 +2,7 @@
 
 A policy decides from a ``Snapshot`` of the pipeline and answers with ``Steps``; the
 executor (``executor.py``) carries them out. Decisions about budgets come from the
-pure functions in ``plan.py``, the same ones the plan simulates, so the plan predicts
+pure functions in ``planning.py``, the same ones the plan simulates, so the plan predicts
 what the run does.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from . import memory
 from .errors import BudgetError
 from .memory import format_bytes, parse_bytes
-from .plan import (
+from .planning import (
     Plan,
     budget_step,
     build_plan,

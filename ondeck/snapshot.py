@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .plan import StageUse
+from .planning import StageUse
 
 __all__ = ["Snapshot", "Steps"]
 

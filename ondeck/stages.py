@@ -23,8 +23,9 @@ from .lazy import (
     loader_of,
     pinned,
 )
+from .loader import as_loader
 from .memory import parse_bytes, resolve_device
-from .plan import Plan, StageUse, release_schedule
+from .planning import Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
@@ -293,7 +294,14 @@ class Pipeline:
 
     def plan(self, budget: int | str | None = None) -> Plan:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
-        return self.policy.plan_for(self.snapshot(), parse_bytes(budget))
+        planned = self.policy.plan_for(self.snapshot(), parse_bytes(budget))
+        streaming = getattr(self.policy, "streaming", None)
+        runs = self.tracker.runs
+        if streaming is not None and runs:
+            for name, stats in streaming.stats().items():
+                if name in planned.streamed and stats["passes"]:
+                    planned.passes_per_call[name] = stats["passes"] / runs
+        return planned
 
     def snapshot(
         self, *, needs_components: bool = True, later_unneeded: frozenset[int] = frozenset()
@@ -645,9 +653,9 @@ def _is_loader(value: Any) -> bool:
 
 
 def _upcast(loader: Any) -> int:
-    """A loader's ``upcast_bytes`` (0 for loaders without one). A folder that cannot be
+    """A loader's ``upcast_bytes`` (0 for a plain callable). A folder that cannot be
     read plans as if nothing were stored: its load reports what is wrong with it."""
     try:
-        return int(getattr(loader, "upcast_bytes", 0) or 0)
+        return int(as_loader(loader).upcast_bytes or 0)
     except Exception:
         return 0

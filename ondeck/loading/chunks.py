@@ -43,7 +43,7 @@ class ReadJob:
     destination: torch.Tensor
     capture: torch.Tensor | None = None
     # A dtype a cast rounds through on its way to the destination's: a float32 file
-    # stored in fp8 is rounded as its bfloat16 model would be (``loading.storage``).
+    # stored in fp8 is rounded as its bfloat16 model would be (``loading.fp8``).
     via: torch.dtype | None = None
 
 

@@ -13,10 +13,12 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages, free_storage
-from . import reader, storage
+from . import fp8, reads
 from .blocks import find_blocks
-from .folder import ModelFolder
-from .host_cache import HostCache
+from .folder_loader import FolderLoader, open_folder
+from .host_cache import HostCache, component_key
+from .model_folder import ModelFolder
+from .options import LoadOptions
 from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
@@ -27,7 +29,7 @@ from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_ten
 __all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
 
 
-class ComponentLoader:
+class ComponentLoader(FolderLoader):
     """A zero-argument loader for one model component, usable as a ``LazyModule`` loader.
 
     Each call builds the module on the meta device, allocates every tensor directly on
@@ -49,12 +51,9 @@ class ComponentLoader:
 
     ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
     would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
-    ``dtype`` for its forward (``ondeck.loading.storage``). A checkpoint saved in float8
+    ``dtype`` for its forward (``ondeck.loading.fp8``). A checkpoint saved in float8
     stays so by default.
     """
-
-    # Each call builds a new module, so a LazyModule may free its storage on release.
-    returns_fresh_module = True
 
     def __init__(
         self,
@@ -72,10 +71,16 @@ class ComponentLoader:
         pipelined: bool | None = None,
         storage_dtype: torch.dtype | str | None = None,
     ):
-        self.folder = _open_folder(folder, name)
-        self.name = name
-        self.device = torch.device(device)
-        self.dtype, self.storage_dtype = storage.resolve(
+        options = LoadOptions(
+            device=device,
+            dtype=dtype,
+            host_cache=host_cache,
+            progress=progress,
+            pipelined=pipelined,
+            storage_dtype=storage_dtype,
+        )
+        super().__init__(folder, name, options)
+        self.dtype, self.storage_dtype = fp8.resolve(
             self.folder, name, dtype, storage_dtype, self.device
         )
         # Stored because the file holds float8, not by the caller's choice: the tensors
@@ -83,21 +88,14 @@ class ComponentLoader:
         self._as_saved = storage_dtype is None and self.storage_dtype is not None
         self._stored_template: Any = None
         self._upcast_bytes: tuple[Skeleton, int] | None = None
-        self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
-        self.progress = progress
         self.threads = threads
         self.buffer_bytes = buffer_bytes
         self.buffer_count = buffer_count
         self.placement = placement
-        self.pipelined = pipelined
         self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
-        self.last_load_bytes = 0
-        self.last_load_seconds = 0.0
         # The reads and copies alone (a pipelined load: from its first group's to the end
         # of its last), without building the module.
         self.last_read_seconds = 0.0
-        self.last_source: str | None = None
-        self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 
     def __repr__(self) -> str:
         stored = f", stored in {self.storage_dtype}" if self.storage_dtype is not None else ""
@@ -124,7 +122,7 @@ class ComponentLoader:
         known = self._upcast_bytes
         if known is None or known[0] is not template:
             _, _, layers, kept = self._stored_template
-            largest = storage.largest_upcast_bytes(template, layers, kept, self.dtype)
+            largest = fp8.largest_upcast_bytes(template, layers, kept, self.dtype)
             known = self._upcast_bytes = (template, largest)
         return known[1]
 
@@ -135,13 +133,13 @@ class ComponentLoader:
         if self.storage_dtype is None:
             return template
         if self._stored_template is None or self._stored_template[0] is not template:
-            stored, layers = storage.stored_tensors(
+            stored, layers = fp8.stored_tensors(
                 template.module, template.library, self.storage_dtype, self.dtype
             )
             if self._as_saved:
                 sources = match_tensors(template, self.folder.tensors(self.name), self.name)
-                stored, layers = storage.as_saved(template.module, stored, layers, sources)
-            kept = storage.kept_layers(template.module, self.dtype)
+                stored, layers = fp8.as_saved(template.module, stored, layers, sources)
+            kept = fp8.kept_layers(template.module, self.dtype)
             self._stored_template = (template, template.with_stored(stored), layers, kept)
         return self._stored_template[1]
 
@@ -201,18 +199,8 @@ class ComponentLoader:
                 [sources[i][1].nbytes for i in on_device],
                 path,
             )
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
+            filling = self._start_filling(jobs, groups, key, raw, started, template, other)
             self.last_load_bytes += placed_bytes
-            filling = start_filling(
-                self.name,
-                [[jobs[i] for i in group] for group in groups],
-                fill,
-                finished,
-                device=self.device,
-                started=started,
-                fill_all=fill_all,
-                then=functools.partial(self._prepare_spare, template),
-            )
             jobs = None  # the filling holds each group until it is read
             skeleton = self._take_skeleton(template)
             _install(skeleton, sources, values, self.device, allocated)
@@ -223,18 +211,61 @@ class ComponentLoader:
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
-            if filling is not None:
-                filling.cancel()
-            if placement is not None:
-                placement.abort()
-            for tensor in allocated:
-                free_storage(tensor)
-            tensor = None  # noqa: F841
-            allocated.clear()
+            self._give_back(error, allocated=allocated, filling=filling, placement=placement)
             module = skeleton = values = filling = None  # noqa: F841
-            traceback.clear_frames(error.__traceback__)
             raise
         return module, filling
+
+    def _start_filling(
+        self,
+        jobs: list[reads.ReadJob],
+        groups: list[list[int]],
+        key: Any,
+        raw: Any,
+        started: float,
+        template: Skeleton,
+        other: Any = None,
+    ) -> Filling:
+        """Start the filling of a pipelined load: ``groups`` of ``jobs`` (their indices),
+        read behind the compute; ``key``, ``raw`` and ``other`` as ``_cached`` found them.
+        Once the load has ended, the filling's thread builds the next load's skeleton."""
+        fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
+        return start_filling(
+            self.name,
+            [[jobs[i] for i in group] for group in groups],
+            fill,
+            finished,
+            device=self.device,
+            started=started,
+            fill_all=fill_all,
+            then=functools.partial(self._prepare_spare, template),
+        )
+
+    @staticmethod
+    def _give_back(
+        error: BaseException,
+        *,
+        allocated: list[torch.Tensor] | None = None,
+        module: torch.nn.Module | None = None,
+        filling: Filling | None = None,
+        placement: Any = None,
+    ) -> None:
+        """After a load that failed with ``error``: stop its filling, let the placement
+        take back what it gave, free every tensor the load allocated (or the whole
+        ``module``), and clear the frames of the error's traceback, which would otherwise
+        keep that memory alive for as long as the caller keeps the error. The caller
+        drops its own references to the half-built module."""
+        if filling is not None:
+            filling.cancel()
+        if placement is not None:
+            placement.abort()
+        for tensor in allocated or ():
+            free_storage(tensor)
+        if allocated:
+            allocated.clear()
+        if module is not None:
+            free_module_storages(module)
+        traceback.clear_frames(error.__traceback__)
 
     def _take_skeleton(self, template: Skeleton) -> Skeleton:
         """A fresh skeleton to fill: the one the last pipelined load left ready, else one
@@ -264,7 +295,7 @@ class ComponentLoader:
 
     def _group_filler(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         key: Any,
         raw: Any,
         started: float,
@@ -295,10 +326,10 @@ class ComponentLoader:
             if captured is not None:
                 for job in reading:
                     job.capture = captured[job.info.name]
-        bar = reader.progress_bar(total, self.progress, self.name, self.last_source)
+        bar = reads.progress_bar(total, self.progress, self.name, self.last_source)
         first_read: list[float] = []
 
-        def fill(group: list[reader.ReadJob]) -> None:
+        def fill(group: list[reads.ReadJob]) -> None:
             if not first_read:
                 first_read.append(time.perf_counter())
             stats = self._copy_and_read(group, held, bar=bar)
@@ -306,7 +337,7 @@ class ComponentLoader:
                 self.last_readers = stats.readers
             self.last_read_seconds = time.perf_counter() - first_read[0]
 
-        def fill_all(groups: list[list[reader.ReadJob]], reached) -> None:
+        def fill_all(groups: list[list[reads.ReadJob]], reached) -> None:
             """Everything from the files: one read for all groups."""
             first_read.append(time.perf_counter())
 
@@ -331,7 +362,7 @@ class ComponentLoader:
             elif kept and not reading and error is None:
                 cache.commit(key, {}, replacing=replacing, kept=kept)
             if stored is not None and error is None:
-                storage.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
+                fp8.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
 
         return fill, (fill_all if not held else None), finished
@@ -354,7 +385,7 @@ class ComponentLoader:
             key, raw, other = self._cached(tensors, placement)
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
-                copy = reader.HostCopy(
+                copy = reads.HostCopy(
                     sum(t.numel() for t in raw.values()),
                     progress=self.progress,
                     component=self.name,
@@ -391,17 +422,9 @@ class ComponentLoader:
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
-            if placement is not None:
-                placement.abort()
-            # Give the memory back now, and drop the half-built module: the traceback's
-            # frames would otherwise keep it alive for as long as the caller keeps the error.
-            for tensor in allocated:
-                free_storage(tensor)
-            tensor = None  # noqa: F841 - this frame is the one clear_frames cannot reach
-            allocated.clear()
+            self._give_back(error, allocated=allocated, placement=placement)
             built.clear()
             module = jobs = values = None  # noqa: F841
-            traceback.clear_frames(error.__traceback__)
             raise
         self.last_load_seconds = time.perf_counter() - started
         return module
@@ -419,7 +442,7 @@ class ComponentLoader:
         scaled = {name.rpartition(".")[0] for name in scales}
         if self.storage_dtype is not None:
             _, _, layers, kept = self._stored_template
-            storage.upcast_for_compute(
+            fp8.upcast_for_compute(
                 module,
                 template.library,
                 self.storage_dtype,
@@ -431,7 +454,7 @@ class ComponentLoader:
                 kept=kept,
             )
         if scales:
-            storage.apply_weight_scales(module, scales, self.storage_dtype, self.dtype, self.device)
+            fp8.apply_weight_scales(module, scales, self.storage_dtype, self.dtype, self.device)
 
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""
@@ -446,7 +469,7 @@ class ComponentLoader:
         cache = self.host_cache
         if cache is None:
             return None, None, None
-        key = _cache_key(self.folder, self.name, tensors)
+        key = component_key(self.folder.path, self.name, tensors)
         if self.storage_dtype is not None:
             key = (*key, ("stored", str(self.storage_dtype), str(self.dtype)))
         component_length = len(key)
@@ -457,31 +480,31 @@ class ComponentLoader:
         other = cache.other_placement(key, component_length) if raw is None else None
         return key, raw, other
 
-    def _from_other(self, jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+    def _from_other(self, jobs: list[reads.ReadJob], other: Any) -> dict[str, torch.Tensor]:
         """The tensors of ``jobs`` that ``other`` (an entry of another placement) holds, as
         this load can use them: all or, for stored (fp8) bytes, kept only when whole."""
         kept = _held_by(jobs, other)
         if self.storage_dtype is not None and len(kept) < len(jobs):
-            return {}  # stored bytes are kept after a whole read (storage.keep_in_cache)
+            return {}  # stored bytes are kept after a whole read (fp8.keep_in_cache)
         return kept
 
-    def _fill_placed(self, placed: list[reader.ReadJob], other: Any) -> reader.ReadStats:
+    def _fill_placed(self, placed: list[reads.ReadJob], other: Any) -> reads.ReadStats:
         """Fill the placement's own memory (streamed blocks' host copies). A block that
         starts streaming after a re-plan was resident before: ``other``, this component's
         cache entry of the last placement, holds its bytes, and they are copied from
         there, not read again (in fp8, not cast again on the CPU)."""
         return self._copy_and_read(placed, _held_by(placed, other))
 
-    def _cached_info(self, job: reader.ReadJob) -> TensorInfo:
+    def _cached_info(self, job: reads.ReadJob) -> TensorInfo:
         """How the host cache holds a tensor: as in the file, or as stored (fp8) when the
         component keeps a storage dtype."""
         if self.storage_dtype is None:
             return job.info
-        return storage.as_held(job.info, job.destination)
+        return fp8.as_held(job.info, job.destination)
 
     def _read_files(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         key: Any,
         while_reading: Callable[[], None],
         other: Any = None,
@@ -509,18 +532,18 @@ class ComponentLoader:
                 cache.discard(key)
             raise
         if stored:
-            storage.keep_in_cache(cache, key, reading, replacing=replacing, kept=kept)
+            fp8.keep_in_cache(cache, key, reading, replacing=replacing, kept=kept)
         elif captured is not None or (kept and not reading):
             cache.commit(key, captured or {}, replacing=replacing, kept=kept)
         self._record(stats)
 
     def _copy_and_read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         held: dict[str, torch.Tensor],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
+    ) -> reads.ReadStats:
         """Copy the jobs whose tensors the host cache holds (``held``) into their
         destinations while the others are read from the files."""
         if not held:
@@ -528,9 +551,9 @@ class ComponentLoader:
         reading = [job for job in jobs if job.info.name not in held]
         if bar is None:
             total = sum(job.info.nbytes for job in jobs if job.info.name in held)
-            copy = reader.HostCopy(total, progress=self.progress, component=self.name)
+            copy = reads.HostCopy(total, progress=self.progress, component=self.name)
         else:
-            copy = reader.HostCopy(0, component=self.name, bar=bar)
+            copy = reads.HostCopy(0, component=self.name, bar=bar)
         try:
             for job in jobs:
                 if job.info.name in held:
@@ -543,16 +566,16 @@ class ComponentLoader:
 
     def _read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         while_reading: Callable[[], None] | None = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
-        return reader.read_into(jobs, bar=bar, while_reading=while_reading, **self._read_options())
+    ) -> reads.ReadStats:
+        return reads.read_into(jobs, bar=bar, while_reading=while_reading, **self._read_options())
 
     def _read_in_groups(
-        self, groups: list[list[reader.ReadJob]], reached: Callable[[int], None], bar: Any
-    ) -> reader.ReadStats:
-        return reader.read_in_groups(groups, reached, bar=bar, **self._read_options())
+        self, groups: list[list[reads.ReadJob]], reached: Callable[[int], None], bar: Any
+    ) -> reads.ReadStats:
+        return reads.read_in_groups(groups, reached, bar=bar, **self._read_options())
 
     def _read_options(self) -> dict[str, Any]:
         """This loader's settings for the reader, the same for every read it makes."""
@@ -564,14 +587,14 @@ class ComponentLoader:
             component=self.name,
         )
 
-    def _record(self, stats: reader.ReadStats) -> None:
+    def _record(self, stats: reads.ReadStats) -> None:
         self.last_load_bytes = stats.nbytes
         self.last_read_seconds = stats.seconds
         self.last_source = stats.source
         self.last_readers = stats.readers
 
 
-def _held_by(jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
+def _held_by(jobs: list[reads.ReadJob], other: Any) -> dict[str, torch.Tensor]:
     """The tensors of ``jobs`` that ``other`` (``(key, entry)`` of the host cache, or
     None) holds, by name."""
     if other is None:
@@ -580,34 +603,16 @@ def _held_by(jobs: list[reader.ReadJob], other: Any) -> dict[str, torch.Tensor]:
     return {job.info.name: entry[job.info.name] for job in jobs if job.info.name in entry}
 
 
-def _joined(copied: reader.ReadStats, read: reader.ReadStats | None) -> reader.ReadStats:
+def _joined(copied: reads.ReadStats, read: reads.ReadStats | None) -> reads.ReadStats:
     """One load's stats from its host-cache copies and its file reads."""
     if read is None:
         return copied
-    return reader.ReadStats(
+    return reads.ReadStats(
         copied.nbytes + read.nbytes,
         max(copied.seconds, read.seconds),
         f"host cache and {read.source}",
         read.readers,
     )
-
-
-def _open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:
-    if isinstance(folder, ModelFolder):
-        return folder
-    try:
-        return ModelFolder.open(folder)
-    except LoadError as error:
-        raise LoadError(f"component '{name}': {error}", component=name, path=error.path) from None
-
-
-def _cache_key(folder: ModelFolder, name: str, tensors: dict[str, TensorInfo]):
-    # A rewritten file must not be served from memory: the key carries each file's identity.
-    signature = []
-    for path in sorted({info.path for info in tensors.values()}):
-        status = os.stat(path)
-        signature.append((path, status.st_size, status.st_mtime_ns))
-    return (str(folder.path.resolve()), name, tuple(signature))
 
 
 def _allocate(
@@ -627,9 +632,9 @@ def _allocate(
     device tensor as soon as that tensor exists; ``job_sources`` gets the index in
     ``sources`` of each read into a device tensor, in order.
     """
-    jobs: list[reader.ReadJob] = []
+    jobs: list[reads.ReadJob] = []
     values: list[torch.Tensor] = []
-    placed: list[reader.ReadJob] = []
+    placed: list[reads.ReadJob] = []
     for index, (slot, info) in enumerate(sources):
         given = placement.destination(slot) if placement is not None else None
         if given is None:
@@ -644,17 +649,17 @@ def _allocate(
         else:
             value = tensor
         values.append(value)
-        via = storage.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
+        via = fp8.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
         # A tensor a single-file conversion assembles is read part by part into place.
         for part, destination in pieces_of(info, tensor):
             if given is None:
-                jobs.append(reader.ReadJob(part, destination, via=via))
+                jobs.append(reads.ReadJob(part, destination, via=via))
                 if job_sources is not None:
                     job_sources.append(index)
                 if on_job is not None:
                     on_job(jobs[-1])
             elif not filled:
-                placed.append(reader.ReadJob(part, destination, via=via))
+                placed.append(reads.ReadJob(part, destination, via=via))
     return jobs, values, placed
 
 
@@ -690,7 +695,7 @@ def _finish(module: torch.nn.Module, component: str) -> None:
 
 def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
     """Load a part without weights (tokenizer, scheduler, feature extractor) from its folder."""
-    folder = _open_folder(folder, name)
+    folder = open_folder(folder, name)
     cls = folder.component_class(name)
     directory = folder.directory(name)
     loader = getattr(cls, "from_pretrained", None)
@@ -715,32 +720,35 @@ def load_auxiliary(folder: ModelFolder | str | os.PathLike, name: str) -> Any:
 
 
 def component_loader(
-    folder: ModelFolder | str | os.PathLike, name: str, **options: Any
+    folder: ModelFolder | str | os.PathLike,
+    name: str,
+    options: LoadOptions | None = None,
+    **keywords: Any,
 ) -> ComponentLoader | QuantizedComponentLoader:
     """The loader for model component ``name``: a :class:`QuantizedComponentLoader` when
-    its config carries a ``quantization_config``, else a :class:`ComponentLoader`
-    (``options`` are its keywords; a quantized component's loader takes ``device``,
-    ``dtype``, ``progress``, refuses ``storage_dtype`` and ``placement``, and the reading
-    options do not apply to it)."""
-    folder = _open_folder(folder, name)
+    its config carries a ``quantization_config``, else a :class:`ComponentLoader`.
+
+    ``options`` and the ``keywords`` that name its fields (``device=``, ``dtype=``, ...)
+    say how it loads; other keywords are :class:`ComponentLoader`'s own (``placement``,
+    the reading options). A quantized component's loader refuses ``storage_dtype`` and
+    ``placement``, and the reading options do not apply to it."""
+    folder = open_folder(folder, name)
+    options, own = LoadOptions.split(options, keywords)
     if quantization_method(folder, name) is None:
-        return ComponentLoader(folder, name, **options)
-    if options.get("placement") is not None:
+        return ComponentLoader(folder, name, **options.keywords(), **own)
+    if own.get("placement") is not None:
         raise LoadError(
             f"component '{name}': it is already quantized, and its weights cannot be placed "
             "elsewhere (block streaming)",
             component=name,
         )
-    kept = ("device", "dtype", "progress", "storage_dtype", "host_cache", "pipelined")
-    return QuantizedComponentLoader(
-        folder, name, **{key: value for key, value in options.items() if key in kept}
-    )
+    return QuantizedComponentLoader(folder, name, **options.keywords())
 
 
 def load_component(folder: ModelFolder | str | os.PathLike, name: str, **options: Any) -> Any:
     """Load any component: models through :func:`component_loader`, other parts as they
     are."""
-    folder = _open_folder(folder, name)
+    folder = open_folder(folder, name)
     if folder.is_model(name):
         return component_loader(folder, name, **options)()
     return load_auxiliary(folder, name)

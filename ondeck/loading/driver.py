@@ -3,9 +3,9 @@ reader's copying thread.
 
 A read through the reading processes has one Python thread that issues every copy of a
 load, one per 4 MiB chunk (1,300 for 5 GiB), and marks each ring slot with an event it
-polls. Its time per chunk bounds the read (BENCHMARKS.md). ``Tensor.copy_`` spends
-about 10 µs of it per copy before the DMA is queued (views, dispatch, checks of dtype,
-device and pinning) and hands the GIL over and back; the copies here are raw bytes
+polls. Its time per chunk bounds the read. ``Tensor.copy_`` spends most of it per copy
+before the DMA is queued (views, dispatch, checks of dtype, device and pinning) and hands
+the GIL over and back (BENCHMARKS.md has the figures); the copies here are raw bytes
 from memory registered with CUDA to device memory, and need none of that. One call of
 ``cuMemcpyHtoDAsync`` through ``ctypes.PyDLL`` (which keeps the GIL: the call only
 queues) does the same.

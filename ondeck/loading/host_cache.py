@@ -6,10 +6,12 @@ transforms re-applied after each load (LoRA, compile) see what a fresh load woul
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from ..memory import aligned, is_unified, pinned_host_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
-__all__ = ["HostCache", "HostCopy", "default_budget_bytes"]
+__all__ = ["HostCache", "HostCopy", "component_key", "default_budget_bytes"]
 
 GiB = 2**30
 
@@ -315,3 +317,14 @@ class HostCopy:
         if self._bar is not None and self._own_bar:
             self._bar.close()
         self._bar = None
+
+
+def component_key(folder_path: Path, name: str, tensors: Mapping[str, Any]) -> tuple:
+    """The start of a component's key in the cache: its folder, its name, and each of its
+    files' identity (size and mtime), so that a rewritten file is never served from memory.
+    ``tensors``: the component's tensors (``TensorInfo`` by name)."""
+    signature = []
+    for path in sorted({info.path for info in tensors.values()}):
+        status = os.stat(path)
+        signature.append((path, status.st_size, status.st_mtime_ns))
+    return (str(Path(folder_path).resolve()), name, tuple(signature))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
-from . import process_reader  # noqa: F401  its exit handler is registered first: see below
+from . import process_pool  # noqa: F401  its exit handler is registered first: see below
 from .blocks import block_index
 
 __all__ = ["Filling", "fill_groups", "start_filling", "MIN_GROUP_BYTES", "MIN_PIPELINED_BYTES"]

@@ -34,7 +34,9 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .folder import ModelFolder
+from .folder_loader import FolderLoader
+from .model_folder import ModelFolder
+from .options import LoadOptions
 from .safetensors_format import TensorInfo
 
 __all__ = [
@@ -92,13 +94,11 @@ def describe_method(method: str) -> str:
     return repr(method) if method else "an unnamed"
 
 
-class QuantizedComponentLoader:
+class QuantizedComponentLoader(FolderLoader):
     """A zero-argument loader for one quantized component, usable as a ``LazyModule``
     loader: each call builds the module through its library's quantizer, onto
     ``device``, computing in ``dtype``. ``spec`` reads only the config and the weight
     files' headers."""
-
-    returns_fresh_module = True
 
     def __init__(
         self,
@@ -112,15 +112,17 @@ class QuantizedComponentLoader:
         host_cache: Any = None,
         pipelined: bool | None = None,
     ):
-        self.folder = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
-        self.name = name
-        self.device = torch.device(device)
-        self.progress = progress
+        options = LoadOptions(
+            device=device,
+            dtype=dtype,
+            progress=progress,
+            pipelined=pipelined,
+            host_cache=host_cache,
+        )
         # GGUF tensors can sit in the host cache as they are stored (quantized); other
         # quantized weights come from their files every load.
-        self.host_cache = host_cache if host_cache and host_cache.enabled_for(self.device) else None
+        super().__init__(folder, name, options)
         self._gguf_layout: dict[str, tuple[torch.dtype, tuple[int, ...], Any]] | None = None
-        self.pipelined = pipelined
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
         given = (getattr(self.folder, "gguf_files", None) or {}).get(name)
@@ -172,10 +174,6 @@ class QuantizedComponentLoader:
             self.folder.resolve_dtype(name, dtype) if dtype else _compute_dtype(self.config)
         )
         self._nbytes: int | None = None
-        self.last_load_bytes = 0
-        self.last_load_seconds = 0.0
-        self.last_source: str | None = None
-        self.last_readers: str | None = None
 
     def __repr__(self) -> str:
         return (

@@ -10,19 +10,18 @@ the local shard. No rank ever holds, or reads, a full copy of a sharded paramete
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-import traceback
 from typing import Any
 
 import torch
 
 from ..errors import LoadError
-from ..lazy import ComponentSpec, free_module_storages
-from . import reader
-from .components import ComponentLoader, _cache_key
-from .pipelined import fill_groups, start_filling
+from ..lazy import ComponentSpec
+from . import reads
+from .components import ComponentLoader
+from .host_cache import component_key
+from .pipelined import fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
@@ -152,45 +151,31 @@ class ShardedComponentLoader(ComponentLoader):
                 module.eval()
                 return module, None
             groups, group_of = fill_groups(names, [job.info.nbytes for job in jobs], path)
-            fill, fill_all, finished = self._group_filler(jobs, key, raw, started)
-            filling = start_filling(
-                self.name,
-                [[jobs[i] for i in group] for group in groups],
-                fill,
-                finished,
-                device=self.device,
-                started=started,
-                fill_all=fill_all,
-                then=functools.partial(self._prepare_spare, template),
-            )
+            filling = self._start_filling(jobs, groups, key, raw, started, template)
             jobs = None  # the filling holds each group until it is read
             filling.attach(module, path, group_of)
             filling.wait_group(0)
             module.eval()
         except BaseException as error:
             # Give this rank's shards back now; the traceback would keep them alive.
-            if filling is not None:
-                filling.cancel()
-            if module is not None:
-                free_module_storages(module)
+            self._give_back(error, module=module, filling=filling)
             module = jobs = filling = None
-            traceback.clear_frames(error.__traceback__)
             raise
         return module, filling
 
     def _read(
         self,
-        jobs: list[reader.ReadJob],
+        jobs: list[reads.ReadJob],
         while_reading: Any = None,
         bar: Any = None,
-    ) -> reader.ReadStats:
+    ) -> reads.ReadStats:
         """Read from the files, counting the bytes in ``bytes_read`` (copies from the host
         cache do not pass here)."""
         stats = super()._read(jobs, while_reading, bar=bar)
         self.bytes_read += stats.nbytes
         return stats
 
-    def _read_in_groups(self, groups, reached, bar) -> reader.ReadStats:
+    def _read_in_groups(self, groups, reached, bar) -> reads.ReadStats:
         stats = super()._read_in_groups(groups, reached, bar)
         self.bytes_read += stats.nbytes
         return stats
@@ -233,11 +218,11 @@ class ShardedComponentLoader(ComponentLoader):
 
     def _shard_jobs(
         self, module: torch.nn.Module, sources: list, computed: list
-    ) -> tuple[list[reader.ReadJob], list[tuple[str, ...]]]:
+    ) -> tuple[list[reads.ReadJob], list[tuple[str, ...]]]:
         """A read job for this rank's rows of every parameter and for every buffer, and
         the module names each job fills."""
         rank, world_size = self.mesh.get_local_rank(), self.mesh.size()
-        jobs: list[reader.ReadJob] = []
+        jobs: list[reads.ReadJob] = []
         job_names: list[tuple[str, ...]] = []
         with torch.no_grad():
             for slot, info in sources:
@@ -246,7 +231,7 @@ class ShardedComponentLoader(ComponentLoader):
                     # Buffers are not sharded; to_empty gave each name its own tensor.
                     for name in slot.names[1:]:
                         set_tensor(module, name, tensor, parameter=False)
-                    jobs.append(reader.ReadJob(info, tensor))
+                    jobs.append(reads.ReadJob(info, tensor))
                     job_names.append(tuple(slot.names))
                     continue
                 local = tensor.to_local()
@@ -259,7 +244,7 @@ class ShardedComponentLoader(ComponentLoader):
                         component=self.name,
                     )
                 if count:
-                    jobs.append(reader.ReadJob(rows_of(info, first, count), local))
+                    jobs.append(reads.ReadJob(rows_of(info, first, count), local))
                     job_names.append(tuple(slot.names))
             for buffer_names, host_value in computed:
                 moved = get_tensor(module, buffer_names[0])
@@ -275,7 +260,7 @@ def shard_cache_key(folder: Any, name: str, rank: int, world_size: int) -> tuple
     keys of its own length that share its items before the placement
     (``HostCache.other_placement``); this key, five items with the shard fourth, is
     never one of them (a plain load's key has four, a stored one's the storage fourth)."""
-    base = _cache_key(folder, name, folder.tensors(name))
+    base = component_key(folder.path, name, folder.tensors(name))
     return (*base, ("shard", rank, world_size), ("rows",))
 
 

@@ -18,7 +18,7 @@ with values (a transpose, a sum) is refused, naming the tensor and the operation
 Checkpoints saved "fp8_scaled" (a float8 ``weight`` with a ``scale_weight`` beside it, and
 a ``scaled_fp8`` marker; the newer per-layer ``weight_scale``) keep their float8 weights as
 stored; the scales are set aside here, matched to the weights they scale through the same
-conversion, and applied per layer for compute (``ondeck.loading.storage``).
+conversion, and applied per layer for compute (``ondeck.loading.fp8``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import LoadError
-from .folder import TRUSTED_LIBRARIES, ModelFolder
+from .model_folder import TRUSTED_LIBRARIES, ModelFolder
 from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
 
 __all__ = [
@@ -474,7 +474,7 @@ class SingleFileFolder(ModelFolder):
 
     def _read_scales(self, name: str) -> dict[str, torch.Tensor]:
         from .chunks import ReadJob
-        from .reader import read_into
+        from .reads import read_into
 
         owners = self._scale_keys.get(name) or {}
         header = self.headers(name)[0].tensors

@@ -68,7 +68,7 @@ class Skeleton:
     dtype: torch.dtype = torch.float32
     file_keys: frozenset[str] = frozenset()
     # Tensors kept in a storage dtype (fp8) instead of their compute dtype, by name
-    # (``ondeck.loading.storage``).
+    # (``ondeck.loading.fp8``).
     stored: Mapping[str, torch.dtype] = field(default_factory=dict)
 
     def fresh(self) -> Skeleton:

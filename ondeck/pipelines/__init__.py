@@ -1,4 +1,4 @@
-"""Pipelines built on ondeck stages (the choice of one for a folder: ``ondeck.folders``)."""
+"""Pipelines built on ondeck stages (the choice of one for a folder: ``ondeck.folder_pipelines``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from .. import distributed
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
-from ..loading import ModelFolder, component_loader, load_auxiliary, storage
+from ..loading import HostCache, LoadOptions, ModelFolder, component_loader, fp8, load_auxiliary
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import free_cached_memory, resolve_device
@@ -605,7 +605,7 @@ class WanTextToVideo(Pipeline):
         policy: Any = "auto",
         budget: Any = None,
         prefetch: bool = True,
-        host_cache: Any = None,
+        host_cache: HostCache | None = None,
         progress: bool = True,
         shard: tuple[str, ...] | list[str] = (),
         vae_tiling: bool = True,
@@ -629,7 +629,7 @@ class WanTextToVideo(Pipeline):
         ranks (diffusers' context parallelism): each computes its slice, and the frames
         are the same on every rank. Bad set-ups are refused before anything loads.
         ``storage_dtype`` keeps weights in fp8 and
-        computes in ``dtype`` (``ondeck.loading.storage``): one dtype for the text
+        computes in ``dtype`` (``ondeck.loading.fp8``): one dtype for the text
         encoder and transformer, or a dict by component name.
         """
         models = ("text_encoder", "transformer", "vae")
@@ -657,39 +657,34 @@ class WanTextToVideo(Pipeline):
             spec = folder.spec("transformer")
             parallel.check_model("transformer", spec.cls, spec.config)
             parallel.start(device)
-        stored = storage.storage_by_component(
+        stored = fp8.storage_by_component(
             storage_dtype, {name: folder.component_class(name) for name in models}
         )
         if set(stored) & set(shard):
             raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
+        load = LoadOptions(
+            device=device, host_cache=host_cache, progress=progress, pipelined=pipelined
+        )
         components: dict[str, Any] = {}
         for name in models:
             component_dtype = dtype
             if name == "vae" and dtype is not None:
                 component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
-            options = dict(
-                device=device,
-                dtype=component_dtype,
-                host_cache=host_cache,
-                progress=progress,
-                pipelined=pipelined,
-            )
-            if name in stored:
-                options["storage_dtype"] = stored[name]
+            options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
             quantized = quantization_method(folder, name) is not None
             if (shard or parallel is not None) and not quantized:
                 # Unsharded components load whole on every rank, counting what they read.
                 components[name] = ShardedComponentLoader(
-                    folder, name, mesh=mesh if name in shard else None, **options
+                    folder, name, mesh=mesh if name in shard else None, **options.keywords()
                 )
             else:
-                components[name] = component_loader(folder, name, **options)
+                components[name] = component_loader(folder, name, options)
         loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")
         identity = f"{Path(path).resolve()}:{dtype}"
         if stored:  # prompts encoded from fp8 weights are cached apart
-            identity += f":{storage.describe(stored)}"
+            identity += f":{fp8.describe(stored)}"
         return cls(
             components,
             identity=identity,

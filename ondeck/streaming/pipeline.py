@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import memory
 from ..lazy import is_loaded
+from ..loading.components import ComponentLoader
 from .host import host_to_device_bytes_per_second
 from .layout import (
     DEFAULT_BANDWIDTH_SOURCE,
@@ -103,7 +104,7 @@ class BlockStreaming:
         )
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:
-        if not hasattr(loader, "placement") or not hasattr(loader, "folder"):
+        if not isinstance(loader, ComponentLoader):
             return None  # only ComponentLoader can place weights in host memory
         with self._lock:
             known = self._candidates.get(name)

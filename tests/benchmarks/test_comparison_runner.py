@@ -16,11 +16,10 @@ def scripts(monkeypatch, tmp_path):
     """The benchmark modules, with the folder build and the child runs replaced."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("OUT", str(tmp_path))
-    for name in ("common", "wan_suite", "streaming", "vs_mmgp"):
+    for name in ("common", "compare"):
         sys.modules.pop(name, None)
-    import streaming
-    import vs_mmgp
-    import wan_suite
+    import common
+    import compare
 
     commands: list[list[str]] = []
     clock = {"now": 0.0}
@@ -32,11 +31,11 @@ def scripts(monkeypatch, tmp_path):
         run = {"seconds": 10.0, "bytes_streamed": 0}
         return {"runs": [run, run], "peak_allocated_bytes": 2**30, "peak_rss_bytes": 2**30}
 
-    monkeypatch.setattr(wan_suite, "ready_wan14b_folder", lambda folder: (folder, {"vae": 1}))
-    monkeypatch.setattr(wan_suite, "run_child", run_child)
-    monkeypatch.setattr(wan_suite.time, "perf_counter", lambda: clock["now"])
-    yield streaming, vs_mmgp, commands
-    for name in ("common", "wan_suite", "streaming", "vs_mmgp"):
+    monkeypatch.setattr(common, "ready_wan14b_folder", lambda folder: (folder, {"vae": 1}))
+    monkeypatch.setattr(common, "run_child", run_child)
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
+    yield compare, commands
+    for name in ("common", "compare"):
         sys.modules.pop(name, None)
 
 
@@ -47,13 +46,13 @@ def mode_of(command: list[str]) -> str:
 def test_modes_run_in_order_with_their_device_and_are_skipped_past_the_deadline(
     scripts, monkeypatch, capsys
 ):
-    streaming, _, commands = scripts
+    compare, commands = scripts
     monkeypatch.setattr(
         sys,
         "argv",
-        ["streaming.py", "--modes", "eager,stream-24,model-offload", "--deadline-s", "200"],
+        ["compare.py", "--modes", "eager,stream-24,model-offload", "--deadline-s", "200"],
     )
-    streaming.main()
+    compare.main()
     # eager (60 s) and stream-24 (50 s) fit; model-offload needs ~165 s of the 90 left.
     assert [mode_of(c) for c in commands] == ["diffusers-eager", "ondeck-stream"]
     assert commands[1][commands[1].index("--memory-gib") + 1] == "24"
@@ -64,22 +63,22 @@ def test_modes_run_in_order_with_their_device_and_are_skipped_past_the_deadline(
 
 
 def test_mmgp_modes_that_cannot_import_are_rows_with_the_reason(scripts, monkeypatch):
-    _, vs_mmgp, commands = scripts
-    monkeypatch.setattr(vs_mmgp, "importable", lambda name: name != "mmgp")
+    compare, commands = scripts
+    monkeypatch.setattr(compare, "importable", lambda name: name != "mmgp")
     monkeypatch.setattr(
-        sys, "argv", ["vs_mmgp.py", "--modes", "mmgp-1,budget-32", "--mmgp-vae-bf16"]
+        sys, "argv", ["compare.py", "--modes", "mmgp-1,budget-32", "--mmgp-vae-bf16"]
     )
-    vs_mmgp.main()
+    compare.main()
     assert [mode_of(c) for c in commands] == ["ondeck-budget-prefetch"]
     assert commands[0][-6:-4] == ["--host-cache-gib", "64"]
     assert "--mmgp-vae-bf16" not in commands[0]
 
 
 def test_the_mmgp_flag_reaches_only_mmgp_modes(scripts, monkeypatch):
-    _, vs_mmgp, commands = scripts
-    monkeypatch.setattr(vs_mmgp, "importable", lambda name: True)
-    monkeypatch.setattr(sys, "argv", ["vs_mmgp.py", "--modes", "mmgp-1,eager", "--mmgp-vae-bf16"])
-    vs_mmgp.main()
+    compare, commands = scripts
+    monkeypatch.setattr(compare, "importable", lambda name: True)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--modes", "mmgp-1,eager", "--mmgp-vae-bf16"])
+    compare.main()
     assert [mode_of(c) for c in commands] == ["mmgp-1", "diffusers-eager"]
     assert "--mmgp-vae-bf16" in commands[0] and "--mmgp-vae-bf16" not in commands[1]
 
@@ -87,17 +86,17 @@ def test_the_mmgp_flag_reaches_only_mmgp_modes(scripts, monkeypatch):
 def test_results_are_written_with_the_rows_and_the_skipped_modes(scripts, monkeypatch, tmp_path):
     import json
 
-    streaming, vs_mmgp, _ = scripts
+    compare, _ = scripts
     monkeypatch.setattr(
-        sys, "argv", ["streaming.py", "--modes", "eager,model-offload", "--deadline-s", "100"]
+        sys, "argv", ["compare.py", "--modes", "eager,model-offload", "--deadline-s", "100"]
     )
-    streaming.main()
-    written = json.loads((tmp_path / "streaming.json").read_text())
+    compare.main()
+    written = json.loads((tmp_path / "compare.json").read_text())
     assert [row["name"] for row in written["rows"]] == ["eager"]
     assert written["skipped"] == ["model-offload"] and written["folder_bytes"] == {"vae": 1}
-    monkeypatch.setattr(vs_mmgp, "importable", lambda name: True)
-    monkeypatch.setattr(sys, "argv", ["vs_mmgp.py", "--modes", "eager", "--mmgp-vae-bf16"])
-    vs_mmgp.main()
-    written = json.loads((tmp_path / "vs_mmgp.json").read_text())
+    monkeypatch.setattr(compare, "importable", lambda name: True)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--modes", "eager", "--mmgp-vae-bf16"])
+    compare.main()
+    written = json.loads((tmp_path / "compare.json").read_text())
     assert [row["name"] for row in written["rows"]] == ["eager"]
     assert written["mmgp_vae"] == "bfloat16 (mmgp default)" and "targets" in written

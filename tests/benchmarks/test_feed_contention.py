@@ -1,4 +1,4 @@
-"""benchmarks/feed_contention.py on the CPU, small: every row measured, and the JSON."""
+"""benchmarks/experiments/feed_contention.py on the CPU, small: every row measured, and the JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "feed_contention.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments" / "feed_contention.py"
 
 
 def test_feed_contention_measures_every_row_and_writes_its_json(tmp_path):

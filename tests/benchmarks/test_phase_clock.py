@@ -118,17 +118,18 @@ def test_totals_only_and_calls_that_raise_still_raise(common):
 
 def test_read_paths_phases_time_the_reader_and_give_its_copy_back(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
     for name in ("common", "read_path"):
         sys.modules.pop(name, None)
     import read_path
 
-    from ondeck.loading import components, reader
+    from ondeck.loading import components, ring
 
-    deliver, install = reader._deliver, components._install
+    deliver, install = ring.deliver, components._install
     with read_path.Phases(copy=False) as phases:
-        assert reader._deliver is not deliver
-        assert reader._deliver(None, None, {}, {}) is None  # the reads alone: no copy
-    assert reader._deliver is deliver and components._install is install
+        assert ring.deliver is not deliver
+        assert ring.deliver(None, None, {}, {}) is None  # the reads alone: no copy
+    assert ring.deliver is deliver and components._install is install
     assert phases.counts == {"copy issue": 1}
     assert phases.summary(1)["copy issue"]["calls_per_load"] == 1
     for name in ("common", "read_path"):

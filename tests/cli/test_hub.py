@@ -15,7 +15,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 import ondeck
 import ondeck.diffusers
-from ondeck.folders import pipeline_for_folder
+from ondeck.folder_pipelines import pipeline_for_folder
 from ondeck.hub import ALLOW_PATTERNS, looks_like_repo_id, resolve_model
 
 from .helpers import FAST, error_lines, run

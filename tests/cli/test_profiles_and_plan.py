@@ -60,13 +60,13 @@ def _built_pipeline(monkeypatch, capsys, tiny_model):
     import ondeck.pipelines
 
     built = []
-    real = ondeck.folders.pipeline_for_folder
+    real = ondeck.folder_pipelines.pipeline_for_folder
 
     def recording(*args, **kwargs):
         built.append(real(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(ondeck.folders, "pipeline_for_folder", recording)
+    monkeypatch.setattr(ondeck.folder_pipelines, "pipeline_for_folder", recording)
     assert run(capsys, "plan", tiny_model, "--device", "cpu")[0] == 0
     return built[0]
 

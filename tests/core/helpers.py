@@ -7,10 +7,12 @@ import threading
 import torch
 
 import ondeck
+from ondeck.loader import DeclaredLoader
 
 
-class CountingLoader:
-    """A zero-argument loader that counts its calls and builds a fresh Linear."""
+class CountingLoader(DeclaredLoader):
+    """A zero-argument loader that counts its calls and builds a fresh Linear; it declares
+    the loader protocol with its defaults (tests set ``upcast_bytes`` on it)."""
 
     def __init__(self, features: int = 64, delay: float = 0.0):
         self.features = features

@@ -126,6 +126,7 @@ FLOORS: dict[str, int] = {
     "ondeck.output": 0,
     "ondeck.hub": 0,
     "ondeck.embedded": 0,
+    "ondeck.loader": 0,
     "ondeck.tiles": 0,
     # 1: the proxy, and the record of what was resident when
     "ondeck.lazy": 1,
@@ -137,7 +138,7 @@ FLOORS: dict[str, int] = {
     "ondeck.distributed": 2,
     "ondeck.parallel": 2,
     # 3: pure plans and decisions, and the one executor that acts on them
-    "ondeck.plan": 3,
+    "ondeck.planning": 3,
     "ondeck.snapshot": 3,
     "ondeck.policy": 3,
     "ondeck.executor": 3,
@@ -147,7 +148,7 @@ FLOORS: dict[str, int] = {
     "ondeck.pipelines": 5,
     "ondeck.integrations": 5,
     # 6: which pipeline for a folder, and the package's front doors
-    "ondeck.folders": 6,
+    "ondeck.folder_pipelines": 6,
     "ondeck.diffusers": 6,
     "ondeck": 6,
     # 7: the command line

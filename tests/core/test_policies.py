@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ondeck
-from ondeck.plan import StageUse, budget_step, release_schedule, simulate
+from ondeck.planning import StageUse, budget_step, release_schedule, simulate
 
 from .helpers import CountingLoader, ProfiledThreeStages, ThreeStages, state, use_profiles
 

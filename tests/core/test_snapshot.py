@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import ondeck
-from ondeck.plan import StageUse, release_residency, simulate
+from ondeck.planning import StageUse, release_residency, simulate
 from ondeck.policy import BudgetPolicy, EagerPolicy, ReleasePolicy
 from ondeck.snapshot import Snapshot, Steps
 

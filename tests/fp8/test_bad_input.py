@@ -11,7 +11,7 @@ import torch
 
 import ondeck.diffusers
 from ondeck.errors import LoadError
-from ondeck.loading import ComponentLoader, reader
+from ondeck.loading import ComponentLoader, reads
 from ondeck.pipelines.wan import WanTextToVideo
 
 
@@ -20,7 +20,7 @@ def no_reads(monkeypatch):
     def refuse(jobs, **options):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(reader, "read_into", refuse)
+    monkeypatch.setattr(reads, "read_into", refuse)
 
 
 def quantized_copy(source, tmp_path, method: str | None):

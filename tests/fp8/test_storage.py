@@ -9,7 +9,7 @@ from references import in_fresh_tensors
 
 import ondeck
 from ondeck.lazy import module_nbytes
-from ondeck.loading import ComponentLoader, HostCache, reader
+from ondeck.loading import ComponentLoader, HostCache, reads
 
 from .conftest import FP8, same_bits, transformer_inputs
 
@@ -33,13 +33,13 @@ def run_transformer(model):
 
 def watch_reads(monkeypatch) -> list:
     seen: list = []
-    original = reader.read_into
+    original = reads.read_into
 
     def watch(jobs, **options):
         seen.extend(jobs)
         return original(jobs, **options)
 
-    monkeypatch.setattr(reader, "read_into", watch)
+    monkeypatch.setattr(reads, "read_into", watch)
     return seen
 
 
@@ -160,17 +160,17 @@ def test_an_fp8_embedding_upcasts_the_rows_it_looks_up_never_its_whole_table(wan
 
 
 def test_an_embedding_subclass_with_its_own_forward_is_upcast_whole(wan_bf16):
-    from ondeck.loading import storage
+    from ondeck.loading import fp8
 
     class Scaled(torch.nn.Embedding):
         def forward(self, ids):
             return super().forward(ids) * 2
 
     layer = Scaled(8, 4)
-    assert not storage._gathers_rows(layer)
-    assert storage._gathers_rows(torch.nn.Embedding(8, 4))
+    assert not fp8._gathers_rows(layer)
+    assert fp8._gathers_rows(torch.nn.Embedding(8, 4))
     holder = torch.nn.Sequential(layer).to(torch.bfloat16)
-    storage.upcast_for_compute(holder, "torch", FP8, torch.bfloat16, ["0"], in_place=False)
+    fp8.upcast_for_compute(holder, "torch", FP8, torch.bfloat16, ["0"], in_place=False)
     ids = torch.tensor([1, 3])
     with torch.no_grad():
         assert same_bits(holder(ids), layer.weight.to(torch.bfloat16)[ids] * 2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ondeck.lazy import LazyModule
-from ondeck.loading import ComponentLoader, HostCache, pipelined, reader
+from ondeck.loading import ComponentLoader, HostCache, pipelined, ring
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def forward(module) -> torch.Tensor:
 def held_back(monkeypatch, blocks, hold) -> None:
     """``hold()`` runs on the copying thread before the first chunk of each of ``blocks``
     is copied: from the files the groups are one read, held back only there."""
-    deliver = reader._deliver
+    deliver = ring.deliver
     seen: set[str] = set()
 
     def holding(chunk, *rest):
@@ -55,7 +55,7 @@ def held_back(monkeypatch, blocks, hold) -> None:
             hold()
         return deliver(chunk, *rest)
 
-    monkeypatch.setattr(reader, "_deliver", holding)
+    monkeypatch.setattr(ring, "deliver", holding)
 
 
 def slow_reads(monkeypatch, seconds: float = 0.05) -> None:

@@ -19,7 +19,7 @@ from ondeck.loading import (
     ComponentLoader,
     HostCache,
     ReadJob,
-    process_reader,
+    process_pool,
     read_header,
     read_into,
 )
@@ -39,7 +39,7 @@ RING_SLOTS = 4
 def readers(request, monkeypatch) -> str:
     monkeypatch.setenv("ONDECK_READ_PROCESSES", "1" if request.param == "processes" else "0")
     yield request.param
-    process_reader.close_shared()
+    process_pool.close_shared()
 
 
 def random_file(path, nbytes: int, seed: int = 0):

@@ -6,15 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from references import in_fresh_tensors
 
 import ondeck.diffusers
 from ondeck.errors import BudgetError
 from ondeck.integrations.diffusers import DiffusersRuntime
-from ondeck.integrations.diffusers.decode import spatial_scale, tiling_style
 
 from .breadth_pipelines import ALL_FAMILIES
-from .tiny_pipelines import run
+from .tiny_pipelines import plain_tiled, run
 
 # Families whose tiny frames leave room for two latent pixels a tile or more.
 TILING_FAMILIES = ["wan", "ltx", "flux", "sd3"]
@@ -26,16 +24,6 @@ def load(path, policy="release", budget=None):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def plain_tiled(family, folder, tiles):
-    """Plain diffusers, its VAE tiled at ``tiles`` through its own enable_tiling."""
-    pipe = ALL_FAMILIES[family].pipeline_type().from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    in_fresh_tensors(pipe)
-    vae = pipe.vae
-    tiling_style(type(vae)).apply(vae, tiles, spatial_scale(vae.config))
-    return run(pipe, ALL_FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", TILING_FAMILIES)
@@ -112,9 +100,39 @@ def test_a_vae_that_cannot_tile_is_refused_before_it_loads(folders, monkeypatch)
         folders["flux"], device="cpu", policy="budget", budget="1GiB", prefetch=False
     )
     pipe.set_progress_bar_config(disable=True)
-    monkeypatch.setattr(decode.FittingDecode, "_need", lambda self, latents, n: 2**40)
-    pipe.ondeck.decoders.clear()
     monkeypatch.setattr(decode, "tiling_style", lambda cls: None)
-    with pytest.raises(BudgetError, match="cannot decode in tiles"):
+    decoder = pipe.ondeck.decoders["vae"] = decode.FittingDecode(
+        pipe.ondeck.deferred["vae"], pipe.ondeck, "vae"
+    )
+    decoder.bytes_per_element = 2.0**40  # as measured: whole frames cannot fit
+    with pytest.raises(BudgetError, match="vae"):
         run(pipe, ALL_FAMILIES["flux"])
     assert not ondeck.is_loaded(pipe.ondeck.deferred["vae"])
+
+
+def test_the_decode_need_is_in_the_plan_before_the_first_call(folders):
+    pipe = load(folders["wan"], "budget", budget="1GiB")
+    runtime = pipe.ondeck
+    assert "vae" not in runtime.snapshot().measured_activation, "no call, no frame size"
+    runtime._call_arguments = {"height": 32, "width": 32, "num_frames": 5}
+    need = runtime.snapshot().measured_activation["vae"]
+    assert need == runtime.decoders["vae"].expected_need(runtime._call_arguments) > 0
+    bigger = runtime.decoders["vae"].expected_need({"height": 64, "width": 64, "num_frames": 5})
+    assert bigger == 4 * need, "the need grows with the frame's area"
+
+
+def test_entering_a_cache_context_does_not_wait_for_a_pipelined_load(folders, monkeypatch):
+    from ondeck.integrations.diffusers import PipelineComponent
+
+    pipe = load(folders["wan"])
+    asked = []
+    original = PipelineComponent.materialize
+
+    def materialize(self, *, complete=True):
+        asked.append(complete)
+        return original(self, complete=complete)
+
+    monkeypatch.setattr(PipelineComponent, "materialize", materialize)
+    with pipe.transformer.cache_context("cond"):
+        pass
+    assert asked == [False]

@@ -47,7 +47,7 @@ def test_plan_and_inspect_read_no_weights(family, folders, no_weight_reads, caps
 
 
 def test_a_saved_wan_folder_plans_on_wans_stages(folders):
-    from ondeck.folders import pipeline_for_folder
+    from ondeck.folder_pipelines import pipeline_for_folder
     from ondeck.pipelines.wan import WanTextToVideo
 
     folder = folders["wan"]

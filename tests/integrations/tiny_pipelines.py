@@ -346,6 +346,32 @@ def run(pipe: Any, family: Family, seed: int = 0, **overrides: Any) -> Any:
         return getattr(pipe(**arguments), family.output)
 
 
+def plain_tiled(family: str, folder: Path, tiles: Any) -> Any:
+    """Plain diffusers' call of ``family``, its weights in fresh tensors and its VAE tiled
+    at ``tiles`` through the VAE's own ``enable_tiling``."""
+    from references import in_fresh_tensors
+
+    from ondeck.integrations.diffusers.decode import spatial_scale, tiling_style
+
+    from .breadth_pipelines import ALL_FAMILIES
+
+    pipe = ALL_FAMILIES[family].pipeline_type().from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    in_fresh_tensors(pipe)
+    tiling_style(type(pipe.vae)).apply(pipe.vae, tiles, spatial_scale(pipe.vae.config))
+    return run(pipe, ALL_FAMILIES[family])
+
+
+def expected_output(pipe: Any, family: str, folder: Path, reference: Any) -> Any:
+    """What an ondeck call of ``family`` must equal: ``reference`` (plain diffusers' call)
+    where its VAE decoded whole frames, diffusers' own tiled decode at the same tiles
+    where it tiled."""
+    decoder = pipe.ondeck.decoders.get("vae")
+    if decoder is None or decoder.last_tiles is None:
+        return reference
+    return plain_tiled(family, folder, decoder.last_tiles)
+
+
 @contextlib.contextmanager
 def _prompts_cleaned_without_ftfy(pipe: Any) -> Iterator[None]:
     """Some pipelines (Wan VACE, SkyReels-V2) clean prompts with ftfy whenever it is

@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ondeck.loading import ReadJob, read_header
-from ondeck.loading import reader as reader_module
+from ondeck.loading import ReadJob, casting, read_header
 from ondeck.loading.chunks import plan_chunks
 
 FP8 = torch.float8_e4m3fn
@@ -70,13 +69,13 @@ def cpu_streams(request, monkeypatch):
         monkeypatch.setattr(
             torch, "_foreach_copy_", lambda *a, **k: calls.append(1) or foreach(*a, **k)
         )
-    issue = reader_module._DeviceCasts._issue
+    issue = casting.DeviceCasts._issue
 
     def counting(pending, half):
         several.extend([1] if len(pending) > 1 else [])
         return issue(pending, half)
 
-    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(counting))
+    monkeypatch.setattr(casting.DeviceCasts, "_issue", staticmethod(counting))
     yield
     if request.param == "one call":
         assert len(calls) == len(several)  # a half of several runs: one call for all
@@ -117,7 +116,7 @@ def assert_each_cast(jobs, tensors) -> None:
 def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
     """Every chunk through one thread's staging buffer; the casts issued, half by half."""
     issued: list[list] = []
-    original = reader_module._DeviceCasts._issue
+    original = casting.DeviceCasts._issue
 
     def issue(pending, half):
         issued.append(
@@ -130,9 +129,9 @@ def stage(chunks, file_bytes, half_chunks, chunk_bytes=CHUNK):
         assert len(waited.recorded_on) == len(issued)  # recorded anew for each half
         original(pending, half)
 
-    half = half_chunks * reader_module._aligned(chunk_bytes)
+    half = half_chunks * casting.aligned(chunk_bytes)
     buffer = torch.empty(2 * half, dtype=torch.uint8)
-    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), chunk_bytes)
+    casts = casting.DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), chunk_bytes)
     casts._issue = issue
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
@@ -193,9 +192,9 @@ def test_a_buffer_of_one_chunk_casts_each_chunk_behind_its_copy(tmp_path, cpu_st
     """No room for two halves: the casts go on the copies' own stream, no events, a
     chunk's casts issued before the next chunk is copied over them."""
     tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 3, 5, CHUNK])
-    buffer = torch.empty(reader_module._aligned(CHUNK), dtype=torch.uint8)
+    buffer = torch.empty(casting.aligned(CHUNK), dtype=torch.uint8)
     copies = FakeStream("cpu")
-    casts = reader_module._DeviceCasts(buffer, copies, FakeEvent(), CHUNK)
+    casts = casting.DeviceCasts(buffer, copies, FakeEvent(), CHUNK)
     assert casts.casts is copies
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
@@ -207,16 +206,16 @@ def test_a_buffer_of_one_chunk_casts_each_chunk_behind_its_copy(tmp_path, cpu_st
 @pytest.mark.parametrize("chunk_bytes", [CHUNK, CHUNK + 64, 3 * CHUNK + 8, 8 * 2**20, 2**25 + 64])
 @pytest.mark.parametrize("workers", [1, 3, 16])
 def test_a_threads_staging_is_its_share_in_two_halves_or_one_chunk(chunk_bytes, workers):
-    nbytes = reader_module._staging_bytes(chunk_bytes, workers)
-    aligned = reader_module._aligned(chunk_bytes)
+    nbytes = casting.staging_bytes(chunk_bytes, workers)
+    aligned = casting.aligned(chunk_bytes)
     if nbytes >= 2 * aligned:
         assert nbytes % 512 == 0  # two halves, each aligned
-        assert nbytes * workers <= reader_module.CAST_STAGING_BYTES
+        assert nbytes * workers <= casting.CAST_STAGING_BYTES
     else:
         assert nbytes == aligned >= chunk_bytes
     # The reading processes' one copying thread, at the default ring, gets halves.
     if workers == 1 and chunk_bytes <= 8 * 2**20:
-        assert nbytes == reader_module.CAST_STAGING_BYTES
+        assert nbytes == casting.CAST_STAGING_BYTES
 
 
 def test_a_half_whose_casts_are_done_is_copied_into_without_a_wait(
@@ -262,8 +261,8 @@ def test_through_the_driver_each_half_is_ordered_by_handles(tmp_path, cpu_stream
     Every tensor still equals its cast."""
     tensors, jobs, chunks, file_bytes = tensors_and_chunks(tmp_path, [CHUNK * 6, 9, CHUNK * 4])
     driver = FakeDriver(casts_done)
-    buffer = torch.empty(4 * reader_module._aligned(CHUNK), dtype=torch.uint8)
-    casts = reader_module._DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), CHUNK, driver)
+    buffer = torch.empty(4 * casting.aligned(CHUNK), dtype=torch.uint8)
+    casts = casting.DeviceCasts(buffer, FakeStream("cpu"), FakeEvent(), CHUNK, driver)
     for chunk in chunks:
         casts.add(chunk, file_bytes(chunk))
     casts.flush()

@@ -10,8 +10,7 @@ from diffusers import AutoencoderKLWan
 
 from ondeck.errors import LoadError
 from ondeck.lazy import LazyModule, module_nbytes
-from ondeck.loading import ComponentLoader, ModelFolder, load_auxiliary, load_component
-from ondeck.loading import reader as reader_module
+from ondeck.loading import ComponentLoader, ModelFolder, load_auxiliary, load_component, reads, ring
 
 from .helpers import (
     MODELS,
@@ -172,15 +171,15 @@ class Spy:
 
 def fail_reads(monkeypatch, error: BaseException, after: int, spy: Spy | None = None):
     """Make the reader raise ``error`` after ``after`` successful tensor reads."""
-    calls = raise_after(monkeypatch, reader_module, "_pread_exact", after, error)
+    calls = raise_after(monkeypatch, ring, "pread_exact", after, error)
     if spy is not None:
-        original_read = reader_module.read_into
+        original_read = reads.read_into
 
         def read_into(jobs, **kwargs):
             spy.destinations.extend(job.destination for job in jobs)
             return original_read(jobs, **kwargs)
 
-        monkeypatch.setattr(reader_module, "read_into", read_into)
+        monkeypatch.setattr(reads, "read_into", read_into)
     return calls
 
 

@@ -11,8 +11,16 @@ from safetensors.torch import load_file, save_file
 
 from ondeck.errors import LoadError
 from ondeck.lazy import module_nbytes
-from ondeck.loading import ComponentLoader, HostCache, ModelFolder, ReadJob, read_header, read_into
-from ondeck.loading import reader as reader_module
+from ondeck.loading import (
+    ComponentLoader,
+    HostCache,
+    ModelFolder,
+    ReadJob,
+    read_header,
+    read_into,
+    reads,
+    ring,
+)
 
 from .helpers import (
     MODELS,
@@ -47,7 +55,7 @@ def read_to_cuda(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
     return {job.info.name: job.destination for job in jobs}
 
 
-@pytest.mark.parametrize("buffer_bytes", [reader_module.DEFAULT_BUFFER_BYTES, 64])
+@pytest.mark.parametrize("buffer_bytes", [reads.DEFAULT_BUFFER_BYTES, 64])
 def test_every_dtype_reaches_the_gpu_bit_identical(tmp_path, buffer_bytes):
     tensors = {f"t{i}": random_tensor(d, (33, 7), i) for i, d in enumerate(DTYPES)}
     path = tmp_path / "all.safetensors"
@@ -110,7 +118,7 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    raise_after(monkeypatch, reader_module, "_deliver", 10, LoadError("disk vanished"))
+    raise_after(monkeypatch, ring, "deliver", 10, LoadError("disk vanished"))
     with pytest.raises(LoadError):
         loader()
     gc.collect()
@@ -119,9 +127,7 @@ def test_failed_gpu_load_gives_the_memory_back(wan_template, monkeypatch):
 
 def test_failed_device_copy_stops_the_read_and_raises(tmp_path, monkeypatch):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(1000, 64)})
-    calls = raise_after(
-        monkeypatch, reader_module, "_deliver", 5, RuntimeError("copy engine fault")
-    )
+    calls = raise_after(monkeypatch, ring, "deliver", 5, RuntimeError("copy engine fault"))
     with pytest.raises(RuntimeError, match="copy engine fault"):
         read_to_cuda(path, buffer_bytes=4096, buffer_count=2, threads=4)
     # Stopped early: not every one of the 63 chunks was copied.
@@ -154,7 +160,7 @@ def test_the_processes_copy_through_the_driver_and_land_as_torch_copies_do(
     options = dict(progress=False, buffer_bytes=2**16, buffer_count=8, threads=3)
     results = {}
     for through_driver in (True, False):
-        monkeypatch.setattr(reader_module, "DRIVER_COPIES", through_driver)
+        monkeypatch.setattr(ring, "DRIVER_COPIES", through_driver)
         before = dict(calls)
         loaded = read_to_cuda(path, **{k: v for k, v in options.items() if k != "progress"})
         kept = {name: calls[name] - before[name] for name in calls}

@@ -10,9 +10,8 @@ from transformers import PretrainedConfig
 
 from ondeck.errors import LoadError
 from ondeck.lazy import ComponentSpec, module_nbytes
-from ondeck.loading import ComponentLoader, ModelFolder, safetensors_format
-from ondeck.loading import folder as folder_module
-from ondeck.loading import reader as reader_module
+from ondeck.loading import ComponentLoader, ModelFolder, reads, ring, safetensors_format
+from ondeck.loading import model_folder as folder_module
 
 from .helpers import shard, weights_file
 
@@ -125,8 +124,8 @@ def test_specs_never_read_tensor_data(wan_template, monkeypatch):
         raise AssertionError("a spec read tensor data")
 
     monkeypatch.setattr(safetensors_format, "open", counting_open, raising=False)
-    monkeypatch.setattr(reader_module, "read_into", no_reads)
-    monkeypatch.setattr(reader_module.os, "preadv", no_reads)
+    monkeypatch.setattr(reads, "read_into", no_reads)
+    monkeypatch.setattr(ring.os, "preadv", no_reads)
     folder = ModelFolder.open(wan_template)
     for name in ("transformer", "vae", "text_encoder"):
         assert folder.spec(name).nbytes > 0
@@ -137,7 +136,7 @@ def test_specs_never_read_tensor_data(wan_template, monkeypatch):
 
 
 def test_module_is_built_once_per_dtype_and_copied_for_loads(wan_template, monkeypatch):
-    from ondeck.loading import folder as folder_module
+    from ondeck.loading import model_folder as folder_module
     from ondeck.loading import skeleton as skeleton_module
 
     builds = []

@@ -179,11 +179,10 @@ def test_each_stream_waits_for_the_other_at_a_staging_half(
     the load goes round the staging buffer many times."""
     from safetensors.torch import save_file
 
-    from ondeck.loading import ReadJob, read_header, read_into
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ReadJob, casting, read_header, read_into
 
-    issue = reader_module._DeviceCasts._issue
-    add = reader_module._DeviceCasts.add
+    issue = casting.DeviceCasts._issue
+    add = casting.DeviceCasts.add
     casts: list[int] = []
 
     def late_casts(pending, half):
@@ -201,12 +200,12 @@ def test_each_stream_waits_for_the_other_at_a_staging_half(
         issue(pending, half)
 
     chunk = 2**16
-    monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
+    monkeypatch.setattr(casting, "CAST_STAGING_BYTES", 4 * chunk)
     if held_back == "casts":
-        monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late_casts))
+        monkeypatch.setattr(casting.DeviceCasts, "_issue", staticmethod(late_casts))
     else:
-        monkeypatch.setattr(reader_module._DeviceCasts, "add", late_copy)
-        monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(counted))
+        monkeypatch.setattr(casting.DeviceCasts, "add", late_copy)
+        monkeypatch.setattr(casting.DeviceCasts, "_issue", staticmethod(counted))
     generator = torch.Generator().manual_seed(9)
     tensors = {
         f"t{i}": torch.randn(3 * chunk // 2 + i, generator=generator).to(torch.bfloat16)
@@ -235,11 +234,10 @@ def test_a_read_in_groups_hands_over_each_group_done_on_the_device(tmp_path, mon
     were queued behind a long kernel. The destinations start as NaN."""
     from safetensors.torch import save_file
 
-    from ondeck.loading import ReadJob, read_header
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ReadJob, casting, read_header, reads, ring
 
     monkeypatch.setenv("ONDECK_READ_PROCESSES", "1")
-    issue, deliver = reader_module._DeviceCasts._issue, reader_module._deliver
+    issue, deliver = casting.DeviceCasts._issue, ring.deliver
 
     def late_casts(pending, half):
         torch.cuda._sleep(10_000_000)
@@ -251,9 +249,9 @@ def test_a_read_in_groups_hands_over_each_group_done_on_the_device(tmp_path, mon
         return deliver(chunk, staged, streams, *rest)
 
     chunk = 2**16
-    monkeypatch.setattr(reader_module, "CAST_STAGING_BYTES", 4 * chunk)
-    monkeypatch.setattr(reader_module._DeviceCasts, "_issue", staticmethod(late_casts))
-    monkeypatch.setattr(reader_module, "_deliver", late_copy)
+    monkeypatch.setattr(casting, "CAST_STAGING_BYTES", 4 * chunk)
+    monkeypatch.setattr(casting.DeviceCasts, "_issue", staticmethod(late_casts))
+    monkeypatch.setattr(ring, "deliver", late_copy)
     generator = torch.Generator().manual_seed(5)
     tensors = {
         f"t{i}": torch.randn(chunk // 3 + 97 * i, generator=generator).to(torch.bfloat16)
@@ -275,5 +273,5 @@ def test_a_read_in_groups_hands_over_each_group_done_on_the_device(tmp_path, mon
             expected = tensors[job.info.name].cuda().to(dtype)
             assert same_bits(job.destination, expected), job.info.name
 
-    stats = reader_module.read_in_groups(groups, check, progress=False, buffer_bytes=chunk)
+    stats = reads.read_in_groups(groups, check, progress=False, buffer_bytes=chunk)
     assert stats.readers == "processes" and reached == [0, 1, 2, 3]

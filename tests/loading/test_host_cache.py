@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ondeck.loading import ComponentLoader, HostCache, TensorInfo
+from ondeck.loading import ComponentLoader, HostCache, TensorInfo, reads, ring
 from ondeck.loading import host_cache as host_cache_module
-from ondeck.loading import reader as reader_module
 
 from .helpers import assert_same_state, from_pretrained
 
@@ -94,7 +93,7 @@ def test_second_load_is_a_hit_and_identical(wan_template, cache_on_cpu, monkeypa
     def no_file_reads(*args, **kwargs):
         raise AssertionError("a cache hit read the file")
 
-    monkeypatch.setattr(reader_module, "read_into", no_file_reads)
+    monkeypatch.setattr(reads, "read_into", no_file_reads)
     second = loader()
     assert (cache_on_cpu.hits, cache_on_cpu.misses) == (1, 1)
     assert loader.last_source == "host cache"
@@ -115,7 +114,7 @@ def test_failed_first_load_leaves_no_entry(wan_template, cache_on_cpu, monkeypat
     def broken(*args, **kwargs):
         raise LoadError("disk vanished")
 
-    monkeypatch.setattr(reader_module, "_pread_exact", broken)
+    monkeypatch.setattr(ring, "pread_exact", broken)
     loader = ComponentLoader(wan_template, "vae", host_cache=cache_on_cpu)
     with pytest.raises(LoadError):
         loader()

@@ -17,7 +17,7 @@ from streaming.conftest import BLOCKS, build_six_block_folder
 
 from ondeck.errors import LoadError
 from ondeck.lazy import LazyModule
-from ondeck.loading import ComponentLoader, pipelined, reader
+from ondeck.loading import ComponentLoader, pipelined, process_feed, reads, ring
 from ondeck.loading.pipelined import fill_groups
 
 
@@ -55,7 +55,7 @@ class GatedReads:
         self.gates = {block: threading.Event() for block in gated_blocks}
         self.fail_block = fail_block
         self.read_blocks: list[int | None] = []
-        original = reader.read_into
+        original = reads.read_into
 
         def read(jobs, **options):
             block = _block_of(jobs[0].info.name)
@@ -67,7 +67,7 @@ class GatedReads:
                 raise OSError("the disk went away")
             return original(jobs, **options)
 
-        monkeypatch.setattr(reader, "read_into", read)
+        monkeypatch.setattr(reads, "read_into", read)
 
     def open(self, block):
         self.gates[block].set()
@@ -426,12 +426,12 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     """Through the reading processes a pipelined load is one read (on the CPU only when
     asked for): blocks 0 and 1 compute while block 2's first chunk is held back."""
     gate, _ = _one_read(monkeypatch, hold_block=2)
-    reads: list[int] = []
-    read_into = reader.read_into
+    feeds: list[int] = []  # one feeding thread per read through the processes
+    feed = process_feed.feed
     monkeypatch.setattr(
-        reader,
-        "read_into",
-        lambda jobs, **options: reads.append(len(jobs)) or read_into(jobs, **options),
+        process_feed,
+        "feed",
+        lambda state, lease: feeds.append(len(state.chunks)) or feed(state, lease),
     )
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
     module, filling = loader.begin()
@@ -442,7 +442,7 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     gate.set()
     worker.join(30)
     filling.wait()
-    assert len(reads) == 1 and loader.last_readers == "processes"  # one read for all groups
+    assert len(feeds) == 1 and loader.last_readers == "processes"  # one read for all groups
     monkeypatch.undo()
     whole = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
     assert torch.equal(result["out"], forward(whole))
@@ -454,9 +454,9 @@ def _one_read(
     """Pipelined loads read through the processes (one read); the copying thread waits at
     the first chunk of ``hold_block`` until the returned gate opens, then fails if asked.
     The second event is set once the copying thread waits there."""
-    monkeypatch.setattr(reader, "_processes_wanted", lambda jobs, processes, devices: True)
+    monkeypatch.setattr(process_feed, "processes_wanted", lambda jobs, processes, devices: True)
     gate, held = threading.Event(), threading.Event()
-    deliver = reader._deliver
+    deliver = ring.deliver
 
     def holding(chunk, *rest):
         if chunk.job.info.name.startswith(f"blocks.{hold_block}."):
@@ -466,7 +466,7 @@ def _one_read(
                 raise OSError("the disk went away")
         return deliver(chunk, *rest)
 
-    monkeypatch.setattr(reader, "_deliver", holding)
+    monkeypatch.setattr(ring, "deliver", holding)
     return gate, held
 
 
@@ -532,14 +532,14 @@ def test_a_whole_load_failing_mid_read_keeps_no_view_of_its_freed_memory(
         gate.set()
     else:
         monkeypatch.setenv("ONDECK_READ_PROCESSES", "0")
-        original = reader._pread_exact
+        original = ring.pread_exact
 
         def failing(fd, address, length, offset, info, component):
             if info.name.startswith("blocks.3."):
                 raise OSError("the disk went away")
             return original(fd, address, length, offset, info, component)
 
-        monkeypatch.setattr(reader, "_pread_exact", failing)
+        monkeypatch.setattr(ring, "pread_exact", failing)
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=False)
     with pytest.raises((LoadError, OSError)) as failed:
         loader()

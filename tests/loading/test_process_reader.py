@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ondeck.errors import LoadError
-from ondeck.loading import process_reader, read_header, read_into
+from ondeck.loading import process_pool, read_header, read_into
 
 from .helpers import jobs_for, raise_after, random_tensor, same_bits, write_safetensors
 from .test_reader import DTYPES
@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs m
 def fresh_processes(monkeypatch):
     """Each test starts without reading processes and stops those it started."""
     monkeypatch.delenv("ONDECK_READ_PROCESSES", raising=False)
-    monkeypatch.setattr(process_reader, "_unavailable", False)
-    monkeypatch.setattr(process_reader, "_warned", False)
-    process_reader.close_shared()
+    monkeypatch.setattr(process_pool, "_unavailable", False)
+    monkeypatch.setattr(process_pool, "_warned", False)
+    process_pool.close_shared()
     yield
-    process_reader.close_shared()
+    process_pool.close_shared()
 
 
 def read_by_processes(path, *, dtype=None, **options) -> dict[str, torch.Tensor]:
@@ -40,7 +40,7 @@ def read_by_processes(path, *, dtype=None, **options) -> dict[str, torch.Tensor]
 
 
 def pids() -> list[int]:
-    return [process.pid for process in process_reader._shared._processes]
+    return [process.pid for process in process_pool._shared._processes]
 
 
 def test_every_dtype_read_by_processes_is_bit_identical(tmp_path):
@@ -87,21 +87,21 @@ def test_a_truncated_file_names_the_tensor_and_the_processes_serve_the_next_load
 
 
 def test_a_process_killed_mid_load_fails_it_and_the_next_starts_new_ones(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
     tensor = torch.randn(20000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     read_by_processes(path)
     victims = pids()
-    original = reader_module._deliver
+    original = ring.deliver
 
     def deliver_after_a_kill(*args):
-        if process_reader._shared._processes[0].poll() is None:
+        if process_pool._shared._processes[0].poll() is None:
             os.kill(victims[0], signal.SIGKILL)
-            process_reader._shared._processes[0].wait()
+            process_pool._shared._processes[0].wait()
         return original(*args)
 
-    monkeypatch.setattr(reader_module, "_deliver", deliver_after_a_kill)
+    monkeypatch.setattr(ring, "deliver", deliver_after_a_kill)
     with pytest.raises(LoadError, match="reading process"):
         read_by_processes(path)
     monkeypatch.undo()
@@ -115,17 +115,17 @@ def test_a_process_killed_between_loads_is_replaced(tmp_path):
     read_by_processes(path)
     victim = pids()[0]
     os.kill(victim, signal.SIGKILL)
-    process_reader._shared._processes[0].wait()
+    process_pool._shared._processes[0].wait()
     assert same_bits(read_by_processes(path)["w"], tensor)
     assert victim not in pids()
 
 
 def test_a_failed_copy_stops_the_load_and_the_processes_serve_the_next(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
     tensor = torch.randn(20000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
-    calls = raise_after(monkeypatch, reader_module, "_deliver", 5, RuntimeError("copy fault"))
+    calls = raise_after(monkeypatch, ring, "deliver", 5, RuntimeError("copy fault"))
     with pytest.raises(RuntimeError, match="copy fault"):
         read_by_processes(path)
     assert calls["n"] < 20  # of 20 chunks: it stopped at the first failure
@@ -134,17 +134,17 @@ def test_a_failed_copy_stops_the_load_and_the_processes_serve_the_next(tmp_path,
 
 
 def test_a_copy_failing_among_several_answers_still_ends_the_load(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(20000)})
-    original = process_reader.ReadingProcesses.replies
+    original = process_pool.ReadingProcesses.replies
 
     def late_replies(self, timeout):
         time.sleep(0.05)  # every process has answered: one call returns several answers
         return original(self, timeout)
 
-    monkeypatch.setattr(process_reader.ReadingProcesses, "replies", late_replies)
-    raise_after(monkeypatch, reader_module, "_deliver", 0, RuntimeError("copy fault"))
+    monkeypatch.setattr(process_pool.ReadingProcesses, "replies", late_replies)
+    raise_after(monkeypatch, ring, "deliver", 0, RuntimeError("copy fault"))
     outcome = []
 
     def load():
@@ -178,7 +178,7 @@ def test_a_busy_pool_leaves_a_concurrent_load_to_threads(tmp_path):
     tensor = torch.randn(300, 20)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     read_by_processes(path)
-    pool = process_reader._shared
+    pool = process_pool._shared
     assert pool.lock.acquire(blocking=False)  # as if another load held them
     try:
         jobs = jobs_for(path)
@@ -193,12 +193,12 @@ def test_switched_off_by_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("ONDECK_READ_PROCESSES", "0")
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(30)})
     stats = read_into(jobs_for(path, torch.float64), progress=False, processes=True)
-    assert stats.readers == "threads" and process_reader._shared is None
+    assert stats.readers == "threads" and process_pool._shared is None
 
 
 def test_processes_that_cannot_start_warn_once_and_threads_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(process_reader, "_PROGRAM", tmp_path / "absent" / "program.py")
-    monkeypatch.setattr(process_reader.sys, "executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr(process_pool, "_PROGRAM", tmp_path / "absent" / "program.py")
+    monkeypatch.setattr(process_pool.sys, "executable", str(tmp_path / "no-python"))
     tensor = torch.randn(300)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     with pytest.warns(RuntimeWarning, match="reading processes unavailable"):
@@ -212,15 +212,15 @@ def test_processes_that_cannot_start_warn_once_and_threads_read(tmp_path, monkey
 def test_closing_the_pool_ends_its_processes(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
     read_by_processes(path)
-    processes = list(process_reader._shared._processes)
-    process_reader.close_shared()
+    processes = list(process_pool._shared._processes)
+    process_pool.close_shared()
     assert all(process.poll() is not None for process in processes)
 
 
 def test_cpu_loads_keep_reading_directly_unless_asked(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
     assert read_into(jobs_for(path), progress=False).readers == "threads"
-    assert process_reader._shared is None
+    assert process_pool._shared is None
 
 
 def test_two_loads_at_once_are_both_right(tmp_path):
@@ -259,7 +259,7 @@ def test_a_forked_child_starts_its_own_processes(tmp_path):
         try:
             loaded = read_by_processes(path)
             status = 0 if same_bits(loaded["w"], tensor) and set(pids()).isdisjoint(parents) else 2
-            process_reader.close_shared()
+            process_pool.close_shared()
         finally:
             os._exit(status)
     _, status = os.waitpid(child, 0)
@@ -269,7 +269,7 @@ def test_a_forked_child_starts_its_own_processes(tmp_path):
 
 
 def test_an_interpreter_that_cannot_run_the_program_falls_back_to_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(process_reader, "_PROGRAM", tmp_path / "absent.py")  # python exits 2
+    monkeypatch.setattr(process_pool, "_PROGRAM", tmp_path / "absent.py")  # python exits 2
     tensor = torch.randn(300)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     jobs = jobs_for(path)
@@ -296,7 +296,7 @@ def test_file_descriptors_past_1024_do_not_stop_the_processes(tmp_path):
     finally:
         for fd in held:
             os.close(fd)
-        process_reader.close_shared()
+        process_pool.close_shared()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
@@ -314,35 +314,35 @@ def test_more_slots_than_a_socket_holds_answers_for_do_not_deadlock(tmp_path):
     worker.join(timeout=60)
     assert not worker.is_alive(), "the load deadlocked"
     assert same_bits(outcome[0]["w"], tensor)
-    assert process_reader._shared.slot_count <= process_reader.MAX_SLOTS_PER_PROCESS
+    assert process_pool._shared.slot_count <= process_pool.MAX_SLOTS_PER_PROCESS
 
 
 def test_closing_at_exit_leaves_a_running_load_its_processes(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
     tensor = torch.randn(20000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
-    original = reader_module._deliver
+    original = ring.deliver
     attempts = []
 
     def deliver_and_try_to_close(*args):
         if not attempts:
-            attempts.append(process_reader.close_shared(wait_seconds=0.05))
+            attempts.append(process_pool.close_shared(wait_seconds=0.05))
         return original(*args)
 
-    monkeypatch.setattr(reader_module, "_deliver", deliver_and_try_to_close)
+    monkeypatch.setattr(ring, "deliver", deliver_and_try_to_close)
     assert same_bits(read_by_processes(path)["w"], tensor)
-    assert attempts and process_reader._shared is not None  # it waited, then let them be
+    assert attempts and process_pool._shared is not None  # it waited, then let them be
 
 
 def test_an_interrupt_after_the_lease_leaves_the_processes_free(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import reads
 
     tensor = torch.randn(3000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     read_by_processes(path)
     first = pids()
-    raise_after(monkeypatch, reader_module, "plan_chunks", 0, KeyboardInterrupt())
+    raise_after(monkeypatch, reads, "plan_chunks", 0, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         read_by_processes(path)
     monkeypatch.undo()
@@ -357,9 +357,9 @@ def test_a_process_gone_after_its_last_answer_leaves_the_load_whole(tmp_path, mo
     first = pids()
 
     def gone(self):
-        raise process_reader.ReadingProcessExited("a reading process is gone: broken pipe")
+        raise process_pool.ReadingProcessExited("a reading process is gone: broken pipe")
 
-    monkeypatch.setattr(process_reader.ReadingProcesses, "close_files", gone)
+    monkeypatch.setattr(process_pool.ReadingProcesses, "close_files", gone)
     assert same_bits(read_by_processes(path)["w"], tensor)
     monkeypatch.undo()
     assert same_bits(read_by_processes(path)["w"], tensor)
@@ -376,29 +376,29 @@ def test_slots_of_an_odd_size_still_cast(tmp_path):
 def test_a_forked_child_lets_go_of_the_parents_processes(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
     read_by_processes(path)
-    pool = process_reader._shared  # a reference the child inherits too
+    pool = process_pool._shared  # a reference the child inherits too
     child = os.fork()
     if child == 0:
         time.sleep(3)  # alive while the parent closes its processes
         os._exit(0 if pool is not None else 1)
     try:
         started = time.monotonic()
-        process_reader.close_shared()
+        process_pool.close_shared()
         assert time.monotonic() - started < 2  # the processes saw their sockets close
     finally:
         os.waitpid(child, 0)
 
 
 def test_ranks_on_one_host_share_the_cores(monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import process_feed, ring
 
-    monkeypatch.setattr(reader_module.os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(ring.os, "cpu_count", lambda: 32)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert reader_module.default_processes() == 12
+    assert process_feed.default_processes() == 12
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert reader_module.default_processes() == 6
+    assert process_feed.default_processes() == 6
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
-    assert reader_module.default_processes() == 1
+    assert process_feed.default_processes() == 1
 
 
 def test_a_ring_too_large_falls_back_once_and_other_sizes_still_use_processes(tmp_path):
@@ -412,10 +412,10 @@ def test_a_ring_too_large_falls_back_once_and_other_sizes_still_use_processes(tm
 
 
 def test_a_bundled_app_reads_on_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(process_reader.sys, "frozen", True, raising=False)
+    monkeypatch.setattr(process_pool.sys, "frozen", True, raising=False)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300)})
     stats = read_into(jobs_for(path), progress=False, processes=True)
-    assert stats.readers == "threads" and process_reader._shared is None
+    assert stats.readers == "threads" and process_pool._shared is None
 
 
 @pytest.mark.parametrize("option", ["threads", "buffer_bytes", "buffer_count"])
@@ -465,7 +465,7 @@ class _LateEvent:
 
 
 def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, monkeypatch):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
     stream = _LateStream()
 
@@ -475,8 +475,8 @@ def test_a_ring_slot_is_read_into_again_only_after_its_copy_finished(tmp_path, m
         stream.next_copy = (chunk.part(), source)
         return stream
 
-    monkeypatch.setattr(reader_module, "_side_streams", lambda fences: {stream.device: stream})
-    monkeypatch.setattr(reader_module, "_deliver", deliver_later)
+    monkeypatch.setattr(ring, "side_streams", lambda fences: {stream.device: stream})
+    monkeypatch.setattr(ring, "deliver", deliver_later)
     monkeypatch.setattr(torch.cuda, "Event", _LateEvent)
     tensor = torch.randn(20000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
@@ -510,45 +510,47 @@ def test_a_read_in_groups_hands_over_each_group_complete_and_in_order(tmp_path, 
     """One read through the processes; at each group's turn its tensors are in place,
     while a later group's chunks may already have been read. Each chunk's copy is slowed,
     so that a group handed over early would be seen incomplete."""
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import process_feed, reads, ring
 
     tensors, groups = grouped_file(tmp_path)
-    reads: list[int] = []
-    original = reader_module.read_into
+    feeds: list[int] = []  # one feeding thread per read through the processes
+    feed = process_feed.feed
     monkeypatch.setattr(
-        reader_module, "read_into", lambda jobs, **o: reads.append(len(jobs)) or original(jobs, **o)
+        process_feed,
+        "feed",
+        lambda state, lease: feeds.append(len(state.chunks)) or feed(state, lease),
     )
-    deliver = reader_module._deliver
+    deliver = ring.deliver
 
     def slowly(*args):
         time.sleep(0.005)
         return deliver(*args)
 
-    monkeypatch.setattr(reader_module, "_deliver", slowly)
+    monkeypatch.setattr(ring, "deliver", slowly)
     reached: list[int] = []
     check = checking_in_place(groups, tensors, reached)
 
-    stats = reader_module.read_in_groups(
+    stats = reads.read_in_groups(
         groups, check, progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6
     )
-    assert stats.readers == "processes" and reads == [6]  # one read for all the groups
+    assert stats.readers == "processes" and len(feeds) == 1  # one read for all the groups
     assert reached == [0, 1, 2, 3, 4]
     assert stats.nbytes == sum(t.nbytes for t in tensors.values())
 
 
 def test_a_read_in_groups_by_threads_reads_group_after_group(tmp_path):
     tensors, groups = grouped_file(tmp_path)
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import reads
 
     reached: list[int] = []
     check = checking_in_place(groups, tensors, reached)
 
-    stats = reader_module.read_in_groups(groups, check, progress=False, processes=False)
+    stats = reads.read_in_groups(groups, check, progress=False, processes=False)
     assert stats.readers == "threads" and reached == [0, 1, 2, 3, 4]
 
 
 def test_an_error_at_a_group_stops_the_read_and_the_processes_serve_the_next(tmp_path):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import reads
 
     tensors, groups = grouped_file(tmp_path)
     options = dict(progress=False, processes=True, threads=3, buffer_bytes=1024, buffer_count=6)
@@ -558,12 +560,12 @@ def test_an_error_at_a_group_stops_the_read_and_the_processes_serve_the_next(tmp
             raise LoadError("component 'transformer': loading was stopped")
 
     with pytest.raises(LoadError, match="loading was stopped"):
-        reader_module.read_in_groups(groups, refuse, **options)
+        reads.read_in_groups(groups, refuse, **options)
     first = pids()
     (tmp_path / "again").mkdir()
     tensors, groups = grouped_file(tmp_path / "again")
     reached: list[int] = []
-    reader_module.read_in_groups(groups, reached.append, **options)
+    reads.read_in_groups(groups, reached.append, **options)
     assert reached == [0, 1, 2, 3, 4] and pids() == first
     for group in groups:
         for job in group:
@@ -571,7 +573,7 @@ def test_an_error_at_a_group_stops_the_read_and_the_processes_serve_the_next(tmp
 
 
 def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_path):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import reads
 
     tensors, groups = grouped_file(tmp_path)
     path = groups[0][0].info.path
@@ -580,7 +582,7 @@ def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_
     os.truncate(path, last.info.start + 8)  # inside the last tensor of the file
     reached: list[int] = []
     with pytest.raises(LoadError, match=rf"g\.safetensors, tensor '{last.info.name}'"):
-        reader_module.read_in_groups(
+        reads.read_in_groups(
             groups, reached.append, progress=False, processes=True, buffer_bytes=1024
         )
     failed_group = next(i for i, group in enumerate(groups) if last in group)
@@ -588,12 +590,12 @@ def test_a_truncated_file_fails_a_read_in_groups_after_the_groups_before_it(tmp_
 
 
 def test_a_read_in_groups_with_a_bad_size_takes_no_processes(tmp_path):
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import reads
 
     _, groups = grouped_file(tmp_path)
     with pytest.raises(ValueError, match="buffer_count must be at least 1, not 0"):
-        reader_module.read_in_groups(groups, lambda _: None, processes=True, buffer_count=0)
-    stats = reader_module.read_in_groups(
+        reads.read_in_groups(groups, lambda _: None, processes=True, buffer_count=0)
+    stats = reads.read_in_groups(
         groups, lambda _: None, progress=False, processes=True, buffer_bytes=1024
     )
     assert stats.readers == "processes"  # the pool was not left leased
@@ -602,9 +604,9 @@ def test_a_read_in_groups_with_a_bad_size_takes_no_processes(tmp_path):
 def test_answers_that_come_together_are_handed_over_in_plan_order(tmp_path, monkeypatch):
     """The processes answer in any order; those of one poll are delivered in plan order,
     so that a tensor's chunks are staged side by side and cast as one."""
-    from ondeck.loading import reader as reader_module
+    from ondeck.loading import ring
 
-    replies = process_reader.ReadingProcesses.replies
+    replies = process_pool.ReadingProcesses.replies
     batches: list[int] = []
 
     def reversed_replies(pool, timeout):
@@ -615,14 +617,14 @@ def test_answers_that_come_together_are_handed_over_in_plan_order(tmp_path, monk
         return answers[::-1]
 
     delivered: list[int] = []
-    deliver = reader_module._deliver
+    deliver = ring.deliver
 
     def noting(chunk, *rest):
         delivered.append(chunk.lo)
         return deliver(chunk, *rest)
 
-    monkeypatch.setattr(process_reader.ReadingProcesses, "replies", reversed_replies)
-    monkeypatch.setattr(reader_module, "_deliver", noting)
+    monkeypatch.setattr(process_pool.ReadingProcesses, "replies", reversed_replies)
+    monkeypatch.setattr(ring, "deliver", noting)
     tensor = torch.randn(30000)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
     assert same_bits(read_by_processes(path, buffer_bytes=1024, buffer_count=8)["w"], tensor)

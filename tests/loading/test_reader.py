@@ -5,8 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ondeck.errors import LoadError
-from ondeck.loading import ReadJob, read_header, read_into
-from ondeck.loading import reader as reader_module
+from ondeck.loading import ReadJob, read_header, read_into, reads, ring
 
 from .helpers import jobs_for, random_tensor, same_bits, write_safetensors
 
@@ -47,7 +46,7 @@ def every_dtype(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("buffer_bytes", [reader_module.DEFAULT_BUFFER_BYTES, 64])
+@pytest.mark.parametrize("buffer_bytes", [reads.DEFAULT_BUFFER_BYTES, 64])
 def test_every_dtype_reads_bit_identical_to_safetensors(every_dtype, buffer_bytes):
     expected = load_file(str(every_dtype))
     loaded = read_all(every_dtype, buffer_bytes=buffer_bytes, buffer_count=2, threads=3)
@@ -129,13 +128,13 @@ def test_sharded_checkpoint_reads_every_shard(wan_folder):
 
 def test_cpu_reads_of_the_file_dtype_need_no_staging_buffer(tmp_path, monkeypatch):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(100, 100)})
-    monkeypatch.setattr(reader_module, "_Slot", None)  # any staging would fail
+    monkeypatch.setattr(ring, "Slot", None)  # any staging would fail
     assert read_all(path, buffer_bytes=1024)["w"].shape == (100, 100)
 
 
 def test_staging_never_exceeds_the_ring(tmp_path, monkeypatch):
     buffers, reads = [], []
-    original_slot, original_pread = reader_module._Slot.__init__, reader_module._pread_exact
+    original_slot, original_pread = ring.Slot.__init__, ring.pread_exact
 
     def recording_slot(slot, buffer):
         buffers.append(buffer.nbytes)
@@ -145,8 +144,8 @@ def test_staging_never_exceeds_the_ring(tmp_path, monkeypatch):
         reads.append(args[2])
         return original_pread(*args)
 
-    monkeypatch.setattr(reader_module._Slot, "__init__", recording_slot)
-    monkeypatch.setattr(reader_module, "_pread_exact", counting_pread)
+    monkeypatch.setattr(ring.Slot, "__init__", recording_slot)
+    monkeypatch.setattr(ring, "pread_exact", counting_pread)
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300, 100)})
     read_all(path, dtype=torch.float64, buffer_bytes=1024, buffer_count=3, threads=4)
     assert len(reads) > 3 * len(buffers)  # the 120 kB tensor went through the ring many times
@@ -181,12 +180,12 @@ def test_stats_report_bytes_and_source(tmp_path):
 
 def test_progress_bar_is_off_for_small_loads_and_when_disabled(monkeypatch):
     monkeypatch.delenv("ONDECK_PROGRESS", raising=False)
-    assert reader_module.progress_bar(1000, True, "vae", "disk") is None
-    assert reader_module.progress_bar(2**30, False, "vae", "disk") is None
+    assert reads.progress_bar(1000, True, "vae", "disk") is None
+    assert reads.progress_bar(2**30, False, "vae", "disk") is None
     monkeypatch.setenv("ONDECK_PROGRESS", "0")
-    assert reader_module.progress_bar(2**30, True, "vae", "disk") is None
+    assert reads.progress_bar(2**30, True, "vae", "disk") is None
     monkeypatch.setenv("ONDECK_PROGRESS", "1")
-    bar = reader_module.progress_bar(2**30, True, "vae", "page cache")
+    bar = reads.progress_bar(2**30, True, "vae", "page cache")
     assert bar is not None and "vae from page cache" in bar.desc
     bar.close()
 
@@ -221,7 +220,7 @@ def test_a_worker_that_fails_before_its_first_read_fails_the_read(tmp_path, monk
     def broken_slot(slot, buffer):
         raise RuntimeError("no pinned memory left")
 
-    monkeypatch.setattr(reader_module._Slot, "__init__", broken_slot)
+    monkeypatch.setattr(ring.Slot, "__init__", broken_slot)
     with pytest.raises(RuntimeError, match="no pinned memory left"):
         read_into([ReadJob(info, torch.empty(300, 100, dtype=torch.float64))], progress=False)
 

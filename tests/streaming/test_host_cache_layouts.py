@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ondeck.loading import ComponentLoader, HostCache
-from ondeck.loading import reader as reader_module
+from ondeck.loading import ComponentLoader, HostCache, reads
 from ondeck.streaming import BlockStreamer, StreamLayout, describe_blocks, find_blocks
 
 from .test_protocol import inputs
@@ -27,13 +26,13 @@ def cache(monkeypatch):
 def file_reads(monkeypatch) -> list[str]:
     """Names of the tensors read from the files, in order."""
     names: list[str] = []
-    real = reader_module.read_into
+    real = reads.read_into
 
     def read_into(jobs, **kwargs):
         names.extend(job.info.name for job in jobs)
         return real(jobs, **kwargs)
 
-    monkeypatch.setattr(reader_module, "read_into", read_into)
+    monkeypatch.setattr(reads, "read_into", read_into)
     return names
 
 

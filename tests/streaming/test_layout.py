@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ondeck.plan import StageUse, build_plan
+from ondeck.planning import StageUse, build_plan
 from ondeck.streaming import (
     BlockSizes,
     StreamingInputs,

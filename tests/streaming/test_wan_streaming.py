@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ondeck
-from ondeck.loading import ComponentLoader, reader
+from ondeck.loading import ComponentLoader, reads
 from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions, evenly_spaced
@@ -69,18 +69,18 @@ class Runs:
         self.first = dict(stats(self.pipe))
         self.loads_after_first = self.pipe.components["transformer"].load_count
         self.read: list[str] = []
-        original = reader.read_into
+        original = reads.read_into
 
         def watch(jobs, **options):
             self.read.extend(job.info.name for job in jobs)
             return original(jobs, **options)
 
-        reader.read_into = watch
+        reads.read_into = watch
         try:
             # A new prompt: the encoder comes back, so the transformer went and returns.
             self.frames["a heron"] = generate(self.pipe, "a heron")
         finally:
-            reader.read_into = original
+            reads.read_into = original
         self.second = dict(stats(self.pipe))
 
     def inspect(self, module):

@@ -8,7 +8,7 @@ import pytest
 from cli.helpers import FAST, run
 
 from ondeck.cli import UsageError, build_parser
-from ondeck.loading import reader
+from ondeck.loading import reads as reader
 
 
 def test_the_flags_parse_into_files_and_scales():
@@ -73,7 +73,7 @@ def test_plan_with_a_single_file_reads_no_weights(capsys, base, original_file, m
 
 def test_sharding_with_a_single_file_is_refused_before_anything_loads(base, original_file):
     from ondeck.errors import LoadError
-    from ondeck.folders import pipeline_for_folder
+    from ondeck.folder_pipelines import pipeline_for_folder
 
     with pytest.raises(LoadError, match="leave out --transformer"):
         pipeline_for_folder(base, components={"transformer": original_file}, shard=("transformer",))

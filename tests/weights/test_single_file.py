@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import ondeck
 from ondeck.errors import LoadError
-from ondeck.loading import ModelFolder, reader
+from ondeck.loading import ModelFolder
+from ondeck.loading import reads as reader
 from ondeck.loading.single_file import AssembledTensor, SingleFileFolder, converted_tensors
 
 from .conftest import frames, load, streamed_passes

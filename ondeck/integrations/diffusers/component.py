@@ -10,6 +10,7 @@ import torch
 
 from ...errors import OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule
+from .decode import is_vae
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
 # use it: answering them must neither load the component nor start its turn.
@@ -64,6 +65,11 @@ _CONFIGURING_METHODS = frozenset(
 _ADAPTER_LOADS = frozenset({"load_lora_adapter", "load_adapter"})
 # Calls that change a loaded component's weights in place.
 _FUSING_METHODS = frozenset({"fuse_lora", "unfuse_lora"})
+# Methods that only set hooks' state (which cache a call writes to) and never read a
+# weight: answered while a pipelined load is still bringing blocks in, so a pipeline
+# that enters ``transformer.cache_context(...)`` before each call still starts
+# computing on the first blocks.
+_HOOK_ONLY_METHODS = frozenset({"cache_context"})
 
 # Placement methods: on a proxy they redirect where (and in which dtype) the loader
 # puts the weights, so a reload lands there directly instead of moving afterwards.
@@ -149,7 +155,9 @@ class PipelineComponent(LazyModule):
             raise AttributeError(attribute)
         if attribute in _PLACEMENT_METHODS and self._can_retarget():
             return self._placement_call(attribute)
-        if attribute == "decode" and _is_vae(declared):
+        if attribute in _HOOK_ONLY_METHODS and hasattr(declared or type(module), attribute):
+            return getattr(self.materialize(complete=False), attribute)
+        if attribute == "decode" and is_vae(declared):
             runtime = object.__getattribute__(self, "_ondeck_runtime")
             if runtime is not None:
                 return runtime.fitting_decode(self)  # sized to fit, tiles if need be
@@ -323,15 +331,6 @@ class PipelineComponent(LazyModule):
         new_loader = make_loader(new_device, new_dtype)
         object.__setattr__(self, "_ondeck_loader", new_loader)
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
-
-
-def _is_vae(cls: type | None) -> bool:
-    """One of diffusers' autoencoders, whose ``decode`` ondeck sizes to fit."""
-    return (
-        cls is not None
-        and cls.__module__.startswith("diffusers.models.autoencoders")
-        and callable(getattr(cls, "decode", None))
-    )
 
 
 def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:

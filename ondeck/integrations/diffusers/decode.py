@@ -21,7 +21,7 @@ from ...lazy import is_out_of_memory
 from ...memory import format_bytes, free_cached_memory
 from ...tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, tiles_for
 
-__all__ = ["FittingDecode", "TilingStyle", "estimated_need", "tiling_style"]
+__all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_style"]
 
 # Device bytes a decode takes, before any is measured, per output element (pixel of one
 # frame in flight) per channel of the VAE's widest level: the feature map, the
@@ -75,6 +75,15 @@ class TilingStyle:
             module.enable_tiling()
             return
         module.enable_tiling(**self.settings(tiles, scale))
+
+
+def is_vae(cls: type | None) -> bool:
+    """One of diffusers' autoencoders, whose ``decode`` ondeck sizes to fit."""
+    return (
+        cls is not None
+        and cls.__module__.startswith("diffusers.models.autoencoders")
+        and callable(getattr(cls, "decode", None))
+    )
 
 
 def tiling_style(cls: type) -> TilingStyle | None:
@@ -175,6 +184,7 @@ class FittingDecode:
         self.last_tiles: Tiles | None = None
         self.last_retries = 0
         self.last_elements: int | None = None
+        self.last_need: int | None = None  # the last decode's whole-frame need
         # Whole frames' bytes per output element, measured (or, after running out of
         # memory, at least this much).
         self.bytes_per_element: float | None = None
@@ -194,6 +204,29 @@ class FittingDecode:
         if self.last_elements and nbytes:
             self.bytes_per_element = nbytes / self.last_elements
 
+    def expected_need(self, arguments: dict[str, Any]) -> int | None:
+        """What a whole-frame decode of the call given ``arguments`` takes, known before
+        the call decodes: measured per element, else estimated from the config; None
+        when the arguments do not say the frame's size."""
+        height, width = arguments.get("height"), arguments.get("width")
+        if not isinstance(height, int) or not isinstance(width, int):
+            return self.last_need
+        frames = arguments.get("num_frames")
+        frames = frames if isinstance(frames, int) and frames > 0 else None
+        prompt = arguments.get("prompt")
+        batch = len(prompt) if isinstance(prompt, list) and prompt else 1
+        for key in ("num_videos_per_prompt", "num_images_per_prompt"):
+            if isinstance(arguments.get(key), int) and arguments[key] > 0:
+                batch *= arguments[key]
+        elements = batch * height * width * (min(FRAMES_IN_FLIGHT, frames) if frames else 1)
+        if self.bytes_per_element is not None:
+            return int(self.bytes_per_element * elements)
+        scale = spatial_scale(self.config)
+        side = (max(1, height // scale), max(1, width // scale))
+        shape = (batch, 1, (frames - 1) // 4 + 1, *side) if frames else (batch, 1, *side)
+        dtype = object.__getattribute__(self.proxy, "_ondeck_spec").dtype
+        return estimated_need(self.config, shape, dtype.itemsize if dtype is not None else 4)
+
     # -- the call -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -210,6 +243,7 @@ class FittingDecode:
         )
         self.last_elements = elements
         need = self._need(latents, elements)
+        self.last_need = need
         self._refuse_if_it_cannot_fit(need, height, width)
         module = self._module()
         if getattr(module, "use_tiling", False):
@@ -264,9 +298,11 @@ class FittingDecode:
         return estimated_need(self.config, tuple(latents.shape), latents.element_size())
 
     def _refuse_if_it_cannot_fit(self, need: int | None, height: int, width: int) -> None:
-        """A VAE that cannot tile, whose whole frames cannot fit even with nothing else
-        resident: a BudgetError before it loads (unless a prefetch loaded it already)."""
-        if self.style is not None or need is None:
+        """A VAE that cannot tile, whose whole frames, as measured, cannot fit even with
+        nothing else resident: a BudgetError before it loads (unless a prefetch loaded it
+        already). An estimate alone refuses nothing: the decode is tried, and running
+        out of memory is the BudgetError then."""
+        if self.style is not None or need is None or self.bytes_per_element is None:
             return
         budget = self.runtime.policy.budget_bytes
         if budget is None:

@@ -9,6 +9,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,15 @@ import torch
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
-from ...loading import ComponentLoader, ModelFolder, component_loader, load_auxiliary, storage
+from ...loading import (
+    ComponentLoader,
+    HostCache,
+    LoadOptions,
+    ModelFolder,
+    component_loader,
+    fp8,
+    load_auxiliary,
+)
 from ...loading.quantized import quantization_method
 from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, library_of
@@ -46,7 +55,7 @@ def from_pretrained(
     policy: Any = "auto",
     budget: int | str | None = None,
     prefetch: bool = True,
-    host_cache: Any = None,
+    host_cache: HostCache | None = None,
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
@@ -78,7 +87,7 @@ def from_pretrained(
     context-parallel plan over the ranks (see ``ondeck.parallel``).
     ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
     but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
-    per component (``ondeck.loading.storage``).
+    per component (``ondeck.loading.fp8``).
     ``components`` maps a component name to a single checkpoint file that replaces its
     weights: a ``.safetensors`` file in the original repository's key names or diffusers'
     (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
@@ -87,77 +96,23 @@ def from_pretrained(
     """
     import diffusers
 
-    dtype = kwargs.pop("dtype", None)
-    if torch_dtype is not None and dtype is not None:
-        raise ValueError("pass torch_dtype or dtype, not both")
-    dtype = dtype if dtype is not None else torch_dtype
-    if kwargs.get("custom_pipeline") is not None:
-        raise LoadError(
-            f"{path}: custom_pipeline={kwargs['custom_pipeline']!r}: ondeck runs diffusers' "
-            "own pipeline classes only; load a custom pipeline with diffusers itself",
-            path=str(path),
-        )
+    dtype = _asked_dtype(path, torch_dtype, kwargs)
     path = _local_folder(path, kwargs)
     folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
     if components:
         folder = SingleFileFolder(folder, components)
     base_class = _pipeline_class(diffusers, folder)
-    for name in folder.component_names:
-        if name in kwargs:
-            continue
-        # Refuses an untrusted library before diffusers imports it, and a model without
-        # readable safetensors weights now rather than when a call first needs it (a gguf
-        # component's loader looks for its file).
-        if issubclass(folder.component_class(name), torch.nn.Module):
-            if quantization_method(folder, name) != "gguf":
-                folder.require_weights(name)
+    _require_models(folder, skip=kwargs)
     parallel = resolve_parallel(parallel)
     if parallel is not None:
         parallel.join()  # before resolving the device: joining selects this rank's GPU
     device = resolve_device(device)
-    stored = storage.storage_by_component(
-        storage_dtype,
-        {
-            name: folder.component_class(name)
-            for name in folder.component_names
-            if name not in kwargs and issubclass(folder.component_class(name), torch.nn.Module)
-        },
-    )
+    stored = _stored(folder, storage_dtype, skip=kwargs)
 
-    components: dict[str, PipelineComponent] = {}
-    containers: dict[str, torch.nn.Module] = {}
-    # Every deferred model, by runtime name: the components, and the models inside
-    # containers ("controlnet.nets.1").
-    deferred: dict[str, PipelineComponent] = {}
-    auxiliaries: dict[str, Any] = {}
-    for name in folder.component_names:
-        if name in kwargs:
-            continue
-        if _is_transformers_auxiliary(folder, name):
-            # Loaded here, not by diffusers, so that a tokenizer's auto_map never runs.
-            auxiliaries[name] = load_auxiliary(folder, name)
-            continue
-        component_dtype = _component_dtype(dtype, name, folder)
-        if _is_container(folder, name):
-            found = _deferred_container(folder, name, device, component_dtype, host_cache, progress)
-            if found is not None:
-                containers[name], parts = found
-                deferred.update(parts)
-            continue
-        if not _can_defer(folder, name):
-            continue
-        component = _deferred_component(
-            folder,
-            name,
-            device,
-            component_dtype,
-            host_cache,
-            progress,
-            stored.get(name),
-        )
-        if component is not None:
-            components[name] = deferred[name] = component
-
+    load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
+    found = _defer(folder, load, dtype, stored, skip=kwargs)
+    components, containers, deferred = found.components, found.containers, found.deferred
+    auxiliaries = found.auxiliaries
     if parallel is not None:
         split_sequences(parallel, components, device)
     pipeline_class = ondeck_pipeline_class(base_class)
@@ -250,6 +205,90 @@ def _set_adapters(pipe: Any, scales: dict[str, float]) -> None:
             component.add_transform(activate)
 
 
+def _asked_dtype(path: Any, torch_dtype: Any, kwargs: dict[str, Any]) -> Any:
+    """The dtype asked for, as ``torch_dtype`` or diffusers' ``dtype`` (taken out of
+    ``kwargs``), not both; a custom pipeline is refused."""
+    dtype = kwargs.pop("dtype", None)
+    if torch_dtype is not None and dtype is not None:
+        raise ValueError("pass torch_dtype or dtype, not both")
+    if kwargs.get("custom_pipeline") is not None:
+        raise LoadError(
+            f"{path}: custom_pipeline={kwargs['custom_pipeline']!r}: ondeck runs diffusers' "
+            "own pipeline classes only; load a custom pipeline with diffusers itself",
+            path=str(path),
+        )
+    return dtype if dtype is not None else torch_dtype
+
+
+def _stored(
+    folder: ModelFolder, storage_dtype: Any, skip: Mapping[str, Any]
+) -> dict[str, torch.dtype]:
+    """The storage dtype of each model ondeck builds (``skip``: components passed in)."""
+    models = {
+        name: folder.component_class(name)
+        for name in folder.component_names
+        if name not in skip and issubclass(folder.component_class(name), torch.nn.Module)
+    }
+    return fp8.storage_by_component(storage_dtype, models)
+
+
+def _require_models(folder: ModelFolder, skip: Mapping[str, Any]) -> None:
+    """Refuse an untrusted library before diffusers imports it, and a model without
+    readable safetensors weights now rather than when a call first needs it (a gguf
+    component's loader looks for its file). ``skip``: components passed in."""
+    for name in folder.component_names:
+        if name in skip:
+            continue
+        if issubclass(folder.component_class(name), torch.nn.Module):
+            if quantization_method(folder, name) != "gguf":
+                folder.require_weights(name)
+
+
+@dataclass
+class _Found:
+    """What ``from_pretrained`` builds itself: deferred components, containers over
+    deferred models, every deferred model by runtime name (the components, and the
+    models inside containers: ``controlnet.nets.1``), and the transformers parts."""
+
+    components: dict[str, PipelineComponent] = field(default_factory=dict)
+    containers: dict[str, torch.nn.Module] = field(default_factory=dict)
+    deferred: dict[str, PipelineComponent] = field(default_factory=dict)
+    auxiliaries: dict[str, Any] = field(default_factory=dict)
+
+
+def _defer(
+    folder: ModelFolder,
+    load: LoadOptions,
+    dtype: Any,
+    stored: Mapping[str, torch.dtype],
+    skip: Mapping[str, Any],
+) -> _Found:
+    """A deferred proxy for every model ondeck can defer, each loading as ``load`` says
+    in its own dtype; ``skip``: components passed in."""
+    found = _Found()
+    for name in folder.component_names:
+        if name in skip:
+            continue
+        if _is_transformers_auxiliary(folder, name):
+            # Loaded here, not by diffusers, so that a tokenizer's auto_map never runs.
+            found.auxiliaries[name] = load_auxiliary(folder, name)
+            continue
+        component_dtype = _component_dtype(dtype, name, folder)
+        if _is_container(folder, name):
+            container = _deferred_container(folder, name, load.replace(dtype=component_dtype))
+            if container is not None:
+                found.containers[name], parts = container
+                found.deferred.update(parts)
+            continue
+        if not _can_defer(folder, name):
+            continue
+        options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
+        component = _deferred_component(folder, name, options)
+        if component is not None:
+            found.components[name] = found.deferred[name] = component
+    return found
+
+
 def _route_sub_pipelines(pipe: Any) -> None:
     """A combined pipeline (Kandinsky's) runs sub-pipelines it built over the same
     components; they get ondeck's class too, so that asking them for their execution
@@ -332,7 +371,7 @@ def _is_container(folder: Any, name: str) -> bool:
 
 
 def _deferred_container(
-    folder: Any, name: str, device: torch.device, dtype: Any, host_cache: Any, progress: bool
+    folder: ModelFolder, name: str, options: LoadOptions
 ) -> tuple[torch.nn.Module, dict[str, PipelineComponent]] | None:
     """The container built over a deferred proxy for each model in it, found as diffusers
     finds them (``name``, ``name_1``, ... beside each other); None, with one warning,
@@ -355,7 +394,7 @@ def _deferred_container(
         for index, part in enumerate(parts):
             if not inner.weight_files(part):
                 raise LoadError(f"{folder.path / part} holds no safetensors weights")
-            proxy = _deferred_component(inner, part, device, dtype, host_cache, progress)
+            proxy = _deferred_component(inner, part, options)
             if proxy is None:
                 raise LoadError(f"'{part}' inside it cannot be built", component=name)
             proxies[f"{name}.nets.{index}"] = proxy
@@ -397,27 +436,17 @@ def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
 
 
 def _deferred_component(
-    folder: Any,
-    name: str,
-    device: torch.device,
-    dtype: Any,
-    host_cache: Any,
-    progress: bool,
-    storage_dtype: Any = None,
+    folder: ModelFolder, name: str, options: LoadOptions
 ) -> PipelineComponent | None:
-    def make_loader(target_device: torch.device, target_dtype: Any) -> ComponentLoader:
+    def make_loader(
+        target_device: torch.device, target_dtype: torch.dtype | None
+    ) -> ComponentLoader:
         return component_loader(
-            folder,
-            name,
-            device=target_device,
-            dtype=target_dtype,
-            host_cache=host_cache,
-            progress=progress,
-            storage_dtype=storage_dtype,
+            folder, name, options.replace(device=target_device, dtype=target_dtype)
         )
 
     try:
-        loader = make_loader(device, dtype)
+        loader = make_loader(options.device, options.dtype)
         spec = loader.spec
     except SkeletonBuildError as error:
         # Only a class ondeck cannot build falls back: a folder whose config and weights

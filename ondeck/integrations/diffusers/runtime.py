@@ -4,6 +4,7 @@ per component, in the order the call first touches them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from ...memory import resolve_device
 from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
 from .component import PipelineComponent
-from .decode import FittingDecode
+from .decode import FittingDecode, is_vae
 
 
 class ComponentTurn(Stage):
@@ -51,8 +52,9 @@ class ComponentTurn(Stage):
 
     def fit_activations(self, need: int, room: int) -> int:
         decoder = self._decoder()
-        if decoder is None or decoder.style is None or not decoder.last_elements:
+        if decoder is None or decoder.style is None:
             return need
+        # The VAE tiles down to what the room holds.
         return min(need, max(0, int(room * TILE_SAFETY)))
 
 
@@ -118,6 +120,12 @@ class DiffusersRuntime(Pipeline):
         self._acting = 0
         # Each VAE's decode, sized to fit (see ``fitting_decode``).
         self.decoders: dict[str, FittingDecode] = {}
+        # The arguments of the call in progress, else of the last one: the decode's need
+        # before it decodes comes from the frame size they give.
+        self._call_arguments: dict[str, Any] = {}
+        for name, proxy in components.items():
+            if is_vae(proxy.spec.cls):
+                self.decoders[name] = FittingDecode(proxy, self, name)
         super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
         for proxy in components.values():
             object.__setattr__(proxy, "_ondeck_runtime", self)
@@ -163,6 +171,7 @@ class DiffusersRuntime(Pipeline):
         # Concurrent calls from other threads queue here and run one after another.
         with self._run_lock:
             self._running_thread = me
+            self._call_arguments = dict(kwargs)
             try:
                 self._begin_call()
                 try:
@@ -176,6 +185,25 @@ class DiffusersRuntime(Pipeline):
                 self._record = None
                 self._current_index = None
                 self._running_thread = None
+
+    def snapshot(self, **options: Any) -> Any:
+        """The pipeline's snapshot, with each VAE's decode need where none is measured:
+        from the call's frame size, so the plan holds room for it (or for its tiles)
+        before the first decode, and prefetches beside it only what fits."""
+        snapshot = super().snapshot(**options)
+        known = snapshot.measured_activation
+        expected = {}
+        for name, decoder in self.decoders.items():
+            if name in known or self._turn_index(name) is None:
+                continue
+            if decoder.style is None and decoder.bytes_per_element is None:
+                continue  # an estimate alone never refuses a VAE that cannot tile
+            need = decoder.expected_need(self._call_arguments)
+            if need:
+                expected[name] = need
+        if not expected:
+            return snapshot
+        return dataclasses.replace(snapshot, measured_activation={**known, **expected})
 
     @contextlib.contextmanager
     def _deciding(self) -> Iterator[None]:

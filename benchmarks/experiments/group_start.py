@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import _randomise, warm_page_cache, write_document  # noqa: E402
 
@@ -57,14 +57,14 @@ def transformer_folder(path: Path, tiny: bool) -> Path:
 
 def per_group(groups, reached, **options):
     """The reader before one read for all groups: a read per group."""
-    from ondeck.loading import reader
+    from ondeck.loading import reads
 
     started = time.perf_counter()
     total = 0
     for index, group in enumerate(groups):
-        total += reader.read_into(group, **options).nbytes
+        total += reads.read_into(group, **options).nbytes
         reached(index)
-    return reader.ReadStats(total, time.perf_counter() - started, "page cache", "processes")
+    return reads.ReadStats(total, time.perf_counter() - started, "page cache", "processes")
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from ondeck.loading import ComponentLoader, ModelFolder, chunks, reader
+    from ondeck.loading import ComponentLoader, ModelFolder, chunks, reads
 
     started = time.perf_counter()
     path = transformer_folder(Path(args.folder), args.tiny)
@@ -84,7 +84,7 @@ def main() -> None:
     print(f"(folder ready after {time.perf_counter() - started:.0f}s)", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     folder = ModelFolder.open(path)
-    lazy_iter, lazy_groups = chunks.ChunkPlan.__iter__, reader.read_in_groups
+    lazy_iter, lazy_groups = chunks.ChunkPlan.__iter__, reads.read_in_groups
 
     def up_front(plan):
         plan[0]  # makes every chunk
@@ -102,7 +102,7 @@ def main() -> None:
             if arm == "one read, chunks made up front":
                 chunks.ChunkPlan.__iter__ = up_front
             if arm == "a read per group":
-                reader.read_in_groups = per_group
+                reads.read_in_groups = per_group
             try:
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -113,7 +113,7 @@ def main() -> None:
                     filling.wait()
                 filled = time.perf_counter() - began
             finally:
-                chunks.ChunkPlan.__iter__, reader.read_in_groups = lazy_iter, lazy_groups
+                chunks.ChunkPlan.__iter__, reads.read_in_groups = lazy_iter, lazy_groups
             if attempt:
                 figures[arm]["begin"].append(handed)
                 figures[arm]["fill"].append(filled)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,16 +30,18 @@ from pathlib import Path
 # Before anything starts NCCL, here and in every process launched from here.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (  # noqa: E402
     GiB,
     build_wan14b_folder,
+    count_reads,
     emit,
     folder_bytes,
     out_dir,
     parse_modes,
+    run_variant,
 )
 
 HERE = Path(__file__).resolve()
@@ -119,60 +120,6 @@ def child(args: argparse.Namespace) -> None:
     else:
         result = {"shard": shard, "world_size": 1, "ranks": [result]}
     emit(result)
-
-
-def count_reads(pipe) -> dict[str, int]:
-    """Bytes each plain ComponentLoader reads, summed over every load (the single run)."""
-    reads = {name: 0 for name in pipe.deferred}
-
-    class Observer:
-        def before_load(self, proxy) -> None:
-            pass
-
-        def after_release(self, proxy, nbytes) -> None:
-            pass
-
-        def after_load(self, proxy, nbytes, seconds) -> None:
-            for name, candidate in pipe.deferred.items():
-                loader = pipe.loaders[name]
-                if candidate is proxy and loader.last_source != "host cache":
-                    reads[name] += loader.last_load_bytes
-
-    for proxy in pipe.deferred.values():
-        proxy.add_observer(Observer())
-    return reads
-
-
-def run_variant(args: list[str], *, timeout: float) -> dict:
-    """Run one variant's process (torchrun or plain) and read its ``RESULT`` line.
-
-    On timeout, SIGTERM first: torchrun then stops its workers, which run in sessions of
-    their own and would otherwise keep their GPUs busy after a SIGKILL.
-    """
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-        error = None if process.returncode == 0 else f"exit {process.returncode}"
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            stdout, stderr = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            stdout, stderr = process.communicate()
-        error = f"timed out after {timeout:.0f}s"
-    result: dict = {}
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    if error:
-        result.update(error=error, tail=(stdout + stderr)[-3000:])
-    result["process_seconds"] = time.perf_counter() - started
-    result["args"] = args
-    return result
 
 
 def variant_key(shard: tuple[str, ...]) -> str:

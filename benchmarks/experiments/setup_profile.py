@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import out_dir  # noqa: E402
 
@@ -34,7 +34,7 @@ def main() -> None:
     started = time.perf_counter()
     import torch
 
-    from ondeck.loading.folder import ModelFolder
+    from ondeck.loading.model_folder import ModelFolder
     from ondeck.pipelines.wan import WanTextToVideo
 
     result: dict = {"import_ondeck_seconds": time.perf_counter() - started, "classes": {}}

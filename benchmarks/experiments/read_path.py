@@ -30,8 +30,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
@@ -296,30 +296,30 @@ class Phases(PhaseClock):
     With ``copy=False`` the copier issues no device copies (reads alone)."""
 
     def __init__(self, copy: bool = True):
-        from ondeck.loading import components, process_reader, reader
+        from ondeck.loading import components, process_pool, reads, ring
 
         steps = {
-            "pread": (reader, "_pread_exact"),
-            "copy issue": (reader, "_deliver"),
-            "ring wait": (reader._Slot, "wait"),
-            "read_into": (reader, "read_into"),
-            "reply wait": (process_reader.ReadingProcesses, "replies"),
+            "pread": (ring, "pread_exact"),
+            "copy issue": (ring, "deliver"),
+            "ring wait": (ring.Slot, "wait"),
+            "read_into": (reads, "read_into"),
+            "reply wait": (process_pool.ReadingProcesses, "replies"),
             "allocate": (components, "_allocate"),
             "install": (components, "_install"),
         }
         super().__init__(steps, events=False)
         self.copy = copy
-        self._reader = reader
+        self._ring = ring
 
     def __enter__(self):
-        self._deliver = self._reader._deliver
+        self._deliver = self._ring.deliver
         if not self.copy:
-            self._reader._deliver = _deliver_nothing  # then timed as the copy issue
+            self._ring.deliver = _deliver_nothing  # then timed as the copy issue
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
-        self._reader._deliver = self._deliver
+        self._ring.deliver = self._deliver
 
     def summary(self, loads: int) -> dict:
         """Per load: seconds (thread-seconds for steps on several threads), calls, mean µs."""

@@ -3,7 +3,7 @@
 From a warm page cache, the reading threads of one Python process spend most of a load
 waiting to take the GIL back after each read and each copy, so adding threads stops
 paying off well below what the page cache and the copy engine can do. Processes share no
-GIL. Each runs :mod:`ondeck.loading.reading_process` (standard library only, a few MiB),
+GIL. Each runs :mod:`ondeck.loading.read_worker` (standard library only, a few MiB),
 reads the ranges it is sent into its own slots of a ring in shared memory, and answers
 when a slot is full. The ring is registered with CUDA once, so every copy from it is a
 DMA; this process only hands out ranges and issues copies.
@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 
 from ..memory import register_host_memory
-from .reading_process import OPEN, READ, READY, REPLY
+from .read_worker import OPEN, READ, READY, REPLY
+from .ring import read_path
 
 __all__ = ["Lease", "ReadingProcesses", "ReadingProcessExited", "acquire"]
 
-_PROGRAM = Path(__file__).with_name("reading_process.py")
+_PROGRAM = Path(__file__).with_name("read_worker.py")
 # Every process must have said it is ready within this, or they are not used.
 START_SECONDS = 10.0
 # Closing waits this long in all for the processes to leave, then kills the rest.
@@ -174,7 +175,7 @@ class ReadingProcesses:
         process that has one, waiting up to ``timeout`` seconds for the first. (A process
         with a second answer waiting is ready again at the next call: one receive per
         process, rather than receiving until one fails, which raises.) Status 0: done;
-        an errno; or :data:`~ondeck.loading.reading_process.FILE_ENDED`."""
+        an errno; or :data:`~ondeck.loading.read_worker.FILE_ENDED`."""
         answers = []
         for key, _ in self._selector.select(timeout):
             try:
@@ -279,6 +280,8 @@ def acquire(count: int, slot_bytes: int, slot_count: int, *, register: bool) -> 
         return None
     if not hasattr(os, "memfd_create") or not sys.executable:
         return None
+    if read_path() == "portable":
+        return None  # the portable path reads on threads alone
     if getattr(sys, "frozen", False):  # a bundled app's executable runs the app, not -S
         return None
     if count < 1 or slot_count < count or slot_count > count * MAX_SLOTS_PER_PROCESS:

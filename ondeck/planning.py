@@ -355,6 +355,23 @@ class Plan:
     # True when the reserves for the allocator (stages whose allocator retried, upcast
     # copies of stored layers) were left out because they alone overflowed.
     retry_reserve_dropped: bool = False
+    # Per streamed component, its forward passes per call, as the calls so far ran them
+    # (a call's steps, twice with guidance); absent before a call.
+    passes_per_call: dict[str, float] = field(default_factory=dict)
+
+    def _per_call(self, name: str, layout: StreamLayout, rate: float) -> str:
+        """The bytes ``name`` streams per call and their transfer floor at ``rate``."""
+        passes = self.passes_per_call.get(name)
+        if not passes:
+            return (
+                "    per call: the per-pass figures times its forward passes (known after a call)"
+            )
+        nbytes = layout.bytes_per_pass * passes
+        floor = nbytes / rate if rate > 0 else float("inf")
+        return (
+            f"    per call: {format_bytes(int(nbytes))} in {passes:g} passes, a transfer floor "
+            f"of {floor:.2f} s at {rate / 1e9:.1f} GB/s"
+        )
 
     @property
     def device_bytes(self) -> dict[str, int]:
@@ -437,10 +454,10 @@ class Plan:
             lines.append(self.activation_note)
         if self.streamed:
             lines.append("streaming (blocks that do not fit come from pinned host memory):")
+            rate = self.transfer_bytes_per_second or 0
             for name, layout in self.streamed.items():
-                lines.extend(
-                    layout.describe(name, self.transfer_bytes_per_second or 0, self.transfer_source)
-                )
+                lines.extend(layout.describe(name, rate, self.transfer_source))
+                lines.append(self._per_call(name, layout, rate))
         lines.extend(self.streaming_notes)
         if self.budget is not None:
             overflow = self.overflow()

@@ -1,6 +1,6 @@
 """The program a reading process runs: read file ranges into a shared ring, report each.
 
-Started by :mod:`ondeck.loading.process_reader` as ``python -I -S reading_process.py
+Started by :mod:`ondeck.loading.process_pool` as ``python -I -S read_worker.py
 RING_FD SOCKET_FD``; it imports the standard library only, so it starts in milliseconds
 and holds a few MiB. It first sends ``READY``. Messages on the socket (SOCK_SEQPACKET, one
 per datagram):

@@ -4,18 +4,18 @@
 
 A safetensors file of ``--blocks`` Wan 2.1 14B-shaped transformer blocks (bf16, random;
 eight blocks are 5.3 GiB), in the page cache, read through the reading processes into
-device tensors with ``reader.read_into``: no module, no pipelining, the read alone.
+device tensors with ``reads.read_into``: no module, no pipelining, the read alone.
 The block's matrices are the ones fp8 storage casts; its vectors are kept as they are.
 
 Arms, per ring slot size (the chunk the reading processes hand over; 4 MiB is the
 default): bf16 (copies into the destinations), fp8 with the default cast staging (two
 halves), fp8 with Python's cyclic garbage collector paused during the read, and bf16
 and fp8 read in groups, a block a group, as a pipelined load reads
-(``reader.read_in_groups``, each group handed over to a callback that does nothing once
+(``reads.read_in_groups``, each group handed over to a callback that does nothing once
 its copies and casts are done). More arms on request: ``--torch-copies`` (bf16 and fp8
-with their copies issued through torch, not the CUDA driver: ``reader.DRIVER_COPIES``),
+with their copies issued through torch, not the CUDA driver: ``ring.DRIVER_COPIES``),
 ``--staging-mib`` and ``--sections`` (other staging sizes, or the staging in more
-parts: ``reader.CAST_SECTIONS``), ``--diagnose`` (fp8 with part of the casting left
+parts: ``casting.CAST_SECTIONS``), ``--diagnose`` (fp8 with part of the casting left
 out, to time that part), ``--nice``. The arms of one ring shape (slot size,
 ``--ring-slots`` count) take turns, their order turning each attempt, after a warm-up
 read each; a ring shape restarts the reading processes, so each shape's arms run
@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import CollectorClock, warm_page_cache, write_document  # noqa: E402
 
@@ -109,14 +109,13 @@ class Pauses:
     the reading processes and issues every copy and cast)."""
 
     def __init__(self):
-        from ondeck.loading import reader
+        from ondeck.loading import casting, process_feed
 
         self.last: dict = {}
         self.collector = CollectorClock().__enter__()
         self._halves = {"cast_waits": 0, "half_returns": 0}
         self._halves.update(copy_thread_cpu_seconds=0.0, copy_thread_seconds=0.0)
-        self._reader = reader
-        self._original = reader._DeviceCasts._wait_for_casts
+        self._original = casting.DeviceCasts._wait_for_casts
         halves, original = self._halves, self._original
 
         def wait_for_casts(casts, half):
@@ -125,8 +124,8 @@ class Pauses:
                 halves["cast_waits"] += 1
             return original(casts, half)
 
-        reader._DeviceCasts._wait_for_casts = wait_for_casts
-        self._feed = reader._feed_claimed
+        casting.DeviceCasts._wait_for_casts = wait_for_casts
+        self._feed = process_feed.feed_claimed
         feed = self._feed
 
         def feed_claimed(state, pool):
@@ -137,7 +136,7 @@ class Pauses:
                 halves["copy_thread_cpu_seconds"] += time.thread_time() - cpu
                 halves["copy_thread_seconds"] += time.perf_counter() - wall
 
-        reader._feed_claimed = feed_claimed
+        process_feed.feed_claimed = feed_claimed
 
     def __enter__(self):
         self.collector.take()
@@ -149,35 +148,41 @@ class Pauses:
         self.last = {**self.collector.take(), **self._halves}
 
     def close(self) -> None:
+        from ondeck.loading import casting, process_feed
+
         self.collector.__exit__()
-        self._reader._DeviceCasts._wait_for_casts = self._original
-        self._reader._feed_claimed = self._feed
+        casting.DeviceCasts._wait_for_casts = self._original
+        process_feed.feed_claimed = self._feed
 
 
-def arm_settings(reader, arm: str, staging):
+def arm_settings(arm: str, staging):
     """Set the reader's knobs for ``arm``: the cast staging (bytes, or a pair of
     sections and bytes), copies through the driver or torch, the parts a diagnostic arm
     leaves out. Returns what sets them back."""
-    knobs = ("CAST_STAGING_BYTES", "CAST_SECTIONS", "DRIVER_COPIES")
-    saved = {knob: getattr(reader, knob) for knob in knobs}
+    from ondeck.loading import casting, ring
+
+    knobs = ((casting, "CAST_STAGING_BYTES"), (casting, "CAST_SECTIONS"), (ring, "DRIVER_COPIES"))
+    saved = {(module, knob): getattr(module, knob) for module, knob in knobs}
     sections, nbytes = staging if isinstance(staging, tuple) else (2, staging)
-    reader.CAST_STAGING_BYTES = nbytes or saved["CAST_STAGING_BYTES"]
-    reader.CAST_SECTIONS = sections
-    reader.DRIVER_COPIES = not arm.endswith("torch copies")
-    undo = diagnose(reader, arm)
+    casting.CAST_STAGING_BYTES = nbytes or saved[casting, "CAST_STAGING_BYTES"]
+    casting.CAST_SECTIONS = sections
+    ring.DRIVER_COPIES = not arm.endswith("torch copies")
+    undo = diagnose(arm)
 
     def restore() -> None:
         undo()
-        for knob, value in saved.items():
-            setattr(reader, knob, value)
+        for (module, knob), value in saved.items():
+            setattr(module, knob, value)
 
     return restore
 
 
-def diagnose(reader, arm: str):
+def diagnose(arm: str):
     """For the diagnostic arms (``--diagnose``), leave out their part of the casting;
     returns what puts it back."""
-    casts = reader._DeviceCasts
+    from ondeck.loading import casting
+
+    casts = casting.DeviceCasts
     if arm.endswith("no cast kernels"):
         name, stand_in = "_issue", staticmethod(lambda pending, half: None)
     elif arm.endswith("copies never wait"):
@@ -193,9 +198,9 @@ def renice(niceness: int) -> None:
     """Set the reading processes' niceness (they are started by the first read)."""
     import os
 
-    from ondeck.loading import process_reader
+    from ondeck.loading import process_pool
 
-    pool = process_reader._shared
+    pool = process_pool._shared
     for process in pool._processes if pool is not None else ():
         try:
             os.setpriority(os.PRIO_PROCESS, process.pid, niceness)
@@ -203,15 +208,17 @@ def renice(niceness: int) -> None:
             pass
 
 
-def profile_feed(path: Path, device, reader, arms=("bf16", "fp8")) -> dict[str, list[dict]]:
-    """One read per arm with the copying thread (``reader._feed_claimed``) under
+def profile_feed(path: Path, device, arms=("bf16", "fp8")) -> dict[str, list[dict]]:
+    """One read per arm with the copying thread (``process_feed.feed_claimed``) under
     cProfile: its functions by own seconds, the largest first. (Calls through the driver
     are ctypes calls: cProfile does not see them apart from their caller.)"""
     import cProfile
 
     import torch
 
-    original = reader._feed_claimed
+    from ondeck.loading import process_feed, reads
+
+    original = process_feed.feed_claimed
     profiles = {}
     for arm in arms:
         profiler = cProfile.Profile()
@@ -219,14 +226,14 @@ def profile_feed(path: Path, device, reader, arms=("bf16", "fp8")) -> dict[str, 
         def feed_claimed(state, pool, profiler=profiler):
             return profiler.runcall(original, state, pool)
 
-        reader._feed_claimed = feed_claimed
+        process_feed.feed_claimed = feed_claimed
         try:
             jobs = jobs_for(path, arm, device)
-            reader.read_into(jobs, component="blocks", progress=False)
+            reads.read_into(jobs, component="blocks", progress=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         finally:
-            reader._feed_claimed = original
+            process_feed.feed_claimed = original
         profiler.create_stats()
         stats = profiler.stats  # empty when the read ran on threads, not the processes
         rows = [
@@ -243,7 +250,7 @@ def profile_feed(path: Path, device, reader, arms=("bf16", "fp8")) -> dict[str, 
     return profiles
 
 
-def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[str, dict]:
+def trace_reads(path: Path, device, arms: dict, count: int = 3) -> dict[str, dict]:
     """``count`` reads per arm (after the timed ones, arms in turn) under
     ``torch.profiler`` tracing the device alone: the copy engine's timeline
     (``cast_trace.timeline``) and the read's milliseconds outside the copies' span.
@@ -255,18 +262,20 @@ def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[
     from cast_trace import timeline
     from torch.profiler import ProfilerActivity, profile
 
+    from ondeck.loading import reads
+
     seen: dict[str, list[dict]] = {}
     for _ in range(count):
         for arm, staging in arms.items():
             if arm.endswith(("in groups", "niced", "collector paused")):
                 continue
-            restore = arm_settings(reader, arm, staging)
+            restore = arm_settings(arm, staging)
             jobs = jobs_for(path, arm, device)
             torch.cuda.synchronize()
             try:
                 with profile(activities=[ProfilerActivity.CUDA]) as traced:
                     started = time.perf_counter()
-                    reader.read_into(jobs, component="blocks", progress=False)
+                    reads.read_into(jobs, component="blocks", progress=False)
                     torch.cuda.synchronize()
                     read_ms = (time.perf_counter() - started) * 1e3
             finally:
@@ -281,8 +290,8 @@ def trace_reads(path: Path, device, reader, arms: dict, count: int = 3) -> dict[
     keys = ("read_ms", "span_ms", "outside_ms", "busy_fraction", "gb_per_s_busy", "tail_us")
     keys += ("gaps_over_50us", "kernel_busy_ms")
     return {
-        arm: {"reads": reads, **{key: statistics.median(r[key] for r in reads) for key in keys}}
-        for arm, reads in seen.items()
+        arm: {"reads": done, **{key: statistics.median(r[key] for r in done) for key in keys}}
+        for arm, done in seen.items()
     }
 
 
@@ -301,19 +310,19 @@ def main() -> None:
     parser.add_argument(
         "--torch-copies",
         action="store_true",
-        help="also bf16 and fp8 arms whose copies go through torch (reader.DRIVER_COPIES "
+        help="also bf16 and fp8 arms whose copies go through torch (ring.DRIVER_COPIES "
         "off), not through the CUDA driver",
     )
     parser.add_argument(
         "--staging-mib",
         default="",
-        help="more fp8 arms with these cast staging sizes (reader.CAST_STAGING_BYTES), e.g. 64,128",
+        help="more fp8 arms with these cast staging sizes (casting.CAST_STAGING_BYTES), e.g. 64,128",
     )
     parser.add_argument(
         "--sections",
         default="",
         help="more fp8 arms with the cast staging in this many sections of this many MiB "
-        "(reader.CAST_SECTIONS), e.g. 4x8,4x16",
+        "(casting.CAST_SECTIONS), e.g. 4x8,4x16",
     )
     parser.add_argument(
         "--diagnose",
@@ -346,14 +355,14 @@ def main() -> None:
 
     import torch
 
-    from ondeck.loading import reader
+    from ondeck.loading import casting, reads
 
     dim, ffn = (64, 160) if args.tiny else (DIM, FFN)
     path = build_file(Path(args.file), args.blocks, dim, ffn)
     warm_page_cache([str(path)])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     nbytes = path.stat().st_size
-    default_staging = reader.CAST_STAGING_BYTES
+    default_staging = casting.CAST_STAGING_BYTES
     arms = {
         "bf16": None,
         "fp8": default_staging,
@@ -378,16 +387,16 @@ def main() -> None:
     pauses = Pauses()
     rows: dict[str, dict] = {}
     rings = [int(r) for r in args.ring_slots.split(",") if r] or [None]
-    shapes = [(int(s), ring) for s in args.slots_mib.split(",") for ring in rings]
-    for slot_mib, ring in shapes:
-        shape = f"{slot_mib} MiB slots" if ring is None else f"{slot_mib} MiB x {ring} slots"
+    shapes = [(int(s), slots) for s in args.slots_mib.split(",") for slots in rings]
+    for slot_mib, slots in shapes:
+        shape = f"{slot_mib} MiB slots" if slots is None else f"{slot_mib} MiB x {slots} slots"
         seconds: dict[str, list[float]] = {arm: [] for arm in arms}
         seen: dict[str, list[dict]] = {arm: [] for arm in arms}
         for attempt in range(1 + args.attempts):  # the first of each arm warms it
             names = list(arms)
             for turn in range(len(names)):
                 arm = names[(attempt + turn) % len(names)]
-                restore = arm_settings(reader, arm, arms[arm])
+                restore = arm_settings(arm, arms[arm])
                 paused = arm.endswith("collector paused") and gc.isenabled()
                 renice(args.nice if arm.endswith("niced") else 0)
                 try:
@@ -399,13 +408,13 @@ def main() -> None:
                             gc.disable()
                         started = time.perf_counter()
                         options = dict(buffer_bytes=slot_mib * MiB, progress=False)
-                        options.update(buffer_count=ring)
+                        options.update(buffer_count=slots)
                         if arm.endswith("in groups"):
-                            stats = reader.read_in_groups(
+                            stats = reads.read_in_groups(
                                 by_block(jobs), lambda index: None, component="blocks", **options
                             )
                         else:
-                            stats = reader.read_into(jobs, component="blocks", **options)
+                            stats = reads.read_into(jobs, component="blocks", **options)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         elapsed = time.perf_counter() - started
@@ -429,8 +438,8 @@ def main() -> None:
                 "per_read": seen[arm],
             }
     pauses.close()
-    traces = trace_reads(path, device, reader, arms) if args.trace else {}
-    profiles = profile_feed(path, device, reader) if args.profile else {}
+    traces = trace_reads(path, device, arms) if args.trace else {}
+    profiles = profile_feed(path, device) if args.profile else {}
     fields = {"file_bytes": nbytes, "rows": rows, "profiles": profiles, "traces": traces}
     write_document("cast_rate", fields)
     if traces:

@@ -15,7 +15,7 @@ from .hub import resolve_model
 from .integrations.diffusers import from_pretrained
 from .pipelines import read_model_index
 from .pipelines.wan import WanTextToVideo, is_wan_folder
-from .plan import Plan
+from .planning import Plan
 
 __all__ = ["pipeline_for_folder", "plan"]
 

@@ -1,6 +1,7 @@
-"""ondeck against mmgp 3.8.2 (the memory manager behind Wan2GP) on a Wan 2.1 14B-shaped folder.
+"""ondeck against diffusers' offloading and mmgp 3.8.2 (the memory manager behind Wan2GP)
+on a Wan 2.1 14B-shaped folder: the README's results table.
 
-    python benchmarks/vs_mmgp.py [--folder DIR] [--modes eager,mmgp-1,...] [--mmgp-vae-bf16]
+    python benchmarks/compare.py [--folder DIR] [--modes eager,mmgp-1,...] [--mmgp-vae-bf16]
 
 mmgp (``pip install mmgp==3.8.2``, with optimum-quanto and accelerate) is given the stock
 diffusers WanPipeline loaded on the CPU and moves the models itself. Compared in one run,
@@ -15,6 +16,9 @@ generations):
                automatic from that device, 64 GiB host cache (~70 s)
     stream-8   ondeck budget on a device emulated at 8 GiB, streaming the transformer's
                blocks that do not fit (~90 s)
+    stream-24, stream-16   the same at 24 and 16 GiB (~100 s, ~110 s)
+    group-offload  diffusers enable_group_offload(block_level, 1 block, use_stream) (~155 s)
+    model-offload  diffusers enable_model_cpu_offload() (~165 s)
 
 mmgp is told to keep the VAE in float32 like every other mode (its default casts every
 float32 weight to bfloat16; ``--mmgp-vae-bf16`` lets it). Per mode: wall time of runs 2-3 (median), the
@@ -31,7 +35,7 @@ Building the folder takes ~80 s. Modes run in the order given; one that would no
 before ``--deadline-s`` (counted from the start) is skipped and named, with the command
 that runs it, and no mode runs past the deadline. Every mode runs with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the variable is already set.
-Results go to $OUT/vs_mmgp.json.
+Results go to $OUT/compare.json.
 """
 
 from __future__ import annotations
@@ -45,8 +49,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, later_seconds, parse_modes  # noqa: E402
-from wan_suite import Comparison, Mode, add_comparison_arguments, run_comparison  # noqa: E402
+from common import (  # noqa: E402
+    Comparison,
+    GiB,
+    Mode,
+    add_comparison_arguments,
+    later_seconds,
+    parse_modes,
+    run_comparison,
+)
 
 # name: the wan_modes mode, the emulated device GiB (None: whole card), seconds on an
 # H200, extra arguments
@@ -57,6 +68,10 @@ MODES = {
     "release": Mode("ondeck-release", None, 60),
     "budget-32": Mode("ondeck-budget-prefetch", 32, 70, ("--host-cache-gib", "64")),
     "stream-8": Mode("ondeck-stream", 8, 90),
+    "stream-24": Mode("ondeck-stream", 24, 100),
+    "stream-16": Mode("ondeck-stream", 16, 110),
+    "group-offload": Mode("diffusers-group-offload", None, 155),
+    "model-offload": Mode("diffusers-model-offload", None, 165),
 }
 DEFAULT_MODES = ["eager", "mmgp-1", "mmgp-2", "release", "budget-32", "stream-8"]
 # Whose peak host RSS the release target is held against.
@@ -92,7 +107,7 @@ def main() -> None:
         names,
         modes,
         label=lambda name, mode: f"{name} ({mode.wan_mode} @ {mode.memory_gib or 139} GiB)",
-        png_prefix="vs_mmgp",
+        png_prefix="compare",
         unavailable=unavailable,
         after_each=lambda done: write(done, args),
     )
@@ -103,13 +118,13 @@ def main() -> None:
     print()
     print_targets(results)
     write(result, args, results)
-    result.print_skipped("vs_mmgp.py", " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else "")
-    result.print_total("vs_mmgp.json")
+    result.print_skipped("compare.py", " --mmgp-vae-bf16" if args.mmgp_vae_bf16 else "")
+    result.print_total("compare.json")
 
 
 def write(result: Comparison, args, results: list[dict] | None = None) -> None:
     result.write(
-        "vs_mmgp.json",
+        "compare.json",
         targets=results,
         mmgp_vae="bfloat16 (mmgp default)" if args.mmgp_vae_bf16 else "float32",
         mmgp_rss_reference=MMGP_RSS_REFERENCE,
@@ -121,7 +136,7 @@ def print_table(rows: list[dict]) -> None:
     reference = next((later_seconds(r) for r in rows if r.get("name") == "eager" and ok(r)), None)
     print(
         f"{'mode':<46} {'runs 2-3 s':>10} {'vs eager':>8} {'peak alloc':>10} {'peak RSS':>9} "
-        f"{'gen RSS':>8} {'exposed s':>9} {'setup s':>7}"
+        f"{'gen RSS':>8} {'exposed s':>9} {'setup s':>7} {'streamed/gen':>12}"
     )
     for row in rows:
         runs = row.get("runs", [])
@@ -136,10 +151,14 @@ def print_table(rows: list[dict]) -> None:
         exposed_text = "-" if exposed is None else f"{exposed:.2f}"
         setup = row.get("setup_seconds")
         setup_text = "-" if setup is None else f"{setup:.1f}"
+        streamed = [r.get("bytes_streamed") for r in runs[1:] or runs]
+        streamed_text = "-"
+        if streamed and None not in streamed:
+            streamed_text = f"{sum(streamed) / len(streamed) / GiB:.1f} GiB"
         print(
             f"{row['label']:<46} {seconds:>10.1f} {ratio:>8} "
             f"{row['peak_allocated_bytes'] / GiB:>9.1f}G {row['peak_rss_bytes'] / GiB:>8.1f}G "
-            f"{generation_rss_text:>8} {exposed_text:>9} {setup_text:>7}"
+            f"{generation_rss_text:>8} {exposed_text:>9} {setup_text:>7} {streamed_text:>12}"
         )
         if row.get("error"):
             print(f"{'':<46} error: {str(row['error'])[:200]}")

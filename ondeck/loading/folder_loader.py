@@ -1,0 +1,55 @@
+"""What every loader of a model folder's component shares: the folder and the component,
+where its weights go, and what its last load did."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import LoadError
+from ..loader import DeclaredLoader
+from .model_folder import ModelFolder
+from .options import LoadOptions
+
+__all__ = ["FolderLoader", "open_folder"]
+
+
+class FolderLoader(DeclaredLoader):
+    """The shared part of :class:`~.components.ComponentLoader` and
+    :class:`~.quantized.QuantizedComponentLoader`: a :class:`ondeck.loader.Loader` for one
+    component of ``folder``, built from :class:`~.options.LoadOptions`.
+
+    ``storage_dtype`` is the narrower dtype its weights are kept in (None: as they
+    compute); ``bytes_read`` the bytes it has read from the files, where it counts them
+    (None: it does not); ``mesh`` the device mesh it shards over (None: it loads whole).
+    """
+
+    # Each call builds a new module, so a LazyModule may free its storage on release.
+    returns_fresh_module = True
+    storage_dtype: torch.dtype | None = None
+    bytes_read: int | None = None
+    mesh = None
+
+    def __init__(self, folder: ModelFolder | str | os.PathLike, name: str, options: LoadOptions):
+        self.folder = open_folder(folder, name)
+        self.name = name
+        self.device = options.device
+        self.progress = options.progress
+        self.pipelined = options.pipelined
+        cache = options.host_cache
+        self.host_cache = cache if cache and cache.enabled_for(self.device) else None
+        self.last_load_bytes = 0
+        self.last_load_seconds = 0.0
+        self.last_source: str | None = None
+        self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
+
+
+def open_folder(folder: ModelFolder | str | os.PathLike, name: str) -> ModelFolder:
+    """``folder`` opened, an error naming the component ``name`` it was opened for."""
+    if isinstance(folder, ModelFolder):
+        return folder
+    try:
+        return ModelFolder.open(folder)
+    except LoadError as error:
+        raise LoadError(f"component '{name}': {error}", component=name, path=error.path) from None

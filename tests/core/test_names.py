@@ -1,0 +1,107 @@
+"""Names that say what they are: no module reaches into another's private names, and no
+function of the package hides a module of the same name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import types
+from pathlib import Path
+
+import ondeck
+
+ROOT = Path(ondeck.__file__).parent
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _absolute(module: str | None, level: int, package: str) -> str:
+    if not level:
+        return module or ""
+    base = package.split(".")[: len(package.split(".")) - level + 1]
+    return ".".join(base + ([module] if module else []))
+
+
+def private_uses(name: str, path: Path, source: str, known: set[str]) -> list[str]:
+    """``file:line: what`` for each private name of another ondeck module this source
+    uses: imported (``from x import _y``) or read through the module (``x._y``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}  # local name -> the ondeck module it is bound to
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = _absolute(node.module, node.level, package)
+            for alias in node.names:
+                target = f"{module}.{alias.name}"
+                if target in known:
+                    bound[alias.asname or alias.name] = target
+                elif module in known and module != name and _private(alias.name):
+                    problems.append(f"{path}:{node.lineno}: imports {alias.name} from {module}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and bound[node.value.id] != name
+            and _private(node.attr)
+        ):
+            problems.append(f"{path}:{node.lineno}: reads {bound[node.value.id]}.{node.attr}")
+    return problems
+
+
+def test_the_check_finds_an_imported_private_name_and_one_read_through_its_module():
+    known = {"pkg", "pkg.a", "pkg.b"}
+    source = "from .a import _hidden\nfrom . import b\nb._inner()\nb.public()\n"
+    problems = private_uses("pkg.c", Path("pkg/c.py"), source, known)
+    assert problems == [
+        "pkg/c.py:1: imports _hidden from pkg.a",
+        "pkg/c.py:3: reads pkg.b._inner",
+    ]
+
+
+def test_no_module_uses_another_modules_private_names():
+    known = modules()
+    problems = []
+    for name, path in sorted(known.items()):
+        relative = path.relative_to(ROOT.parent)
+        problems += private_uses(name, relative, path.read_text(), set(known))
+    assert not problems, "private names across modules:\n" + "\n".join(problems)
+
+
+def test_no_public_function_shadows_a_module_of_its_package():
+    for name in sorted(modules()):
+        if name == "ondeck.__main__":
+            continue
+        module = importlib.import_module(name)
+        if not hasattr(module, "__path__"):
+            continue
+        for child in (n for n in modules() if n.rpartition(".")[0] == name):
+            attribute = getattr(module, child.rpartition(".")[2], None)
+            assert attribute is None or isinstance(attribute, types.ModuleType), (
+                f"{name}.{child.rpartition('.')[2]} is a {type(attribute).__name__}, "
+                f"hiding the module {child}"
+            )
+
+
+def test_ondeck_plan_is_the_function_and_planning_the_module():
+    import ondeck.planning
+
+    assert callable(ondeck.plan) and not isinstance(ondeck.plan, types.ModuleType)
+    assert ondeck.Plan is ondeck.planning.Plan
