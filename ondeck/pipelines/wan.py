@@ -569,6 +569,51 @@ class Decode(Stage):
                 setattr(vae, name, value)
 
 
+WAN_MODELS = ("text_encoder", "transformer", "vae")
+
+
+def _check_shard(folder: ModelFolder, shard: tuple[str, ...]) -> None:
+    """Refuse what cannot be sharded before anything starts."""
+    unknown = sorted(set(shard) - set(WAN_MODELS))
+    if unknown:
+        raise ValueError(f"cannot shard {unknown}; Wan's components are {WAN_MODELS}")
+    for name in shard:
+        method = quantization_method(folder, name)
+        if method is not None:
+            raise LoadError(
+                f"component '{name}': it is already quantized ({method or 'unnamed'}), "
+                "and FSDP2 sharding does not apply to it; leave it out of shard",
+                component=name,
+            )
+
+
+def _model_loaders(
+    folder: ModelFolder,
+    load: LoadOptions,
+    dtype: torch.dtype | None,
+    stored: dict[str, Any],
+    shard: tuple[str, ...],
+    mesh: Any,
+    parallel: Any,
+) -> dict[str, Any]:
+    """The loader of each of Wan's models: sharded over the ranks where asked."""
+    loaders: dict[str, Any] = {}
+    for name in WAN_MODELS:
+        component_dtype = dtype
+        if name == "vae" and dtype is not None:
+            component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
+        options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
+        quantized = quantization_method(folder, name) is not None
+        if (shard or parallel is not None) and not quantized:
+            # Unsharded components load whole on every rank, counting what they read.
+            loaders[name] = ShardedComponentLoader(
+                folder, name, mesh=mesh if name in shard else None, **options.keywords()
+            )
+        else:
+            loaders[name] = component_loader(folder, name, options)
+    return loaders
+
+
 class WanTextToVideo(Pipeline):
     """Wan 2.1 text-to-video with its text encoder, transformer and VAE on demand."""
 
@@ -632,20 +677,9 @@ class WanTextToVideo(Pipeline):
         computes in ``dtype`` (``ondeck.loading.fp8``): one dtype for the text
         encoder and transformer, or a dict by component name.
         """
-        models = ("text_encoder", "transformer", "vae")
         shard = tuple(shard)
-        unknown = sorted(set(shard) - set(models))
-        if unknown:
-            raise ValueError(f"cannot shard {unknown}; Wan's components are {models}")
         folder = ModelFolder.open(path, libraries=libraries)
-        for name in shard:
-            method = quantization_method(folder, name)
-            if method is not None:
-                raise LoadError(
-                    f"component '{name}': it is already quantized ({method or 'unnamed'}), "
-                    "and FSDP2 sharding does not apply to it; leave it out of shard",
-                    component=name,
-                )
+        _check_shard(folder, shard)
         if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)
@@ -658,27 +692,14 @@ class WanTextToVideo(Pipeline):
             parallel.check_model("transformer", spec.cls, spec.config)
             parallel.start(device)
         stored = fp8.storage_by_component(
-            storage_dtype, {name: folder.component_class(name) for name in models}
+            storage_dtype, {name: folder.component_class(name) for name in WAN_MODELS}
         )
         if set(stored) & set(shard):
             raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
         load = LoadOptions(
             device=device, host_cache=host_cache, progress=progress, pipelined=pipelined
         )
-        components: dict[str, Any] = {}
-        for name in models:
-            component_dtype = dtype
-            if name == "vae" and dtype is not None:
-                component_dtype = torch.float32  # Wan's VAE runs in float32, as in diffusers
-            options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
-            quantized = quantization_method(folder, name) is not None
-            if (shard or parallel is not None) and not quantized:
-                # Unsharded components load whole on every rank, counting what they read.
-                components[name] = ShardedComponentLoader(
-                    folder, name, mesh=mesh if name in shard else None, **options.keywords()
-                )
-            else:
-                components[name] = component_loader(folder, name, options)
+        components = _model_loaders(folder, load, dtype, stored, shard, mesh, parallel)
         loaders = dict(components)
         components["tokenizer"] = load_auxiliary(folder, "tokenizer")
         components["scheduler"] = load_auxiliary(folder, "scheduler")

@@ -288,21 +288,9 @@ def plan_streaming(
     guess = int(budget * inputs.unmeasured_activation_fraction)
     for component in chosen:
         sizes = inputs.candidates[component]
-        available, tightest, guessed = None, None, []
-        for use in uses:
-            if component not in use.components:
-                continue
-            headroom = activation.get(use.name)
-            if headroom is None:
-                headroom = guess
-                guessed.append(use.name)
-            streamed_here = [c for c in set(use.components) if c in chosen]
-            others = sum(nbytes[c] for c in set(use.components) if c not in streamed_here)
-            share = nbytes[component] / max(1, sum(nbytes[c] for c in streamed_here))
-            room = int((budget - headroom - others) * share)
-            others += sum(nbytes[c] for c in streamed_here if c != component)
-            if available is None or room < available:
-                available, tightest = room, (use.name, others, headroom)
+        available, tightest, guessed = _room_for(
+            component, chosen, uses, nbytes, budget, activation, guess
+        )
         layout = stream_layout(
             sizes, available, slots=inputs.slots, previous=inputs.previous.get(component, ())
         )
@@ -331,6 +319,37 @@ def plan_streaming(
                     "for them while its component streams"
                 )
     return choice
+
+
+def _room_for(
+    component: str,
+    chosen: list[str],
+    uses: Sequence[Any],
+    nbytes: Mapping[str, int],
+    budget: int,
+    activation: Mapping[str, int | None],
+    guess: int,
+) -> tuple[int, tuple[str, int, int], list[str]]:
+    """What the tightest stage holding ``component`` leaves it: its share by size of
+    the room beside the components not streamed there and the activations; that stage
+    (name, the other components' bytes, the activations); and the stages whose
+    activations are ``guess``ed."""
+    available, tightest, guessed = None, None, []
+    for use in uses:
+        if component not in use.components:
+            continue
+        headroom = activation.get(use.name)
+        if headroom is None:
+            headroom = guess
+            guessed.append(use.name)
+        streamed_here = [c for c in set(use.components) if c in chosen]
+        others = sum(nbytes[c] for c in set(use.components) if c not in streamed_here)
+        share = nbytes[component] / max(1, sum(nbytes[c] for c in streamed_here))
+        room = int((budget - headroom - others) * share)
+        others += sum(nbytes[c] for c in streamed_here if c != component)
+        if available is None or room < available:
+            available, tightest = room, (use.name, others, headroom)
+    return available, tightest, guessed
 
 
 def _streamed_in_stage(
