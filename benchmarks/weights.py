@@ -36,6 +36,10 @@ Run 1's frames of every mode are compared with eager's (same prompt and seed): t
 difference fp8, GGUF and the LoRA make against the bf16 folder, and 0 for a single file
 holding the same bf16 weights.
 
+The folder (about 40 GB) and the four files (about 60 GB) need about 100 GB of disk; a
+slice of the modes (``--modes``) writes only the files it reads. ``--prepare`` builds them
+and stops, so the modes can run in later calls of their own.
+
 Needs diffusers, transformers, gguf and peft where it runs (the writers, the eager
 reference and ondeck.diffusers all use them). Writes weights.json to $OUT and prints the
 table last.
@@ -130,8 +134,23 @@ def transformer_tensors(folder: Path) -> dict:
     return tensors
 
 
-def write_files(folder: Path, files: Path) -> dict[str, Path]:
-    """The single files and the LoRA beside the folder (skipped when already there)."""
+def files_needed(modes: list[str]) -> set[str]:
+    """The files the chosen modes read: a slice of the modes writes only its own (the
+    four beside the folder take about 60 GB)."""
+    needed = set()
+    for mode in modes:
+        source = mode.split("-")[0]
+        needed |= {"file": {"bf16"}, "fp8file": {"fp8"}, "gguf": {"gguf"}, "lora": {"lora"}}.get(
+            source, set()
+        )
+        if mode == "reload":
+            needed |= {"bf16", "fp8"}
+    return needed
+
+
+def write_files(folder: Path, files: Path, needed: set[str]) -> dict[str, Path]:
+    """The single files and the LoRA beside the folder that ``needed`` names (each
+    skipped when already there)."""
     import torch
     from safetensors.torch import save_file
 
@@ -142,15 +161,15 @@ def write_files(folder: Path, files: Path) -> dict[str, Path]:
         "gguf": files / "wan2.1_t2v_14B-Q8_0.gguf",
         "lora": files / "lora_rank32.safetensors",
     }
-    if all(path.exists() for path in paths.values()):
+    if all(paths[name].exists() for name in needed):
         return paths
     started = time.perf_counter()
     tensors = transformer_tensors(folder)
-    if not paths["bf16"].exists():
+    if "bf16" in needed and not paths["bf16"].exists():
         renamed = {"model.diffusion_model." + original_name(k): v for k, v in tensors.items()}
         save_file(renamed, str(paths["bf16"]))
         del renamed
-    if not paths["fp8"].exists():
+    if "fp8" in needed and not paths["fp8"].exists():
         stored = {
             "model.diffusion_model." + original_name(key): (
                 tensor.to(torch.float8_e4m3fn) if is_block_matrix(key, tensor) else tensor
@@ -159,9 +178,9 @@ def write_files(folder: Path, files: Path) -> dict[str, Path]:
         }
         save_file(stored, str(paths["fp8"]))
         del stored
-    if not paths["gguf"].exists():
+    if "gguf" in needed and not paths["gguf"].exists():
         write_gguf(tensors, paths["gguf"])
-    if not paths["lora"].exists():
+    if "lora" in needed and not paths["lora"].exists():
         generator = torch.Generator().manual_seed(0)
         lora = {}
         for key, tensor in tensors.items():
@@ -487,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reload-attempts", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny folder: smoke-test the modes")
+    parser.add_argument(
+        "--prepare", action="store_true", help="build the folder and the modes' files, then stop"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--files", help=argparse.SUPPRESS)
     parser.add_argument("--frames-dir", help=argparse.SUPPRESS)
@@ -506,7 +528,11 @@ def main(argv: list[str] | None = None) -> None:
         from common import ready_wan14b_folder
 
         folder, _ = ready_wan14b_folder(Path(args.folder))
-    files = {key: str(path) for key, path in write_files(folder, folder.parent / "files").items()}
+    written = write_files(folder, folder.parent / "files", files_needed(modes))
+    files = {key: str(path) for key, path in written.items()}
+    if args.prepare:
+        print("folder and files ready: " + ", ".join(p for p in files.values() if Path(p).exists()))
+        return
     frames_dir = Path(tempfile.mkdtemp(prefix="ondeck-weights-frames-"))
     rows = {}
     for mode in modes:
