@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _UNITS = {
@@ -74,6 +75,89 @@ def host_available_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+# The host memory a plan leaves to everything else on the machine: this share of what
+# the process may use, at least this many bytes.
+HOST_RESERVE_FRACTION = 0.10
+HOST_RESERVE_MIN_BYTES = 2**30
+# A cgroup limit this large is no limit (cgroup v1 writes one for "unlimited").
+_NO_LIMIT = 2**60
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What this process may hold in host memory: ``budget_bytes`` is its whole RSS at
+    most (what it holds now, plus what the machine or its cgroup has left, less a
+    reserve); ``source`` says where the figure came from."""
+
+    available_bytes: int
+    process_bytes: int
+    cgroup_limit_bytes: int | None
+    cgroup_used_bytes: int | None
+    budget_bytes: int
+    source: str
+
+
+def cgroup_memory(
+    root: str | os.PathLike = "/sys/fs/cgroup", self_cgroup: str | os.PathLike = "/proc/self/cgroup"
+) -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1; None where
+    there is none, no limit, or nothing can be read."""
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    root = Path(root)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, relative = parts
+        relative = relative.lstrip("/")
+        if controllers == "":  # v2: one unified hierarchy
+            folder, names = root / relative, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            folder = root / "memory" / relative
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit_text = (folder / names[0]).read_text().strip()
+            used = int((folder / names[1]).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        try:
+            limit = int(limit_text)
+        except ValueError:
+            return None
+        return None if limit >= _NO_LIMIT else (limit, used)
+    return None
+
+
+def host_facts(
+    *,
+    available_bytes: int | None = None,
+    process_bytes: int | None = None,
+    cgroup: tuple[int, int] | None | bool = True,
+) -> HostFacts:
+    """This process's host budget. The arguments stand in for the machine's readings
+    (tests): ``cgroup`` True reads it, None means none, a pair is (limit, usage)."""
+    available = host_available_bytes() if available_bytes is None else int(available_bytes)
+    process = process_rss_bytes() if process_bytes is None else int(process_bytes)
+    limits = cgroup_memory() if cgroup is True else cgroup
+    room, source = available, "available memory"
+    limit = used = None
+    if limits:
+        limit, used = limits
+        if limit - used < room:
+            room, source = max(0, limit - used), "the cgroup's memory limit"
+    whole = process + room
+    reserve = max(HOST_RESERVE_MIN_BYTES, int(HOST_RESERVE_FRACTION * whole))
+    budget = max(process, whole - reserve)
+    return HostFacts(available, process, limit, used, budget, source)
 
 
 def is_unified(device: Any = None) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .memory import format_bytes, parse_bytes
 from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, plan_streaming
 
-__all__ = ["Plan", "StageUse", "release_schedule"]
+__all__ = ["HostPlan", "Plan", "StageUse", "release_schedule"]
 
 # Components smaller than this share of the budget load at their own stage rather than
 # early, where loading early would raise the run's peak (see ``_PeakGuard``).
@@ -330,6 +330,41 @@ def simulate(
     return planned
 
 
+@dataclass(frozen=True)
+class HostPlan:
+    """The host pool: what the process holds now, the pinned host copies of streamed
+    blocks and the host cache's budget, against the host budget."""
+
+    budget_bytes: int
+    source: str
+    process_bytes: int
+    pinned_bytes: int
+    cache_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.process_bytes + self.pinned_bytes + self.cache_bytes
+
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
+            f"{format_bytes(self.budget_bytes)} ({self.source}): the process now "
+            f"{format_bytes(self.process_bytes)}, pinned copies of streamed blocks "
+            f"{format_bytes(self.pinned_bytes)}, host cache {format_bytes(self.cache_bytes)}"
+        ]
+        if not self.fits():
+            lines.append(
+                f"host: over by {format_bytes(self.peak_bytes - self.budget_bytes)}; a run "
+                "stops with a HostMemoryError before the kernel would kill it once dropping "
+                "the host cache is not enough. What would fit: fp8 storage (--weights fp8) "
+                "halves the streamed copies, a smaller --host-cache, or a larger card"
+            )
+        return lines
+
+
 @dataclass
 class Plan:
     """The predicted residency of a pipeline, before a byte is loaded."""
@@ -358,6 +393,8 @@ class Plan:
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)
+    # The host pool beside the device's (None where the plan was made without it).
+    host: HostPlan | None = None
 
     def _per_call(self, name: str, layout: StreamLayout, rate: float) -> str:
         """The bytes ``name`` streams per call and their transfer floor at ``rate``."""
@@ -459,6 +496,8 @@ class Plan:
                 lines.extend(layout.describe(name, rate, self.transfer_source))
                 lines.append(self._per_call(name, layout, rate))
         lines.extend(self.streaming_notes)
+        if self.host is not None:
+            lines.extend(self.host.describe())
         if self.budget is not None:
             overflow = self.overflow()
             if overflow is None:

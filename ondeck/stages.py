@@ -13,6 +13,7 @@ import torch
 from . import memory
 from .errors import ConcurrentRunError
 from .executor import Executor
+from .host_watch import HostWatch
 from .lazy import (
     LazyModule,
     component_name,
@@ -24,8 +25,9 @@ from .lazy import (
     pinned,
 )
 from .loader import as_loader
+from .loading import FolderLoader
 from .memory import parse_bytes, resolve_device
-from .planning import Plan, StageUse, release_schedule
+from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
@@ -151,7 +153,11 @@ class Pipeline:
     """A sequence of stages over named components, some of them deferred.
 
     ``lazy_components`` lists the names that load on demand; ``create_stages``
-    returns the stages, reading components from ``self.components``.
+    returns the stages, reading components from ``self.components``. ``host_memory`` is
+    the process's host budget (bytes or "32GiB"; default: what the machine and its
+    cgroup leave, less a reserve): the plan shows the host pool against it, and a run
+    that outgrows it drops the host cache, then stops with a ``HostMemoryError`` before
+    the kernel would kill the process.
     """
 
     lazy_components: tuple[str, ...] = ()
@@ -166,8 +172,12 @@ class Pipeline:
         budget: int | str | None = None,
         device: Any = None,
         prefetch: bool = True,
+        host_memory: int | str | None = None,
     ):
         self.device = resolve_device(device)
+        # The host budget: given, else from the machine and its cgroup (``host_facts``).
+        self.host_memory = parse_bytes(host_memory)
+        self.host_watch: HostWatch | None = None
         self.tracker = MemoryTracker(device=str(self.device))
         self.training = False
         self._run_lock = threading.Lock()
@@ -301,7 +311,60 @@ class Pipeline:
             for name, stats in streaming.stats().items():
                 if name in planned.streamed and stats["passes"]:
                     planned.passes_per_call[name] = stats["passes"] / runs
+        facts = memory.host_facts()
+        budget_bytes, source = facts.budget_bytes, facts.source
+        if self.host_memory is not None:
+            budget_bytes, source = self.host_memory, "given"
+        pinned = sum(layout.bytes_per_pass for layout in planned.streamed.values())
+        cache = sum(cache.budget_bytes for cache in self._host_caches())
+        planned.host = HostPlan(budget_bytes, source, facts.process_bytes, pinned, cache)
         return planned
+
+    # -- host memory --------------------------------------------------------------------
+
+    def host_budget_bytes(self) -> int:
+        """The RSS this process may reach: ``host_memory`` if given, else the machine's."""
+        if self.host_memory is not None:
+            return self.host_memory
+        return memory.host_facts().budget_bytes
+
+    def _host_caches(self) -> list[Any]:
+        caches: dict[int, Any] = {}
+        for proxy in self.deferred.values():
+            loader = loader_of(proxy)
+            if isinstance(loader, FolderLoader) and loader.host_cache is not None:
+                caches[id(loader.host_cache)] = loader.host_cache
+        return list(caches.values())
+
+    def relieve_host_memory(self) -> int:
+        """Free host memory ondeck holds for speed only: host-cache entries first, then
+        host copies of streamed blocks whose component is not loaded; returns the bytes."""
+        freed = 0
+        for cache in self._host_caches():
+            freed += cache.resident_bytes
+            cache.clear()
+        streaming = getattr(self.policy, "streaming", None)
+        if streaming is not None:
+            freed += streaming.drop_host_copies()
+        return freed
+
+    def _watch_host(self) -> None:
+        if self.host_watch is None:
+            self.host_watch = HostWatch(self.host_budget_bytes(), self.relieve_host_memory)
+        self.host_watch.budget_bytes = self.host_budget_bytes()
+        self.host_watch.start()
+
+    def _unwatch_host(self) -> None:
+        if self.host_watch is not None:
+            self.host_watch.stop()
+            self.tracker.host_peak_bytes = max(
+                self.tracker.host_peak_bytes, self.host_watch.peak_bytes
+            )
+
+    def check_host_memory(self) -> None:
+        """Fail the run (between stages) if the host watch saw the budget exceeded."""
+        if self.host_watch is not None:
+            self.host_watch.check()
 
     def snapshot(
         self, *, needs_components: bool = True, later_unneeded: frozenset[int] = frozenset()
@@ -434,6 +497,7 @@ class Pipeline:
 
     def _before_stage(self, index: int, state: Any = None) -> None:
         """Wait for the stage's prefetched components, then act on the policy's steps."""
+        self.check_host_memory()
         self.executor.wait_for(self.stage_uses()[index].components)
         needs = self.stages[index].needs_components(state)
         later = frozenset(
@@ -452,19 +516,23 @@ class Pipeline:
         self._profile_shape = self.profile_shape(state) or self._profile_shape
         self.stage_uses()
         self.tracker.run_started()
-        self._before_run()
+        self._watch_host()
         try:
-            for index, stage in enumerate(self.stages):
-                self._current_index = index
-                state = stage(state)
-        except BaseException:
-            self.cancel_prefetch_quietly()
-            self._release_deferred_quietly()
-            self._forget_what_is_not_loaded()
-            raise
+            self._before_run()
+            try:
+                for index, stage in enumerate(self.stages):
+                    self._current_index = index
+                    state = stage(state)
+            except BaseException:
+                self.cancel_prefetch_quietly()
+                self._release_deferred_quietly()
+                self._forget_what_is_not_loaded()
+                raise
+            finally:
+                self._current_index = None
+            self._after_run()
         finally:
-            self._current_index = None
-        self._after_run()
+            self._unwatch_host()
         return state
 
     def _stage_index(self, stage: Stage) -> int | None:
@@ -633,6 +701,8 @@ class Pipeline:
             "pipeline": type(self).__name__,
             "policy": self.policy.name,
             "budget_bytes": self.policy.budget_bytes,
+            # The host peak (``host_peak_bytes`` below) is read against this.
+            "host_budget_bytes": self.host_watch.budget_bytes if self.host_watch else None,
             "schedule": self.schedule,
             "component_bytes": self.component_bytes(),
             **self.tracker.to_dict(),

@@ -76,6 +76,8 @@ class MemoryTracker:
     bytes_loaded: int = 0
     runs: int = 0
     peak_measured_bytes: int = 0
+    # The process's highest RSS while runs were on (the host watch's samples).
+    host_peak_bytes: int = 0
     keep_runs: int = 4
     reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
 
@@ -283,6 +285,7 @@ class MemoryTracker:
             "runs": self.runs,
             "reset_peaks": self.reset_peaks,
             "peak_resident_bytes": self.peak_resident_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
             "bytes_loaded": self.bytes_loaded,
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
             "process_peak_rss_bytes": process_peak_rss_bytes(),

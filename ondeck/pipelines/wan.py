@@ -658,6 +658,7 @@ class WanTextToVideo(Pipeline):
         pipelined: bool | None = None,
         parallel: Any = None,
         storage_dtype: Any = None,
+        host_memory: int | str | None = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.
 
@@ -675,7 +676,8 @@ class WanTextToVideo(Pipeline):
         are the same on every rank. Bad set-ups are refused before anything loads.
         ``storage_dtype`` keeps weights in fp8 and
         computes in ``dtype`` (``ondeck.loading.fp8``): one dtype for the text
-        encoder and transformer, or a dict by component name.
+        encoder and transformer, or a dict by component name. ``host_memory``: the host
+        budget (:class:`ondeck.Pipeline`).
         """
         shard = tuple(shard)
         folder = ModelFolder.open(path, libraries=libraries)
@@ -717,6 +719,7 @@ class WanTextToVideo(Pipeline):
             prefetch=prefetch,
             vae_tiling=vae_tiling,
             parallel=parallel,
+            host_memory=host_memory,
         )
 
     def profile_shape(self, state: dict) -> dict[str, Any]:

@@ -44,8 +44,11 @@ def load(path, policy):
     return pipe
 
 
+@pytest.mark.parametrize("tight_decode", [False, True], ids=["decode-as-planned", "decode-tiles"])
 @pytest.mark.parametrize("family", list(ALL_FAMILIES))
-def test_every_block_list_streams_with_diffusers_outputs(family, folders, references):
+def test_every_block_list_streams_with_diffusers_outputs(
+    family, folders, references, tight_decode, monkeypatch
+):
     probe = load(folders[family], "release")
     run(probe, ALL_FAMILIES[family])  # the turns a call takes, as the budget must hold them
     if not candidates(probe):
@@ -54,6 +57,10 @@ def test_every_block_list_streams_with_diffusers_outputs(family, folders, refere
     if budget >= probe.ondeck.component_bytes()[largest]:
         pytest.skip(f"{family}: '{largest}' streams nothing at this tiny size")
     lists = candidates(probe)[largest].groups()
+    if tight_decode:  # no room left beside the VAE: its decode tiles where it can
+        from ondeck.integrations.diffusers import DiffusersRuntime
+
+        monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: 1)
     pipe = load(folders[family], BudgetPolicy(budget, streaming=OPTIONS))
     for call, expected in enumerate(references[family], start=1):
         output = run(pipe, ALL_FAMILIES[family])

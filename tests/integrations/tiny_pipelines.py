@@ -358,7 +358,21 @@ def plain_tiled(family: str, folder: Path, tiles: Any) -> Any:
     pipe = ALL_FAMILIES[family].pipeline_type().from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     in_fresh_tensors(pipe)
-    tiling_style(type(pipe.vae)).apply(pipe.vae, tiles, spatial_scale(pipe.vae.config))
+    vae, decode = pipe.vae, pipe.vae.decode
+    style = tiling_style(type(vae))
+    settings = {name: getattr(vae, name) for name in style.names if hasattr(vae, name)}
+
+    def tiled(*args: Any, **kwargs: Any) -> Any:
+        # Tiles for the decode alone, as ondeck sets them: an encode (an edit pipeline's
+        # input image) stays whole.
+        style.apply(vae, tiles, spatial_scale(vae.config))
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            for name, value in settings.items():
+                setattr(vae, name, value)
+
+    vae.decode = tiled
     return run(pipe, ALL_FAMILIES[family])
 
 

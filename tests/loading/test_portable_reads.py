@@ -64,9 +64,7 @@ def test_without_preadv_the_reader_reads_portably(monkeypatch):
 
 @pytest.mark.parametrize("buffer_bytes", [None, 4096])  # direct reads, and staged ones
 def test_every_dtype_loads_the_same_bytes_both_ways(tmp_path, monkeypatch, buffer_bytes):
-    tensors = {
-        f"t{i}": random_tensor(dtype, (3, 37), seed=i) for i, dtype in enumerate(DTYPES)
-    }
+    tensors = {f"t{i}": random_tensor(dtype, (3, 37), seed=i) for i, dtype in enumerate(DTYPES)}
     tensors["odd"] = random_tensor(torch.float16, (1001,), seed=99)  # leaves the rest unaligned
     tensors["after_odd"] = random_tensor(torch.float32, (5, 7), seed=100)
     tensors["empty"] = torch.empty(0, dtype=torch.float32)

@@ -63,6 +63,7 @@ def from_pretrained(
     storage_dtype: Any = None,
     components: Mapping[str, str | os.PathLike] | None = None,
     loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
+    host_memory: int | str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -78,8 +79,8 @@ def from_pretrained(
     ``torch_dtype`` (or ``dtype``) follows diffusers: one dtype, or a dict by component
     name with a ``"default"``; when omitted, diffusers models load in float32 and
     transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
-    present. ``policy``, ``budget`` and ``prefetch`` are those of :class:`ondeck.Pipeline`;
-    ``host_cache`` is an :class:`ondeck.loading.HostCache` for fast reloads.
+    present. ``policy``, ``budget``, ``prefetch`` and ``host_memory`` (the host budget) are
+    those of :class:`ondeck.Pipeline`; ``host_cache`` is an ``ondeck.loading.HostCache``.
     ``libraries`` names installed packages, beyond diffusers and transformers, whose
     classes model_index.json may name; no other module is imported for the folder.
     ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
@@ -134,6 +135,7 @@ def from_pretrained(
         device=device,
         prefetch=prefetch,
         containers=tuple(containers),
+        host_memory=host_memory,
     )
     pipe.ondeck.parallel = parallel
     if loras:

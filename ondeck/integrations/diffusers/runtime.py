@@ -95,6 +95,7 @@ class DiffusersRuntime(Pipeline):
         device: Any = None,
         prefetch: bool = True,
         containers: tuple[str, ...] = (),
+        host_memory: int | str | None = None,
     ):
         self.pipe = pipe
         # Pipeline attributes that hold deferred models without being one themselves
@@ -126,7 +127,14 @@ class DiffusersRuntime(Pipeline):
         for name, proxy in components.items():
             if is_vae(proxy.spec.cls):
                 self.decoders[name] = FittingDecode(proxy, self, name)
-        super().__init__(components, policy=policy, budget=budget, device=device, prefetch=prefetch)
+        super().__init__(
+            components,
+            policy=policy,
+            budget=budget,
+            device=device,
+            prefetch=prefetch,
+            host_memory=host_memory,
+        )
         for proxy in components.values():
             object.__setattr__(proxy, "_ondeck_runtime", self)
 
@@ -172,6 +180,7 @@ class DiffusersRuntime(Pipeline):
         with self._run_lock:
             self._running_thread = me
             self._call_arguments = dict(kwargs)
+            self._watch_host()
             try:
                 self._begin_call()
                 try:
@@ -182,6 +191,7 @@ class DiffusersRuntime(Pipeline):
                 self._end_call()
                 return result
             finally:
+                self._unwatch_host()
                 self._record = None
                 self._current_index = None
                 self._running_thread = None
@@ -248,6 +258,7 @@ class DiffusersRuntime(Pipeline):
             self._advance_to(index)
 
     def _advance_to(self, index: int) -> None:
+        self.check_host_memory()
         previous = self._current_index
         if previous is not None:
             self._finish_turn(previous)
