@@ -8,7 +8,7 @@ PYTHON_GPU ?= $(PY)
 GPU_TESTS := tests/gpu tests/loading/test_cuda.py tests/loading/test_fp8_cuda.py tests/fp8/test_quantized.py
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-gpu soak lint format clean
+.PHONY: setup run test test-ui test-gpu soak lint format clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 	# The loading tests again on the portable read path (no os.preadv, no reading processes).
 	ONDECK_READ_PATH=portable $(PY) -m pytest -q tests/loading
+
+# The page of `ondeck serve` in a real browser: Debian's chromium, driven by Playwright.
+test-ui: $(STAMP)
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+	$(PY) -m pip install -q -e '.[ui]'
+	$(PY) -m pytest -q tests/serve/test_page.py
 
 test-gpu: $(if $(filter $(PY),$(PYTHON_GPU)),$(STAMP))
 	$(PYTHON_GPU) -m pytest -q -m gpu $(GPU_TESTS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .errors import LoadError
 from .hub import resolve_model
 from .integrations.diffusers import from_pretrained
 from .pipelines import read_model_index
@@ -23,7 +24,15 @@ def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
     """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
     path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
     model_index = read_model_index(path)
-    if is_wan_folder(model_index):
+    # Single files and LoRAs go through diffusers' own key conversions and LoRA loading.
+    brought = options.get("components") or options.get("loras")
+    if brought and options.get("shard"):
+        raise LoadError(
+            "sharding (--shard) runs ondeck's own Wan stages, which read diffusers-format "
+            "folders only; leave out --transformer, --component and --lora to shard",
+            path=str(path),
+        )
+    if is_wan_folder(model_index) and not brought:
         return WanTextToVideo.from_folder(path, **options)
     return from_pretrained(path, **options).ondeck
 

@@ -92,7 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=command.help)
         command.add_arguments(sub)
         add_debug(sub)
+    from ..serve import cli as serve_cli
+
+    serve_cli.add_parser(commands)  # `serve`, and `generate --server URL`
     return parser
+
+
+def _runner(name: str) -> Callable[[argparse.Namespace], int]:
+    from ..serve import cli as serve_cli
+
+    if name == "serve":
+        return serve_cli.serve
+    if name == "generate":  # to a running server with --server, else here
+        return serve_cli.remote_or(COMMANDS["generate"].run)
+    return COMMANDS[name].run
 
 
 # What the command's own process sets before CUDA starts, unless the user set it: with
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(arguments)
         with _warnings_as_lines(debug):
-            code = COMMANDS[args.command].run(args)
+            code = _runner(args.command)(args)
         finished = True
         return code
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from ..parallel import resolve_parallel, sequence_split
 from ..pipelines import read_model_index
 from ..pipelines.wan import is_wan_folder
 from ..profiles import ActivationProfiles, profiles_path
-from .options import UsageError, check_policy_flags
+from .options import UsageError, check_policy_flags, weight_files
 
 # The command-line flag of each ``generate()`` argument, for the check's messages.
 FLAGS = {
@@ -131,6 +131,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
         **({"shard": shard} if shard else {}),
         **({"parallel": parallel} if parallel is not None else {}),
         **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
+        **weight_files(args),
     )
     if "ONDECK_RESET_PEAKS" not in os.environ:
         # The command owns its process: no caller's peak figure to keep, so every stage's

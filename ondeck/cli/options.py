@@ -114,6 +114,33 @@ def _weights(text: str) -> str | dict[str, str]:
     return chosen[""] if "" in chosen else chosen
 
 
+def _component_file(text: str) -> tuple[str, str]:
+    name, _, file = text.partition("=")
+    if not name or not file:
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
+    return name, file
+
+
+def _lora(text: str) -> tuple[str, float]:
+    file, _, scale = text.rpartition(":")
+    try:
+        return (file, _finite(scale)) if file else (text, 1.0)
+    except argparse.ArgumentTypeError:
+        return text, 1.0  # a ':' in the file name, no scale
+
+
+def weight_files(args: argparse.Namespace) -> dict[str, Any]:
+    """--transformer, --component and --lora as the pipeline takes them."""
+    components = dict(getattr(args, "component", None) or [])
+    if getattr(args, "transformer", None):
+        components["transformer"] = args.transformer
+    loras = list(getattr(args, "lora", None) or [])
+    return {
+        **({"components": components} if components else {}),
+        **({"loras": loras} if loras else {}),
+    }
+
+
 def _add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=_positive, help="pixels; Wan: a multiple of 16")
     parser.add_argument("--width", type=_positive, help="pixels; Wan: a multiple of 16")
@@ -133,6 +160,29 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         metavar="fp8",
         help="keep weights in fp8 and compute in --dtype: fp8 for every model but the VAE, "
         "or NAME=fp8[,NAME=fp8] per component (default: stored as they compute)",
+    )
+    parser.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="the transformer from one .safetensors (original or diffusers key names, "
+        "float8 and fp8_scaled too) or .gguf file; the rest from MODEL_DIR",
+    )
+    parser.add_argument(
+        "--component",
+        action="append",
+        default=[],
+        type=_component_file,
+        metavar="NAME=FILE",
+        help="any component from one such file (repeat for more)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=_lora,
+        metavar="FILE[:SCALE]",
+        help="apply this LoRA (default scale 1.0; repeat for more; on both experts of a "
+        "two-transformer model)",
     )
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument(

@@ -23,6 +23,7 @@ from .page_cache import describe_source
 from .pipelined import MIN_PIPELINED_BYTES, Filling, fill_groups, start_filling
 from .quantized import QuantizedComponentLoader, quantization_method
 from .safetensors_format import TensorInfo
+from .single_file import SingleFileFolder, pieces_of
 from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
 
 __all__ = ["ComponentLoader", "component_loader", "load_auxiliary", "load_component"]
@@ -82,6 +83,9 @@ class ComponentLoader(FolderLoader):
         self.dtype, self.storage_dtype = fp8.resolve(
             self.folder, name, dtype, storage_dtype, self.device
         )
+        # Stored because the file holds float8, not by the caller's choice: the tensors
+        # the file holds in float8 stay so, the others load in the compute dtype.
+        self._as_saved = storage_dtype is None and self.storage_dtype is not None
         self._stored_template: Any = None
         self._upcast_bytes: tuple[Skeleton, int] | None = None
         self.threads = threads
@@ -132,6 +136,9 @@ class ComponentLoader(FolderLoader):
             stored, layers = fp8.stored_tensors(
                 template.module, template.library, self.storage_dtype, self.dtype
             )
+            if self._as_saved:
+                sources = match_tensors(template, self.folder.tensors(self.name), self.name)
+                stored, layers = fp8.as_saved(template.module, stored, layers, sources)
             kept = fp8.kept_layers(template.module, self.dtype)
             self._stored_template = (template, template.with_stored(stored), layers, kept)
         return self._stored_template[1]
@@ -425,19 +432,29 @@ class ComponentLoader(FolderLoader):
     def _upcast_for_compute(
         self, module: torch.nn.Module, template: Skeleton, *, in_place: bool
     ) -> None:
-        """Hook the layers kept in the storage dtype to compute in ``dtype``."""
-        if self.storage_dtype is None:
-            return
-        _, _, layers, kept = self._stored_template
-        fp8.upcast_for_compute(
-            module,
-            template.library,
-            self.storage_dtype,
-            self.dtype,
-            layers,
-            in_place=in_place,
-            kept=kept,
+        """Hook the layers kept in the storage dtype to compute in ``dtype``, and the
+        weights of an fp8_scaled file to compute scaled."""
+        scales = (
+            self.folder.weight_scales(self.name)
+            if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name)
+            else {}
         )
+        scaled = {name.rpartition(".")[0] for name in scales}
+        if self.storage_dtype is not None:
+            _, _, layers, kept = self._stored_template
+            fp8.upcast_for_compute(
+                module,
+                template.library,
+                self.storage_dtype,
+                self.dtype,
+                [layer for layer in layers if layer not in scaled],
+                # diffusers' own hook would store every layer it casts (a float8 file's
+                # wider layers stay as wide), and scaled layers get a hook of their own.
+                in_place=in_place and not self._as_saved and not scales,
+                kept=kept,
+            )
+        if scales:
+            fp8.apply_weight_scales(module, scales, self.storage_dtype, self.dtype, self.device)
 
     def unload(self, module: torch.nn.Module) -> None:
         """Called on release: the placement takes back what it attached to the module."""
@@ -633,14 +650,16 @@ def _allocate(
             value = tensor
         values.append(value)
         via = fp8.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
-        if given is None:
-            jobs.append(reads.ReadJob(info, tensor, via=via))
-            if job_sources is not None:
-                job_sources.append(index)
-            if on_job is not None:
-                on_job(jobs[-1])
-        elif not filled:
-            placed.append(reads.ReadJob(info, tensor, via=via))
+        # A tensor a single-file conversion assembles is read part by part into place.
+        for part, destination in pieces_of(info, tensor):
+            if given is None:
+                jobs.append(reads.ReadJob(part, destination, via=via))
+                if job_sources is not None:
+                    job_sources.append(index)
+                if on_job is not None:
+                    on_job(jobs[-1])
+            elif not filled:
+                placed.append(reads.ReadJob(part, destination, via=via))
     return jobs, values, placed
 
 

@@ -433,11 +433,109 @@ def upcast_for_compute(
             _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
     for name in layers:
         layer = module.get_submodule(name)
+        _answer_adapter_dtype(layer, compute)
         if _gathers_rows(layer):
             registry = HookRegistry.check_if_exists_or_initialize(layer)
             registry.register_hook(_row_gathering_hook_class()(storage, compute), _ROWS_HOOK_NAME)
     if library == "transformers":
         _answer_compute_dtype(module)
+
+
+def as_saved(
+    module: torch.nn.Module,
+    stored: Mapping[str, torch.dtype],
+    layers: Iterable[str],
+    sources: Iterable[tuple[Any, TensorInfo]],
+) -> tuple[dict[str, torch.dtype], tuple[str, ...]]:
+    """Of the tensors layerwise casting would store (and the layers it hooks), those the
+    checkpoint itself holds in float8: a float8 file keeps its float8 tensors as they are
+    and its wider ones as wide, rather than rounding them to float8 as well."""
+    saved = {name for slot, info in sources if info.dtype in FLOAT8_DTYPES for name in slot.names}
+    kept = {name: dtype for name, dtype in stored.items() if name in saved}
+    hooked = tuple(
+        layer
+        for layer in layers
+        if any(
+            f"{layer}.{name}" in kept
+            for name, _ in module.get_submodule(layer).named_parameters(recurse=False)
+        )
+    )
+    return kept, hooked
+
+
+def apply_weight_scales(
+    module: torch.nn.Module,
+    scales: Mapping[str, torch.Tensor],
+    storage: torch.dtype | None,
+    compute: torch.dtype,
+    device: torch.device,
+) -> None:
+    """fp8_scaled weights: each scaled tensor computes as ``weight.to(compute) *
+    scale.to(compute)``, the dequantization that format defines (a float8 weight, and a
+    float32 scale beside it, one per weight), and stays as stored. The layer's casting hook,
+    if it has one, is replaced by one that also scales; its other stored tensors are upcast
+    as before. ``scales``: ``{tensor name: scale}``; their layers must have no casting
+    hook yet."""
+    from diffusers.hooks import HookRegistry
+
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for name, scale in scales.items():
+        layer, _, attribute = name.rpartition(".")
+        by_layer.setdefault(layer, {})[attribute] = scale.to(device=device, dtype=compute)
+    for name, layer_scales in by_layer.items():
+        layer = module.get_submodule(name)
+        _answer_adapter_dtype(layer, compute)
+        registry = HookRegistry.check_if_exists_or_initialize(layer)
+        hook = _scaling_hook_class()(storage or compute, compute, layer_scales)
+        registry.register_hook(hook, _HOOK_NAME)
+
+
+def _answer_adapter_dtype(layer: torch.nn.Module, compute: torch.dtype) -> None:
+    """PEFT makes a LoRA beside a layer in the dtype of its weight, unless the layer says
+    its ``compute_dtype`` (as bitsandbytes' layers do): a stored layer says it, so a
+    LoRA on it is made and computed in the compute dtype, not rounded to float8."""
+    layer.compute_dtype = compute
+
+
+@functools.cache
+def _scaling_hook_class() -> type:
+    base = _swapping_hook_class()
+
+    class ScalingCastingHook(base):
+        """The swapping hook, with the scaled tensors multiplied by their scales."""
+
+        def __init__(self, storage, compute, scales: dict[str, torch.Tensor]):
+            super().__init__(storage, compute, non_blocking=False)
+            self.scales = scales
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            stored: list = []
+            try:
+                for name, scale in self.scales.items():
+                    tensor = module._parameters.get(name)
+                    table = module._parameters
+                    if tensor is None:
+                        tensor, table = module._buffers[name], module._buffers
+                    stored.append((table, name, tensor))
+                    table[name] = tensor.to(self.compute_dtype) * scale
+                others = [
+                    (table, name, tensor)
+                    for table in (module._parameters, module._buffers)
+                    for name, tensor in table.items()
+                    if name not in self.scales
+                    and tensor is not None
+                    and tensor.dtype == self.storage_dtype
+                    and self.storage_dtype != self.compute_dtype
+                ]
+                for table, name, tensor in others:
+                    stored.append((table, name, tensor))
+                    table[name] = tensor.to(self.compute_dtype)
+                return self.fn_ref.original_forward(*args, **kwargs)
+            finally:
+                for table, name, tensor in reversed(stored):
+                    table[name] = tensor
+
+    return ScalingCastingHook
 
 
 def largest_upcast_bytes(

@@ -12,9 +12,14 @@ its library, which applies the quantizer the config names:
   safetensors weights as the library's ``save_pretrained`` wrote them: the class's own
   ``from_pretrained``, which reads the quantization from the config.
 
-Like any other component it loads on first use and is freed on release. ondeck's own
-reader, host cache, pipelined loading, block streaming, fp8 storage and sharding do not
-apply to it, and asking for them is refused before anything loads.
+Like any other component it loads on first use and is freed on release. A GGUF
+component's quantized bytes also sit in the host cache, when one is given, so a reload
+copies them from host memory. ondeck's own reader, pipelined loading, block streaming,
+fp8 storage and sharding do not apply to quantized components, and asking for them is
+refused before anything loads.
+
+A ``.gguf`` single file given for a component (``ondeck.loading.single_file``) loads the
+same way, with the base folder's config.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
 from .model_folder import ModelFolder
 from .options import LoadOptions
+from .safetensors_format import TensorInfo
 
 __all__ = [
     "PACKAGES",
@@ -55,6 +61,8 @@ def quantization_method(folder: ModelFolder, name: str) -> str | None:
     """The ``quant_method`` of ``name``'s ``quantization_config``, lower-cased ("" when it
     names none); None when its config has none (or cannot be read: the load reports
     that)."""
+    if name in (getattr(folder, "gguf_files", None) or {}):
+        return "gguf"  # a .gguf single file given for the component
     try:
         config = folder.config_dict(name)
     except LoadError:
@@ -104,12 +112,21 @@ class QuantizedComponentLoader(FolderLoader):
         host_cache: Any = None,
         pipelined: bool | None = None,
     ):
-        options = LoadOptions(device=device, dtype=dtype, progress=progress, pipelined=pipelined)
+        options = LoadOptions(
+            device=device,
+            dtype=dtype,
+            progress=progress,
+            pipelined=pipelined,
+            host_cache=host_cache,
+        )
+        # GGUF tensors can sit in the host cache as they are stored (quantized); other
+        # quantized weights come from their files every load.
         super().__init__(folder, name, options)
-        self.host_cache = None  # quantized weights come from their files every load
+        self._gguf_layout: dict[str, tuple[torch.dtype, tuple[int, ...], Any]] | None = None
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
-        self.method = _method_in(self.config) or ""
+        given = (getattr(self.folder, "gguf_files", None) or {}).get(name)
+        self.method = "gguf" if given is not None else (_method_in(self.config) or "")
         package = package_name(self.method)
         if package is None or not package_installed(self.method):
             state = (
@@ -134,15 +151,23 @@ class QuantizedComponentLoader(FolderLoader):
         self.cls = self.folder.component_class(name)
         self.directory = self.folder.directory(name)
         if self.method == "gguf":
-            if library != "diffusers" or not hasattr(self.cls, "from_single_file"):
+            # A transformers model (a T5 text encoder) loads a given .gguf file through
+            # transformers' own GGUF support, which dequantizes it as it loads.
+            through_transformers = library == "transformers" and given is not None
+            if not through_transformers and (
+                library != "diffusers" or not hasattr(self.cls, "from_single_file")
+            ):
                 raise LoadError(
                     f"component '{name}': gguf weights load through diffusers' single-file "
                     f"loading, which {library}.{self.cls.__name__} does not have",
                     component=name,
                     path=str(config_path),
                 )
-            self.path = _gguf_file(self.directory, name)
+            if through_transformers:
+                self.host_cache = None  # loaded dequantized: the file is what is small
+            self.path = given if given is not None else _gguf_file(self.directory, name)
         else:
+            self.host_cache = None
             self.folder.require_weights(name)
             self.path = self.directory
         self.dtype = (
@@ -162,6 +187,8 @@ class QuantizedComponentLoader(FolderLoader):
         if self._nbytes is None:
             if self.method == "gguf":
                 tensors = _gguf_tensors(self.path, self.name)
+                if self.library == "transformers":  # dequantized as it loads
+                    tensors = [(key, True, numel, stored) for key, _, numel, stored in tensors]
             else:
                 tensors = [
                     (key, info.dtype.is_floating_point, info.numel, info.nbytes)
@@ -195,25 +222,91 @@ class QuantizedComponentLoader(FolderLoader):
         files = [self.path] if self.path.is_file() else list(self.folder.weight_files(self.name))
         self.last_load_bytes = sum(Path(file).stat().st_size for file in files)
         self.last_load_seconds = time.perf_counter() - started
-        self.last_source = "file"
         return module
 
     def _load(self) -> torch.nn.Module:
+        if self.method == "gguf" and self.library == "transformers":
+            self.last_source = "file"
+            options = {"torch_dtype": self.dtype, "local_files_only": True}
+            if self.device.type != "cpu":
+                options["device_map"] = {"": str(self.device)}
+            return self.cls.from_pretrained(
+                str(self.path.parent),
+                gguf_file=str(self.path),
+                config=self.cls.config_class.from_pretrained(str(self.directory)),
+                **options,
+            )
         if self.method == "gguf":
             from diffusers import GGUFQuantizationConfig
 
+            self.last_source = "file"
+            source = self._cached_gguf() if self.host_cache is not None else str(self.path)
             return self.cls.from_single_file(
-                str(self.path),
+                source,
                 config=str(self.directory),
                 quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
                 torch_dtype=self.dtype,
                 device=str(self.device),
                 local_files_only=True,
             )
+        self.last_source = "file"
         options: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
         if self.device.type != "cpu":
             options["device_map"] = {"": str(self.device)}
         return self.cls.from_pretrained(str(self.directory), **options)
+
+    def _cached_gguf(self) -> dict[str, torch.Tensor]:
+        """The GGUF checkpoint as diffusers reads it (``load_gguf_checkpoint``), served
+        from the host cache once a load has put its quantized bytes there: a reload then
+        copies those bytes to the device instead of parsing and reading the file. The
+        entry is keyed on the file's identity, so a rewritten file is read again."""
+        from diffusers.models.model_loading_utils import load_gguf_checkpoint
+        from diffusers.quantizers.gguf.utils import GGUFParameter
+
+        status = self.path.stat()
+        key = ("gguf", str(self.path.resolve()), status.st_size, status.st_mtime_ns)
+        entry = self.host_cache.get(key)
+        if entry is not None and self._gguf_layout is not None:
+            self.last_source = "host cache"
+            checkpoint = {}
+            for name, (dtype, shape, quant_type) in self._gguf_layout.items():
+                tensor = entry[name].view(dtype).view(shape)
+                if self.device.type == "cpu":
+                    tensor = tensor.clone()  # a CPU module would otherwise own the entry
+                checkpoint[name] = (
+                    GGUFParameter(tensor, quant_type=quant_type)
+                    if quant_type is not None
+                    else tensor
+                )
+            return checkpoint
+        checkpoint = load_gguf_checkpoint(str(self.path), return_tensors=True)
+        plain = {name: tensor.as_subclass(torch.Tensor) for name, tensor in checkpoint.items()}
+        layout = {
+            name: (tensor.dtype, tuple(tensor.shape), getattr(checkpoint[name], "quant_type", None))
+            for name, tensor in plain.items()
+        }
+        infos = [
+            TensorInfo(
+                name,
+                torch.uint8,
+                (t.numel() * t.element_size(),),
+                0,
+                t.numel() * t.element_size(),
+                str(self.path),
+            )
+            for name, t in plain.items()
+        ]
+        buffers = self.host_cache.reserve(key, infos)
+        if buffers is not None:
+            try:
+                for name, tensor in plain.items():
+                    buffers[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            except BaseException:
+                self.host_cache.discard(key)
+                raise
+            self.host_cache.commit(key, buffers)
+            self._gguf_layout = layout
+        return checkpoint
 
 
 def _gguf_file(directory: Path, name: str) -> Path:

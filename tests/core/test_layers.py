@@ -154,8 +154,9 @@ FLOORS: dict[str, int] = {
     "ondeck.folder_pipelines": 6,
     "ondeck.diffusers": 6,
     "ondeck": 6,
-    # 7: the command line
+    # 7: the command line, and the server beside it
     "ondeck.cli": 7,
+    "ondeck.serve": 7,
     "ondeck.__main__": 7,
 }
 

@@ -136,3 +136,23 @@ def test_entering_a_cache_context_does_not_wait_for_a_pipelined_load(folders, mo
     with pipe.transformer.cache_context("cond"):
         pass
     assert asked == [False]
+
+
+def test_a_call_keeps_only_the_numbers_that_size_its_decode(folders):
+    import weakref
+
+    pipe = load(folders["wan"])
+    embeds = torch.zeros(1, 16, 32)
+    watched = weakref.ref(embeds)
+    arguments = dict(ALL_FAMILIES["wan"].call)
+    arguments.pop("prompt")
+    arguments.pop("negative_prompt", None)
+    pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=torch.zeros(1, 16, 32),
+        generator=torch.Generator().manual_seed(0),
+        **{k: v for k, v in arguments.items() if k != "max_sequence_length"},
+    )
+    assert pipe.ondeck._call_arguments == {"height": 32, "width": 32, "num_frames": 5}
+    del embeds
+    assert watched() is None, "the runtime holds no tensor of the call"

@@ -23,8 +23,10 @@ _PROBES = frozenset(
 # every later load, so a release never loses them; an unloaded component stays so.
 _CONFIGURING_METHODS = frozenset(
     {
-        # PEFT adapters (diffusers' PeftAdapterMixin)
+        # PEFT adapters (diffusers' PeftAdapterMixin; transformers' load_adapter, which
+        # diffusers calls to put a LoRA on a text encoder)
         "load_lora_adapter",
+        "load_adapter",
         "add_adapter",
         "set_adapter",
         "set_adapters",
@@ -37,8 +39,9 @@ _CONFIGURING_METHODS = frozenset(
         "enable_lora",
         "disable_lora",
         "enable_lora_hotswap",
-        # attention, memory and speed settings
+        # attention, memory and speed settings; a compile applies to each fresh module
         "compile",
+        "compile_repeated_blocks",
         "set_attn_processor",
         "set_default_attn_processor",
         "set_attention_backend",
@@ -59,6 +62,9 @@ _CONFIGURING_METHODS = frozenset(
     }
 )
 
+_ADAPTER_LOADS = frozenset({"load_lora_adapter", "load_adapter"})
+# Calls that change a loaded component's weights in place.
+_FUSING_METHODS = frozenset({"fuse_lora", "unfuse_lora"})
 # Methods that only set hooks' state (which cache a call writes to) and never read a
 # weight: answered while a pipelined load is still bringing blocks in, so a pipeline
 # that enters ``transformer.cache_context(...)`` before each call still starts
@@ -124,6 +130,7 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_stand_in", None)
         setter(self, "_ondeck_make_loader", make_loader)
         setter(self, "_ondeck_settings", {})
+        setter(self, "_ondeck_adapters", [])
 
     # -- touches ------------------------------------------------------------------------
 
@@ -196,11 +203,15 @@ class PipelineComponent(LazyModule):
                 kwargs["_pipeline"] = None
 
             def apply(module: Any) -> Any:
+                if method in _FUSING_METHODS:
+                    proxy._refuse_fusing_streamed(method)
                 getattr(module, method)(*fresh_copy(args), **fresh_copy(kwargs))
                 return module
 
             apply.__qualname__ = f"{method} (recorded)"
             proxy._add_transform_checked(apply)
+            if method in _ADAPTER_LOADS and kwargs.get("adapter_name"):
+                proxy.record_adapter(kwargs["adapter_name"])
 
         call.__name__ = method
         return call
@@ -245,6 +256,30 @@ class PipelineComponent(LazyModule):
 
         call.__name__ = method
         return call
+
+    def _refuse_fusing_streamed(self, method: str) -> None:
+        """A fused LoRA changes the weights in place; the blocks that stream are brought
+        in from their host copies before every pass, which hold the weights before it,
+        so the fusion would silently be lost for those blocks."""
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        if getattr(loader, "placement", None) is not None:
+            raise OndeckError(
+                f"component '{self._ondeck_name}' streams its blocks, and {method} would "
+                "change weights that stream in again from their host copies before every "
+                "pass; keep the LoRA unfused (set_adapters), or give the budget room for "
+                "the whole component"
+            )
+
+    def record_adapter(self, name: str) -> None:
+        """Note that a recorded call loads adapter ``name`` into this component."""
+        adapters = object.__getattribute__(self, "_ondeck_adapters")
+        if name not in adapters:
+            adapters.append(name)
+
+    def recorded_adapters(self) -> list[str]:
+        """The names of the adapters (LoRAs) loaded into this component by recorded
+        calls, in order; known without loading it."""
+        return list(object.__getattribute__(self, "_ondeck_adapters"))
 
     # -- placement ----------------------------------------------------------------------
 

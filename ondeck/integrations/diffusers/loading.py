@@ -8,7 +8,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from ...loading import (
     load_auxiliary,
 )
 from ...loading.quantized import quantization_method
+from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
 from ...parallel import resolve_parallel, split_sequences
@@ -60,6 +61,8 @@ def from_pretrained(
     libraries: tuple[str, ...] | list[str] = (),
     parallel: Any = None,
     storage_dtype: Any = None,
+    components: Mapping[str, str | os.PathLike] | None = None,
+    loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
     host_memory: int | str | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -86,12 +89,19 @@ def from_pretrained(
     ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
     but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
     per component (``ondeck.loading.fp8``).
+    ``components`` maps a component name to a single checkpoint file that replaces its
+    weights: a ``.safetensors`` file in the original repository's key names or diffusers'
+    (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
+    (``ondeck.loading.single_file``). ``loras`` lists LoRA files (or ``(file, scale)``
+    pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``.
     """
     import diffusers
 
     dtype = _asked_dtype(path, torch_dtype, kwargs)
     path = _local_folder(path, kwargs)
     folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
+    if components:
+        folder = SingleFileFolder(folder, components)
     base_class = _pipeline_class(diffusers, folder)
     _require_models(folder, skip=kwargs)
     parallel = resolve_parallel(parallel)
@@ -128,7 +138,73 @@ def from_pretrained(
         host_memory=host_memory,
     )
     pipe.ondeck.parallel = parallel
+    if loras:
+        load_loras(pipe, loras)
     return pipe
+
+
+def load_loras(
+    pipe: Any, loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]]
+) -> list[str]:
+    """Load each LoRA file into ``pipe`` (on every transformer: Wan 2.2's two experts
+    both) and set their scales; returns the adapter names. Nothing loads: the
+    calls are recorded on the components and applied at every load."""
+    names: list[str] = []
+    scales: list[float] = []
+    for entry in loras:
+        file, scale = entry if isinstance(entry, tuple) else (entry, 1.0)
+        file = Path(os.fspath(file)).expanduser()
+        if not file.is_file():
+            raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
+        name = f"lora_{len(names)}_{file.stem}"
+        # diffusers puts a LoRA on one expert a call: the first, or with
+        # load_into_transformer_2 the second.
+        experts = [{}]
+        if getattr(pipe, "transformer_2", None) is not None:
+            experts.append({"load_into_transformer_2": True})
+        try:
+            for expert in experts:
+                pipe.load_lora_weights(str(file), adapter_name=name, **expert)
+        except Exception as error:
+            raise LoadError(
+                f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
+                f"{type(error).__name__}: {error}",
+                path=str(file),
+            ) from error
+        names.append(name)
+        scales.append(float(scale))
+    _set_adapters(pipe, dict(zip(names, scales, strict=True)))
+    return names
+
+
+def _set_adapters(pipe: Any, scales: dict[str, float]) -> None:
+    """``pipe.set_adapters`` without loading anything: diffusers' own asks every
+    component for its adapters. Each deferred component that received some sets them
+    through a recorded call (diffusers models), or a transform doing what diffusers does
+    for a text encoder."""
+    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+
+    for name in getattr(pipe, "_lora_loadable_modules", ()):
+        component = getattr(pipe, name, None)
+        if isinstance(component, PipelineComponent):
+            adapters = [a for a in component.recorded_adapters() if a in scales]
+        elif isinstance(component, torch.nn.Module):
+            adapters = [a for a in getattr(component, "peft_config", {}) if a in scales]
+        else:
+            continue
+        if not adapters:
+            continue
+        weights = [scales[adapter] for adapter in adapters]
+        # __class__, not type(): a proxy answers its declared class.
+        if library_of(component.__class__) == "diffusers" and hasattr(component, "set_adapters"):
+            component.set_adapters(adapters, weights)
+        else:
+
+            def activate(module: Any, adapters=adapters, weights=weights) -> Any:
+                set_weights_and_activate_adapters(module, adapters, weights)
+                return module
+
+            component.add_transform(activate)
 
 
 def _asked_dtype(path: Any, torch_dtype: Any, kwargs: dict[str, Any]) -> Any:

@@ -135,6 +135,8 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
         proxy._add_transform_checked(apply)
+        if arguments.get("adapter_name"):
+            proxy.record_adapter(arguments["adapter_name"])
         return None
 
     return load_lora_into

@@ -180,7 +180,7 @@ class DiffusersRuntime(Pipeline):
         # Concurrent calls from other threads queue here and run one after another.
         with self._run_lock:
             self._running_thread = me
-            self._call_arguments = dict(kwargs)
+            self._call_arguments = _sizes_of(kwargs)
             self._watch_host()
             try:
                 self._begin_call()
@@ -495,3 +495,27 @@ class DiffusersRuntime(Pipeline):
 
     def __repr__(self) -> str:
         return f"<ondeck runtime of {type(self.pipe).__name__}: policy {self.policy.name}>"
+
+
+# The call arguments that size a decode; nothing else of a call is kept past it.
+_SIZE_ARGUMENTS = (
+    "height",
+    "width",
+    "num_frames",
+    "num_videos_per_prompt",
+    "num_images_per_prompt",
+)
+
+
+def _sizes_of(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The plain numbers of ``arguments`` that size the decode, and the prompt count: a
+    tensor passed to the call (prompt embeddings, an image) is never held after it."""
+    sizes = {
+        key: arguments[key]
+        for key in _SIZE_ARGUMENTS
+        if isinstance(arguments.get(key), int) and not isinstance(arguments.get(key), bool)
+    }
+    prompt = arguments.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(item, str) for item in prompt):
+        sizes["prompt"] = [""] * len(prompt)
+    return sizes

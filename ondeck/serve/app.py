@@ -1,0 +1,519 @@
+"""The HTTP app: OpenAI's images and videos routes, ondeck's status, and the page."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import secrets
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .jobs import Job, JobFailed, QueueFull
+from .schemas import ImageRequest, VideoRequest, parse_size
+from .server import Server
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+# Paths served without the key: the page carries no data and asks for the key itself.
+OPEN_PATHS = ("/", "/favicon.ico")
+
+
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, code: str | None, param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status)
+
+
+def failure_response(error: JobFailed) -> JSONResponse:
+    return error_response(error.status, error.message, error.code, error.param)
+
+
+class GuardMiddleware:
+    """Refuses a request before any route sees it: without the API key (401), or with
+    a body over the limit (413), whether the length is declared or not."""
+
+    def __init__(self, app: Any, *, api_key: str | None, body_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.body_bytes = body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                message = (
+                    "missing API key: send Authorization: Bearer KEY"
+                    if not given
+                    else "incorrect API key"
+                )
+                await error_response(401, message, "invalid_api_key")(scope, receive, send)
+                return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.body_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+        limit = self.body_bytes
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except BodyTooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        response = error_response(
+            413, f"the request body is larger than {self.body_bytes} bytes", "request_too_large"
+        )
+        await response(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def create_app(server: Server) -> Any:
+    """The ASGI app over ``server``: the FastAPI routes behind the key and size guard."""
+    limits = server.config.limits
+    app = FastAPI(title="ondeck serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        return error_response(
+            400, first.get("msg", "invalid request"), "invalid_value", ".".join(where) or None
+        )
+
+    @app.exception_handler(ValidationError)
+    async def _invalid_body(request: Request, error: ValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ())) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return error_response(
+            400, f"{where}: {message}" if where else message, "invalid_value", where
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), None)
+
+    @app.exception_handler(JobFailed)
+    async def _failed(request: Request, error: JobFailed) -> JSONResponse:
+        return failure_response(error)
+
+    # -- models ------------------------------------------------------------------
+
+    def model_object(name: str) -> dict:
+        model = server.models[name]
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(server.started_at),
+            "owned_by": "ondeck",
+            "kind": model.kind,
+            "takes_image": model.takes_image,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_object(name) for name in server.models]}
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str) -> dict:
+        if name not in server.models:
+            raise JobFailed(
+                404, "model_not_found", f"the model {name!r} is not served here", "model"
+            )
+        return model_object(name)
+
+    # -- validating a request ----------------------------------------------------
+
+    def served_model(name: str, kind: str) -> Any:
+        model = server.models.get(name)
+        if model is None:
+            served = ", ".join(sorted(server.models))
+            raise JobFailed(
+                404,
+                "model_not_found",
+                f"the model {name!r} is not served here (served: {served})",
+                "model",
+            )
+        if model.kind != kind:
+            route = "/v1/images/generations" if model.kind == "image" else "/v1/videos"
+            raise JobFailed(
+                400, "invalid_value", f"{name!r} is an {model.kind} model; use {route}", "model"
+            )
+        return model
+
+    def job_from(body: ImageRequest | VideoRequest, kind: str) -> Job:
+        model = served_model(body.model, kind)
+        if (
+            len(body.prompt) > limits.prompt_chars
+            or len(body.negative_prompt) > limits.prompt_chars
+        ):
+            raise JobFailed(
+                413,
+                "prompt_too_long",
+                f"a prompt may hold at most {limits.prompt_chars} characters",
+                "prompt",
+            )
+        width, height = (
+            parse_size(body.size) if body.size else (832, 480) if kind == "video" else (1024, 1024)
+        )
+        if not (0 < width <= limits.side and 0 < height <= limits.side):
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"each side must be from 1 to {limits.side} pixels, got {width}x{height}",
+                "size",
+            )
+        steps = body.step_count or server.default_steps(model)
+        if steps > limits.steps:
+            raise JobFailed(400, "invalid_value", f"steps must be at most {limits.steps}", "steps")
+        job = Job(
+            kind=kind,
+            model=body.model,
+            prompt=body.prompt,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=body.guidance_scale,
+            seed=body.seed,
+            negative_prompt=body.negative_prompt,
+        )
+        if kind == "image":
+            if body.n > limits.images_per_request:
+                raise JobFailed(
+                    400, "invalid_value", f"n must be at most {limits.images_per_request}", "n"
+                )
+            job.n = body.n
+        else:
+            if body.frames is not None and body.frames > limits.frames:
+                raise JobFailed(
+                    400, "invalid_value", f"frames must be at most {limits.frames}", "frames"
+                )
+            job.frames = server.frames_for(model, body.seconds, body.frames)
+            job.seconds = body.seconds or f"{(job.frames - 1) / 16:g}"
+        server.check_shape(model, job)
+        return job
+
+    def submit(job: Job) -> Job:
+        try:
+            return server.submit(job)
+        except QueueFull as error:
+            raise JobFailed(503, "queue_full", str(error)) from None
+
+    # -- images ------------------------------------------------------------------
+
+    @app.post("/v1/images/generations")
+    async def generate_images(request: Request) -> Any:
+        body = ImageRequest.model_validate(await _json(request))
+        job = submit(job_from(body, "image"))
+        # A waiting call: a client that leaves stops its job at the next step.
+        while not job.done_event.is_set():
+            if await request.is_disconnected():
+                job.cancel("abandoned by its client")
+                return Response(status_code=499)
+            await asyncio.sleep(0.05)
+        if job.error is not None:
+            return failure_response(job.error)
+        images = []
+        for role, path in sorted(job.files.items()):
+            if role.startswith("image"):
+                images.append(
+                    {
+                        "b64_json": base64.b64encode(Path(path).read_bytes()).decode(),
+                        "revised_prompt": None,
+                    }
+                )
+        return {"created": job.created_at, "data": images, "ondeck_job": job.id}
+
+    # -- videos ------------------------------------------------------------------
+
+    def video_object(job: Job) -> dict:
+        error = None
+        if job.error is not None:
+            error = {"code": job.error.code, "message": job.error.message}
+        return {
+            "id": job.id,
+            "object": "video",
+            "model": job.model,
+            "status": job.status,
+            "progress": job.progress,
+            "created_at": job.created_at,
+            "completed_at": job.completed_at,
+            "expires_at": None,
+            "prompt": job.prompt,
+            "seconds": job.seconds,
+            "size": f"{job.width}x{job.height}",
+            "error": error,
+            "remixed_from_video_id": None,
+        }
+
+    def find_job(video_id: str) -> Job:
+        job = server.queue.get(video_id)
+        if job is None:
+            raise JobFailed(404, "video_not_found", f"no job {video_id!r} here", "video_id")
+        return job
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> dict:
+        data, image = await _video_fields(request, limits)
+        body = VideoRequest.model_validate(data)
+        job = job_from(body, "video")
+        if image is not None:
+            if not server.models[body.model].takes_image:
+                raise JobFailed(
+                    400, "invalid_value", f"{body.model!r} takes no input image", "input_reference"
+                )
+            job.input_image = _open_image(image, limits)
+        return video_object(submit(job))
+
+    @app.get("/v1/videos")
+    async def list_videos() -> dict:
+        videos = [video_object(j) for j in server.queue.jobs.values() if j.kind == "video"]
+        return {
+            "object": "list",
+            "data": videos[::-1],
+            "has_more": False,
+            "first_id": videos[-1]["id"] if videos else None,
+            "last_id": videos[0]["id"] if videos else None,
+        }
+
+    @app.get("/v1/videos/{video_id}")
+    async def get_video(video_id: str) -> JSONResponse:
+        job = find_job(video_id)
+        # openai-python's poll() waits this long between its reads.
+        return JSONResponse(video_object(job), headers={"openai-poll-after-ms": "200"})
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str, variant: str = "video") -> Any:
+        job = find_job(video_id)
+        if variant != "video":
+            raise JobFailed(400, "invalid_value", "only the video variant is served", "variant")
+        return _content(job, "video", "video/mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str) -> dict:
+        job = find_job(video_id)
+        if job.finished:
+            server.queue.remove(job.id)
+            server.outputs.remove(job.id)
+        else:
+            job.cancel("cancelled")
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
+
+    def _content(job: Job, role: str, media_type: str) -> Any:
+        if job.error is not None:
+            status = 409 if job.error.code == "cancelled" else 400
+            raise JobFailed(status, job.error.code, f"the job has no {role}: {job.error.message}")
+        if job.status != "completed":
+            raise JobFailed(
+                409,
+                "not_ready",
+                f"the job is {job.status} ({job.progress}%); its {role} is not ready",
+            )
+        path = job.files.get(role)
+        if path is None or not Path(path).is_file():
+            raise JobFailed(
+                404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
+            )
+        return FileResponse(path, media_type=media_type)
+
+    # -- ondeck's own --------------------------------------------------------------
+
+    @app.get("/v1/ondeck/status")
+    async def status() -> dict:
+        return server.status()
+
+    @app.get("/v1/ondeck/jobs/{job_id}")
+    async def job_status(job_id: str) -> dict:
+        from .server import job_summary
+
+        job = find_job(job_id)
+        summary = job_summary(job)
+        summary["error"] = video_object(job)["error"]
+        summary["files"] = sorted(job.files)
+        return summary
+
+    @app.get("/v1/ondeck/jobs/{job_id}/report")
+    async def job_report(job_id: str) -> Any:
+        return _content(find_job(job_id), "report", "application/json")
+
+    @app.get("/v1/ondeck/jobs/{job_id}/timeline")
+    async def job_timeline(job_id: str) -> Any:
+        job = find_job(job_id)
+        if job.status == "completed":
+            await asyncio.to_thread(server.timeline, job)
+        return _content(job, "timeline", "image/png")
+
+    @app.get("/v1/ondeck/jobs/{job_id}/image")
+    async def job_image(job_id: str) -> Any:
+        return _content(find_job(job_id), "image", "image/png")
+
+    @app.delete("/v1/ondeck/jobs/{job_id}")
+    async def cancel_job(job_id: str) -> dict:
+        job = find_job(job_id)
+        if not job.finished:
+            job.cancel("cancelled")
+        return {"id": job.id, "object": "job.cancelled", "cancelled": job.cancelled}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        text = resources.files("ondeck.serve").joinpath("static/index.html").read_text()
+        return HTMLResponse(text)
+
+    return GuardMiddleware(app, api_key=server.config.api_key, body_bytes=limits.body_bytes)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise JobFailed(400, "invalid_json", "the request body is not JSON") from None
+
+
+async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | None]:
+    """The fields of a video request and its input image's bytes (or None), from JSON
+    or from a multipart form (what openai-python sends)."""
+    kind = request.headers.get("content-type", "")
+    image: bytes | None = None
+    if kind.startswith("multipart/form-data"):
+        form = await request.form(max_files=1, max_fields=32, max_part_size=limits.image_bytes)
+        data: dict = {}
+        for key, value in form.multi_items():
+            if hasattr(value, "read"):
+                if key != "input_reference":
+                    raise JobFailed(400, "invalid_value", f"unexpected file field {key!r}", key)
+                image = await value.read(limits.image_bytes + 1)
+            else:
+                data[key] = value
+        for key in ("steps", "num_inference_steps", "seed", "frames"):
+            if key in data:
+                data[key] = _integer(data[key], key)
+        if "guidance_scale" in data:
+            try:
+                data["guidance_scale"] = float(data["guidance_scale"])
+            except ValueError:
+                raise JobFailed(
+                    400, "invalid_value", "guidance_scale must be a number", "guidance_scale"
+                ) from None
+    else:
+        data = await _json(request)
+        if not isinstance(data, dict):
+            raise JobFailed(400, "invalid_value", "the request body must be a JSON object")
+        reference = data.pop("input_reference", None)
+        if isinstance(reference, dict) and reference.get("image_url"):
+            image = _data_url(str(reference["image_url"]), limits)
+        elif reference is not None:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                "input_reference must be {image_url: a data: URL} or a file upload",
+                "input_reference",
+            )
+    if image is not None and len(image) > limits.image_bytes:
+        raise JobFailed(
+            413,
+            "image_too_large",
+            f"the input image is larger than {limits.image_bytes} bytes",
+            "input_reference",
+        )
+    return data, image
+
+
+def _integer(value: str, key: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise JobFailed(400, "invalid_value", f"{key} must be a whole number", key) from None
+
+
+def _data_url(url: str, limits: Any) -> bytes:
+    # Only inline images: a URL the server would fetch could reach anything it can.
+    if not url.startswith("data:") or ";base64," not in url:
+        raise JobFailed(
+            400, "invalid_value", "image_url must be a base64 data: URL", "input_reference"
+        )
+    encoded = url.split(";base64,", 1)[1]
+    if len(encoded) > limits.image_bytes * 4 // 3 + 4:
+        raise JobFailed(
+            413,
+            "image_too_large",
+            f"the input image is larger than {limits.image_bytes} bytes",
+            "input_reference",
+        )
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise JobFailed(
+            400, "invalid_value", "image_url is not valid base64", "input_reference"
+        ) from None
+
+
+def _open_image(data: bytes, limits: Any) -> Any:
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > limits.image_pixels:
+            raise JobFailed(
+                413,
+                "image_too_large",
+                f"the input image has more than {limits.image_pixels} pixels",
+                "input_reference",
+            )
+        image.load()
+    except JobFailed:
+        raise
+    except Exception:
+        raise JobFailed(
+            400,
+            "invalid_value",
+            "input_reference is not an image ondeck can read",
+            "input_reference",
+        ) from None
+    return image.convert("RGB")

@@ -1,0 +1,299 @@
+"""``ondeck serve`` and ``ondeck generate --server URL``: their arguments and commands.
+
+The command line's own module calls ``add_parser`` and dispatches to ``serve`` and
+``remote_or``; nothing here imports it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import LoadError, OndeckError
+from ..loading.fp8 import parse_storage_dtype
+from ..memory import format_bytes, parse_bytes
+
+THREE_LINES = """\
+start:
+  pip install 'ondeck[serve]'
+  ondeck serve --model wan=Wan-AI/Wan2.1-T2V-14B-Diffusers --budget 24GiB
+  open http://127.0.0.1:8000/  (or point any OpenAI client at http://127.0.0.1:8000/v1)
+"""
+
+
+def _size(text: str, *, allow_zero: bool = False) -> int:
+    try:
+        nbytes = (
+            int(float(text)) if re.fullmatch(r"[0-9.eE+]+", text.strip()) else parse_bytes(text)
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size; write e.g. 24GiB, 500MB or a number of bytes"
+        ) from None
+    if nbytes is None or nbytes < 0 or (nbytes == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return nbytes
+
+
+def _host_cache(text: str) -> int:
+    return _size(text, allow_zero=True)
+
+
+def _weights(text: str) -> str | dict[str, str]:
+    chosen: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, dtype = part.rpartition("=")
+        try:
+            parse_storage_dtype(dtype)
+        except LoadError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        chosen[name] = dtype
+    if not chosen:
+        raise argparse.ArgumentTypeError("expected fp8 or NAME=fp8, got nothing")
+    return chosen[""] if "" in chosen else chosen
+
+
+def _model(text: str) -> tuple[str, str]:
+    name, sep, source = text.partition("=")
+    if not sep or not name or not source:
+        raise argparse.ArgumentTypeError(f"expected NAME=FOLDER_OR_REPO_ID, got {text!r}")
+    return name, source
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is from 0 to 65535, got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the command line's subcommands, and ``--server`` to ``generate``."""
+    serve = commands.add_parser(
+        "serve",
+        help="one resident process for many models, with an OpenAI-style API",
+        description="Serve models over HTTP (OpenAI's images and videos APIs) from one "
+        "process, under one memory budget across all of them.",
+        epilog=THREE_LINES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        type=_model,
+        metavar="NAME=FOLDER_OR_REPO_ID",
+        help="a model to serve under NAME (repeat for more); requests can name only these",
+    )
+    serve.add_argument(
+        "--model-root", metavar="DIR", help="serve each subfolder of DIR, by its name"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default loopback only)"
+    )
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--budget", type=_size, help="one device budget for every model, e.g. 24GiB")
+    serve.add_argument("--device", help="cuda, cuda:1, cpu, mps (default: cuda if present)")
+    serve.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    serve.add_argument(
+        "--weights",
+        type=_weights,
+        metavar="fp8",
+        help="keep weights in fp8 (every model but the VAE), or NAME=fp8[,NAME=fp8]",
+    )
+    serve.add_argument(
+        "--host-cache",
+        type=_host_cache,
+        help="one pinned host cache for released weights of every model (e.g. 40GiB, 0 = off)",
+    )
+    serve.add_argument(
+        "--api-key", help="require Authorization: Bearer KEY (default: $ONDECK_API_KEY)"
+    )
+    serve.add_argument(
+        "--outputs",
+        metavar="DIR",
+        help="folder for the jobs' files (default: $ONDECK_CACHE/serve-outputs)",
+    )
+    serve.add_argument(
+        "--outputs-cap",
+        type=_size,
+        default=20 * 2**30,
+        help="the outputs folder's size cap; the oldest jobs' files go first (default 20GiB)",
+    )
+    serve.add_argument("--steps", type=_positive, help="denoising steps when a request names none")
+    serve.add_argument(
+        "--max-body", type=_size, default=8 * 2**20, help="largest request body (default 8MiB)"
+    )
+    serve.add_argument(
+        "--max-prompt", type=_positive, default=4000, help="longest prompt, in characters"
+    )
+    serve.add_argument("--max-side", type=_positive, default=2048, help="largest width or height")
+    serve.add_argument("--max-frames", type=_positive, default=241)
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the running job may take to finish before it is stopped",
+    )
+    serve.add_argument(
+        "--no-lookahead",
+        action="store_true",
+        help="evict the least recently used model and load nothing ahead, whatever waits",
+    )
+    serve.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what stays resident across the models and what a switch loads, then exit",
+    )
+    serve.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    generate = commands.choices.get("generate")
+    if generate is not None:
+        generate.add_argument(
+            "--server",
+            metavar="URL",
+            help="send the job to a running `ondeck serve` (MODEL_DIR is then the served "
+            "model's name) and write the same output folder",
+        )
+        generate.add_argument("--api-key", help="the server's key (default: $ONDECK_API_KEY)")
+    return serve
+
+
+def remote_or(local: Any) -> Any:
+    """``generate``: to the server given with ``--server``, else ``local``."""
+
+    def run(args: argparse.Namespace) -> int:
+        if getattr(args, "server", None):
+            from .client import generate_remote
+
+            return generate_remote(args)
+        return local(args)
+
+    return run
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from .server import Limits, ServeConfig, models_from_root
+
+    models: dict[str, str] = {}
+    if args.model_root:
+        models.update(models_from_root(args.model_root))
+    for name, source in args.model:
+        if name in models:
+            raise OndeckError(f"--model {name}: the name is given twice")
+        models[name] = source
+    if not models:
+        from ..embedded import embedded_default
+
+        path, built = embedded_default(say=print)
+        print(
+            f"ondeck: no --model given; serving the embedded default as 'wan-embedded' "
+            f"({path}; random weights: its videos are noise)"
+        )
+        models["wan-embedded"] = str(path)
+    api_key = args.api_key or os.environ.get("ONDECK_API_KEY") or None
+    return ServeConfig(
+        models=models,
+        budget_bytes=args.budget,
+        device=args.device,
+        dtype=args.dtype,
+        host_cache_bytes=args.host_cache,
+        weights=args.weights,
+        outputs=Path(args.outputs) if args.outputs else None,
+        outputs_cap_bytes=args.outputs_cap,
+        api_key=api_key,
+        steps=args.steps,
+        shutdown_grace_seconds=args.shutdown_grace,
+        lookahead=not args.no_lookahead,
+        limits=Limits(
+            body_bytes=args.max_body,
+            prompt_chars=args.max_prompt,
+            side=args.max_side,
+            frames=args.max_frames,
+        ),
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .server import Server
+    except ImportError as error:
+        raise OndeckError(
+            f"ondeck serve needs its extra: pip install 'ondeck[serve]' ({error.name} is missing)"
+        ) from None
+    config = _config(args)
+    server = Server(config)
+    if args.plan:
+        print(server.manager.plan())
+        return 0
+    for name, model in server.models.items():
+        total = sum(v or 0 for v in model.pipeline.component_bytes().values())
+        print(f"ondeck: serving {name} ({model.kind}, {format_bytes(total)}) from {model.source}")
+    print(f"ondeck: one budget of {format_bytes(server.budget_bytes)} on {server.device}")
+    print(server.manager.plan())
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        print(
+            f"ondeck: warning: listening on {args.host} without --api-key: anyone who can "
+            "reach this address can run jobs",
+            file=sys.stderr,
+        )
+    app = create_app(server)
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Before uvicorn waits for open connections: the waiting jobs fail at once
+            # (answering their callers), and no new job starts.
+            server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    uv = Uvicorn(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(config.shutdown_grace_seconds) + 5,
+            lifespan="off",
+        )
+    )
+    server.start()
+    # uvicorn turns SIGTERM and SIGINT into a graceful stop, then raises the signal again
+    # with the handler it found: this one notes it, so the queue stops and the exit is 0.
+    received: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda number, _: received.append(number)) for s in STOP_SIGNALS
+    }
+    print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
+    try:
+        uv.run()
+    finally:
+        print("ondeck: stopping: the running job finishes, waiting ones fail", flush=True)
+        server.stop()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    print(f"ondeck: stopped ({server.jobs_run} jobs done, {server.jobs_failed} failed)", flush=True)
+    return 0

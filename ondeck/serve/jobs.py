@@ -1,0 +1,211 @@
+"""Jobs and their queue: first in, first out, one device job at a time.
+
+The device thread runs one job after another; writing a finished job's files happens
+on a writer thread beside it, so the next job starts at once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+STATUSES = ("queued", "in_progress", "completed", "failed")
+
+
+class JobCancelled(Exception):
+    """Raised at a denoising step of a job that was cancelled or whose client left."""
+
+
+class JobFailed(Exception):
+    """A job's one clear error: an HTTP status, a machine-readable code and a message."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def new_job_id(kind: str) -> str:
+    # 128 random bits: a job id is the only key to its output, so it must not be guessed.
+    prefix = "video" if kind == "video" else "img"
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass
+class Job:
+    kind: str  # "video" or "image"
+    model: str
+    prompt: str
+    width: int
+    height: int
+    frames: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int = 0
+    negative_prompt: str = ""
+    n: int = 1
+    input_image: Any = None  # a PIL image where the pipeline takes one
+    seconds: str = "1"
+    id: str = ""
+    status: str = "queued"
+    step: int = 0
+    total_steps: int = 0
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    started_at: float | None = None
+    completed_at: int | None = None
+    error: JobFailed | None = None
+    cancelled: bool = False
+    cancel_reason: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    run_seconds: float | None = None
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    done_event: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = new_job_id(self.kind)
+
+    @property
+    def progress(self) -> int:
+        if self.status == "completed":
+            return 100
+        if not self.total_steps:
+            return 0
+        # The last percent is for decoding and writing the file.
+        return min(99, int(100 * self.step / self.total_steps))
+
+    def cancel(self, why: str = "cancelled") -> None:
+        self.cancelled = True
+        self.cancel_reason = why
+        self.cancel_event.set()
+        if self.status == "queued":
+            self.fail(JobFailed(409, "cancelled", f"the job was {why} before it started"))
+
+    def fail(self, error: JobFailed) -> None:
+        self.status = "failed"
+        self.error = error
+        self.completed_at = int(time.time())
+        self.done_event.set()
+
+    def complete(self) -> None:
+        self.status = "completed"
+        self.completed_at = int(time.time())
+        self.done_event.set()
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class JobQueue:
+    """Holds every known job by id and runs the waiting ones in order on one thread."""
+
+    def __init__(
+        self,
+        run: Callable[[Job, list[str]], None],
+        *,
+        max_waiting: int = 64,
+        max_kept: int = 1000,
+    ):
+        self._run = run
+        self.max_waiting = max_waiting
+        self.max_kept = max_kept
+        self.jobs: dict[str, Job] = {}
+        self._waiting: deque[Job] = deque()
+        self._condition = threading.Condition()
+        self._stopping = False
+        self.current: Job | None = None
+        self.last_finished: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name="ondeck-serve-device", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        with self._condition:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} jobs are waiting already; try again later")
+            self.jobs[job.id] = job
+            self._waiting.append(job)
+            self._forget_old()
+            self._condition.notify_all()
+        return job
+
+    def _forget_old(self) -> None:
+        """Finished jobs past ``max_kept`` are forgotten, oldest first."""
+        if len(self.jobs) <= self.max_kept:
+            return
+        for job_id in [j.id for j in self.jobs.values() if j.finished][
+            : len(self.jobs) - self.max_kept
+        ]:
+            self.jobs.pop(job_id, None)
+
+    def waiting(self) -> list[Job]:
+        with self._condition:
+            return [job for job in self._waiting if not job.cancelled]
+
+    def upcoming_models(self) -> list[str]:
+        return [job.model for job in self.waiting()]
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def remove(self, job_id: str) -> Job | None:
+        with self._condition:
+            return self.jobs.pop(job_id, None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while not self._waiting and not self._stopping:
+                    self._condition.wait()
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                if job.cancelled:
+                    continue
+                self.current = job
+            try:
+                self._run(job, [j.model for j in self.waiting()])
+            except Exception as error:  # the device thread outlives any one job
+                if not job.finished:
+                    job.fail(JobFailed(500, "server_error", f"{type(error).__name__}: {error}"))
+            finally:
+                with self._condition:
+                    self.current = None
+                    self.last_finished = job
+                    self._condition.notify_all()
+
+    def stop(self, *, timeout: float | None = None) -> None:
+        """``close``, then return once the device thread is idle."""
+        self.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        """No new jobs; the waiting ones fail; the running one goes on (or is cancelled
+        by the caller)."""
+        with self._condition:
+            self._stopping = True
+            while self._waiting:
+                job = self._waiting.popleft()
+                if not job.finished:
+                    job.fail(
+                        JobFailed(
+                            503, "server_shutdown", "the server shut down before the job started"
+                        )
+                    )
+            self._condition.notify_all()

@@ -1,0 +1,107 @@
+"""The outputs folder: one folder per job, the oldest removed first past a size cap."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..output import OutputError, atomic_path, write_json, write_video
+
+# Every job folder starts with this, and only such folders are ever removed.
+JOB_PREFIXES = ("video_", "img_")
+
+
+class OutputStore:
+    def __init__(self, root: str | Path, cap_bytes: int):
+        self.root = Path(root)
+        self.cap_bytes = int(cap_bytes)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def folder(self, job_id: str) -> Path:
+        path = self.root / job_id
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def remove(self, job_id: str) -> None:
+        shutil.rmtree(self.root / job_id, ignore_errors=True)
+
+    def _job_folders(self) -> list[tuple[float, Path, int]]:
+        found = []
+        for path in self.root.iterdir():
+            if not path.is_dir() or not path.name.startswith(JOB_PREFIXES):
+                continue
+            try:
+                files = [f for f in path.iterdir() if f.is_file()]
+                nbytes = sum(f.stat().st_size for f in files)
+                found.append((path.stat().st_mtime, path, nbytes))
+            except OSError:
+                continue
+        return sorted(found, key=lambda item: item[0])
+
+    def trim(self, keep: set[str] = frozenset()) -> list[str]:
+        """Remove the oldest job folders until the folder is within its cap; returns the
+        job ids removed. ``keep`` names folders being written now."""
+        folders = self._job_folders()
+        total = sum(nbytes for _, _, nbytes in folders)
+        removed = []
+        for _, path, nbytes in folders:
+            if total <= self.cap_bytes:
+                break
+            if path.name in keep:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            total -= nbytes
+            removed.append(path.name)
+        return removed
+
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self._job_folders())
+
+
+def write_png(path: Path, pixels: Any) -> Path:
+    """An HxWxC float image in [0, 1] as a PNG, renamed into place when complete."""
+    with atomic_path(path) as temporary:
+        temporary.write_bytes(png_bytes(pixels))
+    return path
+
+
+def png_bytes(pixels: Any) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    array = (np.clip(pixels, 0.0, 1.0) * 255).round().astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_job_files(folder: Path, report: dict, frames: Any, *, kind: str) -> dict[str, str]:
+    """report.json first, then video.mp4 (or image.png): what a local ``ondeck generate``
+    writes, less the timeline (``draw_timeline``, on first request). Returns the paths
+    written, by role."""
+    files = {"report": str(write_json(folder / "report.json", report))}
+    if kind == "image":
+        for index, batch in enumerate(frames):
+            name = "image.png" if index == 0 else f"image-{index}.png"
+            pixels = batch[0] if batch.ndim == 5 else batch  # B x 1 x H x W x C
+            path = write_png(folder / name, pixels[0])
+            files["image" if index == 0 else f"image-{index}"] = str(path)
+    else:
+        files["video"] = str(write_video(folder / "video.mp4", frames[0]))
+    return files
+
+
+def draw_timeline(folder: Path, tracker_view: Any, *, title: str) -> Path:
+    """timeline.png of one job, renamed into place when complete. Drawn when first asked
+    for: matplotlib takes longer than many a small job."""
+    from ..timeline import plot
+
+    path = folder / "timeline.png"
+    try:
+        with atomic_path(path) as temporary:
+            plot(tracker_view, temporary, title=title)
+    except OSError as error:
+        raise OutputError(f"could not write {path}: {error.strerror or error}") from error
+    return path

@@ -1,0 +1,354 @@
+"""One device budget across every served pipeline.
+
+Each pipeline's own policy decides within a job; this manager decides between them.
+Before a job it frees room by next use, which the queue tells (the waiting jobs say
+which model comes next, and each pipeline's stages say which of its components that
+model needs first); with nothing waiting, the least recently used model goes first.
+While a job decodes, the next job's first components load beside it when they fit.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..lazy import is_loaded
+from ..memory import format_bytes
+from ..policy import BudgetPolicy, bytes_loaded_per_run
+
+
+@dataclass
+class ServedModel:
+    """One model the server holds: its pipeline and the policy the manager steers."""
+
+    name: str
+    source: str
+    pipeline: Any
+    policy: BudgetPolicy
+    kind: str  # "video" or "image"
+    last_used: float = 0.0
+
+    def first_use(self) -> dict[str, int]:
+        """Each deferred component's first stage index."""
+        order: dict[str, int] = {}
+        for index, use in enumerate(self.pipeline.stage_uses()):
+            for component in use.components:
+                order.setdefault(component, index)
+        return order
+
+    def resident(self) -> dict[str, int]:
+        """Bytes of each component loaded now."""
+        sizes = self.pipeline.component_bytes()
+        return {
+            name: sizes.get(name) or 0
+            for name, proxy in self.pipeline.deferred.items()
+            if is_loaded(proxy)
+        }
+
+
+@dataclass(frozen=True)
+class Eviction:
+    model: str
+    component: str
+    nbytes: int
+    reason: str
+    for_model: str
+    seconds: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "component": self.component,
+            "bytes": self.nbytes,
+            "reason": self.reason,
+            "for_model": self.for_model,
+            "at": self.seconds,
+        }
+
+
+class ResidencyManager:
+    """Keeps the components of all served models under one device budget."""
+
+    def __init__(self, models: Mapping[str, ServedModel], budget_bytes: int):
+        self.models = dict(models)
+        self.budget_bytes = int(budget_bytes)
+        self.evictions: list[Eviction] = []
+        self.prefetched: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._prefetch_thread: threading.Thread | None = None
+        self._plan: ServePlan | None = None
+
+    # -- what is resident -----------------------------------------------------------
+
+    def resident(self) -> dict[str, dict[str, int]]:
+        return {name: model.resident() for name, model in self.models.items()}
+
+    def resident_bytes(self, *, excluding: str | None = None) -> int:
+        return sum(
+            sum(model.resident().values())
+            for name, model in self.models.items()
+            if name != excluding
+        )
+
+    # -- before and after a job -----------------------------------------------------
+
+    def prepare(self, name: str, upcoming: Sequence[str]) -> list[Eviction]:
+        """Make room for a job of model ``name``; ``upcoming`` lists the models of the
+        jobs waiting after it, in queue order. Returns what was evicted."""
+        self.wait_for_prefetch()
+        model = self.models[name]
+        with self._lock:
+            need = self._need_bytes(model)
+            evicted = []
+            for other, component, nbytes, reason in self._victims(name, upcoming):
+                if self.resident_bytes(excluding=name) + need <= self.budget_bytes:
+                    break
+                pipeline = self.models[other].pipeline
+                pipeline.cancel_prefetch_quietly()
+                freed = pipeline.deferred[component].release()
+                record = Eviction(other, component, freed or nbytes, reason, name)
+                evicted.append(record)
+                self.evictions.append(record)
+            del self.evictions[:-100]  # a bounded log: a long-lived server must not grow
+            # The job's own policy plans within what the others leave.
+            model.policy.budget_bytes = max(
+                1, self.budget_bytes - self.resident_bytes(excluding=name)
+            )
+            model.last_used = time.monotonic()
+            return evicted
+
+    def _need_bytes(self, model: ServedModel) -> int:
+        """The most a job of ``model`` holds at once under the whole budget: its largest
+        stage's components and activations, or everything it keeps across runs."""
+        plan = model.pipeline.plan(self.budget_bytes)
+        requirement = max((nbytes for _, nbytes in plan.stage_requirements()), default=0)
+        return max(requirement, plan.peak_bytes)
+
+    def _victims(self, name: str, upcoming: Sequence[str]) -> list[tuple[str, str, int, str]]:
+        """Resident components of the other models, the one needed last first."""
+        candidates = []
+        for other, model in self.models.items():
+            if other == name:
+                continue
+            position = next((i for i, m in enumerate(upcoming) if m == other), math.inf)
+            first = model.first_use()
+            for component, nbytes in model.resident().items():
+                stage = first.get(component, math.inf)
+                if position == math.inf:
+                    reason = "next use: no waiting job needs it (least recently used first)"
+                    # The oldest model first, then its last-needed component.
+                    key = (1, -model.last_used, stage)
+                else:
+                    reason = (
+                        f"next use: queued job {position + 1} ({other}), "
+                        f"stage {int(stage) + 1 if stage != math.inf else '-'}"
+                    )
+                    key = (0, position, stage)
+                candidates.append((key, other, component, nbytes, reason))
+        candidates.sort(key=lambda item: item[0], reverse=True)
+        return [
+            (other, component, nbytes, reason) for _, other, component, nbytes, reason in candidates
+        ]
+
+    def finished(self, name: str) -> None:
+        """A job of ``name`` is over; the plan for the set is worked out again here, on
+        the device thread (a job's measurements refine it; the status only reads it)."""
+        self.models[name].last_used = time.monotonic()
+        self._plan = plan_models(self.models, self.budget_bytes)
+
+    # -- loading the next job's first components -----------------------------------
+
+    def prefetch_ahead(self, current: str, next_name: str | None) -> list[str]:
+        """While ``current`` decodes, load the first components of ``next_name``'s job
+        that fit beside what ``current`` still needs. Returns the names started."""
+        if next_name is None or next_name == current or self._prefetch_thread is not None:
+            return []
+        with self._lock:
+            running = self.models[current]
+            upcoming = self.models[next_name]
+            others = self.resident_bytes(excluding=current)
+            room = self.budget_bytes - others - self._still_needed(running)
+            if room <= 0:
+                return []
+            sizes = upcoming.pipeline.component_bytes()
+            loaded = upcoming.resident()
+            chosen: list[str] = []
+            for use in upcoming.pipeline.stage_uses():
+                wanted = [c for c in use.components if c not in loaded and c not in chosen]
+                nbytes = sum(sizes.get(c) or 0 for c in wanted)
+                if not wanted:
+                    continue
+                if nbytes > room:
+                    break
+                chosen.extend(wanted)
+                room -= nbytes
+            if not chosen:
+                return []
+            # The running job's room shrinks by what loads beside it: the sum stays within.
+            taken = sum(sizes.get(c) or 0 for c in chosen)
+            running.policy.budget_bytes = max(1, self.budget_bytes - others - taken)
+            proxies = [upcoming.pipeline.deferred[c] for c in chosen]
+
+        def load() -> None:
+            started = time.perf_counter()
+            for proxy in proxies:
+                try:
+                    proxy.materialize()
+                except Exception:  # the job's own access loads again and reports it
+                    return
+            self.prefetched.append(
+                {
+                    "model": next_name,
+                    "components": chosen,
+                    "bytes": taken,
+                    "seconds": time.perf_counter() - started,
+                    "beside": current,
+                }
+            )
+            del self.prefetched[:-100]
+
+        self._prefetch_thread = threading.Thread(target=load, name="ondeck-serve-prefetch")
+        self._prefetch_thread.start()
+        return chosen
+
+    def _still_needed(self, running: ServedModel) -> int:
+        """What the running job holds now plus what its remaining stages load and
+        allocate (activations where a profile knows them)."""
+        pipeline = running.pipeline
+        index = pipeline.current_stage_index
+        uses = pipeline.stage_uses()
+        later = uses[(index + 1 if index is not None else 0) :]
+        sizes = pipeline.component_bytes()
+        resident = running.resident()
+        to_load = {c for use in later for c in use.components if c not in resident}
+        plan = pipeline.plan(running.policy.budget_bytes)
+        activations = [plan.activation_bytes.get(use.name) or 0 for use in later]
+        return (
+            sum(resident.values())
+            + sum(sizes.get(c) or 0 for c in to_load)
+            + max(activations, default=0)
+        )
+
+    def wait_for_prefetch(self) -> None:
+        thread, self._prefetch_thread = self._prefetch_thread, None
+        if thread is not None:
+            thread.join()
+
+    # -- the plan for the set -------------------------------------------------------
+
+    def plan(self) -> ServePlan:
+        """The plan for every served model, as of the last job's end."""
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = plan_models(self.models, self.budget_bytes)
+        return plan
+
+    def status(self) -> dict[str, Any]:
+        resident = self.resident()
+        return {
+            "budget_bytes": self.budget_bytes,
+            "resident_bytes": sum(sum(r.values()) for r in resident.values()),
+            "resident": resident,
+            "evictions": [e.to_dict() for e in self.evictions[-20:]],
+            "prefetched": self.prefetched[-20:],
+        }
+
+
+@dataclass
+class ModelPlan:
+    name: str
+    component_bytes: dict[str, int]
+    peak_bytes: int
+    kept_bytes: int
+    stages: list[tuple[str, list[str], int]]
+    fits: bool
+
+
+@dataclass
+class ServePlan:
+    """What stays resident across a set of models under one budget, and what a switch
+    from one to another loads."""
+
+    budget_bytes: int
+    models: dict[str, ModelPlan]
+    all_resident: bool
+    # (from, to) -> bytes the job of ``to`` loads after a job of ``from``.
+    switch_bytes: dict[tuple[str, str], int]
+
+    def switch_seconds(self, bytes_per_second: float) -> dict[tuple[str, str], float]:
+        return {key: nbytes / bytes_per_second for key, nbytes in self.switch_bytes.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "all_resident": self.all_resident,
+            "models": {
+                name: {
+                    "component_bytes": plan.component_bytes,
+                    "peak_bytes": plan.peak_bytes,
+                    "kept_bytes": plan.kept_bytes,
+                    "fits": plan.fits,
+                }
+                for name, plan in self.models.items()
+            },
+            "switch_bytes": [
+                {"from": a, "to": b, "bytes": nbytes}
+                for (a, b), nbytes in self.switch_bytes.items()
+            ],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"one budget of {format_bytes(self.budget_bytes)} for {len(self.models)} models"]
+        lines.append(f"  {'model':<20} {'components':>12} {'peak':>12} {'kept':>12}  fits")
+        for name, plan in self.models.items():
+            lines.append(
+                f"  {name:<20} {format_bytes(sum(plan.component_bytes.values())):>12} "
+                f"{format_bytes(plan.peak_bytes):>12} {format_bytes(plan.kept_bytes):>12}  "
+                f"{'yes' if plan.fits else 'NO'}"
+            )
+        if self.all_resident:
+            lines.append("every model stays resident: a switch loads nothing")
+        else:
+            lines.append("a switch loads:")
+            for (a, b), nbytes in self.switch_bytes.items():
+                lines.append(f"  {a} -> {b}: {format_bytes(nbytes)}")
+        return "\n".join(lines)
+
+
+def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePlan:
+    """The plan for a set of served models under one budget; reads no weights.
+
+    Each model plans alone under the whole budget. When every model's kept set fits
+    together, they all stay and switches load nothing. Otherwise a switch to a model
+    loads what its run needs beyond what survives the other model's kept set.
+    """
+    plans: dict[str, ModelPlan] = {}
+    for name, model in models.items():
+        plan = model.pipeline.plan(budget_bytes)
+        requirement = max((nbytes for _, nbytes in plan.stage_requirements()), default=0)
+        kept = plan.stages[-1][2] if plan.stages else 0
+        plans[name] = ModelPlan(
+            name=name,
+            component_bytes={k: v or 0 for k, v in plan.component_bytes.items()},
+            peak_bytes=max(plan.peak_bytes, requirement),
+            kept_bytes=kept,
+            stages=plan.stages,
+            fits=plan.fits(budget_bytes),
+        )
+    all_resident = sum(p.peak_bytes for p in plans.values()) <= budget_bytes
+    switch: dict[tuple[str, str], int] = {}
+    for a, before in plans.items():
+        for b, after in plans.items():
+            if a == b:
+                continue
+            if all_resident or before.kept_bytes + after.peak_bytes <= budget_bytes:
+                loaded = bytes_loaded_per_run(models[b].pipeline.plan(budget_bytes))
+            else:
+                # What of ``b`` stays beside ``a``'s kept set: nothing is counted as kept.
+                loaded = sum(after.component_bytes.values())
+            switch[(a, b)] = loaded
+    return ServePlan(budget_bytes, plans, all_resident, switch)

@@ -1,0 +1,68 @@
+"""The request bodies, as OpenAI's images and videos APIs shape them, plus ondeck's own
+optional fields (steps, seed, frames, negative_prompt, guidance_scale)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` as OpenAI writes it; returns (width, height)."""
+    match = SIZE.match(size.strip())
+    if not match:
+        raise ValueError(f"size must be WIDTHxHEIGHT, e.g. 832x480, got {size!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+class _Request(BaseModel):
+    # Fields OpenAI defines that ondeck does not use (quality, style, user) are accepted
+    # and ignored, so a client written for OpenAI works unchanged.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str = Field(min_length=1)
+    size: str | None = None
+    steps: int | None = Field(default=None, ge=1)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    negative_prompt: str = ""
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+    @property
+    def step_count(self) -> int | None:
+        return self.steps if self.steps is not None else self.num_inference_steps
+
+
+class ImageRequest(_Request):
+    n: int = Field(default=1, ge=1)
+    response_format: str = "b64_json"
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        if value != "b64_json":
+            raise ValueError("response_format must be b64_json (ondeck serves no image URLs)")
+        return value
+
+
+class VideoRequest(_Request):
+    seconds: str | None = None
+    frames: int | None = Field(default=None, ge=1)
+    input_reference: Any = None
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, (int, float)) else value

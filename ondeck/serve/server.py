@@ -1,0 +1,492 @@
+"""The server's state: the served models, the residency manager, the queue, the outputs.
+
+No HTTP here: ``app.py`` puts an ASGI app in front of a ``Server``.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .. import folder_pipelines
+from ..embedded import default_cache_dir
+from ..errors import BudgetError, OndeckError
+from ..hub import resolve_model
+from ..loading import HostCache
+from ..memory import format_bytes, resolve_device
+from ..policy import BudgetPolicy, auto_budget_bytes
+from .jobs import Job, JobCancelled, JobFailed, JobQueue
+from .outputs import OutputStore, draw_timeline, write_job_files
+from .residency import ResidencyManager, ServedModel
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FPS = 16
+
+
+@dataclass
+class Limits:
+    """What a request may ask for; larger asks are refused before they are queued."""
+
+    body_bytes: int = 8 * 2**20
+    image_bytes: int = 4 * 2**20
+    image_pixels: int = 4096 * 4096
+    prompt_chars: int = 4000
+    side: int = 2048
+    frames: int = 241
+    steps: int = 200
+    images_per_request: int = 4
+    waiting_jobs: int = 64
+
+
+@dataclass
+class ServeConfig:
+    models: dict[str, str]
+    budget_bytes: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    host_cache_bytes: int | None = None
+    weights: Any = None
+    outputs: Path | None = None
+    outputs_cap_bytes: int = 20 * 2**30
+    api_key: str | None = None
+    steps: int | None = None
+    shutdown_grace_seconds: float = 30.0
+    # Whether the queue steers residency: eviction by the waiting jobs' next use, and the
+    # next job's first components loaded beside the current decode. Off: least recently
+    # used, nothing ahead (what the benchmark compares against).
+    lookahead: bool = True
+    limits: Limits = field(default_factory=Limits)
+
+
+def models_from_root(root: str | os.PathLike) -> dict[str, str]:
+    """Each subfolder of ``root`` holding a model_index.json is a model, by its name."""
+    root = Path(root)
+    if not root.is_dir():
+        raise OndeckError(f"--model-root {root}: not a folder")
+    found = {
+        path.name: str(path)
+        for path in sorted(root.iterdir())
+        if (path / "model_index.json").is_file() and MODEL_NAME.match(path.name)
+    }
+    if not found:
+        raise OndeckError(f"--model-root {root}: no subfolder holds a model_index.json")
+    return found
+
+
+def _torch_dtype(name: str | None, device: Any) -> Any:
+    import torch
+
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _kind(pipeline: Any) -> str:
+    """``video`` when the pipeline's call takes a frame count, else ``image``."""
+    if getattr(pipeline, "pipe", None) is None:  # ondeck's own stages: Wan text-to-video
+        return "video"
+    parameters = inspect.signature(type(pipeline.pipe).__call__).parameters
+    return "video" if "num_frames" in parameters else "image"
+
+
+def _takes_image(pipeline: Any) -> bool:
+    inner = getattr(pipeline, "pipe", None)
+    if inner is None:
+        return False
+    return "image" in inspect.signature(type(inner).__call__).parameters
+
+
+class StepProgress:
+    """What a pipeline advances once per denoising step: counts the job's steps, stops a
+    cancelled job there, and starts the next job's loads at the last step."""
+
+    def __init__(self, job: Job, at_last_step: Any):
+        self.job = job
+        self.at_last_step = at_last_step
+
+    def update(self, n: int = 1) -> None:
+        if self.job.cancel_event.is_set():
+            raise JobCancelled(self.job.id)
+        self.job.step += n
+        if self.job.step >= self.job.total_steps:
+            self.at_last_step()
+
+
+class Server:
+    """Holds the served models under one budget and runs their jobs in order."""
+
+    def __init__(self, config: ServeConfig, *, say: Any = print):
+        self.config = config
+        self.say = say
+        self.device = resolve_device(config.device)
+        self.dtype = _torch_dtype(config.dtype, self.device)
+        budget = config.budget_bytes
+        if budget is None:
+            budget, _ = auto_budget_bytes(self.device)
+        self.budget_bytes = int(budget)
+        self.host_cache = HostCache(config.host_cache_bytes) if config.host_cache_bytes else None
+        outputs = config.outputs or default_cache_dir() / "serve-outputs"
+        self.outputs = OutputStore(outputs, config.outputs_cap_bytes)
+        self.started_at = time.time()
+        self.models: dict[str, ServedModel] = {}
+        for name, source in config.models.items():
+            self.models[name] = self._build(name, source)
+        self.manager = ResidencyManager(self.models, self.budget_bytes)
+        self.manager.plan()  # here, before any job runs: the status only reads it
+        self.queue = JobQueue(self._run_job, max_waiting=config.limits.waiting_jobs)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
+        self._writing: set[str] = set()
+        self._drawing = threading.Lock()
+        self._grace_timer: threading.Timer | None = None
+        self.last_report: dict[str, Any] | None = None
+        self.last_job_id: str | None = None
+        self.jobs_run = 0
+        self.jobs_failed = 0
+
+    def _build(self, name: str, source: str) -> ServedModel:
+        if not MODEL_NAME.match(name):
+            raise OndeckError(
+                f"model name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
+            )
+        path = resolve_model(source)
+        policy = BudgetPolicy(self.budget_bytes)
+        pipeline = folder_pipelines.pipeline_for_folder(
+            path,
+            device=self.device,
+            dtype=self.dtype,
+            policy=policy,
+            host_cache=self.host_cache,
+            **({"storage_dtype": self.config.weights} if self.config.weights else {}),
+        )
+        # Each job's timeline and report are its own: the tracker keeps the last run.
+        pipeline.tracker.keep_runs = 1
+        pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
+        served = ServedModel(
+            name=name, source=str(source), pipeline=pipeline, policy=policy, kind=_kind(pipeline)
+        )
+        served.path = Path(path)  # type: ignore[attr-defined]
+        served.takes_image = _takes_image(pipeline)  # type: ignore[attr-defined]
+        return served
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.queue.start()
+
+    def begin_shutdown(self) -> None:
+        """Waiting jobs fail now; the running one gets the grace period to finish, then
+        is stopped at its next step."""
+        if self._grace_timer is not None:
+            return
+        self.queue.close()
+        current = self.queue.current
+        self._grace_timer = threading.Timer(
+            self.config.shutdown_grace_seconds,
+            lambda: current.cancel("stopped by shutdown") if current is not None else None,
+        )
+        self._grace_timer.daemon = True
+        self._grace_timer.start()
+
+    def stop(self) -> None:
+        """``begin_shutdown``, then wait for the running job and the files being written,
+        and close every pipeline."""
+        self.begin_shutdown()
+        self.queue.stop()
+        self._grace_timer.cancel()
+        self._writer.shutdown(wait=True)
+        self.manager.wait_for_prefetch()
+        for model in self.models.values():
+            model.pipeline.close()
+
+    # -- jobs -----------------------------------------------------------------------
+
+    def default_steps(self, model: ServedModel) -> int:
+        if self.config.steps is not None:
+            return self.config.steps
+        return 50 if model.kind == "video" else 30
+
+    def frames_for(self, model: ServedModel, seconds: str | None, frames: int | None) -> int:
+        if frames is None:
+            try:
+                duration = float(seconds) if seconds is not None else 4.0
+            except ValueError:
+                raise JobFailed(
+                    400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
+                ) from None
+            if not 0 < duration <= self.config.limits.frames / FPS:
+                raise JobFailed(
+                    400,
+                    "invalid_value",
+                    f"seconds must be more than 0 and at most {self.config.limits.frames / FPS:g}",
+                    "seconds",
+                )
+            frames = int(round(duration * FPS)) + 1
+        geometry = getattr(model.pipeline, "geometry", None)
+        if geometry is not None:  # Wan: 4k+1 frames
+            step = geometry.scale_temporal
+            frames = (frames - 1) // step * step + 1
+        return max(1, frames)
+
+    def check_shape(self, model: ServedModel, job: Job) -> None:
+        """Refuse, before queueing, a shape the model's configs rule out (Wan's rotary
+        positions); other pipelines check their inputs when the job runs."""
+        geometry = getattr(model.pipeline, "geometry", None)
+        if geometry is None:
+            return
+        for side, value, why in geometry.beyond_positions(job.height, job.width, job.frames or 1):
+            param = "frames" if side == "frames" else "size"
+            raise JobFailed(
+                400, "invalid_value", f"{side} {value} is too large for {job.model}: {why}", param
+            )
+
+    def submit(self, job: Job) -> Job:
+        job.total_steps = (job.steps or 0) * (job.n if job.kind == "image" else 1)
+        return self.queue.submit(job)
+
+    def _run_job(self, job: Job, upcoming: list[str]) -> None:
+        model = self.models[job.model]
+        pipeline = model.pipeline
+        job.status = "in_progress"
+        job.started_at = time.perf_counter()
+        lookahead = self.config.lookahead
+        try:
+            self.manager.prepare(job.model, upcoming if lookahead else [])
+
+            def at_last_step() -> None:
+                waiting = self.queue.upcoming_models()
+                if lookahead and waiting:
+                    self.manager.prefetch_ahead(job.model, waiting[0])
+
+            progress = StepProgress(job, at_last_step)
+            plan = pipeline.plan(model.policy.budget_bytes)
+            started = time.perf_counter()
+            outputs = []
+            for index in range(job.n if job.kind == "image" else 1):
+                # Only what the request set: each pipeline keeps its own defaults.
+                extra: dict[str, Any] = {}
+                if job.input_image is not None:
+                    extra["image"] = job.input_image
+                if job.guidance is not None:
+                    extra["guidance_scale"] = job.guidance
+                if job.kind == "video":
+                    extra["num_frames"] = job.frames
+                outputs.append(
+                    pipeline.generate(
+                        job.prompt,
+                        negative_prompt=job.negative_prompt,
+                        height=job.height,
+                        width=job.width,
+                        num_inference_steps=job.steps,
+                        seed=job.seed + index,
+                        progress=progress,
+                        **extra,
+                    )
+                )
+            job.run_seconds = time.perf_counter() - started
+            frames = outputs if job.kind == "image" else outputs[0]
+            self._check_finite(frames)
+        except Exception as error:
+            # What the model held is freed before the job answers: its caller's next
+            # request finds the server as it was before.
+            self._after_failure(model)
+            if isinstance(error, JobCancelled):
+                failure = JobFailed(
+                    409, "cancelled", f"the job was {job.cancel_reason} at step {job.step}"
+                )
+            else:
+                failure = error if isinstance(error, JobFailed) else describe_failure(error)
+            job.fail(failure)
+            return
+        finally:
+            self.manager.finished(job.model)
+            job.input_image = None  # a kept job keeps no request payload
+        self.jobs_run += 1
+        report = pipeline.report()
+        report.update(
+            model=job.model,
+            model_dir=str(model.path),  # type: ignore[attr-defined]
+            prompt=job.prompt,
+            shape={
+                "height": job.height,
+                "width": job.width,
+                "frames": job.frames,
+                "steps": job.steps,
+            },
+            seed=job.seed,
+            run_seconds=[job.run_seconds],
+            sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
+            predicted_peak_bytes=plan.peak_bytes,
+            weights=self.config.weights or "as computed",
+            server_budget_bytes=self.budget_bytes,
+            job_budget_bytes=model.policy.budget_bytes,
+        )
+        self.last_report = report
+        self.last_job_id = job.id
+        self._writing.add(job.id)
+        self._writer.submit(self._write, job, report, frames, model)
+
+    def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
+        try:
+            folder = self.outputs.folder(job.id)
+            job.files = write_job_files(folder, report, frames, kind=model.kind)
+            job.complete()
+        except Exception as error:
+            job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
+            self.outputs.remove(job.id)
+        finally:
+            self._writing.discard(job.id)
+            self.outputs.trim(keep=set(self._writing))
+
+    def timeline(self, job: Job) -> str | None:
+        """The path of the job's timeline.png, drawn now if it was not yet; None when
+        the job has none (not completed, or its folder went past the cap)."""
+        with self._drawing:
+            if "timeline" in job.files or "report" not in job.files:
+                return job.files.get("timeline")
+            # Drawn from report.json, which holds the job's events: nothing of a finished
+            # job stays in memory for a timeline that may never be asked for.
+            try:
+                report = json.loads(Path(job.files["report"]).read_text())
+            except (OSError, ValueError):
+                return None
+            # From the job's first event: the tracker's clock started with the pipeline.
+            start = min((event["seconds"] for event in report["events"]), default=0.0)
+            view = SimpleNamespace(
+                device=report["device"],
+                events=[
+                    SimpleNamespace(**{**event, "seconds": event["seconds"] - start})
+                    for event in report["events"]
+                ],
+                stages=[SimpleNamespace(**stage) for stage in report["stages"]],
+            )
+            title = f"ondeck serve: {job.model} ({job.id[:12]})"
+            folder = Path(job.files["report"]).parent
+            job.files["timeline"] = str(draw_timeline(folder, view, title=title))
+            return job.files["timeline"]
+
+    @staticmethod
+    def _check_finite(frames: Any) -> None:
+        import numpy as np
+
+        for batch in frames if isinstance(frames, list) else [frames]:
+            if not np.isfinite(np.asarray(batch)).all():
+                raise JobFailed(
+                    500,
+                    "non_finite_output",
+                    "the pipeline produced NaN or infinite pixels; nothing was written",
+                )
+
+    def _after_failure(self, model: ServedModel) -> None:
+        """A failed job frees what its model holds (a run that raised has released it
+        already; one whose output was refused has not), and the allocator's cache, so
+        the next job starts from no more than the server held before."""
+        self.manager.wait_for_prefetch()
+        model.pipeline.release_all()
+        self.jobs_failed += 1
+        gc.collect()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    # -- reading --------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        current = self.queue.current
+        residency = self.manager.status()
+        return {
+            "object": "ondeck.status",
+            "device": str(self.device),
+            "budget_bytes": self.budget_bytes,
+            "budget": format_bytes(self.budget_bytes),
+            "resident_bytes": residency["resident_bytes"],
+            "device_allocated_bytes": _allocated(self.device),
+            "process_rss_bytes": _rss(),
+            "resident": residency["resident"],
+            "evictions": residency["evictions"],
+            "prefetched": residency["prefetched"],
+            "models": {
+                name: {
+                    "kind": model.kind,
+                    "source": model.source,
+                    "component_bytes": model.pipeline.component_bytes(),
+                    "policy_budget_bytes": model.policy.budget_bytes,
+                }
+                for name, model in self.models.items()
+            },
+            "running": job_summary(current) if current is not None else None,
+            "queue": [job_summary(job) for job in self.queue.waiting()],
+            "jobs_run": self.jobs_run,
+            "jobs_failed": self.jobs_failed,
+            "last_job": {"id": self.last_job_id, "report": _brief(self.last_report)},
+            "plan": self.manager.plan().to_dict(),
+            "outputs": {
+                "folder": str(self.outputs.root),
+                "bytes": self.outputs.total_bytes(),
+                "cap_bytes": self.outputs.cap_bytes,
+            },
+        }
+
+
+def _allocated(device: Any) -> int | None:
+    """Device bytes allocated by torch now (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _rss() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return None
+
+
+def _brief(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The last job's report without its event list (that is in report.json)."""
+    if report is None:
+        return None
+    return {k: v for k, v in report.items() if k != "events"}
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "model": job.model,
+        "kind": job.kind,
+        "status": job.status,
+        "progress": job.progress,
+        "step": job.step,
+        "total_steps": job.total_steps,
+    }
+
+
+def describe_failure(error: BaseException) -> JobFailed:
+    """The one error a failed job answers with."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, BudgetError) or _is_out_of_memory(error):
+        return JobFailed(503, "insufficient_memory", f"out of memory after retries: {text}")
+    if isinstance(error, (ValueError, TypeError)):
+        return JobFailed(400, "invalid_value", text)
+    return JobFailed(500, "server_error", f"{type(error).__name__}: {text}")
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

@@ -1,0 +1,101 @@
+"""Stopping the server, and ``ondeck generate --server``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import imageio.v2 as imageio
+import numpy as np
+
+from .helpers import ROOT, ServerProcess, wait_for
+
+SHAPE = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--seed", "4"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def test_sigterm_finishes_the_running_job_fails_the_waiting_and_exits_0(models, tmp_path):
+    server = ServerProcess({"wan": models["wan"]}, "--steps", "2", tmp=tmp_path)
+    try:
+        with server.client() as http:
+            body = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
+            running = http.post("/v1/videos", json={**body, "steps": 30}).json()["id"]
+            waiting = http.post("/v1/videos", json=body).json()["id"]
+            wait_for(lambda: http.get(f"/v1/ondeck/jobs/{running}").json()["step"] >= 1)
+            server.process.terminate()
+            code = server.process.wait(60)
+    finally:
+        server.stop()
+    assert code == 0, server.output()
+    outputs = tmp_path / "outputs"
+    assert (outputs / running / "video.mp4").stat().st_size > 0
+    assert not (outputs / waiting).exists()
+    assert "stopped (1 jobs done" in server.output()
+
+
+def test_generate_with_server_writes_the_folder_a_local_run_writes(server, models, tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    command = [sys.executable, "-m", "ondeck", "generate"]
+    runs = [
+        subprocess.Popen(
+            [
+                *command,
+                "wan",
+                "--server",
+                server.url,
+                "--api-key",
+                server.api_key,
+                "--output",
+                str(remote),
+                *SHAPE,
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        subprocess.Popen(
+            [*command, str(models["wan"]), "--device", "cpu", "--output", str(local), *SHAPE],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+    ]
+    for run in runs:
+        output, _ = run.communicate(timeout=120)
+        assert run.returncode == 0, output
+    assert sorted(p.name for p in remote.iterdir()) == sorted(p.name for p in local.iterdir())
+    frames = [np.stack(imageio.mimread(folder / "video.mp4")) for folder in (remote, local)]
+    assert frames[0].shape == frames[1].shape == (5, 32, 32, 3)
+    assert np.array_equal(frames[0], frames[1])
+
+
+def test_generate_with_server_says_what_the_server_refused(server, tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ondeck",
+            "generate",
+            "sora",
+            "--server",
+            server.url,
+            "--api-key",
+            server.api_key,
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "does not serve 'sora'" in run.stderr

@@ -1,0 +1,133 @@
+"""The residency manager over real tiny pipelines, without HTTP: which components go
+when the queue is empty, what loads ahead beside a running job, and the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from ondeck.serve.server import ServeConfig, Server
+
+WAN = 132736 + 101152 + 283212  # text encoder, transformer, VAE
+SD3 = 1608380
+KIB = 1024
+
+
+def served(models, budget: int, names=("wan", "wan2", "sd3")) -> Server:
+    return Server(
+        ServeConfig(models={n: str(models[n]) for n in names}, device="cpu", budget_bytes=budget),
+        say=lambda *_: None,
+    )
+
+
+def run(server: Server, name: str, upcoming=(), progress=None) -> None:
+    server.manager.prepare(name, list(upcoming))
+    size = {"height": 32, "width": 32}
+    if server.models[name].kind == "video":
+        size["num_frames"] = 5
+    server.models[name].pipeline.generate(
+        "a fox", num_inference_steps=2, seed=0, progress=progress, **size
+    )
+    server.manager.finished(name)
+
+
+@pytest.fixture(scope="module")
+def under_1800k(models):
+    return served(models, 1800 * KIB)
+
+
+def test_with_an_empty_queue_the_least_recently_used_model_goes_first(under_1800k):
+    server = under_1800k
+    run(server, "wan")
+    run(server, "wan2")
+    assert server.manager.resident_bytes() == 2 * WAN
+    evicted = server.manager.prepare("sd3", [])
+    assert [(e.model, e.component) for e in evicted] == [
+        ("wan", "vae"),
+        ("wan", "transformer"),
+        ("wan", "text_encoder"),
+        ("wan2", "vae"),
+    ]
+    assert all("no waiting job" in e.reason for e in evicted)
+    assert server.manager.resident_bytes(excluding="sd3") + SD3 <= server.budget_bytes
+    # The image model's own policy plans within what the others left.
+    assert server.models["sd3"].policy.budget_bytes == server.budget_bytes - (WAN - 283212)
+
+
+def test_the_next_jobs_first_components_load_while_the_current_one_decodes(models):
+    server = served(models, 1900 * KIB, names=("wan", "sd3"))
+    started: list[list[str]] = []
+
+    class LastStep:
+        steps = 0
+
+        def update(self, n: int = 1) -> None:
+            self.steps += n
+            if self.steps == 2:
+                started.append(server.manager.prefetch_ahead("sd3", "wan"))
+
+    run(server, "sd3", progress=LastStep())
+    server.manager.wait_for_prefetch()
+    # The image model (1.53 MiB) and its decode's reserve leave about 265 KiB: the video
+    # model's text encoder and transformer fit beside the decode, its VAE does not.
+    assert started == [["text_encoder", "transformer"]]
+    assert set(server.manager.resident()["wan"]) == {"text_encoder", "transformer"}
+    assert server.manager.resident_bytes() <= server.budget_bytes
+    assert server.manager.prefetched[-1]["beside"] == "sd3"
+
+
+def test_nothing_loads_ahead_when_it_would_not_fit(models):
+    server = served(models, 1700 * KIB, names=("wan", "sd3"))
+    started: list[list[str]] = []
+
+    class LastStep:
+        def update(self, n: int = 1) -> None:
+            started.append(server.manager.prefetch_ahead("sd3", "wan"))
+
+    run(server, "sd3", progress=LastStep())
+    server.manager.wait_for_prefetch()
+    assert started[-1] == []
+    assert server.manager.resident()["wan"] == {}
+
+
+def test_the_plan_for_a_set_says_what_stays_and_what_a_switch_loads(models):
+    tight = served(models, 1800 * KIB).manager.plan()
+    assert not tight.all_resident
+    assert tight.switch_bytes[("wan", "sd3")] == SD3
+    assert tight.switch_bytes[("wan", "wan2")] == 0  # two video models fit together
+    assert "a switch loads" in str(tight)
+    roomy = served(models, 8 * 2**20).manager.plan()
+    assert roomy.all_resident and set(roomy.switch_bytes.values()) == {0}
+    assert "every model stays resident" in str(roomy)
+
+
+def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
+    from ondeck.cli import main
+
+    code = main(
+        ["serve", "--model", f"wan={models['wan']}", "--model", f"sd3={models['sd3']}"]
+        + ["--device", "cpu", "--budget", "1800KiB", "--plan"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "one budget of 1.76 MiB for 2 models" in printed
+    assert "wan -> sd3: 1.53 MiB" in printed
+
+
+def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
+    from ondeck.serve.server import models_from_root
+
+    for name in ("wan", "sd3"):
+        (tmp_path / name).symlink_to(models[name], target_is_directory=True)
+    (tmp_path / "notes").mkdir()  # no model_index.json: not a model
+    assert models_from_root(tmp_path) == {
+        "sd3": str(tmp_path / "sd3"),
+        "wan": str(tmp_path / "wan"),
+    }
+
+
+def test_a_wrong_serve_argument_is_one_line_and_status_2(capsys):
+    from ondeck.cli import main
+
+    assert main(["serve", "--model", "no-equals-sign"]) == 2
+    error = capsys.readouterr().err
+    assert "expected NAME=FOLDER_OR_REPO_ID" in error and len(error.strip().splitlines()) == 1

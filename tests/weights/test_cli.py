@@ -1,0 +1,79 @@
+"""The command line's --transformer, --component and --lora."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli.helpers import FAST, run
+
+from ondeck.cli import UsageError, build_parser
+from ondeck.loading import reads as reader
+
+
+def test_the_flags_parse_into_files_and_scales():
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "base",
+            "--transformer",
+            "t.safetensors",
+            "--component",
+            "text_encoder=te.gguf",
+            "--lora",
+            "a.safetensors:0.5",
+            "--lora",
+            "b.safetensors",
+        ]
+    )
+    assert args.transformer == "t.safetensors"
+    assert args.component == [("text_encoder", "te.gguf")]
+    assert args.lora == [("a.safetensors", 0.5), ("b.safetensors", 1.0)]
+
+
+def test_a_component_without_a_name_is_a_usage_error():
+    with pytest.raises(UsageError, match="--component: expected NAME=FILE"):
+        build_parser().parse_args(["generate", "base", "--component", "file.safetensors"])
+
+
+def test_generate_with_an_original_key_transformer_and_a_lora(
+    capsys, base, original_file, lora_files, tmp_path
+):
+    out = tmp_path / "out"
+    code, _, err = run(
+        capsys,
+        "generate",
+        base,
+        "--transformer",
+        original_file,
+        "--lora",
+        f"{lora_files['musubi']}:0.7",
+        "--policy",
+        "release",
+        "--output",
+        out,
+        *FAST,
+    )
+
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["pipeline"] == "WanPipeline", "through diffusers' own pipeline and LoRA loading"
+    assert report["component_bytes"]["transformer"] > 0
+    assert (out / "video.mp4").is_file()
+
+
+def test_plan_with_a_single_file_reads_no_weights(capsys, base, original_file, monkeypatch):
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("a weight was read"))
+
+    code, out, err = run(capsys, "plan", base, "--transformer", original_file, "--device", "cpu")
+
+    assert code in (0, 1), err
+    assert "transformer" in out
+
+
+def test_sharding_with_a_single_file_is_refused_before_anything_loads(base, original_file):
+    from ondeck.errors import LoadError
+    from ondeck.folder_pipelines import pipeline_for_folder
+
+    with pytest.raises(LoadError, match="leave out --transformer"):
+        pipeline_for_folder(base, components={"transformer": original_file}, shard=("transformer",))

@@ -1,0 +1,93 @@
+"""float8 and fp8_scaled single files: stored as they are, computed as their format says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ondeck.loading import HostCache
+
+from .conftest import FP8, frames, load, reference_frames, streamed_passes
+
+POLICIES = ["eager", "release", "budget", "streaming"]
+
+
+def loaded_transformer(pipe):
+    return pipe.transformer.materialize()
+
+
+@pytest.fixture(scope="module")
+def float8_reference(float8):
+    return reference_frames(float8[1])
+
+
+@pytest.fixture(scope="module")
+def scaled_reference(fp8_scaled):
+    return reference_frames(fp8_scaled[1])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_float8_file_stays_float8_and_computes_the_upcast_weights(
+    base, float8, float8_reference, policy
+):
+    pipe = load(base, policy, components={"transformer": float8[0]})
+
+    assert np.array_equal(frames(pipe), float8_reference)
+    assert np.array_equal(frames(pipe), float8_reference)
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+    weight = loaded_transformer(pipe).blocks[0].attn1.to_q.weight
+    assert weight.dtype == FP8, "kept as stored: one byte a weight"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_fp8_scaled_file_computes_each_weight_times_its_scale(
+    base, fp8_scaled, scaled_reference, float8_reference, policy
+):
+    pipe = load(base, policy, components={"transformer": fp8_scaled[0]})
+
+    output = frames(pipe)
+    assert np.array_equal(output, scaled_reference)
+    assert np.array_equal(frames(pipe), scaled_reference)
+    assert not np.array_equal(output, float8_reference)
+    transformer = loaded_transformer(pipe)
+    assert transformer.blocks[0].attn1.to_q.weight.dtype == FP8
+    assert not hasattr(transformer.blocks[0].attn1.to_q, "scale_weight"), "no stray tensor"
+
+
+def test_the_scales_are_applied_once_however_often_the_layer_runs(base, fp8_scaled):
+    pipe = load(base, "release", components={"transformer": fp8_scaled[0]})
+    transformer = loaded_transformer(pipe)
+    layer = transformer.blocks[1].ffn.net[2]
+    stored = layer.weight.detach().clone()
+    inputs = torch.randn(3, layer.in_features)
+
+    first, second = layer(inputs), layer(inputs)
+
+    assert torch.equal(first, second)
+    assert torch.equal(layer.weight, stored), "the stored weight is put back as it was"
+    assert layer.weight.dtype == FP8
+
+
+@pytest.fixture
+def cache_on_cpu(monkeypatch):
+    """Let the host cache serve CPU loads, which it normally refuses, so its path runs."""
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    return HostCache(budget_bytes=2**30, pin=False)
+
+
+@pytest.mark.parametrize("kind", ["original", "fp8_scaled"])
+def test_a_single_file_reloads_from_the_host_cache_with_the_same_frames(
+    base, original_file, fp8_scaled, reference, scaled_reference, cache_on_cpu, kind
+):
+    path, expected = (
+        (original_file, reference) if kind == "original" else (fp8_scaled[0], scaled_reference)
+    )
+    pipe = load(base, "release", components={"transformer": path}, host_cache=cache_on_cpu)
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+
+    assert np.array_equal(frames(pipe), expected)
+    assert loader.last_source != "host cache"
+    assert np.array_equal(frames(pipe), expected)
+    assert loader.last_source == "host cache"

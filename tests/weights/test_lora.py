@@ -1,0 +1,172 @@
+"""LoRA on every kind of weights and under every policy: applied once per load, never twice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ondeck
+
+from .conftest import frames, load, reference_frames, streamed_passes
+
+pytest.importorskip("peft")
+
+POLICIES = ["eager", "release", "budget", "streaming"]
+
+
+@pytest.fixture(scope="module")
+def lora_reference(base, lora_files):
+    return reference_frames(base, loras=[(lora_files["diffusers"], 0.7)])
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "musubi"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_lora_file_gives_diffusers_frames_under_each_policy(
+    base, lora_files, lora_reference, reference, policy, layout
+):
+    pipe = load(base, policy, loras=[(lora_files[layout], 0.7)])
+    assert ondeck.is_loaded(pipe.transformer) == (policy == "eager"), "recorded, not loaded"
+
+    first = frames(pipe)
+    assert not np.array_equal(first, reference), "the LoRA changes the output"
+    assert np.array_equal(first, lora_reference)
+    assert np.array_equal(frames(pipe), lora_reference), "the same after a reload"
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+
+
+def test_a_lora_on_an_original_key_single_file(base, original_file, lora_files, lora_reference):
+    pipe = load(
+        base,
+        "release",
+        components={"transformer": original_file},
+        loras=[(lora_files["musubi"], 0.7)],
+    )
+
+    assert np.array_equal(frames(pipe), lora_reference)
+    assert np.array_equal(frames(pipe), lora_reference)
+
+
+@pytest.mark.parametrize("policy", ["release", "streaming"])
+def test_a_lora_on_a_float8_file(base, float8, lora_files, policy):
+    expected = reference_frames(float8[1], loras=[(lora_files["diffusers"], 1.0)])
+    pipe = load(
+        base, policy, components={"transformer": float8[0]}, loras=[lora_files["diffusers"]]
+    )
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+
+
+def _fused_reference(base, lora):
+    from diffusers import WanPipeline
+    from references import in_fresh_tensors
+
+    plain = WanPipeline.from_pretrained(base, dtype=torch.float32)
+    plain.load_lora_weights(str(lora), adapter_name="style")
+    plain.fuse_lora(lora_scale=0.5)
+    plain.unload_lora_weights()
+    plain.set_progress_bar_config(disable=True)
+    return frames(in_fresh_tensors(plain))
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+def test_a_fused_lora_is_fused_once_per_load(base, lora_files, policy):
+    expected = _fused_reference(base, lora_files["diffusers"])
+    pipe = load(base, policy)
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.unload_lora_weights()
+
+    for call in range(3):
+        pipe.ondeck.release_all()
+        assert np.array_equal(frames(pipe), expected), f"call {call + 1}"
+
+
+def test_fusing_a_lora_into_a_streamed_component_is_refused_not_lost(base, lora_files):
+    pipe = load(base, "streaming")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+
+    with pytest.raises(ondeck.LoadError, match="streams its blocks, and fuse_lora would"):
+        frames(pipe)
+
+
+@pytest.fixture
+def cache_on_cpu(monkeypatch):
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    return HostCache(budget_bytes=2**30, pin=False)
+
+
+def test_the_host_cache_holds_weights_before_lora_and_the_lora_is_applied_again(
+    base, lora_files, cache_on_cpu
+):
+    expected = _fused_reference(base, lora_files["diffusers"])
+    pipe = load(base, "release", host_cache=cache_on_cpu)
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert loader.last_source == "host cache"
+    # Changing the adapters needs no new cache entry: the entry is the file's bytes, and
+    # each load replays the calls in order (unfusing subtracts what fusing added, to
+    # rounding).
+    pipe.unfuse_lora()
+    pipe.set_adapters(["style"], [0.0])
+    assert np.allclose(frames(pipe), reference_frames(base), atol=1e-5)
+    assert loader.last_source == "host cache"
+
+
+def test_compile_repeated_blocks_is_replayed_after_every_reload(base, reference):
+    compiled = []
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(len(example_inputs))
+        return graph.forward
+
+    pipe = load(base, "release")
+    pipe.transformer.compile_repeated_blocks(backend=counting_backend, fullgraph=False)
+    assert not ondeck.is_loaded(pipe.transformer)
+    seen = []
+    pipe.transformer.add_transform(lambda module: seen.append(module) or module)
+
+    assert np.array_equal(frames(pipe), reference)
+    assert compiled, "the loaded transformer's blocks were compiled"
+    assert np.array_equal(frames(pipe), reference)
+    assert pipe.transformer.load_count == 2
+    assert len(seen) == 2 and seen[0] is not seen[1], "two loads, two fresh modules"
+    for module in seen:
+        assert all(block._compiled_call_impl is not None for block in module.blocks)
+        assert module._compiled_call_impl is None, "the blocks, not the whole model"
+
+
+def test_compile_is_replayed_after_every_reload(base, reference):
+    pipe = load(base, "release")
+    pipe.transformer.compile(backend="eager")
+    seen = []
+    pipe.transformer.add_transform(lambda module: seen.append(module) or module)
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference)
+    assert len(seen) == 2 and all(module._compiled_call_impl is not None for module in seen)
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+def test_a_lora_goes_on_both_experts_of_a_two_transformer_pipeline(two_experts, lora_files, policy):
+    expected = reference_frames(
+        two_experts, loras=[(lora_files["diffusers"], 0.7)], transformer_2=True
+    )
+    without = reference_frames(two_experts)
+    pipe = load(two_experts, policy, loras=[(lora_files["musubi"], 0.7)])
+
+    assert not np.array_equal(expected, without)
+    first_only = reference_frames(two_experts, loras=[(lora_files["diffusers"], 0.7)])
+    assert not np.array_equal(first_only, expected), "the second expert computes too"
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert pipe.transformer.recorded_adapters() == pipe.transformer_2.recorded_adapters() != []

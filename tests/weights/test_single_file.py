@@ -1,0 +1,276 @@
+"""A transformer from one original-key checkpoint file, the rest from the base folder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ondeck
+from ondeck.errors import LoadError
+from ondeck.loading import ModelFolder
+from ondeck.loading import reads as reader
+from ondeck.loading.single_file import AssembledTensor, SingleFileFolder, converted_tensors
+
+from .conftest import frames, load, streamed_passes
+
+POLICIES = ["eager", "release", "budget", "streaming"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_original_key_file_gives_the_folders_frames_under_each_policy(
+    base, original_file, reference, policy
+):
+    pipe = load(base, policy, components={"transformer": original_file})
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference), "and again, after a reload or resident"
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0, "the budget streams the transformer's blocks"
+
+
+def test_the_keys_come_from_diffusers_conversion_read_from_the_header_alone(
+    base, original_file, monkeypatch
+):
+    opened = []
+    real = reader.read_into
+    monkeypatch.setattr(
+        reader, "read_into", lambda jobs, **kw: opened.append(jobs) or real(jobs, **kw)
+    )
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
+
+    tensors = folder.tensors("transformer")
+    spec = folder.spec("transformer", torch.float32)
+
+    assert "blocks.0.attn1.to_q.weight" in tensors
+    assert (
+        tensors["blocks.0.attn1.to_q.weight"].name
+        == "model.diffusion_model.blocks.0.self_attn.q.weight"
+    )
+    assert tensors["blocks.0.norm2.weight"].name.endswith("blocks.0.norm3.weight"), "swapped norms"
+    assert spec.nbytes == ModelFolder.open(base).spec("transformer", torch.float32).nbytes
+    assert opened == [], "nothing but the header is read"
+
+
+def test_the_plan_reads_no_weights_and_counts_the_files_bytes(base, original_file, monkeypatch):
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("a weight was read"))
+    pipe = load(base, "release", components={"transformer": original_file})
+
+    plan = pipe.ondeck.plan()
+
+    same_weights = load(base, "release").ondeck.plan()
+    assert plan.component_bytes == same_weights.component_bytes
+    assert not ondeck.is_loaded(pipe.transformer)
+
+
+def test_a_file_in_diffusers_names_is_taken_as_it_is(base, reference, tmp_path):
+    (source,) = (base / "transformer").glob("*.safetensors")
+    copy = tmp_path / "transformer.safetensors"
+    copy.write_bytes(source.read_bytes())
+
+    pipe = load(base, "release", components={"transformer": copy})
+
+    assert np.array_equal(frames(pipe), reference)
+
+
+def test_a_file_of_another_model_is_refused_before_anything_loads(base, tmp_path):
+    wrong = tmp_path / "other.safetensors"
+    save_file({"model.diffusion_model.blocks.0.self_attn.q.weight": torch.zeros(3, 3)}, str(wrong))
+
+    with pytest.raises(LoadError, match=r"component 'transformer'.*other\.safetensors"):
+        pipe = load(base, "release", components={"transformer": wrong})
+        pipe.ondeck.plan()
+
+
+def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_path):
+    with pytest.raises(LoadError, match="single file .*absent.safetensors does not exist"):
+        load(base, components={"transformer": tmp_path / "absent.safetensors"})
+    with pytest.raises(LoadError, match="component 'transformer_9' is not in"):
+        load(base, components={"transformer_9": original_file})
+    with pytest.raises(LoadError, match=r"\.safetensors or a \.gguf file"):
+        load(base, components={"transformer": tmp_path / "x.ckpt"})
+
+
+# -- the conversion's splits and joins ----------------------------------------------------
+
+
+def _fused_conversion(checkpoint, **kwargs):
+    """A conversion of the kind Flux's and HunyuanVideo's are: a fused qkv split in three,
+    the halves of a modulation swapped, a bias renamed, built from diffusers' own
+    swap_scale_shift."""
+    from diffusers.loaders.single_file_utils import swap_scale_shift
+
+    converted = {}
+    q, k, v = torch.chunk(checkpoint.pop("attn.qkv.weight"), 3, dim=0)
+    converted.update({"to_q.weight": q, "to_k.weight": k, "to_v.weight": v})
+    converted["norm_out.linear.weight"] = swap_scale_shift(
+        checkpoint.pop("final_layer.adaLN_modulation.1.weight"), 0
+    )
+    converted["norm_out.linear.bias"] = checkpoint.pop("final_layer.adaLN_modulation.1.bias")
+    converted["flat.weight"] = checkpoint.pop("flat").reshape(2, 6)
+    return converted
+
+
+def test_split_and_swapped_tensors_are_read_as_byte_ranges_into_place(tmp_path):
+    from ondeck.loading import read_header
+
+    torch.manual_seed(0)
+    original = {
+        "attn.qkv.weight": torch.randn(12, 5),
+        "final_layer.adaLN_modulation.1.weight": torch.randn(8, 3),
+        "final_layer.adaLN_modulation.1.bias": torch.randn(8),
+        "flat": torch.randn(12),
+    }
+    path = tmp_path / "fused.safetensors"
+    save_file(original, str(path))
+    expected = _fused_conversion({key: value.clone() for key, value in original.items()})
+
+    header = read_header(path)
+    tensors = converted_tensors(
+        _fused_conversion, header.tensors, component="transformer", path=str(path)
+    )
+
+    assert set(tensors) == set(expected)
+    assert isinstance(tensors["norm_out.linear.weight"], AssembledTensor)
+    assert not isinstance(tensors["to_k.weight"], AssembledTensor), "one byte range"
+    assert tensors["to_k.weight"].nbytes == 4 * 5 * 4
+    jobs, results = [], {}
+    from ondeck.loading.single_file import pieces_of
+
+    for key, info in tensors.items():
+        results[key] = torch.empty(expected[key].shape, dtype=torch.float32)
+        for part, destination in pieces_of(info, results[key]):
+            jobs.append(reader.ReadJob(part, destination))
+    reader.read_into(jobs, progress=False)
+    for key, value in expected.items():
+        assert torch.equal(results[key], value), key
+
+
+def test_a_conversion_that_computes_with_values_is_refused_naming_the_tensor(tmp_path):
+    from ondeck.loading import read_header
+
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(4, 3)}, str(path))
+
+    def transposing(checkpoint, **kwargs):
+        return {"w": checkpoint["w"].t().contiguous()}
+
+    with pytest.raises(LoadError, match=r"computes tensor 'w' \(.*strided view"):
+        converted_tensors(
+            transposing, read_header(path).tensors, component="transformer", path=str(path)
+        )
+
+    def adding(checkpoint, **kwargs):
+        return {"w": checkpoint["w"] * 2}
+
+    with pytest.raises(LoadError, match=r"computes tensor 'w' \(mul"):
+        converted_tensors(
+            adding, read_header(path).tensors, component="transformer", path=str(path)
+        )
+
+
+def test_single_file_tensors_match_the_original_after_a_round_trip(weights, original_file):
+    read = load_file(str(original_file))
+    assert len(read) == len(weights)
+
+
+# -- a conversion that assembles tensors, through the whole loader -------------------------
+
+
+@pytest.fixture(scope="module")
+def swapped_file(weights, tmp_path_factory):
+    """The original-key file with the halves of every block matrix swapped, as Flux's and
+    HunyuanVideo's originals store their modulations (shift before scale)."""
+    from diffusers.loaders.single_file_utils import swap_scale_shift
+
+    from .conftest import original_name
+
+    stored = {}
+    for key, tensor in weights.items():
+        swapped = key.startswith("blocks.") and tensor.dim() == 2
+        stored[original_name(key)] = swap_scale_shift(tensor, 0) if swapped else tensor
+    path = tmp_path_factory.mktemp("swapped") / "wan_swapped.safetensors"
+    save_file(stored, str(path))
+    return path
+
+
+@pytest.fixture
+def swapping_conversion(monkeypatch):
+    """diffusers' Wan conversion, then the halves of every block matrix swapped back with
+    diffusers' swap_scale_shift: each such tensor is read as two byte ranges."""
+    from diffusers.loaders.single_file_utils import (
+        convert_wan_transformer_to_diffusers,
+        swap_scale_shift,
+    )
+
+    from ondeck.loading import single_file
+
+    def convert(checkpoint, **kwargs):
+        converted = convert_wan_transformer_to_diffusers(checkpoint, **kwargs)
+        for key, tensor in converted.items():
+            if key.startswith("blocks.") and tensor.dim() == 2:
+                converted[key] = swap_scale_shift(tensor, 0)
+        return converted
+
+    monkeypatch.setattr(single_file, "conversion_for", lambda cls: convert)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_assembled_tensors_load_in_place_under_each_policy(
+    base, swapped_file, swapping_conversion, reference, policy
+):
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": swapped_file})
+    assert isinstance(folder.tensors("transformer")["blocks.0.attn1.to_q.weight"], AssembledTensor)
+    pipe = load(base, policy, components={"transformer": swapped_file})
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference)
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+
+
+def test_assembled_tensors_load_pipelined(base, weights, swapped_file, swapping_conversion):
+    from ondeck.loading import ComponentLoader
+
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": swapped_file})
+    loader = ComponentLoader(folder, "transformer", dtype=torch.float32, pipelined=True)
+
+    module = loader()
+
+    state = module.state_dict()
+    for key, tensor in weights.items():
+        assert torch.equal(state[key], tensor), key
+
+
+def test_assembled_tensors_reload_from_the_host_cache(
+    base, swapped_file, swapping_conversion, reference, monkeypatch
+):
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    pipe = load(base, "release", components={"transformer": swapped_file}, host_cache=cache)
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+
+    assert np.array_equal(frames(pipe), reference)
+    assert np.array_equal(frames(pipe), reference)
+    assert loader.last_source == "host cache"
+
+
+def test_a_conversion_that_changes_a_tensor_in_place_is_refused(tmp_path):
+    from ondeck.loading import read_header
+
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(4, 3), "b": torch.randn(4)}, str(path))
+
+    def scaling(checkpoint, **kwargs):
+        weight = checkpoint.pop("w")
+        weight.mul_(2)
+        first, second = checkpoint.pop("b").chunk(2)  # unpacking a split is fine
+        return {"w": weight, "b0": first, "b1": second}
+
+    with pytest.raises(LoadError, match=r"computes tensor 'w' \(mul_ \(changes it in place"):
+        converted_tensors(
+            scaling, read_header(path).tensors, component="transformer", path=str(path)
+        )
