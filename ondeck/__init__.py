@@ -3,16 +3,20 @@
 Importing ondeck does not import diffusers; ``import ondeck.diffusers`` does.
 """
 
-from .errors import BudgetError, ConcurrentRunError, LoadError, OndeckError
-from .folder_pipelines import (
-    plan,  # ``ondeck.plan`` is this function; the module is ondeck.planning
-)
-from .lazy import ComponentSpec, LazyModule, is_lazy, is_loaded
-from .memory import format_bytes, parse_bytes
-from .planning import Plan
-from .policy import BudgetPolicy, EagerPolicy, Policy, ReleasePolicy
-from .stages import Pipeline, Stage
-from .tracker import MemoryTracker
+from .interrupt import exits_on_interrupt
+
+# Ctrl-C during these imports (torch's) ends the ondeck command with one line, status 130.
+with exits_on_interrupt():
+    from .errors import BudgetError, ConcurrentRunError, LoadError, OndeckError
+    from .folder_pipelines import (
+        plan,  # ``ondeck.plan`` is this function; the module is ondeck.planning
+    )
+    from .lazy import ComponentSpec, LazyModule, is_lazy, is_loaded
+    from .memory import format_bytes, parse_bytes
+    from .planning import Plan
+    from .policy import BudgetPolicy, EagerPolicy, Policy, ReleasePolicy
+    from .stages import Pipeline, Stage
+    from .tracker import MemoryTracker
 
 __version__ = "0.1.0"
 

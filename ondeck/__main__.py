@@ -1,5 +1,8 @@
 import sys
 
-from .cli import console
+from .interrupt import exits_on_interrupt
+
+with exits_on_interrupt():
+    from .cli import console
 
 sys.exit(console())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,30 +105,181 @@ def write_frames(path: str | os.PathLike, frames: Any) -> Path:
     return path
 
 
-def write_video(path: str | os.PathLike, frames: Any, *, fps: int = 16) -> Path:
-    """An H.264 MP4 through imageio's ffmpeg; ``OutputError`` naming the file if it fails."""
-    import numpy as np
-
+def write_video(path: str | os.PathLike, frames: Any, *, fps: float = 16) -> Path:
+    """An H.264 MP4 through ffmpeg, renamed into place only once it is complete: ffmpeg
+    exited 0 and the container lists one video sample per frame. ``OutputError`` naming
+    the file otherwise, with the previous file at ``path`` untouched."""
     path = Path(path)
-    pixels = (np.clip(frames, 0.0, 1.0) * 255).round().astype("uint8")
+    pixels = _pixels(frames)
+    if pixels.ndim != 4 or pixels.shape[0] == 0:
+        raise OutputError(f"could not write {path}: no frames to write (shape {pixels.shape})")
     try:
         with atomic_path(path) as temporary:
             _encode(temporary, pixels, fps)
+            written = mp4_frame_count(temporary)
+            if written != len(pixels):
+                raise OSError(
+                    f"the encoder wrote {written} of {len(pixels)} frames (disk full, or "
+                    "the encoder stopped early?)"
+                )
     except (ImportError, OSError, RuntimeError, ValueError) as error:
         raise OutputError(f"could not write {path}: {_reason(error)}") from error
     return path
 
 
-def _encode(path: Path, pixels: Any, fps: int) -> None:
-    import imageio.v2 as imageio
+def _pixels(frames: Any) -> Any:
+    import numpy as np
 
-    # ffmpeg by name: left to choose by suffix, imageio takes whatever writer is
-    # installed when its ffmpeg plugin is not (tifffile, say), which rejects ``fps``.
-    with imageio.get_writer(path, format="FFMPEG", fps=fps, macro_block_size=1) as writer:
-        for frame in pixels:
-            writer.append_data(frame)
-    if path.stat().st_size == 0:
+    return (np.clip(np.asarray(frames, dtype=np.float32), 0.0, 1.0) * 255).round().astype("uint8")
+
+
+def _encode(path: Path, pixels: Any, fps: float) -> None:
+    """Raw RGB frames into ffmpeg's stdin; its exit status is checked, not trusted."""
+    import subprocess
+
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        raise ImportError(
+            "imageio-ffmpeg is not installed (pip install imageio-ffmpeg); it finds ffmpeg"
+        ) from None
+
+    count, height, width, channels = pixels.shape
+    if channels not in (1, 3):
+        raise ValueError(f"frames have {channels} channels; a video takes 1 or 3")
+    pixel_format = "gray" if channels == 1 else "rgb24"
+    command = [
+        imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error",
+        "-f", "rawvideo", "-pix_fmt", pixel_format, "-s", f"{width}x{height}",
+        "-r", f"{fps:g}", "-i", "-",
+        # H.264 in yuv420p needs even sides: pad odd ones by a pixel, never crop.
+        "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2", "-c:v", "libx264", "-pix_fmt", "yuv420p",
+        "-movflags", "+faststart", "-f", "mp4", str(path),
+    ]  # fmt: skip
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=errors)
+        try:
+            try:
+                for frame in pixels:
+                    process.stdin.write(frame.tobytes())
+            except BrokenPipeError:
+                pass  # ffmpeg stopped reading: its status and message say why
+            finally:
+                process.stdin.close()
+            status = process.wait()
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        if status != 0:
+            errors.seek(0)
+            lines = [line for line in errors.read().decode("utf-8", "replace").splitlines()]
+            said = next((line.strip() for line in reversed(lines) if line.strip()), "")
+            raise OSError(f"ffmpeg exited with status {status}" + (f": {said}" if said else ""))
+    if not path.exists() or path.stat().st_size == 0:
         raise OSError(f"ffmpeg wrote 0 bytes to {path.name}")
+
+
+def mp4_frame_count(path: str | os.PathLike) -> int:
+    """Video samples the MP4 at ``path`` lists (its first video track's ``stsz``), read
+    from the container's boxes; ``OSError`` for a file that is not a complete MP4."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        # Every top-level box must fit the file: a cut in the media data after a complete
+        # 'moov' is a partial video too.
+        top = list(_boxes(file, 0, size))
+        moov = next(((start, end) for start, end, name in top if name == b"moov"), None)
+        if moov is None:
+            raise OSError("the file has no complete 'moov' box (not a complete MP4)")
+        for *trak, _ in _boxes(file, *moov, b"trak"):
+            mdia = _find_box(file, *trak, b"mdia")
+            if mdia is None:
+                continue
+            handler = _find_box(file, *mdia, b"hdlr")
+            if handler is None:
+                continue
+            file.seek(handler[0] + 8)
+            if file.read(4) != b"vide":
+                continue
+            stsz = _find_path(file, mdia, (b"minf", b"stbl", b"stsz"))
+            if stsz is None:
+                raise OSError("the video track has no sample table")
+            file.seek(stsz[0] + 8)
+            header = file.read(4)
+            if len(header) < 4:
+                raise OSError("the video track's sample table is cut short")
+            (count,) = struct.unpack(">I", header)
+            return count
+    raise OSError("the file has no video track")
+
+
+def _boxes(
+    file: Any, start: int, end: int, kind: bytes | None = None
+) -> Iterator[tuple[int, int, bytes]]:
+    """``(content start, content end, name)`` of each box in ``[start, end)`` (of ``kind``)."""
+    position = start
+    while position + 8 <= end:
+        file.seek(position)
+        size, name = struct.unpack(">I4s", file.read(8))
+        header = 8
+        if size == 1:
+            large = file.read(8)
+            if len(large) < 8:
+                raise OSError("a box header is cut short")
+            (size,) = struct.unpack(">Q", large)
+            header = 16
+        elif size == 0:
+            size = end - position
+        if size < header or position + size > end:
+            raise OSError(f"box '{name.decode('latin-1')}' runs past the end of the file")
+        if kind is None or name == kind:
+            yield position + header, position + size, name
+        position += size
+
+
+def _find_box(file: Any, start: int, end: int, kind: bytes) -> tuple[int, int] | None:
+    found = next(_boxes(file, start, end, kind), None)
+    return None if found is None else found[:2]
+
+
+def _find_path(file: Any, box: tuple[int, int], kinds: tuple[bytes, ...]) -> tuple[int, int] | None:
+    for kind in kinds:
+        found = _find_box(file, *box, kind)
+        if found is None:
+            return None
+        box = found
+    return box
+
+
+def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image") -> list[Path]:
+    """``image.png``, or ``image-1.png`` … ``image-N.png`` for several, each complete
+    (read back and checked) before it is renamed into place."""
+    from PIL import Image
+
+    folder = Path(folder)
+    pixels = _pixels(images)
+    if pixels.ndim != 4 or pixels.shape[0] == 0:
+        raise OutputError(f"could not write {folder / (stem + '.png')}: no image to write")
+    names = (
+        [f"{stem}.png"]
+        if len(pixels) == 1
+        else [f"{stem}-{i}.png" for i in range(1, len(pixels) + 1)]
+    )
+    written = []
+    for name, image in zip(names, pixels, strict=True):
+        path = folder / name
+        try:
+            with atomic_path(path) as temporary:
+                picture = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+                picture.save(temporary, format="PNG")
+                with Image.open(temporary) as check:
+                    check.load()
+                    if check.size != picture.size:
+                        raise OSError(f"read back as {check.size}, written as {picture.size}")
+        except (OSError, ValueError, TypeError) as error:
+            raise OutputError(f"could not write {path}: {_reason(error)}") from error
+        written.append(path)
+    return written
 
 
 def _reason(error: BaseException) -> str:
@@ -139,6 +291,65 @@ def _reason(error: BaseException) -> str:
         if error.filename is not None:  # ffmpeg itself missing, say
             reason = f"{reason}: {error.filename}"
     return f"{type(error).__name__}: {reason}"
+
+
+class FolderInUse(OutputError):
+    """Another run holds the output folder."""
+
+
+@contextlib.contextmanager
+def holding_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Hold ``folder`` for one run: a second run into it is refused while this one lasts,
+    so two runs never leave one's video beside the other's report.
+
+    An advisory lock on ``.ondeck-run.lock`` (holding the holder's pid), removed when
+    the run ends; a lock a killed run left behind is released with its process.
+    """
+    folder = Path(folder)
+    lock_path = folder / ".ondeck-run.lock"
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks here (Windows): runs are not serialised
+        yield folder
+        return
+    while True:
+        try:
+            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise OutputError(f"cannot write to {folder}: {error.strerror or error}") from error
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(descriptor)
+            os.close(descriptor)
+            raise FolderInUse(
+                f"{folder} is in use by another ondeck run{holder}; wait for it to finish "
+                "or give another --output"
+            ) from None
+        # The previous holder may have removed the file between our open and our lock:
+        # then we hold a lock on a name no one else can see, so take the lock again.
+        try:
+            same = os.path.samestat(os.fstat(descriptor), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(descriptor)
+    try:
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, str(os.getpid()).encode())
+        yield folder
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(descriptor)
+
+
+def _read_holder(descriptor: int) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(os.pread(descriptor, 32, 0).decode().strip())
+        return f" (pid {pid})"
+    return ""
 
 
 def check_writable_folder(folder: str | os.PathLike, names: tuple[str, ...] = ()) -> Path:

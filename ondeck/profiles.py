@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .arguments import MAX_FRAMES, MAX_SIDE
 from .embedded import default_cache_dir
 from .memory import format_bytes
 
@@ -29,6 +30,12 @@ FORMAT = "ondeck-activation-profiles"
 VERSION = 2
 # No stage of any model on any device takes a pebibyte: a larger value is damage.
 MAX_PLAUSIBLE_BYTES = 1 << 50
+# A profile entry is about 200 bytes; 16 MB holds 80,000 of them and is read on every
+# command, so a larger file is not parsed at all.
+MAX_PROFILE_FILE_BYTES = 16_000_000
+# What a shape's numbers may be: the sides and frames generate() accepts, a batch.
+SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": 4096}
+MAX_SHAPE_NUMBER = 1 << 20
 
 try:
     import fcntl
@@ -55,6 +62,23 @@ def _plausible_bytes(value: Any) -> bool:
     )
 
 
+def _plausible_shape(shape: dict[str, Any]) -> bool:
+    """Every value a key of ``shape`` may hold: a side, frame count or batch within what
+    a run accepts (an absurd one would be extrapolated from), a device name, a flag."""
+    for key, value in shape.items():
+        if not isinstance(key, str):
+            return False
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            if key in SHAPE_BOUNDS or (isinstance(value, str) and len(value) > 256):
+                return False
+            continue
+        if not isinstance(value, int):
+            return False
+        if not 1 <= value <= SHAPE_BOUNDS.get(key, MAX_SHAPE_NUMBER):
+            return False
+    return True
+
+
 def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
     """The well-formed entries of a profile document, and how many were dropped."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
@@ -76,6 +100,9 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
             if not isinstance(shape, dict) or not isinstance(stages, dict):
                 dropped += 1
                 continue
+            if not _plausible_shape(shape):
+                dropped += 1
+                continue
             if _shape_key(shape) != key:
                 dropped += 1
                 continue
@@ -93,7 +120,14 @@ def _load(path: Path | None) -> tuple[dict[str, dict[str, dict[str, Any]]], str 
     try:
         if not path.is_file():
             return {}, None
-        text = path.read_bytes().decode("utf-8")
+        with open(path, "rb") as file:
+            data = file.read(MAX_PROFILE_FILE_BYTES + 1)
+        if len(data) > MAX_PROFILE_FILE_BYTES:
+            raise ValueError(
+                f"larger than {MAX_PROFILE_FILE_BYTES // 10**6} MB, not read; real profiles "
+                "are kilobytes"
+            )
+        text = data.decode("utf-8")
         document = json.loads(text, parse_constant=_refuse_constant)
         models, dropped = _valid_models(document)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:

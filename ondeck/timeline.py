@@ -18,6 +18,20 @@ def plot(tracker: Any, path: str | os.PathLike, *, title: str = "ondeck memory t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Text from a folder is drawn as given: never TeX (a user's matplotlibrc may ask).
+    with matplotlib.rc_context({"text.usetex": False}):
+        return _draw(plt, tracker, Path(path), drawable(title))
+
+
+def drawable(text: str) -> str:
+    """``text`` as matplotlib draws it literally: ``$`` would start mathtext (``run$\\foo$``
+    fails to parse), and bytes that are not UTF-8 (surrogates in a path) cannot be drawn."""
+    text = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("$", r"\$")
+
+
+def _draw(plt: Any, tracker: Any, path: Path, title: str) -> Path:
+
     end = tracker.events[-1].seconds if tracker.events else 1.0
     names = list(dict.fromkeys(e.name for e in tracker.events if e.kind == "load"))
     times = sorted({0.0, end, *(e.seconds for e in tracker.events)})
@@ -38,7 +52,8 @@ def plot(tracker: Any, path: str | os.PathLike, *, title: str = "ondeck memory t
         2, 1, figsize=(10, 5.6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
     if names:
-        axes.stackplot(times, *[sizes[n] for n in names], labels=names, step="post", alpha=0.8)
+        labels = [drawable(name) for name in names]
+        axes.stackplot(times, *[sizes[n] for n in names], labels=labels, step="post", alpha=0.8)
     measured = [(e.seconds, e.measured_bytes) for e in tracker.events if e.measured_bytes]
     if measured and str(tracker.device).startswith("cuda"):
         axes.plot(
@@ -49,21 +64,65 @@ def plot(tracker: Any, path: str | os.PathLike, *, title: str = "ondeck memory t
             label="device bytes allocated",
         )
     _plot_lanes(tracker, lanes, names)
-    top = axes.get_ylim()[1]
     starts = [e for e in tracker.events if e.kind == "stage_start"]
     for event in starts:
         axes.axvline(event.seconds, color="grey", alpha=0.35, linewidth=0.8)
-        axes.text(event.seconds, top, f" {event.name}", rotation=90, va="top", fontsize=7)
     axes.set_xlim(0, end)
     lanes.set_xlabel("seconds")
     axes.set_ylabel("resident GiB")
     axes.set_title(title)
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    if names:
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    try:
+        figure.tight_layout()
+        _label_stages(figure, axes, [(e.seconds, drawable(e.name)) for e in starts])
+        figure.savefig(path, dpi=110)
+    finally:
+        plt.close(figure)
     return path
+
+
+def _label_stages(figure: Any, axes: Any, starts: list[tuple[float, str]]) -> None:
+    """Each stage's name, level, beside its start line; a name that would run into the
+    one before it goes a row lower, so labels never overlap however short the stages.
+    The plot's top is raised to leave the rows clear of the data."""
+    renderer = figure.canvas.get_renderer()
+    bottom, top = axes.get_ylim()
+    texts = [
+        axes.text(seconds, top, f" {name}", va="top", ha="left", fontsize=7, clip_on=False)
+        for seconds, name in starts
+    ]
+    right_edge = axes.get_window_extent(renderer).x1
+    row_ends: list[float] = []  # the right edge, in pixels, of each row's last label
+    rows = []
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        if box.x1 > right_edge:  # a stage near the end: its label ends at its line
+            text.set_text(text.get_text().strip() + " ")
+            text.set_horizontalalignment("right")
+            box = text.get_window_extent(renderer)
+        row = next((i for i, right in enumerate(row_ends) if box.x0 > right + 2), None)
+        if row is None:
+            row_ends.append(box.x1)
+            row = len(row_ends) - 1
+        row_ends[row] = box.x1
+        rows.append(row)
+    if not texts:
+        return
+    line = max(text.get_window_extent(renderer).height for text in texts) * 1.15
+    height = axes.get_window_extent(renderer).height
+    needed = min(0.9, (max(rows) + 1) * line / height)  # of the axes' height, for labels
+    top = bottom + (top - bottom) / (1.0 - needed)
+    axes.set_ylim(bottom, top)
+    for text, row in zip(texts, rows, strict=True):
+        text.set_y(top)
+        text.set_transform(axes.transData + _offset(figure, -row * line))
+
+
+def _offset(figure: Any, pixels: float) -> Any:
+    from matplotlib.transforms import ScaledTranslation
+
+    return ScaledTranslation(0, pixels / figure.dpi, figure.dpi_scale_trans)
 
 
 def _plot_lanes(tracker: Any, lanes: Any, names: list[str]) -> None:

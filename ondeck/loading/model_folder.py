@@ -17,7 +17,9 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
+from .config_bounds import check_component_configs
 from .safetensors_format import (
+    MAX_COMPONENT_HEADER_BYTES,
     SafetensorsHeader,
     TensorInfo,
     file_kind,
@@ -110,7 +112,17 @@ class ModelFolder:
                 path=str(index_path),
             )
         model_index = _read_json(index_path, component=None)
-        return cls(path, model_index, variant=variant, libraries=libraries)
+        folder = cls(path, model_index, variant=variant, libraries=libraries)
+        folder.check_configs()
+        return folder
+
+    def check_configs(self) -> None:
+        """Refuse, before anything is built, a part whose config asks for an implausible
+        allocation, or a pipeline in a part's place (``config_bounds``)."""
+        for name, (library, class_name) in self._entries.items():
+            directory = self.path / name
+            if directory.is_dir():
+                check_component_configs(directory, name, library, class_name, _read_json)
 
     def __repr__(self) -> str:
         return f"ModelFolder({str(self.path)!r}, {self.pipeline_class_name})"
@@ -319,7 +331,19 @@ class ModelFolder:
     def _read_headers(self, name: str) -> list[SafetensorsHeader]:
         directory = self.directory(name)
         files, weight_map = _select_weights(directory, self.variant, name)
-        headers = [read_header(path, component=name) for path in files]
+        headers = []
+        header_bytes = 0
+        for path in files:
+            headers.append(read_header(path, component=name))
+            header_bytes += headers[-1].data_start
+            if header_bytes > MAX_COMPONENT_HEADER_BYTES:
+                raise LoadError(
+                    f"component '{name}' from {directory}: its shards' headers add up to more "
+                    f"than {MAX_COMPONENT_HEADER_BYTES // 10**6} MB (real ones are kilobytes "
+                    "each); not a plausible checkpoint",
+                    component=name,
+                    path=path,
+                )
         by_file = {os.path.basename(header.path): header for header in headers}
         for key, filename in (weight_map or {}).items():
             if key not in by_file[filename].tensors:
@@ -378,8 +402,31 @@ class ModelFolder:
                     component=name,
                     config_path=config_path,
                 )
+                self._refuse_integer_weights(name, template.module, config_path)
                 self._templates[(name, dtype)] = template
             return template
+
+    def _refuse_integer_weights(self, name: str, module: Any, config_path: Path) -> None:
+        """An integer or boolean tensor in the file where the model has a floating
+        parameter is refused: cast, it would load as whole numbers (or 0 and 1) with no
+        word. Already quantized components (a ``quantization_config``) store integers by
+        design and are left to their library."""
+        if "quantization_config" in _read_json(config_path, component=name):
+            return
+        tensors = self.tensors(name)
+        for key, value in module.state_dict(keep_vars=True).items():
+            info = tensors.get(key)
+            if info is None or not value.is_floating_point():
+                continue
+            if not (info.dtype.is_floating_point or info.dtype.is_complex):
+                stored = str(info.dtype).removeprefix("torch.")
+                raise LoadError(
+                    f"component '{name}' from {info.path}: tensor '{key}' is stored as "
+                    f"{stored}, but the model's parameter is {str(value.dtype).removeprefix('torch.')}"
+                    " (a floating type); ondeck does not cast whole numbers into weights",
+                    component=name,
+                    path=info.path,
+                )
 
     def spec(
         self,

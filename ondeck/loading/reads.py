@@ -36,6 +36,7 @@ from .chunks import ReadJob, ReadStats, plan_chunks, progress_bar
 from .host_cache import HostCopy
 from .page_cache import describe_source
 from .ring import DEFAULT_BUFFER_BYTES, PROCESS_RING, THREAD_RING
+from .safetensors_format import check_unchanged
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -215,8 +216,10 @@ def _read(
         )
         if grouping is not None:
             while_reading, temporaries = _in_groups(state, grouping, jobs, temporaries)
+        identities = {job.info.path: job.info.identity for job in jobs}
         for path in paths:
             files[path] = ring.open_file(path, component)
+            check_unchanged(path, identities.get(path), component=component, descriptor=files[path])
         _start(workers, state, lease, layout.workers if chunks else 0)
         _run_beside(state, workers, while_reading)
         for target, job in temporaries:

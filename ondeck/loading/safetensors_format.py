@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -15,8 +16,10 @@ import torch
 from ..errors import LoadError
 
 __all__ = [
+    "FileIdentity",
     "SafetensorsHeader",
     "TensorInfo",
+    "check_unchanged",
     "file_kind",
     "format_bytes",
     "open_regular_file",
@@ -24,8 +27,12 @@ __all__ = [
     "read_header",
 ]
 
-# The reference implementation refuses headers above 100 MB; a larger one is corrupt.
-MAX_HEADER_BYTES = 100_000_000
+# The reference implementation refuses headers above 100 MB. A real header is about 150
+# bytes per tensor (a 14B model's: 170 KB); 16 MB is room for 100,000 tensors and bounds
+# what parsing one can cost (a JSON header takes several times its size in memory).
+MAX_HEADER_BYTES = 16_000_000
+# Summed over one component's shards: many large headers add up.
+MAX_COMPONENT_HEADER_BYTES = 64_000_000
 
 
 def _optional(name: str) -> torch.dtype | None:
@@ -63,6 +70,62 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """A weight file as its header was read: a read of other bytes under the same name
+    (a file replaced or rewritten since) would fill the model with garbage."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+    header_nbytes: int  # the length prefix and the JSON
+    header_sha256: str
+
+    @classmethod
+    def of(cls, status: os.stat_result, header: bytes) -> FileIdentity:
+        return cls(
+            status.st_size,
+            status.st_mtime_ns,
+            status.st_ino,
+            status.st_dev,
+            len(header),
+            hashlib.sha256(header).hexdigest(),
+        )
+
+    def change(self, status: os.stat_result) -> str | None:
+        """What differs in ``status`` from the file as it was read; None: nothing."""
+        if (status.st_ino, status.st_dev) != (self.inode, self.device):
+            return "it is another file now (its inode changed)"
+        if status.st_size != self.size:
+            return f"its size changed from {self.size} to {status.st_size} bytes"
+        if status.st_mtime_ns != self.mtime_ns:
+            return "it was modified"
+        return None
+
+
+def check_unchanged(
+    path: str, identity: FileIdentity | None, *, component: str | None = None, descriptor: int
+) -> None:
+    """Refuse to read ``path`` (open as ``descriptor``) when it is not the file whose
+    header was read: another inode, size or modification time, or other header bytes."""
+    if identity is None:
+        return
+    change = identity.change(os.fstat(descriptor))
+    if change is None:
+        header = os.pread(descriptor, identity.header_nbytes, 0)
+        if hashlib.sha256(header).hexdigest() != identity.header_sha256:
+            change = "its header bytes changed"
+    if change is not None:
+        raise LoadError(
+            f"{_where(path, component)}: the file changed after its header was read ({change}); "
+            "it is not read: open the model folder again (build the pipeline again) to use "
+            "the file as it is now",
+            component=component,
+            path=path,
+        )
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """One tensor's entry: dtype, shape and absolute byte range ``[start, end)`` in its file."""
 
@@ -72,6 +135,7 @@ class TensorInfo:
     start: int
     end: int
     path: str | None = field(default=None, compare=False)
+    identity: FileIdentity | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +155,7 @@ class SafetensorsHeader:
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    identity: FileIdentity | None = field(default=None, compare=False, repr=False)
 
     @property
     def data_nbytes(self) -> int:
@@ -115,7 +180,8 @@ def read_header(path: str | os.PathLike, *, component: str | None = None) -> Saf
     path = os.fspath(path)
     try:
         with open_regular_file(path) as file:
-            file_size = os.fstat(file.fileno()).st_size
+            status = os.fstat(file.fileno())
+            file_size = status.st_size
             prefix = file.read(8)
             raw = prefix
             if len(prefix) == 8:
@@ -128,7 +194,8 @@ def read_header(path: str | os.PathLike, *, component: str | None = None) -> Saf
             component=component,
             path=path,
         ) from error
-    return parse_header(raw, file_size, path, component=component)
+    identity = FileIdentity.of(status, raw)
+    return parse_header(raw, file_size, path, component=component, identity=identity)
 
 
 class NotARegularFile(OSError):
@@ -174,7 +241,12 @@ def file_kind(mode: int) -> str:
 
 
 def parse_header(
-    raw: bytes, file_size: int, path: str | os.PathLike, *, component: str | None = None
+    raw: bytes,
+    file_size: int,
+    path: str | os.PathLike,
+    *,
+    component: str | None = None,
+    identity: FileIdentity | None = None,
 ) -> SafetensorsHeader:
     """Validate and parse a header from the file's leading bytes (length prefix included).
 
@@ -214,13 +286,15 @@ def parse_header(
     data_start = 8 + length
     tensors: dict[str, TensorInfo] = {}
     for name, entry in document.items():
-        tensors[name] = _parse_entry(name, entry, data_start, path, fail)
+        tensors[name] = _parse_entry(name, entry, data_start, path, fail, identity)
 
     _check_layout(tensors, data_start, file_size, fail)
-    return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
+    return SafetensorsHeader(path, tensors, metadata, data_start, file_size, identity)
 
 
-def _parse_entry(name: str, entry: object, data_start: int, path: str, fail) -> TensorInfo:
+def _parse_entry(
+    name: str, entry: object, data_start: int, path: str, fail, identity: FileIdentity | None
+) -> TensorInfo:
     where = f"tensor '{name}'"
     if not isinstance(entry, dict):
         raise fail(f"{where}: entry is not an object")
@@ -249,7 +323,9 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str, fail) -> 
             f"{where}: data_offsets span {end - begin} bytes, but shape {shape} of "
             f"{dtype_name} needs {expected}"
         )
-    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end, path)
+    return TensorInfo(
+        name, dtype, tuple(shape), data_start + begin, data_start + end, path, identity
+    )
 
 
 def _check_layout(tensors: dict[str, TensorInfo], data_start: int, file_size: int, fail) -> None:

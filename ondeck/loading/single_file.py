@@ -319,7 +319,7 @@ def _info_for(key, value, runs, tensors, component, path) -> TensorInfo:
         return dataclasses.replace(pieces[0], shape=shape)
     nbytes = sum(piece.nbytes for piece in pieces)
     return AssembledTensor(
-        key, pieces[0].dtype, shape, pieces[0].start, pieces[0].start + nbytes, path, pieces
+        key, pieces[0].dtype, shape, pieces[0].start, pieces[0].start + nbytes, path, pieces=pieces
     )
 
 

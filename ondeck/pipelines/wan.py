@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import distributed
+from ..arguments import check_generate_arguments
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy, is_out_of_memory
@@ -773,10 +774,21 @@ class WanTextToVideo(Pipeline):
         output_type: str = "np",
         progress: Any = None,
     ) -> Any:
-        """Generate one video; returns frames as diffusers would (``np``: B×F×H×W×C)."""
-        height, width, num_frames = self.geometry.snap(height, width, num_frames)
-        for side, value, why in self.geometry.beyond_positions(height, width, num_frames):
-            raise ValueError(f"{side} {value} does not suit this model: {why}")
+        """Generate one video; returns frames as diffusers would (``np``: B×F×H×W×C).
+
+        An argument the model cannot take (a side not a multiple of its patches, frames
+        not 4k+1, a guidance that is not finite) raises ``ValueError`` naming it, the
+        same check as the command line's; nothing is rounded.
+        """
+        check_generate_arguments(
+            self,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+        )
         if self.parallel is not None:  # before anything loads
             self.parallel.check_sequence(
                 "transformer",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ondeck import cli
+from ondeck.cli import commands
 
 from .helpers import FAST, error_lines, listing, run
 
@@ -19,8 +20,8 @@ def nothing_may_load(monkeypatch):
     def forbidden(*_, **__):
         raise AssertionError("loaded before the arguments were checked")
 
-    monkeypatch.setattr(cli, "_model_dir", forbidden)
-    monkeypatch.setattr(cli, "_pipeline", forbidden)
+    monkeypatch.setattr(commands, "model_dir", forbidden)
+    monkeypatch.setattr(commands, "build_pipeline", forbidden)
 
 
 BAD_ARGUMENTS = [
@@ -184,13 +185,13 @@ def test_a_shape_the_model_cannot_take_is_refused_before_loading(
     argv, message, capsys, tiny_model, tmp_path, monkeypatch
 ):
     built = []
-    real_pipeline = cli._pipeline
+    real_pipeline = commands.build_pipeline
 
     def keep(*args):
         built.append(real_pipeline(*args))
         return built[-1]
 
-    monkeypatch.setattr(cli, "_pipeline", keep)
+    monkeypatch.setattr(commands, "build_pipeline", keep)
     options = {**pairs(FAST), **pairs(argv)}
     flat = [item for pair in options.items() for item in pair]
     code, _, err = run(capsys, "generate", tiny_model, *flat, "--output", tmp_path)
@@ -214,7 +215,7 @@ def test_an_unexpected_exception_is_one_line_with_a_hint(capsys, monkeypatch, tm
     def broken(*_):
         raise RuntimeError("something inside broke\nsecond line of detail")
 
-    monkeypatch.setattr(cli, "_model_dir", broken)
+    monkeypatch.setattr(commands, "model_dir", broken)
     code, out, err = run(capsys, "generate", "--output", tmp_path)
     assert code == 1
     assert error_lines(err) == [
@@ -228,7 +229,7 @@ def test_debug_shows_the_traceback(how, capsys, monkeypatch, tmp_path):
     def broken(*_):
         raise RuntimeError("something inside broke")
 
-    monkeypatch.setattr(cli, "_model_dir", broken)
+    monkeypatch.setattr(commands, "model_dir", broken)
     argv = ["generate", "--output", str(tmp_path)]
     if how == "flag":
         argv.append("--debug")
@@ -242,7 +243,7 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch, tmp_path):
     def interrupted(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_model_dir", interrupted)
+    monkeypatch.setattr(commands, "model_dir", interrupted)
     code, _, err = run(capsys, "generate", "--output", tmp_path)
     assert code == 130
     assert error_lines(err) == ["ondeck: interrupted"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import listing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +23,7 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     (out / "video.mp4").write_bytes(b"previous complete video")
     (out / "report.json").write_text('{"previous": "run"}')
     command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
-    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "100000"]
+    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
     command += ["--policy", "release", "--output", str(out)]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     environment["ONDECK_CACHE"] = str(tmp_path / "cache")
@@ -47,3 +49,72 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     assert [line for line in err.splitlines() if line.strip()] == ["ondeck: interrupted"]
     assert (out / "video.mp4").read_bytes() == b"previous complete video"
     assert listing(out) == {"video.mp4", "report.json"}
+
+
+# Loaded at start-up (sitecustomize), it sends the process SIGINT as torch starts to be
+# imported: Ctrl-C in the seconds that import takes.
+INTERRUPT_TORCH_IMPORT = """
+import os, signal, sys
+
+class InterruptTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("INTERRUPT_AT", "torch"):
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptTorch())
+"""
+
+
+@pytest.mark.parametrize(
+    "how, module",
+    [
+        ("python -m ondeck", "torch"),
+        ("the ondeck script", "torch"),
+        ("python -m ondeck", "diffusers"),  # once the command runs, as it imports diffusers
+    ],
+)
+def test_ctrl_c_while_torch_is_imported_is_one_line_and_130(how, module, tiny_model, tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(INTERRUPT_TORCH_IMPORT)
+    if how == "python -m ondeck":
+        command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device"]
+        command += ["cpu", "--output", str(tmp_path / "out")]
+    else:  # what the installed entry point runs
+        script = tmp_path / "bin" / "ondeck"
+        script.parent.mkdir()
+        script.write_text("import sys\nfrom ondeck.cli import console\nsys.exit(console())\n")
+        command = [sys.executable, str(script), "inspect", str(tmp_path)]
+    environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    environment["INTERRUPT_AT"] = module
+    environment.pop("ONDECK_DEBUG", None)
+    finished = subprocess.run(
+        command,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert finished.returncode == 130, finished.stderr
+    assert [line for line in finished.stderr.splitlines() if line.strip()] == [
+        "ondeck: interrupted"
+    ]
+
+
+def test_a_program_importing_ondeck_keeps_its_keyboard_interrupt(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(INTERRUPT_TORCH_IMPORT)
+    program = "try:\n    import ondeck\nexcept KeyboardInterrupt:\n    print('caught')\n"
+    finished = subprocess.run(
+        [sys.executable, "-c", program],
+        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert finished.stdout == "caught\n", finished.stderr

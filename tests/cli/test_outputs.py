@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -61,7 +62,9 @@ def test_report_and_timeline_are_in_place_before_the_video_is_written(
     monkeypatch.setattr(output, "write_video", watching)
     code, _, err = generate(capsys, tiny_model, out)
     assert code == 0, err
-    assert seen == [{"report.json", "timeline.png"}]
+    # The run's hold on the folder is there too until the run ends.
+    assert seen == [{"report.json", "timeline.png", ".ondeck-run.lock"}]
+    assert listing(out) == {"report.json", "timeline.png", "video.mp4"}
 
 
 def fill_the_disk(path, pixels, fps):
@@ -153,22 +156,15 @@ def test_atomic_path_replaces_the_file_when_the_write_completes(tmp_path):
     assert listing(tmp_path) == {"frames.npy"}
 
 
-def test_without_the_ffmpeg_plugin_the_frames_are_kept(capsys, tiny_model, tmp_path, monkeypatch):
-    # As on a machine with tifffile but no imageio-ffmpeg: asked for ffmpeg by name,
-    # imageio says the plugin is missing; left to pick by suffix, it takes a writer
-    # that rejects ``fps``.
-    import imageio.v2
-
-    def get_writer(path, format=None, **options):
-        if format == "FFMPEG":
-            raise ImportError("The `FFMPEG` plugin is not installed.")
-        raise TypeError("TiffWriter.write() got an unexpected keyword argument 'fps'")
-
-    monkeypatch.setattr(imageio.v2, "get_writer", get_writer)
+def test_without_imageio_ffmpeg_the_frames_are_kept(capsys, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # as if not installed
     out = tmp_path / "out"
     code, _, err = generate(capsys, tiny_model, out)
     assert code == 1
     [line] = error_lines(err)
-    assert line.startswith(f"ondeck: error: could not write {out / 'video.mp4'}: ImportError")
+    assert line.startswith(
+        f"ondeck: error: could not write {out / 'video.mp4'}: ImportError: imageio-ffmpeg is "
+        "not installed (pip install imageio-ffmpeg)"
+    )
     assert line.endswith(f"the frames are kept in {out / 'frames.npy'} (numpy.load)")
     assert listing(out) == {"report.json", "timeline.png", "frames.npy"}

@@ -125,6 +125,8 @@ FLOORS: dict[str, int] = {
     "ondeck.timeline": 0,
     "ondeck.output": 0,
     "ondeck.hub": 0,
+    "ondeck.arguments": 0,
+    "ondeck.interrupt": 0,
     "ondeck.embedded": 0,
     "ondeck.loader": 0,
     "ondeck.tiles": 0,

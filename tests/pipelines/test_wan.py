@@ -233,7 +233,7 @@ def test_a_side_beyond_the_transformers_positions_is_refused_before_loading(wan_
     """The tiny transformer has 32 rotary positions per axis (``rope_max_seq_len``): 528
     pixels are 33 patches of 16. diffusers' forward would fail with a shape error."""
     pipe = wan(wan_folder, "release")
-    with pytest.raises(ValueError, match=r"width 528 .* 33 patches .* at most 512"):
+    with pytest.raises(ValueError, match=r"width: 528 .* 33 patches .* at most 512"):
         pipe.generate("a fox", height=32, width=528, num_frames=5, num_inference_steps=1)
     assert pipe.tracker.bytes_loaded == 0
     frames = pipe.generate("a fox", height=32, width=512, num_frames=5, num_inference_steps=1)

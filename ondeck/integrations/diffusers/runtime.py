@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ... import memory
+from ...arguments import check_generate_arguments
 from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy
 from ...memory import resolve_device
@@ -432,10 +433,22 @@ class DiffusersRuntime(Pipeline):
         are left out. Video pipelines return ``frames`` (B×F×H×W×C); image pipelines
         return their images as one-frame videos (B×1×H×W×C), so callers can treat
         both alike. ``progress`` (a tqdm bar) advances once per denoising step.
+        An argument the model cannot take (a side not a multiple of its VAE's scale and
+        patch, frames not k·t+1 where the pipeline counts them so, a guidance that is not
+        finite) raises ``ValueError`` naming it, the same check as the command line's.
         """
         import numpy as np
 
         parameters = inspect.signature(type(self.pipe).__call__).parameters
+        check_generate_arguments(
+            self,
+            height=height,
+            width=width,
+            num_frames=num_frames if "num_frames" in parameters else None,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+        )
         wanted = {
             "prompt": prompt,
             "height": height,

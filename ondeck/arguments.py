@@ -1,0 +1,170 @@
+"""What a generation may be asked for: the one check that ``generate()`` and the
+command line both call, so neither rounds what the other refuses.
+
+The shape rules come from the pipeline's configs (never its weights): Wan's stages
+carry a geometry, a diffusers pipeline its VAE's scale factors and its transformer's
+patch size. Every value that sizes an allocation (sides, frames, steps) is bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ArgumentError", "ShapeRule", "check_generate_arguments", "shape_rule"]
+
+# Far beyond any model's trained shape, and small enough that the latents and the
+# scheduler's tables they imply are allocations a machine can make.
+MAX_SIDE = 16_384
+MAX_FRAMES = 4_097
+MAX_STEPS = 10_000
+MAX_SEED = 2**64 - 1
+
+
+class ArgumentError(ValueError):
+    """An argument of ``generate()`` the model cannot take; ``argument`` names it."""
+
+    def __init__(self, argument: str, problem: str):
+        super().__init__(f"{argument}: {problem}")
+        self.argument = argument
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """Sides in multiples of ``height_step``/``width_step``; frames ``frame_step``·k+1
+    (``frame_step`` None: any count; ``takes_frames`` False: an image model)."""
+
+    height_step: int = 1
+    width_step: int = 1
+    frame_step: int | None = None
+    takes_frames: bool = True
+
+
+def check_generate_arguments(
+    pipeline: Any,
+    *,
+    height: Any = None,
+    width: Any = None,
+    num_frames: Any = None,
+    num_inference_steps: Any = None,
+    guidance_scale: Any = None,
+    seed: Any = None,
+) -> None:
+    """Raise :class:`ArgumentError` for the first argument ``pipeline`` cannot take.
+
+    None means "the pipeline's default" and is not checked. Nothing is rounded.
+    """
+    rule = shape_rule(pipeline)
+    for name, value, step in (
+        ("height", height, rule.height_step),
+        ("width", width, rule.width_step),
+    ):
+        if value is None:
+            continue
+        _whole(name, value, 1, MAX_SIDE)
+        if value % step:
+            below = value // step * step
+            raise ArgumentError(
+                name,
+                f"must be a multiple of {step} for this model, got {value} "
+                f"(try {_either(below, below + step)})",
+            )
+    if num_frames is not None:
+        _whole("num_frames", num_frames, 1, MAX_FRAMES)
+        step = rule.frame_step
+        if step and num_frames % step != 1 % step:
+            below = (num_frames - 1) // step * step + 1
+            raise ArgumentError(
+                "num_frames",
+                f"must be {step}k+1 for this model (1, {step + 1}, {2 * step + 1}, ...), got "
+                f"{num_frames} (try {_either(below, below + step)})",
+            )
+    if num_inference_steps is not None:
+        _whole("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
+    if guidance_scale is not None:
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
+            raise ArgumentError("guidance_scale", f"expected a number, got {guidance_scale!r}")
+        if not math.isfinite(guidance_scale):
+            raise ArgumentError("guidance_scale", f"must be a finite number, got {guidance_scale}")
+    if seed is not None:
+        _whole("seed", seed, 0, MAX_SEED)
+    geometry = getattr(pipeline, "geometry", None)
+    beyond = getattr(geometry, "beyond_positions", None)
+    if beyond is not None:
+        names = {"height": "height", "width": "width", "frames": "num_frames"}
+        for side, value, why in beyond(height, width, num_frames):
+            raise ArgumentError(names[side], f"{value} is too large for this model: {why}")
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentError(name, f"expected a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ArgumentError(name, f"must be from {low} to {high}, got {value}")
+
+
+def _either(below: int, above: int) -> str:
+    return f"{below} or {above}" if below > 0 else str(above)
+
+
+def shape_rule(pipeline: Any) -> ShapeRule:
+    """The rule for ondeck's Wan stages (their geometry) or a diffusers pipeline (the
+    runtime's ``pipe``): read from attributes and configs, so nothing loads."""
+    geometry = getattr(pipeline, "geometry", None)
+    if geometry is not None:
+        _, height_patch, width_patch = geometry.patch_size
+        return ShapeRule(
+            height_step=geometry.scale_spatial * height_patch,
+            width_step=geometry.scale_spatial * width_patch,
+            frame_step=geometry.scale_temporal,
+        )
+    pipe = getattr(pipeline, "pipe", pipeline)
+    return _diffusers_rule(pipe)
+
+
+def _diffusers_rule(pipe: Any) -> ShapeRule:
+    import inspect
+
+    try:
+        parameters = inspect.signature(type(pipe).__call__).parameters
+    except (TypeError, ValueError):
+        return ShapeRule()
+    takes_frames = "num_frames" in parameters
+    spatial = _first_int(
+        pipe, ("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor")
+    )
+    if spatial is None:
+        return ShapeRule(takes_frames=takes_frames)
+    # Pipelines that pack 2x2 latent patches into tokens themselves (Flux, Chroma,
+    # QwenImage) need sides in twice the VAE's scale; the others the transformer's patch.
+    patch = 2 if hasattr(type(pipe), "_pack_latents") else _transformer_patch(pipe)
+    temporal = None
+    if takes_frames:
+        temporal = _first_int(pipe, ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"))
+        # Frames k·t+1 only where the pipeline's own default count is one (Wan 81, LTX
+        # 161): Allegro's 88 shows a pipeline that takes any count.
+        default = parameters["num_frames"].default
+        if temporal and isinstance(default, int) and default % temporal != 1 % temporal:
+            temporal = None
+    step = spatial * patch
+    return ShapeRule(step, step, temporal if temporal and temporal > 1 else None, takes_frames)
+
+
+def _first_int(pipe: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(pipe, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _transformer_patch(pipe: Any) -> int:
+    # A deferred component answers ``.config`` from its spec, without loading.
+    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    config = getattr(model, "config", None)
+    patch = getattr(config, "patch_size", None) if config is not None else None
+    if isinstance(patch, (list, tuple)) and patch:
+        patch = patch[-1]
+    return patch if isinstance(patch, int) and not isinstance(patch, bool) and patch > 0 else 1

@@ -1,0 +1,323 @@
+"""What the commands share (the model folder, the pipeline built from the flags, the
+checks made before anything loads), and the commands other than ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import distributed, folder_pipelines
+from .. import embedded as embedded_module
+from ..arguments import ArgumentError, check_generate_arguments
+from ..errors import OndeckError
+from ..hub import resolve_model
+from ..lazy import loader_of
+from ..loading import FolderLoader, HostCache, ModelFolder
+from ..memory import format_bytes, resolve_device
+from ..parallel import resolve_parallel, sequence_split
+from ..pipelines import read_model_index
+from ..pipelines.wan import is_wan_folder
+from ..profiles import ActivationProfiles, profiles_path
+from .options import UsageError, check_policy_flags, weight_files
+
+# The command-line flag of each ``generate()`` argument, for the check's messages.
+FLAGS = {
+    "height": "--height",
+    "width": "--width",
+    "num_frames": "--frames",
+    "num_inference_steps": "--steps",
+    "guidance_scale": "--guidance",
+    "seed": "--seed",
+}
+
+
+def dtype_for(name: str | None, device: Any) -> Any:
+    import torch
+
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def check_device(name: str | None) -> None:
+    """``--device`` names a device this machine has; one line when it does not."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"argument --device: {name!r} is not a device (use cpu, cuda, cuda:N or mps)"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"argument --device: {name} asked for, but CUDA is not available here "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"argument --device: {name} asked for, but there are {count} GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"argument --device: {name} asked for, but MPS is not available")
+    elif device.type != "cpu":
+        raise UsageError(f"argument --device: {name!r}: ondeck runs on cpu, cuda or mps")
+
+
+def check_text(option: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"argument {option}: not valid UTF-8 text") from None
+
+
+def check_shape(
+    pipe: Any, height: Any = None, width: Any = None, frames: Any = None, **more: Any
+) -> None:
+    """The arguments suit the model, by the one check ``generate()`` makes too (from the
+    configs; nothing loads), with the flag's name in the message."""
+    try:
+        check_generate_arguments(pipe, height=height, width=width, num_frames=frames, **more)
+    except ArgumentError as error:
+        flag = FLAGS.get(error.argument, error.argument)
+        raise UsageError(f"argument {flag}: {error.problem}") from None
+
+
+def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
+    if args.model_dir:
+        return resolve_model(args.model_dir), False
+    say("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
+    say("        model with random weights: its output is coloured noise). For a real video,")
+    say(
+        "        point it at a diffusers-format checkpoint or a Hub repo id: ondeck generate "
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers"
+    )
+    path, built = embedded_module.embedded_default(say=say)
+    if built:
+        say(f"ondeck: built the embedded default in {path}")
+    return path, True
+
+
+def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
+    device = resolve_device(args.device)
+    host_cache = None
+    if args.host_cache:
+        host_cache = HostCache(args.host_cache)
+    policy = "budget" if args.budget and args.policy == "auto" else args.policy
+    shard = shard_names(args)
+    parallel = _parallel(args)
+    if shard and not is_wan_folder(read_model_index(path)):
+        raise UsageError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
+    unknown = sorted(set(shard) - {"text_encoder", "transformer", "vae"})
+    if unknown:
+        raise UsageError(
+            f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
+        )
+    pipe = folder_pipelines.pipeline_for_folder(
+        path,
+        device=device,
+        dtype=dtype_for(args.dtype, device),
+        policy=policy,
+        budget=args.budget,
+        prefetch=not args.no_prefetch,
+        host_cache=host_cache,
+        **({"storage_dtype": args.weights} if getattr(args, "weights", None) else {}),
+        **({"shard": shard} if shard else {}),
+        **({"parallel": parallel} if parallel is not None else {}),
+        **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
+        **weight_files(args),
+    )
+    if "ONDECK_RESET_PEAKS" not in os.environ:
+        # The command owns its process: no caller's peak figure to keep, so every stage's
+        # activation peak is measured exactly (resetting torch's peak statistics per stage).
+        pipe.tracker.reset_peaks = True
+    return pipe
+
+
+def shard_names(args: argparse.Namespace) -> tuple[str, ...]:
+    names = [
+        part.strip() for value in getattr(args, "shard", None) or () for part in value.split(",")
+    ]
+    return tuple(dict.fromkeys(name for name in names if name))
+
+
+def _parallel(args: argparse.Namespace) -> int | str | None:
+    """``parallel=`` from --context-parallel N or --parallel context; None for neither."""
+    degree = getattr(args, "context_parallel", None)
+    if degree is not None:
+        return degree
+    return getattr(args, "parallel", None)
+
+
+def start_distributed(args: argparse.Namespace) -> bool:
+    """Join torchrun's process group when sharding, splitting the sequence or launched by
+    it; True when joined."""
+    parallel = resolve_parallel(_parallel(args))
+    if parallel is not None:
+        parallel.join()  # says how to launch when this is not torchrun's process
+        return True
+    if not shard_names(args) and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    distributed.init()
+    return True
+
+
+def context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str, Any] | None:
+    """What each rank computes and exchanges at this shape; checks the sequence splits.
+
+    From configs only: nothing loads.
+    """
+    parallel = getattr(pipe, "parallel", None)
+    geometry = getattr(pipe, "geometry", None)
+    if parallel is None or geometry is None:
+        return None
+    height, width, frames = geometry.snap(height, width, frames)
+    tokens = geometry.tokens(height, width, frames)
+    parallel.check_sequence("transformer", tokens, f"{height}x{width}, {frames} frames")
+    transformer = pipe.components["transformer"]
+    dtype = transformer.dtype
+    return sequence_split(
+        parallel,
+        tokens=tokens,
+        config=transformer.config,
+        element_bytes=dtype.itemsize if dtype is not None else 2,
+    )
+
+
+def plan(args: argparse.Namespace) -> int:
+    check_policy_flags(args)
+    check_device(args.device)
+    path = resolve_model(args.model_dir)
+    pipe = build_pipeline(args, path)
+    check_shape(pipe, args.height, args.width, args.frames)
+    budget = args.budget or None
+    shape = getattr(pipe, "set_plan_shape", None)
+    if shape is not None:
+        shape(height=args.height, width=args.width, frames=args.frames)
+    if budget is None:
+        print(f"ondeck: {pipe.policy.reason}")
+    result = pipe.plan(budget)
+    print(result)
+    if budget is not None:
+        _print_storage_choices(args, path, pipe, result, budget)
+    return 0 if result.fits() else 1
+
+
+def _print_storage_choices(
+    args: argparse.Namespace, path: Path, pipe: Any, result: Any, budget: int
+) -> None:
+    """What fits ``budget`` with weights as they compute and with fp8 storage."""
+    import copy
+
+    computed = str(dtype_for(args.dtype, resolve_device(args.device))).removeprefix("torch.")
+    print(f"what fits {format_bytes(budget)}, by how the weights are stored:")
+    for weights in (None, "fp8"):
+        label = computed if weights is None else f"fp8 ({_stored_names(pipe, weights)})"
+        if weights == args.weights:
+            print(f"  {label}: {result.fit_summary()}")
+            continue
+        other = copy.copy(args)
+        other.weights = weights
+        try:
+            choice = build_pipeline(other, path)
+            shape = getattr(choice, "set_plan_shape", None)
+            if shape is not None:
+                shape(height=args.height, width=args.width, frames=args.frames)
+            summary = choice.plan(budget).fit_summary()
+            label = computed if weights is None else f"fp8 ({_stored_names(choice, weights)})"
+        except OndeckError as error:
+            summary = f"cannot: {first_line(error)}"
+        print(f"  {label}: {summary}")
+
+
+def _stored_names(pipe: Any, weights: Any) -> str:
+    """The components a ``--weights`` choice stores in fp8, as the pipeline's loaders say."""
+    loaders = getattr(pipe, "loaders", None) or {
+        name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
+    }
+    names = [
+        n
+        for n, loader in loaders.items()
+        if isinstance(loader, FolderLoader) and loader.storage_dtype is not None
+    ]
+    if names:
+        return ", ".join(names)
+    return ", ".join(weights) if isinstance(weights, dict) else "none"
+
+
+def inspect(args: argparse.Namespace) -> int:
+    folder = ModelFolder.open(resolve_model(args.model_dir), libraries=tuple(args.library))
+    print(f"{folder.path}: {folder.pipeline_class_name}")
+    total = 0
+    for name in folder.component_names:
+        if folder.is_model(name):
+            spec = folder.spec(name)
+            total += spec.nbytes or 0
+            print(
+                f"  {name:<16} {spec.cls.__name__:<28} {str(spec.dtype):<16} "
+                f"{format_bytes(spec.nbytes):>12}"
+            )
+        else:
+            library, class_name = folder.model_index[name]
+            print(f"  {name:<16} {class_name:<28} ({library}, no weights)")
+    print(f"  {'sum':<16} {'':<28} {'':<16} {format_bytes(total):>12}")
+    return 0
+
+
+def profiles(args: argparse.Namespace) -> int:
+    """Where activation profiles live, what they hold; ``--clear`` deletes them."""
+    path = profiles_path()
+    if args.clear:
+        removed = ActivationProfiles(path).clear()
+        print(f"ondeck: {'deleted' if removed else 'no profiles at'} {path}")
+        return 0
+    stored = ActivationProfiles(path).entries()
+    print(f"ondeck: activation profiles in {path}" + ("" if path.exists() else " (none yet)"))
+    for model, shape, stages in stored:
+        measured = ", ".join(f"{stage} {format_bytes(n)}" for stage, n in stages.items())
+        print(f"  {model}  {shape}: {measured}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Each policy on the same folder, runs back to back: time, peak resident, bytes loaded."""
+    check_device(args.device)
+    path, embedded = model_dir(args)
+    rows = []
+    for policy in ("eager", "release", "budget"):
+        namespace = argparse.Namespace(
+            device=args.device,
+            dtype=None,
+            policy=policy,
+            budget=None,
+            no_prefetch=False,
+            host_cache=None,
+        )
+        pipe = build_pipeline(namespace, path)
+        seconds = []
+        for _ in range(args.runs):
+            started = time.perf_counter()
+            pipe.generate(
+                "bench", height=128, width=128, num_frames=9, num_inference_steps=2, seed=0
+            )
+            seconds.append(time.perf_counter() - started)
+        rows.append((policy, seconds, pipe.tracker.peak_resident_bytes, pipe.tracker.bytes_loaded))
+        pipe.release_all()
+    print(f"{'policy':<10} {'run 1':>8} {'last run':>9} {'peak resident':>14} {'loaded':>12}")
+    for policy, seconds, peak, loaded in rows:
+        print(
+            f"{policy:<10} {seconds[0]:>7.2f}s {seconds[-1]:>8.2f}s "
+            f"{format_bytes(peak):>14} {format_bytes(loaded):>12}"
+        )
+    return 0
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"

@@ -1,0 +1,271 @@
+"""``ondeck generate``: build the pipeline, run it, and write what it made.
+
+On disk, in order: ``report.json``, ``timeline.png``, then ``video.mp4`` (a video
+pipeline) or ``image.png`` / ``image-N.png`` (an image pipeline), each complete or
+not there. Frames that cannot be written, or are not finite, are kept as
+``frames.npy`` and fail the command with one line. One run at a time holds the
+output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# write_video, write_images and embedded_default are called through their modules,
+# where tests replace them.
+from .. import distributed, output
+from ..memory import format_bytes
+from ..output import OutputError, atomic_path, check_writable_folder, write_frames, write_json
+from ..parallel import describe_split
+from . import commands
+from .finite import FiniteWatch
+from .media import Media, check_media_flags, media_of, read_input_image
+from .options import UsageError, check_policy_flags
+
+EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
+REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
+OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy", "image.png")
+SHARDABLE = {"text_encoder", "transformer", "vae"}
+
+
+@dataclass
+class Shape:
+    height: int | None
+    width: int | None
+    frames: int | None
+    steps: int
+
+
+def generate(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    out = Path(args.output)
+    # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.
+    joined = commands.start_distributed(args)
+    main = distributed.is_main()
+    if main:  # before any work: a run that cannot write its result is not started
+        check_writable_folder(out, OUTPUT_NAMES)
+    holding = output.holding_folder(out) if main else contextlib.nullcontext()
+    with holding:
+        return _generate(args, out, joined, main)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    check_policy_flags(args)
+    commands.check_text("--prompt", args.prompt)
+    commands.check_text("--negative-prompt", args.negative_prompt)
+    commands.check_device(args.device)
+    unknown = sorted(set(commands.shard_names(args)) - SHARDABLE)
+    if unknown:
+        raise UsageError(
+            f"argument --shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
+        )
+    if args.context_parallel is not None and args.parallel is not None:
+        raise UsageError("give --context-parallel N or --parallel context, not both")
+
+
+def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> int:
+    say = print if main else (lambda *_, **__: None)
+    image = read_input_image(args.image) if args.image is not None else None
+    with distributed.main_first():  # rank 0 builds the embedded default, if needed, alone
+        path, embedded = commands.model_dir(args, say)
+    media = media_of(path)
+    check_media_flags(args, media)  # before the pipeline is built: nothing loads
+    pipe = commands.build_pipeline(args, path)
+    shape = _shape(args, embedded, media)
+    commands.check_shape(
+        pipe,
+        shape.height,
+        shape.width,
+        shape.frames,
+        num_inference_steps=shape.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+    )
+    split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
+    say(f"ondeck: {pipe.policy.reason}")
+    plan = pipe.plan()
+    say(plan)
+    if split is not None:
+        say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
+    watch = FiniteWatch()
+    watch.attach(pipe)
+    extra = {} if image is None else {"image": image}
+    if args.images is not None and media.takes_count:
+        extra["num_images_per_prompt"] = args.images
+    frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
+    report = pipe.report()
+    report.update(
+        model_dir=str(path),
+        embedded_default=embedded,
+        prompt=args.prompt,
+        shape={"height": shape.height, "width": shape.width, "frames": shape.frames,
+               "steps": shape.steps},
+        run_seconds=timings,
+        sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
+        predicted_peak_bytes=plan.peak_bytes,
+        weights=args.weights or "as computed",
+        output={"kind": "video" if media.video else "images", "pipeline": media.pipeline_class,
+                **({"fps": args.fps or media.fps,
+                    "fps_from": "--fps" if args.fps else media.fps_from} if media.video else {}),
+                "input_image": args.image, "finite": bad_stage is None},
+    )  # fmt: skip
+    if split is not None:
+        report["context_parallel"] = split
+    if joined:
+        report = distributed.merged_report(pipe, report)  # collective: every rank sends
+        if not main:
+            return 0
+    print(
+        f"ondeck: components sum to {format_bytes(report['sum_bytes'])}; "
+        f"peak resident {format_bytes(report['peak_resident_bytes'])} "
+        f"under '{pipe.policy.name}'; runs took {', '.join(f'{t:.1f}s' for t in timings)}"
+    )
+    if joined:
+        _print_ranks(report["ranks"])
+    fps = args.fps or media.fps
+    title = f"ondeck {pipe.policy.name}: {path.name}"
+    code = write_results(out, report, pipe, frames, media, fps, title=title, bad_stage=bad_stage)
+    if embedded and code == 0:
+        print(
+            "ondeck: what you see is the embedded default's random weights decoding seeded "
+            "noise into colour blotches, not the prompt; give a real model for a real video"
+        )
+    return code
+
+
+def _shape(args: argparse.Namespace, embedded: bool, media: Media) -> Shape:
+    defaults = EMBEDDED_SHAPE if embedded else REAL_SHAPE
+    # `is None`, not `or`: a 0 is refused by the parser, never replaced by a default.
+    if not media.video:  # an image pipeline's own default size, unless one is given
+        return Shape(args.height, args.width, None, args.steps or defaults["steps"])
+    # A diffusers video pipeline's own frame count (Mochi's 19 = 6k+1), unless given.
+    frames = defaults["frames"] if embedded else (media.default_frames or defaults["frames"])
+    return Shape(
+        defaults["height"] if args.height is None else args.height,
+        defaults["width"] if args.width is None else args.width,
+        frames if args.frames is None else args.frames,
+        defaults["steps"] if args.steps is None else args.steps,
+    )
+
+
+def _run_all(
+    args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict, watch: FiniteWatch, main: bool
+) -> tuple[Any, list[float], str | None]:
+    """Every run; stops at the first whose frames are not finite, naming its stage."""
+    import numpy as np
+    from tqdm import tqdm
+
+    timings: list[float] = []
+    frames = None
+    for run in range(args.runs):
+        watch.reset()
+        started = time.perf_counter()
+        label = f"run {run + 1}/{args.runs} denoising"
+        quiet = not main or os.environ.get("ONDECK_PROGRESS") == "0"
+        with tqdm(total=shape.steps, desc=label, unit="step", disable=quiet) as bar:
+            frames = pipe.generate(
+                args.prompt,
+                negative_prompt=args.negative_prompt,
+                height=shape.height,
+                width=shape.width,
+                num_frames=shape.frames,
+                num_inference_steps=shape.steps,
+                guidance_scale=args.guidance,
+                seed=args.seed,
+                progress=bar,
+                # Only rank 0 writes the video; the others decode only when sharing the VAE.
+                output_type="np" if main or "vae" in commands.shard_names(args) else "latent",
+                **extra,
+            )
+        timings.append(time.perf_counter() - started)
+        if main and not np.isfinite(np.asarray(frames, dtype=np.float32)).all():
+            return frames, timings, watch.first_bad_stage(pipe)
+    return frames, timings, None
+
+
+def write_results(
+    out: Path,
+    report: dict,
+    pipe: Any,
+    frames: Any,
+    media: Media,
+    fps: float,
+    *,
+    title: str,
+    bad_stage: str | None = None,
+) -> int:
+    """report.json and the timeline first, then the video or images; each renamed into
+    place. Frames that cannot be written, or are not finite, are kept as frames.npy
+    and fail the command."""
+    report_path = write_json(out / "report.json", report)
+    plot_path = out / "timeline.png"
+    written = [report_path]
+    pixels = frames[0] if media.video else _images(frames)
+    if draw_timeline(pipe, plot_path, title):
+        written.append(plot_path)
+    try:
+        if bad_stage is not None:
+            raise OutputError(
+                f"the output is not finite (NaN or infinity), so it is not written; the "
+                f"first stage whose output was not finite: {bad_stage}"
+            )
+        if media.video:
+            results = [output.write_video(out / "video.mp4", pixels, fps=fps)]
+        else:
+            results = output.write_images(out, pixels)
+    except OutputError as error:
+        print(f"ondeck: wrote {', '.join(map(str, written))}")
+        try:
+            kept = write_frames(out / "frames.npy", pixels)
+        except OutputError as second:
+            raise OutputError(f"{error}; keeping the frames failed too ({second})") from error
+        raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
+    print(f"ondeck: wrote {', '.join(map(str, [*results, *written]))}")
+    return 0
+
+
+def _images(frames: Any) -> Any:
+    """B×1×H×W×C one-frame videos (how ``generate`` returns images) as B×H×W×C."""
+    import numpy as np
+
+    frames = np.asarray(frames)
+    return frames[:, 0] if frames.ndim == 5 else frames
+
+
+def draw_timeline(pipe: Any, path: Path, title: str) -> bool:
+    """The timeline PNG, or a warning: a plot that fails never costs the frames."""
+    try:
+        with atomic_path(path) as temporary:
+            pipe.tracker.plot(temporary, title=title)
+        return True
+    except Exception as error:  # matplotlib's failures are of every kind
+        warnings.warn(
+            f"could not draw {path} ({type(error).__name__}: "
+            f"{commands.first_line(error)}); the results are written without it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+
+
+def _print_ranks(ranks: list[dict]) -> None:
+    for summary in ranks:
+        allocated = summary["peak_allocated_bytes"]
+        allocated = f", peak allocated {format_bytes(allocated)}" if allocated else ""
+        activations = {k: v for k, v in (summary.get("activation_bytes") or {}).items() if v}
+        if activations:
+            allocated += ", activations " + ", ".join(
+                f"{stage} {format_bytes(nbytes)}" for stage, nbytes in activations.items()
+            )
+        print(
+            f"ondeck: rank {summary['rank']} ({summary['device']}): peak resident "
+            f"{format_bytes(summary['peak_resident_bytes'])}{allocated}, read "
+            f"{format_bytes(summary['bytes_read_from_files_total'])} from files"
+        )

@@ -1,0 +1,181 @@
+"""What a pipeline makes and takes, as the command line needs to know: a video (at
+which frame rate) or images, and whether it takes or needs an input image. Read from
+the pipeline's class, call signature and configs; nothing loads."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .options import UsageError
+
+# Used when neither the pipeline nor its configs say: what Wan's pipelines export at.
+FALLBACK_FPS = 16.0
+# An input image is decoded whole before the pipeline resizes it: 64 Mpixels (192 MiB
+# of RGB) is far past any model's input and bounds what a small file can unpack to.
+MAX_INPUT_PIXELS = 1 << 26
+# Pipelines that cannot run without an input image even where their ``image`` argument
+# defaults to None (the default is there only for the argument order).
+_NEEDS_IMAGE = re.compile(r"ImageToVideo|Image2Video|I2V|Img2Img|Inpaint|ControlNet|Edit")
+
+
+@dataclass(frozen=True)
+class Media:
+    """What ``generate`` writes, and takes, for one pipeline."""
+
+    pipeline_class: str
+    video: bool
+    fps: float
+    fps_from: str
+    takes_image: bool
+    needs_image: bool
+    takes_count: bool  # num_images_per_prompt
+    default_frames: int | None = None  # the call's own default frame count
+
+
+def media_of(path: Path) -> Media:
+    """For the model folder at ``path``, from its model_index.json and configs alone
+    (before anything is built): ondeck's Wan stages are documented by diffusers'
+    WanPipeline, any other folder by its pipeline class."""
+    from ..loading import ModelFolder
+    from ..pipelines.wan import is_wan_folder
+
+    folder = ModelFolder.open(path)
+    index = folder.model_index
+    name = "WanPipeline" if is_wan_folder(index) else str(index.get("_class_name"))
+    cls = _diffusers_class(name)
+    parameters = _parameters(cls) if cls is not None else {"num_frames": None}
+    configs = [index] + [_config_of(folder, part) for part in ("transformer", "unet")]
+    video = "num_frames" in parameters
+    fps, source = model_fps(cls, parameters, configs) if video else (0.0, "")
+    takes_image = "image" in parameters and name != "WanPipeline"
+    needs = takes_image and (
+        parameters["image"].default is inspect.Parameter.empty or bool(_NEEDS_IMAGE.search(name))
+    )
+    count = "num_images_per_prompt" in parameters
+    frames = getattr(parameters.get("num_frames"), "default", None)
+    frames = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
+    return Media(name, video, fps, source, takes_image, needs, count, frames)
+
+
+def _config_of(folder: Any, part: str) -> dict | None:
+    from ..errors import LoadError
+
+    if part not in folder.component_names:
+        return None
+    try:
+        return folder.config_dict(part)
+    except LoadError:
+        return None  # building the pipeline reports it
+
+
+def model_fps(cls: type | None, parameters: dict, configs: list[Any]) -> tuple[float, str]:
+    """The frame rate the model makes, and where it was read: the call's own frame-rate
+    argument (the rate LTX conditions on), a config field, else the rate the pipeline's
+    documented example exports at."""
+    for name in ("frame_rate", "fps"):
+        default = getattr(parameters.get(name), "default", None)
+        if _is_rate(default):
+            return float(default), f"{cls.__name__}'s {name} argument"
+    for config in configs:
+        for name in ("fps", "frame_rate", "sample_fps"):
+            value = _get(config, name)
+            if _is_rate(value):
+                return float(value), f"the config's {name}"
+    documented = _documented_fps(cls)
+    if documented is not None:
+        return documented, f"{cls.__name__}'s documented example (export_to_video fps=)"
+    return FALLBACK_FPS, "ondeck's default (the pipeline documents no frame rate)"
+
+
+def _documented_fps(cls: type | None) -> float | None:
+    module = sys.modules.get(cls.__module__) if cls is not None else None
+    text = getattr(module, "EXAMPLE_DOC_STRING", None) or (
+        cls.__call__.__doc__ or "" if cls else ""
+    )
+    found = re.search(r"export_to_video\([^)]*?fps\s*=\s*(\d+(?:\.\d+)?)", text or "", re.S)
+    return float(found.group(1)) if found else None
+
+
+def _is_rate(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= 1000
+    )
+
+
+def _get(config: Any, name: str) -> Any:
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def _parameters(cls: type) -> dict:
+    try:
+        return dict(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _diffusers_class(name: str) -> type | None:
+    try:
+        import diffusers
+
+        return getattr(diffusers, name, None)
+    except ImportError:
+        return None
+
+
+def check_media_flags(args: Any, media: Media) -> None:
+    """Flags that do not fit what the pipeline makes or takes: one line each, exit 2."""
+    name = media.pipeline_class
+    if media.video:
+        if args.images is not None:
+            raise UsageError(f"argument --images: {name} makes a video, not images")
+    else:
+        for flag, value in (("--fps", args.fps), ("--frames", args.frames)):
+            if value is not None:
+                raise UsageError(f"argument {flag}: {name} makes images, not a video")
+        if args.images is not None and args.images > 1 and not media.takes_count:
+            raise UsageError(f"argument --images: {name} makes one image per prompt")
+    if args.image is not None and not media.takes_image:
+        raise UsageError(f"argument --image: {name} takes no input image")
+    if args.image is None and media.needs_image:
+        raise UsageError(f"{name} needs an input image: give it with --image PATH")
+
+
+def read_input_image(path_text: str) -> Any:
+    """The ``--image`` file as an RGB PIL image, or one line saying why not."""
+    from PIL import Image
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"argument --image: {path} is not a file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+                if width * height > MAX_INPUT_PIXELS:
+                    raise UsageError(
+                        f"argument --image: {path} is {width}x{height}, more than "
+                        f"{MAX_INPUT_PIXELS // 2**20} Mpixels"
+                    )
+                return image.convert("RGB")
+    except UsageError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning) as error:
+        raise UsageError(
+            f"argument --image: cannot read {path} as an image ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'no detail'})"
+        ) from None

@@ -1,0 +1,311 @@
+"""The command line's arguments: each option's type (one line when a value is wrong),
+and the arguments of each command."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+from ..errors import LoadError, OndeckError
+from ..memory import parse_bytes
+
+
+class UsageError(OndeckError):
+    """A command-line argument is wrong; exits with status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line instead of the usage text and an exit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--budget -1GiB` reaches the option's check (argparse would take -1GiB for an
+        # option and say "expected one argument"): any dash-digit word is a value.
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d)")
+
+    def error(self, message: str) -> Any:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _whole_number(text: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _degree(text: str) -> int:
+    return _whole_number(text, 2)
+
+
+def _seed(text: str) -> int:
+    # torch.Generator.manual_seed takes an unsigned 64-bit seed.
+    return _whole_number(text, 0, 2**64 - 1)
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _size(text: str, *, allow_zero: bool) -> int:
+    """A size in bytes: ``24GiB``, ``500MB``, or a plain number of bytes (``1e9`` too)."""
+    hint = "write e.g. 24GiB, 500MB or a number of bytes such as 1e9"
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a size cannot be negative, got {text!r}")
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None:
+        if not math.isfinite(number) or number != int(number):
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {hint}")
+        nbytes = int(number)
+    else:
+        try:
+            nbytes = parse_bytes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; {hint}") from None
+    if nbytes < 0 or (nbytes == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return nbytes
+
+
+def _budget(text: str) -> int:
+    return _size(text, allow_zero=False)
+
+
+def _host_cache(text: str) -> int:
+    return _size(text, allow_zero=True)
+
+
+def _weights(text: str) -> str | dict[str, str]:
+    """``fp8`` (the big components), or ``NAME=fp8[,NAME=fp8...]`` per component."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected fp8 or NAME=fp8, got nothing")
+    chosen: dict[str, str] = {}
+    from ..loading.fp8 import parse_storage_dtype
+
+    for part in parts:
+        name, _, dtype = part.rpartition("=")
+        try:
+            parse_storage_dtype(dtype)
+        except LoadError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if not name and len(parts) > 1:
+            raise argparse.ArgumentTypeError(f"name the component of {part!r} (NAME=fp8)")
+        chosen[name] = dtype
+    return chosen[""] if "" in chosen else chosen
+
+
+def _component_file(text: str) -> tuple[str, str]:
+    name, _, file = text.partition("=")
+    if not name or not file:
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
+    return name, file
+
+
+def _lora(text: str) -> tuple[str, float]:
+    file, _, scale = text.rpartition(":")
+    try:
+        return (file, _finite(scale)) if file else (text, 1.0)
+    except argparse.ArgumentTypeError:
+        return text, 1.0  # a ':' in the file name, no scale
+
+
+def weight_files(args: argparse.Namespace) -> dict[str, Any]:
+    """--transformer, --component and --lora as the pipeline takes them."""
+    components = dict(getattr(args, "component", None) or [])
+    if getattr(args, "transformer", None):
+        components["transformer"] = args.transformer
+    loras = list(getattr(args, "lora", None) or [])
+    return {
+        **({"components": components} if components else {}),
+        **({"loras": loras} if loras else {}),
+    }
+
+
+def _add_shape(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--height", type=_positive, help="pixels; Wan: a multiple of 16")
+    parser.add_argument("--width", type=_positive, help="pixels; Wan: a multiple of 16")
+    parser.add_argument("--frames", type=_positive, help="Wan: 4k+1 (e.g. 17, 33, 81)")
+
+
+def _add_runtime(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="auto", choices=["auto", "eager", "release", "budget"])
+    parser.add_argument(
+        "--budget", type=_budget, help="memory budget, e.g. 24GiB (implies --policy budget)"
+    )
+    parser.add_argument("--device", help="cuda, cuda:1, cpu, mps (default: cuda if present)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument(
+        "--weights",
+        type=_weights,
+        metavar="fp8",
+        help="keep weights in fp8 and compute in --dtype: fp8 for every model but the VAE, "
+        "or NAME=fp8[,NAME=fp8] per component (default: stored as they compute)",
+    )
+    parser.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="the transformer from one .safetensors (original or diffusers key names, "
+        "float8 and fp8_scaled too) or .gguf file; the rest from MODEL_DIR",
+    )
+    parser.add_argument(
+        "--component",
+        action="append",
+        default=[],
+        type=_component_file,
+        metavar="NAME=FILE",
+        help="any component from one such file (repeat for more)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=_lora,
+        metavar="FILE[:SCALE]",
+        help="apply this LoRA (default scale 1.0; repeat for more; on both experts of a "
+        "two-transformer model)",
+    )
+    parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument(
+        "--host-cache",
+        type=_host_cache,
+        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off); "
+        "under torchrun the size is per process, and a --shard component keeps only the "
+        "rank's own rows",
+    )
+    _add_library(parser)
+
+
+def _add_library(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--library",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="an installed package, beyond diffusers and transformers, whose classes the "
+        "folder's model_index.json may name (repeat for more); nothing else is imported",
+    )
+
+
+def add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks (also ONDECK_DEBUG=1)"
+    )
+
+
+def _fps(text: str) -> float:
+    value = _finite(text)
+    if not 0 < value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1000, got {text!r}")
+    return value
+
+
+def add_generate(generate: argparse.ArgumentParser) -> None:
+    generate.add_argument(
+        "model_dir",
+        nargs="?",
+        help="diffusers-format folder or Hub repo id (owner/name); default: embedded",
+    )
+    generate.add_argument("--prompt", default="a red fox running through fresh snow at dawn")
+    generate.add_argument("--negative-prompt", default="")
+    _add_shape(generate)
+    generate.add_argument("--steps", type=_positive)
+    generate.add_argument("--guidance", type=_finite, default=5.0)
+    generate.add_argument("--seed", type=_seed, default=0)
+    generate.add_argument(
+        "--image",
+        metavar="PATH",
+        help="the input image of an image-to-video or image-edit pipeline (PNG, JPEG, ...)",
+    )
+    generate.add_argument(
+        "--fps",
+        type=_fps,
+        help="frames per second of video.mp4 (default: the model's, from its pipeline)",
+    )
+    generate.add_argument(
+        "--images",
+        type=_positive,
+        metavar="N",
+        help="images per prompt, for an image pipeline: image-1.png ... image-N.png",
+    )
+    generate.add_argument(
+        "--runs", type=_positive, default=1, help="generate this many times in a row"
+    )
+    generate.add_argument(
+        "--output",
+        default="ondeck-out",
+        help="folder for the video or images and the report; one run at a time uses it",
+    )
+    generate.add_argument(
+        "--shard",
+        action="append",
+        default=[],
+        metavar="COMPONENT",
+        help="split this component's weights across the processes of a torchrun launch "
+        "(FSDP2), e.g. `torchrun --nproc-per-node 2 -m ondeck generate MODEL_DIR --shard "
+        "transformer`; repeat or comma-separate for more (text_encoder)",
+    )
+    generate.add_argument(
+        "--context-parallel",
+        type=_degree,
+        metavar="N",
+        help="split the transformer's sequence over the N processes of a torchrun launch "
+        "(diffusers' context parallelism, Ulysses attention); each rank computes its slice, "
+        "rank 0 writes the video, e.g. `torchrun --nproc-per-node 2 -m ondeck generate "
+        "MODEL_DIR --context-parallel 2 --shard transformer`",
+    )
+    generate.add_argument(
+        "--parallel",
+        choices=["context"],
+        help="context: --context-parallel over every process of the torchrun launch",
+    )
+    _add_runtime(generate)
+
+
+def add_plan(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    _add_shape(plan)
+    _add_runtime(plan)
+
+
+def add_inspect(inspect: argparse.ArgumentParser) -> None:
+    inspect.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    _add_library(inspect)
+
+
+def add_profiles(profiles: argparse.ArgumentParser) -> None:
+    profiles.add_argument("--clear", action="store_true", help="delete the stored profiles")
+
+
+def add_bench(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("model_dir", nargs="?")
+    bench.add_argument("--runs", type=_positive, default=2)
+    bench.add_argument("--device")
+
+
+def check_policy_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other are refused, never one of them ignored."""
+    if args.budget is not None and args.policy in ("eager", "release"):
+        raise UsageError(
+            f"argument --budget: --policy {args.policy} does not use a budget; give "
+            "--policy budget or auto with --budget, or leave --budget out"
+        )

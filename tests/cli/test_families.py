@@ -1,0 +1,193 @@
+"""`ondeck generate` for every kind of pipeline: images as PNG, videos at the model's
+frame rate, the input image of image-to-video and image-edit pipelines, and one line
+for a flag the pipeline cannot use. Tiny diffusers pipelines built in code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
+import pytest
+from integrations.breadth_pipelines import ALL_FAMILIES
+
+from .helpers import error_lines, listing, run
+
+CPU = ["--device", "cpu", "--steps", "2"]
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("families")
+
+    def folder(name: str) -> Path:
+        if name not in built:
+            ALL_FAMILIES[name].build(root / name)
+            built[name] = root / name
+        return built[name]
+
+    return folder
+
+
+@pytest.fixture
+def input_image(tmp_path) -> Path:
+    from PIL import Image
+
+    path = tmp_path / "input.png"
+    Image.new("RGB", (16, 16), (90, 140, 200)).save(path)
+    return path
+
+
+@pytest.fixture
+def without_ftfy():
+    """Wan's image-to-video pipeline cleans prompts with ftfy, installed or not; without
+    it the text passes through (as for plain diffusers in the integration tests)."""
+    import diffusers.pipelines.wan.pipeline_wan_i2v as module
+
+    with mock.patch.object(module, "ftfy", SimpleNamespace(fix_text=str), create=True):
+        yield
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size
+
+
+def test_an_image_pipeline_writes_a_png_not_a_video(capsys, family, tmp_path):
+    out = tmp_path / "out"
+    code, stdout, err = run(
+        capsys, "generate", family("flux"), *CPU, "--height", "8", "--width", "8", "--output", out
+    )
+    assert code == 0, err
+    assert listing(out) == {"image.png", "report.json", "timeline.png"}
+    assert image_size(out / "image.png") == (8, 8)
+    assert f"ondeck: wrote {out / 'image.png'}, {out / 'report.json'}" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["output"]["kind"] == "images" and report["output"]["finite"] is True
+
+
+def test_several_images_are_numbered(capsys, family, tmp_path):
+    out = tmp_path / "out"
+    argv = ["--height", "8", "--width", "8", "--images", "2", "--output", out]
+    code, _, err = run(capsys, "generate", family("flux"), *CPU, *argv)
+    assert code == 0, err
+    assert listing(out) == {"image-1.png", "image-2.png", "report.json", "timeline.png"}
+
+
+def test_an_image_to_video_pipeline_takes_its_image_from_the_flag(
+    capsys, family, tmp_path, input_image, without_ftfy
+):
+    import imageio_ffmpeg
+
+    out = tmp_path / "out"
+    shape = ["--height", "16", "--width", "16", "--frames", "5"]
+    code, _, err = run(
+        capsys, "generate", family("wan_i2v"), *CPU, *shape, "--image", input_image, "--output", out
+    )
+    assert code == 0, err
+    assert listing(out) == {"video.mp4", "report.json", "timeline.png"}
+    report = json.loads((out / "report.json").read_text())["output"]
+    assert report["input_image"] == str(input_image)
+    # Wan's pipelines are documented exporting at 16 fps: 5 frames last 5/16 s.
+    assert report["fps"] == 16
+    frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(out / "video.mp4"))
+    assert frames == 5 and seconds == pytest.approx(5 / 16, abs=0.04)
+
+
+def test_the_input_image_changes_the_video(capsys, family, tmp_path, input_image, without_ftfy):
+    from PIL import Image
+
+    other = tmp_path / "other.png"
+    Image.new("RGB", (16, 16), (250, 10, 10)).save(other)
+    frames = []
+    for image in (input_image, other):
+        out = tmp_path / image.stem
+        shape = ["--height", "16", "--width", "16", "--frames", "5", "--output", out]
+        code, _, err = run(capsys, "generate", family("wan_i2v"), *CPU, *shape, "--image", image)
+        assert code == 0, err
+        import imageio.v3 as iio
+
+        frames.append(iio.imread(out / "video.mp4"))
+    assert not np.array_equal(frames[0], frames[1])
+
+
+def test_a_pipeline_that_needs_an_image_and_has_none_is_told_the_flag(capsys, family, tmp_path):
+    folder = family("wan_i2v")
+    capsys.readouterr()  # what building the folder printed
+    code, _, err = run(capsys, "generate", folder, *CPU, "--output", tmp_path / "o")
+    assert code == 2
+    assert error_lines(err) == [
+        "ondeck: error: WanImageToVideoPipeline needs an input image: give it with --image PATH"
+    ]
+
+
+def test_the_frame_rate_is_the_models_and_fps_overrides_it(capsys, family, tmp_path):
+    import imageio_ffmpeg
+
+    shape = ["--height", "32", "--width", "32", "--frames", "9"]
+    for extra, fps in (([], 25), (["--fps", "12"], 12)):
+        out = tmp_path / f"out{fps}"
+        code, _, err = run(capsys, "generate", family("ltx"), *CPU, *shape, *extra, "--output", out)
+        assert code == 0, err
+        report = json.loads((out / "report.json").read_text())["output"]
+        # LTX generates for its call's frame_rate argument, 25 by default.
+        assert report["fps"] == fps
+        assert report["fps_from"] == ("--fps" if extra else "LTXPipeline's frame_rate argument")
+        _, seconds = imageio_ffmpeg.count_frames_and_secs(str(out / "video.mp4"))
+        assert seconds == pytest.approx(9 / fps, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("flux", ["--fps", "12"], "argument --fps: FluxPipeline makes images, not a video"),
+        ("flux", ["--frames", "5"], "argument --frames: FluxPipeline makes images, not a video"),
+        ("ltx", ["--images", "2"], "argument --images: LTXPipeline makes a video, not images"),
+        ("flux", ["--image", "{image}"], "argument --image: FluxPipeline takes no input image"),
+        ("wan", ["--image", "{image}"], "argument --image: WanPipeline takes no input image"),
+    ],
+)
+def test_a_flag_the_pipeline_cannot_use_is_one_line_and_status_2(
+    name, argv, message, capsys, family, tmp_path, input_image
+):
+    argv = [a.format(image=input_image) for a in argv]
+    folder = family(name)
+    capsys.readouterr()  # what building the folder printed
+    code, _, err = run(capsys, "generate", folder, *CPU, *argv, "--output", tmp_path / "o")
+    assert code == 2
+    assert error_lines(err) == [f"ondeck: error: {message}"]
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content, why", [(b"not an image", "cannot read"), (None, "is not a file")]
+)
+def test_an_input_image_that_cannot_be_read_is_one_line(
+    content, why, capsys, family, tmp_path, monkeypatch
+):
+    path = tmp_path / "input.png"
+    if content is not None:
+        path.write_bytes(content)
+    forbidden = mock.Mock(side_effect=AssertionError("built before the image was read"))
+    monkeypatch.setattr("ondeck.cli.commands.build_pipeline", forbidden)
+    code, _, err = run(capsys, "generate", "m", "--image", path, "--output", tmp_path / "o")
+    assert code == 2
+    [line] = error_lines(err)
+    assert line.startswith(f"ondeck: error: argument --image: {why if content else path}")
+
+
+def test_an_input_image_of_too_many_pixels_is_refused_before_decoding(capsys, tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "huge.png"
+    # 9000 x 9000 of one colour: a small file that decodes to 243 MB.
+    Image.new("L", (9000, 9000)).save(path, optimize=True)
+    assert path.stat().st_size < 1_000_000
+    code, _, err = run(capsys, "generate", "m", "--image", path, "--output", tmp_path / "o")
+    assert code == 2
+    assert "is 9000x9000, more than 64 Mpixels" in err
