@@ -131,6 +131,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
         **({"shard": shard} if shard else {}),
         **({"parallel": parallel} if parallel is not None else {}),
         **({"libraries": tuple(args.library)} if getattr(args, "library", None) else {}),
+        **({"host_memory": args.host_memory} if getattr(args, "host_memory", None) else {}),
         **weight_files(args),
     )
     if "ONDECK_RESET_PEAKS" not in os.environ:

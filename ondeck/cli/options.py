@@ -192,6 +192,13 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         "under torchrun the size is per process, and a --shard component keeps only the "
         "rank's own rows",
     )
+    parser.add_argument(
+        "--host-memory",
+        type=_budget,
+        help="the process's host memory budget, e.g. 32GiB (default: what the machine and "
+        "its cgroup leave, less a reserve); the plan shows the host pool against it, and a "
+        "run that outgrows it stops before the kernel would kill it",
+    )
     _add_library(parser)
 
 

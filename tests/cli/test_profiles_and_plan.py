@@ -91,3 +91,11 @@ def test_warnings_are_one_line_each(cache, tiny_model, capsys):
     lines = [line for line in err.splitlines() if "activation profiles" in line]
     assert lines and all(line.startswith("ondeck: warning: ") for line in lines)
     assert "UserWarning" not in err and "ActivationProfiles(" not in err
+
+
+def test_plan_shows_the_host_pool_against_host_memory(cache, tiny_model, capsys):
+    code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu", "--host-memory", "64GiB")
+    assert code == 0
+    assert "of a budget of 64.00 GiB (given)" in out
+    code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu")
+    assert code == 0 and "host:" in out and "(given)" not in out
