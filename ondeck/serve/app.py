@@ -118,6 +118,154 @@ def create_app(server: Server) -> Any:
     limits = server.config.limits
     app = FastAPI(title="ondeck serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    api = _Api(server)
+    for add in (_error_handlers, _model_routes, _image_routes, _video_routes, _ondeck_routes):
+        add(app, server, api)
+    return GuardMiddleware(app, api_key=server.config.api_key, body_bytes=limits.body_bytes)
+
+
+class _Api:
+    """What the routes share: the model and job objects they answer with, a request's
+    checks, and submitting a job."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.limits = server.config.limits
+
+    def model_object(self, name: str) -> dict:
+        model = self.server.models[name]
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.server.started_at),
+            "owned_by": "ondeck",
+            "kind": model.kind,
+            "takes_image": model.takes_image,
+        }
+
+    def served_model(self, name: str, kind: str) -> Any:
+        model = self.server.models.get(name)
+        if model is None:
+            served = ", ".join(sorted(self.server.models))
+            raise JobFailed(
+                404,
+                "model_not_found",
+                f"the model {name!r} is not served here (served: {served})",
+                "model",
+            )
+        if model.kind != kind:
+            route = "/v1/images/generations" if model.kind == "image" else "/v1/videos"
+            raise JobFailed(
+                400, "invalid_value", f"{name!r} is an {model.kind} model; use {route}", "model"
+            )
+        return model
+
+    def job_from(self, body: ImageRequest | VideoRequest, kind: str) -> Job:
+        model = self.served_model(body.model, kind)
+        if (
+            len(body.prompt) > self.limits.prompt_chars
+            or len(body.negative_prompt) > self.limits.prompt_chars
+        ):
+            raise JobFailed(
+                413,
+                "prompt_too_long",
+                f"a prompt may hold at most {self.limits.prompt_chars} characters",
+                "prompt",
+            )
+        width, height = (
+            parse_size(body.size) if body.size else (832, 480) if kind == "video" else (1024, 1024)
+        )
+        if not (0 < width <= self.limits.side and 0 < height <= self.limits.side):
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"each side must be from 1 to {self.limits.side} pixels, got {width}x{height}",
+                "size",
+            )
+        steps = body.step_count or self.server.default_steps(model)
+        if steps > self.limits.steps:
+            raise JobFailed(
+                400, "invalid_value", f"steps must be at most {self.limits.steps}", "steps"
+            )
+        job = Job(
+            kind=kind,
+            model=body.model,
+            prompt=body.prompt,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=body.guidance_scale,
+            seed=body.seed,
+            negative_prompt=body.negative_prompt,
+        )
+        if kind == "image":
+            if body.n > self.limits.images_per_request:
+                raise JobFailed(
+                    400, "invalid_value", f"n must be at most {self.limits.images_per_request}", "n"
+                )
+            job.n = body.n
+        else:
+            if body.frames is not None and body.frames > self.limits.frames:
+                raise JobFailed(
+                    400, "invalid_value", f"frames must be at most {self.limits.frames}", "frames"
+                )
+            job.frames = self.server.frames_for(model, body.seconds, body.frames)
+            job.seconds = body.seconds or f"{(job.frames - 1) / 16:g}"
+        self.server.check_shape(model, job)
+        return job
+
+    def submit(self, job: Job) -> Job:
+        try:
+            return self.server.submit(job)
+        except QueueFull as error:
+            raise JobFailed(503, "queue_full", str(error)) from None
+
+    def video_object(self, job: Job) -> dict:
+        error = None
+        if job.error is not None:
+            error = {"code": job.error.code, "message": job.error.message}
+        return {
+            "id": job.id,
+            "object": "video",
+            "model": job.model,
+            "status": job.status,
+            "progress": job.progress,
+            "created_at": job.created_at,
+            "completed_at": job.completed_at,
+            "expires_at": None,
+            "prompt": job.prompt,
+            "seconds": job.seconds,
+            "size": f"{job.width}x{job.height}",
+            "error": error,
+            "remixed_from_video_id": None,
+        }
+
+    def find_job(self, video_id: str) -> Job:
+        job = self.server.queue.get(video_id)
+        if job is None:
+            raise JobFailed(404, "video_not_found", f"no job {video_id!r} here", "video_id")
+        return job
+
+    def content_of(self, job: Job, role: str, media_type: str) -> Any:
+        if job.error is not None:
+            status = 409 if job.error.code == "cancelled" else 400
+            raise JobFailed(status, job.error.code, f"the job has no {role}: {job.error.message}")
+        if job.status != "completed":
+            raise JobFailed(
+                409,
+                "not_ready",
+                f"the job is {job.status} ({job.progress}%); its {role} is not ready",
+            )
+        path = job.files.get(role)
+        if path is None or not Path(path).is_file():
+            raise JobFailed(
+                404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
+            )
+        return FileResponse(path, media_type=media_type)
+
+
+def _error_handlers(app: FastAPI, server: Server, api: _Api) -> None:
+    """Errors in OpenAI's shape."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -144,18 +292,10 @@ def create_app(server: Server) -> Any:
     async def _failed(request: Request, error: JobFailed) -> JSONResponse:
         return failure_response(error)
 
-    # -- models ------------------------------------------------------------------
 
-    def model_object(name: str) -> dict:
-        model = server.models[name]
-        return {
-            "id": name,
-            "object": "model",
-            "created": int(server.started_at),
-            "owned_by": "ondeck",
-            "kind": model.kind,
-            "takes_image": model.takes_image,
-        }
+def _model_routes(app: FastAPI, server: Server, api: _Api) -> None:
+    """``/v1/models``."""
+    model_object = api.model_object
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -169,84 +309,11 @@ def create_app(server: Server) -> Any:
             )
         return model_object(name)
 
-    # -- validating a request ----------------------------------------------------
 
-    def served_model(name: str, kind: str) -> Any:
-        model = server.models.get(name)
-        if model is None:
-            served = ", ".join(sorted(server.models))
-            raise JobFailed(
-                404,
-                "model_not_found",
-                f"the model {name!r} is not served here (served: {served})",
-                "model",
-            )
-        if model.kind != kind:
-            route = "/v1/images/generations" if model.kind == "image" else "/v1/videos"
-            raise JobFailed(
-                400, "invalid_value", f"{name!r} is an {model.kind} model; use {route}", "model"
-            )
-        return model
-
-    def job_from(body: ImageRequest | VideoRequest, kind: str) -> Job:
-        model = served_model(body.model, kind)
-        if (
-            len(body.prompt) > limits.prompt_chars
-            or len(body.negative_prompt) > limits.prompt_chars
-        ):
-            raise JobFailed(
-                413,
-                "prompt_too_long",
-                f"a prompt may hold at most {limits.prompt_chars} characters",
-                "prompt",
-            )
-        width, height = (
-            parse_size(body.size) if body.size else (832, 480) if kind == "video" else (1024, 1024)
-        )
-        if not (0 < width <= limits.side and 0 < height <= limits.side):
-            raise JobFailed(
-                400,
-                "invalid_value",
-                f"each side must be from 1 to {limits.side} pixels, got {width}x{height}",
-                "size",
-            )
-        steps = body.step_count or server.default_steps(model)
-        if steps > limits.steps:
-            raise JobFailed(400, "invalid_value", f"steps must be at most {limits.steps}", "steps")
-        job = Job(
-            kind=kind,
-            model=body.model,
-            prompt=body.prompt,
-            width=width,
-            height=height,
-            steps=steps,
-            guidance=body.guidance_scale,
-            seed=body.seed,
-            negative_prompt=body.negative_prompt,
-        )
-        if kind == "image":
-            if body.n > limits.images_per_request:
-                raise JobFailed(
-                    400, "invalid_value", f"n must be at most {limits.images_per_request}", "n"
-                )
-            job.n = body.n
-        else:
-            if body.frames is not None and body.frames > limits.frames:
-                raise JobFailed(
-                    400, "invalid_value", f"frames must be at most {limits.frames}", "frames"
-                )
-            job.frames = server.frames_for(model, body.seconds, body.frames)
-            job.seconds = body.seconds or f"{(job.frames - 1) / 16:g}"
-        server.check_shape(model, job)
-        return job
-
-    def submit(job: Job) -> Job:
-        try:
-            return server.submit(job)
-        except QueueFull as error:
-            raise JobFailed(503, "queue_full", str(error)) from None
-
-    # -- images ------------------------------------------------------------------
+def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
+    """``/v1/images/generations``."""
+    job_from = api.job_from
+    submit = api.submit
 
     @app.post("/v1/images/generations")
     async def generate_images(request: Request) -> Any:
@@ -271,33 +338,15 @@ def create_app(server: Server) -> Any:
                 )
         return {"created": job.created_at, "data": images, "ondeck_job": job.id}
 
-    # -- videos ------------------------------------------------------------------
 
-    def video_object(job: Job) -> dict:
-        error = None
-        if job.error is not None:
-            error = {"code": job.error.code, "message": job.error.message}
-        return {
-            "id": job.id,
-            "object": "video",
-            "model": job.model,
-            "status": job.status,
-            "progress": job.progress,
-            "created_at": job.created_at,
-            "completed_at": job.completed_at,
-            "expires_at": None,
-            "prompt": job.prompt,
-            "seconds": job.seconds,
-            "size": f"{job.width}x{job.height}",
-            "error": error,
-            "remixed_from_video_id": None,
-        }
-
-    def find_job(video_id: str) -> Job:
-        job = server.queue.get(video_id)
-        if job is None:
-            raise JobFailed(404, "video_not_found", f"no job {video_id!r} here", "video_id")
-        return job
+def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
+    """The videos API: create, list, read, content, cancel."""
+    limits = server.config.limits
+    job_from = api.job_from
+    submit = api.submit
+    video_object = api.video_object
+    find_job = api.find_job
+    content_of = api.content_of
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> dict:
@@ -334,7 +383,7 @@ def create_app(server: Server) -> Any:
         job = find_job(video_id)
         if variant != "video":
             raise JobFailed(400, "invalid_value", "only the video variant is served", "variant")
-        return _content(job, "video", "video/mp4")
+        return content_of(job, "video", "video/mp4")
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> dict:
@@ -346,24 +395,12 @@ def create_app(server: Server) -> Any:
             job.cancel("cancelled")
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
-    def _content(job: Job, role: str, media_type: str) -> Any:
-        if job.error is not None:
-            status = 409 if job.error.code == "cancelled" else 400
-            raise JobFailed(status, job.error.code, f"the job has no {role}: {job.error.message}")
-        if job.status != "completed":
-            raise JobFailed(
-                409,
-                "not_ready",
-                f"the job is {job.status} ({job.progress}%); its {role} is not ready",
-            )
-        path = job.files.get(role)
-        if path is None or not Path(path).is_file():
-            raise JobFailed(
-                404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
-            )
-        return FileResponse(path, media_type=media_type)
 
-    # -- ondeck's own --------------------------------------------------------------
+def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
+    """ondeck's own status and job routes, and the page."""
+    video_object = api.video_object
+    find_job = api.find_job
+    content_of = api.content_of
 
     @app.get("/v1/ondeck/status")
     async def status() -> dict:
@@ -381,18 +418,18 @@ def create_app(server: Server) -> Any:
 
     @app.get("/v1/ondeck/jobs/{job_id}/report")
     async def job_report(job_id: str) -> Any:
-        return _content(find_job(job_id), "report", "application/json")
+        return content_of(find_job(job_id), "report", "application/json")
 
     @app.get("/v1/ondeck/jobs/{job_id}/timeline")
     async def job_timeline(job_id: str) -> Any:
         job = find_job(job_id)
         if job.status == "completed":
             await asyncio.to_thread(server.timeline, job)
-        return _content(job, "timeline", "image/png")
+        return content_of(job, "timeline", "image/png")
 
     @app.get("/v1/ondeck/jobs/{job_id}/image")
     async def job_image(job_id: str) -> Any:
-        return _content(find_job(job_id), "image", "image/png")
+        return content_of(find_job(job_id), "image", "image/png")
 
     @app.delete("/v1/ondeck/jobs/{job_id}")
     async def cancel_job(job_id: str) -> dict:
@@ -405,8 +442,6 @@ def create_app(server: Server) -> Any:
     async def page() -> HTMLResponse:
         text = resources.files("ondeck.serve").joinpath("static/index.html").read_text()
         return HTMLResponse(text)
-
-    return GuardMiddleware(app, api_key=server.config.api_key, body_bytes=limits.body_bytes)
 
 
 async def _json(request: Request) -> Any:

@@ -271,28 +271,19 @@ class Server:
             progress = StepProgress(job, at_last_step)
             plan = pipeline.plan(model.policy.budget_bytes)
             started = time.perf_counter()
-            outputs = []
-            for index in range(job.n if job.kind == "image" else 1):
-                # Only what the request set: each pipeline keeps its own defaults.
-                extra: dict[str, Any] = {}
-                if job.input_image is not None:
-                    extra["image"] = job.input_image
-                if job.guidance is not None:
-                    extra["guidance_scale"] = job.guidance
-                if job.kind == "video":
-                    extra["num_frames"] = job.frames
-                outputs.append(
-                    pipeline.generate(
-                        job.prompt,
-                        negative_prompt=job.negative_prompt,
-                        height=job.height,
-                        width=job.width,
-                        num_inference_steps=job.steps,
-                        seed=job.seed + index,
-                        progress=progress,
-                        **extra,
-                    )
+            outputs = [
+                pipeline.generate(
+                    job.prompt,
+                    negative_prompt=job.negative_prompt,
+                    height=job.height,
+                    width=job.width,
+                    num_inference_steps=job.steps,
+                    seed=job.seed + index,
+                    progress=progress,
+                    **_asked_beyond_defaults(job),
                 )
+                for index in range(job.n if job.kind == "image" else 1)
+            ]
             job.run_seconds = time.perf_counter() - started
             frames = outputs if job.kind == "image" else outputs[0]
             self._check_finite(frames)
@@ -490,3 +481,15 @@ def _is_out_of_memory(error: BaseException) -> bool:
     import torch
 
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def _asked_beyond_defaults(job: Job) -> dict[str, Any]:
+    """Only what the request set: each pipeline keeps its own defaults for the rest."""
+    extra: dict[str, Any] = {}
+    if job.input_image is not None:
+        extra["image"] = job.input_image
+    if job.guidance is not None:
+        extra["guidance_scale"] = job.guidance
+    if job.kind == "video":
+        extra["num_frames"] = job.frames
+    return extra

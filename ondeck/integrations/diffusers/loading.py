@@ -81,14 +81,13 @@ def from_pretrained(
     transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
     present. ``policy``, ``budget``, ``prefetch`` and ``host_memory`` (the host budget) are
     those of :class:`ondeck.Pipeline`; ``host_cache`` is an ``ondeck.loading.HostCache``.
-    ``libraries`` names installed packages, beyond diffusers and transformers, whose
-    classes model_index.json may name; no other module is imported for the folder.
+    ``libraries``: installed packages beyond diffusers and transformers whose classes
+    model_index.json may name (nothing else is imported for the folder).
     ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
     under ``torchrun``, splits the sequence of every deferred component diffusers gives a
     context-parallel plan over the ranks (see ``ondeck.parallel``).
-    ``storage_dtype`` (``"fp8"``) keeps the weights of the big components (every model
-    but the VAE) in fp8 and computes in their dtype; a dict by component name chooses
-    per component (``ondeck.loading.fp8``).
+    ``storage_dtype`` (``"fp8"``, or a dict by component) keeps the big components'
+    weights (all but the VAE) in fp8, computing in their dtype (``ondeck.loading.fp8``).
     ``components`` maps a component name to a single checkpoint file that replaces its
     weights: a ``.safetensors`` file in the original repository's key names or diffusers'
     (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
@@ -113,20 +112,9 @@ def from_pretrained(
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs)
     components, containers, deferred = found.components, found.containers, found.deferred
-    auxiliaries = found.auxiliaries
     if parallel is not None:
         split_sequences(parallel, components, device)
-    pipeline_class = ondeck_pipeline_class(base_class)
-    options = dict(kwargs)
-    if dtype is not None:
-        options["dtype"] = dtype
-    with _shaped_from_configs(deferred.values()):
-        pipe = pipeline_class.from_pretrained(
-            str(path), **components, **containers, **auxiliaries, **options
-        )
-    _route_sub_pipelines(pipe)
-    loaded_here = set(components) | set(containers) | set(auxiliaries) | set(kwargs)
-    _place_loaded_by_diffusers(pipe, folder, skip=loaded_here, device=device)
+    pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
     pipe.ondeck = DiffusersRuntime(
         pipe,
         deferred,
@@ -140,6 +128,23 @@ def from_pretrained(
     pipe.ondeck.parallel = parallel
     if loras:
         load_loras(pipe, loras)
+    return pipe
+
+
+def _built(
+    base_class: type, path: Path, folder: Any, found: Any, dtype: Any, device: Any, kwargs: dict
+) -> Any:
+    """The diffusers pipeline over the deferred components ``found``, built by diffusers'
+    own ``from_pretrained`` with ondeck's class; what diffusers loaded itself goes where
+    the others load."""
+    options = dict(kwargs)
+    if dtype is not None:
+        options["dtype"] = dtype
+    parts = {**found.components, **found.containers, **found.auxiliaries}
+    with _shaped_from_configs(found.deferred.values()):
+        pipe = ondeck_pipeline_class(base_class).from_pretrained(str(path), **parts, **options)
+    _route_sub_pipelines(pipe)
+    _place_loaded_by_diffusers(pipe, folder, skip=set(parts) | set(kwargs), device=device)
     return pipe
 
 
