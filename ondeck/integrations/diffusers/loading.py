@@ -78,9 +78,9 @@ def from_pretrained(
 
     ``torch_dtype`` (or ``dtype``) follows diffusers: one dtype, or a dict by component
     name with a ``"default"``; when omitted, diffusers models load in float32 and
-    transformers models in their checkpoint's dtype. ``device`` defaults to CUDA when
-    present. ``policy``, ``budget``, ``prefetch`` and ``host_memory`` (the host budget) are
-    those of :class:`ondeck.Pipeline`; ``host_cache`` is an ``ondeck.loading.HostCache``.
+    transformers models in their checkpoint's dtype; ``device`` defaults to CUDA. ``policy``,
+    ``budget``, ``prefetch``, ``host_memory`` are :class:`ondeck.Pipeline`'s; ``host_cache``
+    is an ``ondeck.loading.HostCache``.
     ``libraries``: installed packages beyond diffusers and transformers whose classes
     model_index.json may name (nothing else is imported for the folder).
     ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
@@ -111,18 +111,17 @@ def from_pretrained(
 
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs)
-    components, containers, deferred = found.components, found.containers, found.deferred
     if parallel is not None:
-        split_sequences(parallel, components, device)
+        split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
     pipe.ondeck = DiffusersRuntime(
         pipe,
-        deferred,
+        found.deferred,
         policy=policy,
         budget=budget,
         device=device,
         prefetch=prefetch,
-        containers=tuple(containers),
+        containers=tuple(found.containers),
         host_memory=host_memory,
     )
     pipe.ondeck.parallel = parallel
