@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -163,3 +164,11 @@ def raise_after(monkeypatch, owner, attribute: str, calls: int, error: BaseExcep
 
     monkeypatch.setattr(owner, attribute, failing)
     return count
+
+
+# The reading processes exist only on the fast read path (``ONDECK_READ_PATH=portable``
+# reads on threads alone) and where ``memfd_create`` does.
+NO_READING_PROCESSES = (
+    not hasattr(os, "memfd_create") or os.environ.get("ONDECK_READ_PATH") == "portable"
+)
+WHY_NO_READING_PROCESSES = "no reading processes here (no memfd_create, or the portable path)"

@@ -4,7 +4,6 @@ forward waits for its own weights; a failure or a release mid-fill leaves nothin
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from ondeck.errors import LoadError
 from ondeck.lazy import LazyModule
 from ondeck.loading import ComponentLoader, pipelined, process_feed, reads, ring
 from ondeck.loading.pipelined import fill_groups
+
+from .helpers import NO_READING_PROCESSES, WHY_NO_READING_PROCESSES
 
 
 @pytest.fixture(scope="module")
@@ -419,7 +420,7 @@ def test_a_filling_still_running_at_exit_is_stopped_and_waited_for(tmp_path):
     assert 1 <= len(lines) - 1 < 200
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+@pytest.mark.skipif(NO_READING_PROCESSES, reason=WHY_NO_READING_PROCESSES)
 def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     six_block_folder, monkeypatch
 ):
@@ -470,7 +471,7 @@ def _one_read(
     return gate, held
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+@pytest.mark.skipif(NO_READING_PROCESSES, reason=WHY_NO_READING_PROCESSES)
 def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder, monkeypatch):
     gate, held = _one_read(monkeypatch, hold_block=2)
     proxy = LazyModule(
@@ -500,7 +501,7 @@ def test_release_during_one_read_stops_it_and_frees_the_memory(six_block_folder,
     assert torch.equal(forward(proxy), expected)
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+@pytest.mark.skipif(NO_READING_PROCESSES, reason=WHY_NO_READING_PROCESSES)
 def test_a_read_failing_mid_way_fails_the_forward_that_needs_the_block(
     six_block_folder, monkeypatch
 ):
@@ -528,6 +529,8 @@ def test_a_whole_load_failing_mid_read_keeps_no_view_of_its_freed_memory(
     """Loaded whole, through either reader, a read that fails half way frees what the
     load took, and no frame of the error keeps a view of it."""
     if readers == "processes":
+        if NO_READING_PROCESSES:
+            pytest.skip(WHY_NO_READING_PROCESSES)
         gate, _ = _one_read(monkeypatch, hold_block=3, fail=True)
         gate.set()
     else:

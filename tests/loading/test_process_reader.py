@@ -14,10 +14,18 @@ from safetensors.torch import load_file, save_file
 from ondeck.errors import LoadError
 from ondeck.loading import process_pool, read_header, read_into
 
-from .helpers import jobs_for, raise_after, random_tensor, same_bits, write_safetensors
+from .helpers import (
+    NO_READING_PROCESSES,
+    WHY_NO_READING_PROCESSES,
+    jobs_for,
+    raise_after,
+    random_tensor,
+    same_bits,
+    write_safetensors,
+)
 from .test_reader import DTYPES
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+pytestmark = pytest.mark.skipif(NO_READING_PROCESSES, reason=WHY_NO_READING_PROCESSES)
 
 
 @pytest.fixture(autouse=True)
