@@ -20,7 +20,7 @@ import torch
 from ..errors import LoadError
 from .chunks import Chunk, ChunkPlan, where
 from .driver import Driver, driver
-from .safetensors_format import TensorInfo
+from .safetensors_format import FileIdentity, TensorInfo, check_unchanged
 
 # (buffer bytes, buffer count) by default. The threads' ring of pinned buffers: larger
 # chunks mean fewer GIL hand-overs. The processes' ring: small enough to stay in a server
@@ -309,19 +309,14 @@ def _own_file(fd: int, info: TensorInfo, component: str | None):
         handle = open(info.path, "rb", buffering=0)  # noqa: SIM115 (kept for the thread)
     except OSError as error:
         raise read_error(info, component, info.start, error.strerror or str(error)) from error
-    # The file opened again must be the one whose descriptor the read checked.
-    mine, shared = os.fstat(handle.fileno()), os.fstat(fd)
-    if (mine.st_size, mine.st_mtime_ns, mine.st_ino) != (
-        shared.st_size,
-        shared.st_mtime_ns,
-        shared.st_ino,
-    ):
+    # The file opened again must be the one whose header was read (or, for a tensor
+    # known without its header's identity, the one the shared descriptor holds).
+    identity = info.identity or FileIdentity.of(os.fstat(fd), b"")
+    try:
+        check_unchanged(info.path, identity, component=component, descriptor=handle.fileno())
+    except LoadError:
         handle.close()
-        raise LoadError(
-            f"{where(info, component)}: the file changed while it was being read",
-            component=component,
-            path=info.path,
-        )
+        raise
     files[fd] = (info.path, handle)
     return handle
 

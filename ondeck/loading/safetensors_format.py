@@ -112,7 +112,7 @@ def check_unchanged(
         return
     change = identity.change(os.fstat(descriptor))
     if change is None:
-        header = os.pread(descriptor, identity.header_nbytes, 0)
+        header = _read_start(descriptor, identity.header_nbytes)
         if hashlib.sha256(header).hexdigest() != identity.header_sha256:
             change = "its header bytes changed"
     if change is not None:
@@ -123,6 +123,16 @@ def check_unchanged(
             component=component,
             path=path,
         )
+
+
+def _read_start(descriptor: int, nbytes: int) -> bytes:
+    """The file's first ``nbytes``: a positional read where there is one (``os.pread``
+    is missing on Windows), else a seek and a read, before any reading thread uses the
+    descriptor."""
+    if hasattr(os, "pread"):
+        return os.pread(descriptor, nbytes, 0)
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    return os.read(descriptor, nbytes)
 
 
 @dataclass(frozen=True)

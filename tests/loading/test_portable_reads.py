@@ -117,3 +117,14 @@ def test_a_file_replaced_under_a_portable_read_is_refused(tmp_path, monkeypatch)
             ring.pread_exact(descriptor, target.data_ptr(), 16, info.start, info, "w")
     finally:
         os.close(descriptor)
+
+
+def test_a_host_without_pread_at_all_loads_the_same_bytes(tmp_path, monkeypatch):
+    """As on Windows: neither os.preadv nor os.pread; the identity check at the open reads
+    the header another way."""
+    tensors = {"a": random_tensor(torch.float32, (17, 3)), "b": random_tensor(torch.int8, (9,))}
+    path = write_safetensors(tmp_path / "w.safetensors", tensors)
+    monkeypatch.delenv("ONDECK_READ_PATH", raising=False)
+    monkeypatch.delattr(os, "preadv", raising=False)
+    monkeypatch.delattr(os, "pread", raising=False)
+    assert _same_bytes(_load(path), tensors)
