@@ -156,3 +156,14 @@ def test_a_call_keeps_only_the_numbers_that_size_its_decode(folders):
     assert pipe.ondeck._call_arguments == {"height": 32, "width": 32, "num_frames": 5}
     del embeds
     assert watched() is None, "the runtime holds no tensor of the call"
+
+
+def test_a_measured_need_is_counted_as_the_call_that_follows_counts_it(folders):
+    """The pixels a decode is measured over are those the next call's need is worked out
+    from: a measured whole-frame need comes back for the same frame size."""
+    pipe = load(folders["wan"])
+    run(pipe, ALL_FAMILIES["wan"])  # 32x32, 5 frames
+    decoder = pipe.ondeck.decoders["vae"]
+    decoder.measured(123_456)
+    arguments = {"height": 32, "width": 32, "num_frames": 5}
+    assert decoder.expected_need(arguments) == 123_456

@@ -153,16 +153,25 @@ def _widest_channels(config: Any) -> int:
     return 512
 
 
+def output_frames(latent_frames: int) -> int:
+    """Frames a video VAE decodes from ``latent_frames`` (the first alone, then four each)."""
+    return 1 + 4 * (latent_frames - 1)
+
+
+def output_elements(batch: int, height: int, width: int, frames: int | None) -> int:
+    """Output pixels a decode holds at once: every image of the batch, and of a video
+    (``frames``) the frames in flight; what a decode's need is counted per."""
+    return batch * height * width * (min(FRAMES_IN_FLIGHT, frames) if frames else 1)
+
+
 def estimated_need(config: Any, latent_shape: tuple[int, ...], element_bytes: int) -> int:
     """Device bytes a whole-frame decode of ``latent_shape`` takes, from the config alone."""
     scale = spatial_scale(config)
     batch = latent_shape[0] if latent_shape else 1
-    frames = 1
-    if len(latent_shape) == 5:
-        frames = min(FRAMES_IN_FLIGHT, 1 + 4 * (latent_shape[2] - 1))
-    pixels = latent_shape[-2] * scale * latent_shape[-1] * scale
+    frames = output_frames(latent_shape[2]) if len(latent_shape) == 5 else None
+    elements = output_elements(batch, latent_shape[-2] * scale, latent_shape[-1] * scale, frames)
     channels = _widest_channels(config)
-    return batch * frames * pixels * channels * element_bytes * ESTIMATE_BYTES_PER_ELEMENT_CHANNEL
+    return elements * channels * element_bytes * ESTIMATE_BYTES_PER_ELEMENT_CHANNEL
 
 
 class FittingDecode:
@@ -218,7 +227,7 @@ class FittingDecode:
         for key in ("num_videos_per_prompt", "num_images_per_prompt"):
             if isinstance(arguments.get(key), int) and arguments[key] > 0:
                 batch *= arguments[key]
-        elements = batch * height * width * (min(FRAMES_IN_FLIGHT, frames) if frames else 1)
+        elements = output_elements(batch, height, width, frames)
         if self.bytes_per_element is not None:
             return int(self.bytes_per_element * elements)
         scale = spatial_scale(self.config)
@@ -235,12 +244,8 @@ class FittingDecode:
             return self._module().decode(*args, **kwargs)
         scale = spatial_scale(self.config)
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
-        elements = (
-            latents.shape[0]
-            * height
-            * width
-            * (min(FRAMES_IN_FLIGHT, latents.shape[2]) if latents.dim() == 5 else 1)
-        )
+        frames = output_frames(latents.shape[2]) if latents.dim() == 5 else None
+        elements = output_elements(latents.shape[0], height, width, frames)
         self.last_elements = elements
         need = self._need(latents, elements)
         self.last_need = need
