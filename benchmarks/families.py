@@ -1,11 +1,13 @@
 """The general path on every card: a folder through ``ondeck.diffusers.from_pretrained``
 with no policy argument, against diffusers eager in the same call.
 
-    python benchmarks/families.py [--family wan|sd35] [--folder DIR] [--cards full,24,16,8]
+    python benchmarks/families.py [--family wan|sd35|hunyuan] [--folder DIR] [--cards full,24,16,8]
 
 ``--family sd35``: an SD3.5-Large-shaped folder (an 8B MMDiT, CLIP-L, CLIP-G and T5-XXL
 text encoders, random weights, letter tokenizers: no download), 1024x1024, 8 steps,
-the same modes and table.
+the same modes and table. ``--family hunyuan``: a HunyuanVideo-shaped folder (the 13B
+transformer's 20 double- and 40 single-stream blocks, an 8B Llama and CLIP-L text
+encoders, its 3D VAE), 480x848, 33 frames, 4 steps.
 
 Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 480x832,
 33 frames, 4 steps, three prompts per mode, each mode in its own process
@@ -142,11 +144,86 @@ def build_sd35_folder(path: Path) -> Path:
     return path
 
 
-IMAGE_PROMPTS = ["a red fox in fresh snow", "a grey heron in a misty river", "a neon street"]
+def build_hunyuan_folder(path: Path) -> Path:
+    """HunyuanVideo's shapes with random bf16 weights, as the pipeline saves them."""
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import (
+        ByT5Tokenizer,
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTokenizer,
+        LlamaConfig,
+        LlamaModel,
+    )
+
+    if (path / "model_index.json").exists():
+        return path
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        vocab.update({f"{c}{suffix}": len(vocab) for c in "abcdefghijklmnopqrstuvwxyz"})
+    llama = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, num_hidden_layers=32, bos_token_id=0, eos_token_id=1,
+        pad_token_id=0,
+    )  # fmt: skip
+    clip = CLIPTextConfig(
+        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: 43 GiB on the device, not 86
+    try:
+        with torch.device("cuda"):
+            parts = dict(
+                transformer=HunyuanVideoTransformer3DModel(),  # its default is the 13B
+                text_encoder=LlamaModel(llama),
+                text_encoder_2=CLIPTextModel(clip),
+                vae=AutoencoderKLHunyuanVideo(),
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for module in parts.values():
+            for parameter in module.parameters():
+                parameter.normal_(0, 0.02)
+    HunyuanVideoPipeline(
+        tokenizer=ByT5Tokenizer(),
+        tokenizer_2=CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        **parts,
+    ).save_pretrained(path, max_shard_size="5GB")
+    del parts
+    torch.cuda.empty_cache()
+    return path
 
 
-def image_child(args) -> None:
-    """One mode of the image family, in this process: prints its RESULT line."""
+# Per family: the pipeline class, the call's arguments beyond the prompt, and the output.
+CALLS = {
+    "sd35": (
+        "StableDiffusion3Pipeline",
+        dict(height=1024, width=1024, guidance_scale=5.0),
+        "images",
+    ),
+    "hunyuan": (
+        "HunyuanVideoPipeline",
+        dict(height=480, width=848, num_frames=33, guidance_scale=6.0),
+        "frames",
+    ),
+}
+
+
+PROMPTS = ["a red fox in fresh snow", "a grey heron in a misty river", "a neon street"]
+
+
+def family_child(args) -> None:
+    """One mode of an sd35 or hunyuan family, in this process: prints its RESULT line."""
     import torch
 
     if args.memory_gib:
@@ -160,10 +237,13 @@ def image_child(args) -> None:
     reset_peak_rss()
     started = time.perf_counter()
     try:
+        pipeline_class, call, output = CALLS[args.family]
         if args.child == "diffusers-eager":
-            pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(
-                args.folder, torch_dtype=torch.bfloat16
-            ).to("cuda")
+            pipe = (
+                getattr(diffusers, pipeline_class)
+                .from_pretrained(args.folder, torch_dtype=torch.bfloat16)
+                .to("cuda")
+            )
             runtime = None
         else:
             options = {"policy": "release"} if args.child.endswith("release") else {}
@@ -187,24 +267,25 @@ def image_child(args) -> None:
                 }
         pipe.set_progress_bar_config(disable=True)
         result["setup_seconds"] = time.perf_counter() - started
-        for run, prompt in enumerate(IMAGE_PROMPTS[: args.runs]):
+        for run, prompt in enumerate(PROMPTS[: args.runs]):
             started = time.perf_counter()
             with PeakSampler(torch.cuda.memory_reserved) as sampler:
-                images = pipe(
-                    prompt,
-                    height=1024,
-                    width=1024,
-                    num_inference_steps=args.steps,
-                    guidance_scale=5.0,
-                    generator=torch.Generator("cpu").manual_seed(run),
-                    output_type="np",
-                ).images
+                images = getattr(
+                    pipe(
+                        prompt,
+                        num_inference_steps=args.steps,
+                        generator=torch.Generator("cpu").manual_seed(run),
+                        output_type="np",
+                        **call,
+                    ),
+                    output,
+                )
                 torch.cuda.synchronize()
             row = {
                 "seconds": time.perf_counter() - started,
                 "sampled_peak_reserved_bytes": sampler.peak,
                 "rss_bytes": rss_bytes(),
-                "image_mean": float(images.mean()),
+                "output_mean": float(images.mean()),
             }
             if runtime is not None:
                 row["decode"] = decode_report(runtime)
@@ -220,27 +301,31 @@ def image_child(args) -> None:
     emit(result)
 
 
-def image_command(folder: Path, mode: str, runs: int, steps: int, memory: int | None) -> list:
-    command = [__file__, "--child", mode, "--folder", str(folder), "--runs", str(runs)]
-    command += ["--steps", str(steps)]
+def family_command(
+    family: str, folder: Path, mode: str, runs: int, steps: int, memory: int | None
+) -> list:
+    command = [__file__, "--child", mode, "--family", family, "--folder", str(folder)]
+    command += ["--runs", str(runs), "--steps", str(steps)]
     return command + (["--memory-gib", str(memory)] if memory else [])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", choices=["wan", "sd35"], default="wan")
+    parser.add_argument("--family", choices=["wan", "sd35", "hunyuan"], default="wan")
     parser.add_argument("--folder")
     parser.add_argument("--cards", default="full,24,16,8")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8, help="sd35: denoising steps")
+    parser.add_argument("--steps", type=int, help="denoising steps (sd35 8, hunyuan 4)")
     parser.add_argument("--no-release", action="store_true")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 4 if args.family == "hunyuan" else 8
     if args.child:
-        image_child(args)
+        family_child(args)
         return
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
@@ -248,7 +333,8 @@ def main() -> None:
         folder = args.folder or os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved")
         path, sizes = ready_wan14b_folder(Path(folder))
     else:
-        path = build_sd35_folder(Path(args.folder or "/tmp/sd35"))
+        build = build_sd35_folder if args.family == "sd35" else build_hunyuan_folder
+        path = build(Path(args.folder or f"/tmp/{args.family}"))
         sizes = folder_bytes(path)
         print(
             f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v)
@@ -275,7 +361,7 @@ def main() -> None:
         if args.family == "wan":
             command = wan_modes_command(path, mode, args.runs, memory_gib=memory)
         else:
-            command = image_command(path, mode, args.runs, args.steps, memory)
+            command = family_command(args.family, path, mode, args.runs, args.steps, memory)
         row = run_child(command, timeout=args.timeout)
         row.update(mode=mode, card=card)
         rows.append(row)

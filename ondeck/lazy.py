@@ -705,6 +705,10 @@ class LazyModule:
         delattr(self.materialize(), attribute)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for observer in object.__getattribute__(self, "_ondeck_observers"):
+            called = getattr(observer, "component_called", None)
+            if called is not None:
+                called(self)  # a planner weighs streaming by how often each is called
         # A call may start while a pipelined load still brings blocks in: each block's
         # forward waits for its own weights.
         return self.materialize(complete=False)(*args, **kwargs)

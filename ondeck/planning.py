@@ -12,13 +12,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .memory import format_bytes, parse_bytes
-from .streaming.layout import StreamingChoice, StreamingInputs, StreamLayout, plan_streaming
+from .streaming.layout import (
+    StreamingChoice,
+    StreamingInputs,
+    StreamLayout,
+    plan_resident_streaming,
+    plan_streaming,
+)
 
 __all__ = ["HostPlan", "Plan", "StageUse", "release_schedule"]
 
 # Components smaller than this share of the budget load at their own stage rather than
 # early, where loading early would raise the run's peak (see ``_PeakGuard``).
 SMALL_PREFETCH_FRACTION = 0.05
+# Streaming the least-called components to keep every component resident replaces a
+# plan that reloads only when it moves at most this share of that plan's bytes per run:
+# a clear gain, so that two plans close in cost do not alternate from run to run.
+RESIDENT_STREAMING_GAIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -526,6 +536,7 @@ def build_plan(
     activation = dict(activation or {use.name: None for use in uses})
     component_bytes = dict(component_bytes)
     choice = StreamingChoice()
+    kept: StreamingChoice | None = None
     if policy == "budget" and budget is not None and streaming is not None:
         for name, blocks in streaming.candidates.items():
             if name in component_bytes:  # the whole component, even while loaded streamed
@@ -533,6 +544,90 @@ def build_plan(
         choice = plan_streaming(
             uses, component_bytes, budget=budget, activation=activation, inputs=streaming
         )
+        if streaming.calls:
+            kept = plan_resident_streaming(
+                uses, component_bytes, budget=budget, activation=activation, inputs=streaming
+            )
+    planned = _planned(
+        uses,
+        component_bytes,
+        choice,
+        streaming,
+        policy,
+        budget,
+        activation,
+        activation_note,
+        prefetch,
+    )
+    if kept is None:
+        return planned
+    resident = _planned(
+        uses,
+        component_bytes,
+        kept,
+        streaming,
+        policy,
+        budget,
+        activation,
+        activation_note,
+        prefetch,
+    )
+    if resident.overflow() is not None:
+        return planned
+    reloading, staying = (
+        moved_per_run(planned, streaming.calls),
+        moved_per_run(resident, streaming.calls),
+    )
+    if staying >= RESIDENT_STREAMING_GAIN * reloading:
+        return planned
+    names = ", ".join(
+        f"{name} (called {streaming.calls[name]} times a run)" for name in resident.streamed
+    )
+    resident.streaming_notes.append(
+        f"streaming {names} keeps every component on the device from stage to stage: "
+        f"{format_bytes(staying)} cross per run, against {format_bytes(reloading)} "
+        "reloading and streaming would move"
+    )
+    return resident
+
+
+def moved_per_run(plan: Plan, calls: Mapping[str, int]) -> int:
+    """Bytes a plan moves to the device in a run, from run 2 on: what it loads, and what
+    its streamed components copy in each of their calls."""
+    streamed = sum(
+        layout.bytes_per_pass * calls.get(name, 1) for name, layout in plan.streamed.items()
+    )
+    return bytes_loaded_per_run(plan) + streamed
+
+
+def bytes_loaded_per_run(plan: Plan) -> int:
+    """Bytes a plan loads in its last simulated run (the steady state: run 2 onwards)."""
+    runs = plan.runs
+    if not runs:
+        return 0
+    last = runs[-1].run
+    sizes = plan.device_bytes
+    previous = [stage for stage in runs if stage.run == last - 1]
+    resident = set(previous[-1].resident) if previous else set()
+    loaded = 0
+    for stage in (stage for stage in runs if stage.run == last):
+        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
+        resident = set(stage.resident)
+    return loaded
+
+
+def _planned(
+    uses: Sequence[StageUse],
+    component_bytes: dict[str, int],
+    choice: StreamingChoice,
+    streaming: StreamingInputs | None,
+    policy: str,
+    budget: int | None,
+    activation: dict[str, int | None],
+    activation_note: str,
+    prefetch: bool,
+) -> Plan:
+    """The plan with ``choice``'s streaming, its runs simulated."""
     plan_ = Plan(
         policy=policy,
         budget=budget,
@@ -543,10 +638,10 @@ def build_plan(
         uses=list(uses),
         activation_note=activation_note,
         streamed=choice.layouts,
-        streaming_notes=choice.notes,
+        streaming_notes=list(choice.notes),
         reserved_activation_bytes=choice.reserved,
     )
-    if choice.layouts:
+    if choice.layouts and streaming is not None:
         plan_.transfer_bytes_per_second, plan_.transfer_source = streaming.bandwidth()
     if policy == "budget" and not plan_.fits(budget):
         policy = "release"  # what would run if the budget allowed; the overflow is reported

@@ -20,6 +20,7 @@ from .planning import (
     Plan,
     budget_step,
     build_plan,
+    bytes_loaded_per_run,
     choose_evictions,
     planning_budget,
     release_residency,
@@ -516,22 +517,6 @@ class AutoBudgetPolicy(BudgetPolicy):
         return super().plan_for(
             snapshot, budget if budget is not None else self.current_budget(snapshot)
         )
-
-
-def bytes_loaded_per_run(plan: Any) -> int:
-    """Bytes a plan loads in its last simulated run (the steady state: run 2 onwards)."""
-    runs = plan.runs
-    if not runs:
-        return 0
-    last = runs[-1].run
-    sizes = plan.device_bytes
-    previous = [stage for stage in runs if stage.run == last - 1]
-    resident = set(previous[-1].resident) if previous else set()
-    loaded = 0
-    for stage in (stage for stage in runs if stage.run == last):
-        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
-        resident = set(stage.resident)
-    return loaded
 
 
 def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:

@@ -54,6 +54,9 @@ class Snapshot:
     streamable_blocks: Mapping[str, str | None] = field(default_factory=dict)
     # Per component kept in a storage dtype: the most bytes one layer's upcast copies take.
     upcast_bytes: Mapping[str, int] = field(default_factory=dict)
+    # Per component, its calls (forward passes) in the last run that completed; empty
+    # before one has.
+    calls_per_run: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +68,7 @@ class Snapshot:
             "loaders",
             "streamable_blocks",
             "upcast_bytes",
+            "calls_per_run",
         ):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "uses", tuple(self.uses))

@@ -308,9 +308,12 @@ class Pipeline:
         streaming = getattr(self.policy, "streaming", None)
         runs = self.tracker.runs
         if streaming is not None and runs:
+            calls = self.tracker.calls_per_run
             for name, stats in streaming.stats().items():
-                if name in planned.streamed and stats["passes"]:
-                    planned.passes_per_call[name] = stats["passes"] / runs
+                if name in planned.streamed and (calls.get(name) or stats["passes"]):
+                    # The last run's calls; where a stage runs the module itself, not
+                    # through its proxy, the passes streamed so far over the runs.
+                    planned.passes_per_call[name] = calls.get(name) or stats["passes"] / runs
         facts = memory.host_facts()
         budget_bytes, source = facts.budget_bytes, facts.source
         if self.host_memory is not None:
@@ -349,9 +352,10 @@ class Pipeline:
         return freed
 
     def _watch_host(self) -> None:
+        budget = self.host_budget_bytes()  # read once a run: it reads the host's facts
         if self.host_watch is None:
-            self.host_watch = HostWatch(self.host_budget_bytes(), self.relieve_host_memory)
-        self.host_watch.budget_bytes = self.host_budget_bytes()
+            self.host_watch = HostWatch(budget, self.relieve_host_memory)
+        self.host_watch.budget_bytes = budget
         self.host_watch.start()
 
     def _unwatch_host(self) -> None:
@@ -401,6 +405,7 @@ class Pipeline:
             upcast_bytes={
                 name: upcast for name, loader in loaders.items() if (upcast := _upcast(loader))
             },
+            calls_per_run=self.tracker.calls_per_run,
         )
 
     # -- running ------------------------------------------------------------------------
@@ -531,6 +536,7 @@ class Pipeline:
             finally:
                 self._current_index = None
             self._after_run()
+            self.tracker.run_finished()
         finally:
             self._unwatch_host()
         return state
@@ -679,6 +685,11 @@ class Pipeline:
         name = self._name_of(proxy)
         self._measured_bytes[name] = nbytes
         self.tracker.loaded(name, nbytes, seconds, exposed=not self.executor.in_prefetch_thread())
+
+    def component_called(self, proxy: LazyModule) -> None:
+        """A call of a component (its forward), counted per run (``run_started`` drops
+        the calls made between runs)."""
+        self.tracker.called(self._name_of(proxy))
 
     def after_wait(self, proxy: LazyModule, seconds: float) -> None:
         """A forward waited for a block that a pipelined load had not brought in yet."""

@@ -80,6 +80,8 @@ class MemoryTracker:
     host_peak_bytes: int = 0
     keep_runs: int = 4
     reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
+    # Per component, its calls in the last run that completed (``called``).
+    calls_per_run: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -95,6 +97,7 @@ class MemoryTracker:
         # Reset mode: the stage's peak before its compute began (its statistics reset then).
         self._peak_before_reset: int | None = None
         self._allocator_counts_at_start: tuple[int, int] | None = None
+        self._calls: dict[str, int] = {}
 
     @property
     def resident_bytes(self) -> int:
@@ -147,6 +150,17 @@ class MemoryTracker:
                 self._exposed += seconds
             self._record("wait", name, 0, seconds)
 
+    def called(self, name: str) -> None:
+        """``name`` was called (one forward pass) in the run under way."""
+        with self._lock:
+            self._calls[name] = self._calls.get(name, 0) + 1
+
+    def run_finished(self) -> None:
+        """A run completed: its calls per component become ``calls_per_run``."""
+        with self._lock:
+            self.calls_per_run = self._calls
+            self._calls = {}
+
     def run_started(self) -> None:
         """A run begins; events and stage records of older runs than ``keep_runs`` go.
 
@@ -155,6 +169,7 @@ class MemoryTracker:
         """
         with self._lock:
             self.runs += 1
+            self._calls = {}
             oldest = self.runs - self.keep_runs + 1
             if self.stages and self.stages[0].run < oldest:
                 self.stages = [s for s in self.stages if s.run >= oldest]
@@ -287,6 +302,7 @@ class MemoryTracker:
             "peak_resident_bytes": self.peak_resident_bytes,
             "host_peak_bytes": self.host_peak_bytes,
             "bytes_loaded": self.bytes_loaded,
+            "calls_per_run": dict(self.calls_per_run),
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
             "process_peak_rss_bytes": process_peak_rss_bytes(),
             "exposed_load_seconds": self.exposed_load_seconds(),

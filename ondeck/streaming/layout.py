@@ -20,6 +20,7 @@ __all__ = [
     "StreamingInputs",
     "evenly_spaced",
     "packed_offsets",
+    "plan_resident_streaming",
     "plan_streaming",
     "stream_layout",
     "streamed_blocks",
@@ -226,6 +227,8 @@ class StreamingInputs:
     previous: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # Measures the copy bandwidth; called only when something streams.
     measure: Callable[[], tuple[float, str]] | None = None
+    # Per component, its calls (forward passes) in the last run; empty before a run.
+    calls: Mapping[str, int] = field(default_factory=dict)
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:
@@ -378,3 +381,69 @@ def _streamed_in_stage(
         if rest + least + headroom <= budget:
             return picked
     return picked
+
+
+def plan_resident_streaming(
+    uses: Sequence[Any],
+    nbytes: Mapping[str, int],
+    *,
+    budget: int,
+    activation: Mapping[str, int | None],
+    inputs: StreamingInputs,
+) -> StreamingChoice | None:
+    """Streaming that keeps every component on the device from stage to stage, so that
+    no stage reloads one: the components called least often in a run stream (a text
+    encoder called twice, beside a transformer called every step), the most called keep
+    the most blocks; a stage's activations not measured yet get the same share of the
+    budget as in :func:`plan_streaming`. None while the components' calls are not known
+    (before a run completes), when everything fits whole, or when no such layout fits
+    ``budget``; the plan compares what it moves with what reloading moves.
+    """
+    components = list(dict.fromkeys(c for use in uses for c in use.components))
+    holding = [use for use in uses if use.components]
+    if not components:
+        return None
+    guess = int(budget * inputs.unmeasured_activation_fraction)
+    guessed = {use.name: guess for use in holding if activation.get(use.name) is None}
+    headroom = max((activation.get(use.name) or guess for use in holding), default=0)
+    if sum(nbytes[c] for c in components) + headroom <= budget:
+        return None
+    calls = inputs.calls
+
+    def least(component: str) -> int:
+        sizes = inputs.candidates[component]
+        return _layout_of(sizes, tuple(range(sizes.block_count)), inputs.slots).device_bytes
+
+    streamable = sorted(
+        (c for c in components if c in inputs.candidates and calls.get(c)),
+        key=lambda c: (calls[c], -nbytes[c], c),
+    )
+    streamed: list[str] = []
+
+    def need() -> int:
+        whole = sum(nbytes[c] for c in components if c not in streamed)
+        return whole + sum(least(c) for c in streamed) + headroom
+
+    for component in streamable:
+        if need() <= budget:
+            break
+        streamed.append(component)
+    if not streamed or need() > budget:
+        return None
+    room = budget - headroom - sum(nbytes[c] for c in components if c not in streamed)
+    still_least = sum(least(c) for c in streamed)
+    layouts: dict[str, StreamLayout] = {}
+    for component in sorted(streamed, key=lambda c: (-calls[c], c)):
+        still_least -= least(component)
+        layout = stream_layout(
+            inputs.candidates[component],
+            room - still_least,
+            slots=inputs.slots,
+            previous=inputs.previous.get(component, ()),
+        )
+        if layout is None:
+            return None
+        room -= layout.device_bytes
+        if layout.streamed:
+            layouts[component] = layout
+    return StreamingChoice(layouts=layouts, reserved=guessed) if layouts else None

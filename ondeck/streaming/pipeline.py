@@ -101,6 +101,7 @@ class BlockStreaming:
             unmeasured_activation_fraction=options.unmeasured_activation_fraction,
             measure=measure,
             previous=previous,
+            calls={name: calls for name, calls in snapshot.calls_per_run.items() if calls > 0},
         )
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:

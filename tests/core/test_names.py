@@ -8,19 +8,7 @@ import importlib
 import types
 from pathlib import Path
 
-import ondeck
-
-ROOT = Path(ondeck.__file__).parent
-
-
-def modules() -> dict[str, Path]:
-    found = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
-    return found
+from .test_layers import ROOT, modules
 
 
 def _private(name: str) -> bool:

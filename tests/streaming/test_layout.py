@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ondeck.planning import StageUse, build_plan
+from ondeck.planning import StageUse, build_plan, bytes_loaded_per_run, moved_per_run
 from ondeck.streaming import (
     BlockSizes,
     StreamingInputs,
@@ -13,7 +13,7 @@ from ondeck.streaming import (
     stream_layout,
 )
 from ondeck.streaming.host import HostCopies
-from ondeck.streaming.layout import streamed_blocks
+from ondeck.streaming.layout import plan_resident_streaming, streamed_blocks
 
 GiB = 2**30
 
@@ -250,3 +250,87 @@ def test_a_stage_with_two_large_components_streams_both():
     choice = plan_streaming(uses, sizes, budget=budget, activation={}, inputs=inputs)
     assert set(choice.layouts) == {"transformer", "transformer_2"}
     assert sum(layout.device_bytes for layout in choice.layouts.values()) <= budget
+
+
+# SD3.5 Large's shapes in round numbers: a T5-XXL of 24 blocks beside CLIPs, an 8B MMDiT
+# of 38 blocks. Each stage fits 22 GiB alone; together they do not.
+T5 = BlockSizes("encoder.block", (int(0.35 * GiB),) * 24, (int(0.35 * GiB),) * 24, GiB // 2)
+MMDIT = BlockSizes("transformer_blocks", (int(0.39 * GiB),) * 38, (int(0.39 * GiB),) * 38, GiB)
+IMAGE_USES = [
+    StageUse("encode", ("text_encoder", "text_encoder_3")),
+    StageUse("denoise", ("transformer",)),
+    StageUse("decode", ("vae",)),
+]
+IMAGE_SIZES = {
+    "text_encoder": int(1.5 * GiB),
+    "text_encoder_3": T5.total_bytes,
+    "transformer": MMDIT.total_bytes,
+    "vae": GiB // 4,
+}
+IMAGE_ACTIVATION = {"encode": GiB // 4, "denoise": int(1.5 * GiB), "decode": 2 * GiB}
+
+
+def _image_plan(calls):
+    inputs = StreamingInputs(
+        {"text_encoder_3": T5, "transformer": MMDIT},
+        unmeasured_activation_fraction=0.0,
+        calls=calls,
+    )
+    return build_plan(
+        IMAGE_USES,
+        IMAGE_SIZES,
+        policy="budget",
+        budget=22 * GiB,
+        activation=IMAGE_ACTIVATION,
+        streaming=inputs,
+    )
+
+
+def test_before_a_run_tells_the_calls_a_plan_reloads_what_does_not_fit_together():
+    plan = _image_plan({})
+    assert not plan.streamed
+    assert bytes_loaded_per_run(plan) > 20 * GiB  # the encoder and the transformer, each run
+
+
+def test_a_text_encoder_called_twice_streams_so_the_transformer_stays_resident():
+    plan = _image_plan({"text_encoder": 2, "text_encoder_3": 2, "transformer": 16})
+    assert set(plan.streamed) == {"text_encoder_3"}
+    assert plan.overflow() is None
+    assert bytes_loaded_per_run(plan) == 0
+    # Every component stays on the device in every stage of the steady run.
+    held = set(IMAGE_SIZES)
+    assert all(set(resident) == held for _, resident, _ in plan.stages)
+    streamed = plan.streamed["text_encoder_3"].bytes_per_pass * 2
+    assert moved_per_run(plan, {"text_encoder_3": 2}) == streamed < 20 * GiB
+    assert "keeps every component on the device" in str(plan)
+
+
+def test_the_component_called_least_streams_whatever_its_size():
+    # Here the encoder is called more often than the transformer: the transformer streams.
+    plan = _image_plan({"text_encoder": 2, "text_encoder_3": 20, "transformer": 2})
+    assert set(plan.streamed) == {"transformer"}
+    assert bytes_loaded_per_run(plan) == 0
+
+
+def test_resident_streaming_loses_to_reloading_when_it_would_move_more():
+    # At 16 GiB the transformer itself must stream as well: fifty calls of it cost more
+    # than reloading the encoder once a run.
+    inputs = StreamingInputs(
+        {"text_encoder_3": T5, "transformer": MMDIT},
+        unmeasured_activation_fraction=0.0,
+        calls={"text_encoder": 2, "text_encoder_3": 2, "transformer": 50},
+    )
+    plan = build_plan(
+        IMAGE_USES,
+        IMAGE_SIZES,
+        policy="budget",
+        budget=16 * GiB,
+        activation=IMAGE_ACTIVATION,
+        streaming=inputs,
+    )
+    kept = plan_resident_streaming(
+        IMAGE_USES, IMAGE_SIZES, budget=16 * GiB, activation=IMAGE_ACTIVATION, inputs=inputs
+    )
+    assert kept is not None and "transformer" in kept.layouts
+    assert bytes_loaded_per_run(plan) > 0  # the reloading plan won
+    assert "keeps every component on the device" not in str(plan)

@@ -321,6 +321,7 @@ class DiffusersRuntime(Pipeline):
             for index in range(len(self.stages)):
                 super()._after_stage(index, failed=False)
             self._after_run()
+        self.tracker.run_finished()
         self._learn(self._record)
 
     def _abort_call(self) -> None:
