@@ -167,3 +167,22 @@ def test_a_measured_need_is_counted_as_the_call_that_follows_counts_it(folders):
     decoder.measured(123_456)
     arguments = {"height": 32, "width": 32, "num_frames": 5}
     assert decoder.expected_need(arguments) == 123_456
+
+
+def test_what_running_out_proved_is_not_forgotten_by_a_later_measurement(folders, monkeypatch):
+    """A decode that ran out of memory in a room proved whole frames need more than that
+    room; a later tiled decode's measurement, which understates whole frames, must not
+    bring the next call back to the tiles that ran out."""
+    room = 10**6
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
+    pipe = load(folders["wan"])
+    transform, count = _running_out(1)
+    pipe.ondeck.add_transform("vae", transform)
+    run(pipe, ALL_FAMILIES["wan"])
+    decoder = pipe.ondeck.decoders["vae"]
+    assert count["raised"] == 1
+    proven = decoder.bytes_per_element
+    assert proven and proven * decoder.last_elements > room
+    decoder.measured(1)  # a measurement far below what running out proved
+    arguments = {"height": 32, "width": 32, "num_frames": 5}
+    assert decoder.expected_need(arguments) >= int(proven * decoder.last_elements)

@@ -197,6 +197,9 @@ class FittingDecode:
         # Whole frames' bytes per output element, measured (or, after running out of
         # memory, at least this much).
         self.bytes_per_element: float | None = None
+        # What running out of memory proved whole frames take at least, per element: a
+        # later measurement (of tiles, which understate whole frames) never goes below.
+        self.proven_bytes_per_element = 0.0
 
     # -- what the runtime asks ------------------------------------------------------------
 
@@ -211,7 +214,8 @@ class FittingDecode:
     def measured(self, nbytes: int) -> None:
         """The turn's measured peak for whole frames, kept per output element."""
         if self.last_elements and nbytes:
-            self.bytes_per_element = nbytes / self.last_elements
+            measured = nbytes / self.last_elements
+            self.bytes_per_element = max(measured, self.proven_bytes_per_element)
 
     def expected_need(self, arguments: dict[str, Any]) -> int | None:
         """What a whole-frame decode of the call given ``arguments`` takes, known before
@@ -269,8 +273,9 @@ class FittingDecode:
             retries += 1
             failed_area = tiles.area if tiles is not None else 1.0
             if room is not None:
-                at_least = TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA)
-                self.bytes_per_element = max(self.bytes_per_element or 0, at_least / elements)
+                at_least = TILE_SAFETY * max(room, 0) / (failed_area * RETRY_AREA) / elements
+                self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
+                self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
             if not made_room:
                 made_room = True
                 if self.runtime.make_room():
