@@ -228,10 +228,12 @@ class BlockStreamer:
 
     def _file_ring(self) -> FileRing:
         if self._ring is None:
-            count = self.file_reads.ring_count if self.file_reads else 1
+            planned = self.file_reads
             self._ring = FileRing(
-                count,
-                max(self.sizes.packed_bytes[b] for b in self._from_files),
+                planned.ring_count if planned else 1,
+                planned.ring_buffer_bytes
+                if planned
+                else max(self.sizes.packed_bytes[b] for b in self._from_files),
                 pinned=self._host.pinned,
                 read=self.read_block,
                 on_read=self._count_read,
