@@ -110,7 +110,7 @@ def plan_file_reads(
     room_bytes: int,
     *,
     ring_count: int = DEFAULT_RING_BUFFERS,
-    held: Mapping[str, Sequence[int]] = {},
+    held: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, FileReads], bool]:
     """Which streamed blocks are read from the files each pass so that the pinned host
     copies and rings fit ``room_bytes`` (the host budget less the process and the host
@@ -123,6 +123,7 @@ def plan_file_reads(
     When the rings alone do not fit, every streamed block is read from the files (the
     least host memory streaming can take) and the second value is False.
     """
+    held = held or {}
     streamed = {name: layout for name, layout in layouts.items() if layout.streamed}
     total = sum(layout.bytes_per_pass for layout in streamed.values())
     if total <= room_bytes or not streamed:

@@ -482,7 +482,8 @@ class _Armed:
             if slot.busy:  # a pass that raised never reached the block's end hook
                 self.copies.record(slot.free)
                 slot.busy = False
-        if self.ring is not None:
+        if self.ring is not None and self.passes == 1:
+            # Later passes' first blocks are asked for by the last copies of the pass before.
             self.ring.want(self._upcoming_from_files(-1))
         self._prefetch(0, len(self.slots))
 
