@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .memory import format_bytes, parse_bytes
+from .streaming.file_reads import SLOW_FILE_READS, FileReads, plan_file_reads
 from .streaming.layout import (
     StreamingChoice,
     StreamingInputs,
@@ -343,17 +344,19 @@ def simulate(
 @dataclass(frozen=True)
 class HostPlan:
     """The host pool: what the process holds now, the pinned host copies of streamed
-    blocks and the host cache's budget, against the host budget."""
+    blocks, the rings of blocks read from the files each pass, and the host cache's
+    budget, against the host budget."""
 
     budget_bytes: int
     source: str
     process_bytes: int
     pinned_bytes: int
     cache_bytes: int
+    ring_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        return self.process_bytes + self.pinned_bytes + self.cache_bytes
+        return self.process_bytes + self.pinned_bytes + self.ring_bytes + self.cache_bytes
 
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
@@ -363,14 +366,22 @@ class HostPlan:
             f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
             f"{format_bytes(self.budget_bytes)} ({self.source}): the process now "
             f"{format_bytes(self.process_bytes)}, pinned copies of streamed blocks "
-            f"{format_bytes(self.pinned_bytes)}, host cache {format_bytes(self.cache_bytes)}"
+            f"{format_bytes(self.pinned_bytes)}, "
+            + (
+                f"rings of blocks read from the files {format_bytes(self.ring_bytes)}, "
+                if self.ring_bytes
+                else ""
+            )
+            + f"host cache {format_bytes(self.cache_bytes)}"
         ]
         if not self.fits():
             lines.append(
                 f"host: over by {format_bytes(self.peak_bytes - self.budget_bytes)}; a run "
                 "stops with a HostMemoryError before the kernel would kill it once dropping "
                 "the host cache is not enough. What would fit: fp8 storage (--weights fp8) "
-                "halves the streamed copies, a smaller --host-cache, or a larger card"
+                "halves the streamed blocks' host memory, a lower resolution keeps more "
+                "blocks on the device, a smaller --host-cache, a larger --host-memory, or a "
+                "larger card"
             )
         return lines
 
@@ -405,6 +416,54 @@ class Plan:
     passes_per_call: dict[str, float] = field(default_factory=dict)
     # The host pool beside the device's (None where the plan was made without it).
     host: HostPlan | None = None
+    # Per streamed component whose pinned host copies do not all fit the host budget:
+    # the blocks read from the files each pass, and the rate those reads are taken at
+    # (bytes per second, where the figure comes from).
+    file_reads: dict[str, FileReads] = field(default_factory=dict)
+    read_rates: dict[str, tuple[float, str]] = field(default_factory=dict)
+    # False when even reading every streamed block from the files, the rings do not fit.
+    file_reads_fit: bool = True
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """The pinned host copies of streamed blocks the plan keeps."""
+        return sum(
+            layout.bytes_per_pass
+            - (self.file_reads[name].file_bytes_per_pass if name in self.file_reads else 0)
+            for name, layout in self.streamed.items()
+        )
+
+    @property
+    def ring_bytes(self) -> int:
+        """The rings that blocks read from the files each pass go through."""
+        return sum(reads.ring_bytes for reads in self.file_reads.values())
+
+    def file_read_notes(self) -> list[str]:
+        """What would do better where blocks are read from the files: where the rings do
+        not fit at all, or where reading makes a pass much slower than pinned copies."""
+        if not self.file_reads:
+            return []
+        if not self.file_reads_fit:
+            return [
+                f"host: even reading every streamed block from the files, their rings "
+                f"({format_bytes(self.ring_bytes)}) do not fit the host budget beside the "
+                "process and the host cache. What would fit: fp8 storage (--weights fp8) "
+                "halves the blocks and their rings, a lower resolution keeps more blocks on "
+                "the device, a larger host budget (--host-memory) or a smaller --host-cache"
+            ]
+        notes = []
+        copy_rate = self.transfer_bytes_per_second or 0
+        for name, reads in self.file_reads.items():
+            slowdown = reads.slowdown(self.streamed[name], copy_rate, self.read_rates[name][0])
+            if slowdown > SLOW_FILE_READS:
+                notes.append(
+                    f"{name}: reading blocks from the files makes a pass {slowdown:.1f}x as "
+                    "slow as pinned copies would. What would be faster: fp8 storage "
+                    "(--weights fp8) halves the bytes read, a lower resolution keeps more "
+                    "blocks on the device, a larger host budget (--host-memory) or a smaller "
+                    "--host-cache keeps more pinned copies"
+                )
+        return notes
 
     def _per_call(self, name: str, layout: StreamLayout, rate: float) -> str:
         """The bytes ``name`` streams per call and their transfer floor at ``rate``."""
@@ -467,6 +526,11 @@ class Plan:
         if self.streamed:
             return "; ".join(
                 f"streams {len(layout.streamed)} of {layout.block_count} {name} blocks"
+                + (
+                    f", {len(self.file_reads[name].from_files)} read from the files each pass"
+                    if name in self.file_reads
+                    else ""
+                )
                 for name, layout in self.streamed.items()
             )
         largest = max(self.component_bytes, key=self.component_bytes.get, default=None)
@@ -500,10 +564,22 @@ class Plan:
         if self.activation_note:
             lines.append(self.activation_note)
         if self.streamed:
-            lines.append("streaming (blocks that do not fit come from pinned host memory):")
+            lines.append(
+                "streaming (blocks that do not fit come from pinned host memory"
+                + (
+                    ", or from the files where their pinned copies do not fit the host budget"
+                    if self.file_reads
+                    else ""
+                )
+                + "):"
+            )
             rate = self.transfer_bytes_per_second or 0
             for name, layout in self.streamed.items():
-                lines.extend(layout.describe(name, rate, self.transfer_source))
+                reads = self.file_reads.get(name)
+                pinned = layout.bytes_per_pass - (reads.file_bytes_per_pass if reads else 0)
+                lines.extend(layout.describe(name, rate, self.transfer_source, pinned))
+                if reads is not None:
+                    lines.extend(reads.describe(layout, rate, *self.read_rates[name]))
                 lines.append(self._per_call(name, layout, rate))
         lines.extend(self.streaming_notes)
         if self.host is not None:
@@ -643,6 +719,17 @@ def _planned(
     )
     if choice.layouts and streaming is not None:
         plan_.transfer_bytes_per_second, plan_.transfer_source = streaming.bandwidth()
+        host = streaming.host
+        if host is not None:
+            plan_.file_reads, plan_.file_reads_fit = plan_file_reads(
+                choice.layouts,
+                streaming.candidates,
+                host.room_bytes,
+                ring_count=host.ring_buffers,
+                held=host.held,
+            )
+            plan_.read_rates = {name: host.read_rate(name) for name in plan_.file_reads}
+            plan_.streaming_notes.extend(plan_.file_read_notes())
     if policy == "budget" and not plan_.fits(budget):
         policy = "release"  # what would run if the budget allowed; the overflow is reported
     runs = simulate(

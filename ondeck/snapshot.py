@@ -57,6 +57,9 @@ class Snapshot:
     # Per component, its calls (forward passes) in the last run that completed; empty
     # before one has.
     calls_per_run: Mapping[str, int] = field(default_factory=dict)
+    # Host memory streamed blocks' pinned copies and rings may take (the host budget less
+    # the process and the host cache's budget); None where unknown.
+    host_room_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in (

@@ -178,6 +178,7 @@ class Pipeline:
         # The host budget: given, else from the machine and its cgroup (``host_facts``).
         self.host_memory = parse_bytes(host_memory)
         self.host_watch: HostWatch | None = None
+        self._run_host: tuple[int, str, int, int] | None = None  # the host pool, read once a run
         self.tracker = MemoryTracker(device=str(self.device))
         self.training = False
         self._run_lock = threading.Lock()
@@ -314,13 +315,10 @@ class Pipeline:
                     # The last run's calls; where a stage runs the module itself, not
                     # through its proxy, the passes streamed so far over the runs.
                     planned.passes_per_call[name] = calls.get(name) or stats["passes"] / runs
-        facts = memory.host_facts()
-        budget_bytes, source = facts.budget_bytes, facts.source
-        if self.host_memory is not None:
-            budget_bytes, source = self.host_memory, "given"
-        pinned = sum(layout.bytes_per_pass for layout in planned.streamed.values())
-        cache = sum(cache.budget_bytes for cache in self._host_caches())
-        planned.host = HostPlan(budget_bytes, source, facts.process_bytes, pinned, cache)
+        budget_bytes, source, process, cache = self.host_pool()
+        planned.host = HostPlan(
+            budget_bytes, source, process, planned.pinned_host_bytes, cache, planned.ring_bytes
+        )
         return planned
 
     # -- host memory --------------------------------------------------------------------
@@ -330,6 +328,29 @@ class Pipeline:
         if self.host_memory is not None:
             return self.host_memory
         return memory.host_facts().budget_bytes
+
+    def host_pool(self) -> tuple[int, str, int, int]:
+        """The host budget, where it comes from, what the process holds besides the host
+        copies, rings and host-cache entries ondeck holds (those the plan counts on their
+        own), and the host cache's budget. Read once a run while one is on, else now."""
+        if self._run_host is not None:
+            return self._run_host
+        facts = memory.host_facts()
+        budget_bytes, source = facts.budget_bytes, facts.source
+        if self.host_memory is not None:
+            budget_bytes, source = self.host_memory, "given"
+        caches = self._host_caches()
+        streaming = getattr(self.policy, "streaming", None)
+        held = sum(cache.resident_bytes for cache in caches)
+        held += streaming.host_bytes() if streaming is not None else 0
+        cache = sum(cache.budget_bytes for cache in caches)
+        return budget_bytes, source, max(0, facts.process_bytes - held), cache
+
+    def host_room_bytes(self) -> int:
+        """Host memory the streamed blocks' pinned copies and rings may take: the host
+        budget less the process and the host cache's budget."""
+        budget_bytes, _, process, cache = self.host_pool()
+        return budget_bytes - process - cache
 
     def _host_caches(self) -> list[Any]:
         caches: dict[int, Any] = {}
@@ -352,13 +373,16 @@ class Pipeline:
         return freed
 
     def _watch_host(self) -> None:
-        budget = self.host_budget_bytes()  # read once a run: it reads the host's facts
+        self._run_host = None
+        self._run_host = self.host_pool()  # read once a run: it reads the host's facts
+        budget = self._run_host[0]
         if self.host_watch is None:
             self.host_watch = HostWatch(budget, self.relieve_host_memory)
         self.host_watch.budget_bytes = budget
         self.host_watch.start()
 
     def _unwatch_host(self) -> None:
+        self._run_host = None
         if self.host_watch is not None:
             self.host_watch.stop()
             self.tracker.host_peak_bytes = max(
@@ -406,6 +430,7 @@ class Pipeline:
                 name: upcast for name, loader in loaders.items() if (upcast := _upcast(loader))
             },
             calls_per_run=self.tracker.calls_per_run,
+            host_room_bytes=self.host_room_bytes(),
         )
 
     # -- running ------------------------------------------------------------------------

@@ -45,9 +45,13 @@ class ComponentLoader(FolderLoader):
     ``placement`` (optional) may put some tensors elsewhere than ``device``: its
     ``destination(slot)`` returns ``(tensor, already_filled)``, or None for the usual
     place; ``finish(module)`` runs after a successful load, ``abort()`` after a failed
-    one, ``unload(module)`` on release. Block streaming keeps streamed blocks in host
-    memory this way (``ondeck.streaming``). A pipelined load with a placement reads the
-    placement's tensors first, then fills the device-resident blocks behind the compute.
+    one, ``unload(module)`` on release; ``file_source(slot, jobs_for)``, where it has one,
+    learns how each placed tensor is read (``jobs_for(destination)``: the reads that fill
+    a destination of its shape and dtype, casts included), for tensors it reads from the
+    files itself. Block streaming keeps streamed blocks in host memory this way, or reads
+    them from the files each pass (``ondeck.streaming``). A pipelined load with a
+    placement reads the placement's tensors first, then fills the device-resident blocks
+    behind the compute.
 
     ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
     would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
@@ -650,17 +654,26 @@ def _allocate(
             value = tensor
         values.append(value)
         via = fp8.rounding_dtype(info.dtype, slot.dtype, compute_dtype or slot.dtype)
-        # A tensor a single-file conversion assembles is read part by part into place.
-        for part, destination in pieces_of(info, tensor):
+        if given is not None and hasattr(placement, "file_source"):
+            placement.file_source(slot, functools.partial(_reads_into, info, via))
+        for job in _reads_into(info, via, tensor):
             if given is None:
-                jobs.append(reads.ReadJob(part, destination, via=via))
+                jobs.append(job)
                 if job_sources is not None:
                     job_sources.append(index)
                 if on_job is not None:
-                    on_job(jobs[-1])
+                    on_job(job)
             elif not filled:
-                placed.append(reads.ReadJob(part, destination, via=via))
+                placed.append(job)
     return jobs, values, placed
+
+
+def _reads_into(
+    info: TensorInfo, via: torch.dtype | None, destination: torch.Tensor
+) -> list[reads.ReadJob]:
+    """The reads that fill ``destination`` from ``info``: one, or, for a tensor a
+    single-file conversion assembles, one per part into its place."""
+    return [reads.ReadJob(part, into, via=via) for part, into in pieces_of(info, destination)]
 
 
 def _install(skeleton: Skeleton, sources, values, device: torch.device, allocated: list) -> None:

@@ -4,12 +4,13 @@ A denoising step calls a transformer's blocks in the same order every time. When
 stage cannot hold its component within the budget, the blocks that fit stay resident,
 evenly spaced along the list, and the others wait in pinned host memory (read once
 from the files) and are copied into a few device slots: the next streamed block on a
-side stream while the current one computes. On unified memory nothing streams: a host
-copy there frees nothing.
+side stream while the current one computes. Where the host budget has no room for the
+pinned copies, the blocks without one are read from the files each pass through a small
+pinned ring. On unified memory nothing streams: a host copy there frees nothing.
 
-``layout`` is the pure arithmetic the plan uses; ``host`` holds the host copies;
-``streamer`` is the runtime for one component; ``pipeline`` connects them to the
-budget policy.
+``layout`` is the pure arithmetic the plan uses, ``file_reads`` the host side of it;
+``host`` holds the host copies, ``file_ring`` the ring; ``streamer`` is the runtime for
+one component; ``pipeline`` connects them to the budget policy.
 """
 
 from .layout import (

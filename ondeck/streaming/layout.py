@@ -79,7 +79,9 @@ class StreamLayout:
     def transfer_seconds(self, bytes_per_second: float) -> float:
         return self.bytes_per_pass / bytes_per_second if bytes_per_second > 0 else float("inf")
 
-    def describe(self, component: str, bytes_per_second: float, source: str) -> list[str]:
+    def describe(
+        self, component: str, bytes_per_second: float, source: str, pinned_bytes: int | None = None
+    ) -> list[str]:
         return [
             f"  {component}.{self.path}: {len(self.resident)} of {self.block_count} blocks "
             f"resident (evenly spaced), {len(self.streamed)} streamed through "
@@ -88,7 +90,8 @@ class StreamLayout:
             f"{_seconds(self.transfer_seconds(bytes_per_second))} per pass at "
             f"{bytes_per_second / 1e9:.1f} GB/s ({source})",
             f"    on the device {format_bytes(self.device_bytes)}; pinned host copies "
-            f"{format_bytes(self.bytes_per_pass)}; streamed blocks {list(self.streamed)}",
+            f"{format_bytes(self.bytes_per_pass if pinned_bytes is None else pinned_bytes)}; "
+            f"streamed blocks {list(self.streamed)}",
         ]
 
 
@@ -229,6 +232,9 @@ class StreamingInputs:
     measure: Callable[[], tuple[float, str]] | None = None
     # Per component, its calls (forward passes) in the last run; empty before a run.
     calls: Mapping[str, int] = field(default_factory=dict)
+    # The host memory streamed blocks may take (``file_reads.HostRoom``); None: unknown,
+    # every streamed block keeps a pinned host copy.
+    host: Any = None
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:

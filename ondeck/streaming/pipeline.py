@@ -16,6 +16,12 @@ from typing import Any
 from .. import memory
 from ..lazy import is_loaded
 from ..loading.components import ComponentLoader
+from .file_reads import (
+    DEFAULT_READ_BYTES_PER_SECOND,
+    DEFAULT_READ_SOURCE,
+    DEFAULT_RING_BUFFERS,
+    HostRoom,
+)
 from .host import host_to_device_bytes_per_second
 from .layout import (
     DEFAULT_BANDWIDTH_SOURCE,
@@ -39,6 +45,10 @@ class StreamOptions:
     then emulates one: the tests run the streaming path that way). ``keep_host_copies``
     keeps streamed blocks' host copies across releases, so a reload reads only the
     resident part from the files; ``BlockStreaming.drop_host_copies()`` frees them.
+    Where the pinned copies do not fit the host budget, the blocks that do not fit are
+    read from the files each pass through a ring of ``file_ring_buffers`` pinned buffers;
+    ``read_bytes_per_second`` is the rate the plan assumes for those reads (None: as
+    measured, else a default).
     """
 
     slots: int = DEFAULT_SLOTS
@@ -46,6 +56,8 @@ class StreamOptions:
     unified: bool | None = None
     unmeasured_activation_fraction: float = UNMEASURED_ACTIVATION_FRACTION
     keep_host_copies: bool = True
+    file_ring_buffers: int = DEFAULT_RING_BUFFERS
+    read_bytes_per_second: float | None = None
 
 
 class BlockStreaming:
@@ -102,7 +114,37 @@ class BlockStreaming:
             measure=measure,
             previous=previous,
             calls={name: calls for name, calls in snapshot.calls_per_run.items() if calls > 0},
+            host=self._host_room(snapshot),
         )
+
+    def _host_room(self, snapshot: Any) -> HostRoom | None:
+        room = getattr(snapshot, "host_room_bytes", None)
+        if room is None:
+            return None
+        held = {}
+        for name, streamer in self.streamers.items():
+            if streamer.layout is not None and streamer.host_bytes:
+                held[name] = tuple(
+                    b for b in streamer.layout.streamed if b not in streamer.from_files
+                )
+        return HostRoom(room, self.options.file_ring_buffers, held, self.read_rate)
+
+    def read_rate(self, name: str) -> tuple[float, str]:
+        """How fast ``name``'s files read: given, else as its reads each pass measured,
+        else as its last load from the files did, else a default."""
+        if self.options.read_bytes_per_second:
+            return self.options.read_bytes_per_second, "given"
+        streamer = self.streamers.get(name)
+        if streamer is not None and streamer.stats.file_read_seconds > 0:
+            stats = streamer.stats
+            return stats.file_bytes_read / stats.file_read_seconds, "measured: its reads each pass"
+        loader = self._candidates.get(name, (None, None))[0]
+        seconds = getattr(loader, "last_read_seconds", 0) or 0
+        nbytes = getattr(loader, "last_load_bytes", 0) or 0
+        source = getattr(loader, "last_source", None) or ""
+        if seconds > 0 and nbytes and "host cache" not in source:
+            return nbytes / seconds, f"measured: its last load, from {source}"
+        return DEFAULT_READ_BYTES_PER_SECOND, DEFAULT_READ_SOURCE
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:
         if not isinstance(loader, ComponentLoader):
@@ -136,6 +178,7 @@ class BlockStreaming:
         """Give each component's loader the plan's layout (or none) before anything loads,
         and keep the activation bytes the plan reserves for streaming stages."""
         layouts: Mapping[str, StreamLayout] = plan.streamed
+        file_reads = getattr(plan, "file_reads", {})
         self.reserved = dict(plan.reserved_activation_bytes)
         for name, proxy in pipeline.deferred.items():
             known = self._candidates.get(name)
@@ -145,7 +188,12 @@ class BlockStreaming:
             if streamer is None:
                 continue
             layout = layouts.get(name)
-            if loader.placement is streamer and streamer.layout == layout:
+            from_files = file_reads.get(name) if layout is not None else None
+            if (
+                loader.placement is streamer
+                and streamer.layout == layout
+                and streamer.file_reads == from_files
+            ):
                 continue
             if loader.placement is None and layout is None:
                 continue
@@ -157,7 +205,7 @@ class BlockStreaming:
                 streamer.drop_host_copies()
                 self.streamers.pop(name, None)
             else:
-                streamer.use_layout(layout)
+                streamer.use_layout(layout, from_files)
                 loader.placement = streamer
                 self.streamers[name] = streamer
 
@@ -192,8 +240,16 @@ class BlockStreaming:
                 "copies": streamer.stats.copies,
                 "bytes_copied": streamer.stats.bytes_copied,
                 "host_bytes_read": streamer.stats.host_bytes_read,
+                "from_files_blocks": sorted(streamer.from_files),
+                "ring_bytes": streamer.ring_bytes,
+                "file_bytes_read": streamer.stats.file_bytes_read,
+                "file_read_seconds": streamer.stats.file_read_seconds,
             }
         return result
+
+    def host_bytes(self) -> int:
+        """Host memory the streamers hold now: pinned copies and rings."""
+        return sum(s.host_bytes + s.ring_bytes for s in self.streamers.values())
 
     def drop_host_copies(self) -> int:
         """Free host copies of components not loaded now; returns the bytes freed."""

@@ -6,17 +6,24 @@ the streamed blocks, and their parameters bound to views of a slot. A block's pr
 waits for its copy and binds it; it also starts copying the next streamed block into a
 slot whose block has finished, on a side CUDA stream. A slot is rewritten only after an
 event says the compute that read it is done. Release removes hooks and slots.
+
+Where the host budget holds no pinned copy of some streamed blocks (``FileReads``),
+those are read from the files on every pass into a small ring of pinned buffers
+(``file_ring``), ahead of need, and copied to a slot from there.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..loading import reads
 from ..loading.blocks import BlockLists, find_block_lists, find_blocks
+from .file_reads import FileReads
+from .file_ring import FileRing
 from .host import HostCopies
 from .layout import BlockSizes, StreamLayout, packed_offsets
 
@@ -29,6 +36,8 @@ class StreamStats:
     copies: int = 0  # block copies host to device
     bytes_copied: int = 0
     host_bytes_read: int = 0  # read from files into host copies
+    file_bytes_read: int = 0  # read from the files each pass (blocks without a host copy)
+    file_read_seconds: float = 0.0  # the time those reads took
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class BlockStreamer:
         self.device = torch.device(device)
         self.keep_host_copies = keep_host_copies
         self.layout: StreamLayout | None = None
+        self.file_reads: FileReads | None = None
         self.stats = StreamStats()
         self._tensors = tensors
         self._by_name = {
@@ -119,6 +129,11 @@ class BlockStreamer:
             for tensor in block_tensors
         }
         self._streamed: frozenset[int] = frozenset()
+        self._from_files: frozenset[int] = frozenset()
+        # Per block read from the files: for each of its tensors, the reads that fill a
+        # destination of its shape (as the loader reads it, casts included).
+        self._file_sources: dict[int, dict[str, Callable[[Any], list[reads.ReadJob]]]] = {}
+        self._ring: FileRing | None = None
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
@@ -138,8 +153,13 @@ class BlockStreamer:
     def armed(self) -> bool:
         return self._armed is not None
 
-    def use_layout(self, layout: StreamLayout) -> None:
-        """Stream by ``layout`` from the next load on. The component must not be loaded."""
+    @property
+    def ring_bytes(self) -> int:
+        return self._ring.nbytes if self._ring is not None else 0
+
+    def use_layout(self, layout: StreamLayout, file_reads: FileReads | None = None) -> None:
+        """Stream by ``layout`` from the next load on, the blocks ``file_reads`` names read
+        from the files each pass. The component must not be loaded."""
         with self._lock:
             if self._armed is not None:
                 raise RuntimeError(
@@ -147,8 +167,16 @@ class BlockStreamer:
                     "which blocks stream"
                 )
             self.layout = layout
+            self.file_reads = file_reads
             self._streamed = frozenset(layout.streamed)
-            self._host.keep_only({b: self.sizes.packed_bytes[b] for b in layout.streamed})
+            self._from_files = frozenset(file_reads.from_files if file_reads else ())
+            self._host.keep_only(
+                {
+                    b: self.sizes.packed_bytes[b]
+                    for b in layout.streamed
+                    if b not in self._from_files
+                }
+            )
 
     def drop_host_copies(self) -> int:
         """Free the host copies (not while the component is loaded); returns the bytes."""
@@ -171,11 +199,56 @@ class BlockStreamer:
         if found is None or found[0] not in self._streamed:
             return None
         block, tensor = found
+        if block in self._from_files:
+            # Read each pass, never at the load: until the module is armed its tensors
+            # view the ring (then they view the device slots, as every streamed block).
+            return _view(self._file_ring().stand_in(), tensor), True
         view = _view(self._host.region(block), tensor)
         filled = block in self._host.filled
         if not filled:
             self._reading += tensor.nbytes
         return view, filled
+
+    def file_source(self, slot: Any, jobs_for: Callable[[Any], list[reads.ReadJob]]) -> None:
+        """How the loader reads ``slot``'s tensor from the files into a destination of its
+        shape and dtype: kept for the blocks read from the files each pass."""
+        found = self._by_name.get(slot.names[0])
+        if found is not None and found[0] in self._from_files:
+            self._file_sources.setdefault(found[0], {})[slot.names[0]] = jobs_for
+
+    def read_block(self, block: int, buffer: Any) -> int:
+        """Read ``block`` from the files into ``buffer``, packed as in a slot."""
+        sources = self._file_sources[block]
+        jobs = [
+            job
+            for tensor in self._tensors[block]
+            for job in sources[tensor.names[0]](_view(buffer, tensor))
+        ]
+        return reads.read_into(jobs, progress=False, component=self.component).nbytes
+
+    def _file_ring(self) -> FileRing:
+        if self._ring is None:
+            planned = self.file_reads
+            self._ring = FileRing(
+                planned.ring_count if planned else 1,
+                planned.ring_buffer_bytes
+                if planned
+                else max(self.sizes.packed_bytes[b] for b in self._from_files),
+                pinned=self._host.pinned,
+                read=self.read_block,
+                on_read=self._count_read,
+            )
+        return self._ring
+
+    def _count_read(self, nbytes: int, seconds: float) -> None:
+        self.stats.file_bytes_read += nbytes
+        self.stats.file_read_seconds += seconds
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+        self._file_sources.clear()
 
     def finish(self, module: Any) -> None:
         """The load succeeded: arm the module for streaming."""
@@ -192,6 +265,7 @@ class BlockStreamer:
         with self._lock:
             self._reading = 0
             self._host.drop_unfilled()
+            self._close_ring()
 
     def unload(self, module: Any) -> None:
         """The component is being released: slots and hooks go; host copies stay if kept."""
@@ -199,6 +273,7 @@ class BlockStreamer:
             armed, self._armed = self._armed, None
             if armed is not None:
                 armed.detach()
+            self._close_ring()  # a few blocks' pinned buffers: they go with the module
             if not self.keep_host_copies:
                 self._host.clear()
 
@@ -206,6 +281,13 @@ class BlockStreamer:
 
     def host_region(self, block: int) -> Any:
         return self._host.region(block)
+
+    @property
+    def from_files(self) -> frozenset[int]:
+        return self._from_files
+
+    def ring(self) -> FileRing:
+        return self._file_ring()
 
     def placeholders(self, block: int) -> list[Any]:
         """Meta tensors standing for ``block``'s streamed tensors once the module is
@@ -273,6 +355,12 @@ class _DeviceCopies:
     def record(self, event: Any) -> None:
         event.record(self.torch.cuda.current_stream(self.device))
 
+    def copied(self) -> Any:
+        """An event the copies issued so far end with."""
+        event = self.torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
@@ -294,6 +382,9 @@ class _ImmediateCopies:
 
     def record(self, event: Any) -> None:
         pass
+
+    def copied(self) -> None:
+        return None
 
     def synchronize(self) -> None:
         pass
@@ -337,7 +428,15 @@ class _Armed:
         self.clock = 0
         blocks = streamer.lists.modules(module)
         self.targets: dict[int, list[tuple[Any, str, bool]]] = {}
-        self.sources = {block: streamer.host_region(block) for block in self.order}
+        self.from_files = streamer.from_files
+        self.sources = {
+            block: streamer.host_region(block)
+            for block in self.order
+            if block not in self.from_files
+        }
+        self.ring = streamer.ring() if self.from_files else None
+        if self.ring is not None:
+            self.ring.start()
         self.nbytes = {block: streamer.sizes.packed_bytes[block] for block in self.order}
         # Looked up once: get_submodule per tensor walks from the root each time (the
         # arming is on the load's path, before the stage can start).
@@ -383,7 +482,23 @@ class _Armed:
             if slot.busy:  # a pass that raised never reached the block's end hook
                 self.copies.record(slot.free)
                 slot.busy = False
+        if self.ring is not None and self.passes == 1:
+            # Later passes' first blocks are asked for by the last copies of the pass before.
+            self.ring.want(self._upcoming_from_files(-1))
         self._prefetch(0, len(self.slots))
+
+    def _upcoming_from_files(self, position: int) -> list[int]:
+        """The blocks read from the files that run after ``position`` in the order, as
+        many as the ring holds (into the next pass: its first blocks are read during the
+        last ones of this pass)."""
+        upcoming: list[int] = []
+        for step in range(1, len(self.order) + 1):
+            block = self.order[(position + step) % len(self.order)]
+            if block in self.from_files and block not in upcoming:
+                upcoming.append(block)
+                if len(upcoming) == len(self.ring.buffers):
+                    break
+        return upcoming
 
     def _follow(self, seen: list[int]) -> None:
         """Prefetch in the order ``seen``, then any streamed block it did not reach."""
@@ -447,10 +562,18 @@ class _Armed:
 
     def _issue(self, block: int, slot: _Slot) -> None:
         nbytes = self.nbytes[block]
-        slot.block, slot.used = block, False
-        self.copies.copy(
-            slot.buffer[:nbytes], self.sources[block], after=slot.free, done=slot.ready
-        )
+        source = self.sources.get(block)
+        if source is None:  # read from the files: its bytes come through the ring
+            source = self.ring.take(block)  # raises what a read raised: the slot stays as it was
+            slot.block, slot.used = block, False
+            self.copies.copy(
+                slot.buffer[:nbytes], source[:nbytes], after=slot.free, done=slot.ready
+            )
+            self.ring.give_back(block, self.copies.copied())
+            self.ring.want(self._upcoming_from_files(self.position[block]))
+        else:
+            slot.block, slot.used = block, False
+            self.copies.copy(slot.buffer[:nbytes], source, after=slot.free, done=slot.ready)
         self.stats.copies += 1
         self.stats.bytes_copied += nbytes
 
@@ -492,6 +615,7 @@ class _Armed:
             handle.remove()
         self.handles.clear()
         self.copies.synchronize()  # a prefetch may still be writing into a slot
+        self.ring = None  # the streamer closes it (``unload``)
         for block in self.targets:
             self._put(block, self.streamer.placeholders(block))
         for name in self.slot_names:
