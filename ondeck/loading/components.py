@@ -55,6 +55,8 @@ class ComponentLoader(FolderLoader):
     stays so by default.
     """
 
+    places_blocks = True
+
     def __init__(
         self,
         folder: ModelFolder | str | os.PathLike,
