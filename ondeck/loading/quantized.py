@@ -314,8 +314,8 @@ class QuantizedComponentLoader(FolderLoader):
         host cache, keyed on the file's identity and the compute dtype, and the module's
         skeleton beside it: a reload then builds the module from the config and copies
         the tensors in, neither reading nor dequantizing the file again. The skeleton is
-        built now, in the load, since a build changes torch's process-wide default dtype
-        for a moment and a reload may run in a prefetch thread."""
+        built here, beside transformers' own load (which sets torch's process-wide default
+        dtype for a moment too): a reload only copies it, changing no global state."""
         key = self._dequantized_key()
         loaded = _skeleton_of(module, self.dtype)
         infos = [

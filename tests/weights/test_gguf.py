@@ -71,14 +71,14 @@ def test_the_plan_of_a_gguf_component_reads_no_weights(gguf_base, gguf_file, mon
     assert not ondeck.is_loaded(pipe.transformer)
 
 
-@pytest.mark.parametrize("policy", ["release", "streaming"])
-def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, tmp_path, policy):
+@pytest.fixture(scope="module")
+def gguf_lora(gguf_base, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from .conftest import lora_state, transformer_file
 
     layers = lora_state(load_file(str(transformer_file(gguf_base))))
-    lora = tmp_path / "lora.safetensors"
+    lora = tmp_path_factory.mktemp("gguf-lora") / "lora.safetensors"
     save_file(
         {
             f"transformer.{layer}.lora_{part}.weight": matrix
@@ -87,8 +87,13 @@ def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, tmp_path, policy):
         },
         str(lora),
     )
-    expected = diffusers_gguf_frames(gguf_base, gguf_file[0], lora)
-    pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]}, loras=[lora])
+    return lora
+
+
+@pytest.mark.parametrize("policy", ["release", "streaming"])
+def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, gguf_lora, policy):
+    expected = diffusers_gguf_frames(gguf_base, gguf_file[0], gguf_lora)
+    pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]}, loras=[gguf_lora])
 
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
