@@ -59,6 +59,8 @@ class ComponentLoader(FolderLoader):
     stays so by default.
     """
 
+    places_blocks = True
+
     def __init__(
         self,
         folder: ModelFolder | str | os.PathLike,

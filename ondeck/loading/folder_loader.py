@@ -20,13 +20,16 @@ class FolderLoader(DeclaredLoader):
     :class:`~.quantized.QuantizedComponentLoader`: a :class:`ondeck.loader.Loader` for one
     component of ``folder``, built from :class:`~.options.LoadOptions`.
 
-    ``storage_dtype`` is the narrower dtype its weights are kept in (None: as they
-    compute); ``bytes_read`` the bytes it has read from the files, where it counts them
+    ``places_blocks``: it takes a ``placement`` (``ComponentLoader`` describes the protocol)
+    and a ``template`` (the module on the meta device as it loads), so block streaming
+    can keep some blocks in host memory. ``storage_dtype`` is the narrower dtype its
+    weights are kept in (None: as they compute); ``bytes_read`` the bytes it has read from the files, where it counts them
     (None: it does not); ``mesh`` the device mesh it shards over (None: it loads whole).
     """
 
     # Each call builds a new module, so a LazyModule may free its storage on release.
     returns_fresh_module = True
+    places_blocks = False
     storage_dtype: torch.dtype | None = None
     bytes_read: int | None = None
     mesh = None

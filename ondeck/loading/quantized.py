@@ -14,9 +14,14 @@ its library, which applies the quantizer the config names:
 
 Like any other component it loads on first use and is freed on release. A GGUF
 component's quantized bytes also sit in the host cache, when one is given, so a reload
-copies them from host memory. ondeck's own reader, pipelined loading, block streaming,
-fp8 storage and sharding do not apply to quantized components, and asking for them is
-refused before anything loads.
+copies them from host memory. A GGUF diffusers model streams by blocks: its ``template``
+is the module diffusers builds, on the meta device from the file's header (the quantized
+tensors as ``GGUFParameter``, in their stored bytes), and under a ``placement`` it is
+built in host memory, its streamed blocks' bytes copied to their host copies and the rest
+moved to the device; each streamed tensor comes back as a ``GGUFParameter`` of its
+quantization type, so the layers dequantize as they do loaded whole. ondeck's own reader,
+pipelined loading, fp8 storage and sharding do not apply to quantized components, and
+asking for them is refused before anything loads.
 
 A ``.gguf`` single file given for a component (``ondeck.loading.single_file``) loads the
 same way, with the base folder's config.
@@ -24,6 +29,7 @@ same way, with the base folder's config.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -38,6 +44,7 @@ from .folder_loader import FolderLoader
 from .model_folder import ModelFolder
 from .options import LoadOptions
 from .safetensors_format import TensorInfo
+from .skeleton import Skeleton, Slot, build_skeleton, get_tensor, module_paths, set_tensor
 
 __all__ = [
     "PACKAGES",
@@ -123,6 +130,11 @@ class QuantizedComponentLoader(FolderLoader):
         # quantized weights come from their files every load.
         super().__init__(folder, name, options)
         self._gguf_layout: dict[str, tuple[torch.dtype, tuple[int, ...], Any]] | None = None
+        self._template: Skeleton | None = None
+        # A transformers model's dequantized tensors in the host cache: (their key, the
+        # module's skeleton, the tensors as that load made them).
+        self._dequantized: tuple[tuple, Skeleton, list[Slot]] | None = None
+        self.placement: Any = None  # block streaming's host copies (``ComponentLoader``'s)
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
         given = (getattr(self.folder, "gguf_files", None) or {}).get(name)
@@ -163,8 +175,6 @@ class QuantizedComponentLoader(FolderLoader):
                     component=name,
                     path=str(config_path),
                 )
-            if through_transformers:
-                self.host_cache = None  # loaded dequantized: the file is what is small
             self.path = given if given is not None else _gguf_file(self.directory, name)
         else:
             self.host_cache = None
@@ -205,6 +215,29 @@ class QuantizedComponentLoader(FolderLoader):
             cls=self.cls, config=config, dtype=self.dtype, device=self.device, nbytes=self._nbytes
         )
 
+    @property
+    def places_blocks(self) -> bool:
+        """A GGUF diffusers model can stream by blocks (transformers' GGUF loading
+        dequantizes into a module of its own making, other quantizers' layers are theirs)."""
+        return self.method == "gguf" and self.library == "diffusers"
+
+    @property
+    def template(self) -> Skeleton:
+        """The module as diffusers loads it, on the meta device: the file's header only."""
+        if self._template is None:
+            if not self.places_blocks:
+                raise LoadError(
+                    f"component '{self.name}': a {self.method}-quantized {self.library} model "
+                    "has no meta template (it cannot stream)",
+                    component=self.name,
+                )
+            self._template = self._gguf_template()
+        return self._template
+
+    def unload(self, module: Any) -> None:
+        if self.placement is not None:
+            self.placement.unload(module)
+
     def __call__(self) -> torch.nn.Module:
         started = time.perf_counter()
         try:
@@ -226,34 +259,164 @@ class QuantizedComponentLoader(FolderLoader):
 
     def _load(self) -> torch.nn.Module:
         if self.method == "gguf" and self.library == "transformers":
+            cached = self._dequantized_from_cache() if self.host_cache is not None else None
+            if cached is not None:
+                return cached
             self.last_source = "file"
             options = {"torch_dtype": self.dtype, "local_files_only": True}
             if self.device.type != "cpu":
                 options["device_map"] = {"": str(self.device)}
-            return self.cls.from_pretrained(
+            module = self.cls.from_pretrained(
                 str(self.path.parent),
                 gguf_file=str(self.path),
                 config=self.cls.config_class.from_pretrained(str(self.directory)),
                 **options,
             )
+            if self.host_cache is not None:
+                self._keep_dequantized(module)
+            return module
         if self.method == "gguf":
             from diffusers import GGUFQuantizationConfig
 
             self.last_source = "file"
             source = self._cached_gguf() if self.host_cache is not None else str(self.path)
-            return self.cls.from_single_file(
-                source,
-                config=str(self.directory),
-                quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
-                torch_dtype=self.dtype,
-                device=str(self.device),
-                local_files_only=True,
-            )
+            placement = self.placement
+            try:
+                module = self.cls.from_single_file(
+                    source,
+                    config=str(self.directory),
+                    quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
+                    torch_dtype=self.dtype,
+                    # Placed, it is built in host memory: the streamed blocks stay there.
+                    device="cpu" if placement is not None else str(self.device),
+                    local_files_only=True,
+                )
+                if placement is not None:
+                    self._place(module, placement)
+            except BaseException:
+                if placement is not None:
+                    placement.abort()
+                raise
+            return module
         self.last_source = "file"
         options: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
         if self.device.type != "cpu":
             options["device_map"] = {"": str(self.device)}
         return self.cls.from_pretrained(str(self.directory), **options)
+
+    def _dequantized_key(self) -> tuple:
+        status = self.path.stat()
+        identity = (str(self.path.resolve()), status.st_size, status.st_mtime_ns)
+        return ("gguf dequantized", *identity, self.cls.__qualname__, str(self.dtype))
+
+    def _keep_dequantized(self, module: torch.nn.Module) -> None:
+        """Put what transformers made of the GGUF file (its tensors, dequantized) in the
+        host cache, keyed on the file's identity and the compute dtype, and the module's
+        skeleton beside it: a reload then builds the module from the config and copies
+        the tensors in, neither reading nor dequantizing the file again. The skeleton is
+        built here, beside transformers' own load (which sets torch's process-wide default
+        dtype for a moment too): a reload only copies it, changing no global state."""
+        key = self._dequantized_key()
+        loaded = _skeleton_of(module, self.dtype)
+        infos = [
+            TensorInfo(slot.names[0], torch.uint8, (slot.nbytes,), 0, slot.nbytes, str(self.path))
+            for slot in loaded.slots
+        ]
+        buffers = self.host_cache.reserve(key, infos)
+        if buffers is None:
+            return
+        try:
+            template = build_skeleton(self.cls, self.directory, self.dtype, component=self.name)
+            for slot in loaded.slots:
+                tensor = get_tensor(module, slot.names[0]).detach().contiguous()
+                buffers[slot.names[0]].copy_(tensor.reshape(-1).view(torch.uint8))
+        except BaseException:
+            self.host_cache.discard(key)
+            raise
+        self.host_cache.commit(key, buffers)
+        self._dequantized = (key, template, loaded.slots)
+
+    def _dequantized_from_cache(self) -> torch.nn.Module | None:
+        """The module from the host cache's dequantized tensors (see
+        :meth:`_keep_dequantized`); None when the cache holds none for the file as it is."""
+        kept = self._dequantized
+        if kept is None or kept[0] != self._dequantized_key():
+            return None
+        key, template, slots = kept
+        entry = self.host_cache.get(key)
+        if entry is None:
+            return None
+        held = {name: slot for slot in slots for name in slot.names}
+        skeleton = template.fresh()
+        module = skeleton.module
+        modules = module_paths(module)
+        for slot in skeleton.slots:
+            source = held.get(slot.names[0])
+            if source is None:
+                return None  # the config builds a tensor the file did not give
+            data = entry[source.names[0]].view(source.dtype).view(source.shape)
+            data = data.to(self.device) if self.device.type != "cpu" else data.clone()
+            value = (
+                torch.nn.Parameter(data, requires_grad=source.requires_grad)
+                if slot.is_parameter
+                else data
+            )
+            for name in slot.names:
+                set_tensor(module, name, value, parameter=slot.is_parameter, modules=modules)
+        for names in skeleton.extra_buffers.values():
+            computed = get_tensor(module, names[0]).to(self.device)
+            for name in names:
+                set_tensor(module, name, computed, parameter=False, modules=modules)
+        if hasattr(module, "tie_weights"):
+            module.tie_weights()
+        self.last_source = "host cache"
+        return module
+
+    def _gguf_template(self) -> Skeleton:
+        from diffusers import GGUFQuantizationConfig
+        from diffusers.quantizers.gguf.utils import GGUFParameter
+
+        checkpoint = {}
+        for name, dtype, shape, quant_type in _gguf_header(self.path, self.name):
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            checkpoint[name] = (
+                GGUFParameter(meta, quant_type=quant_type) if quant_type is not None else meta
+            )
+        try:
+            module = self.cls.from_single_file(
+                checkpoint,
+                config=str(self.directory),
+                quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
+                torch_dtype=self.dtype,
+                device="meta",
+                local_files_only=True,
+            )
+        except Exception as error:
+            raise LoadError(
+                f"component '{self.name}' from {self.path}: building it from the GGUF header "
+                f"failed with {type(error).__name__}: {error}",
+                component=self.name,
+                path=str(self.path),
+            ) from error
+        return _skeleton_of(module, self.dtype)
+
+    def _place(self, module: torch.nn.Module, placement: Any) -> None:
+        """``module`` (built in host memory) as its placement wants it: each streamed
+        tensor's bytes in its host copy (unless held there already), every other tensor
+        moved to the device, then armed (``placement.finish``)."""
+        streamed: set[str] = set()
+        for slot in self.template.slots:
+            given = placement.destination(slot)
+            if given is None:
+                continue
+            host, filled = given
+            if not filled:
+                with torch._C.DisableTorchFunctionSubclass():
+                    host.copy_(get_tensor(module, slot.names[0]))
+            streamed.update(slot.names)
+        if self.device.type != "cpu":
+            _move_tensors(module, self.device, skip=streamed)
+        placement.finish(module)
 
     def _cached_gguf(self) -> dict[str, torch.Tensor]:
         """The GGUF checkpoint as diffusers reads it (``load_gguf_checkpoint``), served
@@ -322,6 +485,85 @@ def _gguf_file(directory: Path, name: str) -> Path:
     return found[0]
 
 
+def _gguf_header(path: Path, name: str) -> list[tuple[str, torch.dtype, tuple[int, ...], Any]]:
+    """``(name, dtype, shape, quantization type)`` of each tensor as diffusers'
+    ``load_gguf_checkpoint`` makes it: F32 and F16 as tensors of theirs (type None), any
+    other type as its bytes (uint8), rows of quantized blocks. Reads the header only."""
+    import gguf
+    import numpy
+
+    reader = _gguf_reader(path, name)
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    return [
+        (
+            tensor.name,
+            torch.from_numpy(numpy.empty(0, dtype=tensor.data.dtype)).dtype,
+            tuple(int(size) for size in tensor.data.shape),
+            None if tensor.tensor_type in plain else tensor.tensor_type,
+        )
+        for tensor in reader.tensors
+    ]
+
+
+def _skeleton_of(module: torch.nn.Module, dtype: torch.dtype) -> Skeleton:
+    """The skeleton of ``module`` with its tensors as they are (on the meta device for a
+    template): one slot per tensor (tied names together), a GGUF parameter's slot wrapping
+    its views back into one of its type; buffers the model computes (not persistent)
+    apart."""
+    slots: dict[int, Slot] = {}
+    extra_buffers: dict[int, list[str]] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        tables = ((submodule._parameters, True), (submodule._buffers, False))
+        for table, is_parameter in tables:
+            for attribute, tensor in table.items():
+                if tensor is None:
+                    continue
+                name = f"{dot}{attribute}"
+                if not is_parameter and attribute in submodule._non_persistent_buffers_set:
+                    extra_buffers.setdefault(id(tensor), []).append(name)
+                elif id(tensor) in slots:
+                    slots[id(tensor)].names.append(name)
+                else:
+                    slots[id(tensor)] = Slot(
+                        [name],
+                        is_parameter,
+                        tuple(tensor.shape),
+                        tensor.dtype,
+                        tensor.requires_grad,
+                        _wrap_of(tensor),
+                    )
+    return Skeleton(module, list(slots.values()), extra_buffers, library="diffusers", dtype=dtype)
+
+
+def _wrap_of(tensor: torch.Tensor) -> Any:
+    quant_type = getattr(tensor, "quant_type", None)
+    if quant_type is None:
+        return None
+    return functools.partial(type(tensor), quant_type=quant_type)
+
+
+def _move_tensors(module: torch.nn.Module, device: torch.device, skip: set[str]) -> None:
+    """Every parameter and buffer of ``module`` not named in ``skip`` moved to ``device``,
+    keeping its class (a GGUF parameter keeps its quantization type through ``to``) and
+    tied tensors tied."""
+    moved: dict[int, torch.Tensor] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for table in (submodule._parameters, submodule._buffers):
+            for attribute, tensor in list(table.items()):
+                if tensor is None or f"{dot}{attribute}" in skip:
+                    continue
+                if id(tensor) not in moved:
+                    value = tensor.to(device)
+                    if isinstance(tensor, torch.nn.Parameter) and not isinstance(
+                        value, torch.nn.Parameter
+                    ):
+                        value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+                    moved[id(tensor)] = value
+                table[attribute] = moved[id(tensor)]
+
+
 def _compute_dtype(config: dict) -> torch.dtype:
     settings = config.get("quantization_config") or {}
     named = settings.get("compute_dtype") if isinstance(settings, dict) else None
@@ -346,15 +588,7 @@ def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int]]:
     header."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as error:
-        raise LoadError(
-            f"component '{name}': {path} is not a readable GGUF file "
-            f"({type(error).__name__}: {error})",
-            component=name,
-            path=str(path),
-        ) from error
+    reader = _gguf_reader(path, name)
     floats = {
         gguf.GGMLQuantizationType.F32,
         gguf.GGMLQuantizationType.F16,
@@ -364,6 +598,20 @@ def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int]]:
         (tensor.name, tensor.tensor_type in floats, int(tensor.n_elements), int(tensor.n_bytes))
         for tensor in reader.tensors
     ]
+
+
+def _gguf_reader(path: Path, name: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as error:
+        raise LoadError(
+            f"component '{name}': {path} is not a readable GGUF file "
+            f"({type(error).__name__}: {error})",
+            component=name,
+            path=str(path),
+        ) from error
 
 
 def _computed_buffer_bytes(cls: type, library: str, config: dict) -> int:

@@ -47,6 +47,9 @@ class Slot:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    # Makes a view of the slot's bytes into the module's tensor where that is not a plain
+    # parameter or buffer (a GGUF parameter, which carries its quantization type).
+    wrap: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,6 @@ from typing import Any
 
 from .. import memory
 from ..lazy import is_loaded
-from ..loading.components import ComponentLoader
 from .file_reads import (
     DEFAULT_READ_BYTES_PER_SECOND,
     DEFAULT_READ_SOURCE,
@@ -147,8 +146,8 @@ class BlockStreaming:
         return DEFAULT_READ_BYTES_PER_SECOND, DEFAULT_READ_SOURCE
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:
-        if not isinstance(loader, ComponentLoader):
-            return None  # only ComponentLoader can place weights in host memory
+        if not getattr(loader, "places_blocks", False):
+            return None  # only a loader taking a placement can put weights in host memory
         with self._lock:
             known = self._candidates.get(name)
             if known is not None and known[0] is loader:

@@ -51,6 +51,7 @@ class _Tensor:
     shape: tuple[int, ...]
     is_parameter: bool
     requires_grad: bool
+    wrap: Any = None  # makes a view into the module's tensor (a GGUF parameter); None: plain
 
 
 def describe_blocks(
@@ -80,6 +81,7 @@ def describe_blocks(
                     tuple(slot.shape),
                     slot.is_parameter,
                     slot.requires_grad,
+                    slot.wrap,
                 )
                 for slot, offset in zip(slots, offsets, strict=True)
             )
@@ -301,7 +303,9 @@ class BlockStreamer:
             with torch.inference_mode(False):
                 for tensor in self._tensors[block]:
                     meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                    if tensor.is_parameter:
+                    if tensor.wrap is not None:
+                        meta = tensor.wrap(meta)
+                    elif tensor.is_parameter:
                         meta = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
                     made.extend([meta] * len(tensor.names))
             self._placeholders[block] = made
@@ -590,7 +594,9 @@ class _Armed:
         with torch.inference_mode(False):
             for tensor in self.streamer.block_tensors(block):
                 view = _view(slot.buffer, tensor)
-                if tensor.is_parameter:
+                if tensor.wrap is not None:
+                    view = tensor.wrap(view)
+                elif tensor.is_parameter:
                     view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
                 values.extend([view] * len(tensor.names))
         slot.bound[block] = values

@@ -7,7 +7,7 @@ import pytest
 
 import ondeck
 
-from .conftest import frames, load, reference_frames
+from .conftest import frames, load, reference_frames, streamed_passes
 
 pytest.importorskip("gguf")
 
@@ -71,13 +71,14 @@ def test_the_plan_of_a_gguf_component_reads_no_weights(gguf_base, gguf_file, mon
     assert not ondeck.is_loaded(pipe.transformer)
 
 
-def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, tmp_path):
+@pytest.fixture(scope="module")
+def gguf_lora(gguf_base, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from .conftest import lora_state, transformer_file
 
     layers = lora_state(load_file(str(transformer_file(gguf_base))))
-    lora = tmp_path / "lora.safetensors"
+    lora = tmp_path_factory.mktemp("gguf-lora") / "lora.safetensors"
     save_file(
         {
             f"transformer.{layer}.lora_{part}.weight": matrix
@@ -86,44 +87,106 @@ def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, tmp_path):
         },
         str(lora),
     )
-    expected = diffusers_gguf_frames(gguf_base, gguf_file[0], lora)
-    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]}, loras=[lora])
+    return lora
+
+
+@pytest.mark.parametrize("policy", ["release", "streaming"])
+def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, gguf_lora, policy):
+    expected = diffusers_gguf_frames(gguf_base, gguf_file[0], gguf_lora)
+    pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]}, loras=[gguf_lora])
 
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
 
 
-def test_a_gguf_component_that_would_have_to_stream_says_so(gguf_base, gguf_file):
-    from ondeck.policy import BudgetPolicy
-    from ondeck.streaming import StreamOptions
+def _file_bytes_of_blocks(path, blocks) -> tuple[int, int]:
+    """(the bytes the GGUF file stores for ``blocks`` of the transformer, quantized as
+    stored; their bytes dequantized to float32), from its header."""
+    import gguf
 
-    whole = load(gguf_base, "release", components={"transformer": gguf_file[0]})
-    budget = whole.ondeck.plan().component_bytes["transformer"] // 2
-    streaming = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
-    policy = BudgetPolicy(budget, streaming=streaming)
-
-    # GGUF tensors stay in diffusers' GGUFParameter, which block streaming does not move:
-    # refused by the plan, before a byte is read.
-    with pytest.raises(ondeck.BudgetError, match="nothing was loaded"):
-        pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]})
-        frames(pipe)
+    names = [["blocks", str(block)] for block in blocks]
+    tensors = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.split(".")[:2] in names]
+    return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) * 4 for t in tensors)
 
 
-def test_a_gguf_component_reloads_from_the_host_cache(
-    gguf_base, gguf_file, gguf_reference, monkeypatch
+def test_a_gguf_transformer_that_does_not_fit_streams_its_blocks(
+    gguf_base, gguf_file, gguf_reference
+):
+    pipe = load(gguf_base, "streaming", components={"transformer": gguf_file[0]})
+
+    assert np.array_equal(frames(pipe), gguf_reference)
+    assert np.array_equal(frames(pipe), gguf_reference)
+    stats = pipe.ondeck.policy.streaming.stats()["transformer"]
+    assert streamed_passes(pipe) > 0 and stats["streamed_blocks"]
+    streamed = pipe.transformer.materialize().blocks[stats["streamed_blocks"][0]]
+    weight = streamed.attn1.to_q.weight
+    assert type(weight).__name__ == "GGUFParameter", "streams quantized"
+    assert weight.quant_type == gguf_quant_type("Q8_0")
+
+
+def test_gguf_streaming_counts_the_quantized_bytes(gguf_base, gguf_file):
+    pipe = load(gguf_base, "streaming", components={"transformer": gguf_file[0]})
+    layout = pipe.ondeck.plan().streamed["transformer"]
+
+    quantized, dequantized = _file_bytes_of_blocks(gguf_file[0], layout.streamed)
+    assert layout.bytes_per_pass == quantized < dequantized
+    frames(pipe)
+    stats = pipe.ondeck.policy.streaming.stats()["transformer"]
+    assert stats["host_copy_bytes"] == quantized
+
+
+def gguf_quant_type(name: str):
+    import gguf
+
+    return getattr(gguf.GGMLQuantizationType, name)
+
+
+def make_unreadable(monkeypatch, path) -> None:
+    """From now on, opening ``path`` fails (as root too, unlike a chmod)."""
+    import builtins
+    import os
+
+    target = os.path.realpath(path)
+
+    def refusing(opener):
+        def opened(file, *args, **kwargs):
+            if isinstance(file, str | bytes | os.PathLike):
+                if os.path.realpath(os.fsdecode(file)) == target:
+                    raise PermissionError(f"{path} is read again")
+            return opener(file, *args, **kwargs)
+
+        return opened
+
+    monkeypatch.setattr(builtins, "open", refusing(builtins.open))
+    monkeypatch.setattr(os, "open", refusing(os.open))
+    gguf = pytest.importorskip("gguf")
+    with pytest.raises(PermissionError):
+        gguf.GGUFReader(str(path))
+
+
+@pytest.mark.parametrize("policy", ["release", "streaming"])
+def test_a_gguf_transformer_reloads_from_the_host_cache_without_reading_the_file(
+    gguf_base, gguf_file, gguf_reference, monkeypatch, policy
 ):
     from ondeck.loading import HostCache
 
     monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
     cache = HostCache(budget_bytes=2**30, pin=False)
-    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]}, host_cache=cache)
+    pipe = load(gguf_base, policy, components={"transformer": gguf_file[0]}, host_cache=cache)
     loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
-
     assert np.array_equal(frames(pipe), gguf_reference)
     assert loader.last_source == "file"
-    assert np.array_equal(frames(pipe), gguf_reference)
-    assert loader.last_source == "host cache"
-    assert np.array_equal(frames(pipe), gguf_reference), "the entry outlives a release"
+
+    make_unreadable(monkeypatch, gguf_file[0])
+    for _ in range(2):  # the entry outlives a release
+        pipe.transformer.release()
+        assert np.array_equal(frames(pipe), gguf_reference)
+        assert loader.last_source == "host cache"
+    assert pipe.transformer.load_count >= 3
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
 
 
 @pytest.mark.parametrize("policy", ["release", "budget"])
@@ -149,3 +212,23 @@ def test_a_gguf_text_encoder_loads_through_transformers(base, text_encoder_gguf,
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
     assert pipe.ondeck.plan().component_bytes["text_encoder"] > 0
+
+
+def test_a_gguf_text_encoder_reloads_from_the_host_cache_without_reading_the_file(
+    base, text_encoder_gguf, monkeypatch
+):
+    from ondeck.loading import HostCache
+
+    expected = frames(load(base, "release", components={"text_encoder": text_encoder_gguf}))
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    pipe = load(base, "release", components={"text_encoder": text_encoder_gguf}, host_cache=cache)
+    loader = object.__getattribute__(pipe.text_encoder, "_ondeck_loader")
+    assert np.array_equal(frames(pipe), expected)
+    assert loader.last_source == "file"
+
+    make_unreadable(monkeypatch, text_encoder_gguf)
+    for _ in range(2):  # the entry outlives a release
+        assert np.array_equal(frames(pipe), expected)
+        assert loader.last_source == "host cache"
+    assert pipe.text_encoder.load_count == 3
