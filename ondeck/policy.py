@@ -309,8 +309,11 @@ class BudgetPolicy(Policy):
     would raise the run's peak (``plan.budget_step``). With ``streaming`` (on by
     default; a ``StreamOptions`` tunes it), a stage too large for the budget keeps what
     fits of its largest component's repeated blocks on the device and streams the rest
-    from pinned host memory (``ondeck.streaming``); not on unified memory, where it
-    would free nothing.
+    from pinned host memory, or from the files where their pinned copies do not fit the
+    host budget (``ondeck.streaming``); not on unified memory, where it would free
+    nothing. Once a run has counted each component's calls, a plan that would reload
+    components every run may instead stream the least-called ones so that every component
+    stays resident (``plan_resident_streaming``).
     """
 
     name = "budget"
