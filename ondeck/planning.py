@@ -624,30 +624,24 @@ def build_plan(
             kept = plan_resident_streaming(
                 uses, component_bytes, budget=budget, activation=activation, inputs=streaming
             )
-    planned = _planned(
-        uses,
-        component_bytes,
-        choice,
-        streaming,
-        policy,
-        budget,
-        activation,
-        activation_note,
-        prefetch,
-    )
+
+    def planned_with(streamed: StreamingChoice) -> Plan:
+        return _planned(
+            uses,
+            component_bytes,
+            streamed,
+            streaming,
+            policy,
+            budget,
+            activation,
+            activation_note,
+            prefetch,
+        )
+
+    planned = planned_with(choice)
     if kept is None:
         return planned
-    resident = _planned(
-        uses,
-        component_bytes,
-        kept,
-        streaming,
-        policy,
-        budget,
-        activation,
-        activation_note,
-        prefetch,
-    )
+    resident = planned_with(kept)
     if resident.overflow() is not None:
         return planned
     reloading, staying = (

@@ -415,20 +415,22 @@ def plan_resident_streaming(
     if sum(nbytes[c] for c in components) + headroom <= budget:
         return None
     calls = inputs.calls
-
-    def least(component: str) -> int:
-        sizes = inputs.candidates[component]
-        return _layout_of(sizes, tuple(range(sizes.block_count)), inputs.slots).device_bytes
-
     streamable = sorted(
         (c for c in components if c in inputs.candidates and calls.get(c)),
         key=lambda c: (calls[c], -nbytes[c], c),
     )
+    # What each takes on the device streaming every block: its non-block parts and slots.
+    least = {
+        c: _layout_of(
+            inputs.candidates[c], tuple(range(inputs.candidates[c].block_count)), inputs.slots
+        ).device_bytes
+        for c in streamable
+    }
     streamed: list[str] = []
 
     def need() -> int:
         whole = sum(nbytes[c] for c in components if c not in streamed)
-        return whole + sum(least(c) for c in streamed) + headroom
+        return whole + sum(least[c] for c in streamed) + headroom
 
     for component in streamable:
         if need() <= budget:
@@ -437,10 +439,10 @@ def plan_resident_streaming(
     if not streamed or need() > budget:
         return None
     room = budget - headroom - sum(nbytes[c] for c in components if c not in streamed)
-    still_least = sum(least(c) for c in streamed)
+    still_least = sum(least[c] for c in streamed)
     layouts: dict[str, StreamLayout] = {}
     for component in sorted(streamed, key=lambda c: (-calls[c], c)):
-        still_least -= least(component)
+        still_least -= least[component]
         layout = stream_layout(
             inputs.candidates[component],
             room - still_least,
