@@ -245,12 +245,7 @@ class QuantizedComponentLoader(FolderLoader):
         except LoadError:
             raise
         except Exception as error:
-            raise LoadError(
-                f"component '{self.name}' from {self.path}: loading it {self.method}-quantized "
-                f"failed with {type(error).__name__}: {error}",
-                component=self.name,
-                path=str(self.path),
-            ) from error
+            raise self._failed(f"loading it {self.method}-quantized", error) from error
         module.eval()
         files = [self.path] if self.path.is_file() else list(self.folder.weight_files(self.name))
         self.last_load_bytes = sum(Path(file).stat().st_size for file in files)
@@ -392,13 +387,17 @@ class QuantizedComponentLoader(FolderLoader):
                 local_files_only=True,
             )
         except Exception as error:
-            raise LoadError(
-                f"component '{self.name}' from {self.path}: building it from the GGUF header "
-                f"failed with {type(error).__name__}: {error}",
-                component=self.name,
-                path=str(self.path),
-            ) from error
+            raise self._failed("building it from the GGUF header", error) from error
         return _skeleton_of(module, self.dtype)
+
+    def _failed(self, doing: str, error: Exception) -> LoadError:
+        """The LoadError for ``doing`` (what failed) raising ``error``, naming the file."""
+        return LoadError(
+            f"component '{self.name}' from {self.path}: {doing} failed with "
+            f"{type(error).__name__}: {error}",
+            component=self.name,
+            path=str(self.path),
+        )
 
     def _place(self, module: torch.nn.Module, placement: Any) -> None:
         """``module`` (built in host memory) as its placement wants it: each streamed
