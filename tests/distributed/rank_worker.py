@@ -113,8 +113,16 @@ def main(folder: str, out: Path) -> None:
     alive = weakref.ref(module)
     del module
     seen["released_bytes"] = proxy.release()
+    # A fill's thread runs its last steps (the next load's skeleton) after the fill has
+    # ended and the release has freed every byte; on a busy machine it may still be in
+    # them here. What counts is that nothing else keeps the module.
+    for thread in threading.enumerate():
+        if thread.name.startswith("ondeck-fill-"):
+            thread.join(timeout=60)
     gc.collect()
     seen["module_alive_after_release"] = alive() is not None
+    if alive() is not None:
+        seen["module_referrers"] = sorted({type(r).__name__ for r in gc.get_referrers(alive())})
     seen["shard_storage_bytes_released"] = sum(s.untyped_storage().nbytes() for s in shards)
     seen["fsdp_after_release"] = isinstance(proxy, FSDPModule)
     (out / f"rank{rank}.json").write_text(json.dumps(seen, default=str))

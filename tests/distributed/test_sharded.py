@@ -223,7 +223,7 @@ def test_release_frees_the_rank_shard(ranks):
         assert seen["shard_storage_bytes_loaded"] > 0
         assert seen["released_bytes"] >= seen["shard_storage_bytes_loaded"]
         assert seen["shard_storage_bytes_released"] == 0
-        assert not seen["module_alive_after_release"]
+        assert not seen["module_alive_after_release"], seen.get("module_referrers")
 
 
 @needs_gloo
