@@ -405,12 +405,43 @@ def median(values):
     return (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def run_child(args: list[str], *, timeout: float) -> dict:
-    """Run one benchmark mode in its own process (clean peaks) and read its JSON line."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def memory_cgroup(name: str, limit_bytes: int) -> Path:
+    """A cgroup v2 folder under the root with ``memory.max`` set to ``limit_bytes``;
+    raises OSError where the machine does not let this process make one."""
+    controllers = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+    if "memory" not in controllers:
+        raise OSError("no cgroup v2 memory controller at /sys/fs/cgroup")
+    subtree = CGROUP_ROOT / "cgroup.subtree_control"
+    if "memory" not in subtree.read_text().split():
+        subtree.write_text("+memory")
+    folder = CGROUP_ROOT / name
+    folder.mkdir(exist_ok=True)
+    (folder / "memory.max").write_text(str(limit_bytes))
+    if (folder / "memory.swap.max").exists():
+        (folder / "memory.swap.max").write_text("0")
+    return folder
+
+
+def run_child(args: list[str], *, timeout: float, cgroup: Path | None = None) -> dict:
+    """Run one benchmark mode in its own process (clean peaks) and read its JSON line;
+    inside ``cgroup`` (a cgroup v2 folder) where given, from its first instruction."""
     command = [sys.executable, *args]
     started = time.perf_counter()
+
+    def enter_cgroup() -> None:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=enter_cgroup if cgroup is not None else None,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s", "args": args}
     result = None

@@ -17,6 +17,17 @@ Prints, last, a table: completed or not, the policy auto chose, runs 2-3 / eager
 / eager's run 1, peak reserved (sampled), host peak RSS, how the last run decoded and
 the plan's transfer floor per pass where blocks stream (bytes streamed over the measured
 host-to-device rate). Writes families.json to $OUT.
+
+``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
+host budget given with ``host_memory=``, and with ``--cgroup`` the same budgets again
+as a real cgroup v2 ``memory.max`` around the process (no flag: ondeck reads the
+limit), beside the run with the machine's own host budget. A second table compares each:
+completed, peak RSS against the budget, streamed blocks read from the files, runs 2-3
+against eager and against the prediction. The prediction takes the run without a host
+limit on the same card and, per streamed component, swaps its per-pass time for the
+plan's: a pass costs the slower of its compute (that run's stage seconds per pass) and
+the plan's transfer time (pinned copies at the copy rate; blocks from the files at the
+plan's read rate).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from common import (  # noqa: E402
     emit,
     folder_bytes,
     later_seconds,
+    memory_cgroup,
     out_dir,
     peak_reserved,
     peak_rss_bytes,
@@ -301,6 +313,75 @@ def family_child(args) -> None:
     emit(result)
 
 
+def passes_per_run(row: dict, component: str) -> float:
+    """The forward passes ``component`` streamed in the last run."""
+    runs = row.get("runs") or []
+    counts = [(r.get("streaming") or {}).get(component, {}).get("passes", 0) for r in runs]
+    return counts[-1] - counts[-2] if len(counts) > 1 else float(counts[-1] if counts else 0)
+
+
+def stage_seconds(row: dict, names: list[str]) -> float:
+    """The last run's seconds in the stages named."""
+    stages = row.get("stages") or []
+    last = max((s["run"] for s in stages), default=0)
+    return sum(s["seconds"] for s in stages if s["run"] == last and s["stage"] in names)
+
+
+def predicted_seconds(row: dict, reference: dict) -> float | None:
+    """Runs 2-3 of ``row`` as the plan predicts them from ``reference`` (the same card,
+    no host limit): each streamed component's passes cost the slower of their compute
+    and the plan's transfer time, in place of what they cost in the reference."""
+    planned_row = row.get("planned_streaming_after") or row.get("planned_streaming")
+    if not reference.get("runs") or not planned_row:
+        return None
+    seconds = later_seconds(reference)
+    reference_plan = (
+        reference.get("planned_streaming_after") or reference.get("planned_streaming") or {}
+    )
+    for name, planned in planned_row.items():
+        passes = passes_per_run(reference, name)
+        if not passes or name not in reference_plan:
+            continue
+        compute = stage_seconds(reference, planned.get("stages", [])) / passes
+        before = max(compute, reference_plan[name]["predicted_seconds_per_pass"])
+        seconds += passes * (max(compute, planned["predicted_seconds_per_pass"]) - before)
+    return seconds
+
+
+def print_host_table(rows: list[dict], eager_later: float | None) -> None:
+    host_rows = [r for r in rows if r.get("host_label")]
+    if not host_rows:
+        return
+    print(
+        f"\n{'card':<8} {'host budget':<16} {'done':<5} {'runs 2-3':>8} {'/eager':>7} "
+        f"{'/predicted':>10} {'peak RSS':>9} {'<= budget':>9} {'plan host':>9} from files"
+    )
+    for row in rows:
+        if row["mode"] != "ondeck-diffusers" or row["card"] == "full":
+            continue
+        reference = next(
+            (r for r in rows if r["card"] == row["card"] and not r.get("host_label")), {}
+        )
+        runs = row.get("runs", [])
+        later = later_seconds(row) if len(runs) > 1 else None
+        predicted = predicted_seconds(row, reference) if row.get("host_label") else None
+        budget = row.get("host_budget_bytes")
+        rss = row.get("peak_rss_bytes", 0)
+        files = sum(
+            part.get("file_blocks", 0) for part in (row.get("planned_streaming") or {}).values()
+        )
+        planned_host = (row.get("planned_host") or {}).get("predicted_peak_bytes") or 0
+        print(
+            f"{card_label(row['card']):<8} {row.get('host_label') or 'machine':<16} "
+            f"{'yes' if later and not row.get('error') else 'NO':<5} "
+            f"{later or float('nan'):>8.2f} "
+            f"{later / eager_later if later and eager_later else float('nan'):>7.3f} "
+            f"{later / predicted if later and predicted else float('nan'):>10.3f} "
+            f"{rss / GiB:>8.1f}G {('yes' if rss <= budget else 'NO') if budget else '-':>9} "
+            f"{planned_host / GiB:>8.1f}G {files} blocks"
+        )
+
+
 def family_command(
     family: str, folder: Path, mode: str, runs: int, steps: int, memory: int | None
 ) -> list:
@@ -319,6 +400,8 @@ def main() -> None:
     parser.add_argument("--no-release", action="store_true")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--host-memory", default="", help="host budgets in GiB, e.g. 32,16")
+    parser.add_argument("--cgroup", action="store_true", help="also as a cgroup's memory.max")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -352,22 +435,52 @@ def main() -> None:
         }
         (out_dir() / "families.json").write_text(json.dumps(document, indent=2, default=str))
 
-    plan = [] if args.no_eager else [("diffusers-eager", "full")]
-    plan += [("ondeck-diffusers", card) for card in args.cards.split(",") if card]
+    plan = [] if args.no_eager else [("diffusers-eager", "full", None, False)]
+    hosts = [float(gib) for gib in args.host_memory.split(",") if gib]
+    for card in (card for card in args.cards.split(",") if card):
+        plan.append(("ondeck-diffusers", card, None, False))
+        if card != "full" and args.family == "wan":
+            plan += [("ondeck-diffusers", card, gib, False) for gib in hosts]
+            plan += [("ondeck-diffusers", card, gib, True) for gib in hosts if args.cgroup]
     if not args.no_release:
-        plan.append(("ondeck-diffusers-release", "full"))
-    for mode, card in plan:
+        plan.append(("ondeck-diffusers-release", "full", None, False))
+    for mode, card, host_gib, in_cgroup in plan:
         memory = None if card == "full" else int(card)
+        cgroup = None
         if args.family == "wan":
-            command = wan_modes_command(path, mode, args.runs, memory_gib=memory)
+            host_flag = None if in_cgroup else host_gib
+            command = wan_modes_command(
+                path, mode, args.runs, memory_gib=memory, host_memory_gib=host_flag
+            )
         else:
             command = family_command(args.family, path, mode, args.runs, args.steps, memory)
-        row = run_child(command, timeout=args.timeout)
+        if in_cgroup:
+            try:
+                cgroup = memory_cgroup(f"ondeck-bench-{host_gib:g}", int(host_gib * GiB))
+            except OSError as error:
+                rows.append(
+                    {
+                        "mode": mode,
+                        "card": card,
+                        "host_label": f"cgroup {host_gib:g}G",
+                        "error": f"no cgroup: {error}",
+                    }
+                )
+                print(f"cgroup {host_gib:g} GiB: not made here ({error})")
+                continue
+        row = run_child(command, timeout=args.timeout, cgroup=cgroup)
         row.update(mode=mode, card=card)
+        if host_gib:
+            row["host_label"] = f"{'cgroup' if in_cgroup else 'flag'} {host_gib:g}G"
+            row["host_budget_bytes"] = int(host_gib * GiB)
         rows.append(row)
         runs = ", ".join(f"{r['seconds']:.1f}" for r in row.get("runs", []))
         error = f" ERROR {row['error'][:400]}" if row.get("error") else ""
-        print(f"{mode} @ {card_label(card)}: runs {runs} s; {row.get('policy_reason', '')}{error}")
+        label = f" host {row['host_label']}" if host_gib else ""
+        print(
+            f"{mode} @ {card_label(card)}{label}: runs {runs} s; "
+            f"{row.get('policy_reason', '')}{error}"
+        )
         if row.get("error") and (row.get("tail") or row.get("traceback")):
             print((row.get("traceback") or row.get("tail"))[-1500:])
         write()
@@ -387,12 +500,14 @@ def main() -> None:
         ratio = f"{later / eager_later:.3f}" if later and eager_later else "-"
         first = f"{runs[0]['seconds'] / eager_first:.2f}" if runs and eager_first else "-"
         policy = chosen_policy(row) if row["mode"] != "diffusers-eager" else "-"
+        mode = row["mode"] + (f" {row['host_label']}" if row.get("host_label") else "")
         print(
-            f"{card_label(row['card']):<10} {row['mode']:<26} {'yes' if done else 'NO':<5} "
+            f"{card_label(row['card']):<10} {mode:<26} {'yes' if done else 'NO':<5} "
             f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {first:>13} "
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>6.1f}G "
             f"{decoded(row):<18} {transfer_floor(row)}"
         )
+    print_host_table(rows, eager_later)
 
 
 if __name__ == "__main__":

@@ -137,12 +137,15 @@ def ondeck_pipeline(folder: Path, mode: str, args):
         # argument (auto), or release; the VAE in float32 as diffusers eager has it.
         import ondeck.diffusers
 
+        options = {"policy": "release"} if mode.endswith("release") else {}
+        if args.host_memory_gib:
+            options["host_memory"] = f"{args.host_memory_gib}GiB"
         pipe = ondeck.diffusers.from_pretrained(
             folder,
             torch_dtype={"default": torch.bfloat16, "vae": torch.float32},
             device="cuda",
             progress=False,
-            **({"policy": "release"} if mode.endswith("release") else {}),
+            **options,
         )
         return pipe.ondeck
     if mode == "ondeck-default":
@@ -189,19 +192,53 @@ def bytes_streamed(pipe) -> int:
 
 
 def streaming_summary(plan) -> dict:
-    return {
-        name: {
+    """Per streamed component, the plan's layout and its predicted seconds per pass:
+    pinned copies at the copy rate, or, where some blocks are read from the files each
+    pass, the slower of the copies and those reads at the plan's read rate."""
+    copy_rate = plan.transfer_bytes_per_second or 0
+    summary = {}
+    for name, layout in plan.streamed.items():
+        seconds = layout.transfer_seconds(copy_rate)
+        entry = {
             "resident_blocks": len(layout.resident),
             "streamed_blocks": len(layout.streamed),
             "bytes_per_pass": layout.bytes_per_pass,
             "device_bytes": layout.device_bytes,
-            "predicted_seconds_per_pass": layout.transfer_seconds(
-                plan.transfer_bytes_per_second or 0
-            ),
-            "bandwidth_bytes_per_second": plan.transfer_bytes_per_second,
+            "pinned_seconds_per_pass": seconds,
+            "bandwidth_bytes_per_second": copy_rate,
             "bandwidth_source": plan.transfer_source,
+            "stages": [use.name for use in plan.uses if name in use.components],
         }
-        for name, layout in plan.streamed.items()
+        reads = plan.file_reads.get(name)
+        if reads is not None:
+            read_rate, read_source = plan.read_rates[name]
+            seconds = reads.transfer_seconds(layout, copy_rate, read_rate)
+            entry.update(
+                file_blocks=len(reads.from_files),
+                file_bytes_per_pass=reads.file_bytes_per_pass,
+                ring_bytes=reads.ring_bytes,
+                read_bytes_per_second=read_rate,
+                read_source=read_source,
+            )
+        entry["predicted_seconds_per_pass"] = seconds
+        summary[name] = entry
+    return summary
+
+
+def host_summary(plan) -> dict | None:
+    """The plan's host pool: its budget and where it came from, and what it predicts."""
+    host = plan.host
+    if host is None:
+        return None
+    return {
+        "budget_bytes": host.budget_bytes,
+        "source": host.source,
+        "predicted_peak_bytes": host.peak_bytes,
+        "process_bytes": host.process_bytes,
+        "pinned_bytes": host.pinned_bytes,
+        "ring_bytes": host.ring_bytes,
+        "cache_bytes": host.cache_bytes,
+        "fits": host.fits(),
     }
 
 
@@ -265,6 +302,11 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, help="emulate a device of this size")
     parser.add_argument("--budget-gib", type=float, help="explicit budget for ondeck-budget")
     parser.add_argument("--host-cache-gib", type=float, default=0)
+    parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        help="ondeck-diffusers modes: the host budget (host_memory=); else the machine's",
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
@@ -312,6 +354,7 @@ def main() -> None:
             plan = pipe.plan()
             result["plan_seconds"] = time.perf_counter() - started - result["construct_seconds"]
             result["predicted_peak_bytes"] = plan.peak_bytes
+            result["planned_host"] = host_summary(plan)
             if plan.streamed:
                 result["planned_streaming"] = streaming_summary(plan)
                 print(plan, file=sys.stderr, flush=True)
@@ -392,6 +435,11 @@ def main() -> None:
             del frames
             gc.collect()
         result["rss_bytes_after_runs"] = rss_bytes()
+        if hasattr(pipe, "plan"):
+            # The plan the later runs ran under (a first run's measurements re-plan).
+            after = pipe.plan()
+            if after.streamed:
+                result["planned_streaming_after"] = streaming_summary(after)
         if hasattr(pipe, "tracker"):
             result["measured_resident_peak_bytes"] = pipe.tracker.peak_resident_bytes
             result["stages"] = [vars(s) for s in pipe.tracker.stages]
