@@ -19,9 +19,9 @@ the plan's transfer floor per pass where blocks stream (bytes streamed over the 
 host-to-device rate). Writes families.json to $OUT.
 
 ``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
-host budget given with ``host_memory=``, and with ``--cgroup`` the same budgets again
-as a real cgroup v2 ``memory.max`` around the process (no flag: ondeck reads the
-limit), beside the run with the machine's own host budget. A second table compares each:
+host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a
+real cgroup v2 ``memory.max`` around the process (no flag: ondeck reads the limit),
+beside the run with the machine's own host budget. A second table compares each:
 completed, peak RSS against the budget, streamed blocks read from the files, runs 2-3
 against eager and against the prediction. The prediction takes the run without a host
 limit on the same card and, per streamed component, swaps its per-pass time for the
@@ -401,7 +401,7 @@ def main() -> None:
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--host-memory", default="", help="host budgets in GiB, e.g. 32,16")
-    parser.add_argument("--cgroup", action="store_true", help="also as a cgroup's memory.max")
+    parser.add_argument("--cgroup", default="", help="host budgets in GiB as a cgroup's memory.max")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -437,11 +437,12 @@ def main() -> None:
 
     plan = [] if args.no_eager else [("diffusers-eager", "full", None, False)]
     hosts = [float(gib) for gib in args.host_memory.split(",") if gib]
+    cgroups = [float(gib) for gib in args.cgroup.split(",") if gib]
     for card in (card for card in args.cards.split(",") if card):
         plan.append(("ondeck-diffusers", card, None, False))
         if card != "full" and args.family == "wan":
             plan += [("ondeck-diffusers", card, gib, False) for gib in hosts]
-            plan += [("ondeck-diffusers", card, gib, True) for gib in hosts if args.cgroup]
+            plan += [("ondeck-diffusers", card, gib, True) for gib in cgroups]
     if not args.no_release:
         plan.append(("ondeck-diffusers-release", "full", None, False))
     for mode, card, host_gib, in_cgroup in plan:

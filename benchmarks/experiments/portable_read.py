@@ -1,12 +1,15 @@
 """The portable read path against the fast one, from the page cache, on this machine.
 
     python benchmarks/experiments/portable_read.py [--gib 1] [--repeats 5] [--device cpu]
+        [--portable-arms MIBxCOUNTxTHREADS,...]
 
 Writes one safetensors file of ``--gib`` GiB of bf16 tensors, reads it once to warm the
 page cache, then loads every tensor into fresh destinations through ``read_into``,
 alternating the fast path (``os.preadv``; reading processes for CUDA) and
 ``ONDECK_READ_PATH=portable`` (threads, ``readinto``), ``--repeats`` times each. Prints
 the median GB/s of each and their ratio; writes portable_read.json to $OUT.
+``--portable-arms 16x16x8,32x8x16`` adds portable arms with the threads' ring buffers of
+that many MiB, that many buffers, and that many threads.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--portable-arms", default="")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
     path = folder / "weights.safetensors"
@@ -43,10 +47,16 @@ def main() -> None:
     path.read_bytes()  # into the page cache
     header = read_header(path).tensors
     nbytes = sum(info.nbytes for info in header.values())
-    seconds: dict[str, list[float]] = {"fast": [], "portable": []}
+    arms: dict[str, dict] = {"fast": {}, "portable": {}}
+    for text in filter(None, args.portable_arms.split(",")):
+        mib, count, threads = (int(part) for part in text.split("x"))
+        arms[f"portable {text}"] = dict(
+            buffer_bytes=mib * 2**20, buffer_count=count, threads=threads
+        )
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.repeats):
         for name in seconds:
-            if name == "portable":
+            if name.startswith("portable"):
                 os.environ["ONDECK_READ_PATH"] = "portable"
             else:
                 os.environ.pop("ONDECK_READ_PATH", None)
@@ -56,7 +66,7 @@ def main() -> None:
             ]
             jobs = [ReadJob(info, t) for info, t in zip(header.values(), targets, strict=True)]
             started = time.perf_counter()
-            read_into(jobs, progress=False)
+            read_into(jobs, progress=False, **arms[name])
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds[name].append(time.perf_counter() - started)
@@ -76,9 +86,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "portable_read.json").write_text(json.dumps(result, indent=2))
     path.unlink()
-    print(f"{'path':<10} {'GB/s (median)':>14}")
+    print(f"{'path':<22} {'GB/s (median)':>14} {'/ fast':>7}")
     for name, rate in rates.items():
-        print(f"{name:<10} {rate:>14.2f}")
+        print(f"{name:<22} {rate:>14.2f} {rate / rates['fast']:>7.2f}")
     print(f"portable / fast: {result['ratio']:.2f}")
 
 
