@@ -7,6 +7,7 @@ same function, so the plan predicts the host memory the run holds.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ __all__ = [
     "FileReads",
     "HostRoom",
     "plan_file_reads",
+    "spread_order",
 ]
 
 # Pinned buffers of a file-backed component's ring: one being copied to the device while
@@ -104,6 +106,28 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
 
 
+def spread_order(count: int) -> list[int]:
+    """The indices ``0 .. count-1`` in an order whose every prefix is spread evenly over
+    them: the middle first, then always the middle of the longest gap left. Between the
+    first ``k`` indices no gap is more than twice as long as an even spread's.
+
+    The blocks kept pinned are taken from the front of this order. A pass then reads its
+    blocks from the files between pinned ones, each read hidden behind its neighbours'
+    compute; pinned copies taken in streamed order would leave the reads in one run at
+    the pass's end, where a small ring cannot keep ahead of blocks that compute faster
+    than they read."""
+    order: list[int] = []
+    gaps = [(-count, 0, count)]  # the longest gap first, then the leftmost
+    while gaps:
+        _, low, high = heapq.heappop(gaps)
+        if low < high:
+            middle = (low + high) // 2
+            order.append(middle)
+            heapq.heappush(gaps, (low - middle, low, middle))
+            heapq.heappush(gaps, (middle + 1 - high, middle + 1, high))
+    return order
+
+
 def plan_file_reads(
     layouts: Mapping[str, StreamLayout],
     sizes: Mapping[str, BlockSizes],
@@ -119,7 +143,9 @@ def plan_file_reads(
     Nothing when every pinned copy fits. Otherwise every streamed component reads from the
     files: each gets its share, by its streamed bytes, of the room left beside all the
     rings, and keeps as many pinned copies as fit in it, the blocks whose copies are
-    ``held`` now first (no block is read into a host copy twice), then in streamed order.
+    ``held`` now first (no block is read into a host copy twice), then blocks spread evenly
+    over the pass (:func:`spread_order`), so that the blocks read from the files fall
+    between pinned ones.
     When the rings alone do not fit, every streamed block is read from the files (the
     least host memory streaming can take) and the second value is False.
     """
@@ -137,7 +163,8 @@ def plan_file_reads(
         packed = sizes[name].packed_bytes
         share = max(0, left) * layout.bytes_per_pass // total
         kept_first = [b for b in layout.streamed if b in set(held.get(name, ()))]
-        order = kept_first + [b for b in layout.streamed if b not in set(kept_first)]
+        rest = [b for b in layout.streamed if b not in set(kept_first)]
+        order = kept_first + [rest[i] for i in spread_order(len(rest))]
         pinned: list[int] = []
         for block in order:
             if packed[block] <= share:

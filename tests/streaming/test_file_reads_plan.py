@@ -12,6 +12,7 @@ from ondeck.streaming.file_reads import (
     DEFAULT_READ_SOURCE,
     HostRoom,
     plan_file_reads,
+    spread_order,
 )
 
 from .test_layout import INPUTS, SIZES, USES, WAN14B, GiB
@@ -110,4 +111,35 @@ def test_blocks_whose_pinned_copies_are_held_keep_them():
     )
     assert fits and reads["transformer"].pinned == held
     fresh, _ = plan_file_reads({"transformer": layout}, {"transformer": WAN14B}, room)
-    assert fresh["transformer"].pinned == layout.streamed[:3]
+    assert fresh["transformer"].pinned != held
+
+
+def longest_gap(count: int, kept: set[int]) -> int:
+    longest = run = 0
+    for index in range(count):
+        run = 0 if index in kept else run + 1
+        longest = max(longest, run)
+    return longest
+
+
+def test_the_blocks_read_from_the_files_fall_between_pinned_ones():
+    layout = plan(None).streamed["transformer"]
+    squeezed = plan(layout.bytes_per_pass // 2).file_reads["transformer"]
+    order = list(layout.streamed)
+    pinned = {order.index(block) for block in squeezed.pinned}
+    files = len(order) - len(pinned)
+    assert 0.3 < files / len(order) < 0.7
+    # Never more blocks read in a row than twice an even spread would put there; taken in
+    # streamed order they would be one run of every block read.
+    even = -(-files // (len(pinned) + 1))
+    assert longest_gap(len(order), pinned) <= 2 * even < files
+
+
+def test_every_prefix_of_spread_order_leaves_no_gap_over_twice_an_even_spread():
+    for count in range(60):
+        order = spread_order(count)
+        assert sorted(order) == list(range(count))
+        for kept in range(1, count):
+            even = -(-(count - kept) // (kept + 1))
+            assert longest_gap(count, set(order[:kept])) <= 2 * even
+    assert spread_order(34)[:3] == [17, 8, 26]
