@@ -134,7 +134,6 @@ class QuantizedComponentLoader(FolderLoader):
         # A transformers model's dequantized tensors in the host cache: (their key, the
         # module's skeleton, the tensors as that load made them).
         self._dequantized: tuple[tuple, Skeleton, list[Slot]] | None = None
-        self.placement: Any = None  # block streaming's host copies (``ComponentLoader``'s)
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
         given = (getattr(self.folder, "gguf_files", None) or {}).get(name)

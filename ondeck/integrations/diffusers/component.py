@@ -10,6 +10,7 @@ import torch
 
 from ...errors import OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule
+from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
@@ -262,7 +263,7 @@ class PipelineComponent(LazyModule):
         in from their host copies before every pass, which hold the weights before it,
         so the fusion would silently be lost for those blocks."""
         loader = object.__getattribute__(self, "_ondeck_loader")
-        if getattr(loader, "placement", None) is not None:
+        if isinstance(loader, FolderLoader) and loader.placement is not None:
             raise OndeckError(
                 f"component '{self._ondeck_name}' streams its blocks, and {method} would "
                 "change weights that stream in again from their host copies before every "
