@@ -356,19 +356,6 @@ class DiffusersRuntime(Pipeline):
 
     # -- what the call is about to see --------------------------------------------------
 
-    @contextlib.contextmanager
-    def _deferred_hidden(self) -> Iterator[None]:
-        """Deferred components read as None to diffusers code that would load them."""
-        attributes = self.pipe.__dict__
-        hidden = (*self.deferred, *self.containers)
-        saved = {name: attributes[name] for name in hidden if name in attributes}
-        for name in saved:
-            attributes[name] = None
-        try:
-            yield
-        finally:
-            attributes.update(saved)
-
     def place(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
         """Load every deferred component onto ``device`` in ``dtype`` from now on,
         and move those already loaded."""
