@@ -26,9 +26,10 @@ from .lazy import (
 )
 from .loader import as_loader
 from .loading import FolderLoader
+from .loading.options import DeviceChoice
 from .memory import parse_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
-from .policy import RETRY_RESERVE_MIN_RETRIES, choose_auto, make_policy
+from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
 from .tracker import MemoryTracker, StageRecord
@@ -168,9 +169,9 @@ class Pipeline:
         self,
         components: Mapping[str, Any],
         *,
-        policy: Any = "auto",
+        policy: str | Policy = "auto",
         budget: int | str | None = None,
-        device: Any = None,
+        device: DeviceChoice = None,
         prefetch: bool = True,
         host_memory: int | str | None = None,
     ):

@@ -88,8 +88,12 @@ def _label_stages(figure: Any, axes: Any, starts: list[tuple[float, str]]) -> No
     The plot's top is raised to leave the rows clear of the data."""
     renderer = figure.canvas.get_renderer()
     bottom, top = axes.get_ylim()
+    # A light backing keeps a label readable where the next stage's line runs through it.
+    backing = {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 0.1}
     texts = [
-        axes.text(seconds, top, f" {name}", va="top", ha="left", fontsize=7, clip_on=False)
+        axes.text(
+            seconds, top, f" {name}", va="top", ha="left", fontsize=7, clip_on=False, bbox=backing
+        )
         for seconds, name in starts
     ]
     right_edge = axes.get_window_extent(renderer).x1
@@ -111,12 +115,13 @@ def _label_stages(figure: Any, axes: Any, starts: list[tuple[float, str]]) -> No
         return
     line = max(text.get_window_extent(renderer).height for text in texts) * 1.15
     height = axes.get_window_extent(renderer).height
-    needed = min(0.9, (max(rows) + 1) * line / height)  # of the axes' height, for labels
+    below_frame = 2.0  # pixels between the axes' top line and the first row's backing
+    needed = min(0.9, ((max(rows) + 1) * line + below_frame) / height)  # of the axes' height
     top = bottom + (top - bottom) / (1.0 - needed)
     axes.set_ylim(bottom, top)
     for text, row in zip(texts, rows, strict=True):
         text.set_y(top)
-        text.set_transform(axes.transData + _offset(figure, -row * line))
+        text.set_transform(axes.transData + _offset(figure, -row * line - below_frame))
 
 
 def _offset(figure: Any, pixels: float) -> Any:

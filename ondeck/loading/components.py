@@ -99,9 +99,6 @@ class ComponentLoader(FolderLoader):
         self.buffer_count = buffer_count
         self.placement = placement
         self._spare: tuple[Skeleton, Skeleton] | None = None  # (its template, a fresh copy)
-        # The reads and copies alone (a pipelined load: from its first group's to the end
-        # of its last), without building the module.
-        self.last_read_seconds = 0.0
 
     def __repr__(self) -> str:
         stored = f", stored in {self.storage_dtype}" if self.storage_dtype is not None else ""

@@ -4,6 +4,7 @@ where its weights go, and what its last load did."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -22,14 +23,22 @@ class FolderLoader(DeclaredLoader):
 
     ``places_blocks``: it takes a ``placement`` (``ComponentLoader`` describes the protocol)
     and a ``template`` (the module on the meta device as it loads), so block streaming
-    can keep some blocks in host memory. ``storage_dtype`` is the narrower dtype its
-    weights are kept in (None: as they compute); ``bytes_read`` the bytes it has read from the files, where it counts them
-    (None: it does not); ``mesh`` the device mesh it shards over (None: it loads whole).
+    can keep some blocks in host memory; ``placement`` is the one it holds (None: every
+    weight on ``device``). ``storage_dtype`` is the narrower dtype its weights are kept
+    in (None: as they compute); ``bytes_read`` the bytes it has read from the files,
+    where it counts them (None: it does not); ``mesh`` the device mesh it shards over
+    (None: it loads whole).
+
+    What its last load did: ``last_load_bytes``, ``last_load_seconds``, ``last_source``,
+    and ``last_read_seconds``, the reads and copies alone without building the module
+    (a pipelined load's: from its first group's to the end of its last; 0 where not
+    timed).
     """
 
     # Each call builds a new module, so a LazyModule may free its storage on release.
     returns_fresh_module = True
     places_blocks = False
+    placement: Any = None
     storage_dtype: torch.dtype | None = None
     bytes_read: int | None = None
     mesh = None
@@ -44,6 +53,7 @@ class FolderLoader(DeclaredLoader):
         self.host_cache = cache if cache and cache.enabled_for(self.device) else None
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
+        self.last_read_seconds = 0.0
         self.last_source: str | None = None
         self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
+from .options import StorageChoice
 from .quantized import describe_method, package_installed, package_name, quantization_method
 from .safetensors_format import TensorInfo
 
@@ -97,7 +98,9 @@ def is_autoencoder(cls: type) -> bool:
     return ".autoencoders." in (cls.__module__ or "") or cls.__name__.startswith("Autoencoder")
 
 
-def storage_by_component(storage_dtype: Any, classes: Mapping[str, type]) -> dict[str, torch.dtype]:
+def storage_by_component(
+    storage_dtype: StorageChoice, classes: Mapping[str, type]
+) -> dict[str, torch.dtype]:
     """The storage dtype of each model component named in ``classes``.
 
     ``storage_dtype`` is one dtype for the big components (every model but the VAEs,

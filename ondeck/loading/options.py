@@ -5,15 +5,23 @@ the helpers that build each component's loader, down to the loaders themselves."
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 if TYPE_CHECKING:
     from .host_cache import HostCache
 
-__all__ = ["LoadOptions"]
+__all__ = ["DeviceChoice", "LoadOptions", "StorageChoice"]
+
+# A device as callers name it: ``"cuda"``, ``"cuda:1"``, a ``torch.device``, an index;
+# None: CUDA where there is one.
+DeviceChoice: TypeAlias = "torch.device | str | int | None"
+# fp8 storage as callers ask for it: ``"fp8"`` or a float8 dtype for the big components,
+# or one (or None) by component name; None: weights kept as they compute.
+StorageChoice: TypeAlias = "str | torch.dtype | Mapping[str, str | torch.dtype | None] | None"
 
 
 @dataclass(frozen=True)

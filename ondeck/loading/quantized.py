@@ -34,7 +34,7 @@ import importlib.util
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from .model_folder import ModelFolder
 from .options import LoadOptions
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, Slot, build_skeleton, get_tensor, module_paths, set_tensor
+
+if TYPE_CHECKING:
+    from .host_cache import HostCache
 
 __all__ = [
     "PACKAGES",
@@ -115,8 +118,8 @@ class QuantizedComponentLoader(FolderLoader):
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         progress: bool = True,
-        storage_dtype: Any = None,
-        host_cache: Any = None,
+        storage_dtype: torch.dtype | str | None = None,
+        host_cache: HostCache | None = None,
         pipelined: bool | None = None,
     ):
         options = LoadOptions(
@@ -134,7 +137,6 @@ class QuantizedComponentLoader(FolderLoader):
         # A transformers model's dequantized tensors in the host cache: (their key, the
         # module's skeleton, the tensors as that load made them).
         self._dequantized: tuple[tuple, Skeleton, list[Slot]] | None = None
-        self.placement: Any = None  # block streaming's host copies (``ComponentLoader``'s)
         config_path = self.folder.config_path(name)
         self.config = self.folder.config_dict(name)
         given = (getattr(self.folder, "gguf_files", None) or {}).get(name)

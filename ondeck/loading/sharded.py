@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +22,14 @@ from ..lazy import ComponentSpec
 from . import reads
 from .components import ComponentLoader
 from .host_cache import component_key
+from .model_folder import ModelFolder
+from .options import LoadOptions
 from .pipelined import fill_groups
 from .safetensors_format import TensorInfo
 from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ShardedComponentLoader", "shard_cache_key", "shard_rows", "shard_units", "rows_of"]
 
@@ -83,14 +89,23 @@ class ShardedComponentLoader(ComponentLoader):
     it, allocates only the local shards on ``device`` and reads only their byte ranges.
     With ``mesh=None`` the component loads whole, as :class:`ComponentLoader` loads it.
     Either way ``bytes_read`` counts the bytes this process has read from the files.
+    ``options`` say how it loads, as for every loader (:class:`~.options.LoadOptions`).
     """
 
-    def __init__(self, folder: Any, name: str, *, mesh: Any = None, **options: Any):
-        if mesh is not None and options.get("storage_dtype") is not None:
+    def __init__(
+        self,
+        folder: ModelFolder | str | os.PathLike,
+        name: str,
+        options: LoadOptions | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+    ):
+        options = options or LoadOptions()
+        if mesh is not None and options.storage_dtype is not None:
             # A shard is read as it is stored in the files; kept as fp8 it would need
             # its stored bytes cached per rank, which sharding does not do.
-            options.pop("host_cache", None)
-        super().__init__(folder, name, **options)
+            options = options.replace(host_cache=None)
+        super().__init__(folder, name, **options.keywords())
         self.mesh = mesh
         self.bytes_read = 0
         self._shard_nbytes: int | None = None

@@ -12,9 +12,10 @@ import html
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,14 +23,28 @@ from ..arguments import check_generate_arguments
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy
-from ..loading import HostCache, LoadOptions, ModelFolder, component_loader, fp8, load_auxiliary
+from ..loader import Loader
+from ..loading import (
+    FolderLoader,
+    HostCache,
+    LoadOptions,
+    ModelFolder,
+    component_loader,
+    fp8,
+    load_auxiliary,
+)
+from ..loading.options import DeviceChoice, StorageChoice
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader
 from ..memory import resolve_device
-from ..parallel import resolve_parallel
+from ..parallel import ContextParallel, resolve_parallel
+from ..policy import Policy
 from ..stages import Pipeline, Stage
 from ..tiles import decode_tiles
 from .wan_decode import Decode, host_frames
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Decode", "WanTextToVideo", "PromptCache", "WanGeometry", "decode_tiles", "host_frames"]
 
@@ -319,13 +334,13 @@ def _model_loaders(
     folder: ModelFolder,
     load: LoadOptions,
     dtype: torch.dtype | None,
-    stored: dict[str, Any],
+    stored: Mapping[str, torch.dtype],
     shard: tuple[str, ...],
-    mesh: Any,
-    parallel: Any,
-) -> dict[str, Any]:
+    mesh: DeviceMesh | None,
+    parallel: ContextParallel | None,
+) -> dict[str, FolderLoader]:
     """The loader of each of Wan's models: sharded over the ranks where asked."""
-    loaders: dict[str, Any] = {}
+    loaders: dict[str, FolderLoader] = {}
     for name in WAN_MODELS:
         component_dtype = dtype
         if name == "vae" and dtype is not None:
@@ -335,7 +350,7 @@ def _model_loaders(
         if (shard or parallel is not None) and not quantized:
             # Unsharded components load whole on every rank, counting what they read.
             loaders[name] = ShardedComponentLoader(
-                folder, name, mesh=mesh if name in shard else None, **options.keywords()
+                folder, name, options, mesh=mesh if name in shard else None
             )
         else:
             loaders[name] = component_loader(folder, name, options)
@@ -347,18 +362,30 @@ class WanTextToVideo(Pipeline):
 
     lazy_components = ("text_encoder", "transformer", "vae")
 
-    def __init__(self, components: dict[str, Any], *, identity: str = "wan", **options: Any):
+    def __init__(
+        self,
+        components: dict[str, Any],
+        *,
+        identity: str = "wan",
+        model_path: Path | None = None,
+        loaders: Mapping[str, Loader] | None = None,
+        vae_tiling: bool = True,
+        parallel: ContextParallel | None = None,
+        **pipeline_options: Any,
+    ):
+        """``pipeline_options`` are :class:`ondeck.Pipeline`'s (``policy``, ``budget``,
+        ``device``, ``prefetch``, ``host_memory``)."""
         self.identity = identity
         self.profile_model = identity
         self.prompt_cache = PromptCache()
-        self.model_path: Path | None = options.pop("model_path", None)
+        self.model_path = model_path
         # The model components' loaders, by name: their counters go into reports.
-        self.loaders: dict[str, Any] = options.pop("loaders", {})
+        self.loaders: dict[str, Loader] = dict(loaders or {})
         # Decode in tiles when whole frames would not fit (see ``Decode``).
-        self.vae_tiling: bool = options.pop("vae_tiling", True)
+        self.vae_tiling = vae_tiling
         # Context parallelism (``ondeck.parallel``), started; None runs on one rank's own.
-        self.parallel: Any = options.pop("parallel", None)
-        super().__init__(components, **options)
+        self.parallel = parallel
+        super().__init__(components, **pipeline_options)
         if self.parallel is not None:
             transformer = self.components["transformer"]
             # A transform, not a call on the proxy: every load builds a fresh module, and
@@ -373,10 +400,10 @@ class WanTextToVideo(Pipeline):
         cls,
         path: str | os.PathLike,
         *,
-        device: Any = None,
+        device: DeviceChoice = None,
         dtype: torch.dtype | None = None,
-        policy: Any = "auto",
-        budget: Any = None,
+        policy: str | Policy = "auto",
+        budget: int | str | None = None,
         prefetch: bool = True,
         host_cache: HostCache | None = None,
         progress: bool = True,
@@ -384,8 +411,8 @@ class WanTextToVideo(Pipeline):
         vae_tiling: bool = True,
         libraries: tuple[str, ...] | list[str] = (),
         pipelined: bool | None = None,
-        parallel: Any = None,
-        storage_dtype: Any = None,
+        parallel: str | int | ContextParallel | None = None,
+        storage_dtype: StorageChoice = None,
         host_memory: int | str | None = None,
     ) -> WanTextToVideo:
         """Build the pipeline over a diffusers-format Wan folder; reads no weights.

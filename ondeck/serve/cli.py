@@ -141,15 +141,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default=20 * 2**30,
         help="the outputs folder's size cap; the oldest jobs' files go first (default 20GiB)",
     )
-    serve.add_argument("--steps", type=_positive, help="denoising steps when a request names none")
-    serve.add_argument(
-        "--max-body", type=_size, default=8 * 2**20, help="largest request body (default 8MiB)"
-    )
-    serve.add_argument(
-        "--max-prompt", type=_positive, default=4000, help="longest prompt, in characters"
-    )
-    serve.add_argument("--max-side", type=_positive, default=2048, help="largest width or height")
-    serve.add_argument("--max-frames", type=_positive, default=241)
+    _add_request_limits(serve)
     serve.add_argument(
         "--shutdown-grace",
         type=float,
@@ -168,16 +160,35 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="print what stays resident across the models and what a switch loads, then exit",
     )
     serve.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    generate = commands.choices.get("generate")
-    if generate is not None:
-        generate.add_argument(
-            "--server",
-            metavar="URL",
-            help="send the job to a running `ondeck serve` (MODEL_DIR is then the served "
-            "model's name) and write the same output folder",
-        )
-        generate.add_argument("--api-key", help="the server's key (default: $ONDECK_API_KEY)")
+    _add_server_to_generate(commands)
     return serve
+
+
+def _add_request_limits(serve: argparse.ArgumentParser) -> None:
+    """What a request may ask for, and the steps of one that names none."""
+    serve.add_argument("--steps", type=_positive, help="denoising steps when a request names none")
+    serve.add_argument(
+        "--max-body", type=_size, default=8 * 2**20, help="largest request body (default 8MiB)"
+    )
+    serve.add_argument(
+        "--max-prompt", type=_positive, default=4000, help="longest prompt, in characters"
+    )
+    serve.add_argument("--max-side", type=_positive, default=2048, help="largest width or height")
+    serve.add_argument("--max-frames", type=_positive, default=241)
+
+
+def _add_server_to_generate(commands: Any) -> None:
+    """``generate --server URL``: the same command, run by a running ``ondeck serve``."""
+    generate = commands.choices.get("generate")
+    if generate is None:
+        return
+    generate.add_argument(
+        "--server",
+        metavar="URL",
+        help="send the job to a running `ondeck serve` (MODEL_DIR is then the served "
+        "model's name) and write the same output folder",
+    )
+    generate.add_argument("--api-key", help="the server's key (default: $ONDECK_API_KEY)")
 
 
 def remote_or(local: Any) -> Any:

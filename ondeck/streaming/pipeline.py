@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import memory
 from ..lazy import is_loaded
+from ..loading.folder_loader import FolderLoader
 from .file_reads import (
     DEFAULT_READ_BYTES_PER_SECOND,
     DEFAULT_READ_SOURCE,
@@ -138,15 +139,15 @@ class BlockStreaming:
             stats = streamer.stats
             return stats.file_bytes_read / stats.file_read_seconds, "measured: its reads each pass"
         loader = self._candidates.get(name, (None, None))[0]
-        seconds = getattr(loader, "last_read_seconds", 0) or 0
-        nbytes = getattr(loader, "last_load_bytes", 0) or 0
-        source = getattr(loader, "last_source", None) or ""
-        if seconds > 0 and nbytes and "host cache" not in source:
-            return nbytes / seconds, f"measured: its last load, from {source}"
+        if isinstance(loader, FolderLoader):
+            seconds, nbytes = loader.last_read_seconds, loader.last_load_bytes
+            source = loader.last_source or ""
+            if seconds > 0 and nbytes and "host cache" not in source:
+                return nbytes / seconds, f"measured: its last load, from {source}"
         return DEFAULT_READ_BYTES_PER_SECOND, DEFAULT_READ_SOURCE
 
     def _streamer_for(self, name: str, loader: Any, hint: str | None) -> BlockStreamer | None:
-        if not getattr(loader, "places_blocks", False):
+        if not (isinstance(loader, FolderLoader) and loader.places_blocks):
             return None  # only a loader taking a placement can put weights in host memory
         with self._lock:
             known = self._candidates.get(name)

@@ -1,5 +1,6 @@
-"""Every relative link in README.md and docs/*.md leads to a file that exists, and every
-anchor to a heading of that file."""
+"""Every relative link in the repository's Markdown pages (README.md, docs/, BENCHMARKS.md,
+RELIABILITY.md, benchmarks/README.md) leads to a file that exists, and every anchor to a
+heading of that file; every page of docs/ is linked from the README."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [
+    ROOT / "README.md",
+    *DOCS,
+    *sorted(p for p in ROOT.glob("*.md") if p.name != "README.md"),
+    ROOT / "benchmarks" / "README.md",
+]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 
@@ -39,7 +46,14 @@ def links(page: Path) -> list[str]:
 
 
 def test_the_pages_exist():
-    assert (ROOT / "README.md").exists() and len(PAGES) > 1
+    assert all(page.exists() for page in PAGES) and len(DOCS) > 1
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = ROOT / "README.md"
+    linked = {(readme.parent / target.partition("#")[0]).resolve() for target in links(readme)}
+    unlinked = [str(page.relative_to(ROOT)) for page in DOCS if page.resolve() not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

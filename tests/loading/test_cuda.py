@@ -32,7 +32,7 @@ from .helpers import (
     same_bits,
     write_safetensors,
 )
-from .test_reader import DTYPES
+from .test_reads import DTYPES
 
 pytestmark = [
     pytest.mark.gpu,

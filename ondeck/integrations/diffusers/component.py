@@ -10,6 +10,7 @@ import torch
 
 from ...errors import OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule
+from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
@@ -185,7 +186,7 @@ class PipelineComponent(LazyModule):
         first = not settings
         settings[attribute] = value
         if first:
-            self._add_transform_checked(_apply_settings(settings))
+            self.add_checked_transform(_apply_settings(settings))
         else:
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:
@@ -209,14 +210,14 @@ class PipelineComponent(LazyModule):
                 return module
 
             apply.__qualname__ = f"{method} (recorded)"
-            proxy._add_transform_checked(apply)
+            proxy.add_checked_transform(apply)
             if method in _ADAPTER_LOADS and kwargs.get("adapter_name"):
                 proxy.record_adapter(kwargs["adapter_name"])
 
         call.__name__ = method
         return call
 
-    def _add_transform_checked(self, fn: Callable[[Any], Any]) -> None:
+    def add_checked_transform(self, fn: Callable[[Any], Any]) -> None:
         """Register ``fn`` after every load; a call that fails is not kept.
 
         Applied now when loaded, so a mistake raises at once. When it only fails at a
@@ -262,7 +263,7 @@ class PipelineComponent(LazyModule):
         in from their host copies before every pass, which hold the weights before it,
         so the fusion would silently be lost for those blocks."""
         loader = object.__getattribute__(self, "_ondeck_loader")
-        if getattr(loader, "placement", None) is not None:
+        if isinstance(loader, FolderLoader) and loader.placement is not None:
             raise OndeckError(
                 f"component '{self._ondeck_name}' streams its blocks, and {method} would "
                 "change weights that stream in again from their host copies before every "

@@ -27,11 +27,13 @@ from ...loading import (
     fp8,
     load_auxiliary,
 )
+from ...loading.options import DeviceChoice, StorageChoice
 from ...loading.quantized import quantization_method
 from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
-from ...parallel import resolve_parallel, split_sequences
+from ...parallel import ContextParallel, resolve_parallel, split_sequences
+from ...policy import Policy
 from .component import PipelineComponent, is_plain_value
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
@@ -51,16 +53,16 @@ _HUB_OPTIONS = (
 def from_pretrained(
     path: str | os.PathLike,
     torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
-    device: Any = None,
-    policy: Any = "auto",
+    device: DeviceChoice = None,
+    policy: str | Policy = "auto",
     budget: int | str | None = None,
     prefetch: bool = True,
     host_cache: HostCache | None = None,
     *,
     progress: bool = True,
     libraries: tuple[str, ...] | list[str] = (),
-    parallel: Any = None,
-    storage_dtype: Any = None,
+    parallel: str | int | ContextParallel | None = None,
+    storage_dtype: StorageChoice = None,
     components: Mapping[str, str | os.PathLike] | None = None,
     loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
     host_memory: int | str | None = None,
@@ -227,7 +229,7 @@ def _asked_dtype(path: Any, torch_dtype: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _stored(
-    folder: ModelFolder, storage_dtype: Any, skip: Mapping[str, Any]
+    folder: ModelFolder, storage_dtype: StorageChoice, skip: Mapping[str, Any]
 ) -> dict[str, torch.dtype]:
     """The storage dtype of each model ondeck builds (``skip``: components passed in)."""
     models = {

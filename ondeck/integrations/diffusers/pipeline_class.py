@@ -3,10 +3,11 @@ execution device and LoRA loading through the runtime."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +37,21 @@ def ondeck_pipeline_class(cls: type) -> type:
 
 def _runtime(pipe: Any) -> DiffusersRuntime | None:
     return pipe.__dict__.get("ondeck")
+
+
+@contextlib.contextmanager
+def _deferred_hidden(runtime: DiffusersRuntime) -> Iterator[None]:
+    """The runtime's deferred components read as None to diffusers code that would load
+    them."""
+    attributes = runtime.pipe.__dict__
+    hidden = (*runtime.deferred, *runtime.containers)
+    saved = {name: attributes[name] for name in hidden if name in attributes}
+    for name in saved:
+        attributes[name] = None
+    try:
+        yield
+    finally:
+        attributes.update(saved)
 
 
 def _build_pipeline_class(cls: type) -> type:
@@ -72,7 +88,7 @@ def _build_pipeline_class(cls: type) -> type:
             return base_to(self, *args, **kwargs)
         device, dtype = _pipeline_placement(args, kwargs)
         runtime.place(device, dtype)
-        with runtime._deferred_hidden():
+        with _deferred_hidden(runtime):
             base_to(self, *args, **kwargs)
         return self
 
@@ -134,7 +150,7 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
             return module
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
-        proxy._add_transform_checked(apply)
+        proxy.add_checked_transform(apply)
         if arguments.get("adapter_name"):
             proxy.record_adapter(arguments["adapter_name"])
         return None

@@ -16,7 +16,9 @@ from ... import memory
 from ...arguments import check_generate_arguments
 from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy
+from ...loading.options import DeviceChoice
 from ...memory import resolve_device
+from ...policy import Policy
 from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
 from .component import PipelineComponent
@@ -91,9 +93,9 @@ class DiffusersRuntime(Pipeline):
         pipe: Any,
         components: dict[str, PipelineComponent],
         *,
-        policy: Any = "auto",
-        budget: Any = None,
-        device: Any = None,
+        policy: str | Policy = "auto",
+        budget: int | str | None = None,
+        device: DeviceChoice = None,
         prefetch: bool = True,
         containers: tuple[str, ...] = (),
         host_memory: int | str | None = None,
@@ -355,19 +357,6 @@ class DiffusersRuntime(Pipeline):
             self._rebuild_stages()
 
     # -- what the call is about to see --------------------------------------------------
-
-    @contextlib.contextmanager
-    def _deferred_hidden(self) -> Iterator[None]:
-        """Deferred components read as None to diffusers code that would load them."""
-        attributes = self.pipe.__dict__
-        hidden = (*self.deferred, *self.containers)
-        saved = {name: attributes[name] for name in hidden if name in attributes}
-        for name in saved:
-            attributes[name] = None
-        try:
-            yield
-        finally:
-            attributes.update(saved)
 
     def place(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
         """Load every deferred component onto ``device`` in ``dtype`` from now on,

@@ -1,3 +1,6 @@
+"""A model folder read from model_index.json, configs and headers: components, specs
+known without reading a byte of tensor data, and errors that name the file and component."""
+
 from __future__ import annotations
 
 import builtins

@@ -23,7 +23,7 @@ from .helpers import (
     same_bits,
     write_safetensors,
 )
-from .test_reader import DTYPES
+from .test_reads import DTYPES
 
 pytestmark = pytest.mark.skipif(NO_READING_PROCESSES, reason=WHY_NO_READING_PROCESSES)
 

@@ -1,3 +1,7 @@
+"""read_into: every dtype read bit for bit as safetensors reads it, into any destination
+and dtype, and a read that fails (a bad file, a failing reader, an interrupt) stops every
+reader before it propagates."""
+
 from __future__ import annotations
 
 import pytest
