@@ -240,6 +240,15 @@ class _Api:
             "remixed_from_video_id": None,
         }
 
+    def job_object(self, job: Job) -> dict:
+        """ondeck's view of any job, image or video: its progress, error and files."""
+        from .server import job_summary
+
+        summary = job_summary(job)
+        summary["error"] = self.video_object(job)["error"]
+        summary["files"] = sorted(job.files)
+        return summary
+
     def find_job(self, video_id: str) -> Job:
         job = self.server.queue.get(video_id)
         if job is None:
@@ -398,7 +407,6 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
 def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     """ondeck's own status and job routes, and the page."""
-    video_object = api.video_object
     find_job = api.find_job
     content_of = api.content_of
 
@@ -406,15 +414,16 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     async def status() -> dict:
         return server.status()
 
+    @app.post("/v1/ondeck/images")
+    async def queue_images(request: Request) -> dict:
+        # The images route's body, answered at once with the queued job, as a video job
+        # is: the page shows its steps and can cancel it; its image is at .../image.
+        body = ImageRequest.model_validate(await _json(request))
+        return api.job_object(api.submit(api.job_from(body, "image")))
+
     @app.get("/v1/ondeck/jobs/{job_id}")
     async def job_status(job_id: str) -> dict:
-        from .server import job_summary
-
-        job = find_job(job_id)
-        summary = job_summary(job)
-        summary["error"] = video_object(job)["error"]
-        summary["files"] = sorted(job.files)
-        return summary
+        return api.job_object(find_job(job_id))
 
     @app.get("/v1/ondeck/jobs/{job_id}/report")
     async def job_report(job_id: str) -> Any:
