@@ -65,6 +65,7 @@ class Job:
     cancel_reason: str = ""
     files: dict[str, str] = field(default_factory=dict)
     run_seconds: float | None = None
+    memory_after: dict[str, int | None] | None = None  # measured once the job is over
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
 

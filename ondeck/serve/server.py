@@ -255,6 +255,23 @@ class Server:
         return self.queue.submit(job)
 
     def _run_job(self, job: Job, upcoming: list[str]) -> None:
+        try:
+            self._run(job, upcoming)
+        finally:
+            job.memory_after = self._memory_after()
+
+    def _memory_after(self) -> dict[str, int | None]:
+        """What the server holds once a job is over, and what was loading ahead of the
+        next job has landed: device bytes allocated, the served weights' bytes, the
+        process's RSS. Allocated less resident is what no served weight explains."""
+        self.manager.wait_for_prefetch()
+        return {
+            "device_allocated_bytes": _allocated(self.device),
+            "resident_bytes": self.manager.resident_bytes(),
+            "process_rss_bytes": _rss(),
+        }
+
+    def _run(self, job: Job, upcoming: list[str]) -> None:
         model = self.models[job.model]
         pipeline = model.pipeline
         job.status = "in_progress"
@@ -464,6 +481,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "progress": job.progress,
         "step": job.step,
         "total_steps": job.total_steps,
+        "memory_after": job.memory_after,
     }
 
 

@@ -151,6 +151,17 @@ def test_a_failing_job_answers_one_error_and_the_next_job_is_unaffected(server):
         assert http.get(f"/v1/videos/{again['id']}/content").content == first
 
 
+def test_each_job_says_what_the_server_held_once_it_was_over(server):
+    with server.client() as http:
+        job_id = submit_video(http, model="broken")
+        wait_finished(http, job_id)
+        after = wait_for(lambda: http.get(f"/v1/ondeck/jobs/{job_id}").json()["memory_after"])
+        state = status(http)
+    assert after["resident_bytes"] == state["resident_bytes"] <= state["budget_bytes"]
+    assert after["process_rss_bytes"] > 0
+    assert after["device_allocated_bytes"] is None  # on the CPU, the host is the device
+
+
 def test_a_shape_the_model_cannot_take_is_a_400_before_it_queues(server):
     with server.client() as http:
         queued_before = status(http)["jobs_run"]
