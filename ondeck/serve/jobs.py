@@ -64,7 +64,9 @@ class Job:
     cancelled: bool = False
     cancel_reason: str = ""
     files: dict[str, str] = field(default_factory=dict)
-    run_seconds: float | None = None
+    run_seconds: float | None = None  # the pipeline's call(s)
+    device_seconds: float | None = None  # the device thread's whole time on the job
+    write_seconds: float | None = None  # its files, on the writer thread
     memory_after: dict[str, int | None] | None = None  # measured once the job is over
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)

@@ -255,10 +255,14 @@ class Server:
         return self.queue.submit(job)
 
     def _run_job(self, job: Job, upcoming: list[str]) -> None:
+        started = time.perf_counter()
         try:
             self._run(job, upcoming)
         finally:
             job.memory_after = self._memory_after()
+            # All the device thread spent on the job: making room, the run, and the wait
+            # for what loaded ahead beside it (a switch's cost, wherever it fell).
+            job.device_seconds = time.perf_counter() - started
 
     def _memory_after(self) -> dict[str, int | None]:
         """What the server holds once a job is over, and what was loading ahead of the
@@ -346,8 +350,10 @@ class Server:
 
     def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:
+            started = time.perf_counter()
             folder = self.outputs.folder(job.id)
             job.files = write_job_files(folder, report, frames, kind=model.kind)
+            job.write_seconds = time.perf_counter() - started
             job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
@@ -482,6 +488,9 @@ def job_summary(job: Job) -> dict[str, Any]:
         "step": job.step,
         "total_steps": job.total_steps,
         "memory_after": job.memory_after,
+        "run_seconds": job.run_seconds,
+        "device_seconds": job.device_seconds,
+        "write_seconds": job.write_seconds,
     }
 
 

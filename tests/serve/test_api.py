@@ -162,6 +162,17 @@ def test_each_job_says_what_the_server_held_once_it_was_over(server):
     assert after["device_allocated_bytes"] is None  # on the CPU, the host is the device
 
 
+def test_a_job_says_how_long_its_run_its_device_time_and_its_files_took(server):
+    with server.client() as http:
+        job_id = submit_video(http)
+        wait_finished(http, job_id)
+        summary = wait_for(
+            lambda: (j := http.get(f"/v1/ondeck/jobs/{job_id}").json())["device_seconds"] and j
+        )
+    assert 0 < summary["run_seconds"] <= summary["device_seconds"]
+    assert summary["write_seconds"] > 0
+
+
 def test_a_shape_the_model_cannot_take_is_a_400_before_it_queues(server):
     with server.client() as http:
         queued_before = status(http)["jobs_run"]
