@@ -95,6 +95,12 @@ def test_the_plan_for_a_set_says_what_stays_and_what_a_switch_loads(models):
     assert tight.switch_bytes[("wan", "sd3")] == SD3
     assert tight.switch_bytes[("wan", "wan2")] == 0  # two video models fit together
     assert "a switch loads" in str(tight)
+    # At 1400 KiB the video model's kept set (all of it) cannot stay beside the image
+    # model's job: the switch back loads all of it. The image model keeps a part of
+    # itself, which stays beside the video model's job: it loads what its runs load.
+    narrow = served(models, 1400 * KIB, names=("wan", "sd3")).manager.plan()
+    assert narrow.switch_bytes[("sd3", "wan")] == WAN
+    assert narrow.switch_bytes[("wan", "sd3")] == narrow.models["sd3"].run_bytes < SD3
     roomy = served(models, 8 * 2**20).manager.plan()
     assert roomy.all_resident and set(roomy.switch_bytes.values()) == {0}
     assert "every model stays resident" in str(roomy)
