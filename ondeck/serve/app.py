@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .jobs import Job, JobFailed, QueueFull
+from .jobs import Job, JobFailed, QueueFull, new_job_id
 from .schemas import ImageRequest, VideoRequest, parse_size
 from .server import Server
 
@@ -188,6 +188,7 @@ class _Api:
                 400, "invalid_value", f"steps must be at most {self.limits.steps}", "steps"
             )
         job = Job(
+            id=new_job_id(kind, self.server.config.instance),
             kind=kind,
             model=body.model,
             prompt=body.prompt,

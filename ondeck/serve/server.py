@@ -66,6 +66,8 @@ class ServeConfig:
     # next job's first components loaded beside the current decode. Off: least recently
     # used, nothing ahead (what the benchmark compares against).
     lookahead: bool = True
+    # Put into every job id: which server, of several behind one balancer, holds a job.
+    instance: str | None = None
     limits: Limits = field(default_factory=Limits)
 
 
