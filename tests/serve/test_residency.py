@@ -119,6 +119,18 @@ def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
     assert "wan -> sd3: 1.53 MiB" in printed
 
 
+def test_ondeck_plan_of_several_models_answers_for_the_set(models, capsys):
+    from ondeck.cli import main
+
+    code = main(
+        ["plan", str(models["wan"]), str(models["sd3"]), "--device", "cpu", "--budget", "1800KiB"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "one budget of 1.76 MiB for 2 models" in printed
+    assert "wan -> sd3: 1.53 MiB" in printed and "sd3 -> wan: 504.98 KiB" in printed
+
+
 def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
     from ondeck.serve.server import models_from_root
 
