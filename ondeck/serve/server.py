@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from .. import folder_pipelines
@@ -27,7 +26,7 @@ from ..loading import HostCache
 from ..memory import format_bytes, resolve_device
 from ..policy import BudgetPolicy, auto_budget_bytes
 from .jobs import Job, JobCancelled, JobFailed, JobQueue
-from .outputs import OutputStore, draw_timeline, write_job_files
+from .outputs import OutputStore, draw_timeline, timeline_view, write_job_files
 from .residency import ResidencyManager, ServedModel
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -285,6 +284,9 @@ class Server:
         lookahead = self.config.lookahead
         try:
             self.manager.prepare(job.model, upcoming if lookahead else [])
+            # What stayed from earlier jobs (or loaded ahead): the job's own events hold
+            # no load of it, and its timeline draws it from the start.
+            resident_at_start = dict(pipeline.tracker.resident)
 
             def at_last_step() -> None:
                 waiting = self.queue.upcoming_models()
@@ -341,6 +343,7 @@ class Server:
             run_seconds=[job.run_seconds],
             sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
             predicted_peak_bytes=plan.peak_bytes,
+            resident_at_start=resident_at_start,
             weights=self.config.weights or "as computed",
             server_budget_bytes=self.budget_bytes,
             job_budget_bytes=model.policy.budget_bytes,
@@ -376,18 +379,9 @@ class Server:
                 report = json.loads(Path(job.files["report"]).read_text())
             except (OSError, ValueError):
                 return None
-            # From the job's first event: the tracker's clock started with the pipeline.
-            start = min((event["seconds"] for event in report["events"]), default=0.0)
-            view = SimpleNamespace(
-                device=report["device"],
-                events=[
-                    SimpleNamespace(**{**event, "seconds": event["seconds"] - start})
-                    for event in report["events"]
-                ],
-                stages=[SimpleNamespace(**stage) for stage in report["stages"]],
-            )
             title = f"ondeck serve: {job.model} ({job.id[:12]})"
             folder = Path(job.files["report"]).parent
+            view = timeline_view(report)
             job.files["timeline"] = str(draw_timeline(folder, view, title=title))
             return job.files["timeline"]
 

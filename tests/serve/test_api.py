@@ -303,6 +303,21 @@ def test_the_report_and_timeline_of_a_job_are_served(server):
     assert np.asarray(Image.open(io.BytesIO(timeline.content))).ndim == 3
 
 
+def test_a_warm_jobs_timeline_shows_what_stayed_resident_from_before(server):
+    from ondeck.serve.outputs import timeline_view
+
+    with server.client() as http:
+        # Queued together: nothing runs between them, and the second finds the model in.
+        first, second = submit_video(http), submit_video(http)
+        for job_id in (first, second):
+            wait_finished(http, job_id)
+        report = http.get(f"/v1/ondeck/jobs/{second}/report").json()
+    assert set(report["resident_at_start"]) == {"text_encoder", "transformer", "vae"}
+    loads_at_start = {e.name for e in timeline_view(report).events if e.kind == "load"}
+    assert loads_at_start >= {"text_encoder", "transformer", "vae"}
+    assert all(e.seconds >= 0 for e in timeline_view(report).events)
+
+
 def test_an_input_image_is_only_an_inline_image_for_a_model_that_takes_one(server):
     buffer = io.BytesIO()
     Image.new("RGB", (8, 8)).save(buffer, "PNG")
