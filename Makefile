@@ -38,6 +38,7 @@ test-gpu: $(if $(filter $(PY),$(PYTHON_GPU)),$(STAMP))
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -s -m soak tests/reliability --hypothesis-show-statistics
+	$(PY) -m pytest -q -s -m soak tests/serve/test_soak.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ondeck tests benchmarks

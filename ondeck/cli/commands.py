@@ -21,6 +21,7 @@ from ..parallel import resolve_parallel, sequence_split
 from ..pipelines import read_model_index
 from ..pipelines.wan import is_wan_folder
 from ..profiles import ActivationProfiles, profiles_path
+from ..serve.residency import ServedModel, plan_models
 from .options import UsageError, check_policy_flags, weight_files
 
 # The command-line flag of each ``generate()`` argument, for the check's messages.
@@ -194,6 +195,8 @@ def context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str, 
 def plan(args: argparse.Namespace) -> int:
     check_policy_flags(args)
     check_device(args.device)
+    if args.more_models:
+        return _plan_set(args)
     path = resolve_model(args.model_dir)
     pipe = build_pipeline(args, path)
     check_shape(pipe, args.height, args.width, args.frames)
@@ -208,6 +211,23 @@ def plan(args: argparse.Namespace) -> int:
     if budget is not None:
         _print_storage_choices(args, path, pipe, result, budget)
     return 0 if result.fits() else 1
+
+
+def _plan_set(args: argparse.Namespace) -> int:
+    """Several models under one budget, as the server's residency manager plans them."""
+    if args.budget is None:
+        raise UsageError("argument --budget: a plan for several models needs their one budget")
+    models: dict[str, ServedModel] = {}
+    for source in (args.model_dir, *args.more_models):
+        path = resolve_model(source)
+        name = path.name
+        if name in models:
+            raise UsageError(f"two models named {name!r}: plan folders of different names")
+        pipeline = build_pipeline(args, path)
+        models[name] = ServedModel(name, str(path), pipeline, pipeline.policy, kind="")
+    result = plan_models(models, args.budget)
+    print(result)
+    return 0 if all(model.fits for model in result.models.values()) else 1
 
 
 def _print_storage_choices(

@@ -290,6 +290,13 @@ def add_generate(generate: argparse.ArgumentParser) -> None:
 
 def add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    plan.add_argument(
+        "more_models",
+        nargs="*",
+        metavar="MODEL_DIR",
+        help="more models, planned as a set under one --budget (as `ondeck serve` holds "
+        "them): what stays resident and what each switch loads",
+    )
     _add_shape(plan)
     _add_runtime(plan)
 

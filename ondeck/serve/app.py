@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .jobs import Job, JobFailed, QueueFull
+from .jobs import Job, JobFailed, QueueFull, new_job_id
 from .schemas import ImageRequest, VideoRequest, parse_size
 from .server import Server
 
@@ -188,6 +188,7 @@ class _Api:
                 400, "invalid_value", f"steps must be at most {self.limits.steps}", "steps"
             )
         job = Job(
+            id=new_job_id(kind, self.server.config.instance),
             kind=kind,
             model=body.model,
             prompt=body.prompt,
@@ -239,6 +240,15 @@ class _Api:
             "error": error,
             "remixed_from_video_id": None,
         }
+
+    def job_object(self, job: Job) -> dict:
+        """ondeck's view of any job, image or video: its progress, error and files."""
+        from .server import job_summary
+
+        summary = job_summary(job)
+        summary["error"] = self.video_object(job)["error"]
+        summary["files"] = sorted(job.files)
+        return summary
 
     def find_job(self, video_id: str) -> Job:
         job = self.server.queue.get(video_id)
@@ -398,7 +408,6 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
 def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     """ondeck's own status and job routes, and the page."""
-    video_object = api.video_object
     find_job = api.find_job
     content_of = api.content_of
 
@@ -406,15 +415,16 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     async def status() -> dict:
         return server.status()
 
+    @app.post("/v1/ondeck/images")
+    async def queue_images(request: Request) -> dict:
+        # The images route's body, answered at once with the queued job, as a video job
+        # is: the page shows its steps and can cancel it; its image is at .../image.
+        body = ImageRequest.model_validate(await _json(request))
+        return api.job_object(api.submit(api.job_from(body, "image")))
+
     @app.get("/v1/ondeck/jobs/{job_id}")
     async def job_status(job_id: str) -> dict:
-        from .server import job_summary
-
-        job = find_job(job_id)
-        summary = job_summary(job)
-        summary["error"] = video_object(job)["error"]
-        summary["files"] = sorted(job.files)
-        return summary
+        return api.job_object(find_job(job_id))
 
     @app.get("/v1/ondeck/jobs/{job_id}/report")
     async def job_report(job_id: str) -> Any:

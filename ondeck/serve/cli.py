@@ -75,6 +75,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _instance(text: str) -> str:
+    from .jobs import INSTANCE_NAME
+
+    if not INSTANCE_NAME.match(text):
+        raise argparse.ArgumentTypeError(
+            f"an instance name is letters, digits, '.' or '-' (at most 32), got {text!r}"
+        )
+    return text
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -148,6 +158,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM, how long the running job may take to finish before it is stopped",
+    )
+    serve.add_argument(
+        "--instance",
+        type=_instance,
+        metavar="NAME",
+        help="put NAME into every job id (video_NAME-...), so that a load balancer in front "
+        "of several servers can send a job's later requests to the server that holds it",
     )
     serve.add_argument(
         "--no-lookahead",
@@ -237,6 +254,7 @@ def _config(args: argparse.Namespace) -> Any:
         steps=args.steps,
         shutdown_grace_seconds=args.shutdown_grace,
         lookahead=not args.no_lookahead,
+        instance=args.instance,
         limits=Limits(
             body_bytes=args.max_body,
             prompt_chars=args.max_prompt,

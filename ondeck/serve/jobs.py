@@ -6,6 +6,7 @@ on a writer thread beside it, so the next job starts at once.
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -32,10 +33,16 @@ class JobFailed(Exception):
         self.param = param
 
 
-def new_job_id(kind: str) -> str:
+INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,31}$")
+
+
+def new_job_id(kind: str, instance: str | None = None) -> str:
+    """``video_<32 hex>`` (or ``img_``), with ``instance-`` before the hex when given: a
+    load balancer in front of several servers routes a job's later requests by it."""
     # 128 random bits: a job id is the only key to its output, so it must not be guessed.
     prefix = "video" if kind == "video" else "img"
-    return f"{prefix}_{secrets.token_hex(16)}"
+    tag = f"{instance}-" if instance else ""
+    return f"{prefix}_{tag}{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -64,7 +71,10 @@ class Job:
     cancelled: bool = False
     cancel_reason: str = ""
     files: dict[str, str] = field(default_factory=dict)
-    run_seconds: float | None = None
+    run_seconds: float | None = None  # the pipeline's call(s)
+    device_seconds: float | None = None  # the device thread's whole time on the job
+    write_seconds: float | None = None  # its files, on the writer thread
+    memory_after: dict[str, int | None] | None = None  # measured once the job is over
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..output import OutputError, atomic_path, write_json, write_video
@@ -91,6 +92,34 @@ def write_job_files(folder: Path, report: dict, frames: Any, *, kind: str) -> di
     else:
         files["video"] = str(write_video(folder / "video.mp4", frames[0]))
     return files
+
+
+def timeline_view(report: dict) -> SimpleNamespace:
+    """What ``timeline.plot`` reads, from a job's report.json: its events from the job's
+    first one (the tracker's clock started with the pipeline), and the components
+    resident when it started drawn as loaded at that moment."""
+    start = min((event["seconds"] for event in report["events"]), default=0.0)
+    carried = [
+        {
+            "seconds": start,
+            "kind": "load",
+            "name": name,
+            "nbytes": nbytes,
+            "resident_bytes": 0,
+            "measured_bytes": None,
+            "duration_seconds": 0.0,
+            "run": report["runs"],
+        }
+        for name, nbytes in report.get("resident_at_start", {}).items()
+    ]
+    return SimpleNamespace(
+        device=report["device"],
+        events=[
+            SimpleNamespace(**{**event, "seconds": event["seconds"] - start})
+            for event in carried + report["events"]
+        ],
+        stages=[SimpleNamespace(**stage) for stage in report["stages"]],
+    )
 
 
 def draw_timeline(folder: Path, tracker_view: Any, *, title: str) -> Path:

@@ -266,6 +266,10 @@ class ModelPlan:
     kept_bytes: int
     stages: list[tuple[str, list[str], int]]
     fits: bool
+    # Device bytes a job loads after a job of its own model, and with nothing resident
+    # (host copies of streamed blocks stay across evictions: not counted).
+    run_bytes: int = 0
+    first_run_bytes: int = 0
 
 
 @dataclass
@@ -291,6 +295,8 @@ class ServePlan:
                     "component_bytes": plan.component_bytes,
                     "peak_bytes": plan.peak_bytes,
                     "kept_bytes": plan.kept_bytes,
+                    "run_bytes": plan.run_bytes,
+                    "first_run_bytes": plan.first_run_bytes,
                     "fits": plan.fits,
                 }
                 for name, plan in self.models.items()
@@ -322,9 +328,12 @@ class ServePlan:
 def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePlan:
     """The plan for a set of served models under one budget; reads no weights.
 
-    Each model plans alone under the whole budget. When every model's kept set fits
-    together, they all stay and switches load nothing. Otherwise a switch to a model
-    loads what its run needs beyond what survives the other model's kept set.
+    Each model plans alone under the whole budget. When every model's peak fits
+    together, they all stay, and a job after a switch loads what any run of its model
+    loads. Otherwise what a switch from ``a`` to ``b`` loads depends on whether ``b``'s
+    kept set stayed beside ``a``'s job: then ``b`` loads what a run after its own loads;
+    else as much as a run from nothing (at most: eviction by next use may have left a
+    part of it).
     """
     plans: dict[str, ModelPlan] = {}
     for name, model in models.items():
@@ -338,6 +347,8 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
             kept_bytes=kept,
             stages=plan.stages,
             fits=plan.fits(budget_bytes),
+            run_bytes=bytes_loaded_per_run(plan),
+            first_run_bytes=_first_run_bytes(plan),
         )
     all_resident = sum(p.peak_bytes for p in plans.values()) <= budget_bytes
     switch: dict[tuple[str, str], int] = {}
@@ -345,10 +356,23 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
         for b, after in plans.items():
             if a == b:
                 continue
-            if all_resident or before.kept_bytes + after.peak_bytes <= budget_bytes:
-                loaded = bytes_loaded_per_run(models[b].pipeline.plan(budget_bytes))
+            # ``a``'s job holds its peak: ``b``'s kept set stays only if it fits beside.
+            if all_resident or before.peak_bytes + after.kept_bytes <= budget_bytes:
+                switch[(a, b)] = after.run_bytes
             else:
-                # What of ``b`` stays beside ``a``'s kept set: nothing is counted as kept.
-                loaded = sum(after.component_bytes.values())
-            switch[(a, b)] = loaded
+                switch[(a, b)] = after.first_run_bytes
     return ServePlan(budget_bytes, plans, all_resident, switch)
+
+
+def _first_run_bytes(plan: Any) -> int:
+    """Device bytes the plan's first simulated run loads, from nothing resident."""
+    if not plan.runs:
+        return 0
+    first = plan.runs[0].run
+    sizes = plan.device_bytes
+    resident: set[str] = set()
+    loaded = 0
+    for stage in (stage for stage in plan.runs if stage.run == first):
+        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
+        resident = set(stage.resident)
+    return loaded

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from .. import folder_pipelines
@@ -27,7 +26,7 @@ from ..loading import HostCache
 from ..memory import format_bytes, resolve_device
 from ..policy import BudgetPolicy, auto_budget_bytes
 from .jobs import Job, JobCancelled, JobFailed, JobQueue
-from .outputs import OutputStore, draw_timeline, write_job_files
+from .outputs import OutputStore, draw_timeline, timeline_view, write_job_files
 from .residency import ResidencyManager, ServedModel
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -66,6 +65,8 @@ class ServeConfig:
     # next job's first components loaded beside the current decode. Off: least recently
     # used, nothing ahead (what the benchmark compares against).
     lookahead: bool = True
+    # Put into every job id: which server, of several behind one balancer, holds a job.
+    instance: str | None = None
     limits: Limits = field(default_factory=Limits)
 
 
@@ -255,6 +256,27 @@ class Server:
         return self.queue.submit(job)
 
     def _run_job(self, job: Job, upcoming: list[str]) -> None:
+        started = time.perf_counter()
+        try:
+            self._run(job, upcoming)
+        finally:
+            job.memory_after = self._memory_after()
+            # All the device thread spent on the job: making room, the run, and the wait
+            # for what loaded ahead beside it (a switch's cost, wherever it fell).
+            job.device_seconds = time.perf_counter() - started
+
+    def _memory_after(self) -> dict[str, int | None]:
+        """What the server holds once a job is over, and what was loading ahead of the
+        next job has landed: device bytes allocated, the served weights' bytes, the
+        process's RSS. Allocated less resident is what no served weight explains."""
+        self.manager.wait_for_prefetch()
+        return {
+            "device_allocated_bytes": _allocated(self.device),
+            "resident_bytes": self.manager.resident_bytes(),
+            "process_rss_bytes": _rss(),
+        }
+
+    def _run(self, job: Job, upcoming: list[str]) -> None:
         model = self.models[job.model]
         pipeline = model.pipeline
         job.status = "in_progress"
@@ -262,6 +284,9 @@ class Server:
         lookahead = self.config.lookahead
         try:
             self.manager.prepare(job.model, upcoming if lookahead else [])
+            # What stayed from earlier jobs (or loaded ahead): the job's own events hold
+            # no load of it, and its timeline draws it from the start.
+            resident_at_start = dict(pipeline.tracker.resident)
 
             def at_last_step() -> None:
                 waiting = self.queue.upcoming_models()
@@ -318,6 +343,7 @@ class Server:
             run_seconds=[job.run_seconds],
             sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
             predicted_peak_bytes=plan.peak_bytes,
+            resident_at_start=resident_at_start,
             weights=self.config.weights or "as computed",
             server_budget_bytes=self.budget_bytes,
             job_budget_bytes=model.policy.budget_bytes,
@@ -329,8 +355,10 @@ class Server:
 
     def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:
+            started = time.perf_counter()
             folder = self.outputs.folder(job.id)
             job.files = write_job_files(folder, report, frames, kind=model.kind)
+            job.write_seconds = time.perf_counter() - started
             job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
@@ -351,18 +379,9 @@ class Server:
                 report = json.loads(Path(job.files["report"]).read_text())
             except (OSError, ValueError):
                 return None
-            # From the job's first event: the tracker's clock started with the pipeline.
-            start = min((event["seconds"] for event in report["events"]), default=0.0)
-            view = SimpleNamespace(
-                device=report["device"],
-                events=[
-                    SimpleNamespace(**{**event, "seconds": event["seconds"] - start})
-                    for event in report["events"]
-                ],
-                stages=[SimpleNamespace(**stage) for stage in report["stages"]],
-            )
             title = f"ondeck serve: {job.model} ({job.id[:12]})"
             folder = Path(job.files["report"]).parent
+            view = timeline_view(report)
             job.files["timeline"] = str(draw_timeline(folder, view, title=title))
             return job.files["timeline"]
 
@@ -464,6 +483,10 @@ def job_summary(job: Job) -> dict[str, Any]:
         "progress": job.progress,
         "step": job.step,
         "total_steps": job.total_steps,
+        "memory_after": job.memory_after,
+        "run_seconds": job.run_seconds,
+        "device_seconds": job.device_seconds,
+        "write_seconds": job.write_seconds,
     }
 
 

@@ -151,6 +151,28 @@ def test_a_failing_job_answers_one_error_and_the_next_job_is_unaffected(server):
         assert http.get(f"/v1/videos/{again['id']}/content").content == first
 
 
+def test_each_job_says_what_the_server_held_once_it_was_over(server):
+    with server.client() as http:
+        job_id = submit_video(http, model="broken")
+        wait_finished(http, job_id)
+        after = wait_for(lambda: http.get(f"/v1/ondeck/jobs/{job_id}").json()["memory_after"])
+        state = status(http)
+    assert after["resident_bytes"] == state["resident_bytes"] <= state["budget_bytes"]
+    assert after["process_rss_bytes"] > 0
+    assert after["device_allocated_bytes"] is None  # on the CPU, the host is the device
+
+
+def test_a_job_says_how_long_its_run_its_device_time_and_its_files_took(server):
+    with server.client() as http:
+        job_id = submit_video(http)
+        wait_finished(http, job_id)
+        summary = wait_for(
+            lambda: (j := http.get(f"/v1/ondeck/jobs/{job_id}").json())["device_seconds"] and j
+        )
+    assert 0 < summary["run_seconds"] <= summary["device_seconds"]
+    assert summary["write_seconds"] > 0
+
+
 def test_a_shape_the_model_cannot_take_is_a_400_before_it_queues(server):
     with server.client() as http:
         queued_before = status(http)["jobs_run"]
@@ -279,6 +301,21 @@ def test_the_report_and_timeline_of_a_job_are_served(server):
     assert report["shape"] == {"height": 32, "width": 32, "frames": 5, "steps": 2}
     assert timeline.headers["content-type"] == "image/png" and timeline.content[:4] == b"\x89PNG"
     assert np.asarray(Image.open(io.BytesIO(timeline.content))).ndim == 3
+
+
+def test_a_warm_jobs_timeline_shows_what_stayed_resident_from_before(server):
+    from ondeck.serve.outputs import timeline_view
+
+    with server.client() as http:
+        # Queued together: nothing runs between them, and the second finds the model in.
+        first, second = submit_video(http), submit_video(http)
+        for job_id in (first, second):
+            wait_finished(http, job_id)
+        report = http.get(f"/v1/ondeck/jobs/{second}/report").json()
+    assert set(report["resident_at_start"]) == {"text_encoder", "transformer", "vae"}
+    loads_at_start = {e.name for e in timeline_view(report).events if e.kind == "load"}
+    assert loads_at_start >= {"text_encoder", "transformer", "vae"}
+    assert all(e.seconds >= 0 for e in timeline_view(report).events)
 
 
 def test_an_input_image_is_only_an_inline_image_for_a_model_that_takes_one(server):

@@ -1,5 +1,6 @@
 """The page at ``/`` in a real browser (Debian's chromium through Playwright): submit a
-video job, watch it finish, see the video and its memory timeline, cancel another."""
+video job, watch it finish, see the video and its memory timeline; an image job step by
+step; cancel."""
 
 from __future__ import annotations
 
@@ -29,14 +30,28 @@ def browser():
         browser.close()
 
 
-def test_the_page_runs_a_video_job_and_shows_it_with_its_timeline(browser, server, tmp_path):
+def open_page(browser, server, errors: list[str]):
+    """The page, with the key typed as a person types it: the model list follows."""
     page = browser.new_page(viewport={"width": 1100, "height": 900})
-    errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(server.url + "/")
     page.fill("#key", server.api_key)
-    page.evaluate("loadModels()")  # the list needs the key, typed after the page loaded
-    page.wait_for_selector("#model option[value=wan]", state="attached")
+    page.press("#key", "Tab")
+    page.wait_for_selector("#model option[value=wan]", state="attached", timeout=10_000)
+    return page
+
+
+def screenshot(page, tmp_path: Path, name: str) -> Path:
+    shot = Path(os.environ.get("ONDECK_UI_SCREENSHOTS", tmp_path)) / name
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 0
+    return shot
+
+
+def test_the_page_runs_a_video_job_and_shows_it_with_its_timeline(browser, server, tmp_path):
+    errors: list[str] = []
+    page = open_page(browser, server, errors)
     page.select_option("#model", "wan")
     page.fill("#size", "32x32")
     page.fill("#seconds", "0.25")
@@ -46,19 +61,39 @@ def test_the_page_runs_a_video_job_and_shows_it_with_its_timeline(browser, serve
     page.wait_for_selector(".job img.timeline[src^='blob:']", timeout=30_000)
     page.wait_for_function("document.querySelector('.job img.timeline').naturalWidth > 0")
     assert "completed" in page.inner_text(".job .state")
-    shot = Path(os.environ.get("ONDECK_UI_SCREENSHOTS", tmp_path)) / "page-video-done.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(shot), full_page=True)
-    assert shot.stat().st_size > 0
+    screenshot(page, tmp_path, "page-video-done.png")
+    assert errors == []
+
+
+def test_the_page_shows_an_image_job_step_by_step_and_cancels_it(browser, server, tmp_path):
+    errors: list[str] = []
+    page = open_page(browser, server, errors)
+    page.select_option("#model", "sd3")
+    page.fill("#size", "32x32")
+    page.fill("#steps", "2")
+    page.click("#go")
+    page.wait_for_selector(".job img.result[src^='blob:']", timeout=60_000)
+    page.wait_for_selector(".job img.timeline[src^='blob:']", timeout=30_000)
+    page.fill("#steps", "200")
+    page.click("#go")
+    # The newest card comes first: the running image job, with its step and a cancel.
+    running = page.locator("#jobs .job").first
+    page.wait_for_function(
+        "/in_progress step [1-9]/.test(document.querySelector('#jobs .job .state').textContent)",
+        timeout=60_000,
+    )
+    assert running.locator(".cancel").is_visible()
+    page.wait_for_selector("#queue li progress", timeout=5_000)
+    screenshot(page, tmp_path, "page-image-running.png")
+    running.locator(".cancel").click()
+    running.locator(".error").wait_for(timeout=30_000)
+    assert "cancelled" in running.locator(".error").inner_text()
+    assert page.locator("#jobs .job").count() == 2
     assert errors == []
 
 
 def test_the_page_cancels_a_running_job(browser, server):
-    page = browser.new_page()
-    page.goto(server.url + "/")
-    page.fill("#key", server.api_key)
-    page.evaluate("loadModels()")
-    page.wait_for_selector("#model option[value=wan2]", state="attached")
+    page = open_page(browser, server, [])
     page.select_option("#model", "wan2")
     page.fill("#size", "32x32")
     page.fill("#seconds", "0.25")

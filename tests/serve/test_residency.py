@@ -95,6 +95,12 @@ def test_the_plan_for_a_set_says_what_stays_and_what_a_switch_loads(models):
     assert tight.switch_bytes[("wan", "sd3")] == SD3
     assert tight.switch_bytes[("wan", "wan2")] == 0  # two video models fit together
     assert "a switch loads" in str(tight)
+    # At 1400 KiB the video model's kept set (all of it) cannot stay beside the image
+    # model's job: the switch back loads all of it. The image model keeps a part of
+    # itself, which stays beside the video model's job: it loads what its runs load.
+    narrow = served(models, 1400 * KIB, names=("wan", "sd3")).manager.plan()
+    assert narrow.switch_bytes[("sd3", "wan")] == WAN
+    assert narrow.switch_bytes[("wan", "sd3")] == narrow.models["sd3"].run_bytes < SD3
     roomy = served(models, 8 * 2**20).manager.plan()
     assert roomy.all_resident and set(roomy.switch_bytes.values()) == {0}
     assert "every model stays resident" in str(roomy)
@@ -111,6 +117,18 @@ def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
     printed = capsys.readouterr().out
     assert "one budget of 1.76 MiB for 2 models" in printed
     assert "wan -> sd3: 1.53 MiB" in printed
+
+
+def test_ondeck_plan_of_several_models_answers_for_the_set(models, capsys):
+    from ondeck.cli import main
+
+    code = main(
+        ["plan", str(models["wan"]), str(models["sd3"]), "--device", "cpu", "--budget", "1800KiB"]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "one budget of 1.76 MiB for 2 models" in printed
+    assert "wan -> sd3: 1.53 MiB" in printed and "sd3 -> wan: 504.98 KiB" in printed
 
 
 def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
