@@ -53,6 +53,30 @@ def test_the_keys_come_from_diffusers_conversion_read_from_the_header_alone(
     assert opened == [], "nothing but the header is read"
 
 
+def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
+    base, original_file, monkeypatch
+):
+    """Called, not copied: the function diffusers registers for the class, as it is then."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"]
+    registered = entry["checkpoint_mapping_fn"]
+    calls = []
+
+    def spying(checkpoint, **kwargs):
+        converted = registered(checkpoint, **kwargs)
+        calls.append(sorted(converted))
+        return {f"{key}.seen": value for key, value in converted.items()}
+
+    monkeypatch.setitem(entry, "checkpoint_mapping_fn", spying)
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
+
+    tensors = folder.tensors("transformer")
+
+    assert len(calls) == 1
+    assert sorted(tensors) == [f"{key}.seen" for key in calls[0]], "its output, as it is"
+
+
 def test_the_plan_reads_no_weights_and_counts_the_files_bytes(base, original_file, monkeypatch):
     monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("a weight was read"))
     pipe = load(base, "release", components={"transformer": original_file})
