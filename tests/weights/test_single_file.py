@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -298,3 +300,27 @@ def test_a_conversion_that_changes_a_tensor_in_place_is_refused(tmp_path):
         converted_tensors(
             scaling, read_header(path).tensors, component="transformer", path=str(path)
         )
+
+
+def test_the_second_expert_from_an_original_key_file(two_experts, tmp_path):
+    """``--component transformer_2=FILE``: a Wan 2.2 low-noise expert downloaded alone; the
+    base folder's own second expert (other weights here) is not read."""
+    import shutil
+
+    from .conftest import original_name, reference_frames
+
+    (source,) = (two_experts / "transformer_2").glob("*.safetensors")
+    weights = load_file(str(source))
+    expert = tmp_path / "wan2.2_low_noise.safetensors"
+    save_file({original_name(k): v for k, v in weights.items()}, str(expert))
+    base = Path(shutil.copytree(two_experts, tmp_path / "base"))
+    for old in (base / "transformer_2").glob("*.safetensors"):
+        save_file({k: v * 0.5 for k, v in weights.items()}, str(old))
+    expected = reference_frames(two_experts)
+    assert not np.array_equal(reference_frames(base), expected)
+
+    pipe = load(base, "release", components={"transformer_2": expert})
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert pipe.transformer_2.load_count == 2
