@@ -15,7 +15,14 @@ from ..arguments import ArgumentError, check_generate_arguments
 from ..errors import OndeckError
 from ..hub import resolve_model
 from ..lazy import loader_of
-from ..loading import FolderLoader, HostCache, ModelFolder
+from ..loading import (
+    FolderLoader,
+    HostCache,
+    ModelFolder,
+    QuantizedComponentLoader,
+    component_loader,
+)
+from ..loading.single_file import SingleFileFolder
 from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..pipelines import read_model_index
@@ -274,10 +281,20 @@ def _stored_names(pipe: Any, weights: Any) -> str:
 
 def inspect(args: argparse.Namespace) -> int:
     folder = ModelFolder.open(resolve_model(args.model_dir), libraries=tuple(args.library))
+    files = weight_files(args).get("components") or {}
+    if files:
+        folder = SingleFileFolder(folder, files)
     print(f"{folder.path}: {folder.pipeline_class_name}")
     total = 0
     for name in folder.component_names:
-        if folder.is_model(name):
+        if name in files:
+            cls, dtype, nbytes = _single_file_facts(folder, name)
+            total += nbytes
+            print(
+                f"  {name:<16} {cls.__name__:<28} {dtype:<16} {format_bytes(nbytes):>12}"
+                f"  from {files[name]}"
+            )
+        elif folder.is_model(name):
             spec = folder.spec(name)
             total += spec.nbytes or 0
             print(
@@ -289,6 +306,19 @@ def inspect(args: argparse.Namespace) -> int:
             print(f"  {name:<16} {class_name:<28} ({library}, no weights)")
     print(f"  {'sum':<16} {'':<28} {'':<16} {format_bytes(total):>12}")
     return 0
+
+
+def _single_file_facts(folder: Any, name: str) -> tuple[type, str, int]:
+    """(class, how its weights are stored, device bytes) of a component from a single
+    file, as its loader would load it: float8 tensors as stored, a GGUF file through its
+    library; from the file's header alone."""
+    loader = component_loader(folder, name, progress=False)
+    spec = loader.spec
+    if isinstance(loader, QuantizedComponentLoader):
+        stored = loader.method
+    else:
+        stored = str(loader.storage_dtype or spec.dtype)
+    return spec.cls, stored.removeprefix("torch."), spec.nbytes or 0
 
 
 def profiles(args: argparse.Namespace) -> int:

@@ -161,20 +161,7 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         help="keep weights in fp8 and compute in --dtype: fp8 for every model but the VAE, "
         "or NAME=fp8[,NAME=fp8] per component (default: stored as they compute)",
     )
-    parser.add_argument(
-        "--transformer",
-        metavar="FILE",
-        help="the transformer from one .safetensors (original or diffusers key names, "
-        "float8 and fp8_scaled too) or .gguf file; the rest from MODEL_DIR",
-    )
-    parser.add_argument(
-        "--component",
-        action="append",
-        default=[],
-        type=_component_file,
-        metavar="NAME=FILE",
-        help="any component from one such file (repeat for more)",
-    )
+    _add_single_files(parser)
     parser.add_argument(
         "--lora",
         action="append",
@@ -200,6 +187,23 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         "run that outgrows it stops before the kernel would kill it",
     )
     _add_library(parser)
+
+
+def _add_single_files(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--transformer",
+        metavar="FILE",
+        help="the transformer from one .safetensors (original or diffusers key names, "
+        "float8 and fp8_scaled too) or .gguf file; the rest from MODEL_DIR",
+    )
+    parser.add_argument(
+        "--component",
+        action="append",
+        default=[],
+        type=_component_file,
+        metavar="NAME=FILE",
+        help="any component from one such file (repeat for more)",
+    )
 
 
 def _add_library(parser: argparse.ArgumentParser) -> None:
@@ -303,6 +307,7 @@ def add_plan(plan: argparse.ArgumentParser) -> None:
 
 def add_inspect(inspect: argparse.ArgumentParser) -> None:
     inspect.add_argument("model_dir", help="diffusers-format folder or Hub repo id (owner/name)")
+    _add_single_files(inspect)
     _add_library(inspect)
 
 

@@ -141,42 +141,53 @@ def _is_stored(key: str, tensor: torch.Tensor) -> bool:
     return key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2
 
 
-@pytest.fixture(scope="session")
-def float8(weights, base, tmp_path_factory):
-    """(the original-key file with the blocks' matrices in float8_e4m3fn, the folder of
-    the weights it stands for: those float8 values in float32)."""
-    root = tmp_path_factory.mktemp("float8")
+def float8_file(weights, base, root: Path, dtype: torch.dtype = FP8):
+    """(the original-key file with the blocks' matrices in ``dtype``, the folder of the
+    weights it stands for: those float8 values in float32)."""
     stored, exact = {}, {}
     for key, tensor in weights.items():
         if _is_stored(key, tensor):
-            stored[key] = tensor.to(FP8)
+            stored[key] = tensor.to(dtype)
             exact[key] = stored[key].to(torch.float32)
         else:
             stored[key] = exact[key] = tensor
-    path = root / "wan_fp8_e4m3fn.safetensors"
+    path = root / f"wan_fp8_{str(dtype).removeprefix('torch.float8_')}.safetensors"
     save_file({original_name(key): tensor for key, tensor in stored.items()}, str(path))
     return path, with_transformer(base, root / "reference", exact)
 
 
 @pytest.fixture(scope="session")
-def fp8_scaled(weights, base, tmp_path_factory):
+def float8(weights, base, tmp_path_factory):
+    """The float8_e4m3fn file and its reference folder (:func:`float8_file`)."""
+    return float8_file(weights, base, tmp_path_factory.mktemp("float8"))
+
+
+def fp8_scaled_file(weights, base, root: Path, suffix: str = ".scale_weight"):
     """(an fp8_scaled file: each stored matrix divided by a float32 scale, in float8, with
-    ``scale_weight`` beside it and the ``scaled_fp8`` marker; the folder of the weights it
-    stands for: ``weight.to(float32) * scale``)."""
-    root = tmp_path_factory.mktemp("fp8-scaled")
-    stored, exact = {"scaled_fp8": torch.empty(0, dtype=FP8)}, {}
+    the scale beside it: ComfyUI's ``scale_weight`` under the ``scaled_fp8`` marker, or
+    the newer per-layer ``weight_scale`` without one; the folder of the weights it stands
+    for: ``weight.to(float32) * scale``)."""
+    stored, exact = {}, {}
+    if suffix == ".scale_weight":
+        stored["scaled_fp8"] = torch.empty(0, dtype=FP8)
     for key, tensor in weights.items():
         name = original_name(key)
         if _is_stored(key, tensor):
             scale = (tensor.abs().max() / torch.finfo(FP8).max).to(torch.float32)
             stored[name] = (tensor / scale).to(FP8)
-            stored[name.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            stored[name.removesuffix(".weight") + suffix] = scale.reshape(())
             exact[key] = stored[name].to(torch.float32) * scale
         else:
             stored[name] = exact[key] = tensor
-    path = root / "wan_fp8_scaled.safetensors"
+    path = root / f"wan_fp8_scaled{suffix.replace('.', '_')}.safetensors"
     save_file(stored, str(path))
     return path, with_transformer(base, root / "reference", exact)
+
+
+@pytest.fixture(scope="session")
+def fp8_scaled(weights, base, tmp_path_factory):
+    """The ``scale_weight`` fp8_scaled file and its reference folder (:func:`fp8_scaled_file`)."""
+    return fp8_scaled_file(weights, base, tmp_path_factory.mktemp("fp8-scaled"))
 
 
 def lora_state(weights: dict[str, torch.Tensor], rank: int = 4, seed: int = 5):

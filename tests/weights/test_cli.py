@@ -77,3 +77,35 @@ def test_sharding_with_a_single_file_is_refused_before_anything_loads(base, orig
 
     with pytest.raises(LoadError, match="leave out --transformer"):
         pipeline_for_folder(base, components={"transformer": original_file}, shard=("transformer",))
+
+
+def test_inspect_with_single_files_reads_no_weights_and_shows_them_as_they_load(
+    capsys, base, float8, text_encoder_gguf, monkeypatch
+):
+    from ondeck.loading import QuantizedComponentLoader
+    from ondeck.memory import format_bytes
+
+    from .conftest import load
+
+    files = {"transformer": float8[0], "text_encoder": text_encoder_gguf}
+    planned = load(base, "release", components=files).ondeck.plan().component_bytes
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(QuantizedComponentLoader, "_load", lambda self: pytest.fail("loaded"))
+
+    code, out, err = run(
+        capsys,
+        "inspect",
+        base,
+        "--transformer",
+        float8[0],
+        "--component",
+        f"text_encoder={text_encoder_gguf}",
+    )
+
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "float8_e4m3fn" in rows["transformer"], "stored as the file holds it"
+    assert format_bytes(planned["transformer"]) in rows["transformer"]
+    assert rows["transformer"].endswith(f"from {float8[0]}")
+    assert "gguf" in rows["text_encoder"]
+    assert format_bytes(planned["text_encoder"]) in rows["text_encoder"]

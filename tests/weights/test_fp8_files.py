@@ -8,7 +8,15 @@ import torch
 
 from ondeck.loading import HostCache
 
-from .conftest import FP8, frames, load, reference_frames, streamed_passes
+from .conftest import (
+    FP8,
+    float8_file,
+    fp8_scaled_file,
+    frames,
+    load,
+    reference_frames,
+    streamed_passes,
+)
 
 POLICIES = ["eager", "release", "budget", "streaming"]
 
@@ -39,6 +47,27 @@ def test_a_float8_file_stays_float8_and_computes_the_upcast_weights(
         assert streamed_passes(pipe) > 0
     weight = loaded_transformer(pipe).blocks[0].attn1.to_q.weight
     assert weight.dtype == FP8, "kept as stored: one byte a weight"
+
+
+@pytest.fixture(scope="module")
+def e5m2(weights, base, tmp_path_factory):
+    """The float8_e5m2 file, its reference folder and that folder's frames."""
+    path, folder = float8_file(weights, base, tmp_path_factory.mktemp("e5m2"), torch.float8_e5m2)
+    return path, reference_frames(folder)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_float8_e5m2_file_stays_e5m2_and_computes_the_upcast_weights(base, e5m2, policy):
+    path, expected = e5m2
+    pipe = load(base, policy, components={"transformer": path})
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+    transformer = loaded_transformer(pipe)
+    assert transformer.blocks[0].attn1.to_q.weight.dtype == torch.float8_e5m2
+    assert transformer.blocks[0].attn1.to_q.bias.dtype == torch.float32, "wider stays wide"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -91,3 +120,18 @@ def test_a_single_file_reloads_from_the_host_cache_with_the_same_frames(
     assert loader.last_source != "host cache"
     assert np.array_equal(frames(pipe), expected)
     assert loader.last_source == "host cache"
+
+
+@pytest.mark.parametrize("policy", ["release", "streaming"])
+def test_an_fp8_scaled_file_with_weight_scale_names_computes_each_weight_times_its_scale(
+    weights, base, tmp_path_factory, policy
+):
+    """The newer naming: ``weight_scale`` beside each weight, and no ``scaled_fp8``."""
+    root = tmp_path_factory.mktemp("weight-scale")
+    path, folder = fp8_scaled_file(weights, base, root, suffix=".weight_scale")
+    pipe = load(base, policy, components={"transformer": path})
+
+    expected = reference_frames(folder)
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert loaded_transformer(pipe).blocks[0].attn1.to_q.weight.dtype == FP8

@@ -59,6 +59,16 @@ def test_a_lora_on_a_float8_file(base, float8, lora_files, policy):
     assert np.array_equal(frames(pipe), expected)
 
 
+def test_two_loras_each_at_its_own_scale(base, lora_files):
+    loras = [(lora_files["diffusers"], 0.7), (lora_files["musubi"], 0.2)]
+    expected = reference_frames(base, loras=loras)
+    assert not np.array_equal(expected, reference_frames(base, loras=loras[:1]))
+    pipe = load(base, "release", loras=loras)
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected), "each applied once after a reload"
+
+
 def _fused_reference(base, lora):
     from diffusers import WanPipeline
     from references import in_fresh_tensors
@@ -137,8 +147,12 @@ def test_compile_repeated_blocks_is_replayed_after_every_reload(base, reference)
 
     assert np.array_equal(frames(pipe), reference)
     assert compiled, "the loaded transformer's blocks were compiled"
+    graphs = len(compiled)
     assert np.array_equal(frames(pipe), reference)
     assert pipe.transformer.load_count == 2
+    # The reloaded blocks are fresh modules of the same class with tensors of the same
+    # shapes and dtypes: torch.compile's cache serves them, nothing compiles again.
+    assert len(compiled) == graphs, "a reload compiles nothing new"
     assert len(seen) == 2 and seen[0] is not seen[1], "two loads, two fresh modules"
     for module in seen:
         assert all(block._compiled_call_impl is not None for block in module.blocks)

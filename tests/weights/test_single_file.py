@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,30 @@ def test_the_keys_come_from_diffusers_conversion_read_from_the_header_alone(
     assert tensors["blocks.0.norm2.weight"].name.endswith("blocks.0.norm3.weight"), "swapped norms"
     assert spec.nbytes == ModelFolder.open(base).spec("transformer", torch.float32).nbytes
     assert opened == [], "nothing but the header is read"
+
+
+def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
+    base, original_file, monkeypatch
+):
+    """Called, not copied: the function diffusers registers for the class, as it is then."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES["WanTransformer3DModel"]
+    registered = entry["checkpoint_mapping_fn"]
+    calls = []
+
+    def spying(checkpoint, **kwargs):
+        converted = registered(checkpoint, **kwargs)
+        calls.append(sorted(converted))
+        return {f"{key}.seen": value for key, value in converted.items()}
+
+    monkeypatch.setitem(entry, "checkpoint_mapping_fn", spying)
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
+
+    tensors = folder.tensors("transformer")
+
+    assert len(calls) == 1
+    assert sorted(tensors) == [f"{key}.seen" for key in calls[0]], "its output, as it is"
 
 
 def test_the_plan_reads_no_weights_and_counts_the_files_bytes(base, original_file, monkeypatch):
@@ -274,3 +300,27 @@ def test_a_conversion_that_changes_a_tensor_in_place_is_refused(tmp_path):
         converted_tensors(
             scaling, read_header(path).tensors, component="transformer", path=str(path)
         )
+
+
+def test_the_second_expert_from_an_original_key_file(two_experts, tmp_path):
+    """``--component transformer_2=FILE``: a Wan 2.2 low-noise expert downloaded alone; the
+    base folder's own second expert (other weights here) is not read."""
+    import shutil
+
+    from .conftest import original_name, reference_frames
+
+    (source,) = (two_experts / "transformer_2").glob("*.safetensors")
+    weights = load_file(str(source))
+    expert = tmp_path / "wan2.2_low_noise.safetensors"
+    save_file({original_name(k): v for k, v in weights.items()}, str(expert))
+    base = Path(shutil.copytree(two_experts, tmp_path / "base"))
+    for old in (base / "transformer_2").glob("*.safetensors"):
+        save_file({k: v * 0.5 for k, v in weights.items()}, str(old))
+    expected = reference_frames(two_experts)
+    assert not np.array_equal(reference_frames(base), expected)
+
+    pipe = load(base, "release", components={"transformer_2": expert})
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected)
+    assert pipe.transformer_2.load_count == 2
