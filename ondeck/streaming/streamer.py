@@ -136,9 +136,6 @@ class BlockStreamer:
         # destination of its shape (as the loader reads it, casts included).
         self._file_sources: dict[int, dict[str, Callable[[Any], list[reads.ReadJob]]]] = {}
         self._ring: FileRing | None = None
-        # The pinned buffers of the last ring, kept across releases as the host copies
-        # are: page-locking them again on every load costs more than reading a block.
-        self._ring_memory: list[Any] = []
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
@@ -160,9 +157,7 @@ class BlockStreamer:
 
     @property
     def ring_bytes(self) -> int:
-        if self._ring is not None:
-            return self._ring.nbytes
-        return sum(memory.numel() for memory in self._ring_memory)
+        return self._ring.nbytes if self._ring is not None else 0
 
     def use_layout(self, layout: StreamLayout, file_reads: FileReads | None = None) -> None:
         """Stream by ``layout`` from the next load on, the blocks ``file_reads`` names read
@@ -177,8 +172,6 @@ class BlockStreamer:
             self.file_reads = file_reads
             self._streamed = frozenset(layout.streamed)
             self._from_files = frozenset(file_reads.from_files if file_reads else ())
-            if not self._from_files:
-                self._ring_memory = []
             self._host.keep_only(
                 {
                     b: self.sizes.packed_bytes[b]
@@ -192,9 +185,7 @@ class BlockStreamer:
         with self._lock:
             if self._armed is not None:
                 return 0
-            ring_bytes = sum(memory.numel() for memory in self._ring_memory)
-            self._ring_memory = []
-            return self._host.clear() + ring_bytes
+            return self._host.clear()
 
     # -- placement protocol (called by ComponentLoader) ------------------------------------
 
@@ -248,21 +239,17 @@ class BlockStreamer:
                 pinned=self._host.pinned,
                 read=self.read_block,
                 on_read=self._count_read,
-                memory=self._ring_memory,
             )
-            self._ring_memory = []
         return self._ring
 
     def _count_read(self, nbytes: int, seconds: float) -> None:
         self.stats.file_bytes_read += nbytes
         self.stats.file_read_seconds += seconds
 
-    def _close_ring(self, *, keep_memory: bool = False) -> None:
+    def _close_ring(self) -> None:
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
-            if keep_memory:
-                self._ring_memory = ring.memory()
         self._file_sources.clear()
 
     def finish(self, module: Any) -> None:
@@ -288,8 +275,7 @@ class BlockStreamer:
             armed, self._armed = self._armed, None
             if armed is not None:
                 armed.detach()
-            # The ring's few pinned buffers stay with the host copies, for the next load.
-            self._close_ring(keep_memory=self.keep_host_copies)
+            self._close_ring()  # a few blocks' pinned buffers: they go with the module
             if not self.keep_host_copies:
                 self._host.clear()
 
