@@ -140,25 +140,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key", help="require Authorization: Bearer KEY (default: $ONDECK_API_KEY)"
     )
-    serve.add_argument(
-        "--outputs",
-        metavar="DIR",
-        help="folder for the jobs' files (default: $ONDECK_CACHE/serve-outputs)",
-    )
-    serve.add_argument(
-        "--outputs-cap",
-        type=_size,
-        default=20 * 2**30,
-        help="the outputs folder's size cap; the oldest jobs' files go first (default 20GiB)",
-    )
+    _add_outputs(serve)
     _add_request_limits(serve)
-    serve.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM, how long the running job may take to finish before it is stopped",
-    )
     serve.add_argument(
         "--instance",
         type=_instance,
@@ -179,6 +162,28 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     serve.add_argument("--debug", action="store_true", help="show Python tracebacks")
     _add_server_to_generate(commands)
     return serve
+
+
+def _add_outputs(serve: argparse.ArgumentParser) -> None:
+    """Where the jobs' files go, how much of them is kept, and how a stop treats a job."""
+    serve.add_argument(
+        "--outputs",
+        metavar="DIR",
+        help="folder for the jobs' files (default: $ONDECK_CACHE/serve-outputs)",
+    )
+    serve.add_argument(
+        "--outputs-cap",
+        type=_size,
+        default=20 * 2**30,
+        help="the outputs folder's size cap; the oldest jobs' files go first (default 20GiB)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the running job may take to finish before it is stopped",
+    )
 
 
 def _add_request_limits(serve: argparse.ArgumentParser) -> None:
