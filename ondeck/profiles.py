@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .arguments import MAX_FRAMES, MAX_SIDE
+from .arguments import MAX_BATCH, MAX_FRAMES, MAX_SIDE
 from .embedded import default_cache_dir
 from .memory import format_bytes
 
@@ -34,7 +34,7 @@ MAX_PLAUSIBLE_BYTES = 1 << 50
 # command, so a larger file is not parsed at all.
 MAX_PROFILE_FILE_BYTES = 16_000_000
 # What a shape's numbers may be: the sides and frames generate() accepts, a batch.
-SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": 4096}
+SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": MAX_BATCH}
 MAX_SHAPE_NUMBER = 1 << 20
 
 try:

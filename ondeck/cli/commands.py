@@ -31,6 +31,7 @@ FLAGS = {
     "num_inference_steps": "--steps",
     "guidance_scale": "--guidance",
     "seed": "--seed",
+    "num_images_per_prompt": "--images",
 }
 
 
