@@ -38,4 +38,18 @@ def exits_on_interrupt() -> Iterator[None]:
         if not is_the_command() or debugging(sys.argv[1:]):
             raise
         print(INTERRUPTED, file=sys.stderr)
-        raise SystemExit(130) from None
+        exit_interrupted()
+
+
+def exit_interrupted() -> None:
+    """End the process with status 130, now.
+
+    Not through ``SystemExit``: an interrupt that passed through code the interpreter ran
+    for an extension (pybind11's ``exec``, which torch's import uses) marks it as never
+    handled, and under ``python -m`` the interpreter then ends itself by SIGINT whatever
+    status it was given. Nothing is left to write: every file goes through a temporary
+    name, already renamed into place or removed.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)

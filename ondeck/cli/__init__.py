@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OndeckError
-from ..interrupt import INTERRUPTED, debugging
+from ..interrupt import INTERRUPTED, debugging, exit_interrupted
 from .options import Parser, UsageError, add_debug
 
 DEBUG_HINT = "run with --debug (or ONDECK_DEBUG=1) to see the traceback"
@@ -131,12 +131,7 @@ def console() -> int:
         print(INTERRUPTED, file=sys.stderr)
         code = 130
     if code == 130:
-        # Status 130 as said: after an interrupt that landed inside torch._dynamo's import
-        # (seen once in 70 probes) the interpreter ended itself by SIGINT (status -2) on
-        # the way out, whatever the code. Everything ondeck writes is in place or removed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        exit_interrupted()  # status 130 as said, whatever the interrupt passed through
     return code
 
 
