@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,37 @@ def test_ctrl_c_as_the_command_ends_is_one_line_and_130(tmp_path):
     assert [line for line in finished.stderr.splitlines() if line.strip()] == [
         "ondeck: interrupted"
     ]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
+def test_ctrl_c_once_the_command_has_printed_its_result_is_one_line_and_130(
+    delay, tiny_model, tmp_path
+):
+    # The process ends in the half second after its last line: torch's and the other
+    # libraries' clean-up, where a Ctrl-C printed a traceback or ended it by SIGINT.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    environment.pop("ONDECK_DEBUG", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ondeck", "inspect", str(tiny_model)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        for line in process.stdout:
+            if line.lstrip().startswith("sum "):  # the last line it prints
+                break
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    # Either the command had ended (status 0, nothing said) or the interrupt landed.
+    assert (process.returncode, lines) in ((0, []), (130, ["ondeck: interrupted"])), err
 
 
 def test_a_program_importing_ondeck_keeps_its_keyboard_interrupt(tmp_path):
