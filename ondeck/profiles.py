@@ -128,7 +128,9 @@ def _load(path: Path | None) -> tuple[dict[str, dict[str, dict[str, Any]]], str 
                 "are kilobytes"
             )
         text = data.decode("utf-8")
-        document = json.loads(text, parse_constant=_refuse_constant)
+        # NaN and Infinity (not JSON, but Python writes them) are read as the floats they
+        # name, so that the entries holding them are dropped and the others kept.
+        document = json.loads(text)
         models, dropped = _valid_models(document)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         return {}, f"ignored ({error})"
@@ -271,10 +273,6 @@ class ActivationProfiles:
                 f"(x{ratio:.2f}, largest stage {format_bytes(peak)})"
             )
             return scaled, note
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a byte count")
 
 
 _default: ActivationProfiles | None = None
