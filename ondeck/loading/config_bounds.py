@@ -51,9 +51,14 @@ def check_component_configs(
     """Refuse a config of ``component`` (in ``directory``) that asks for an implausible
     allocation; ``read_json(path, component=...)`` reads one the folder's way."""
     if class_name.endswith("Pipeline") or (directory / "model_index.json").is_file():
+        if class_name.endswith("Pipeline"):
+            what = (
+                f"{directory.parent / 'model_index.json'} names a pipeline ({library}.{class_name})"
+            )
+        else:
+            what = f"{directory} holds a pipeline (a model_index.json)"
         raise LoadError(
-            f"component '{component}': {directory.parent / 'model_index.json'} names a "
-            f"pipeline ({library}.{class_name}) in a component's place; ondeck runs one "
+            f"component '{component}': {what} in a component's place; ondeck runs one "
             "pipeline per folder, with models, schedulers and tokenizers as its parts",
             component=component,
             path=str(directory),

@@ -146,6 +146,15 @@ def test_a_pipeline_in_a_components_place_is_refused(tiny_folder):
         ondeck.diffusers.from_pretrained(tiny_folder, device="cpu")
 
 
+def test_a_pipeline_in_the_folder_of_a_component_is_refused(tiny_folder):
+    # model_index.json names a scheduler; its folder holds a whole pipeline.
+    shutil.rmtree(tiny_folder / "scheduler")
+    shutil.copytree(tiny_folder, tiny_folder / "scheduler")
+    plan_refuses(
+        tiny_folder, f"{tiny_folder / 'scheduler'} holds a pipeline (a model_index.json) in a"
+    )
+
+
 def test_a_default_size_past_any_model_is_refused(tiny_folder):
     edit_json(tiny_folder / "vae" / "config.json", lambda c: c.update(sample_size=10**7))
     plan_refuses(tiny_folder, "sample_size is 1e+07, more than 16384")
