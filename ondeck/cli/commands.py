@@ -39,7 +39,6 @@ FLAGS = {
     "num_inference_steps": "--steps",
     "guidance_scale": "--guidance",
     "seed": "--seed",
-    "num_images_per_prompt": "--images",
 }
 
 
