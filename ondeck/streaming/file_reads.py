@@ -162,15 +162,17 @@ def plan_file_reads(
     for name, layout in streamed.items():
         packed = sizes[name].packed_bytes
         share = max(0, left) * layout.bytes_per_pass // total
-        kept_first = [b for b in layout.streamed if b in set(held.get(name, ()))]
-        rest = [b for b in layout.streamed if b not in set(kept_first)]
+        held_here = set(held.get(name, ()))
+        kept_first = [b for b in layout.streamed if b in held_here]
+        rest = [b for b in layout.streamed if b not in held_here]
         order = kept_first + [rest[i] for i in spread_order(len(rest))]
         pinned: list[int] = []
         for block in order:
             if packed[block] <= share:
                 pinned.append(block)
                 share -= packed[block]
-        from_files = tuple(b for b in layout.streamed if b not in set(pinned))
+        kept = set(pinned)
+        from_files = tuple(b for b in layout.streamed if b not in kept)
         result[name] = FileReads(
             pinned=tuple(sorted(pinned)),
             from_files=from_files,
