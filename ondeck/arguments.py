@@ -3,7 +3,8 @@ command line both call, so neither rounds what the other refuses.
 
 The shape rules come from the pipeline's configs (never its weights): Wan's stages
 carry a geometry, a diffusers pipeline its VAE's scale factors and its transformer's
-patch size. Every value that sizes an allocation (sides, frames, steps) is bounded.
+patch size. Every value that sizes an allocation (sides, frames, steps, images per
+prompt, the prompt's padded length) is bounded.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ MAX_SIDE = 16_384
 MAX_FRAMES = 4_097
 MAX_STEPS = 10_000
 MAX_SEED = 2**64 - 1
+# Images (or videos) per prompt are a batch: the latents, embeddings and decode grow with
+# it as they do with frames.
+MAX_BATCH = 4_096
+# Prompts are padded to this many tokens (512 for Wan, Flux and most others; diffusers'
+# own pipelines refuse more than 1,024 where they check).
+MAX_SEQUENCE_LENGTH = 4_096
 
 
 class ArgumentError(ValueError):
@@ -51,6 +58,9 @@ def check_generate_arguments(
     num_inference_steps: Any = None,
     guidance_scale: Any = None,
     seed: Any = None,
+    num_images_per_prompt: Any = None,
+    num_videos_per_prompt: Any = None,
+    max_sequence_length: Any = None,
 ) -> None:
     """Raise :class:`ArgumentError` for the first argument ``pipeline`` cannot take.
 
@@ -90,6 +100,13 @@ def check_generate_arguments(
             raise ArgumentError("guidance_scale", f"must be a finite number, got {guidance_scale}")
     if seed is not None:
         _whole("seed", seed, 0, MAX_SEED)
+    for name, value, high in (
+        ("num_images_per_prompt", num_images_per_prompt, MAX_BATCH),
+        ("num_videos_per_prompt", num_videos_per_prompt, MAX_BATCH),
+        ("max_sequence_length", max_sequence_length, MAX_SEQUENCE_LENGTH),
+    ):
+        if value is not None:
+            _whole(name, value, 1, high)
     geometry = getattr(pipeline, "geometry", None)
     beyond = getattr(geometry, "beyond_positions", None)
     if beyond is not None:

@@ -1,5 +1,6 @@
-"""Ctrl-C while the ``ondeck`` command starts (torch's import takes seconds): the one
-line and status 130 of any other moment, not a traceback through the import.
+"""Ctrl-C while the ``ondeck`` command starts (torch's import takes seconds) or ends
+(the libraries' clean-up takes half a second): the one line and status 130 of any other
+moment, not a traceback through the import or the exit handlers.
 
 Only the command's own process is affected; a program that imports ondeck gets its
 ``KeyboardInterrupt`` as usual.
@@ -7,10 +8,14 @@ Only the command's own process is affected; a program that imports ondeck gets i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from typing import NoReturn
 
 INTERRUPTED = "\nondeck: interrupted"
 
@@ -38,4 +43,46 @@ def exits_on_interrupt() -> Iterator[None]:
         if not is_the_command() or debugging(sys.argv[1:]):
             raise
         print(INTERRUPTED, file=sys.stderr)
-        raise SystemExit(130) from None
+        exit_interrupted()
+
+
+def end_command(status: int) -> NoReturn:
+    """End the command's process with ``status`` once its work is done, Ctrl-C included.
+
+    What a normal exit does with Python whole is done here: other threads are waited
+    for, the exit handlers run, the streams are flushed. The interpreter's teardown after
+    them is left out: there the interrupt handler is gone, and a Ctrl-C ended the process
+    by SIGINT without a word (or, inside torch's exit handlers, printed a traceback).
+    From here on Ctrl-C is the line and status 130; every file is already in place.
+    """
+    signal.signal(signal.SIGINT, _interrupted_while_ending)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(status)
+
+
+def _interrupted_while_ending(signum: int, frame: object) -> None:
+    print(INTERRUPTED, file=sys.stderr)
+    exit_interrupted()
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def exit_interrupted() -> NoReturn:
+    """End the process with status 130, now.
+
+    Not through ``SystemExit``: an interrupt that passed through code the interpreter ran
+    for an extension (pybind11's ``exec``, which torch's import uses) marks it as never
+    handled, and under ``python -m`` the interpreter then ends itself by SIGINT whatever
+    status it was given. Nothing is left to write: every file goes through a temporary
+    name, already renamed into place or removed.
+    """
+    _flush()
+    os._exit(130)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .arguments import MAX_FRAMES, MAX_SIDE
+from .arguments import MAX_BATCH, MAX_FRAMES, MAX_SIDE
 from .embedded import default_cache_dir
 from .memory import format_bytes
 
@@ -34,7 +34,7 @@ MAX_PLAUSIBLE_BYTES = 1 << 50
 # command, so a larger file is not parsed at all.
 MAX_PROFILE_FILE_BYTES = 16_000_000
 # What a shape's numbers may be: the sides and frames generate() accepts, a batch.
-SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": 4096}
+SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": MAX_BATCH}
 MAX_SHAPE_NUMBER = 1 << 20
 
 try:
@@ -128,7 +128,9 @@ def _load(path: Path | None) -> tuple[dict[str, dict[str, dict[str, Any]]], str 
                 "are kilobytes"
             )
         text = data.decode("utf-8")
-        document = json.loads(text, parse_constant=_refuse_constant)
+        # NaN and Infinity (not JSON, but Python writes them) are read as the floats they
+        # name, so that the entries holding them are dropped and the others kept.
+        document = json.loads(text)
         models, dropped = _valid_models(document)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         return {}, f"ignored ({error})"
@@ -271,10 +273,6 @@ class ActivationProfiles:
                 f"(x{ratio:.2f}, largest stage {format_bytes(peak)})"
             )
             return scaled, note
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a byte count")
 
 
 _default: ActivationProfiles | None = None

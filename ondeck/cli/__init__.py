@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OndeckError
-from ..interrupt import INTERRUPTED, debugging
+from ..interrupt import INTERRUPTED, debugging, end_command, exit_interrupted, is_the_command
 from .options import Parser, UsageError, add_debug
 
 DEBUG_HINT = "run with --debug (or ONDECK_DEBUG=1) to see the traceback"
@@ -115,7 +115,9 @@ PROCESS_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def console() -> int:
-    """The ``ondeck`` command: ``main`` in a process of its own."""
+    """The ``ondeck`` command: ``main`` in a process of its own, which it ends (see
+    ``end_command``); called from a program that is not the command, it returns the
+    status."""
     debug = debugging(sys.argv[1:])
     try:
         for name, value in PROCESS_DEFAULTS.items():
@@ -131,12 +133,9 @@ def console() -> int:
         print(INTERRUPTED, file=sys.stderr)
         code = 130
     if code == 130:
-        # Status 130 as said: after an interrupt that landed inside torch._dynamo's import
-        # (seen once in 70 probes) the interpreter ended itself by SIGINT (status -2) on
-        # the way out, whatever the code. Everything ondeck writes is in place or removed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        exit_interrupted()  # status 130 as said, whatever the interrupt passed through
+    if is_the_command() and not debug:
+        end_command(code)
     return code
 
 

@@ -39,6 +39,7 @@ FLAGS = {
     "num_inference_steps": "--steps",
     "guidance_scale": "--guidance",
     "seed": "--seed",
+    "num_images_per_prompt": "--images",
 }
 
 

@@ -87,6 +87,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         num_inference_steps=shape.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
+        num_images_per_prompt=args.images if media.takes_count else None,
     )
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec
-from .config_bounds import check_component_configs
+from .config_bounds import MAX_JSON_BYTES, check_component_configs
 from .safetensors_format import (
     MAX_COMPONENT_HEADER_BYTES,
     SafetensorsHeader,
@@ -35,8 +35,6 @@ _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 # Libraries a model_index.json may name without the caller's say-so. A folder is data:
 # naming any other module would make opening it run that module's code.
 TRUSTED_LIBRARIES = ("diffusers", "transformers")
-# model_index.json, configs and shard indexes are kilobytes; read no more than this of one.
-MAX_JSON_BYTES = 100_000_000
 # Config files of the parts that are not models, tried when the class does not say.
 _CONFIG_NAMES = (
     "config.json",

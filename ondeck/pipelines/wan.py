@@ -542,6 +542,7 @@ class WanTextToVideo(Pipeline):
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             seed=seed,
+            max_sequence_length=max_sequence_length,
         )
         if self.parallel is not None:  # before anything loads
             self.parallel.check_sequence(

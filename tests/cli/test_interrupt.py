@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,101 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_130(how, module, tiny_mo
     assert [line for line in finished.stderr.splitlines() if line.strip()] == [
         "ondeck: interrupted"
     ]
+
+
+# The same interrupt, raised through code the interpreter runs for an extension
+# (PyRun_String, as pybind11's exec does in torch's import): the interpreter marks it as
+# never handled and, under `python -m`, ended itself by SIGINT (status -2) whatever
+# status it was given.
+INTERRUPT_THROUGH_AN_EXTENSION = """
+import ctypes, os, sys
+
+class InterruptThroughAnExtension:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            run = ctypes.pythonapi.PyRun_String
+            run.restype = ctypes.py_object
+            run.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+            run(b"raise KeyboardInterrupt", 257, {}, {})
+        return None
+
+sys.meta_path.insert(0, InterruptThroughAnExtension())
+"""
+
+
+@pytest.mark.parametrize("module", ["torch", "diffusers"])
+def test_ctrl_c_through_an_extensions_code_is_still_status_130(module, tiny_model, tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(INTERRUPT_THROUGH_AN_EXTENSION)
+    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
+    command += ["--output", str(tmp_path / "out")]
+    environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    environment["INTERRUPT_AT"] = module
+    environment.pop("ONDECK_DEBUG", None)
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 130, finished.stderr
+    assert [line for line in finished.stderr.splitlines() if line.strip()] == [
+        "ondeck: interrupted"
+    ]
+
+
+def test_ctrl_c_as_the_command_ends_is_one_line_and_130(tmp_path):
+    # The interrupt lands after the command's own handler, as the process ends.
+    program = (
+        "import sys\n"
+        "from ondeck import cli, distributed\n"
+        "def interrupted():\n"
+        "    raise KeyboardInterrupt\n"
+        "distributed.joined = interrupted\n"
+        "sys.argv = ['ondeck', 'profiles']\n"
+        "sys.exit(cli.console())\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "ONDECK_CACHE": str(tmp_path)}
+    environment.pop("ONDECK_DEBUG", None)
+    finished = subprocess.run(
+        [sys.executable, "-c", program],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 130, finished.stderr
+    assert [line for line in finished.stderr.splitlines() if line.strip()] == [
+        "ondeck: interrupted"
+    ]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
+def test_ctrl_c_once_the_command_has_printed_its_result_is_one_line_and_130(
+    delay, tiny_model, tmp_path
+):
+    # The process ends in the half second after its last line: torch's and the other
+    # libraries' clean-up, where a Ctrl-C printed a traceback or ended it by SIGINT.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    environment.pop("ONDECK_DEBUG", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ondeck", "inspect", str(tiny_model)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        for line in process.stdout:
+            if line.lstrip().startswith("sum "):  # the last line it prints
+                break
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    # Either the command had ended (status 0, nothing said) or the interrupt landed.
+    assert (process.returncode, lines) in ((0, []), (130, ["ondeck: interrupted"])), err
 
 
 def test_a_program_importing_ondeck_keeps_its_keyboard_interrupt(tmp_path):

@@ -28,6 +28,8 @@ WAN_CASES = [
     ({"height": 32.0}, "height: expected a whole number, got 32.0"),
     ({"seed": -1}, "seed: must be from 0 to 18446744073709551615, got -1"),
     ({"num_frames": 129}, "num_frames: 129 is too large for this model"),
+    # padded to any length before (a billion tokens exhausted memory)
+    ({"max_sequence_length": 4097}, "max_sequence_length: must be from 1 to 4096, got 4097"),
 ]
 
 
@@ -85,10 +87,15 @@ def test_the_check_is_the_one_both_call(wan, monkeypatch, capsys, tiny_model, tm
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory):
+def flux_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("flux") / "flux"
     FAMILIES["flux"].build(path)
-    return ondeck.diffusers.from_pretrained(path, device="cpu")
+    return path
+
+
+@pytest.fixture(scope="module")
+def flux(flux_folder):
+    return ondeck.diffusers.from_pretrained(flux_folder, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -97,6 +104,11 @@ def flux(tmp_path_factory):
         ({"height": 7}, "height: must be a multiple of 2 for this model, got 7 (try 6 or 8)"),
         ({"guidance_scale": math.nan}, "guidance_scale: must be a finite number, got nan"),
         ({"num_inference_steps": 0}, "num_inference_steps: must be from 1 to 10000, got 0"),
+        # any batch was allocated before (10**8 images exhausted memory)
+        (
+            {"num_images_per_prompt": 4097},
+            "num_images_per_prompt: must be from 1 to 4096, got 4097",
+        ),
     ],
 )
 def test_diffusers_generate_refuses_what_the_cli_refuses(flux, arguments, message):
@@ -104,6 +116,19 @@ def test_diffusers_generate_refuses_what_the_cli_refuses(flux, arguments, messag
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         flux.ondeck.generate("a fox", **{**shape, **arguments})
     assert flux.ondeck.tracker.bytes_loaded == 0
+
+
+def test_images_past_the_bound_are_refused_with_the_flags_name(
+    capsys, flux_folder, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("ondeck.cli.generate._run_all", None)  # never reached
+    argv = ["generate", flux_folder, "--device", "cpu", "--steps", "1", "--images", "100000000"]
+    code, _, err = run(capsys, *argv, "--output", tmp_path / "o")
+    said = [line for line in error_lines(err) if line.startswith("ondeck")]  # not diffusers' bar
+    assert (code, said) == (
+        2,
+        ["ondeck: error: argument --images: must be from 1 to 4096, got 100000000"],
+    )
 
 
 def test_an_allegro_like_pipeline_takes_any_frame_count():

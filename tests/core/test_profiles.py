@@ -102,6 +102,17 @@ def test_good_entries_beside_bad_ones_are_kept(tmp_path):
     assert stages == {"Decode": 1000}
 
 
+def test_values_that_are_not_finite_are_dropped_and_the_good_ones_kept(tmp_path):
+    # NaN and Infinity are not JSON; they cost their entries, not the whole file.
+    path = tmp_path / "profiles.json"
+    text = _document({"wan": _entry({"Decode": 1000, "Denoise": 1, "EncodePrompt": 2})})
+    path.write_text(text.replace(": 1,", ": NaN,").replace(": 2}", ": -Infinity}"))
+    assert "NaN" in path.read_text() and "-Infinity" in path.read_text()
+    with pytest.warns(UserWarning, match="ignored 2 damaged or implausible entries"):
+        stages, _ = ActivationProfiles(path).lookup("wan", SHAPE)
+    assert stages == {"Decode": 1000}
+
+
 def test_implausible_measurements_are_not_stored(tmp_path):
     path = tmp_path / "profiles.json"
     profiles = ActivationProfiles(path)

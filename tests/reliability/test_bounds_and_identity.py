@@ -60,6 +60,16 @@ def test_a_scheduler_asking_for_billions_of_steps_is_refused_before_it_is_built(
     assert message.startswith("component 'scheduler': ")
 
 
+def test_a_config_of_megabytes_is_checked_all_the_same(tiny_folder):
+    # Padded past any size a check might skip: the value is what sizes the tables (2e9
+    # exhausted memory in a 5 MB file; 2e6, refused the same way, is cheap if it is not).
+    config = tiny_folder / "scheduler" / "scheduler_config.json"
+    document = json.loads(config.read_text())
+    document["num_train_timesteps"] = 2_000_000
+    config.write_text(json.dumps(document)[:-1] + " " * 5_000_000 + "}")
+    plan_refuses(tiny_folder, str(config), "num_train_timesteps is 2e+06, more than 100000")
+
+
 def test_a_scheduler_with_a_huge_list_of_betas_is_refused(tiny_folder):
     config = tiny_folder / "scheduler" / "scheduler_config.json"
     edit_json(config, lambda c: c.update(trained_betas=[0.001] * 200_000))
@@ -76,14 +86,39 @@ def test_a_tokenizer_length_that_would_pad_to_billions_is_refused(tiny_folder, v
         assert ondeck.plan(tiny_folder, device="cpu").peak_bytes > 0
 
 
-def test_a_tokenizer_file_padding_to_billions_is_refused(tiny_folder):
+@pytest.mark.parametrize(
+    "key, value, refused",
+    [
+        ("extra_ids", 10**8, "extra_ids is 1e+08, more than 65536 (each makes a special token)"),
+        ("pad_to_multiple_of", 10**9, "pad_to_multiple_of is 1e+09, more than 16777216"),
+        ("extra_ids", 125, None),  # ByT5's own
+    ],
+)
+def test_a_tokenizer_asking_for_millions_of_special_tokens_is_refused(
+    tiny_folder, key, value, refused
+):
+    # extra_ids=10**8 made ByT5's tokenizer build 10**8 "<extra_id_N>" strings.
+    config = tiny_folder / "tokenizer" / "tokenizer_config.json"
+    edit_json(config, lambda c: c.update({key: value, "extra_special_tokens": None}))
+    if refused:
+        plan_refuses(tiny_folder, str(config), refused)
+    else:
+        assert ondeck.plan(tiny_folder, device="cpu").peak_bytes > 0
+
+
+@pytest.mark.parametrize("vocabulary_first", [False, True], ids=["padding-first", "padding-last"])
+def test_a_tokenizer_file_padding_to_billions_is_refused(tiny_folder, vocabulary_first):
     path = tiny_folder / "tokenizer" / "tokenizer.json"
     document = {
         "version": "1.0",
         "truncation": None,
         "padding": {"strategy": {"Fixed": 1_000_000_000}, "direction": "Right"},
     }
+    if vocabulary_first:  # JSON keys come in any order; a vocabulary is megabytes
+        vocabulary = {f"token{i}": i for i in range(100_000)}
+        document = {"model": {"type": "WordLevel", "vocab": vocabulary}, **document}
     path.write_text(json.dumps(document))
+    assert path.stat().st_size > (1 << 20) or not vocabulary_first
     plan_refuses(tiny_folder, str(path), "its padding length is 1,000,000,000")
 
 
@@ -111,9 +146,29 @@ def test_a_pipeline_in_a_components_place_is_refused(tiny_folder):
         ondeck.diffusers.from_pretrained(tiny_folder, device="cpu")
 
 
+def test_a_pipeline_in_the_folder_of_a_component_is_refused(tiny_folder):
+    # model_index.json names a scheduler; its folder holds a whole pipeline.
+    shutil.rmtree(tiny_folder / "scheduler")
+    shutil.copytree(tiny_folder, tiny_folder / "scheduler")
+    plan_refuses(
+        tiny_folder, f"{tiny_folder / 'scheduler'} holds a pipeline (a model_index.json) in a"
+    )
+
+
 def test_a_default_size_past_any_model_is_refused(tiny_folder):
     edit_json(tiny_folder / "vae" / "config.json", lambda c: c.update(sample_size=10**7))
     plan_refuses(tiny_folder, "sample_size is 1e+07, more than 16384")
+
+
+@pytest.mark.parametrize("key", ["sample_size", "sample_height", "sample_frames"])
+def test_a_default_size_in_latents_past_any_model_is_refused(tiny_folder, key):
+    # A transformer's sample_size counts latents: SD3's default output is it times the
+    # VAE's scale, so 16384 there asked for a 131072-pixel image (latents of gigabytes).
+    config = tiny_folder / "transformer" / "config.json"
+    edit_json(config, lambda c: c.update({key: 16_384}))
+    plan_refuses(tiny_folder, str(config), f"{key} is 16384, more than 1024 (in latents;")
+    edit_json(config, lambda c: c.update({key: 256}))  # PixArt-Sigma 2K's
+    assert ondeck.plan(tiny_folder, device="cpu").peak_bytes > 0
 
 
 # -- headers ------------------------------------------------------------------------------

@@ -438,6 +438,7 @@ class DiffusersRuntime(Pipeline):
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             seed=seed,
+            **{key: kwargs[key] for key in _CHECKED_KEYWORDS if key in kwargs},
         )
         wanted = {
             "prompt": prompt,
@@ -486,6 +487,9 @@ class DiffusersRuntime(Pipeline):
     def __repr__(self) -> str:
         return f"<ondeck runtime of {type(self.pipe).__name__}: policy {self.policy.name}>"
 
+
+# Keyword arguments of the call that the one check bounds, as it does the named ones.
+_CHECKED_KEYWORDS = ("num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
 
 # The call arguments that size a decode; nothing else of a call is kept past it.
 _SIZE_ARGUMENTS = (
