@@ -56,12 +56,23 @@ def end_command(status: int) -> NoReturn:
     From here on Ctrl-C is the line and status 130; every file is already in place.
     """
     signal.signal(signal.SIGINT, _interrupted_while_ending)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _end_threads()
     atexit._run_exitfuncs()
     _flush()
     os._exit(status)
+
+
+def _end_threads() -> None:
+    """What the interpreter does with threads before its exit handlers: tell the thread
+    pools to finish (their workers wait for that word, so joining them first never ends),
+    then wait for every thread that is not a daemon."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
 
 
 def _interrupted_while_ending(signum: int, frame: object) -> None:
