@@ -294,8 +294,11 @@ def simulate(
     activation: Mapping[str, int | None] | None = None,
     prefetch: bool = True,
     runs: int = 2,
+    start: Iterable[str] = (),
 ) -> list[PlannedStage]:
-    """Resident components during each stage over ``runs`` consecutive runs."""
+    """Resident components during each stage over ``runs`` consecutive runs, ``start``
+    resident as the first begins (what an earlier job left; the budget policy keeps it
+    where it fits)."""
     activation = activation or {}
     planned: list[PlannedStage] = []
     everything = {c for use in uses for c in use.components}
@@ -308,7 +311,7 @@ def simulate(
         if budget is None:
             raise ValueError("the budget policy needs a budget")
         per_run = []
-        resident: set[str] = set()
+        resident: set[str] = set(start) & everything
         for _ in range(runs):
             sets = []
             for index in range(len(uses)):
@@ -668,6 +671,29 @@ def moved_per_run(plan: Plan, calls: Mapping[str, int]) -> int:
         layout.bytes_per_pass * calls.get(name, 1) for name, layout in plan.streamed.items()
     )
     return bytes_loaded_per_run(plan) + streamed
+
+
+def loads_from(plan: Plan, start: Iterable[str]) -> tuple[int, frozenset[str]]:
+    """Bytes one run of ``plan`` loads when ``start`` is resident as it begins, and what
+    stays resident after it (what a served model's job loads after a switch)."""
+    policy = plan.policy
+    if policy == "budget" and not plan.fits(plan.budget):
+        policy = "release"
+    sizes = plan.device_bytes
+    stages = simulate(
+        plan.uses,
+        sizes,
+        policy=policy,
+        budget=plan.budget,
+        activation=plan.headroom_bytes,
+        runs=1,
+        start=start,
+    )
+    resident, loaded = set(start), 0
+    for stage in stages:
+        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
+        resident = set(stage.resident)
+    return loaded, frozenset(resident)
 
 
 def bytes_loaded_per_run(plan: Plan) -> int:

@@ -18,7 +18,8 @@ from typing import Any
 
 from ..lazy import is_loaded
 from ..memory import format_bytes
-from ..policy import BudgetPolicy, bytes_loaded_per_run
+from ..planning import bytes_loaded_per_run, loads_from
+from ..policy import BudgetPolicy
 
 
 @dataclass
@@ -68,6 +69,44 @@ class Eviction:
             "for_model": self.for_model,
             "at": self.seconds,
         }
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one model holds on the device, as eviction sees it."""
+
+    name: str
+    last_used: float
+    first_use: Mapping[str, int]  # component -> index of the first stage using it
+    resident: Mapping[str, int]  # component -> bytes
+
+
+def eviction_order(
+    holdings: Sequence[Holding], name: str, upcoming: Sequence[str]
+) -> list[tuple[str, str, int, str]]:
+    """The resident components of the models other than ``name``, the one needed last
+    first: a model no waiting job needs before one that is queued (the least recently
+    used first), a later-queued one before an earlier one, and within a model its
+    last-needed component first. Each with the reason it goes."""
+    candidates = []
+    for held in holdings:
+        if held.name == name:
+            continue
+        position = next((i for i, m in enumerate(upcoming) if m == held.name), math.inf)
+        for component, nbytes in held.resident.items():
+            stage = held.first_use.get(component, math.inf)
+            if position == math.inf:
+                reason = "next use: no waiting job needs it (least recently used first)"
+                key = (1, -held.last_used, stage)
+            else:
+                reason = (
+                    f"next use: queued job {position + 1} ({held.name}), "
+                    f"stage {int(stage) + 1 if stage != math.inf else '-'}"
+                )
+                key = (0, position, stage)
+            candidates.append((key, held.name, component, nbytes, reason))
+    candidates.sort(key=lambda item: item[0], reverse=True)
+    return [(other, component, nbytes, reason) for _, other, component, nbytes, reason in candidates]
 
 
 class ResidencyManager:
@@ -124,35 +163,14 @@ class ResidencyManager:
     def _need_bytes(self, model: ServedModel) -> int:
         """The most a job of ``model`` holds at once under the whole budget: its largest
         stage's components and activations, or everything it keeps across runs."""
-        plan = model.pipeline.plan(self.budget_bytes)
-        requirement = max((nbytes for _, nbytes in plan.stage_requirements()), default=0)
-        return max(requirement, plan.peak_bytes)
+        return need_bytes(model.pipeline.plan(self.budget_bytes))
 
     def _victims(self, name: str, upcoming: Sequence[str]) -> list[tuple[str, str, int, str]]:
-        """Resident components of the other models, the one needed last first."""
-        candidates = []
-        for other, model in self.models.items():
-            if other == name:
-                continue
-            position = next((i for i, m in enumerate(upcoming) if m == other), math.inf)
-            first = model.first_use()
-            for component, nbytes in model.resident().items():
-                stage = first.get(component, math.inf)
-                if position == math.inf:
-                    reason = "next use: no waiting job needs it (least recently used first)"
-                    # The oldest model first, then its last-needed component.
-                    key = (1, -model.last_used, stage)
-                else:
-                    reason = (
-                        f"next use: queued job {position + 1} ({other}), "
-                        f"stage {int(stage) + 1 if stage != math.inf else '-'}"
-                    )
-                    key = (0, position, stage)
-                candidates.append((key, other, component, nbytes, reason))
-        candidates.sort(key=lambda item: item[0], reverse=True)
-        return [
-            (other, component, nbytes, reason) for _, other, component, nbytes, reason in candidates
+        holdings = [
+            Holding(other, model.last_used, model.first_use(), model.resident())
+            for other, model in self.models.items()
         ]
+        return eviction_order(holdings, name, upcoming)
 
     def finished(self, name: str) -> None:
         """A job of ``name`` is over; the plan for the set is worked out again here, on
@@ -325,54 +343,73 @@ class ServePlan:
         return "\n".join(lines)
 
 
+def need_bytes(plan: Any) -> int:
+    """The most a job holds at once under ``plan``: its largest stage's components and
+    activations, or everything it keeps across runs."""
+    requirement = max((nbytes for _, nbytes in plan.stage_requirements()), default=0)
+    return max(requirement, plan.peak_bytes)
+
+
 def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePlan:
     """The plan for a set of served models under one budget; reads no weights.
 
-    Each model plans alone under the whole budget. When every model's peak fits
-    together, they all stay, and a job after a switch loads what any run of its model
-    loads. Otherwise what a switch from ``a`` to ``b`` loads depends on whether ``b``'s
-    kept set stayed beside ``a``'s job: then ``b`` loads what a run after its own loads;
-    else as much as a run from nothing (at most: eviction by next use may have left a
-    part of it).
+    Each model plans alone under the whole budget. What a switch from ``a`` to ``b``
+    loads is what the manager and ``b``'s policy do when jobs of the two alternate with
+    nothing else queued: before ``b``'s job, ``a``'s components go in eviction order
+    until ``b``'s need fits; ``b`` plans within what ``a`` left and loads what it lacks
+    of what it did not keep, its next-run prefetch included. The alternation runs until
+    it repeats, and the figure is its steady state's.
     """
     plans: dict[str, ModelPlan] = {}
     for name, model in models.items():
         plan = model.pipeline.plan(budget_bytes)
-        requirement = max((nbytes for _, nbytes in plan.stage_requirements()), default=0)
         kept = plan.stages[-1][2] if plan.stages else 0
         plans[name] = ModelPlan(
             name=name,
             component_bytes={k: v or 0 for k, v in plan.component_bytes.items()},
-            peak_bytes=max(plan.peak_bytes, requirement),
+            peak_bytes=need_bytes(plan),
             kept_bytes=kept,
             stages=plan.stages,
             fits=plan.fits(budget_bytes),
             run_bytes=bytes_loaded_per_run(plan),
-            first_run_bytes=_first_run_bytes(plan),
+            first_run_bytes=loads_from(plan, ())[0],
         )
     all_resident = sum(p.peak_bytes for p in plans.values()) <= budget_bytes
-    switch: dict[tuple[str, str], int] = {}
-    for a, before in plans.items():
-        for b, after in plans.items():
-            if a == b:
-                continue
-            # ``a``'s job holds its peak: ``b``'s kept set stays only if it fits beside.
-            if all_resident or before.peak_bytes + after.kept_bytes <= budget_bytes:
-                switch[(a, b)] = after.run_bytes
-            else:
-                switch[(a, b)] = after.first_run_bytes
+    switch = {
+        (a, b): _alternation(models[a], models[b], budget_bytes)
+        for a in models
+        for b in models
+        if a != b
+    }
     return ServePlan(budget_bytes, plans, all_resident, switch)
 
 
-def _first_run_bytes(plan: Any) -> int:
-    """Device bytes the plan's first simulated run loads, from nothing resident."""
-    if not plan.runs:
-        return 0
-    first = plan.runs[0].run
-    sizes = plan.device_bytes
-    resident: set[str] = set()
+ALTERNATIONS = 4  # jobs of each model: enough for the residency to repeat
+
+
+def _alternation(first: ServedModel, second: ServedModel, budget_bytes: int) -> int:
+    """Bytes a job of ``second`` loads after one of ``first``, the two alternating."""
+    held: dict[str, frozenset[str]] = {first.name: frozenset(), second.name: frozenset()}
+    sizes = {m.name: m.pipeline.component_bytes() for m in (first, second)}
     loaded = 0
-    for stage in (stage for stage in plan.runs if stage.run == first):
-        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
-        resident = set(stage.resident)
+    for turn in range(2 * ALTERNATIONS):
+        model, other = (first, second) if turn % 2 == 0 else (second, first)
+        plan = model.pipeline.plan(budget_bytes)
+        need = need_bytes(plan)
+        holding = Holding(
+            other.name,
+            float(turn),
+            other.first_use(),
+            {c: sizes[other.name].get(c) or 0 for c in held[other.name]},
+        )
+        left = dict(holding.resident)
+        for _, component, _, _ in eviction_order([holding], model.name, []):
+            if sum(left.values()) + need <= budget_bytes:
+                break
+            del left[component]
+        held[other.name] = frozenset(left)
+        own = model.pipeline.plan(max(1, budget_bytes - sum(left.values())))
+        loaded, held[model.name] = loads_from(own, held[model.name])
     return loaded
+
+

@@ -19,13 +19,13 @@ def served(models, budget: int, names=("wan", "wan2", "sd3")) -> Server:
     )
 
 
-def run(server: Server, name: str, upcoming=(), progress=None) -> None:
+def run(server: Server, name: str, upcoming=(), progress=None, prompt="a fox") -> None:
     server.manager.prepare(name, list(upcoming))
     size = {"height": 32, "width": 32}
     if server.models[name].kind == "video":
         size["num_frames"] = 5
     server.models[name].pipeline.generate(
-        "a fox", num_inference_steps=2, seed=0, progress=progress, **size
+        prompt, num_inference_steps=2, seed=0, progress=progress, **size
     )
     server.manager.finished(name)
 
@@ -89,18 +89,41 @@ def test_nothing_loads_ahead_when_it_would_not_fit(models):
     assert server.manager.resident()["wan"] == {}
 
 
+def loaded_by_last_run(server: Server, name: str) -> int:
+    report = server.models[name].pipeline.report()
+    return sum(
+        event["nbytes"]
+        for event in report["events"]
+        if event["run"] == report["runs"] and event["kind"] == "load"
+    )
+
+
+@pytest.mark.parametrize("kib", [1400, 1600, 1800, 2000])
+def test_each_switch_loads_what_the_plan_for_the_set_says(models, kib):
+    """Jobs of a video and an image model alternate, each with a new prompt (a cached
+    one needs no text encoder). Once each model has run once (its activations measured),
+    every switch loads the bytes the set's plan predicted for it, exactly."""
+    server = served(models, kib * KIB, names=("wan", "sd3"))
+    run(server, "wan")
+    run(server, "sd3")
+    for turn, name in enumerate(["wan", "sd3", "wan", "sd3"]):
+        previous = "sd3" if name == "wan" else "wan"
+        predicted = server.manager.plan().switch_bytes[(previous, name)]
+        run(server, name, prompt=f"a fox, take {turn}")
+        assert loaded_by_last_run(server, name) == predicted, (previous, name)
+        assert server.manager.resident_bytes() <= server.budget_bytes
+
+
 def test_the_plan_for_a_set_says_what_stays_and_what_a_switch_loads(models):
     tight = served(models, 1800 * KIB).manager.plan()
     assert not tight.all_resident
-    assert tight.switch_bytes[("wan", "sd3")] == SD3
+    assert 0 < tight.switch_bytes[("wan", "sd3")] <= SD3
     assert tight.switch_bytes[("wan", "wan2")] == 0  # two video models fit together
     assert "a switch loads" in str(tight)
-    # At 1400 KiB the video model's kept set (all of it) cannot stay beside the image
-    # model's job: the switch back loads all of it. The image model keeps a part of
-    # itself, which stays beside the video model's job: it loads what its runs load.
+    # At 1400 KiB the video model's kept set cannot stay beside the image model's job:
+    # the switch back loads all of it.
     narrow = served(models, 1400 * KIB, names=("wan", "sd3")).manager.plan()
     assert narrow.switch_bytes[("sd3", "wan")] == WAN
-    assert narrow.switch_bytes[("wan", "sd3")] == narrow.models["sd3"].run_bytes < SD3
     roomy = served(models, 8 * 2**20).manager.plan()
     assert roomy.all_resident and set(roomy.switch_bytes.values()) == {0}
     assert "every model stays resident" in str(roomy)
@@ -116,7 +139,13 @@ def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "one budget of 1.76 MiB for 2 models" in printed
-    assert "wan -> sd3: 1.53 MiB" in printed
+    assert switch_lines(models, 1800 * KIB)[0] in printed
+
+
+def switch_lines(models, budget: int) -> list[str]:
+    """The plan's switch lines as a server of the two models states them."""
+    plan = served(models, budget, names=("wan", "sd3")).manager.plan()
+    return [line for line in str(plan).splitlines() if "->" in line]
 
 
 def test_ondeck_plan_of_several_models_answers_for_the_set(models, capsys):
@@ -128,7 +157,7 @@ def test_ondeck_plan_of_several_models_answers_for_the_set(models, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "one budget of 1.76 MiB for 2 models" in printed
-    assert "wan -> sd3: 1.53 MiB" in printed and "sd3 -> wan: 504.98 KiB" in printed
+    assert all(line in printed for line in switch_lines(models, 1800 * KIB))
 
 
 def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
