@@ -24,7 +24,8 @@ of its own (clean peaks), ``--runs`` prompts each, 480x832, 33 frames, 4 steps:
 - ``gguf-full``, ``gguf-16``, ``gguf-8``: the Q8_0 file through ondeck (auto);
   ``gguf-diffusers``: diffusers' own ``from_single_file`` with a GGUFQuantizationConfig,
   everything on the card.
-- ``lora-release``: ``folder-release`` with the LoRA (``loras=``), unfused.
+- ``lora-release``: ``folder-release`` with the LoRA (``loras=``), unfused;
+  ``lorafused-release`` the same with ``pipe.fuse_lora()``, replayed at every load.
 - ``compile-release``: ``file-release`` with ``compile_repeated_blocks()`` recorded: every
   reload replays the compile on a fresh module; its runs 2-3 against ``file-release``'s
   are the recompile cost per reload.
@@ -93,6 +94,7 @@ MODES = {
     "eager": Mode(55),
     "folder-release": Mode(42, layout="folder"),
     "lora-release": Mode(45, layout="folder", files=("lora",)),
+    "lorafused-release": Mode(45, layout="folder", files=("lora",)),
     "folder-24": Mode(45, 24, layout="folder"),
     "folder-8": Mode(55, 8, layout="folder"),
     "file-release": Mode(42, layout="file"),
@@ -602,7 +604,7 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["components"] = {"transformer": files[key]}
     if mode.endswith("release"):
         options["policy"] = "release"
-    if mode == "lora-release":
+    if mode in ("lora-release", "lorafused-release"):
         options["loras"] = [files["lora"]]
     pipe = ondeck.diffusers.from_pretrained(
         work.folder,
@@ -611,6 +613,8 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         progress=False,
         **options,
     )
+    if mode == "lorafused-release":
+        pipe.fuse_lora()  # recorded: every load of the transformer fuses again
     if mode == "compile-release":
         # The smoke run checks the replay, not inductor's compile time on a CPU.
         backend = {"backend": "eager"} if tiny else {}
@@ -917,6 +921,7 @@ def summarise(rows: dict) -> dict:
         },
         "gguf_diffusers_vs_eager": ratio(rows, "gguf-diffusers", "eager"),
         "lora_vs_without": ratio(rows, "lora-release", "folder-release"),
+        "fused_lora_vs_without": ratio(rows, "lorafused-release", "folder-release"),
         "recompile_seconds_per_reload": recompile,
         "compile_first_run_seconds": (rows.get("compile-release", {}).get("runs") or [{}])[0].get(
             "seconds"
@@ -983,6 +988,7 @@ def print_table(rows: dict, summary: dict, skipped: list[str]) -> None:
     print(f"GGUF Q8_0 / eager                       {shown(summary['gguf_vs_eager'])}")
     print(f"GGUF Q8_0 / diffusers' GGUF             {shown(summary['gguf_vs_diffusers_gguf'])}")
     print(f"one LoRA under release / without (1.03) {shown(summary['lora_vs_without'])}")
+    print(f"  the LoRA fused at every load          {shown(summary['fused_lora_vs_without'])}")
     print(
         f"recompile seconds per reload            {shown(summary['recompile_seconds_per_reload'])}"
     )
