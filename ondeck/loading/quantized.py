@@ -196,6 +196,11 @@ class QuantizedComponentLoader(FolderLoader):
     @property
     def spec(self) -> ComponentSpec:
         config: Any = self.config
+        if self._nbytes is None and self.places_blocks:
+            # The module diffusers builds from the header, tensor for tensor: the file's
+            # names may be the original repository's, which the float32-kept modules'
+            # names do not match.
+            self._nbytes = _module_bytes(self.template.module)
         if self._nbytes is None:
             if self.method == "gguf":
                 tensors = _gguf_tensors(self.path, self.name)
@@ -613,6 +618,12 @@ def _gguf_reader(path: Path, name: str) -> Any:
             component=name,
             path=str(path),
         ) from error
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (on the meta device too)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def _computed_buffer_bytes(cls: type, library: str, config: dict) -> int:

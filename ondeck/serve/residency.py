@@ -106,7 +106,9 @@ def eviction_order(
                 key = (0, position, stage)
             candidates.append((key, held.name, component, nbytes, reason))
     candidates.sort(key=lambda item: item[0], reverse=True)
-    return [(other, component, nbytes, reason) for _, other, component, nbytes, reason in candidates]
+    return [
+        (other, component, nbytes, reason) for _, other, component, nbytes, reason in candidates
+    ]
 
 
 class ResidencyManager:
@@ -411,5 +413,3 @@ def _alternation(first: ServedModel, second: ServedModel, budget_bytes: int) -> 
         own = model.pipeline.plan(max(1, budget_bytes - sum(left.values())))
         loaded, held[model.name] = loads_from(own, held[model.name])
     return loaded
-
-

@@ -289,7 +289,9 @@ def test_status_shows_resident_budget_queue_and_the_last_report(server):
     assert set(state["resident"]) == {"wan", "wan2", "sd3", "broken"}
     assert state["last_job"]["report"]["model"] == "wan"
     assert state["plan"]["all_resident"] is False
-    to_sd3 = next(s for s in state["plan"]["switch_bytes"] if s["from"] == "wan" and s["to"] == "sd3")
+    to_sd3 = next(
+        s for s in state["plan"]["switch_bytes"] if s["from"] == "wan" and s["to"] == "sd3"
+    )
     assert 0 < to_sd3["bytes"] <= 1608380  # at most the whole image model
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import ondeck
 
-from .conftest import frames, load, reference_frames, streamed_passes
+from .conftest import frames, load, reference_frames, stored_blocks, streamed_passes
 
 pytest.importorskip("gguf")
 
@@ -232,3 +232,49 @@ def test_a_gguf_text_encoder_reloads_from_the_host_cache_without_reading_the_fil
         assert np.array_equal(frames(pipe), expected)
         assert loader.last_source == "host cache"
     assert pipe.text_encoder.load_count == 3
+
+
+def test_a_gguf_file_in_original_names_is_sized_as_it_loads_in_bf16(gguf_base, gguf_file):
+    """The file's float tensors in the original repository's names (``modulation``,
+    ``time_embedding``), computed in bf16: the modules the model keeps in float32 are
+    sized in float32, as they load. Sized from the names alone, the plan undercounted the
+    component, took its blocks for a share of it, and refused to stream them."""
+    import torch
+
+    import ondeck.diffusers
+
+    pipe = ondeck.diffusers.from_pretrained(
+        gguf_base,
+        dtype=torch.bfloat16,
+        device="cpu",
+        policy="release",
+        progress=False,
+        components={"transformer": gguf_file[0]},
+    )
+    planned = pipe.ondeck.component_bytes()["transformer"]
+    module = pipe.transformer.materialize()
+    tensors = list(module.parameters()) + list(module.buffers())
+    assert planned == sum(t.numel() * t.element_size() for t in tensors)
+    assert any(t.dtype == torch.float32 for t in module.blocks[0].parameters())
+
+
+def test_auto_streams_a_gguf_transformer_too_large_for_the_card(gguf_base, gguf_file, monkeypatch):
+    import torch
+
+    import ondeck.diffusers
+    from ondeck import memory
+
+    sizes = stored_blocks(load(gguf_base, "release", components={"transformer": gguf_file[0]}))
+    budget = sizes.other_bytes + 2 * max(sizes.block_bytes) + 2 * max(sizes.packed_bytes)
+    gib = 2**30
+    card = memory.DeviceFacts("cuda:9", False, 2 * gib, gib + budget)
+    monkeypatch.setattr(memory, "device_facts", lambda device=None: card)
+    pipe = ondeck.diffusers.from_pretrained(
+        gguf_base,
+        dtype=torch.bfloat16,
+        device="cpu",
+        progress=False,
+        components={"transformer": gguf_file[0]},
+    )
+    assert "block streaming" in pipe.ondeck.policy.reason, pipe.ondeck.policy.reason
+    assert "transformer" in pipe.ondeck.plan().streamed
