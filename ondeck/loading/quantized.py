@@ -133,6 +133,7 @@ class QuantizedComponentLoader(FolderLoader):
         # quantized weights come from their files every load.
         super().__init__(folder, name, options)
         self._gguf_layout: dict[str, tuple[torch.dtype, tuple[int, ...], Any]] | None = None
+        self._gguf_upcast: int | None = None
         self._template: Skeleton | None = None
         # A transformers model's dequantized tensors in the host cache: (their key, the
         # module's skeleton, the tensors as that load made them).
@@ -221,6 +222,22 @@ class QuantizedComponentLoader(FolderLoader):
         return ComponentSpec(
             cls=self.cls, config=config, dtype=self.dtype, device=self.device, nbytes=self._nbytes
         )
+
+    @property
+    def upcast_bytes(self) -> int:
+        """The most bytes one GGUF layer's forward makes beside its stored weight: the
+        weight dequantized (half precision, GGUF's scales), then cast to the compute
+        dtype. Read from the file's header; 0 for other quantizers (their layers are
+        theirs)."""
+        if not self.places_blocks:
+            return 0
+        if self._gguf_upcast is None:
+            quantized = [
+                n for _, is_float, n, _ in _gguf_tensors(self.path, self.name) if not is_float
+            ]
+            cast = 0 if self.dtype == torch.float16 else self.dtype.itemsize
+            self._gguf_upcast = max(quantized, default=0) * (torch.float16.itemsize + cast)
+        return self._gguf_upcast
 
     @property
     def places_blocks(self) -> bool:

@@ -278,3 +278,39 @@ def test_auto_streams_a_gguf_transformer_too_large_for_the_card(gguf_base, gguf_
     )
     assert "block streaming" in pipe.ondeck.policy.reason, pipe.ondeck.policy.reason
     assert "transformer" in pipe.ondeck.plan().streamed
+
+
+def test_a_gguf_layers_dequantized_copies_are_what_the_plan_reserves(
+    gguf_base, gguf_file, monkeypatch
+):
+    """Each GGUF layer dequantizes its weight for its forward (half precision, then the
+    compute dtype): the loader's ``upcast_bytes``, read from the header before anything
+    loads, is the largest of those copies, so the plan's upcast reserve covers them."""
+    import torch
+    from diffusers.quantizers.gguf import utils
+
+    import ondeck.diffusers
+
+    pipe = ondeck.diffusers.from_pretrained(
+        gguf_base,
+        dtype=torch.bfloat16,
+        device="cpu",
+        policy="release",
+        progress=False,
+        components={"transformer": gguf_file[0]},
+    )
+    pipe.set_progress_bar_config(disable=True)
+    planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
+    copies: list[int] = []
+    dequantize = utils.dequantize_gguf_tensor
+
+    def counted(tensor):
+        weight = dequantize(tensor)
+        if hasattr(tensor, "quant_type"):
+            copies.append(weight.numel() * (weight.element_size() + torch.bfloat16.itemsize))
+        return weight
+
+    monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
+    frames(pipe)
+    assert copies and max(copies) == planned
+    assert pipe.ondeck.snapshot().upcast_bytes == {"transformer": planned}  # the plan's
