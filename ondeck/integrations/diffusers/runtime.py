@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,14 +16,19 @@ import torch
 from ... import memory
 from ...arguments import check_generate_arguments
 from ...errors import OndeckError
-from ...lazy import LazyModule, is_lazy
+from ...lazy import LazyModule, is_lazy, is_out_of_memory
 from ...loading.options import DeviceChoice
-from ...memory import resolve_device
-from ...policy import Policy
+from ...memory import format_bytes, resolve_device
+from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
+
+# A call whose component ran out of memory runs again at most this many times, each
+# keeping twice the room for that turn's activations, the first a tenth of the budget.
+OOM_RETRIES = 2
+OOM_FIRST_ROOM_FRACTION = 0.1
 
 
 class ComponentTurn(Stage):
@@ -127,6 +133,8 @@ class DiffusersRuntime(Pipeline):
         # The arguments of the call in progress, else of the last one: the decode's need
         # before it decodes comes from the frame size they give.
         self._call_arguments: dict[str, Any] = {}
+        # Room kept for a turn's activations since it ran out of memory (a floor).
+        self._oom_room: dict[str, int] = {}
         for name, proxy in components.items():
             if is_vae(proxy.spec.cls):
                 self.decoders[name] = FittingDecode(proxy, self, name)
@@ -186,11 +194,7 @@ class DiffusersRuntime(Pipeline):
             self._watch_host()
             try:
                 self._begin_call()
-                try:
-                    result = call(*args, **kwargs)
-                except BaseException:
-                    self._abort_call()
-                    raise
+                result = self._call_making_room(call, args, kwargs)
                 self._end_call()
                 return result
             finally:
@@ -199,13 +203,60 @@ class DiffusersRuntime(Pipeline):
                 self._current_index = None
                 self._running_thread = None
 
+    def _call_making_room(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The call, run again from its start when a component's turn ran out of memory
+        and the plan, keeping more room for that turn's activations, places the
+        components otherwise (streams more blocks, keeps less beside them). Random
+        generators are set back first: the retry draws the same noise."""
+        states = generator_states(kwargs)
+        for attempt in range(OOM_RETRIES + 1):
+            try:
+                return call(*args, **kwargs)
+            except BaseException as error:
+                failed = self._current_index
+                self._abort_call()
+                if attempt == OOM_RETRIES or not self._more_room_after(error, failed):
+                    raise
+            restore_generators(states)
+            self._record, self._current_index = _CallRecord(), None
+            with self._deciding():
+                self._before_run()
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+    def _more_room_after(self, error: BaseException, index: int | None) -> bool:
+        """After ``error`` in turn ``index``: when it is out of memory, keep twice the
+        room for that turn's activations (at first a tenth of the budget); whether the
+        plan now places anything otherwise."""
+        budget = getattr(self.policy, "budget_bytes", None)
+        if index is None or budget is None or not is_out_of_memory(error):
+            return False
+        stage = self.stages[index].name
+        before = self.plan()
+        known = self.snapshot().measured_activation.get(stage) or 0
+        self._oom_room[stage] = max(2 * known, int(budget * OOM_FIRST_ROOM_FRACTION))
+        if isinstance(self.policy, AutoBudgetPolicy):
+            # What ran out was planned with the first run's reserve: keep it.
+            self.policy.measured_budget_bytes = self.policy.estimated_budget_bytes
+        after = self.plan()
+        if after.streamed == before.streamed and after.stages == before.stages:
+            return False
+        warnings.warn(
+            f"{stage} ran out of memory; running the call again keeping "
+            f"{format_bytes(self._oom_room[stage])} for its activations",
+            stacklevel=4,
+        )
+        return True
+
     def snapshot(self, **options: Any) -> Any:
         """The pipeline's snapshot, with each VAE's decode need where none is measured:
         from the call's frame size, so the plan holds room for it (or for its tiles)
-        before the first decode, and prefetches beside it only what fits."""
+        before the first decode, and prefetches beside it only what fits. A turn that ran
+        out of memory counts at least the room kept for it since."""
         snapshot = super().snapshot(**options)
         known = snapshot.measured_activation
-        expected = {}
+        expected = {
+            stage: room for stage, room in self._oom_room.items() if room > (known.get(stage) or 0)
+        }
         for name, decoder in self.decoders.items():
             if name in known or self._turn_index(name) is None:
                 continue
@@ -213,7 +264,7 @@ class DiffusersRuntime(Pipeline):
                 continue  # an estimate alone never refuses a VAE that cannot tile
             need = decoder.expected_need(self._call_arguments)
             if need:
-                expected[name] = need
+                expected[name] = max(need, expected.get(name, 0))
         if not expected:
             return snapshot
         return dataclasses.replace(snapshot, measured_activation={**known, **expected})
@@ -499,6 +550,18 @@ _SIZE_ARGUMENTS = (
     "num_videos_per_prompt",
     "num_images_per_prompt",
 )
+
+
+def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Each ``torch.Generator`` the call was given, with its state now."""
+    given = arguments.get("generator")
+    generators = given if isinstance(given, (list, tuple)) else [given]
+    return [(g, g.get_state()) for g in generators if isinstance(g, torch.Generator)]
+
+
+def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in states:
+        generator.set_state(state)
 
 
 def _sizes_of(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,105 @@
+"""A component's turn that runs out of memory on the diffusers path: the call runs again
+from its start, the plan keeping more room for that turn's activations (so the
+transformer streams blocks it held whole), with the same random draws. On the CPU, with
+a discrete card faked through ``ondeck.memory.device_facts`` and the error raised by the
+transformer's forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from streaming.conftest import build_six_block_folder
+
+import ondeck.diffusers
+from ondeck import memory
+
+GIB = 2**30
+CALL = dict(
+    prompt="a fox", height=16, width=16, num_frames=5, num_inference_steps=2, output_type="np"
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_six_block_folder(tmp_path_factory.mktemp("oom") / "wan")
+
+
+def open_pipe(folder, **options):
+    pipe = ondeck.diffusers.from_pretrained(
+        folder, dtype=torch.float32, device="cpu", progress=False, **options
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def frames(pipe, seed: int = 0) -> np.ndarray:
+    return pipe(**CALL, generator=torch.Generator().manual_seed(seed)).frames[0]
+
+
+def card_where_the_transformer_just_fits(monkeypatch, folder) -> None:
+    """A card whose ``auto`` budget holds the transformer whole with 5% to spare: too
+    little for the tenth of the budget kept for it after running out of memory."""
+    sizes = open_pipe(folder, policy="release").ondeck.component_bytes()
+    budget = int(sizes["transformer"] / 0.95)
+    card = memory.DeviceFacts("cuda:9", False, 2 * GIB, GIB + budget)
+    monkeypatch.setattr(memory, "device_facts", lambda device=None: card)
+
+
+def running_out(monkeypatch, times: int) -> list[int]:
+    """The transformer's forward raises out of memory its first ``times`` calls; one
+    entry per call."""
+    from diffusers import WanTransformer3DModel
+
+    forward = WanTransformer3DModel.forward
+    calls: list[int] = []
+
+    def failing(module, *args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) <= times:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(WanTransformer3DModel, "forward", failing)
+    return calls
+
+
+def test_a_turn_out_of_memory_runs_the_call_again_streaming(folder, monkeypatch):
+    expected = frames(open_pipe(folder, policy="release"))
+    card_where_the_transformer_just_fits(monkeypatch, folder)
+    pipe = open_pipe(folder)
+    assert "transformer" not in pipe.ondeck.plan().streamed  # whole, at first
+    calls = running_out(monkeypatch, times=1)
+
+    with pytest.warns(UserWarning, match="transformer ran out of memory"):
+        got = frames(pipe)
+
+    assert np.array_equal(got, expected)  # the same noise drawn again
+    assert "transformer" in pipe.ondeck.plan().streamed
+    assert pipe.ondeck.policy.streaming.stats()["transformer"]["passes"] > 0
+    assert pipe.ondeck.snapshot().measured_activation["transformer"] > 0
+    assert len(calls) > 1
+    # The next call plans with the room kept: no error, the same frames.
+    assert np.array_equal(frames(pipe), expected)
+
+
+def test_out_of_memory_that_more_room_does_not_cure_is_raised_with_nothing_loaded(
+    folder, monkeypatch
+):
+    card_where_the_transformer_just_fits(monkeypatch, folder)
+    pipe = open_pipe(folder)
+    calls = running_out(monkeypatch, times=100)
+
+    with pytest.warns(UserWarning), pytest.raises(torch.OutOfMemoryError):
+        frames(pipe)
+
+    assert len(calls) <= 3  # the call and at most two more
+    assert pipe.ondeck.tracker.resident == {}
+
+
+def test_out_of_memory_under_release_is_raised_at_once(folder, monkeypatch):
+    pipe = open_pipe(folder, policy="release")
+    calls = running_out(monkeypatch, times=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        frames(pipe)
+    assert len(calls) == 1
