@@ -16,6 +16,19 @@ from .helpers import listing
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def interruptible(command: list[str], environment: dict) -> subprocess.Popen:
+    """``command`` started with SIGINT at its default: a shell running tests in the
+    background ignores it, and children inherit that."""
+    return subprocess.Popen(
+        command,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_results(
     tiny_model, tmp_path
 ):
@@ -28,15 +41,7 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     command += ["--policy", "release", "--output", str(out)]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     environment["ONDECK_CACHE"] = str(tmp_path / "cache")
-    process = subprocess.Popen(
-        command,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # A shell running tests in the background ignores SIGINT, and children inherit that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    process = interruptible(command, environment)
     try:
         for line in process.stdout:  # the plan is printed just before the run starts
             if line.startswith("predicted component peak"):
@@ -177,13 +182,8 @@ def test_ctrl_c_once_the_command_has_printed_its_result_is_one_line_and_130(
     # libraries' clean-up, where a Ctrl-C printed a traceback or ended it by SIGINT.
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     environment.pop("ONDECK_DEBUG", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ondeck", "inspect", str(tiny_model)],
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    process = interruptible(
+        [sys.executable, "-m", "ondeck", "inspect", str(tiny_model)], environment
     )
     try:
         for line in process.stdout:

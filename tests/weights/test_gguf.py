@@ -234,6 +234,24 @@ def test_a_gguf_text_encoder_reloads_from_the_host_cache_without_reading_the_fil
     assert pipe.text_encoder.load_count == 3
 
 
+def in_bf16(base, path, **options):
+    """ondeck over ``base`` with the GGUF transformer ``path``, computed in bf16."""
+    import torch
+
+    import ondeck.diffusers
+
+    pipe = ondeck.diffusers.from_pretrained(
+        base,
+        dtype=torch.bfloat16,
+        device="cpu",
+        progress=False,
+        components={"transformer": path},
+        **{"policy": "release", **options},
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def test_a_gguf_file_in_original_names_is_sized_as_it_loads_in_bf16(gguf_base, gguf_file):
     """The file's float tensors in the original repository's names (``modulation``,
     ``time_embedding``), computed in bf16: the modules the model keeps in float32 are
@@ -241,16 +259,7 @@ def test_a_gguf_file_in_original_names_is_sized_as_it_loads_in_bf16(gguf_base, g
     component, took its blocks for a share of it, and refused to stream them."""
     import torch
 
-    import ondeck.diffusers
-
-    pipe = ondeck.diffusers.from_pretrained(
-        gguf_base,
-        dtype=torch.bfloat16,
-        device="cpu",
-        policy="release",
-        progress=False,
-        components={"transformer": gguf_file[0]},
-    )
+    pipe = in_bf16(gguf_base, gguf_file[0])
     planned = pipe.ondeck.component_bytes()["transformer"]
     module = pipe.transformer.materialize()
     tensors = list(module.parameters()) + list(module.buffers())
@@ -259,9 +268,6 @@ def test_a_gguf_file_in_original_names_is_sized_as_it_loads_in_bf16(gguf_base, g
 
 
 def test_auto_streams_a_gguf_transformer_too_large_for_the_card(gguf_base, gguf_file, monkeypatch):
-    import torch
-
-    import ondeck.diffusers
     from ondeck import memory
 
     sizes = stored_blocks(load(gguf_base, "release", components={"transformer": gguf_file[0]}))
@@ -269,13 +275,7 @@ def test_auto_streams_a_gguf_transformer_too_large_for_the_card(gguf_base, gguf_
     gib = 2**30
     card = memory.DeviceFacts("cuda:9", False, 2 * gib, gib + budget)
     monkeypatch.setattr(memory, "device_facts", lambda device=None: card)
-    pipe = ondeck.diffusers.from_pretrained(
-        gguf_base,
-        dtype=torch.bfloat16,
-        device="cpu",
-        progress=False,
-        components={"transformer": gguf_file[0]},
-    )
+    pipe = in_bf16(gguf_base, gguf_file[0], policy="auto")
     assert "block streaming" in pipe.ondeck.policy.reason, pipe.ondeck.policy.reason
     assert "transformer" in pipe.ondeck.plan().streamed
 
@@ -289,17 +289,7 @@ def test_a_gguf_layers_dequantized_copies_are_what_the_plan_reserves(
     import torch
     from diffusers.quantizers.gguf import utils
 
-    import ondeck.diffusers
-
-    pipe = ondeck.diffusers.from_pretrained(
-        gguf_base,
-        dtype=torch.bfloat16,
-        device="cpu",
-        policy="release",
-        progress=False,
-        components={"transformer": gguf_file[0]},
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = in_bf16(gguf_base, gguf_file[0])
     planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
     copies: list[int] = []
     dequantize = utils.dequantize_gguf_tensor
