@@ -363,8 +363,9 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
     it repeats, and the figure is its steady state's.
     """
     plans: dict[str, ModelPlan] = {}
+    planned = _Plans()
     for name, model in models.items():
-        plan = model.pipeline.plan(budget_bytes)
+        plan = planned(model, budget_bytes)
         kept = plan.stages[-1][2] if plan.stages else 0
         plans[name] = ModelPlan(
             name=name,
@@ -378,7 +379,7 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
         )
     all_resident = sum(p.peak_bytes for p in plans.values()) <= budget_bytes
     switch = {
-        (a, b): _alternation(models[a], models[b], budget_bytes)
+        (a, b): _alternation(models[a], models[b], budget_bytes, planned)
         for a in models
         for b in models
         if a != b
@@ -389,15 +390,29 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
 ALTERNATIONS = 4  # jobs of each model: enough for the residency to repeat
 
 
-def _alternation(first: ServedModel, second: ServedModel, budget_bytes: int) -> int:
+class _Plans:
+    """Each model's plan under a budget, made once for the set's plan."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[str, int], Any] = {}
+
+    def __call__(self, model: ServedModel, budget_bytes: int) -> Any:
+        key = (model.name, budget_bytes)
+        if key not in self._made:
+            self._made[key] = model.pipeline.plan(budget_bytes)
+        return self._made[key]
+
+
+def _alternation(
+    first: ServedModel, second: ServedModel, budget_bytes: int, planned: _Plans
+) -> int:
     """Bytes a job of ``second`` loads after one of ``first``, the two alternating."""
     held: dict[str, frozenset[str]] = {first.name: frozenset(), second.name: frozenset()}
     sizes = {m.name: m.pipeline.component_bytes() for m in (first, second)}
     loaded = 0
     for turn in range(2 * ALTERNATIONS):
         model, other = (first, second) if turn % 2 == 0 else (second, first)
-        plan = model.pipeline.plan(budget_bytes)
-        need = need_bytes(plan)
+        need = need_bytes(planned(model, budget_bytes))
         holding = Holding(
             other.name,
             float(turn),
@@ -410,6 +425,6 @@ def _alternation(first: ServedModel, second: ServedModel, budget_bytes: int) -> 
                 break
             del left[component]
         held[other.name] = frozenset(left)
-        own = model.pipeline.plan(max(1, budget_bytes - sum(left.values())))
+        own = planned(model, max(1, budget_bytes - sum(left.values())))
         loaded, held[model.name] = loads_from(own, held[model.name])
     return loaded
