@@ -10,6 +10,7 @@ prompt, the prompt's padded length) is bounded.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,3 +186,17 @@ def _transformer_patch(pipe: Any) -> int:
     if isinstance(patch, (list, tuple)) and patch:
         patch = patch[-1]
     return patch if isinstance(patch, int) and not isinstance(patch, bool) and patch > 0 else 1
+
+
+def warn_if_cut(tokenizer: Any, prompt: str, limit: int, reader: str) -> None:
+    """Warn when ``prompt`` has more tokens than the ``limit`` its text encoder reads
+    (``max_sequence_length``): the tokenizer cuts the rest without a word."""
+    if len(prompt) + 2 <= limit:  # a token is a character or more: nothing to count
+        return
+    count = len(tokenizer(prompt, truncation=False, verbose=False).input_ids)
+    if count > limit:
+        warnings.warn(
+            f"the prompt is {count} tokens and {reader} reads the first {limit} "
+            "(max_sequence_length); the rest is left out",
+            stacklevel=3,
+        )

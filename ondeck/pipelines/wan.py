@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..arguments import check_generate_arguments
+from ..arguments import check_generate_arguments, warn_if_cut
 from ..distributed import device_mesh, init
 from ..errors import LoadError
 from ..lazy import is_lazy
@@ -230,6 +230,7 @@ class EncodePrompt(Stage):
     @torch.no_grad()
     def _encode(self, prompt: str, state: dict) -> torch.Tensor:
         length = state["max_sequence_length"]
+        warn_if_cut(self.tokenizer, clean_prompt(prompt), length, "the Wan text encoder")
         tokens = self.tokenizer(
             [clean_prompt(prompt)],
             padding="max_length",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ... import memory
-from ...arguments import check_generate_arguments
+from ...arguments import check_generate_arguments, warn_if_cut
 from ...errors import OndeckError
 from ...lazy import LazyModule, is_lazy, is_out_of_memory
 from ...loading.options import DeviceChoice
@@ -491,6 +491,7 @@ class DiffusersRuntime(Pipeline):
             seed=seed,
             **{key: kwargs[key] for key in _CHECKED_KEYWORDS if key in kwargs},
         )
+        warn_if_truncated(self.pipe, prompt, parameters, kwargs)
         wanted = {
             "prompt": prompt,
             "height": height,
@@ -550,6 +551,21 @@ _SIZE_ARGUMENTS = (
     "num_videos_per_prompt",
     "num_images_per_prompt",
 )
+
+
+def warn_if_truncated(pipe: Any, prompt: Any, parameters: Any, arguments: dict) -> None:
+    """``warn_if_cut`` with the tokenizer of the pipeline's ``max_sequence_length``: its
+    T5 or Llama one (CLIP's 77 are left to diffusers, which says so itself)."""
+    if not isinstance(prompt, str) or "max_sequence_length" not in parameters:
+        return
+    limit = arguments.get("max_sequence_length", parameters["max_sequence_length"].default)
+    if not isinstance(limit, int):
+        return
+    for name in ("tokenizer_3", "tokenizer_2", "tokenizer"):
+        tokenizer = getattr(pipe, name, None)
+        if tokenizer is not None and getattr(tokenizer, "model_max_length", 0) > 77:
+            warn_if_cut(tokenizer, prompt, limit, type(pipe).__name__)
+            return
 
 
 def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, torch.Tensor]]:
