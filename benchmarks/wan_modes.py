@@ -235,6 +235,8 @@ def host_summary(plan) -> dict | None:
         "source": host.source,
         "predicted_peak_bytes": host.peak_bytes,
         "process_bytes": host.process_bytes,
+        "growth_bytes": host.growth_bytes,
+        "growth_source": host.growth_source,
         "pinned_bytes": host.pinned_bytes,
         "ring_bytes": host.ring_bytes,
         "cache_bytes": host.cache_bytes,
@@ -426,6 +428,7 @@ def main() -> None:
                 row["exposed_load_seconds"] = pipe.tracker.exposed_load_seconds(run + 1)
                 row["bytes_loaded"] = pipe.tracker.bytes_loaded - loaded_before
                 row["decode"] = decode_report(pipe)
+                row["host_growth_bytes"] = pipe.tracker.host_growth_bytes
             streaming = getattr(getattr(pipe, "policy", None), "streaming", None)
             if streaming is not None and streaming.streamers:
                 row["bytes_streamed"] = bytes_streamed(pipe) - streamed_before
@@ -440,6 +443,7 @@ def main() -> None:
             after = pipe.plan()
             if after.streamed:
                 result["planned_streaming_after"] = streaming_summary(after)
+            result["planned_host_after"] = host_summary(after)
         if hasattr(pipe, "tracker"):
             result["measured_resident_peak_bytes"] = pipe.tracker.peak_resident_bytes
             result["stages"] = [vars(s) for s in pipe.tracker.stages]

@@ -27,6 +27,11 @@ class HostWatch:
     what it can, returning the bytes); still over the budget after that, the run fails
     at its next stage with :class:`HostMemoryError` (``check``). ``peak_bytes`` is the
     highest reading.
+
+    ``counted()`` is the host memory a plan counts on its own (host copies, rings, the
+    host cache; what ondeck allocates is counted before it is touched): ``growth_bytes``
+    is how far the rest of the process rose during the run above where it started, the
+    reserve the next plan keeps for a run.
     """
 
     def __init__(
@@ -36,19 +41,34 @@ class HostWatch:
         *,
         interval: float = 0.05,
         rss: Callable[[], int] = process_rss_bytes,
+        counted: Callable[[], int] = lambda: 0,
     ):
         self.budget_bytes = int(budget_bytes)
         self.relieve = relieve
         self.interval = interval
         self.rss = rss
+        self.counted = counted
         self.peak_bytes = 0
         self.relieved_bytes = 0
         self.exceeded: int | None = None
+        self.started_uncounted: int | None = None  # the process besides ``counted``, at start
+        self.peak_uncounted = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sampling = threading.Lock()  # the thread's samples and ``check``'s, one at a time
+
+    @property
+    def growth_bytes(self) -> int:
+        """How far the process besides ``counted()`` rose above its start, in the run
+        watched last."""
+        if self.started_uncounted is None:
+            return 0
+        return max(0, self.peak_uncounted - self.started_uncounted)
 
     def start(self) -> None:
         self.exceeded = None
+        self.started_uncounted = None
+        self.peak_uncounted = 0
         self._stop.clear()
         self.sample()
         self._thread = threading.Thread(target=self._run, name="ondeck-host-watch", daemon=True)
@@ -59,24 +79,40 @@ class HostWatch:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self.read()  # the run's end: its output is often the last thing it grew by
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
 
+    def read(self) -> int:
+        """One reading of the RSS, noted in the peaks; returns it."""
+        # What ondeck holds is read on both sides of the RSS, the larger taken: a buffer
+        # allocated or freed between the readings then counts as ondeck's, never as growth.
+        before = self.counted()
+        rss = self.rss()
+        uncounted = rss - max(before, self.counted())
+        self.peak_bytes = max(self.peak_bytes, rss)
+        if self.started_uncounted is None:
+            self.started_uncounted = uncounted
+        self.peak_uncounted = max(self.peak_uncounted, uncounted)
+        return rss
+
     def sample(self) -> None:
         """One reading: relieve past the pressure mark, note an excess that remains."""
-        rss = self.rss()
-        self.peak_bytes = max(self.peak_bytes, rss)
-        if rss <= PRESSURE_FRACTION * self.budget_bytes:
-            return
-        self.relieved_bytes += self.relieve()
-        after = self.rss()
-        if after > self.budget_bytes:
-            self.exceeded = after
+        with self._sampling:
+            rss = self.read()
+            if rss <= PRESSURE_FRACTION * self.budget_bytes:
+                return
+            self.relieved_bytes += self.relieve()
+            after = self.rss()
+            if after > self.budget_bytes:
+                self.exceeded = after
 
     def check(self) -> None:
-        """Raise if the process outgrew its budget since the run started."""
+        """Raise if the process outgrew its budget since the run started (read now too)."""
+        if self.exceeded is None and self._thread is not None:
+            self.sample()
         if self.exceeded is not None:
             raise HostMemoryError(
                 f"host memory: the process holds {format_bytes(self.exceeded)}, more than its "

@@ -346,9 +346,9 @@ def simulate(
 
 @dataclass(frozen=True)
 class HostPlan:
-    """The host pool: what the process holds now, the pinned host copies of streamed
-    blocks, the rings of blocks read from the files each pass, and the host cache's
-    budget, against the host budget."""
+    """The host pool: what the process holds now, the reserve for its growth during a run,
+    the pinned host copies of streamed blocks, the rings of blocks read from the files each
+    pass, and the host cache's budget, against the host budget."""
 
     budget_bytes: int
     source: str
@@ -356,10 +356,18 @@ class HostPlan:
     pinned_bytes: int
     cache_bytes: int
     ring_bytes: int = 0
+    growth_bytes: int = 0
+    growth_source: str = ""
 
     @property
     def peak_bytes(self) -> int:
-        return self.process_bytes + self.pinned_bytes + self.ring_bytes + self.cache_bytes
+        return (
+            self.process_bytes
+            + self.growth_bytes
+            + self.pinned_bytes
+            + self.ring_bytes
+            + self.cache_bytes
+        )
 
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
@@ -368,8 +376,9 @@ class HostPlan:
         lines = [
             f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
             f"{format_bytes(self.budget_bytes)} ({self.source}): the process now "
-            f"{format_bytes(self.process_bytes)}, pinned copies of streamed blocks "
-            f"{format_bytes(self.pinned_bytes)}, "
+            f"{format_bytes(self.process_bytes)}, its growth during a run "
+            f"{format_bytes(self.growth_bytes)} ({self.growth_source or 'not known'}), "
+            f"pinned copies of streamed blocks {format_bytes(self.pinned_bytes)}, "
             + (
                 f"rings of blocks read from the files {format_bytes(self.ring_bytes)}, "
                 if self.ring_bytes

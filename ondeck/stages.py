@@ -13,7 +13,7 @@ import torch
 from . import memory
 from .errors import ConcurrentRunError
 from .executor import Executor
-from .host_watch import HostWatch
+from .host_pool import HostMemory
 from .lazy import (
     LazyModule,
     component_name,
@@ -25,7 +25,6 @@ from .lazy import (
     pinned,
 )
 from .loader import as_loader
-from .loading import FolderLoader
 from .loading.options import DeviceChoice
 from .memory import parse_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
@@ -150,7 +149,7 @@ class _Components(dict):
             self._pipeline._rebuild_stages()
 
 
-class Pipeline:
+class Pipeline(HostMemory):
     """A sequence of stages over named components, some of them deferred.
 
     ``lazy_components`` lists the names that load on demand; ``create_stages``
@@ -176,10 +175,7 @@ class Pipeline:
         host_memory: int | str | None = None,
     ):
         self.device = resolve_device(device)
-        # The host budget: given, else from the machine and its cgroup (``host_facts``).
-        self.host_memory = parse_bytes(host_memory)
-        self.host_watch: HostWatch | None = None
-        self._run_host: tuple[int, str, int, int] | None = None  # the host pool, read once a run
+        self.init_host_memory(parse_bytes(host_memory))
         self.tracker = MemoryTracker(device=str(self.device))
         self.training = False
         self._run_lock = threading.Lock()
@@ -317,83 +313,18 @@ class Pipeline:
                     # through its proxy, the passes streamed so far over the runs.
                     planned.passes_per_call[name] = calls.get(name) or stats["passes"] / runs
         budget_bytes, source, process, cache = self.host_pool()
+        growth = self.host_growth()
         planned.host = HostPlan(
-            budget_bytes, source, process, planned.pinned_host_bytes, cache, planned.ring_bytes
+            budget_bytes,
+            source,
+            process,
+            planned.pinned_host_bytes,
+            cache,
+            planned.ring_bytes,
+            growth_bytes=growth.nbytes,
+            growth_source=growth.source,
         )
         return planned
-
-    # -- host memory --------------------------------------------------------------------
-
-    def host_budget_bytes(self) -> int:
-        """The RSS this process may reach: ``host_memory`` if given, else the machine's."""
-        if self.host_memory is not None:
-            return self.host_memory
-        return memory.host_facts().budget_bytes
-
-    def host_pool(self) -> tuple[int, str, int, int]:
-        """The host budget, where it comes from, what the process holds besides the host
-        copies, rings and host-cache entries ondeck holds (those the plan counts on their
-        own), and the host cache's budget. Read once a run while one is on, else now."""
-        if self._run_host is not None:
-            return self._run_host
-        facts = memory.host_facts()
-        budget_bytes, source = facts.budget_bytes, facts.source
-        if self.host_memory is not None:
-            budget_bytes, source = self.host_memory, "given"
-        caches = self._host_caches()
-        streaming = getattr(self.policy, "streaming", None)
-        held = sum(cache.resident_bytes for cache in caches)
-        held += streaming.host_bytes() if streaming is not None else 0
-        cache = sum(cache.budget_bytes for cache in caches)
-        return budget_bytes, source, max(0, facts.process_bytes - held), cache
-
-    def host_room_bytes(self) -> int:
-        """Host memory the streamed blocks' pinned copies and rings may take: the host
-        budget less the process and the host cache's budget."""
-        budget_bytes, _, process, cache = self.host_pool()
-        return budget_bytes - process - cache
-
-    def _host_caches(self) -> list[Any]:
-        caches: dict[int, Any] = {}
-        for proxy in self.deferred.values():
-            loader = loader_of(proxy)
-            if isinstance(loader, FolderLoader) and loader.host_cache is not None:
-                caches[id(loader.host_cache)] = loader.host_cache
-        return list(caches.values())
-
-    def relieve_host_memory(self) -> int:
-        """Free host memory ondeck holds for speed only: host-cache entries first, then
-        host copies of streamed blocks whose component is not loaded; returns the bytes."""
-        freed = 0
-        for cache in self._host_caches():
-            freed += cache.resident_bytes
-            cache.clear()
-        streaming = getattr(self.policy, "streaming", None)
-        if streaming is not None:
-            freed += streaming.drop_host_copies()
-        return freed
-
-    def _watch_host(self) -> None:
-        self._run_host = None
-        self._run_host = self.host_pool()  # read once a run: it reads the host's facts
-        budget = self._run_host[0]
-        if self.host_watch is None:
-            self.host_watch = HostWatch(budget, self.relieve_host_memory)
-        self.host_watch.budget_bytes = budget
-        self.host_watch.start()
-
-    def _unwatch_host(self) -> None:
-        self._run_host = None
-        if self.host_watch is not None:
-            self.host_watch.stop()
-            self.tracker.host_peak_bytes = max(
-                self.tracker.host_peak_bytes, self.host_watch.peak_bytes
-            )
-
-    def check_host_memory(self) -> None:
-        """Fail the run (between stages) if the host watch saw the budget exceeded."""
-        if self.host_watch is not None:
-            self.host_watch.check()
 
     def snapshot(
         self, *, needs_components: bool = True, later_unneeded: frozenset[int] = frozenset()

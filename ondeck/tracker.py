@@ -78,6 +78,9 @@ class MemoryTracker:
     peak_measured_bytes: int = 0
     # The process's highest RSS while runs were on (the host watch's samples).
     host_peak_bytes: int = 0
+    # How far the process, besides the host memory a plan counts on its own, rose in the
+    # last run above where it started: the reserve the next plan keeps for a run.
+    host_growth_bytes: int = 0
     keep_runs: int = 4
     reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
     # Per component, its calls in the last run that completed (``called``).
@@ -301,6 +304,7 @@ class MemoryTracker:
             "reset_peaks": self.reset_peaks,
             "peak_resident_bytes": self.peak_resident_bytes,
             "host_peak_bytes": self.host_peak_bytes,
+            "host_growth_bytes": self.host_growth_bytes,
             "bytes_loaded": self.bytes_loaded,
             "calls_per_run": dict(self.calls_per_run),
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),

@@ -121,6 +121,12 @@ class HostCache:
         with self._lock:
             return sum(self._sizes.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """Its entries and the buffers reserved for loads in progress."""
+        with self._lock:
+            return self._used()
+
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._entries

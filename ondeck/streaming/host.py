@@ -66,10 +66,13 @@ class HostCopies:
         self._sizes: dict[int, int] = {}  # planned block -> bytes
         self._regions: dict[int, Any] = {}  # allocated block -> uint8 tensor
         self.filled: set[int] = set()
+        # A region being allocated counts from before its pages are touched: the host
+        # watch tells the process's own growth from what ondeck holds by these counts.
+        self._allocating = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(region.numel() for region in self._regions.values())
+        return sum(region.numel() for region in self._regions.values()) + self._allocating
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
         """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
@@ -87,10 +90,16 @@ class HostCopies:
         region = self._regions.get(block)
         if region is None:
             nbytes = self._sizes[block]
-            region = (
-                pinned_host_bytes(nbytes) if self.pinned else torch.empty(nbytes, dtype=torch.uint8)
-            )
-            self._regions[block] = region
+            self._allocating = nbytes
+            try:
+                region = (
+                    pinned_host_bytes(nbytes)
+                    if self.pinned
+                    else torch.empty(nbytes, dtype=torch.uint8)
+                )
+                self._regions[block] = region
+            finally:
+                self._allocating = 0
         return region
 
     def drop_unfilled(self) -> None:
@@ -100,7 +109,7 @@ class HostCopies:
 
     def clear(self) -> int:
         """Free every region, keeping the plan: a later load fills them again."""
-        freed = self.nbytes
+        freed = sum(region.numel() for region in self._regions.values())
         self._regions.clear()
         self.filled.clear()
         if freed and self.pinned:

@@ -136,6 +136,7 @@ class BlockStreamer:
         # destination of its shape (as the loader reads it, casts included).
         self._file_sources: dict[int, dict[str, Callable[[Any], list[reads.ReadJob]]]] = {}
         self._ring: FileRing | None = None
+        self._ring_allocating = 0  # counted from before its pages are touched, as host copies
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
@@ -157,7 +158,7 @@ class BlockStreamer:
 
     @property
     def ring_bytes(self) -> int:
-        return self._ring.nbytes if self._ring is not None else 0
+        return (self._ring.nbytes if self._ring is not None else 0) + self._ring_allocating
 
     def use_layout(self, layout: StreamLayout, file_reads: FileReads | None = None) -> None:
         """Stream by ``layout`` from the next load on, the blocks ``file_reads`` names read
@@ -231,15 +232,23 @@ class BlockStreamer:
     def _file_ring(self) -> FileRing:
         if self._ring is None:
             planned = self.file_reads
-            self._ring = FileRing(
-                planned.ring_count if planned else 1,
+            count = planned.ring_count if planned else 1
+            nbytes = (
                 planned.ring_buffer_bytes
                 if planned
-                else max(self.sizes.packed_bytes[b] for b in self._from_files),
-                pinned=self._host.pinned,
-                read=self.read_block,
-                on_read=self._count_read,
+                else max(self.sizes.packed_bytes[b] for b in self._from_files)
             )
+            self._ring_allocating = count * nbytes
+            try:
+                self._ring = FileRing(
+                    count,
+                    nbytes,
+                    pinned=self._host.pinned,
+                    read=self.read_block,
+                    on_read=self._count_read,
+                )
+            finally:
+                self._ring_allocating = 0
         return self._ring
 
     def _count_read(self, nbytes: int, seconds: float) -> None:

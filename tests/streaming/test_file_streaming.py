@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ondeck import memory
+from ondeck.host_pool import HostGrowth
 from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions
@@ -23,7 +24,8 @@ PROCESS = 64 * GiB  # what the squeezed host's process holds, besides ondeck's h
 def squeeze(pipe, room_bytes: int, monkeypatch) -> None:
     """Give ``pipe`` a host whose budget leaves ``room_bytes`` beside its process for
     streamed blocks' host memory. The host's one seam, ``memory.host_facts``, reads a
-    process holding ``PROCESS`` plus what streaming holds (as its RSS would)."""
+    process holding ``PROCESS`` plus what streaming holds (as its RSS would); the process
+    does not grow during a run (tests/core/test_host_growth.py covers one that does)."""
     real = memory.host_facts
 
     def facts(**_):
@@ -31,6 +33,7 @@ def squeeze(pipe, room_bytes: int, monkeypatch) -> None:
         return real(available_bytes=0, process_bytes=PROCESS + held, cgroup=None)
 
     monkeypatch.setattr(memory, "host_facts", facts)
+    monkeypatch.setattr(pipe, "host_growth", lambda: HostGrowth(0, "given"))
     pipe.host_memory = PROCESS + room_bytes
 
 

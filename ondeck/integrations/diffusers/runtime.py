@@ -16,6 +16,7 @@ import torch
 from ... import memory
 from ...arguments import check_generate_arguments, warn_if_cut
 from ...errors import OndeckError
+from ...host_pool import output_host_bytes
 from ...lazy import LazyModule, is_lazy, is_out_of_memory
 from ...loading.options import DeviceChoice
 from ...memory import format_bytes, resolve_device
@@ -268,6 +269,18 @@ class DiffusersRuntime(Pipeline):
         if not expected:
             return snapshot
         return dataclasses.replace(snapshot, measured_activation={**known, **expected})
+
+    def output_host_bytes(self) -> int:
+        """The call's decoded output in host memory, from the frame size, frames and
+        count its arguments give (the last call's before a call is made)."""
+        arguments = self._call_arguments
+        height, width = arguments.get("height"), arguments.get("width")
+        if not (isinstance(height, int) and isinstance(width, int)):
+            return super().output_host_bytes()
+        batch = len(arguments.get("prompt") or [""])
+        for key in ("num_videos_per_prompt", "num_images_per_prompt"):
+            batch *= max(1, arguments.get(key, 1))
+        return output_host_bytes(height, width, arguments.get("num_frames"), batch)
 
     @contextlib.contextmanager
     def _deciding(self) -> Iterator[None]:
