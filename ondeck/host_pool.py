@@ -4,7 +4,6 @@ keeps a run within the budget."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ class HostGrowth:
 
     nbytes: int
     source: str
+    measured: bool = False  # from a watched run, not estimated
 
 
 def output_host_bytes(height: int, width: int, frames: int | None = None, batch: int = 1) -> int:
@@ -113,6 +113,7 @@ class HostMemory:
                 grown + larger,
                 "measured: the last run's peak less the process at its start"
                 + (f", and {format_bytes(larger)} more output" if larger else ""),
+                measured=True,
             )
         floor = RUN_GROWTH_MIN_BYTES if memory.resolve_device(self.device).type == "cuda" else 0
         return HostGrowth(
@@ -131,16 +132,15 @@ class HostMemory:
             return 0
         return output_host_bytes(height, width, frames if isinstance(frames, int) else None)
 
-    def counted_host_bytes(self, unified: bool = False) -> int:
+    def counted_host_bytes(self) -> int:
         """The host memory ondeck holds that a plan counts on its own: host-cache entries
-        (those being filled too), streamed blocks' host copies and rings, and where the
-        device is the host's memory (``unified``), the loaded components."""
+        (those being filled too), and streamed blocks' host copies and rings. (On a device
+        whose memory is the host's, loaded weights are host memory the host plan does not
+        count otherwise: a run that loads them grows the process by them.)"""
         held = sum(cache.held_bytes for cache in self._host_caches())
         streaming = getattr(self.policy, "streaming", None)
         if streaming is not None:
             held += streaming.host_bytes()
-        if unified:
-            held += sum(list(self.tracker.resident.values()))
         return held
 
     def _host_caches(self) -> list[Any]:
@@ -170,8 +170,8 @@ class HostMemory:
         if self.host_watch is None:
             self.host_watch = HostWatch(budget, self.relieve_host_memory)
         self.host_watch.budget_bytes = budget
-        unified = memory.is_unified(self.device)
-        self.host_watch.counted = functools.partial(self.counted_host_bytes, unified)
+        self.host_watch.counted = self.counted_host_bytes
+        self.host_watch.reserve_bytes = self.host_growth().nbytes
         self.host_watch.start()
 
     def _unwatch_host(self) -> None:

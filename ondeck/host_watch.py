@@ -23,7 +23,8 @@ class HostMemoryError(BudgetError):
 class HostWatch:
     """Samples the process's RSS every ``interval`` seconds while a run is on.
 
-    Past ``PRESSURE_FRACTION`` of ``budget_bytes`` it calls ``relieve()`` (which frees
+    Past ``PRESSURE_FRACTION`` of ``budget_bytes``, once the process grew by more than
+    ``reserve_bytes`` (or past the budget itself), it calls ``relieve()`` (which frees
     what it can, returning the bytes); still over the budget after that, the run fails
     at its next stage with :class:`HostMemoryError` (``check``). ``peak_bytes`` is the
     highest reading.
@@ -53,6 +54,9 @@ class HostWatch:
         self.exceeded: int | None = None
         self.started_uncounted: int | None = None  # the process besides ``counted``, at start
         self.peak_uncounted = 0
+        # The plan's reserve for the process's growth: within it, a run near its budget
+        # is as planned and nothing is dropped.
+        self.reserve_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sampling = threading.Lock()  # the thread's samples and ``check``'s, one at a time
@@ -104,6 +108,8 @@ class HostWatch:
             rss = self.read()
             if rss <= PRESSURE_FRACTION * self.budget_bytes:
                 return
+            if rss <= self.budget_bytes and self.growth_bytes <= self.reserve_bytes:
+                return  # as planned: a plan fills its budget, its reserve included
             self.relieved_bytes += self.relieve()
             after = self.rss()
             if after > self.budget_bytes:

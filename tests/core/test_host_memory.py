@@ -84,12 +84,26 @@ def test_the_watch_drops_the_cache_first_and_fails_only_when_that_is_not_enough(
     assert relieved == [1] and watch.exceeded is None
     watch.check()  # under the budget after relieving: the run goes on
 
-    readings = iter([99, 120])
+    readings = iter([99, 120, 120])  # a run that starts near its budget is as planned
     watch = HostWatch(100, lambda: relieved.append(2) or 0, rss=lambda: next(readings))
+    watch.sample()
+    assert relieved[-1] == 1
     watch.sample()
     assert relieved[-1] == 2 and watch.exceeded == 120
     with pytest.raises(HostMemoryError, match="more than its host budget"):
         watch.check()
+
+
+def test_near_its_budget_the_watch_drops_nothing_while_the_growth_is_within_the_reserve():
+    readings = iter([90, 98, 99, 99])  # a plan that fills its budget, the reserve included
+    relieved = []
+    watch = HostWatch(100, lambda: relieved.append(1) or 0, rss=lambda: next(readings))
+    watch.reserve_bytes = 8
+    watch.sample()
+    watch.sample()
+    assert relieved == [] and watch.growth_bytes == 8
+    watch.sample()  # grown past the reserve: what it holds for speed goes
+    assert relieved == [1] and watch.exceeded is None
 
 
 def test_a_run_over_its_host_budget_stops_between_stages():
