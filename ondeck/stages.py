@@ -594,10 +594,14 @@ class Pipeline(HostMemory):
         return self._profile_shape
 
     def close(self) -> None:
-        """Join the executor's threads and release every deferred component. The pipeline
-        stays usable: the next call loads again (and starts threads again)."""
+        """Join the executor's threads, release every deferred component and free the
+        host memory streaming keeps between loads (host copies, the rings' buffers). The
+        pipeline stays usable: the next call loads again (and starts threads again)."""
         self.executor.close()
         self.release_all()
+        streaming = getattr(self.policy, "streaming", None)
+        if streaming is not None:
+            streaming.drop_host_copies()
 
     def __enter__(self) -> Pipeline:
         return self

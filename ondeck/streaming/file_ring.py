@@ -32,7 +32,9 @@ class FileRing:
 
     ``take(block)`` waits for the block's bytes and hands its buffer out; ``give_back``
     returns it with the event its copy to the device ends with. A read that fails is
-    raised by the next ``take``. ``close`` stops the thread, after the read in flight.
+    raised by the next ``take``. ``close`` stops the thread, after the read in flight,
+    and waits for the copies out of the buffers; ``memory`` (the buffers of a closed
+    ring of the same sizes) is used instead of allocating new ones.
     ``on_read(nbytes, seconds)`` sees each block read.
     """
 
@@ -44,13 +46,17 @@ class FileRing:
         pinned: bool,
         read: Callable[[int, Any], int],
         on_read: Callable[[int, float], None] | None = None,
+        memory: Sequence[Any] = (),
     ):
         import torch
 
         def allocate() -> Any:
             return pinned_host_bytes(nbytes) if pinned else torch.empty(nbytes, dtype=torch.uint8)
 
-        self.buffers = [_Buffer(allocate()) for _ in range(max(1, count))]
+        count = max(1, count)
+        given = [m for m in memory if m.numel() == nbytes][:count]
+        self.buffers = [_Buffer(m) for m in given]
+        self.buffers += [_Buffer(allocate()) for _ in range(count - len(given))]
         self.read = read
         self.on_read = on_read
         self._wanted: list[int] = []
@@ -126,6 +132,14 @@ class FileRing:
             thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()  # a read in flight writes into the buffers
+        for buffer in self.buffers:
+            copied, buffer.copied = buffer.copied, None
+            if copied is not None:
+                copied.synchronize()  # the buffers may be read into by a later ring
+
+    def memory(self) -> list[Any]:
+        """The buffers' memory, for a later ring once this one is closed."""
+        return [buffer.memory for buffer in self.buffers]
 
     def _holding(self, block: int) -> _Buffer | None:
         for buffer in self.buffers:

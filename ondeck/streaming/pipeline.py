@@ -180,6 +180,7 @@ class BlockStreaming:
         layouts: Mapping[str, StreamLayout] = plan.streamed
         file_reads = getattr(plan, "file_reads", {})
         self.reserved = dict(plan.reserved_activation_bytes)
+        keep_rings = self.keeps_rings(pipeline, plan)
         for name, proxy in pipeline.deferred.items():
             known = self._candidates.get(name)
             if known is None:
@@ -187,6 +188,7 @@ class BlockStreaming:
             loader, streamer = known
             if streamer is None:
                 continue
+            streamer.hold_ring(keep_rings)
             layout = layouts.get(name)
             from_files = file_reads.get(name) if layout is not None else None
             if (
@@ -208,6 +210,15 @@ class BlockStreaming:
                 streamer.use_layout(layout, from_files)
                 loader.placement = streamer
                 self.streamers[name] = streamer
+
+    @staticmethod
+    def keeps_rings(pipeline: Any, plan: Any) -> bool:
+        """Whether the rings' pinned buffers stay across releases: where the host plan
+        holds them beside a reserve for the process's growth that a run measured. Before
+        that, the reserve is a guess, and freeing the rings at each release leaves slack."""
+        growth = getattr(pipeline, "host_growth", None)
+        measured = growth is not None and growth().measured
+        return measured and getattr(plan, "file_reads_fit", True)
 
     def with_reserved(self, activation: Mapping[str, int | None]) -> dict[str, int | None]:
         """Activation estimates, with the reserve for streaming stages not yet measured."""

@@ -137,6 +137,11 @@ class BlockStreamer:
         self._file_sources: dict[int, dict[str, Callable[[Any], list[reads.ReadJob]]]] = {}
         self._ring: FileRing | None = None
         self._ring_allocating = 0  # counted from before its pages are touched, as host copies
+        # The pinned buffers of the last ring, kept across releases as the host copies
+        # are: page-locking them again on every load costs more than reading a block.
+        # ``keep_ring``: whether the host plan holds them between loads.
+        self._ring_memory: list[Any] = []
+        self.keep_ring = True
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
@@ -158,7 +163,10 @@ class BlockStreamer:
 
     @property
     def ring_bytes(self) -> int:
-        return (self._ring.nbytes if self._ring is not None else 0) + self._ring_allocating
+        if self._ring is not None:
+            return self._ring.nbytes
+        kept = sum(memory.numel() for memory in self._ring_memory)
+        return kept + self._ring_allocating
 
     def use_layout(self, layout: StreamLayout, file_reads: FileReads | None = None) -> None:
         """Stream by ``layout`` from the next load on, the blocks ``file_reads`` names read
@@ -173,6 +181,9 @@ class BlockStreamer:
             self.file_reads = file_reads
             self._streamed = frozenset(layout.streamed)
             self._from_files = frozenset(file_reads.from_files if file_reads else ())
+            buffer_bytes = file_reads.ring_buffer_bytes if file_reads else None
+            if not self._from_files or any(m.numel() != buffer_bytes for m in self._ring_memory):
+                self._ring_memory = []
             self._host.keep_only(
                 {
                     b: self.sizes.packed_bytes[b]
@@ -181,12 +192,23 @@ class BlockStreamer:
                 }
             )
 
+    def hold_ring(self, keep: bool) -> None:
+        """Whether the ring's buffers stay between loads (the host plan holds them); when
+        not, buffers kept from an earlier load go now, or with the component's release."""
+        with self._lock:
+            self.keep_ring = keep
+            if not keep:
+                self._ring_memory = []
+
     def drop_host_copies(self) -> int:
-        """Free the host copies (not while the component is loaded); returns the bytes."""
+        """Free the host copies and the ring's kept buffers (not while the component is
+        loaded); returns the bytes."""
         with self._lock:
             if self._armed is not None:
                 return 0
-            return self._host.clear()
+            ring_bytes = sum(memory.numel() for memory in self._ring_memory)
+            self._ring_memory = []
+            return self._host.clear() + ring_bytes
 
     # -- placement protocol (called by ComponentLoader) ------------------------------------
 
@@ -238,7 +260,8 @@ class BlockStreamer:
                 if planned
                 else max(self.sizes.packed_bytes[b] for b in self._from_files)
             )
-            self._ring_allocating = count * nbytes
+            kept, self._ring_memory = self._ring_memory, []
+            self._ring_allocating = count * nbytes  # the kept buffers among them
             try:
                 self._ring = FileRing(
                     count,
@@ -246,6 +269,7 @@ class BlockStreamer:
                     pinned=self._host.pinned,
                     read=self.read_block,
                     on_read=self._count_read,
+                    memory=kept,
                 )
             finally:
                 self._ring_allocating = 0
@@ -255,10 +279,12 @@ class BlockStreamer:
         self.stats.file_bytes_read += nbytes
         self.stats.file_read_seconds += seconds
 
-    def _close_ring(self) -> None:
+    def _close_ring(self, *, keep_memory: bool = False) -> None:
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()
+            if keep_memory:
+                self._ring_memory = ring.memory()
         self._file_sources.clear()
 
     def finish(self, module: Any) -> None:
@@ -284,7 +310,9 @@ class BlockStreamer:
             armed, self._armed = self._armed, None
             if armed is not None:
                 armed.detach()
-            self._close_ring()  # a few blocks' pinned buffers: they go with the module
+            # The ring's few pinned buffers stay with the host copies, for the next load,
+            # where the host plan holds them.
+            self._close_ring(keep_memory=self.keep_host_copies and self.keep_ring)
             if not self.keep_host_copies:
                 self._host.clear()
 

@@ -4,12 +4,16 @@ host memory the plan predicts (the CPU stands in for a discrete device)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
 from ondeck import memory
 from ondeck.host_pool import HostGrowth
+from ondeck.host_watch import HostMemoryError, HostWatch
 from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions
@@ -33,7 +37,7 @@ def squeeze(pipe, room_bytes: int, monkeypatch) -> None:
         return real(available_bytes=0, process_bytes=PROCESS + held, cgroup=None)
 
     monkeypatch.setattr(memory, "host_facts", facts)
-    monkeypatch.setattr(pipe, "host_growth", lambda: HostGrowth(0, "given"))
+    monkeypatch.setattr(pipe, "host_growth", lambda: HostGrowth(0, "given", measured=True))
     pipe.host_memory = PROCESS + room_bytes
 
 
@@ -123,11 +127,108 @@ def test_the_host_memory_held_is_the_ring_the_plan_predicts(six_block_folder, mo
     squeeze(pipe, ring_room(six_block_folder), monkeypatch)
     predicted = pipe.plan()
     seen = watch_host_memory(pipe)
+    buffers = []
+
+    def ring_buffers(module):
+        ring = pipe.policy.streaming.streamers["transformer"].ring()
+        buffers.append([memory.data_ptr() for memory in ring.memory()])
+        return module
+
+    pipe.components["transformer"].add_transform(ring_buffers)
     generate(pipe)
     assert seen == {"host_copies": 0, "ring": predicted.host.ring_bytes}
     assert predicted.host.ring_bytes > 0
-    # The ring goes with the component; the pinned path would have kept its copies.
+    # The ring's buffers outlive the release, as pinned copies would, and the next load
+    # reads into the same ones: nothing is allocated (page-locked) again.
+    assert stats(pipe)["ring_bytes"] == predicted.host.ring_bytes
+    generate(pipe, PROMPTS[1])
+    assert len(buffers) == 2 and buffers[0] == buffers[1]
+    assert pipe.policy.streaming.drop_host_copies() == predicted.host.ring_bytes
     assert stats(pipe)["ring_bytes"] == 0 and stats(pipe)["host_copy_bytes"] == 0
+
+
+def growing_host(pipe, room_bytes: int, grows: int, monkeypatch) -> None:
+    """A squeezed host (``squeeze``) whose process grows by ``grows`` bytes during each
+    run, as the host watch's RSS readings show: the reserve is ondeck's own."""
+    real = memory.host_facts
+    held = pipe.policy.streaming.host_bytes
+
+    def facts(**_):
+        return real(available_bytes=0, process_bytes=PROCESS + held(), cgroup=None)
+
+    def rss() -> int:
+        # As on a discrete device, the loaded weights are not the process's memory.
+        started = pipe.host_watch.started_uncounted is not None
+        return PROCESS + held() + (grows if started else 0)
+
+    monkeypatch.setattr(memory, "host_facts", facts)
+    pipe.host_memory = PROCESS + room_bytes
+    pipe.host_watch = HostWatch(pipe.host_memory, pipe.relieve_host_memory, rss=rss)
+
+
+def test_the_rings_stay_across_releases_once_the_growth_is_measured_and_go_under_pressure(
+    six_block_folder, monkeypatch
+):
+    pipe = streaming(six_block_folder, resident=2)
+    grows = max(transformer_blocks(six_block_folder).packed_bytes)
+    rings = ring_room(six_block_folder)
+    growing_host(pipe, rings + grows, grows, monkeypatch)
+    assert not pipe.host_growth().measured
+    generate(pipe)
+    # The first run's reserve was a guess: its rings went with the releases.
+    assert stats(pipe)["ring_bytes"] == 0
+    plan = pipe.plan()
+    assert pipe.report()["host_growth_bytes"] == grows == plan.host.growth_bytes
+    assert plan.file_reads_fit and plan.host.fits()
+    generate(pipe)
+    assert stats(pipe)["ring_bytes"] == plan.host.ring_bytes > 0  # kept, the reserve measured
+    # A budget that holds the rings but not the growth beside them: the plan says so,
+    # the kept buffers go before the next load, and that load's go with its release.
+    pipe.host_memory = PROCESS + rings + grows // 2
+    pipe.host_watch.budget_bytes = pipe.host_memory
+    squeezed = pipe.plan()
+    assert not squeezed.file_reads_fit and not squeezed.host.fits()
+    with pytest.raises(HostMemoryError):
+        generate(pipe)  # the process grew past the budget, as the plan said it would
+    assert stats(pipe)["ring_bytes"] == 0 and stats(pipe)["host_copy_bytes"] == 0
+
+
+def ring_weakrefs(pipe) -> list:
+    refs = []
+
+    def look(module):
+        ring = pipe.policy.streaming.streamers["transformer"].ring()
+        refs.extend(weakref.ref(memory) for memory in ring.memory())
+        return module
+
+    pipe.components["transformer"].add_transform(look)
+    return refs
+
+
+def test_closing_the_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch):
+    pipe = streaming(six_block_folder, resident=2)
+    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
+    refs = ring_weakrefs(pipe)
+    generate(pipe)
+    gc.collect()
+    assert refs and all(ref() is not None for ref in refs)  # kept across the release
+    pipe.close()
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert stats(pipe)["ring_bytes"] == 0
+
+
+def test_a_deleted_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch):
+    pipe = streaming(six_block_folder, resident=2)
+    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
+    refs = ring_weakrefs(pipe)
+    generate(pipe)
+    gc.collect()
+    assert refs and all(ref() is not None for ref in refs)
+    monkeypatch.undo()  # the fakes hold the pipeline
+    del pipe
+    gc.collect()
+    assert all(ref() is None for ref in refs)
 
 
 def test_room_for_some_pinned_copies_keeps_them_and_reads_the_rest(
