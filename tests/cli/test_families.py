@@ -99,6 +99,29 @@ def test_an_image_to_video_pipeline_takes_its_image_from_the_flag(
     assert frames == 5 and seconds == pytest.approx(5 / 16, abs=0.04)
 
 
+def test_a_pipeline_that_cleans_prompts_with_ftfy_says_to_install_it(
+    capsys, family, tmp_path, input_image, monkeypatch
+):
+    # diffusers' Wan image-to-video pipeline calls ftfy.fix_text whether or not ftfy is
+    # installed; without it the run failed with "NameError: name 'ftfy' is not defined".
+    import diffusers.pipelines.wan.pipeline_wan_i2v as module
+
+    monkeypatch.delattr(module, "ftfy", raising=False)
+    folder = family("wan_i2v")
+    capsys.readouterr()  # what building the folder printed
+    out = tmp_path / "out"
+    shape = ["--height", "16", "--width", "16", "--frames", "5", "--image", input_image]
+    code, _, err = run(capsys, "generate", folder, *CPU, *shape, "--output", out)
+    assert (code, [line for line in error_lines(err) if line.startswith("ondeck:")]) == (
+        1,
+        [
+            "ondeck: error: WanImageToVideoPipeline cleans each prompt with the ftfy package "
+            "(diffusers calls ftfy.fix_text), which is not installed here: pip install ftfy"
+        ],
+    )
+    assert not (out / "video.mp4").exists()
+
+
 def test_the_input_image_changes_the_video(capsys, family, tmp_path, input_image, without_ftfy):
     from PIL import Image
 

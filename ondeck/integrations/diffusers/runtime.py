@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -491,6 +492,7 @@ class DiffusersRuntime(Pipeline):
             seed=seed,
             **{key: kwargs[key] for key in _CHECKED_KEYWORDS if key in kwargs},
         )
+        _check_prompt_cleaning(type(self.pipe))
         wanted = {
             "prompt": prompt,
             "height": height,
@@ -550,6 +552,23 @@ _SIZE_ARGUMENTS = (
     "num_videos_per_prompt",
     "num_images_per_prompt",
 )
+
+
+def _check_prompt_cleaning(pipeline_class: type) -> None:
+    """``OndeckError`` before the call runs when the pipeline cleans its prompt with
+    ftfy and ftfy is not installed: some diffusers pipelines (Wan's image-to-video, VACE,
+    SkyReels-V2) call ``ftfy.fix_text`` whether or not it is there, and the call failed
+    with ``NameError: name 'ftfy' is not defined``."""
+    module = sys.modules.get(pipeline_class.__module__)
+    code = getattr(getattr(module, "basic_clean", None), "__code__", None)
+    if code is None or "ftfy" not in code.co_names or hasattr(module, "ftfy"):
+        return
+    if "is_ftfy_available" in code.co_names:  # the pipeline cleans without it (Wan's)
+        return
+    raise OndeckError(
+        f"{pipeline_class.__name__} cleans each prompt with the ftfy package (diffusers "
+        "calls ftfy.fix_text), which is not installed here: pip install ftfy"
+    )
 
 
 def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, torch.Tensor]]:
