@@ -21,6 +21,7 @@ from typing import Any
 
 from .arguments import MAX_BATCH, MAX_FRAMES, MAX_SIDE
 from .embedded import default_cache_dir
+from .errors import OndeckError
 from .memory import format_bytes
 
 __all__ = ["ActivationProfiles", "default_profiles", "PROFILE_FILE_NAME"]
@@ -200,7 +201,8 @@ class ActivationProfiles:
             ]
 
     def clear(self) -> bool:
-        """Delete every stored profile (the file too); True when there was a file."""
+        """Delete every stored profile (the file too); True when there was a file.
+        ``OndeckError`` when something is there that cannot be deleted."""
         with self._lock:
             self._data = {}
             if self.path is None:
@@ -210,6 +212,10 @@ class ActivationProfiles:
                 return True
             except FileNotFoundError:
                 return False
+            except OSError as error:  # a folder in its place, a read-only cache folder
+                raise OndeckError(
+                    f"cannot delete {self.path}: {error.strerror or error}; nothing was deleted"
+                ) from None
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:

@@ -23,6 +23,19 @@ def test_profiles_shows_where_they_live_and_clear_deletes_them(cache, capsys):
     assert "(none yet)" in out
 
 
+def test_clear_where_the_file_cannot_be_deleted_is_one_line(cache, capsys):
+    # A folder in the file's place (an IsADirectoryError with --debug's hint before).
+    path = cache / "activation-profiles.json"
+    path.mkdir(parents=True)
+    code, out, err = run(capsys, "profiles", "--clear")
+    assert (code, out, err.splitlines()) == (
+        1,
+        "",
+        [f"ondeck: error: cannot delete {path}: Is a directory; nothing was deleted"],
+    )
+    assert path.is_dir()
+
+
 def test_a_generate_then_profiles_lists_what_it_measured_or_nothing(cache, tiny_model, capsys):
     # On the CPU there is no device peak to measure: the command still runs and says so.
     code, _, _ = run(capsys, "generate", tiny_model, *FAST, "--output", cache.parent / "out")
