@@ -36,6 +36,7 @@ def is_the_command() -> bool:
 # Ctrl-Cs the command's process received, and how deep it is in deferring them.
 _interrupts = 0
 _deferring = 0
+_after_deferring: object = None
 
 
 @contextlib.contextmanager
@@ -47,14 +48,14 @@ def exits_on_interrupt() -> Iterator[None]:
     initialisation (numpy's, torch's), it aborted the process ("terminate called after
     throwing … KeyboardInterrupt"), failed a second import of the module with a
     traceback, or was swallowed and broke a later import. From the end of the outermost
-    of these imports, Ctrl-C raises ``KeyboardInterrupt`` as usual and is noted too
-    (see ``interrupted``).
+    of these imports, and once the command's handler is in place (``raise_interrupts``),
+    Ctrl-C raises ``KeyboardInterrupt`` as usual and is noted too (see ``interrupted``).
     """
-    global _deferring
+    global _deferring, _after_deferring
     watching = _watching()
     if watching:
         if _deferring == 0:
-            signal.signal(signal.SIGINT, _note_interrupt)
+            _after_deferring = signal.signal(signal.SIGINT, _note_interrupt)
         _deferring += 1
     try:
         yield
@@ -68,10 +69,19 @@ def exits_on_interrupt() -> Iterator[None]:
     finally:
         if watching:
             _deferring -= 1
-            if _deferring == 0:
+            if _deferring == 0 and _after_deferring is _note_and_raise_interrupt:
                 signal.signal(signal.SIGINT, _note_and_raise_interrupt)
     if watching and _deferring == 0 and _interrupts:
         _exit_with_the_line()
+
+
+def raise_interrupts() -> None:
+    """From here on Ctrl-C raises ``KeyboardInterrupt`` (noted too): called first in the
+    command's handler, so that no interrupt lands between the imports and that handler."""
+    if signal.getsignal(signal.SIGINT) is _note_interrupt and _deferring == 0:
+        signal.signal(signal.SIGINT, _note_and_raise_interrupt)
+        if _interrupts:
+            raise KeyboardInterrupt
 
 
 def interrupted() -> bool:

@@ -30,6 +30,7 @@ from ..interrupt import (
     exits_on_interrupt,
     interrupted,
     is_the_command,
+    raise_interrupts,
 )
 from .options import Parser, UsageError, add_debug
 
@@ -130,6 +131,7 @@ def console() -> int:
     status."""
     debug = debugging(sys.argv[1:])
     try:
+        raise_interrupts()
         for name, value in PROCESS_DEFAULTS.items():
             os.environ.setdefault(name, value)
         code = main()
