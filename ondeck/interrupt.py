@@ -33,17 +33,87 @@ def is_the_command() -> bool:
     return any(a == "-m" and b == "ondeck" for a, b in zip(original, original[1:], strict=False))
 
 
+# Ctrl-Cs the command's process received, and how deep it is in deferring them.
+_interrupts = 0
+_deferring = 0
+_after_deferring: object = None
+
+
 @contextlib.contextmanager
 def exits_on_interrupt() -> Iterator[None]:
     """Around the package's imports: in the command's process, Ctrl-C prints the line
-    and exits 130."""
+    and exits 130, once the imports are done.
+
+    The interrupt is noted, not raised, until then: raised inside an extension's
+    initialisation (numpy's, torch's), it aborted the process ("terminate called after
+    throwing … KeyboardInterrupt"), failed a second import of the module with a
+    traceback, or was swallowed and broke a later import. From the end of the outermost
+    of these imports, and once the command's handler is in place (``raise_interrupts``),
+    Ctrl-C raises ``KeyboardInterrupt`` as usual and is noted too (see ``interrupted``).
+    """
+    global _deferring, _after_deferring
+    watching = _watching()
+    if watching:
+        if _deferring == 0:
+            _after_deferring = signal.signal(signal.SIGINT, _note_interrupt)
+        _deferring += 1
     try:
         yield
-    except KeyboardInterrupt:
-        if not is_the_command() or debugging(sys.argv[1:]):
-            raise
-        print(INTERRUPTED, file=sys.stderr)
-        exit_interrupted()
+    except BaseException as error:
+        # An interrupt raised anyway (through an extension's code), or whatever a noted
+        # one made of the import.
+        if _interrupts or isinstance(error, KeyboardInterrupt):
+            if is_the_command() and not debugging(sys.argv[1:]):
+                _exit_with_the_line()
+        raise
+    finally:
+        if watching:
+            _deferring -= 1
+            if _deferring == 0 and _after_deferring is _note_and_raise_interrupt:
+                signal.signal(signal.SIGINT, _note_and_raise_interrupt)
+    if watching and _deferring == 0 and _interrupts:
+        _exit_with_the_line()
+
+
+def raise_interrupts() -> None:
+    """From here on Ctrl-C raises ``KeyboardInterrupt`` (noted too): called first in the
+    command's handler, so that no interrupt lands between the imports and that handler."""
+    if signal.getsignal(signal.SIGINT) is _note_interrupt and _deferring == 0:
+        signal.signal(signal.SIGINT, _note_and_raise_interrupt)
+        if _interrupts:
+            raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """The command's process received Ctrl-C: a library that swallowed the
+    ``KeyboardInterrupt`` (a bare ``except``) cannot make the command end otherwise."""
+    return _interrupts > 0
+
+
+def _watching() -> bool:
+    """Interrupts are the command's to handle: its own process, not ``--debug``, the
+    main thread, and SIGINT not ignored (``nohup``, a background job)."""
+    return (
+        is_the_command()
+        and not debugging(sys.argv[1:])
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None)
+    )
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    global _interrupts
+    _interrupts += 1
+
+
+def _note_and_raise_interrupt(signum: int, frame: object) -> None:
+    _note_interrupt(signum, frame)
+    raise KeyboardInterrupt
+
+
+def _exit_with_the_line() -> NoReturn:
+    print(INTERRUPTED, file=sys.stderr)
+    exit_interrupted()
 
 
 def end_command(status: int) -> NoReturn:

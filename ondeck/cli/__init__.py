@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OndeckError
-from ..interrupt import INTERRUPTED, debugging, end_command, exit_interrupted, is_the_command
+from ..interrupt import (
+    INTERRUPTED,
+    debugging,
+    end_command,
+    exit_interrupted,
+    exits_on_interrupt,
+    interrupted,
+    is_the_command,
+    raise_interrupts,
+)
 from .options import Parser, UsageError, add_debug
 
 DEBUG_HINT = "run with --debug (or ONDECK_DEBUG=1) to see the traceback"
@@ -46,7 +55,9 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         import importlib
 
-        return getattr(importlib.import_module(f"{__name__}.{module}"), name)(*args)
+        with exits_on_interrupt():  # Ctrl-C while diffusers is imported: after it
+            found = importlib.import_module(f"{__name__}.{module}")
+        return getattr(found, name)(*args)
 
     call.__name__ = name
     return call
@@ -120,9 +131,13 @@ def console() -> int:
     status."""
     debug = debugging(sys.argv[1:])
     try:
+        raise_interrupts()
         for name, value in PROCESS_DEFAULTS.items():
             os.environ.setdefault(name, value)
         code = main()
+        if interrupted() and code != 130:  # a library swallowed the KeyboardInterrupt
+            print(INTERRUPTED, file=sys.stderr)
+            code = 130
         from .. import distributed
 
         if distributed.joined():  # a torchrun worker: see end_process for why it ends so

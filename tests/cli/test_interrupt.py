@@ -214,3 +214,64 @@ def test_a_program_importing_ondeck_keeps_its_keyboard_interrupt(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert finished.stdout == "caught\n", finished.stderr
+
+
+# Sends SIGINT as INTERRUPT_AT starts to be imported and swallows the KeyboardInterrupt,
+# as a library's bare `except:` does (one in torch's or numpy's import did: the command
+# then ran on, or failed later with "Failed to import diffusers.pipelines...").
+SWALLOW_AN_INTERRUPT = """
+import os, signal, sys
+
+class SwallowAnInterrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):
+                    pass
+            except KeyboardInterrupt:
+                open(os.environ["SWALLOWED"], "w").close()
+        return None
+
+sys.meta_path.insert(0, SwallowAnInterrupt())
+"""
+
+
+@pytest.mark.parametrize(
+    "module, raised, written",
+    [
+        # While the package is imported the interrupt is noted, never raised inside an
+        # import; the command ends once the imports are done, before anything is built.
+        ("torch", False, set()),
+        # As the video is written (an import inside the run): raised, swallowed, noted.
+        ("imageio_ffmpeg", True, {"report.json", "timeline.png", "video.mp4"}),
+    ],
+)
+def test_ctrl_c_that_a_library_swallows_still_ends_the_command_with_130(
+    module, raised, written, tiny_model, tmp_path
+):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SWALLOW_AN_INTERRUPT)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
+    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+    command += ["--output", str(out)]
+    environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    environment["INTERRUPT_AT"] = module
+    environment["SWALLOWED"] = str(tmp_path / "swallowed")
+    environment.pop("ONDECK_DEBUG", None)
+    finished = subprocess.run(
+        command,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert finished.returncode == 130, finished.stderr
+    assert (tmp_path / "swallowed").exists() == raised
+    lines = [line for line in finished.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "ondeck: interrupted" and "Traceback" not in finished.stderr
+    assert (listing(out) if out.exists() else set()) == written
