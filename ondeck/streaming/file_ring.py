@@ -93,6 +93,12 @@ class FileRing:
             self._wanted = [block for block in wanted if block not in held]
             self._condition.notify_all()
 
+    def ready(self, block: int) -> bool:
+        """Whether ``block``'s bytes are read and waiting: ``take`` would not wait."""
+        with self._condition:
+            holding = self._holding(block)
+            return holding is not None and holding.state == "ready"
+
     def take(self, block: int) -> Any:
         """The buffer holding ``block``'s bytes, once read (read now if nobody asked)."""
         with self._condition:

@@ -591,11 +591,17 @@ class _Armed:
         return min(idle, key=lambda s: s.used_at) if idle else None
 
     def _prefetch(self, start: int, count: int) -> None:
+        """Copy the next ``count`` streamed blocks from ``start`` into free slots. A block
+        read from the files whose read is not done yet stops it: waiting here would hold
+        back the block about to compute, whose kernels are not queued yet. That block's
+        own pre-hook waits for it, while the GPU still runs the blocks queued before."""
         streamed = len(self.order)
         for step in range(min(count, streamed)):
             upcoming = self.order[(start + step) % streamed]
             if self._holding(upcoming) is not None:
                 continue
+            if upcoming in self.from_files and not self.ring.ready(upcoming):
+                return
             slot = self._free_slot()
             if slot is None:
                 return

@@ -5,6 +5,7 @@ host memory the plan predicts (the CPU stands in for a discrete device)."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -17,6 +18,7 @@ from ondeck.host_watch import HostMemoryError, HostWatch
 from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions
+from ondeck.streaming.streamer import BlockStreamer
 
 from .conftest import budget_keeping, build_six_block_folder, transformer_blocks
 from .test_wan_streaming import DISCRETE, PROMPTS, generate, stats, streaming
@@ -306,3 +308,36 @@ def test_fp8_blocks_read_from_the_files_give_the_pinned_fp8_frames(wide_six_bloc
     assert stats(pipe)["from_files_blocks"] == stats(pinned)["streamed_blocks"]
     streamer = pipe.policy.streaming.streamers["transformer"]
     assert streamer.sizes.packed_bytes != transformer_blocks(wide_six_blocks).packed_bytes
+
+
+def test_a_block_computes_while_the_next_one_is_still_read_from_the_files(
+    six_block_folder, pinned_frames, monkeypatch
+):
+    """A block's pre-hook copies the blocks after it ahead, but never waits for one still
+    being read: the block about to compute would wait for another's read. Here the second
+    streamed block's read is slow; the first computes before that read ends."""
+    frames, _ = pinned_frames
+    pipe = streaming(six_block_folder, resident=2)
+    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
+    first, second = pipe.plan().file_reads["transformer"].from_files[:2]
+    events: list[tuple[str, int]] = []
+    real_read = BlockStreamer.read_block
+
+    def read_block(self, block, buffer):
+        nbytes = real_read(self, block, buffer)
+        if block == second:
+            time.sleep(0.3)
+        events.append(("read", block))
+        return nbytes
+
+    def watch_compute(module):
+        for block in (first, second):
+            module.blocks[block].register_forward_pre_hook(
+                lambda _module, _args, block=block: events.append(("compute", block))
+            )
+        return module
+
+    monkeypatch.setattr(BlockStreamer, "read_block", read_block)
+    pipe.components["transformer"].add_transform(watch_compute)
+    assert np.array_equal(generate(pipe, PROMPTS[0]), frames[PROMPTS[0]])
+    assert events.index(("compute", first)) < events.index(("read", second)), events[:6]
