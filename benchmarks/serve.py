@@ -34,14 +34,17 @@ Targets, each row of the table printed last (and serve.json written to $OUT):
 - a warm request's wall time (request to MP4 in hand) at most 1.05x the run itself:
   the pipeline's call and the writing of its MP4, as a local run does both;
 - the first request to a model at most 0.5x diffusers eager's one-shot time;
-- each switch (without look-ahead) loads in at most 1.1x the plan's predicted load
-  time: the plan's bytes for that switch at the model's load rate in the same server
-  (what its jobs run alone, cold and warm, loaded over their load seconds; a
-  pipelined load's seconds run until every weight is in place). Each switch's job has
-  a prompt of its own, as a server's requests do: the plan counts the text encoders;
-- with the queue's look-ahead, a switch costs at most 0.5x what it costs without, a
-  switch's cost being its job's time on the device thread (making room, the run, the
-  wait for what loaded ahead beside it) less the same model's warm job's;
+- each switch costs at most 1.1x the plan's predicted load time, with the look-ahead
+  and without. A switch's cost is its job's time on the device thread (making room,
+  the run, the wait for what loaded ahead beside it) less the same model's warm job's:
+  the time the switch adds, loads hidden behind compute not counted. The predicted
+  load time is the plan's bytes for that switch at the model's load rate in the same
+  server (what its jobs run alone, cold and warm, loaded over their load seconds).
+  The loads' own seconds (a pipelined load's run until every weight is in place,
+  beside the compute) are printed too, and each load of each switch is in serve.json.
+  Each switch's job has a prompt of its own, as a server's requests do: the plan
+  counts the text encoders;
+- with the queue's look-ahead, a switch costs at most 0.5x what it costs without;
 - the soak: no crash, exit 0 on SIGTERM, each job's one right answer, server RSS growth
   at most 50 MiB, device bytes allocated beyond the served weights back at their
   baseline after each job (within 1 MiB of allocator rounding), and each good job's
@@ -444,9 +447,10 @@ class Served:
         return code
 
 
-def report_loads(report: dict) -> tuple[int, float, float]:
-    """(bytes loaded, seconds loading, seconds exposed) in the report's run. A pipelined
-    load's seconds run to its ``fill`` (every weight in place), not to its first block."""
+def report_loads(report: dict) -> tuple[int, float, float, list]:
+    """(bytes loaded, seconds loading, seconds exposed, each load as [component, bytes,
+    seconds]) in the report's run. A pipelined load's seconds run to its ``fill`` (every
+    weight in place), not to its first block."""
     run = report["runs"]
     loads: list[list] = []
     for event in report["events"]:
@@ -460,7 +464,7 @@ def report_loads(report: dict) -> tuple[int, float, float]:
                     load[2] = max(load[2], event["duration_seconds"] or 0.0)
                     break
     exposed = sum(s["exposed_load_seconds"] for s in report["stages"] if s["run"] == run)
-    return sum(n for _, n, _ in loads), sum(s for _, _, s in loads), exposed
+    return sum(n for _, n, _ in loads), sum(s for _, _, s in loads), exposed, loads
 
 
 # -- the parts ---------------------------------------------------------------------------
@@ -524,10 +528,11 @@ def switch_costs(models: dict, warm: dict[str, dict], rates: dict[str, float]) -
         if not role.startswith("switch"):
             continue
         model = job["model"]
-        loaded, load_seconds, exposed = job["loads"]
+        loaded, load_seconds, exposed, each = job["loads"]
         predicted_bytes = models["plan_switch_bytes"].get(f"{previous}->{model}")
         rate = rates.get(model)
         predicted = predicted_bytes / rate if predicted_bytes and rate else None
+        cost = job["device_seconds"] - warm[model]["device_seconds"]
         rows.append(
             {
                 "switch": f"{previous}->{model}",
@@ -536,9 +541,11 @@ def switch_costs(models: dict, warm: dict[str, dict], rates: dict[str, float]) -
                 "exposed_load_seconds": exposed,
                 "predicted_bytes": predicted_bytes,
                 "predicted_seconds": predicted,
-                "ratio": load_seconds / predicted if predicted else None,
+                "loading_ratio": load_seconds / predicted if predicted else None,
                 "device_seconds": job["device_seconds"],
-                "cost_seconds": job["device_seconds"] - warm[model]["device_seconds"],
+                "cost_seconds": cost,
+                "ratio": cost / predicted if predicted else None,
+                "loads": each,
             }
         )
         previous = model
@@ -787,10 +794,17 @@ def print_table(result: dict) -> None:
         value += f"{result['eager_one_shot_seconds']:.1f}s)"
         row("first request / eager one shot", value, "<= 0.5", ratio <= 0.5)
     with_, without = figures.get("switches"), figures.get("switches_without_lookahead")
-    ratios = [s["ratio"] for s in without or [] if s["ratio"] is not None]
-    if ratios:
-        value = f"{max(ratios):.2f} (" + ", ".join(f"{r:.2f}" for r in ratios) + ")"
-        row("switch's loading / plan's at its load rate", value, "<= 1.1", max(ratios) <= 1.1)
+    for label, switches in (("default", with_), ("no look-ahead", without)):
+        ratios = [s["ratio"] for s in switches or [] if s["ratio"] is not None]
+        if ratios:
+            value = f"{max(ratios):.2f} (" + ", ".join(f"{r:.2f}" for r in ratios) + ")"
+            met = max(ratios) <= 1.1
+            row(f"switch's cost / plan's load time, {label}", value, "<= 1.1", met)
+        loading = [s["loading_ratio"] for s in switches or [] if s["loading_ratio"] is not None]
+        if loading:
+            value = ", ".join(f"{r:.2f}" for r in loading)
+            row(f"  its loads' seconds / plan's, {label}", value, "-", None)
+    if without:
         loaded = ", ".join(
             f"{format_bytes(s['bytes_loaded'])}/{format_bytes(s['predicted_bytes'] or 0)}"
             for s in without
@@ -818,9 +832,9 @@ def print_table(result: dict) -> None:
         row("good outputs unlike alone", str(soak["unlike_alone"]), "0", not soak["unlike_alone"])
     for part, error in result.get("errors", {}).items():
         row(f"ERROR in {part}", error.splitlines()[0][:60], "-", False)
-    print(f"\n{'measure':<40} {'value':<44} {'target':<10} met")
+    print(f"\n{'measure':<50} {'value':<44} {'target':<10} met")
     for name, value, target, met in rows:
-        print(f"{name:<40} {value:<44} {target:<10} {met}")
+        print(f"{name:<50} {value:<44} {target:<10} {met}")
 
 
 if __name__ == "__main__":

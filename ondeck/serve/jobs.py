@@ -74,6 +74,7 @@ class Job:
     run_seconds: float | None = None  # the pipeline's call(s)
     device_seconds: float | None = None  # the device thread's whole time on the job
     write_seconds: float | None = None  # its files, on the writer thread
+    plan_seconds: float | None = None  # the set's plan worked out again after it
     memory_after: dict[str, int | None] | None = None  # measured once the job is over
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)

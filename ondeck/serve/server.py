@@ -264,6 +264,11 @@ class Server:
             # All the device thread spent on the job: making room, the run, and the wait
             # for what loaded ahead beside it (a switch's cost, wherever it fell).
             job.device_seconds = time.perf_counter() - started
+            # The set's plan takes in the job's measurements while its output is written
+            # on the writer thread, not before: the client waits for the files, not this.
+            started = time.perf_counter()
+            self.manager.finished(job.model)
+            job.plan_seconds = time.perf_counter() - started
 
     def _memory_after(self) -> dict[str, int | None]:
         """What the server holds once a job is over, and what was loading ahead of the
@@ -325,7 +330,6 @@ class Server:
             job.fail(failure)
             return
         finally:
-            self.manager.finished(job.model)
             job.input_image = None  # a kept job keeps no request payload
         self.jobs_run += 1
         report = pipeline.report()
@@ -487,6 +491,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "run_seconds": job.run_seconds,
         "device_seconds": job.device_seconds,
         "write_seconds": job.write_seconds,
+        "plan_seconds": job.plan_seconds,
     }
 
 
