@@ -154,6 +154,43 @@ def test_asking_for_the_adapters_after_a_reload_from_the_factors_finds_them(
     assert injections[0] == 2, "the module from the factors was rebuilt with peft's layers"
 
 
+def test_an_adapter_call_on_a_module_from_the_factors_gets_peft_layers_to_act_on(
+    base, lora_files, weights, reference
+):
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.ondeck.release_all()
+    pipe.transformer.materialize()  # from the factors: no peft layers to unfuse
+
+    pipe.transformer.unfuse_lora()
+    layer = pipe.transformer.materialize().get_submodule("blocks.0.attn1.to_q")
+    # Unfusing subtracts what fusing added, to rounding.
+    file_weight = weights["blocks.0.attn1.to_q.weight"]
+    assert torch.allclose(getattr(layer, "base_layer", layer).weight, file_weight, atol=1e-6)
+    assert np.allclose(frames(pipe), reference, atol=1e-5)
+
+
+def test_a_transform_of_your_own_after_the_fuse_sees_peft_layers(base, lora_files):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.ondeck.release_all()
+    pipe.transformer.materialize()  # from the factors
+    seen = []
+
+    def look(module):
+        seen.append(any(isinstance(layer, BaseTunerLayer) for layer in module.modules()))
+        return module
+
+    pipe.transformer.add_transform(look)
+    frames(pipe)
+    frames(pipe)
+    assert seen and all(seen), "every module it saw had peft's layers"
+
+
 def _unload_after_fusing(pipe):
     pipe.unload_lora_weights()
 
@@ -297,15 +334,16 @@ class _Tiny(torch.nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(3)
         self.proj = torch.nn.Linear(8, 6)
+        self.out = torch.nn.Linear(6, 4)
         self.conv = torch.nn.Conv2d(2, 2, 3)
         with torch.no_grad():
             for parameter in self.parameters():
                 parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
-def _merged_lora(module, merge=True, **config):
-    """``module`` with a random LoRA injected by peft (and merged), and its tensors'
-    snapshot from before."""
+def _merged_lora(module, merge="all", **config):
+    """``module`` with a random LoRA injected by peft, merged into ``"all"`` its layers,
+    the ``"first"`` or ``"none"``, and its tensors' snapshot from before."""
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -315,13 +353,13 @@ def _merged_lora(module, merge=True, **config):
     config = LoraConfig(r=2, lora_alpha=4, **{"target_modules": ["proj"], **config})
     inject_adapter_in_model(config, module, adapter_name="style")
     generator = torch.Generator().manual_seed(4)
-    for layer in module.modules():
-        if isinstance(layer, BaseTunerLayer):
-            with torch.no_grad():
-                for parameter in layer.lora_B.parameters():
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator))
-            if merge:
-                layer.merge()
+    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
+    for layer in layers:
+        with torch.no_grad():
+            for parameter in layer.lora_B.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    for layer in {"all": layers, "first": layers[:1], "none": []}[merge]:
+        layer.merge()
     return module, before
 
 
@@ -353,13 +391,13 @@ def test_a_bias_changed_beside_the_merge_leaves_no_recipe():
 @pytest.mark.parametrize(
     "merge, config",
     [
-        (True, {"use_dora": True}),
-        (True, {"target_modules": ["conv"]}),
-        (True, {"target_modules": ["proj", "conv"]}),
-        (True, {"lora_bias": True}),
-        (False, {}),
+        ("all", {"use_dora": True}),
+        ("all", {"target_modules": ["conv"]}),
+        ("all", {"target_modules": ["proj", "conv"]}),
+        ("all", {"lora_bias": True}),
+        ("first", {"target_modules": ["proj", "out"]}),
     ],
-    ids=["dora", "conv", "linear-and-conv", "lora-bias", "unmerged"],
+    ids=["dora", "conv", "linear-and-conv", "lora-bias", "one-layer-unmerged"],
 )
 def test_no_recipe_is_taken_from_what_it_cannot_repeat(merge, config):
     from ondeck.integrations.diffusers.fused_lora import capture_fused_lora
