@@ -502,7 +502,7 @@ class LazyModule:
             ) from error
         if module is None:
             raise LoadError(f"component '{name}': loader returned None", component=name)
-        transforms = object.__getattribute__(self, "_ondeck_transforms")
+        transforms = self._transforms_for_load()
         replay = list(object.__getattribute__(self, "_ondeck_replay"))
         try:
             if filling is not None and (
@@ -537,6 +537,11 @@ class LazyModule:
             self._discard(module, filling)
             raise
         return module, filling
+
+    def _transforms_for_load(self) -> list[Callable[[Any], Any]]:
+        """The transforms a load applies, in order: those registered. A subclass may stand
+        one step in for several (a fused LoRA re-applied from its factors)."""
+        return list(object.__getattribute__(self, "_ondeck_transforms"))
 
     def _discard(self, module: Any, filling: Any = None) -> None:
         if filling is not None:

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from ...errors import OndeckError
-from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule
+from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule, loaded_module
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
+from .fused_lora import FusedLora, is_adapter_call, mark_recorded
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
 # use it: answering them must neither load the component nor start its turn.
@@ -64,6 +65,18 @@ _CONFIGURING_METHODS = frozenset(
 )
 
 _ADAPTER_LOADS = frozenset({"load_lora_adapter", "load_adapter"})
+# What diffusers and peft read to find a model's adapters: a module a fused LoRA's recipe
+# made has none, so asking makes the next load replay the recorded calls in full.
+_ADAPTER_STATE = frozenset(
+    {
+        "peft_config",
+        "_hf_peft_config_loaded",
+        "active_adapters",
+        "modules",
+        "named_modules",
+        "apply",
+    }
+)
 # Calls that change a loaded component's weights in place.
 _FUSING_METHODS = frozenset({"fuse_lora", "unfuse_lora"})
 # Methods that only set hooks' state (which cache a call writes to) and never read a
@@ -132,6 +145,7 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_make_loader", make_loader)
         setter(self, "_ondeck_settings", {})
         setter(self, "_ondeck_adapters", [])
+        setter(self, "_ondeck_fused_lora", FusedLora())
 
     # -- touches ------------------------------------------------------------------------
 
@@ -154,6 +168,8 @@ class PipelineComponent(LazyModule):
             if attribute == "_reset_stateful_cache" and hasattr(declared, attribute):
                 return _nothing_to_reset
             raise AttributeError(attribute)
+        if attribute in _ADAPTER_STATE:
+            self._drop_module_without_adapters()
         if attribute in _PLACEMENT_METHODS and self._can_retarget():
             return self._placement_call(attribute)
         if attribute in _HOOK_ONLY_METHODS and hasattr(declared or type(module), attribute):
@@ -210,6 +226,7 @@ class PipelineComponent(LazyModule):
                 return module
 
             apply.__qualname__ = f"{method} (recorded)"
+            mark_recorded(apply, method, args, kwargs)
             proxy.add_checked_transform(apply)
             if method in _ADAPTER_LOADS and kwargs.get("adapter_name"):
                 proxy.record_adapter(kwargs["adapter_name"])
@@ -235,6 +252,10 @@ class PipelineComponent(LazyModule):
                 raise
 
         guarded.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+        if hasattr(fn, "recorded_call"):
+            guarded.recorded_call = fn.recorded_call
+        if is_adapter_call(guarded):
+            self._drop_module_without_adapters()
         with object.__getattribute__(self, "_ondeck_lock"):
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:
@@ -242,6 +263,43 @@ class PipelineComponent(LazyModule):
                 if result is not None and result is not module:
                     object.__setattr__(self, "_ondeck_module", result)
             transforms.append(guarded)
+            object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
+
+    def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
+        """:meth:`LazyModule.add_transform`; a module made by a fused LoRA's recipe is
+        released first, since ``fn`` might look for its adapters."""
+        if reads_weights:
+            self._drop_module_without_adapters()
+        LazyModule.add_transform(self, fn, reads_weights=reads_weights)
+        with object.__getattribute__(self, "_ondeck_lock"):
+            transforms = object.__getattribute__(self, "_ondeck_transforms")
+            object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
+        return self
+
+    def _transforms_for_load(self) -> list[Callable[[Any], Any]]:
+        """The recorded calls, with a fused LoRA's loads and fuse replaced by its recipe
+        once a load has taken one (not while the blocks stream: fusing is refused)."""
+        transforms = LazyModule._transforms_for_load(self)
+        if self._streams_blocks():
+            return transforms
+        return object.__getattribute__(self, "_ondeck_fused_lora").transforms_for_load(transforms)
+
+    def _drop_module_without_adapters(self) -> None:
+        """A module made by a fused LoRA's recipe has no peft layers to find or change:
+        before anything looks for them, it is released, and the next load replays the
+        recorded calls in full."""
+        fused = object.__getattribute__(self, "_ondeck_fused_lora")
+        module = loaded_module(self)
+        if fused.recipe is None or (module is not None and not fused.built_fast(module)):
+            return
+        fused.full_next = True
+        if module is not None:
+            self.release()
+
+    def forget_fused_lora(self) -> None:
+        """Drop the fused LoRA's recipe (its factors); the next load replays in full."""
+        with object.__getattribute__(self, "_ondeck_lock"):
+            object.__getattribute__(self, "_ondeck_fused_lora").forget()
 
     def _deferred_replay(self, method: str) -> Callable[..., Any]:
         """``eval()``, ``requires_grad_(False)``, ... on an unloaded component: remembered
@@ -262,14 +320,17 @@ class PipelineComponent(LazyModule):
         """A fused LoRA changes the weights in place; the blocks that stream are brought
         in from their host copies before every pass, which hold the weights before it,
         so the fusion would silently be lost for those blocks."""
-        loader = object.__getattribute__(self, "_ondeck_loader")
-        if isinstance(loader, FolderLoader) and loader.placement is not None:
+        if self._streams_blocks():
             raise OndeckError(
                 f"component '{self._ondeck_name}' streams its blocks, and {method} would "
                 "change weights that stream in again from their host copies before every "
                 "pass; keep the LoRA unfused (set_adapters), or give the budget room for "
                 "the whole component"
             )
+
+    def _streams_blocks(self) -> bool:
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        return isinstance(loader, FolderLoader) and loader.placement is not None
 
     def record_adapter(self, name: str) -> None:
         """Note that a recorded call loads adapter ``name`` into this component."""
@@ -341,6 +402,7 @@ def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:
         return module
 
     apply.__qualname__ = "attribute settings (recorded)"
+    mark_recorded(apply, "setattr", (), {})
     return apply
 
 

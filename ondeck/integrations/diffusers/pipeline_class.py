@@ -15,6 +15,7 @@ import torch
 from ...errors import OndeckError
 from ...lazy import is_lazy, loaded_module
 from .component import PipelineComponent, fresh_copy
+from .fused_lora import mark_recorded
 from .runtime import DiffusersRuntime
 
 _PIPELINE_CLASSES: dict[type, type] = {}
@@ -150,6 +151,7 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
             return module
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
+        mark_recorded(apply, function.__name__, (), arguments)
         proxy.add_checked_transform(apply)
         if arguments.get("adapter_name"):
             proxy.record_adapter(arguments["adapter_name"])

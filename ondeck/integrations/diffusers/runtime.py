@@ -466,6 +466,14 @@ class DiffusersRuntime(Pipeline):
             raise OndeckError(f"component '{name}': transform {fn!r} returned None")
         setattr(self.pipe, name, transformed)
 
+    def close(self) -> None:
+        """Pipeline.close, and each component's fused-LoRA recipe is dropped: the next
+        load replays the LoRA calls in full."""
+        super().close()
+        for component in self.components.values():
+            if issubclass(type(component), PipelineComponent):
+                component.forget_fused_lora()
+
     # -- generating ---------------------------------------------------------------------
 
     def generate(
