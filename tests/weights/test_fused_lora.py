@@ -206,12 +206,11 @@ def _delete_adapters_after_fusing(pipe):
 @pytest.mark.parametrize(
     "after, fuse",
     [
-        (_unload_after_fusing, {}),
         (_set_adapters_after_fusing, {}),
         (_delete_adapters_after_fusing, {}),
         (None, {"safe_fusing": True}),
     ],
-    ids=["unload", "set_adapters", "delete_adapters", "safe_fusing"],
+    ids=["set_adapters", "delete_adapters", "safe_fusing"],
 )
 def test_calls_a_recipe_does_not_cover_replay_in_full_with_diffusers_frames(
     base, lora_files, injections, after, fuse
@@ -232,6 +231,34 @@ def test_calls_a_recipe_does_not_cover_replay_in_full_with_diffusers_frames(
         assert torch.equal(output, expected), f"call {call + 1}"
     assert _recipe(pipe) is None
     assert injections[0] == pipe.transformer.load_count, "peft at every load"
+
+
+def test_fusing_then_unloading_reloads_from_the_factors_with_diffusers_frames(
+    base, lora_files, injections
+):
+    """diffusers' "fuse, then unload the LoRA": the fused weights stay, peft's layers go.
+    Every later load adds the deltas from the factors and gives that module again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    loras = [(lora_files["diffusers"], 1.0)]
+    plain = _eager_fused(base, loras, 0.5)
+    _unload_after_fusing(plain)
+    expected = torch.from_numpy(frames(plain))
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="lora_0")
+    pipe.fuse_lora(lora_scale=0.5)
+    _unload_after_fusing(pipe)
+    injections[0] = 0
+
+    for call, output in enumerate(_frames_of_calls(pipe)):
+        assert torch.equal(output, expected), f"call {call + 1}"
+    assert _recipe(pipe) is not None
+    assert injections[0] == 1, "peft built its layers at the first load only"
+    module = pipe.transformer.materialize()
+    assert not any(isinstance(layer, BaseTunerLayer) for layer in module.modules())
+    loads = pipe.transformer.load_count
+    assert not getattr(pipe.transformer, "_hf_peft_config_loaded", None)
+    assert pipe.transformer.load_count == loads, "nothing to replay: it has no adapters"
 
 
 def test_an_unfused_lora_replays_in_full(base, lora_files, injections):
@@ -303,7 +330,9 @@ def _user_transform(module):
         ),
         (["load_lora_adapter", "set_adapters"], None),
         (["load_lora_adapter", "fuse_lora", "unfuse_lora"], None),
-        (["load_lora_adapter", "fuse_lora", "unload_lora"], None),
+        (["load_lora_adapter", "fuse_lora", "unload_lora"], (0, 3)),
+        (["load_lora_adapter", "fuse_lora", "unload_lora", "load_lora_adapter"], None),
+        (["load_lora_adapter", "unload_lora", "fuse_lora"], None),
         (["load_lora_adapter", "fuse_lora", "set_adapters"], None),
         (["load_lora_adapter", "fuse_lora", "delete_adapters"], None),
         (["load_lora_adapter", "fuse_lora", "load_lora_adapter", "fuse_lora"], None),

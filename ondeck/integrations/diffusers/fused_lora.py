@@ -104,15 +104,19 @@ def _safe_fusing(fn: Callable[..., Any]) -> bool | None:
 def fused_span(transforms: Sequence[Callable[..., Any]]) -> tuple[int, int] | None:
     """``(start, stop)`` of the transforms a recipe can stand in for: adapter loads and
     ``set_adapters`` calls, started by a load and ended by the one ``fuse_lora`` (not a
-    safe one). None when the adapter calls are anything else: another fuse, an unfuse,
-    an unload, a deletion, an adapter call outside the span, or a transform after it that
-    might read the adapters."""
+    safe one), or by an ``unload_lora`` right after it (diffusers' "fuse, then unload":
+    the fused weights stay, peft's layers go). None when the adapter calls are anything
+    else: another fuse, an unfuse, a deletion, an adapter call outside the span, or a
+    transform after it that might read the adapters."""
     methods = [recorded_method(fn) for fn in transforms]
     fuses = [index for index, method in enumerate(methods) if method == "fuse_lora"]
     if len(fuses) != 1:
         return None
-    stop = fuses[0] + 1
-    start = stop - 1
+    fuse = fuses[0]
+    stop = fuse + 1
+    if stop < len(methods) and methods[stop] == "unload_lora":
+        stop += 1
+    start = fuse
     while start > 0 and (methods[start - 1] == "set_adapters" or _is_load(methods[start - 1])):
         start -= 1
     if not _is_load(methods[start]):
@@ -125,7 +129,7 @@ def fused_span(transforms: Sequence[Callable[..., Any]]) -> tuple[int, int] | No
             index >= stop and is_adapter_call(fn)
         ):
             return None
-    if _safe_fusing(transforms[stop - 1]) is not False:
+    if _safe_fusing(transforms[fuse]) is not False:
         return None
     return start, stop
 
@@ -328,14 +332,20 @@ class _Step:
         recipe = owner.recipe
         if recipe is not None and not owner.full_next and recipe.fits(module):
             recipe.apply(module)
-            owner.built = weakref.ref(module)
+            # Without peft's layers, as the full replay leaves it when the span unloads
+            # them: only a module the span would have given adapters needs replaying.
+            unloads = recorded_method(self.span[-1]) == "unload_lora"
+            owner.built = None if unloads else weakref.ref(module)
             return module
         owner.full_next = False
         owner.built = None
         before = snapshot_tensors(module)
-        for fn in self.span:
+        fuse = next(i for i, fn in enumerate(self.span) if recorded_method(fn) == "fuse_lora")
+        for fn in self.span[: fuse + 1]:
             module = fn(module)
         owner.recipe = capture_fused_lora(module, before)
+        for fn in self.span[fuse + 1 :]:  # unload_lora: peft's layers go, fused weights stay
+            module = fn(module)
         return module
 
     def __repr__(self) -> str:
