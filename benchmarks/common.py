@@ -442,8 +442,14 @@ def run_child(args: list[str], *, timeout: float, cgroup: Path | None = None) ->
             timeout=timeout,
             preexec_fn=enter_cgroup if cgroup is not None else None,
         )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s", "args": args}
+    except subprocess.TimeoutExpired as expired:
+        # What it printed before the timeout says where it was (a slow run, a hang).
+        printed = [
+            text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+            for text in (expired.stdout, expired.stderr)
+        ]
+        tail = "".join(printed)[-3000:]
+        return {"error": f"timed out after {timeout:.0f}s", "tail": tail, "args": args}
     result = None
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):

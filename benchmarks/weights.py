@@ -474,6 +474,7 @@ def write_gguf(work: Work, device: str) -> dict:
     }
     target = work.file("gguf")
     partial = target.with_name(target.name + ".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(partial), arch="wan")
     for key, info in tensors.items():
         if quantized[key]:
