@@ -93,17 +93,7 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_130(how, module, tiny_mo
         script.parent.mkdir()
         script.write_text("import sys\nfrom ondeck.cli import console\nsys.exit(console())\n")
         command = [sys.executable, str(script), "inspect", str(tmp_path)]
-    environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
-    environment["INTERRUPT_AT"] = module
-    environment.pop("ONDECK_DEBUG", None)
-    finished = subprocess.run(
-        command,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    finished = run_interrupted(command, hooks, module)
     assert finished.returncode == 130, finished.stderr
     assert [line for line in finished.stderr.splitlines() if line.strip()] == [
         "ondeck: interrupted"
@@ -258,11 +248,21 @@ def test_ctrl_c_that_a_library_swallows_still_ends_the_command_with_130(
     command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
     command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
     command += ["--output", str(out)]
+    finished = run_interrupted(command, hooks, module, SWALLOWED=str(tmp_path / "swallowed"))
+    assert finished.returncode == 130, finished.stderr
+    assert (tmp_path / "swallowed").exists() == raised
+    lines = [line for line in finished.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "ondeck: interrupted" and "Traceback" not in finished.stderr
+    assert (listing(out) if out.exists() else set()) == written
+
+
+def run_interrupted(command: list[str], hooks, module: str, **extra: str):
+    """``command`` with ``hooks`` on the path, interrupted as ``module`` starts to import
+    (``INTERRUPT_AT``), SIGINT at its default as a terminal leaves it."""
     environment = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
-    environment["INTERRUPT_AT"] = module
-    environment["SWALLOWED"] = str(tmp_path / "swallowed")
+    environment.update(INTERRUPT_AT=module, **extra)
     environment.pop("ONDECK_DEBUG", None)
-    finished = subprocess.run(
+    return subprocess.run(
         command,
         env=environment,
         capture_output=True,
@@ -270,8 +270,3 @@ def test_ctrl_c_that_a_library_swallows_still_ends_the_command_with_130(
         timeout=300,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    assert finished.returncode == 130, finished.stderr
-    assert (tmp_path / "swallowed").exists() == raised
-    lines = [line for line in finished.stderr.splitlines() if line.strip()]
-    assert lines[-1] == "ondeck: interrupted" and "Traceback" not in finished.stderr
-    assert (listing(out) if out.exists() else set()) == written

@@ -12,7 +12,7 @@ from ...errors import OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule, loaded_module
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
-from .fused_lora import FusedLora, is_adapter_call, mark_recorded
+from .fused_lora import ADAPTER_METHODS, FusedLora, is_adapter_call, mark_recorded
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
 # use it: answering them must neither load the component nor start its turn.
@@ -23,24 +23,8 @@ _PROBES = frozenset(
 # Methods that configure a component rather than compute with it. Called through the
 # proxy they become transforms: applied now if the component is loaded, and after
 # every later load, so a release never loses them; an unloaded component stays so.
-_CONFIGURING_METHODS = frozenset(
+_CONFIGURING_METHODS = ADAPTER_METHODS | frozenset(
     {
-        # PEFT adapters (diffusers' PeftAdapterMixin; transformers' load_adapter, which
-        # diffusers calls to put a LoRA on a text encoder)
-        "load_lora_adapter",
-        "load_adapter",
-        "add_adapter",
-        "set_adapter",
-        "set_adapters",
-        "enable_adapters",
-        "disable_adapters",
-        "delete_adapters",
-        "fuse_lora",
-        "unfuse_lora",
-        "unload_lora",
-        "enable_lora",
-        "disable_lora",
-        "enable_lora_hotswap",
         # attention, memory and speed settings; a compile applies to each fresh module
         "compile",
         "compile_repeated_blocks",

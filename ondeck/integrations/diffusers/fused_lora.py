@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ADAPTER_METHODS",
     "FusedLora",
     "FusedLoraRecipe",
     "capture_fused_lora",
@@ -36,9 +37,10 @@ __all__ = [
 # ``load_lora_into_<component>`` (which calls it).
 _LOADS = frozenset({"load_lora_adapter"})
 _LOAD_PREFIX = "load_lora_into_"
-# Calls that read or change a model's adapters; only loads, set_adapters and one
-# fuse_lora are covered by a recipe.
-_ADAPTER_METHODS = frozenset(
+# Calls that read or change a model's adapters (diffusers' PeftAdapterMixin; transformers'
+# load_adapter, which diffusers calls to put a LoRA on a text encoder). A recipe covers
+# loads, set_adapters, one fuse_lora and an unload_lora right after it.
+ADAPTER_METHODS = frozenset(
     {
         "load_lora_adapter",
         "load_adapter",
@@ -70,7 +72,7 @@ def recorded_method(fn: Callable[..., Any]) -> str | None:
 
 
 def _is_adapter_method(method: str) -> bool:
-    return method in _ADAPTER_METHODS or method.startswith(_LOAD_PREFIX)
+    return method in ADAPTER_METHODS or method.startswith(_LOAD_PREFIX)
 
 
 def _is_load(method: str | None) -> bool:
