@@ -63,7 +63,9 @@ from policies import card_label, chosen_policy  # noqa: E402
 
 
 def transfer_floor(row: dict) -> str:
-    planned = row.get("planned_streaming") or {}
+    """The plan's bytes streamed a pass and their transfer time, as planned after the runs
+    (rates measured), else before them."""
+    planned = row.get("planned_streaming_after") or row.get("planned_streaming") or {}
     if not planned:
         return "-"
     seconds = sum(part["predicted_seconds_per_pass"] for part in planned.values())
@@ -367,10 +369,10 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
         predicted = predicted_seconds(row, reference) if row.get("host_label") else None
         budget = row.get("host_budget_bytes")
         rss = row.get("peak_rss_bytes", 0)
-        files = sum(
-            part.get("file_blocks", 0) for part in (row.get("planned_streaming") or {}).values()
-        )
-        planned_host = (row.get("planned_host") or {}).get("predicted_peak_bytes") or 0
+        after = row.get("planned_streaming_after") or row.get("planned_streaming") or {}
+        files = sum(part.get("file_blocks", 0) for part in after.values())
+        host = row.get("planned_host_after") or row.get("planned_host") or {}
+        planned_host = host.get("predicted_peak_bytes") or 0
         print(
             f"{card_label(row['card']):<8} {row.get('host_label') or 'machine':<16} "
             f"{'yes' if later and not row.get('error') else 'NO':<5} "
