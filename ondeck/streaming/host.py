@@ -72,7 +72,11 @@ class HostCopies:
 
     @property
     def nbytes(self) -> int:
-        return sum(region.numel() for region in self._regions.values()) + self._allocating
+        return self._allocated_bytes + self._allocating
+
+    @property
+    def _allocated_bytes(self) -> int:
+        return sum(region.numel() for region in self._regions.values())
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
         """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
@@ -109,7 +113,7 @@ class HostCopies:
 
     def clear(self) -> int:
         """Free every region, keeping the plan: a later load fills them again."""
-        freed = sum(region.numel() for region in self._regions.values())
+        freed = self._allocated_bytes
         self._regions.clear()
         self.filled.clear()
         if freed and self.pinned:

@@ -165,8 +165,11 @@ class BlockStreamer:
     def ring_bytes(self) -> int:
         if self._ring is not None:
             return self._ring.nbytes
-        kept = sum(memory.numel() for memory in self._ring_memory)
-        return kept + self._ring_allocating
+        return self._kept_ring_bytes + self._ring_allocating
+
+    @property
+    def _kept_ring_bytes(self) -> int:
+        return sum(memory.numel() for memory in self._ring_memory)
 
     def use_layout(self, layout: StreamLayout, file_reads: FileReads | None = None) -> None:
         """Stream by ``layout`` from the next load on, the blocks ``file_reads`` names read
@@ -206,7 +209,7 @@ class BlockStreamer:
         with self._lock:
             if self._armed is not None:
                 return 0
-            ring_bytes = sum(memory.numel() for memory in self._ring_memory)
+            ring_bytes = self._kept_ring_bytes
             self._ring_memory = []
             return self._host.clear() + ring_bytes
 

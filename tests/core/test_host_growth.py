@@ -12,19 +12,17 @@ import ondeck
 from ondeck.host_pool import OUTPUT_HOST_COPIES, output_host_bytes
 from ondeck.host_watch import HostMemoryError, HostWatch
 
+from .test_host_memory import Encode
+
 MiB = 2**20
 GROWN = 256 * MiB  # what a run of the pipeline below holds on the host at its end
 
 
-class Grow(ondeck.Stage):
+class Grow(Encode):
     """Holds ``GROWN`` bytes of host memory in the state: a run's decoded frames."""
 
-    def __init__(self, encoder):
-        super().__init__()
-        self.encoder = encoder
-
     def forward(self, state):
-        state["x"] = self.encoder(torch.ones(1, 4))
+        state = super().forward(state)
         state["frames"] = np.ones(GROWN, dtype=np.uint8)  # touched: resident
         return state
 

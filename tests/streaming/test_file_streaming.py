@@ -207,13 +207,20 @@ def ring_weakrefs(pipe) -> list:
     return refs
 
 
-def test_closing_the_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch):
-    pipe = streaming(six_block_folder, resident=2)
-    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
+def with_kept_rings(folder, monkeypatch):
+    """A squeezed pipeline after a run, and weak references to its ring's buffers, which
+    it kept across the release."""
+    pipe = streaming(folder, resident=2)
+    squeeze(pipe, ring_room(folder), monkeypatch)
     refs = ring_weakrefs(pipe)
     generate(pipe)
     gc.collect()
     assert refs and all(ref() is not None for ref in refs)  # kept across the release
+    return pipe, refs
+
+
+def test_closing_the_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch):
+    pipe, refs = with_kept_rings(six_block_folder, monkeypatch)
     pipe.close()
     gc.collect()
     assert all(ref() is None for ref in refs)
@@ -221,12 +228,7 @@ def test_closing_the_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch
 
 
 def test_a_deleted_pipeline_frees_the_kept_rings(six_block_folder, monkeypatch):
-    pipe = streaming(six_block_folder, resident=2)
-    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
-    refs = ring_weakrefs(pipe)
-    generate(pipe)
-    gc.collect()
-    assert refs and all(ref() is not None for ref in refs)
+    pipe, refs = with_kept_rings(six_block_folder, monkeypatch)
     monkeypatch.undo()  # the fakes hold the pipeline
     del pipe
     gc.collect()
