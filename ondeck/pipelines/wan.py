@@ -230,9 +230,10 @@ class EncodePrompt(Stage):
     @torch.no_grad()
     def _encode(self, prompt: str, state: dict) -> torch.Tensor:
         length = state["max_sequence_length"]
-        warn_if_cut(self.tokenizer, clean_prompt(prompt), length, "the Wan text encoder")
+        text = clean_prompt(prompt)
+        warn_if_cut(self.tokenizer, text, length, "the Wan text encoder")
         tokens = self.tokenizer(
-            [clean_prompt(prompt)],
+            [text],
             padding="max_length",
             max_length=length,
             truncation=True,
