@@ -6,8 +6,10 @@ those of Wan 2.1 T2V 14B, so memory and speed are real.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +20,11 @@ from pathlib import Path
 
 GiB = 2**30
 HERE = Path(__file__).resolve().parent
+
+# A mode's process that runs past its timeout is sent SIGUSR1 first: every thread's stack
+# goes to stderr, so the timeout's report says where it was.
+if hasattr(signal, "SIGUSR1"):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def umt5_xxl_config():
@@ -434,22 +441,24 @@ def run_child(args: list[str], *, timeout: float, cgroup: Path | None = None) ->
     def enter_cgroup() -> None:
         (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
+    child = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=enter_cgroup if cgroup is not None else None,
+    )
     try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            preexec_fn=enter_cgroup if cgroup is not None else None,
-        )
-    except subprocess.TimeoutExpired as expired:
-        # What it printed before the timeout says where it was (a slow run, a hang).
-        printed = [
-            text.decode(errors="replace") if isinstance(text, bytes) else text or ""
-            for text in (expired.stdout, expired.stderr)
-        ]
-        tail = "".join(printed)[-3000:]
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if hasattr(signal, "SIGUSR1"):
+            child.send_signal(signal.SIGUSR1)  # its stacks, then it is killed
+            time.sleep(2)
+        child.kill()
+        stdout, stderr = child.communicate()
+        tail = (stdout[-3000:] + stderr)[-8000:]
         return {"error": f"timed out after {timeout:.0f}s", "tail": tail, "args": args}
+    done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     result = None
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
