@@ -265,6 +265,14 @@ def _describe_failure(error: Exception, spec: ComponentSpec) -> str:
     )
 
 
+def _waits_for_weights(transform: Callable[[Any], Any]) -> bool:
+    """Whether a pipelined load must be complete before ``transform`` runs: it reads the
+    weights, and cannot wait for each block's itself (``while_filling(module, filling)``,
+    which defers its changes to a block's weights until they are in place, through
+    ``filling.when_in_place``)."""
+    return getattr(transform, "reads_weights", True) and not hasattr(transform, "while_filling")
+
+
 def _leaves_weights(module: Any, method: str, args: tuple, kwargs: dict) -> bool:
     """Whether replaying this call on a module leaves its weights' memory untouched (a
     mode switch, or a move to where the weights already are), so it may run while a
@@ -506,14 +514,17 @@ class LazyModule:
         replay = list(object.__getattribute__(self, "_ondeck_replay"))
         try:
             if filling is not None and (
-                any(getattr(fn, "reads_weights", True) for fn in transforms)
+                any(_waits_for_weights(fn) for fn in transforms)
                 or not all(_leaves_weights(module, *call) for call in replay)
             ):
                 # A transform or a cast reads the weights: they must all be there first.
                 filling.wait()
                 filling = None
             for transform in transforms:
-                module = transform(module)
+                if filling is not None and hasattr(transform, "while_filling"):
+                    module = transform.while_filling(module, filling)
+                else:
+                    module = transform(module)
                 if module is None:
                     raise LoadError(f"component '{name}': transform {transform!r} returned None")
             for method, args, kwargs in replay:

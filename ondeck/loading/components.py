@@ -232,8 +232,8 @@ class ComponentLoader(FolderLoader):
         """Start the filling of a pipelined load: ``groups`` of ``jobs`` (their indices),
         read behind the compute; ``key``, ``raw`` and ``other`` as ``_cached`` found them.
         Once the load has ended, the filling's thread builds the next load's skeleton."""
-        fill, fill_all, finished = self._group_filler(jobs, key, raw, started, other)
-        return start_filling(
+        fill, fill_all, finished, reads_back = self._group_filler(jobs, key, raw, started, other)
+        filling = start_filling(
             self.name,
             [[jobs[i] for i in group] for group in groups],
             fill,
@@ -243,6 +243,8 @@ class ComponentLoader(FolderLoader):
             fill_all=fill_all,
             then=functools.partial(self._prepare_spare, template),
         )
+        filling.reads_back = reads_back
+        return filling
 
     @staticmethod
     def _give_back(
@@ -304,9 +306,11 @@ class ComponentLoader(FolderLoader):
         started: float,
         other: Any = None,
     ):
-        """``fill(group)`` for a pipelined load, and ``finished(error)`` to record it.
-        ``other`` (see ``_cached``): what its entry holds is copied from there. The caller
-        must call ``finished`` (with the error) if the filling never starts."""
+        """``fill(group)`` for a pipelined load (or ``fill_all``), ``finished(error)`` to
+        record it, and whether ``finished`` reads the filled weights back (a storage dtype's
+        bytes into the host cache). ``other`` (see ``_cached``): what its entry holds is
+        copied from there. The caller must call ``finished`` (with the error) if the
+        filling never starts."""
         total = sum(job.info.nbytes for job in jobs)
         self.last_load_bytes = total
         self.last_read_seconds = 0.0
@@ -368,7 +372,7 @@ class ComponentLoader(FolderLoader):
                 fp8.keep_in_cache(cache, key, stored, replacing=replacing, kept=kept)
             self.last_load_seconds = time.perf_counter() - started
 
-        return fill, (fill_all if not held else None), finished
+        return fill, (fill_all if not held else None), finished, stored is not None
 
     def _load_whole(
         self, tensors: dict[str, TensorInfo], template: Skeleton, started: float

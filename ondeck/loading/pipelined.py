@@ -8,7 +8,10 @@ waits for exactly that block's group. Each group is complete on the device (its 
 synchronised) before its waiters are woken, so compute never reads a weight in flight.
 
 Only calls of the component may run ahead of its weights: everything else that touches a
-module still filling waits for all of it first (``LazyModule.materialize``).
+module still filling waits for all of it first (``LazyModule.materialize``). A change to
+a block's weights can wait for that block instead (``Filling.when_in_place``): it runs
+on the computing thread just before the block first computes, or when the whole fill is
+waited for, whichever comes first.
 """
 
 from __future__ import annotations
@@ -125,6 +128,12 @@ class Filling:
         self._listeners: list[Callable[[str, float], None]] = []
         self._told = False  # the end was announced: later listeners hear it at once
         self.failure: BaseException | None = None
+        # Whether the loader reads the filled weights back once every group is in place
+        # (into the host cache): changes to them must wait for the end of the fill.
+        self.reads_back = False
+        self.blocks_path: str | None = None  # the blocks attach() hooked, under the module
+        self._block_waits: dict[int, _BlockWait] = {}
+        self._pending: dict[int, list[Callable[[], None]]] = {}  # see when_in_place
         self.waited_seconds = 0.0
         self.seconds: float | None = None  # the whole fill, once done
         self._started = time.perf_counter() if started is None else started
@@ -243,12 +252,14 @@ class Filling:
         self._tell("wait", waited)
 
     def wait(self) -> None:
-        """Block until every group is in place and the fill has ended (not for ``then``);
-        raise the fill's error if it failed."""
+        """Block until every group is in place and the fill has ended (not for ``then``),
+        then run what still waits for its block (:meth:`when_in_place`); raise the fill's
+        error if it failed."""
         self._wait_for_end()
         self.detach()
         if self.failure is not None:
             raise self._error()
+        self._run_pending(list(self._pending))
 
     def cancel(self) -> None:
         """Stop after the group being read and wait for the fill to end: nothing writes
@@ -257,6 +268,33 @@ class Filling:
         if self._thread.ident is not None:
             self._wait_for_end()
         self.detach()
+        with self._progress:
+            self._pending.clear()
+
+    def when_in_place(self, block: int, change: Callable[[], None]) -> None:
+        """Run ``change`` (which writes block ``block``'s weights) once the block's
+        weights are in place and before anything computes with them: on the computing
+        thread just before the block's first forward, or in :meth:`wait`, whichever comes
+        first; at once when the block's weights are already in place and its forward has
+        run. Each change runs once, in the order given, on the stream of the thread that
+        runs it."""
+        with self._progress:
+            if block in self._block_waits:
+                self._pending.setdefault(block, []).append(change)
+                return
+        if self.reads_back:
+            self.wait()
+        change()
+
+    def _run_pending(self, blocks: Sequence[int]) -> None:
+        with self._progress:
+            changes = [change for block in blocks for change in self._pending.pop(block, ())]
+        if changes and self.reads_back:
+            self._wait_for_end()
+            if self.failure is not None:
+                raise self._error()
+        for change in changes:
+            change()
 
     def _wait_for_end(self) -> None:
         with self._progress:
@@ -279,33 +317,43 @@ class Filling:
     def attach(self, module: torch.nn.Module, path: str, group_of: dict[int, int]) -> None:
         """A forward pre-hook on each block of ``module.<path>`` waits for its group."""
         blocks = module.get_submodule(path)
+        self.blocks_path = path
         for number, block in enumerate(blocks):
             group = group_of.get(number)
             if group is not None:
-                wait = _BlockWait(self, group)
+                wait = _BlockWait(self, group, number)
                 # First among the block's hooks: FSDP2's gathers the block's weights in
                 # its own, which must find this rank's share in place.
                 wait.handle = block.register_forward_pre_hook(wait, prepend=True)
                 self._handles.append(wait.handle)
+                self._block_waits[number] = wait
 
     def detach(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        with self._progress:
+            self._block_waits.clear()
 
 
 class _BlockWait:
-    """A block's forward pre-hook: wait for the block's group, then remove itself, so
-    the forwards after the first pay nothing. After a failed fill it stays, and raises."""
+    """A block's forward pre-hook: wait for the block's group, run the changes waiting
+    for the block (:meth:`Filling.when_in_place`), then remove itself, so the forwards
+    after the first pay nothing. After a failed fill it stays, and raises."""
 
-    def __init__(self, filling: Filling, group: int):
+    def __init__(self, filling: Filling, group: int, block: int):
         self.filling = filling
         self.group = group
+        self.block = block
         self.handle: Any = None
 
     def __call__(self, _module: Any, _args: Any) -> None:
-        self.filling.wait_group(self.group)
+        filling = self.filling
+        filling.wait_group(self.group)
+        with filling._progress:
+            filling._block_waits.pop(self.block, None)
         self.handle.remove()
+        filling._run_pending([self.block])
 
 
 def _stop_fillings() -> None:

@@ -3,6 +3,7 @@ forward waits for its own weights; a failure or a release mid-fill leaves nothin
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
@@ -570,3 +571,63 @@ def _freed_tensors_in_frames(error: BaseException) -> list[tuple[str, str]]:
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
     return found
+
+
+def test_a_change_to_a_block_runs_once_its_weights_land_before_the_block_computes(
+    six_block_folder, monkeypatch
+):
+    gates = GatedReads(monkeypatch, gated_blocks=range(BLOCKS))
+    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    found = {}
+
+    def double(number):
+        weight = module.blocks[number].attn1.to_q.weight
+        found[number] = weight.detach().clone()  # what the change found in place
+        weight.data.mul_(2)
+
+    for number in (0, 4):
+        filling.when_in_place(number, functools.partial(double, number))
+    ran, result, worker = forward_in_background(module)
+    worker.join(0.3)
+    assert found == {} and ran == []  # block 0's weights are not in yet
+    gates.open_all()
+    worker.join(30)
+    assert list(found) == [0, 4], "each change ran once, at its block"
+
+    reference = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
+    for number in (0, 4):
+        weight = reference.blocks[number].attn1.to_q.weight
+        assert torch.equal(found[number], weight), "the change saw the block's weights"
+        weight.data.mul_(2)
+    assert torch.equal(result["out"], forward(reference)), "the blocks computed changed"
+
+
+def test_changes_to_blocks_no_forward_reached_run_when_the_fill_is_waited_for(
+    six_block_folder, monkeypatch
+):
+    gates = GatedReads(monkeypatch, gated_blocks=[3])
+    _, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    changed = []
+    filling.when_in_place(5, lambda: changed.append(5))
+    filling.when_in_place(1, lambda: changed.append(1))
+    gates.open(3)
+    filling.wait()
+    assert changed == [5, 1], "in the order given"
+    filling.when_in_place(2, lambda: changed.append(2))
+    assert changed == [5, 1, 2], "in place already: at once"
+
+
+def test_a_change_waits_for_the_end_of_a_fill_whose_weights_are_read_back(
+    six_block_folder, monkeypatch
+):
+    gates = GatedReads(monkeypatch, gated_blocks=[3])
+    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    filling.reads_back = True  # the loader copies the filled weights somewhere at the end
+    changed = []
+    filling.when_in_place(0, lambda: changed.append(0))
+    ran, _, worker = forward_in_background(module)
+    worker.join(0.3)
+    assert ran == [] and changed == [], "block 0 is in, but block 3 is not"
+    gates.open(3)
+    worker.join(30)
+    assert changed == [0] and ran == list(range(BLOCKS))

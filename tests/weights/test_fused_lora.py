@@ -105,6 +105,51 @@ def test_a_fused_lora_reapplied_from_its_factors_gives_the_full_replays_frames(
         assert torch.equal(fast[call], expected), f"from the factors, call {call + 1}"
 
 
+def test_a_pipelined_load_adds_each_blocks_deltas_as_its_weights_land(
+    base, lora_files, monkeypatch
+):
+    """The transformer loaded pipelined, each block its own group: the deltas from the
+    factors wait for each block's weights, not for the whole load, and the frames are
+    diffusers' fused ones."""
+    from ondeck.loading import components, pipelined
+
+    monkeypatch.setattr(components, "MIN_PIPELINED_BYTES", 1)
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
+    loras, lora_scale = _fused_setups(lora_files)["two LoRAs at their own weights"]
+    expected = torch.from_numpy(frames(_eager_fused(base, loras, lora_scale)))
+    pipe = _ondeck_fused(base, loras, lora_scale)
+    pipe.ondeck.release_all()
+    events = []
+    wait, when_in_place = pipelined.Filling.wait, pipelined.Filling.when_in_place
+
+    def waiting(filling):
+        events.append(("wait", filling.component))
+        return wait(filling)
+
+    def deferring(filling, block, change):
+        events.append(("deferred", filling.component, block))
+        return when_in_place(filling, block, change)
+
+    monkeypatch.setattr(pipelined.Filling, "wait", waiting)
+    monkeypatch.setattr(pipelined.Filling, "when_in_place", deferring)
+    computing = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, _: events.append(type(module).__name__)
+    )
+    try:
+        outputs = _frames_of_calls(pipe, 2)
+    finally:
+        computing.remove()
+
+    assert _recipe(pipe) is not None
+    blocks = len(pipe.transformer.materialize().blocks)
+    first_block = events.index("WanTransformerBlock")
+    deferred = [e[2] for e in events[:first_block] if e[:2] == ("deferred", "transformer")]
+    assert sorted(set(deferred)) == list(range(blocks)), "every block's deltas waited for it"
+    assert ("wait", "transformer") not in events[:first_block], "computing before the end"
+    for call, output in enumerate(outputs):
+        assert torch.equal(output, expected), f"call {call + 1}"
+
+
 def test_peft_injects_a_fused_lora_once_not_at_every_reload(base, lora_files, injections):
     pipe = load(base, "release")
     pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")

@@ -12,6 +12,7 @@ so the outputs are the same too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Sequence
@@ -20,6 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from ...loading.blocks import block_index
 
 __all__ = [
     "ADAPTER_METHODS",
@@ -160,9 +163,12 @@ def _delta_weight(layer: _Layer, adapter: _Adapter, device: torch.device) -> tor
     the scaling, the layout), so the same operations run in the same dtypes."""
     from peft.tuners.lora.layer import Linear
 
+    # Pinned factors (for a device's weights) cross without holding up the host.
+    down = adapter.down.to(device, non_blocking=True)
+    up = adapter.up.to(device, non_blocking=True)
     stand_in = SimpleNamespace(
-        lora_A={adapter.name: SimpleNamespace(weight=adapter.down.to(device))},
-        lora_B={adapter.name: SimpleNamespace(weight=adapter.up.to(device))},
+        lora_A={adapter.name: SimpleNamespace(weight=down)},
+        lora_B={adapter.name: SimpleNamespace(weight=up)},
         scaling={adapter.name: adapter.scaling},
         fan_in_fan_out=layer.fan_in_fan_out,
     )
@@ -210,15 +216,30 @@ class FusedLoraRecipe:
                 return False
         return True
 
-    def apply(self, module: torch.nn.Module) -> None:
+    def apply(self, module: torch.nn.Module, filling: Any = None) -> None:
         """Add each layer's deltas to its weight, in peft's merge order, one layer's delta
-        in memory at a time."""
+        in memory at a time. With the ``filling`` of a pipelined load still bringing the
+        module's blocks in, a block's layers get theirs once its weights are in place
+        (``Filling.when_in_place``), so the compute need not wait for the whole module."""
+        path = getattr(filling, "blocks_path", None)
+        by_block: dict[int | None, list[_Layer]] = {}
         for layer in self.layers:
-            weight = module.get_submodule(layer.path).weight
-            for adapter in layer.adapters:
-                delta = _delta_weight(layer, adapter, weight.device)
-                weight.data += delta  # as peft's merge adds it
-                del delta
+            block = block_index([layer.path], path) if path is not None else None
+            by_block.setdefault(block, []).append(layer)
+        for block, layers in by_block.items():
+            if block is None:
+                _add_deltas(module, layers)
+            else:
+                filling.when_in_place(block, functools.partial(_add_deltas, module, layers))
+
+
+def _add_deltas(module: torch.nn.Module, layers: Sequence[_Layer]) -> None:
+    for layer in layers:
+        weight = module.get_submodule(layer.path).weight
+        for adapter in layer.adapters:
+            delta = _delta_weight(layer, adapter, weight.device)
+            weight.data += delta  # as peft's merge adds it
+            del delta
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -269,16 +290,21 @@ def _adapted_layer(path: str, layer: Any) -> _Layer | None:
         or layer.lora_embedding_A
     ):
         return None
+    weight = base.weight
+
+    def kept(factor: torch.Tensor) -> torch.Tensor:
+        host = factor.detach().to("cpu", copy=True)
+        return host.pin_memory() if weight.device.type == "cuda" else host
+
     adapters = tuple(
         _Adapter(
             name,
-            layer.lora_A[name].weight.detach().to("cpu", copy=True),
-            layer.lora_B[name].weight.detach().to("cpu", copy=True),
+            kept(layer.lora_A[name].weight),
+            kept(layer.lora_B[name].weight),
             layer.scaling[name],
         )
         for name in merged
     )
-    weight = base.weight
     return _Layer(path, weight.shape, weight.dtype, weight.device, layer.fan_in_fan_out, adapters)
 
 
@@ -330,15 +356,23 @@ class _Step:
         self.span = tuple(span)
 
     def __call__(self, module: Any) -> Any:
+        return self.while_filling(module, None)
+
+    def while_filling(self, module: Any, filling: Any) -> Any:
+        """The step on a module whose pipelined load (``filling``) may still be bringing
+        its blocks in: from the recipe, each block's deltas go in as its weights land; a
+        full replay waits for every weight first."""
         owner = self.owner
         recipe = owner.recipe
         if recipe is not None and not owner.full_next and recipe.fits(module):
-            recipe.apply(module)
+            recipe.apply(module, filling)
             # Without peft's layers, as the full replay leaves it when the span unloads
             # them: only a module the span would have given adapters needs replaying.
             unloads = recorded_method(self.span[-1]) == "unload_lora"
             owner.built = None if unloads else weakref.ref(module)
             return module
+        if filling is not None:
+            filling.wait()
         owner.full_next = False
         owner.built = None
         before = snapshot_tensors(module)
