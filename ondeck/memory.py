@@ -286,6 +286,7 @@ def pinned_host_bytes(nbytes: int) -> Any:
     owner = np.empty(size + _PAGE, dtype=np.uint8)  # freed when its last view goes
     start = -owner.ctypes.data % _PAGE  # page-aligned, as registering wants
     pointer = owner.ctypes.data + start
+    _touch_pages(pointer, size)
     try:
         status = register_host_memory(pointer, size)
     except Exception:
@@ -297,6 +298,34 @@ def pinned_host_bytes(nbytes: int) -> Any:
     # Runs as the owner is collected, before numpy frees its memory.
     weakref.finalize(owner, _unregister, pointer)
     return torch.from_numpy(owner[start : start + nbytes])
+
+
+# Regions at least this large have their pages touched by several threads before they
+# are registered (see _touch_pages).
+_TOUCH_THREADS_FROM = 64 * 2**20
+
+
+def _touch_pages(pointer: int, nbytes: int) -> None:
+    """Make the kernel back fresh memory with pages, on several threads at once.
+
+    Registering fresh memory faults in every page itself, one page at a time on one
+    thread (about 4.5 GB/s on a 16-core host); zeroing the range first on 8 threads and
+    then registering pages that are already there runs at about 15 GB/s. A first run
+    that page-locks the host copies of 27 GiB of streamed blocks waits for this."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = min(8, os.cpu_count() or 1)
+    if nbytes < _TOUCH_THREADS_FROM or threads < 2:
+        return  # registering touches them
+    step = -(-nbytes // threads // _PAGE) * _PAGE
+    with ThreadPoolExecutor(threads, thread_name_prefix="ondeck-touch") as pool:
+        # ctypes' memset lets go of the GIL while it runs.
+        done = pool.map(
+            lambda offset: ctypes.memset(pointer + offset, 0, min(step, nbytes - offset)),
+            range(0, nbytes, step),
+        )
+        list(done)
 
 
 def _unregister(pointer: int) -> None:

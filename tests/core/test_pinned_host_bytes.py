@@ -59,3 +59,37 @@ def test_where_registering_fails_torchs_pinned_allocator_serves(monkeypatch):
     monkeypatch.setattr(torch, "empty", recording_empty)
     tensor = memory.pinned_host_bytes(100)
     assert tensor.numel() == 100 and asked[-1]["pin_memory"] is True
+
+
+def test_a_large_region_is_backed_by_pages_on_several_threads_before_it_is_registered(
+    monkeypatch,
+):
+    import ctypes
+    import threading
+
+    import psutil
+
+    runtime = Runtime()
+    monkeypatch.setattr(memory, "_cudart", lambda: runtime)
+    monkeypatch.setattr(memory.os, "cpu_count", lambda: 4)
+    touched: list[tuple[int, int]] = []
+    memset = ctypes.memset
+
+    def recording_memset(pointer, value, count):
+        touched.append((threading.get_ident(), count))
+        return memset(pointer, value, count)
+
+    monkeypatch.setattr(ctypes, "memset", recording_memset)
+    nbytes = memory._TOUCH_THREADS_FROM * 2
+    before = psutil.Process().memory_info().rss
+    tensor = memory.pinned_host_bytes(nbytes)
+    grown = psutil.Process().memory_info().rss - before
+    assert runtime.registered == {tensor.data_ptr(): nbytes}
+    assert sum(count for _, count in touched) == nbytes, "every byte touched"
+    assert len({thread for thread, _ in touched}) > 1 and len(touched) == 4
+    assert grown >= nbytes * 0.9, "the pages are there before registering"
+    assert int(tensor[:: 2**20].sum()) == 0
+
+    touched.clear()
+    memory.pinned_host_bytes(memory._TOUCH_THREADS_FROM // 2)
+    assert touched == [], "a small region is left to registering"
