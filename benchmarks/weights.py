@@ -424,6 +424,7 @@ def write_fp8(work: Work, device: str) -> None:
     header = safetensors_header(entries)
     target = work.file("fp8")
     partial = target.with_name(target.name + ".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)  # the first derived file, maybe
     with open(partial, "wb") as handle:
         handle.write(header)
         for key, (dtype, _) in stored.items():
