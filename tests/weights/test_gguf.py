@@ -304,3 +304,44 @@ def test_a_gguf_layers_dequantized_copies_are_what_the_plan_reserves(
     frames(pipe)
     assert copies and max(copies) == planned
     assert pipe.ondeck.snapshot().upcast_bytes == {"transformer": planned}  # the plan's
+
+
+def test_a_gguf_file_is_read_by_ondecks_reader(gguf_base, gguf_file, gguf_reference, monkeypatch):
+    """In parallel into host memory, not copied out of a memory map on one thread."""
+    import gguf
+
+    from ondeck.loading import reads
+
+    read_from_gguf = []
+    read_into = reads.read_into
+
+    def recording(jobs, **options):
+        if {job.info.path for job in jobs} == {str(gguf_file[0])}:
+            read_from_gguf.append(sum(job.info.nbytes for job in jobs))
+        return read_into(jobs, **options)
+
+    monkeypatch.setattr(reads, "read_into", recording)
+    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]})
+    assert np.array_equal(frames(pipe), gguf_reference)
+    tensors = gguf.GGUFReader(str(gguf_file[0])).tensors
+    assert read_from_gguf == [sum(int(tensor.n_bytes) for tensor in tensors)]
+
+
+def test_a_gguf_type_diffusers_cannot_dequantize_is_refused_naming_the_tensor(tmp_path):
+    import gguf
+
+    from ondeck.errors import LoadError
+    from ondeck.loading.quantized import _read_gguf
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    writer.add_tensor("head.head.weight", np.zeros((1, 4), dtype=np.float32))
+    odd = gguf.GGMLQuantizationType.Q8_1  # 32 values in 40 bytes; diffusers has no kernel
+    writer.add_tensor("blocks.0.q.weight", np.zeros((2, 40), dtype=np.uint8), raw_dtype=odd)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    with pytest.raises(LoadError, match=r"odd\.gguf.*'blocks\.0\.q\.weight'.*Q8_1"):
+        _read_gguf(path, "transformer")
