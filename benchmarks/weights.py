@@ -135,7 +135,7 @@ PARTS["all"] = [
 # folder, moving the transformer between its layouts, writing each derived file.
 BUILD_SECONDS = 90
 SWITCH_SECONDS = 20
-WRITE_SECONDS = {"lora": 5, "fp8": 20, "gguf": 35}
+WRITE_SECONDS = {"lora": 6, "fp8": 40, "gguf": 45}
 
 SHAPE = dict(height=480, width=832, num_frames=33, num_inference_steps=4)
 TINY_SHAPE = dict(height=16, width=16, num_frames=5, num_inference_steps=2)
