@@ -286,8 +286,8 @@ def pinned_host_bytes(nbytes: int) -> Any:
     owner = np.empty(size + _PAGE, dtype=np.uint8)  # freed when its last view goes
     start = -owner.ctypes.data % _PAGE  # page-aligned, as registering wants
     pointer = owner.ctypes.data + start
-    _touch_pages(pointer, size)
     try:
+        _touch_pages(pointer, size)
         status = register_host_memory(pointer, size)
     except Exception:
         status = -1

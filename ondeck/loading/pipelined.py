@@ -132,8 +132,12 @@ class Filling:
         # (into the host cache): changes to them must wait for the end of the fill.
         self.reads_back = False
         self.blocks_path: str | None = None  # the blocks attach() hooked, under the module
-        self._block_waits: dict[int, _BlockWait] = {}
-        self._pending: dict[int, list[Callable[[], None]]] = {}  # see when_in_place
+        self._blocks: Any = None
+        self._group_of: dict[int, int] = {}
+        self._changes: dict[int, _BlockChanges] = {}  # see when_in_place
+        self._change_handles: list[Any] = []
+        self._change_failure: LoadError | None = None
+        self._waited = False  # wait() returned: every weight in place, every change made
         self.waited_seconds = 0.0
         self.seconds: float | None = None  # the whole fill, once done
         self._started = time.perf_counter() if started is None else started
@@ -239,7 +243,10 @@ class Filling:
     # -- waiting ---------------------------------------------------------------------------
 
     def wait_group(self, index: int) -> None:
-        """Block until group ``index`` is in place; raise if the fill failed before it."""
+        """Block until group ``index`` is in place; raise if the fill failed before it
+        (or a change to a block's weights failed: the module is not what was asked)."""
+        if self._change_failure is not None:
+            raise self._change_failure
         if self._filled > index:
             return
         started = time.perf_counter()
@@ -253,13 +260,19 @@ class Filling:
 
     def wait(self) -> None:
         """Block until every group is in place and the fill has ended (not for ``then``),
-        then run what still waits for its block (:meth:`when_in_place`); raise the fill's
-        error if it failed."""
+        then make the changes still waiting for their blocks (:meth:`when_in_place`); raise
+        the fill's error if it failed, or a change's."""
         self._wait_for_end()
         self.detach()
         if self.failure is not None:
             raise self._error()
-        self._run_pending(list(self._pending))
+        with self._progress:
+            entries = list(self._changes.values())
+        for entry in entries:
+            if self._change_failure is not None:
+                raise self._change_failure
+            self._make_changes(entry)
+        self._waited = True
 
     def cancel(self) -> None:
         """Stop after the group being read and wait for the fill to end: nothing writes
@@ -268,33 +281,70 @@ class Filling:
         if self._thread.ident is not None:
             self._wait_for_end()
         self.detach()
+        handles, self._change_handles = self._change_handles, []
+        for handle in handles:
+            handle.remove()
         with self._progress:
-            self._pending.clear()
+            self._changes.clear()
 
     def when_in_place(self, block: int, change: Callable[[], None]) -> None:
-        """Run ``change`` (which writes block ``block``'s weights) once the block's
+        """Make ``change`` (which writes block ``block``'s weights) once the block's
         weights are in place and before anything computes with them: on the computing
-        thread just before the block's first forward, or in :meth:`wait`, whichever comes
-        first; at once when the block's weights are already in place and its forward has
-        run. Each change runs once, in the order given, on the stream of the thread that
-        runs it."""
+        thread just before the block's next forward, or in :meth:`wait`, whichever comes
+        first; the block's forward waits for it either way (on a GPU, its stream waits for
+        the stream the change ran on). Each change runs once, in the order given. One that
+        raises fails the load: every later wait and the block's forward raise its error,
+        and nothing runs the changes again (they are not idempotent). After :meth:`wait`,
+        or without blocks attached, the change is made at once, once every weight is in."""
         with self._progress:
-            if block in self._block_waits:
-                self._pending.setdefault(block, []).append(change)
-                return
-        if self.reads_back:
+            entry = None
+            if self._blocks is not None and not self._waited and 0 <= block < len(self._blocks):
+                entry = self._changes.get(block)
+                if entry is None:
+                    entry = self._changes[block] = _BlockChanges(block, self._group_of.get(block))
+                    hook = _ChangeHook(self, entry)
+                    # Before the block's wait (prepended after it); it waits for the group.
+                    hook.handle = self._blocks[block].register_forward_pre_hook(hook, prepend=True)
+                    self._change_handles.append(hook.handle)
+                entry.changes.append(change)
+        if entry is None:
             self.wait()
-        change()
+            change()
 
-    def _run_pending(self, blocks: Sequence[int]) -> None:
-        with self._progress:
-            changes = [change for block in blocks for change in self._pending.pop(block, ())]
-        if changes and self.reads_back:
+    def _make_changes(self, entry: _BlockChanges) -> None:
+        """Make ``entry``'s changes unless another thread has (then wait for them)."""
+        if entry.group is not None:
+            self.wait_group(entry.group)
+        if self.reads_back:  # the loader reads the weights back once the fill ends
             self._wait_for_end()
             if self.failure is not None:
                 raise self._error()
-        for change in changes:
-            change()
+        with entry.lock:
+            if entry.error is not None:
+                raise entry.error
+            if not entry.done:
+                try:
+                    for change in entry.changes:
+                        change()
+                except BaseException as cause:
+                    entry.error = LoadError(
+                        f"component '{self.component}': changing block {entry.block}'s "
+                        f"weights once they were in failed with {type(cause).__name__}: "
+                        f"{cause}",
+                        component=self.component,
+                    )
+                    entry.error.__cause__ = cause
+                    self._change_failure = entry.error
+                    if isinstance(cause, Exception):
+                        raise entry.error from cause
+                    raise
+                entry.changes = []
+                if self.device.type == "cuda":
+                    entry.event = torch.cuda.Event()
+                    entry.event.record(torch.cuda.current_stream(self.device))
+                entry.done = True
+        if entry.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
 
     def _wait_for_end(self) -> None:
         with self._progress:
@@ -317,43 +367,64 @@ class Filling:
     def attach(self, module: torch.nn.Module, path: str, group_of: dict[int, int]) -> None:
         """A forward pre-hook on each block of ``module.<path>`` waits for its group."""
         blocks = module.get_submodule(path)
-        self.blocks_path = path
+        self.blocks_path, self._blocks, self._group_of = path, blocks, dict(group_of)
         for number, block in enumerate(blocks):
             group = group_of.get(number)
             if group is not None:
-                wait = _BlockWait(self, group, number)
+                wait = _BlockWait(self, group)
                 # First among the block's hooks: FSDP2's gathers the block's weights in
                 # its own, which must find this rank's share in place.
                 wait.handle = block.register_forward_pre_hook(wait, prepend=True)
                 self._handles.append(wait.handle)
-                self._block_waits[number] = wait
 
     def detach(self) -> None:
+        """Remove the blocks' waits (the hooks of blocks whose changes a forward has not
+        passed yet stay: see :meth:`when_in_place`)."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        with self._progress:
-            self._block_waits.clear()
 
 
 class _BlockWait:
-    """A block's forward pre-hook: wait for the block's group, run the changes waiting
-    for the block (:meth:`Filling.when_in_place`), then remove itself, so the forwards
-    after the first pay nothing. After a failed fill it stays, and raises."""
+    """A block's forward pre-hook: wait for the block's group, then remove itself, so
+    the forwards after the first pay nothing. After a failed fill it stays, and raises."""
 
-    def __init__(self, filling: Filling, group: int, block: int):
+    def __init__(self, filling: Filling, group: int):
         self.filling = filling
         self.group = group
-        self.block = block
         self.handle: Any = None
 
     def __call__(self, _module: Any, _args: Any) -> None:
-        filling = self.filling
-        filling.wait_group(self.group)
-        with filling._progress:
-            filling._block_waits.pop(self.block, None)
+        self.filling.wait_group(self.group)
         self.handle.remove()
-        filling._run_pending([self.block])
+
+
+class _BlockChanges:
+    """The changes waiting for one block's weights (``Filling.when_in_place``)."""
+
+    def __init__(self, block: int, group: int | None):
+        self.block = block
+        self.group = group
+        self.changes: list[Callable[[], None]] = []
+        self.lock = threading.Lock()
+        self.done = False
+        self.error: LoadError | None = None
+        self.event: Any = None  # recorded after the changes, on the stream they ran on
+
+
+class _ChangeHook:
+    """A block's forward pre-hook while changes wait for it: wait for the block's
+    weights, make the changes (or wait for the thread making them), then remove itself.
+    After a change failed it stays, and raises."""
+
+    def __init__(self, filling: Filling, entry: _BlockChanges):
+        self.filling = filling
+        self.entry = entry
+        self.handle: Any = None
+
+    def __call__(self, _module: Any, _args: Any) -> None:
+        self.filling._make_changes(self.entry)
+        self.handle.remove()
 
 
 def _stop_fillings() -> None:

@@ -43,7 +43,7 @@ from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
 from .model_folder import ModelFolder
 from .options import LoadOptions
-from .safetensors_format import TensorInfo
+from .safetensors_format import FileIdentity, TensorInfo
 from .skeleton import Skeleton, Slot, build_skeleton, get_tensor, module_paths, set_tensor
 
 if TYPE_CHECKING:
@@ -468,7 +468,7 @@ class QuantizedComponentLoader(FolderLoader):
                     else tensor
                 )
             return checkpoint
-        checkpoint = _read_gguf(self.path, self.name, self.progress)
+        checkpoint = _read_gguf(self.path, self.name, self.progress, status)
         plain = {name: tensor.as_subclass(torch.Tensor) for name, tensor in checkpoint.items()}
         layout = {
             name: (tensor.dtype, tuple(tensor.shape), getattr(checkpoint[name], "quant_type", None))
@@ -530,12 +530,15 @@ def _gguf_header(path: Path, name: str) -> list[tuple[str, torch.dtype, tuple[in
     ]
 
 
-def _read_gguf(path: Path, name: str, progress: bool = False) -> dict[str, torch.Tensor]:
+def _read_gguf(
+    path: Path, name: str, progress: bool = False, status: os.stat_result | None = None
+) -> dict[str, torch.Tensor]:
     """The GGUF file's tensors as diffusers' ``load_gguf_checkpoint`` makes them (F32 and
     F16 as tensors of theirs, any other type as a ``GGUFParameter`` of its bytes), read
     by ondeck's reader: in parallel straight into host memory, where diffusers copies
     each tensor out of a memory map on one thread (about 4 s of a 15 GB file's 7 s
-    reload). A type diffusers cannot dequantize is refused before anything is read."""
+    reload). A type diffusers cannot dequantize is refused before anything is read, and
+    so is a file that is not the one ``status`` (taken before its header is read) saw."""
     import gguf
     from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFParameter
 
@@ -543,6 +546,7 @@ def _read_gguf(path: Path, name: str, progress: bool = False) -> dict[str, torch
     from .chunks import ReadJob
 
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    identity = FileIdentity.of(path.stat() if status is None else status, b"")
     jobs = []
     checkpoint: dict[str, torch.Tensor] = {}
     for tensor in _gguf_reader(path, name).tensors:
@@ -557,9 +561,8 @@ def _read_gguf(path: Path, name: str, progress: bool = False) -> dict[str, torch
         shape = tuple(int(size) for size in tensor.data.shape)  # the header's, not read
         destination = torch.empty(shape, dtype=_torch_dtype(tensor.data.dtype))
         start = int(tensor.data_offset)
-        info = TensorInfo(
-            tensor.name, destination.dtype, shape, start, start + int(tensor.n_bytes), str(path)
-        )
+        end = start + int(tensor.n_bytes)
+        info = TensorInfo(tensor.name, destination.dtype, shape, start, end, str(path), identity)
         if info.nbytes != destination.nbytes:
             raise LoadError(
                 f"component '{name}': {path}: tensor {tensor.name!r} holds {info.nbytes} "

@@ -8,6 +8,7 @@ import gc
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -610,6 +611,7 @@ def test_changes_to_blocks_no_forward_reached_run_when_the_fill_is_waited_for(
     changed = []
     filling.when_in_place(5, lambda: changed.append(5))
     filling.when_in_place(1, lambda: changed.append(1))
+    assert changed == [], "they wait for their blocks"
     gates.open(3)
     filling.wait()
     assert changed == [5, 1], "in the order given"
@@ -631,3 +633,73 @@ def test_a_change_waits_for_the_end_of_a_fill_whose_weights_are_read_back(
     gates.open(3)
     worker.join(30)
     assert changed == [0] and ran == list(range(BLOCKS))
+
+
+def test_a_block_computes_only_once_the_thread_making_its_change_is_done(
+    six_block_folder, monkeypatch
+):
+    """``wait()`` on another thread (the next run's prefetch) makes the changes no forward
+    reached yet; a forward arriving at such a block waits for them to be made."""
+    gates = GatedReads(monkeypatch, gated_blocks=[3])
+    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    events = []
+
+    def slow_change():
+        events.append("change starts")
+        threading.Event().wait(0.3)
+        events.append("change done")
+
+    filling.when_in_place(4, slow_change)
+    # The waiting thread starts the change while the forward is still at block 3.
+    module.blocks[3].register_forward_pre_hook(lambda *_: time.sleep(0.15))
+    module.blocks[4].register_forward_pre_hook(lambda *_: events.append("block 4 computes"))
+    _, result, worker = forward_in_background(module)
+    waiter = threading.Thread(target=filling.wait)
+    waiter.start()
+    gates.open(3)
+    for thread in (waiter, worker):
+        thread.join(30)
+    assert events == ["change starts", "change done", "block 4 computes"]
+    assert "out" in result
+
+
+def test_a_change_that_fails_fails_the_load_and_is_never_made_again(six_block_folder, monkeypatch):
+    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
+    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
+    made = []
+
+    def out_of_memory():
+        made.append("first")
+        raise RuntimeError("out of memory")
+
+    filling.when_in_place(2, out_of_memory)
+    filling.when_in_place(2, lambda: made.append("second"))
+    with pytest.raises(LoadError, match="transformer.*block 2.*out of memory"):
+        forward(module)
+    with pytest.raises(LoadError, match="block 2"):
+        forward(module)  # not half changed and computing as if whole
+    with pytest.raises(LoadError, match="block 2"):
+        filling.wait()
+    assert made == ["first"]
+
+
+@pytest.mark.parametrize("storage_dtype", [None, "fp8"])
+def test_changes_wait_for_the_end_of_a_fill_a_storage_dtype_caches_from_the_device(
+    six_block_folder, storage_dtype, monkeypatch
+):
+    """Kept in a storage dtype, a component goes into the host cache from its filled
+    tensors once the fill ends: a change made before then would be cached with it."""
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    loader = ComponentLoader(
+        six_block_folder,
+        "transformer",
+        pipelined=True,
+        storage_dtype=storage_dtype,
+        host_cache=cache,
+    )
+    _, filling = loader.begin()
+    assert filling.reads_back == (storage_dtype is not None)
+    filling.wait()

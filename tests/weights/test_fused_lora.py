@@ -478,3 +478,20 @@ def test_no_recipe_is_taken_from_what_it_cannot_repeat(merge, config):
 
     merged, before = _merged_lora(_Tiny(), merge=merge, **config)
     assert capture_fused_lora(merged, before) is None
+
+
+def test_deltas_added_in_a_forward_under_autocast_are_those_of_a_merge_outside_it(base, lora_files):
+    import copy
+
+    from ondeck.integrations.diffusers.fused_lora import _add_deltas
+
+    pipe = _ondeck_fused(base, [(lora_files["diffusers"], 1.0)], 0.5)
+    layers = _recipe(pipe).layers
+    module = pipe.transformer.materialize()
+    outside, inside = copy.deepcopy(module), copy.deepcopy(module)
+    _add_deltas(outside, layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a pre-hook runs in the forward's
+        _add_deltas(inside, layers)
+    for layer in layers:
+        weights = [m.get_submodule(layer.path).weight for m in (outside, inside)]
+        assert torch.equal(*weights), layer.path

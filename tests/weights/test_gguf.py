@@ -345,3 +345,22 @@ def test_a_gguf_type_diffusers_cannot_dequantize_is_refused_naming_the_tensor(tm
 
     with pytest.raises(LoadError, match=r"odd\.gguf.*'blocks\.0\.q\.weight'.*Q8_1"):
         _read_gguf(path, "transformer")
+
+
+def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, tmp_path):
+    import os
+    import shutil
+
+    from ondeck.errors import LoadError
+    from ondeck.loading.quantized import _read_gguf
+
+    path = tmp_path / "transformer.gguf"
+    shutil.copy(gguf_file[0], path)
+    as_read = path.stat()
+    replacement = tmp_path / "other.gguf"
+    shutil.copy(gguf_file[0], replacement)
+    os.replace(replacement, path)  # the same bytes, another file
+
+    with pytest.raises(LoadError, match="transformer.gguf.*changed"):
+        _read_gguf(path, "transformer", status=as_read)
+    assert _read_gguf(path, "transformer"), "read as it is now"

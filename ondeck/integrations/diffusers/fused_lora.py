@@ -234,12 +234,15 @@ class FusedLoraRecipe:
 
 
 def _add_deltas(module: torch.nn.Module, layers: Sequence[_Layer]) -> None:
+    """Add ``layers``' deltas; in the factors' dtypes whatever autocast the forward that
+    triggers it (a block's pre-hook) runs under, as a merge outside it computes them."""
     for layer in layers:
         weight = module.get_submodule(layer.path).weight
-        for adapter in layer.adapters:
-            delta = _delta_weight(layer, adapter, weight.device)
-            weight.data += delta  # as peft's merge adds it
-            del delta
+        with torch.autocast(weight.device.type, enabled=False):
+            for adapter in layer.adapters:
+                delta = _delta_weight(layer, adapter, weight.device)
+                weight.data += delta  # as peft's merge adds it
+                del delta
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
