@@ -675,6 +675,12 @@ def run_mode(args) -> dict:
             loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
             row["transformer_source"] = getattr(loader, "last_source", None)
             row["transformer_load_seconds"] = getattr(loader, "last_load_seconds", None)
+            # Run 1's share: page-locking the streamed blocks' host copies, then filling them.
+            for name in ("transformer", "text_encoder"):
+                component = object.__getattribute__(getattr(pipe, name), "_ondeck_loader")
+                for part in ("allocate", "placed_read"):
+                    seconds = getattr(component, f"last_{part}_seconds", None)
+                    row[f"{name}_{part}_seconds"] = seconds
         result["runs"].append(row)
         print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
     result["peak_rss_bytes"] = peak_rss_bytes()

@@ -186,6 +186,7 @@ class ComponentLoader(FolderLoader):
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
             key, raw, other = self._cached(tensors, placement)
             on_device: list[int] = []  # the sources read into device tensors, as jobs
+            allocating = time.perf_counter()
             jobs, values, placed = _allocate(
                 sources,
                 self.device,
@@ -196,7 +197,10 @@ class ComponentLoader(FolderLoader):
             )
             # The placement's own memory (streamed blocks' host copies): read before any
             # compute, once; later loads find it filled.
+            reading = time.perf_counter()
+            self.last_allocate_seconds = reading - allocating
             placed_bytes = self._fill_placed(placed, other).nbytes if placed else 0
+            self.last_placed_read_seconds = time.perf_counter() - reading
             groups, group_of = fill_groups(
                 [sources[i][0].names for i in on_device],
                 [sources[i][1].nbytes for i in on_device],
@@ -390,6 +394,7 @@ class ComponentLoader(FolderLoader):
         try:
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
             key, raw, other = self._cached(tensors, placement)
+            self.last_allocate_seconds = 0.0  # not timed beside the host cache's copies
             if raw is not None:
                 # Each destination's copy is issued as soon as it is allocated.
                 copy = reads.HostCopy(
@@ -413,14 +418,19 @@ class ComponentLoader(FolderLoader):
                     raise
                 self._record(copy.finish(while_copying=build))
             else:
+                allocating = time.perf_counter()
                 jobs, values, placed = _allocate(
                     sources, self.device, allocated, placement, compute_dtype=self.dtype
                 )
+                self.last_allocate_seconds = time.perf_counter() - allocating
                 self._read_files(jobs, key, while_reading=build, other=other)
+            self.last_placed_read_seconds = 0.0
             if placed:
                 # The placement's own memory: read once, never captured in the host cache.
+                reading = time.perf_counter()
                 stats = self._fill_placed(placed, other)
                 self.last_load_bytes += stats.nbytes
+                self.last_placed_read_seconds = time.perf_counter() - reading
             if "module" not in built:
                 build()
             module = built.pop("module")

@@ -32,7 +32,9 @@ class FolderLoader(DeclaredLoader):
     What its last load did: ``last_load_bytes``, ``last_load_seconds``, ``last_source``,
     and ``last_read_seconds``, the reads and copies alone without building the module
     (a pipelined load's: from its first group's to the end of its last; 0 where not
-    timed).
+    timed); ``last_allocate_seconds``, allocating the load's memory (streamed blocks'
+    host copies, page-locked, the first time), and ``last_placed_read_seconds``, filling
+    those host copies (0 once they hold their blocks).
     """
 
     # Each call builds a new module, so a LazyModule may free its storage on release.
@@ -54,6 +56,8 @@ class FolderLoader(DeclaredLoader):
         self.last_load_bytes = 0
         self.last_load_seconds = 0.0
         self.last_read_seconds = 0.0
+        self.last_allocate_seconds = 0.0
+        self.last_placed_read_seconds = 0.0
         self.last_source: str | None = None
         self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
 

@@ -101,3 +101,25 @@ def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_
     assert set(plan.streamed) == {"text_encoder"}
     assert "keeps every component on the device" in str(plan)
     assert loaded[2] == loaded[1]  # the third run loads nothing: all stayed resident
+
+
+def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(
+    six_block_folder,
+):
+    import ondeck.diffusers
+
+    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
+    pipe = ondeck.diffusers.from_pretrained(
+        six_block_folder,
+        dtype=torch.float32,
+        device="cpu",
+        policy=BudgetPolicy(budget, streaming=options),
+    )
+    loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+    frames(pipe)
+    assert loader.last_allocate_seconds > 0 and loader.last_placed_read_seconds > 0
+    pipe.transformer.release()
+    frames(pipe)
+    assert pipe.transformer.load_count == 2
+    assert loader.last_placed_read_seconds == 0, "the host copies kept their blocks"
