@@ -11,6 +11,8 @@ and page-locks them:
 - ``hugepage``: the same, the range advised ``MADV_HUGEPAGE`` first;
 - ``prefault``: the same, the pages first touched by ``--threads`` threads;
 - ``hugepage+prefault``: both;
+- ``regions-in-parallel``: the regions each touched and registered on one thread, on
+  ``--threads`` threads at once (whether registering scales across threads);
 - ``torch``: ``torch.empty(pin_memory=True)`` (cudaHostAlloc through torch's allocator,
   which rounds each region up to a power of two).
 
@@ -84,6 +86,7 @@ def main() -> None:
         "hugepage": dict(hugepage=True, prefault=0),
         "prefault": dict(hugepage=False, prefault=args.threads),
         "hugepage+prefault": dict(hugepage=True, prefault=args.threads),
+        "regions-in-parallel": dict(hugepage=False, prefault=1),
         "torch": None,
     }
     seconds: dict[str, list[float]] = {name: [] for name in arms}
@@ -94,6 +97,9 @@ def main() -> None:
                 held = [
                     torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(count)
                 ]
+            elif name == "regions-in-parallel":
+                with ThreadPoolExecutor(args.threads) as pool:
+                    held = list(pool.map(lambda _, o=options: region(block, **o), range(count)))
             else:
                 held = [region(block, **options) for _ in range(count)]
             seconds[name].append(time.perf_counter() - started)
