@@ -222,6 +222,8 @@ class FusedLoraRecipe:
         module's blocks in, a block's layers get theirs once its weights are in place
         (``Filling.when_in_place``), so the compute need not wait for the whole module."""
         path = getattr(filling, "blocks_path", None)
+        if filling is not None and path is None:
+            filling.wait()  # no blocks to wait for one by one
         by_block: dict[int | None, list[_Layer]] = {}
         for layer in self.layers:
             block = block_index([layer.path], path) if path is not None else None
