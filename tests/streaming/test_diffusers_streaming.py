@@ -19,37 +19,30 @@ def frames(pipe):
     return pipe("a fox", negative_prompt="blurry", generator=generator, **SHAPE).frames
 
 
+def streaming_pipe(folder):
+    """ondeck.diffusers over ``folder`` with a budget that keeps two transformer blocks."""
+    import ondeck.diffusers
+
+    budget = budget_keeping(transformer_blocks(folder), 2)
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
+    return ondeck.diffusers.from_pretrained(
+        folder, dtype=torch.float32, device="cpu", policy=BudgetPolicy(budget, streaming=options)
+    )
+
+
 def test_a_diffusers_pipeline_streams_its_transformer_with_the_same_frames(six_block_folder):
     from diffusers import WanPipeline
 
-    import ondeck.diffusers
-
     plain = WanPipeline.from_pretrained(six_block_folder, dtype=torch.float32)
     expected = frames(in_fresh_tensors(plain))  # see tests/references.py
-    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
-    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
-    pipe = ondeck.diffusers.from_pretrained(
-        six_block_folder,
-        dtype=torch.float32,
-        device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
-    )
+    pipe = streaming_pipe(six_block_folder)
     assert np.array_equal(frames(pipe), expected)
     stats = pipe.ondeck.policy.streaming.stats()["transformer"]
     assert stats["passes"] == 2 * SHAPE["num_inference_steps"] and stats["bytes_copied"] > 0
 
 
 def test_the_plan_gives_the_bytes_streamed_per_call_and_their_transfer_floor(six_block_folder):
-    import ondeck.diffusers
-
-    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
-    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
-    pipe = ondeck.diffusers.from_pretrained(
-        six_block_folder,
-        dtype=torch.float32,
-        device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
-    )
+    pipe = streaming_pipe(six_block_folder)
     assert "known after a call" in str(pipe.ondeck.plan())
     frames(pipe)
     plan = pipe.ondeck.plan()
@@ -106,16 +99,8 @@ def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_
 def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(
     six_block_folder,
 ):
-    import ondeck.diffusers
 
-    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
-    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0)
-    pipe = ondeck.diffusers.from_pretrained(
-        six_block_folder,
-        dtype=torch.float32,
-        device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
-    )
+    pipe = streaming_pipe(six_block_folder)
     loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
     frames(pipe)
     assert loader.last_allocate_seconds > 0 and loader.last_placed_read_seconds > 0
