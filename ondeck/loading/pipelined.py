@@ -306,10 +306,16 @@ class Filling:
                     # Before the block's wait (prepended after it); it waits for the group.
                     hook.handle = self._blocks[block].register_forward_pre_hook(hook, prepend=True)
                     self._change_handles.append(hook.handle)
-                entry.changes.append(change)
-        if entry is None:
-            self.wait()
-            change()
+        if entry is not None:
+            with entry.lock:  # not while a thread makes the block's changes
+                if entry.error is not None:
+                    raise entry.error
+                if not entry.done:
+                    entry.changes.append(change)
+                    return
+        # Every weight in place, or this block's and its changes made: now.
+        self.wait()
+        change()
 
     def _make_changes(self, entry: _BlockChanges) -> None:
         """Make ``entry``'s changes unless another thread has (then wait for them)."""
