@@ -138,6 +138,7 @@ class Filling:
         self._change_handles: list[Any] = []
         self._change_failure: LoadError | None = None
         self._waited = False  # wait() returned: every weight in place, every change made
+        self._cancelled = False  # cancel() was called: no change is made after it
         self.waited_seconds = 0.0
         self.seconds: float | None = None  # the whole fill, once done
         self._started = time.perf_counter() if started is None else started
@@ -213,9 +214,12 @@ class Filling:
 
     def _check_stop(self) -> None:
         if self._stop.is_set():
-            raise LoadError(
-                f"component '{self.component}': loading was stopped", component=self.component
-            )
+            raise self._stopped()
+
+    def _stopped(self) -> LoadError:
+        return LoadError(
+            f"component '{self.component}': loading was stopped", component=self.component
+        )
 
     def _mark_filled(self, index: int) -> None:
         with self._progress:
@@ -261,31 +265,55 @@ class Filling:
     def wait(self) -> None:
         """Block until every group is in place and the fill has ended (not for ``then``),
         then make the changes still waiting for their blocks (:meth:`when_in_place`); raise
-        the fill's error if it failed, or a change's."""
+        the fill's error if it failed, or a change's. Once it returns, the module holds no
+        hook of the filling's (it can be copied or saved) and its weights are final."""
+        if self._waited:
+            return
         self._wait_for_end()
         self.detach()
         if self.failure is not None:
             raise self._error()
-        with self._progress:
-            entries = list(self._changes.values())
+        while True:
+            with self._progress:
+                if self._cancelled:
+                    raise self._stopped()
+                undone = [entry for entry in self._changes.values() if not entry.done]
+                if not undone:  # a change given meanwhile is made here, or at once after
+                    self._waited = True
+                    entries, self._changes, self._blocks = list(self._changes.values()), {}, None
+                    handles, self._change_handles = self._change_handles, []
+                    break
+            for entry in undone:
+                self._make_changes(entry)
+        # The blocks' forwards need no ordering after the changes any more, on any stream.
         for entry in entries:
-            if self._change_failure is not None:
-                raise self._change_failure
-            self._make_changes(entry)
-        self._waited = True
+            if entry.event is not None:
+                entry.event.synchronize()
+        for handle in handles:
+            handle.remove()
 
     def cancel(self) -> None:
-        """Stop after the group being read and wait for the fill to end: nothing writes
-        into the module's memory afterwards. Never raises."""
+        """Stop after the group being read and wait for the fill to end, and for a change
+        another thread is making: nothing writes into the module's memory afterwards, and
+        no change waiting for its block is made. Never raises."""
         self._stop.set()
+        with self._progress:
+            self._cancelled = True
+            entries, self._changes, self._blocks = list(self._changes.values()), {}, None
+            handles, self._change_handles = self._change_handles, []
         if self._thread.ident is not None:
             self._wait_for_end()
         self.detach()
-        handles, self._change_handles = self._change_handles, []
         for handle in handles:
             handle.remove()
-        with self._progress:
-            self._changes.clear()
+        for entry in entries:
+            with entry.lock:  # a thread making the block's changes has finished
+                entry.changes = []
+            try:
+                if entry.event is not None:
+                    entry.event.synchronize()
+            except Exception:  # the device's own error: the module is being thrown away
+                pass
 
     def when_in_place(self, block: int, change: Callable[[], None]) -> None:
         """Make ``change`` (which writes block ``block``'s weights) once the block's
@@ -295,7 +323,9 @@ class Filling:
         the stream the change ran on). Each change runs once, in the order given. One that
         raises fails the load: every later wait and the block's forward raise its error,
         and nothing runs the changes again (they are not idempotent). After :meth:`wait`,
-        or without blocks attached, the change is made at once, once every weight is in."""
+        or without blocks attached, the change is made at once, once every weight is in.
+        A change must not call back into the filling. After :meth:`cancel` it is refused
+        (by :meth:`wait`)."""
         with self._progress:
             entry = None
             if self._blocks is not None and not self._waited and 0 <= block < len(self._blocks):
@@ -328,11 +358,15 @@ class Filling:
         with entry.lock:
             if entry.error is not None:
                 raise entry.error
+            if self._cancelled:  # the module is being thrown away
+                raise self._stopped()
             if not entry.done:
                 try:
                     for change in entry.changes:
                         change()
                 except BaseException as cause:
+                    # Its frames hold views of the weights, which outlive no failed load.
+                    _forget_locals(cause)
                     entry.error = LoadError(
                         f"component '{self.component}': changing block {entry.block}'s "
                         f"weights once they were in failed with {type(cause).__name__}: "

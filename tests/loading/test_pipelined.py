@@ -3,12 +3,10 @@ forward waits for its own weights; a failure or a release mid-fill leaves nothin
 
 from __future__ import annotations
 
-import functools
 import gc
 import subprocess
 import sys
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -18,9 +16,10 @@ from streaming.conftest import BLOCKS, build_six_block_folder
 
 from ondeck.errors import LoadError
 from ondeck.lazy import LazyModule
-from ondeck.loading import ComponentLoader, pipelined, process_feed, reads, ring
+from ondeck.loading import ComponentLoader, pipelined, process_feed, ring
 from ondeck.loading.pipelined import fill_groups
 
+from .filling_helpers import GatedReads, forward, forward_in_background, wait_until
 from .helpers import NO_READING_PROCESSES, WHY_NO_READING_PROCESSES
 
 
@@ -33,56 +32,6 @@ def six_block_folder(tmp_path_factory):
 def one_block_per_group(monkeypatch):
     """The tiny blocks would share one read; the tests follow them one by one."""
     monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
-
-
-def inputs():
-    generator = torch.Generator().manual_seed(0)
-    return dict(
-        hidden_states=torch.randn(1, 16, 2, 8, 8, generator=generator),
-        timestep=torch.tensor([500.0]),
-        encoder_hidden_states=torch.randn(1, 7, 32, generator=generator),
-        return_dict=False,
-    )
-
-
-def forward(module):
-    with torch.no_grad():
-        return module(**inputs())[0]
-
-
-class GatedReads:
-    """Holds the reads of chosen groups (by their first tensor's block) until opened.
-    On the CPU a pipelined load reads its groups one read each (``read_in_groups``)."""
-
-    def __init__(self, monkeypatch, gated_blocks=(), fail_block=None):
-        self.gates = {block: threading.Event() for block in gated_blocks}
-        self.fail_block = fail_block
-        self.read_blocks: list[int | None] = []
-        original = reads.read_into
-
-        def read(jobs, **options):
-            block = _block_of(jobs[0].info.name)
-            self.read_blocks.append(block)
-            gate = self.gates.get(block)
-            if gate is not None:
-                assert gate.wait(30), "the test never opened a gate"
-            if block is not None and block == self.fail_block:
-                raise OSError("the disk went away")
-            return original(jobs, **options)
-
-        monkeypatch.setattr(reads, "read_into", read)
-
-    def open(self, block):
-        self.gates[block].set()
-
-    def open_all(self):
-        for gate in self.gates.values():
-            gate.set()
-
-
-def _block_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "blocks" and parts[1].isdigit() else None
 
 
 def test_groups_put_everything_outside_the_blocks_first_then_blocks_in_order():
@@ -128,7 +77,7 @@ def test_a_block_waits_for_exactly_its_own_weights(six_block_folder, monkeypatch
     assert worker.is_alive() and ran == []  # block 0 is not in yet
     gates.open(0)
     gates.open(1)
-    _wait_until(lambda: gates.read_blocks[-1] == 2)
+    wait_until(lambda: gates.read_blocks[-1] == 2)
     worker.join(0.3)
     assert ran == [0, 1]  # blocks 0 and 1 ran; block 2 waits for its own weights
     gates.open_all()
@@ -141,27 +90,6 @@ def test_a_block_waits_for_exactly_its_own_weights(six_block_folder, monkeypatch
     assert 0.3 < loader.last_read_seconds <= loader.last_load_seconds
     reference = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
     assert torch.equal(result["out"], forward(reference))
-
-
-def forward_in_background(module) -> tuple[list[int], dict, threading.Thread]:
-    """A forward of ``module`` on a started thread: the blocks it ran, in order, and its
-    output under ``"out"`` once it returns."""
-    ran: list[int] = []
-    for number, block in enumerate(module.blocks):
-        block.register_forward_hook(lambda *_, number=number: ran.append(number))
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.setdefault("out", forward(module)))
-    worker.start()
-    return ran, result, worker
-
-
-def _wait_until(condition, seconds: float = 10.0) -> None:
-    done = threading.Event()
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        done.wait(0.01)
-    raise AssertionError("condition never held")
 
 
 def test_a_failed_fill_fails_the_forward_and_the_proxy_frees_the_module(
@@ -188,7 +116,7 @@ def test_release_during_a_fill_stops_it_and_frees_the_memory(six_block_folder, m
     storage = module.blocks[0].attn1.to_q.weight.untyped_storage()
     reference = weakref.ref(module)
     del module
-    _wait_until(lambda: 2 in gates.read_blocks)
+    wait_until(lambda: 2 in gates.read_blocks)
     releasing = threading.Thread(target=proxy.release)
     releasing.start()
     releasing.join(0.3)
@@ -439,7 +367,7 @@ def test_one_read_through_the_processes_hands_each_block_over_as_it_arrives(
     loader = ComponentLoader(six_block_folder, "transformer", pipelined=True)
     module, filling = loader.begin()
     ran, result, worker = forward_in_background(module)
-    _wait_until(lambda: ran == [0, 1])
+    wait_until(lambda: ran == [0, 1])
     worker.join(0.3)
     assert worker.is_alive() and ran == [0, 1]  # block 2 waits for its own weights
     gate.set()
@@ -572,134 +500,3 @@ def _freed_tensors_in_frames(error: BaseException) -> list[tuple[str, str]]:
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
     return found
-
-
-def test_a_change_to_a_block_runs_once_its_weights_land_before_the_block_computes(
-    six_block_folder, monkeypatch
-):
-    gates = GatedReads(monkeypatch, gated_blocks=range(BLOCKS))
-    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
-    found = {}
-
-    def double(number):
-        weight = module.blocks[number].attn1.to_q.weight
-        found[number] = weight.detach().clone()  # what the change found in place
-        weight.data.mul_(2)
-
-    for number in (0, 4):
-        filling.when_in_place(number, functools.partial(double, number))
-    ran, result, worker = forward_in_background(module)
-    worker.join(0.3)
-    assert found == {} and ran == []  # block 0's weights are not in yet
-    gates.open_all()
-    worker.join(30)
-    assert list(found) == [0, 4], "each change ran once, at its block"
-
-    reference = ComponentLoader(six_block_folder, "transformer", pipelined=False)()
-    for number in (0, 4):
-        weight = reference.blocks[number].attn1.to_q.weight
-        assert torch.equal(found[number], weight), "the change saw the block's weights"
-        weight.data.mul_(2)
-    assert torch.equal(result["out"], forward(reference)), "the blocks computed changed"
-
-
-def test_changes_to_blocks_no_forward_reached_run_when_the_fill_is_waited_for(
-    six_block_folder, monkeypatch
-):
-    gates = GatedReads(monkeypatch, gated_blocks=[3])
-    _, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
-    changed = []
-    filling.when_in_place(5, lambda: changed.append(5))
-    filling.when_in_place(1, lambda: changed.append(1))
-    assert changed == [], "they wait for their blocks"
-    gates.open(3)
-    filling.wait()
-    assert changed == [5, 1], "in the order given"
-    filling.when_in_place(2, lambda: changed.append(2))
-    assert changed == [5, 1, 2], "in place already: at once"
-
-
-def test_a_change_waits_for_the_end_of_a_fill_whose_weights_are_read_back(
-    six_block_folder, monkeypatch
-):
-    gates = GatedReads(monkeypatch, gated_blocks=[3])
-    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
-    filling.reads_back = True  # the loader copies the filled weights somewhere at the end
-    changed = []
-    filling.when_in_place(0, lambda: changed.append(0))
-    ran, _, worker = forward_in_background(module)
-    worker.join(0.3)
-    assert ran == [] and changed == [], "block 0 is in, but block 3 is not"
-    gates.open(3)
-    worker.join(30)
-    assert changed == [0] and ran == list(range(BLOCKS))
-
-
-def test_a_block_computes_only_once_the_thread_making_its_change_is_done(
-    six_block_folder, monkeypatch
-):
-    """``wait()`` on another thread (the next run's prefetch) makes the changes no forward
-    reached yet; a forward arriving at such a block waits for them to be made."""
-    gates = GatedReads(monkeypatch, gated_blocks=[3])
-    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
-    events = []
-
-    def slow_change():
-        events.append("change starts")
-        threading.Event().wait(0.3)
-        events.append("change done")
-
-    filling.when_in_place(4, slow_change)
-    # The waiting thread starts the change while the forward is still at block 3.
-    module.blocks[3].register_forward_pre_hook(lambda *_: time.sleep(0.15))
-    module.blocks[4].register_forward_pre_hook(lambda *_: events.append("block 4 computes"))
-    _, result, worker = forward_in_background(module)
-    waiter = threading.Thread(target=filling.wait)
-    waiter.start()
-    gates.open(3)
-    for thread in (waiter, worker):
-        thread.join(30)
-    assert events == ["change starts", "change done", "block 4 computes"]
-    assert "out" in result
-
-
-def test_a_change_that_fails_fails_the_load_and_is_never_made_again(six_block_folder, monkeypatch):
-    monkeypatch.setattr(pipelined, "MIN_GROUP_BYTES", 1)
-    module, filling = ComponentLoader(six_block_folder, "transformer", pipelined=True).begin()
-    made = []
-
-    def out_of_memory():
-        made.append("first")
-        raise RuntimeError("out of memory")
-
-    filling.when_in_place(2, out_of_memory)
-    filling.when_in_place(2, lambda: made.append("second"))
-    with pytest.raises(LoadError, match="transformer.*block 2.*out of memory"):
-        forward(module)
-    with pytest.raises(LoadError, match="block 2"):
-        forward(module)  # not half changed and computing as if whole
-    with pytest.raises(LoadError, match="block 2"):
-        filling.wait()
-    assert made == ["first"]
-
-
-@pytest.mark.parametrize("storage_dtype", [None, "fp8"])
-def test_changes_wait_for_the_end_of_a_fill_a_storage_dtype_caches_from_the_device(
-    six_block_folder, storage_dtype, monkeypatch
-):
-    """Kept in a storage dtype, a component goes into the host cache from its filled
-    tensors once the fill ends: a change made before then would be cached with it."""
-    from ondeck.loading import HostCache
-
-    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
-    cache = HostCache(budget_bytes=2**30, pin=False)
-    loader = ComponentLoader(
-        six_block_folder,
-        "transformer",
-        pipelined=True,
-        storage_dtype=storage_dtype,
-        host_cache=cache,
-    )
-    _, filling = loader.begin()
-    assert filling.reads_back == (storage_dtype is not None)
-    filling.wait()
