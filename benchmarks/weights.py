@@ -684,6 +684,8 @@ def run_mode(args) -> dict:
         result["runs"].append(row)
         print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
     result["peak_rss_bytes"] = peak_rss_bytes()
+    if runtime is not None:  # what each run loaded, waited for and computed, event by event
+        result["report"] = runtime.report()
     return result
 
 
