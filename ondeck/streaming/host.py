@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,11 @@ class HostCopies:
         # A region being allocated counts from before its pages are touched: the host
         # watch tells the process's own growth from what ondeck holds by these counts.
         self._allocating = 0
+        # Allocating, and changing which regions exist: a load and ``prepare`` (on its
+        # own thread) may ask for regions at once. Each change of the plan or of what is
+        # held counts one more generation, which stops a ``prepare`` under way.
+        self._lock = threading.Lock()
+        self._generation = 0
 
     @property
     def nbytes(self) -> int:
@@ -76,19 +82,29 @@ class HostCopies:
 
     @property
     def _allocated_bytes(self) -> int:
-        return sum(region.numel() for region in self._regions.values())
+        # A copy first: another thread may be adding a region (see ``prepare``).
+        return sum(region.numel() for region in list(self._regions.values()))
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
         """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
         already held keep their contents, the others' regions are freed."""
-        for block in [b for b in self._sizes if b not in wanted]:
-            del self._sizes[block]
-            self._regions.pop(block, None)
-            self.filled.discard(block)
-        for block, nbytes in wanted.items():
-            self._sizes.setdefault(block, nbytes)
+        with self._lock:
+            self._generation += 1
+            for block in [b for b in self._sizes if b not in wanted]:
+                del self._sizes[block]
+                self._regions.pop(block, None)
+                self.filled.discard(block)
+            for block, nbytes in wanted.items():
+                self._sizes.setdefault(block, nbytes)
 
     def region(self, block: int) -> Any:
+        region = self._regions.get(block)  # held: no lock, as a streaming pass asks
+        if region is not None:
+            return region
+        with self._lock:
+            return self._allocate(block)
+
+    def _allocate(self, block: int) -> Any:
         import torch
 
         region = self._regions.get(block)
@@ -106,16 +122,38 @@ class HostCopies:
                 self._allocating = 0
         return region
 
+    def prepare(self, stop: threading.Event) -> int:
+        """Allocate the planned regions not allocated yet, ahead of the load that fills
+        them: page-locking fresh memory is most of what a first load of streamed blocks
+        waits for. Stops once ``stop`` is set or the plan or the regions change (a
+        re-plan, a release under host pressure, a failed load); returns the bytes it
+        allocated."""
+        with self._lock:
+            generation = self._generation
+            missing = [b for b in sorted(self._sizes) if b not in self._regions]
+        allocated = 0
+        for block in missing:
+            with self._lock:
+                if stop.is_set() or self._generation != generation:
+                    break
+                if block not in self._regions:
+                    allocated += self._allocate(block).numel()
+        return allocated
+
     def drop_unfilled(self) -> None:
         """Free the regions of blocks that do not hold their weights (a load failed)."""
-        for block in [b for b in self._regions if b not in self.filled]:
-            del self._regions[block]
+        with self._lock:
+            self._generation += 1
+            for block in [b for b in self._regions if b not in self.filled]:
+                del self._regions[block]
 
     def clear(self) -> int:
         """Free every region, keeping the plan: a later load fills them again."""
-        freed = self._allocated_bytes
-        self._regions.clear()
-        self.filled.clear()
+        with self._lock:
+            self._generation += 1
+            freed = self._allocated_bytes
+            self._regions.clear()
+            self.filled.clear()
         if freed and self.pinned:
             _empty_host_cache()
         return freed

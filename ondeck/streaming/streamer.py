@@ -195,6 +195,16 @@ class BlockStreamer:
                 }
             )
 
+    def prepare_host_copies(self, stop: threading.Event) -> int:
+        """Allocate the host copies the layout plans, before the load that fills them
+        (``HostCopies.prepare``); returns the bytes allocated."""
+        return self._host.prepare(stop)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host copies are page-locked (the device is a CUDA GPU)."""
+        return self._host.pinned
+
     def hold_ring(self, keep: bool) -> None:
         """Whether the ring's buffers stay between loads (the host plan holds them); when
         not, buffers kept from an earlier load go now, or with the component's release."""

@@ -1,0 +1,111 @@
+"""Streamed blocks' host copies are allocated on a thread once a plan gives the layouts,
+before the first load that fills them; a change of plan or of what is held stops it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ondeck.streaming.host import HostCopies
+
+from .test_wan_streaming import generate, streaming, wan
+
+
+@pytest.fixture(scope="module")
+def fox_frames(six_block_folder):
+    return generate(wan(six_block_folder, "release"), "a fox")
+
+
+def allocations(monkeypatch) -> list[tuple[int, str]]:
+    """(bytes, thread name) of every host copy allocated from now on."""
+    made: list[tuple[int, str]] = []
+    original = HostCopies._allocate
+
+    def watched(self, block):
+        fresh = block not in self._regions
+        region = original(self, block)
+        if fresh:
+            made.append((region.numel(), threading.current_thread().name))
+        return region
+
+    monkeypatch.setattr(HostCopies, "_allocate", watched)
+    return made
+
+
+def test_a_plan_allocates_the_host_copies_before_anything_loads(
+    six_block_folder, fox_frames, monkeypatch
+):
+    pipe = streaming(six_block_folder, resident=2, prepare_host_copies=True)
+    made = allocations(monkeypatch)
+    streaming_ = pipe.policy.streaming
+    streaming_.apply(pipe, pipe.plan())
+    streaming_._preparing._thread.join(30)
+    streamer = streaming_.streamers["transformer"]
+    planned = sum(streamer.sizes.packed_bytes[b] for b in streamer.layout.streamed)
+    assert streamer.host_bytes == planned > 0
+    assert {name for _, name in made} == {"ondeck-host-copies"}
+    assert sum(nbytes for nbytes, _ in made) == planned
+    made.clear()
+    assert np.array_equal(generate(pipe, "a fox"), fox_frames)
+    assert made == [], "the load found every region allocated"
+    assert pipe.policy.streaming.stats()["transformer"]["host_bytes_read"] > 0
+
+
+def test_host_copies_are_left_to_the_load_when_asked(six_block_folder, fox_frames, monkeypatch):
+    from ondeck.streaming.streamer import BlockStreamer
+
+    # As on a GPU, where they are page-locked and would be prepared unless asked not to.
+    monkeypatch.setattr(BlockStreamer, "pinned", property(lambda self: True))
+    pipe = streaming(six_block_folder, resident=2, prepare_host_copies=False)
+    made = allocations(monkeypatch)
+    assert np.array_equal(generate(pipe, "a fox"), fox_frames)
+    assert made and "ondeck-host-copies" not in {name for _, name in made}
+
+
+def test_preparing_stops_once_the_regions_change():
+    copies = HostCopies(pinned=False)
+    copies.keep_only({0: 64, 1: 64, 2: 64})
+    original = copies._allocate
+
+    def then_changed(block):
+        region = original(block)
+        copies._generation += 1  # as a release under host pressure would, meanwhile
+        return region
+
+    copies._allocate = then_changed
+    assert copies.prepare(threading.Event()) == 64
+    assert copies.nbytes == 64
+    stop = threading.Event()
+    stop.set()
+    assert copies.prepare(stop) == 0
+
+
+def test_a_region_asked_for_while_one_is_prepared_waits_for_it(monkeypatch):
+    """The load and the preparing thread never allocate one block twice."""
+    copies = HostCopies(pinned=False)
+    copies.keep_only({0: 64})
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow(nbytes, dtype):
+        calls.append(nbytes)
+        entered.set()
+        release.wait(10)
+        return torch.zeros(nbytes, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", slow)
+    worker = threading.Thread(target=copies.prepare, args=(threading.Event(),))
+    worker.start()
+    assert entered.wait(10)
+    found = {}
+    asker = threading.Thread(target=lambda: found.setdefault("region", copies.region(0)))
+    asker.start()
+    asker.join(0.2)
+    assert asker.is_alive(), "it waits for the region being allocated"
+    release.set()
+    worker.join(10)
+    asker.join(10)
+    assert found["region"] is copies.region(0) and calls == [64]
