@@ -219,12 +219,12 @@ class BlockStreaming:
         self._prepare_host_copies(pipeline)
 
     def _prepare_host_copies(self, pipeline: Any) -> None:
-        """Allocate the streamed components' host copies on a thread, the first stage's
-        component first. A first load of streamed blocks otherwise spends most of its wait
-        page-locking fresh memory (about 15 GB/s): this way the transformer's copies are
-        ready by the time the text encoder's stage ends. The load asks for any region not
-        allocated yet itself, so nothing waits for this thread, and a failure here (no
-        host memory to lock) is left for the load to report."""
+        """Allocate the streamed components' host copies on a thread, in the order the
+        stages use them (see ``_stage_order``). A first load of streamed blocks otherwise
+        spends most of its wait page-locking fresh memory (about 15 GB/s): this way the
+        transformer's copies are made while the text encoder computes. The load asks for
+        any region not allocated yet itself, so nothing waits for this thread, and a
+        failure here (no host memory to lock) is left for the load to report."""
         if self._preparing is not None:
             self._preparing.stop()
             self._preparing = None
@@ -296,14 +296,20 @@ class BlockStreaming:
 
 
 def _stage_order(pipeline: Any, names: Mapping[str, Any]) -> list[str]:
-    """``names`` in the order the pipeline's stages first use them, the rest after."""
+    """``names`` in the order the pipeline's stages first use them, the rest after, and
+    the first stage's own last: its load, about to start, allocates their copies itself
+    (a second thread at them would only wait for the first's lock), while this one gets
+    the next stage's copies ready."""
     ordered: list[str] = []
+    first: list[str] = []
     try:
-        for use in pipeline.stage_uses():
-            ordered.extend(n for n in use.components if n in names and n not in ordered)
+        for index, use in enumerate(pipeline.stage_uses()):
+            for name in use.components:
+                if name in names and name not in ordered and name not in first:
+                    (first if index == 0 else ordered).append(name)
     except Exception:
         pass  # no stages known yet: as given
-    return ordered + [n for n in names if n not in ordered]
+    return ordered + [n for n in names if n not in ordered and n not in first] + first
 
 
 class _Preparing:

@@ -109,3 +109,25 @@ def test_a_region_asked_for_while_one_is_prepared_waits_for_it(monkeypatch):
     worker.join(10)
     asker.join(10)
     assert found["region"] is copies.region(0) and calls == [64]
+
+
+def test_the_next_stages_copies_come_first_and_the_loading_ones_last():
+    from ondeck.planning import StageUse
+    from ondeck.streaming.pipeline import _stage_order
+
+    class Pipeline:
+        def stage_uses(self):
+            return [
+                StageUse("encode", ("text_encoder",)),
+                StageUse("denoise", ("transformer", "transformer_2")),
+                StageUse("decode", ("vae",)),
+            ]
+
+    names = dict.fromkeys(["text_encoder", "controlnet", "transformer_2", "transformer"])
+    assert _stage_order(Pipeline(), names) == [
+        "transformer",
+        "transformer_2",
+        "controlnet",
+        "text_encoder",
+    ]
+    assert _stage_order(object(), names) == list(names)  # no stages known: as given
