@@ -111,7 +111,7 @@ def test_a_region_asked_for_while_one_is_prepared_waits_for_it(monkeypatch):
     assert found["region"] is copies.region(0) and calls == [64]
 
 
-def test_the_next_stages_copies_come_first_and_the_loading_ones_last():
+def test_the_copies_come_in_the_order_the_stages_use_them():
     from ondeck.planning import StageUse
     from ondeck.streaming.pipeline import _stage_order
 
@@ -125,9 +125,9 @@ def test_the_next_stages_copies_come_first_and_the_loading_ones_last():
 
     names = dict.fromkeys(["text_encoder", "controlnet", "transformer_2", "transformer"])
     assert _stage_order(Pipeline(), names) == [
+        "text_encoder",
         "transformer",
         "transformer_2",
         "controlnet",
-        "text_encoder",
     ]
     assert _stage_order(object(), names) == list(names)  # no stages known: as given
