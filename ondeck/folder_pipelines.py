@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import LoadError
 from .hub import resolve_model
 from .integrations.diffusers import from_pretrained
 from .pipelines import read_model_index
@@ -26,12 +25,6 @@ def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
     model_index = read_model_index(path)
     # Single files and LoRAs go through diffusers' own key conversions and LoRA loading.
     brought = options.get("components") or options.get("loras")
-    if brought and options.get("shard"):
-        raise LoadError(
-            "sharding (--shard) runs ondeck's own Wan stages, which read diffusers-format "
-            "folders only; leave out --transformer, --component and --lora to shard",
-            path=str(path),
-        )
     if is_wan_folder(model_index) and not brought:
         return WanTextToVideo.from_folder(path, **options)
     return from_pretrained(path, **options).ondeck

@@ -25,8 +25,6 @@ from ..loading import (
 from ..loading.single_file import SingleFileFolder
 from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
-from ..pipelines import read_model_index
-from ..pipelines.wan import is_wan_folder
 from ..profiles import ActivationProfiles, profiles_path
 from ..serve.residency import ServedModel, plan_models
 from .options import UsageError, check_policy_flags, weight_files
@@ -121,13 +119,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
     policy = "budget" if args.budget and args.policy == "auto" else args.policy
     shard = shard_names(args)
     parallel = _parallel(args)
-    if shard and not is_wan_folder(read_model_index(path)):
-        raise UsageError(f"--shard: {path} is not a Wan 2.1 folder; sharding supports Wan only")
-    unknown = sorted(set(shard) - {"text_encoder", "transformer", "vae"})
-    if unknown:
-        raise UsageError(
-            f"--shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
-        )
+    check_shard_names(shard, path, tuple(getattr(args, "library", None) or ()))
     pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
@@ -148,6 +140,26 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
         # activation peak is measured exactly (resetting torch's peak statistics per stage).
         pipe.tracker.reset_peaks = True
     return pipe
+
+
+def check_shard_names(shard: tuple[str, ...], path: Path, libraries: tuple[str, ...]) -> None:
+    """Each --shard name one of the folder's models, from model_index.json alone."""
+    if not shard:
+        return
+    import torch
+
+    folder = ModelFolder.open(path, libraries=libraries)
+    models = [
+        name
+        for name in folder.component_names
+        if isinstance(folder.component_class(name), type)
+        and issubclass(folder.component_class(name), torch.nn.Module)
+    ]
+    unknown = sorted(set(shard) - set(models))
+    if unknown:
+        raise UsageError(
+            f"--shard: cannot shard {unknown}; {path.name}'s models are {', '.join(models)}"
+        )
 
 
 def shard_names(args: argparse.Namespace) -> tuple[str, ...]:

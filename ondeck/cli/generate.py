@@ -32,7 +32,7 @@ from .options import UsageError, check_policy_flags
 EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
 REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
 OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy", "image.png")
-SHARDABLE = {"text_encoder", "transformer", "vae"}
+EMBEDDED_MODELS = {"text_encoder", "transformer", "vae"}
 
 
 @dataclass
@@ -61,11 +61,17 @@ def _check_flags(args: argparse.Namespace) -> None:
     commands.check_text("--prompt", args.prompt)
     commands.check_text("--negative-prompt", args.negative_prompt)
     commands.check_device(args.device)
-    unknown = sorted(set(commands.shard_names(args)) - SHARDABLE)
-    if unknown:
+    shard = commands.shard_names(args)
+    unknown = sorted(set(shard) - EMBEDDED_MODELS)
+    if unknown and args.model_dir is None:
         raise UsageError(
-            f"argument --shard: cannot shard {unknown}; Wan's are text_encoder, transformer, vae"
+            f"argument --shard: cannot shard {unknown}; the embedded default's models are "
+            "text_encoder, transformer, vae"
         )
+    if args.model_dir is not None and Path(args.model_dir).expanduser().is_dir():
+        # Before joining the ranks: a repo id's models are checked once it is found.
+        libraries = tuple(args.library or ())
+        commands.check_shard_names(shard, Path(args.model_dir).expanduser(), libraries)
     if args.context_parallel is not None and args.parallel is not None:
         raise UsageError("give --context-parallel N or --parallel context, not both")
 

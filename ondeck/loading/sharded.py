@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +32,40 @@ from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_ten
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ShardedComponentLoader", "shard_cache_key", "shard_rows", "shard_units", "rows_of"]
+__all__ = [
+    "ShardedComponentLoader",
+    "check_shard",
+    "shard_cache_key",
+    "shard_rows",
+    "shard_units",
+    "rows_of",
+]
 
 # Methods other than ``forward`` that callers run a sharded component through.
 ENTRY_METHODS = ("encode", "decode")
+
+
+def check_shard(
+    folder: ModelFolder, shard: str | Sequence[str], models: Sequence[str]
+) -> tuple[str, ...]:
+    """``shard`` as a tuple of distinct names, each refused before anything starts unless
+    it is one of ``models`` (the pipeline's models ondeck loads from the folder's
+    safetensors files) and stored unquantized."""
+    from .quantized import quantization_method
+
+    names = tuple(dict.fromkeys((shard,) if isinstance(shard, str) else shard))
+    unknown = sorted(set(names) - set(models))
+    if unknown:
+        raise ValueError(f"cannot shard {unknown}; the models are {', '.join(models)}")
+    for name in names:
+        method = quantization_method(folder, name)
+        if method is not None:
+            raise LoadError(
+                f"component '{name}': it is already quantized ({method or 'unnamed'}), "
+                "and FSDP2 sharding does not apply to it; leave it out of shard",
+                component=name,
+            )
+    return names
 
 
 def shard_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:

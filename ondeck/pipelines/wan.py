@@ -21,7 +21,6 @@ import torch
 
 from ..arguments import check_generate_arguments, warn_if_cut
 from ..distributed import device_mesh, init
-from ..errors import LoadError
 from ..lazy import is_lazy
 from ..loader import Loader
 from ..loading import (
@@ -35,7 +34,7 @@ from ..loading import (
 )
 from ..loading.options import DeviceChoice, StorageChoice
 from ..loading.quantized import quantization_method
-from ..loading.sharded import ShardedComponentLoader
+from ..loading.sharded import ShardedComponentLoader, check_shard
 from ..memory import resolve_device
 from ..parallel import ContextParallel, resolve_parallel
 from ..policy import Policy
@@ -317,21 +316,6 @@ class Denoise(Stage):
 WAN_MODELS = ("text_encoder", "transformer", "vae")
 
 
-def _check_shard(folder: ModelFolder, shard: tuple[str, ...]) -> None:
-    """Refuse what cannot be sharded before anything starts."""
-    unknown = sorted(set(shard) - set(WAN_MODELS))
-    if unknown:
-        raise ValueError(f"cannot shard {unknown}; Wan's components are {WAN_MODELS}")
-    for name in shard:
-        method = quantization_method(folder, name)
-        if method is not None:
-            raise LoadError(
-                f"component '{name}': it is already quantized ({method or 'unnamed'}), "
-                "and FSDP2 sharding does not apply to it; leave it out of shard",
-                component=name,
-            )
-
-
 def _model_loaders(
     folder: ModelFolder,
     load: LoadOptions,
@@ -436,9 +420,8 @@ class WanTextToVideo(Pipeline):
         encoder and transformer, or a dict by component name. ``host_memory``: the host
         budget (:class:`ondeck.Pipeline`).
         """
-        shard = tuple(shard)
         folder = ModelFolder.open(path, libraries=libraries)
-        _check_shard(folder, shard)
+        shard = check_shard(folder, shard, WAN_MODELS)
         if shard:
             init()  # before resolving the device: it selects this rank's GPU
         parallel = resolve_parallel(parallel)

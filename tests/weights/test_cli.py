@@ -75,7 +75,7 @@ def test_sharding_with_a_single_file_is_refused_before_anything_loads(base, orig
     from ondeck.errors import LoadError
     from ondeck.folder_pipelines import pipeline_for_folder
 
-    with pytest.raises(LoadError, match="leave out --transformer"):
+    with pytest.raises(LoadError, match="a single-file component or a LoRA .* cannot be sharded"):
         pipeline_for_folder(base, components={"transformer": original_file}, shard=("transformer",))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ... import distributed
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
@@ -29,6 +30,7 @@ from ...loading import (
 )
 from ...loading.options import DeviceChoice, StorageChoice
 from ...loading.quantized import quantization_method
+from ...loading.sharded import ShardedComponentLoader, check_shard
 from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, library_of
 from ...memory import resolve_device
@@ -66,6 +68,7 @@ def from_pretrained(
     components: Mapping[str, str | os.PathLike] | None = None,
     loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
     host_memory: int | str | None = None,
+    shard: str | Sequence[str] = (),
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -94,7 +97,8 @@ def from_pretrained(
     weights: a ``.safetensors`` file in the original repository's key names or diffusers'
     (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
     (``ondeck.loading.single_file``). ``loras`` lists LoRA files (or ``(file, scale)``
-    pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``.
+    pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``. ``shard``
+    names models split over a ``torchrun`` launch's ranks (FSDP2; ``docs/multi-gpu.md``).
     """
     import diffusers
 
@@ -105,14 +109,12 @@ def from_pretrained(
         folder = SingleFileFolder(folder, components)
     base_class = _pipeline_class(diffusers, folder)
     _require_models(folder, skip=kwargs)
-    parallel = resolve_parallel(parallel)
-    if parallel is not None:
-        parallel.join()  # before resolving the device: joining selects this rank's GPU
-    device = resolve_device(device)
     stored = _stored(folder, storage_dtype, skip=kwargs)
-
+    shard = _shard_names(folder, shard, stored, brought=bool(components or loras), skip=kwargs)
+    parallel = _join_ranks(shard, resolve_parallel(parallel))
+    device = resolve_device(device)
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
-    found = _defer(folder, load, dtype, stored, skip=kwargs)
+    found = _defer(folder, load, dtype, stored, skip=kwargs, shard=shard)
     if parallel is not None:
         split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
@@ -240,6 +242,46 @@ def _stored(
     return fp8.storage_by_component(storage_dtype, models)
 
 
+def _join_ranks(shard: tuple[str, ...], parallel: ContextParallel | None) -> Any:
+    """Join the process group of a ``torchrun`` launch where sharding or splitting the
+    sequence; before the device is resolved, since joining selects this rank's GPU."""
+    if shard:
+        distributed.init()
+    if parallel is not None:
+        parallel.join()
+    return parallel
+
+
+def _shard_names(
+    folder: ModelFolder,
+    shard: str | Sequence[str],
+    stored: Mapping[str, torch.dtype],
+    *,
+    brought: bool,
+    skip: Mapping[str, Any],
+) -> tuple[str, ...]:
+    """The models to shard, each one ondeck reads from the folder by rows."""
+    if not shard:
+        return ()
+    if set(stored) & set((shard,) if isinstance(shard, str) else shard):
+        raise ValueError(f"cannot shard components stored in fp8 ({sorted(stored)})")
+    if brought:
+        raise LoadError(
+            "sharding reads each rank's rows from the folder's own safetensors files; a "
+            "single-file component or a LoRA (components=, loras=; --transformer, "
+            "--component, --lora) cannot be sharded: leave them out to shard",
+            path=str(folder.path),
+        )
+    models = [
+        name
+        for name in folder.component_names
+        if name not in skip
+        and issubclass(folder.component_class(name), torch.nn.Module)
+        and not _is_container(folder, name)
+    ]
+    return check_shard(folder, shard, models)
+
+
 def _require_models(folder: ModelFolder, skip: Mapping[str, Any]) -> None:
     """Refuse an untrusted library before diffusers imports it, and a model without
     readable safetensors weights now rather than when a call first needs it (a gguf
@@ -270,10 +312,13 @@ def _defer(
     dtype: Any,
     stored: Mapping[str, torch.dtype],
     skip: Mapping[str, Any],
+    shard: tuple[str, ...] = (),
 ) -> _Found:
     """A deferred proxy for every model ondeck can defer, each loading as ``load`` says
-    in its own dtype; ``skip``: components passed in."""
+    in its own dtype, those in ``shard`` as this rank's rows over every rank; ``skip``:
+    components passed in."""
     found = _Found()
+    mesh = distributed.device_mesh(load.device) if shard else None
     for name in folder.component_names:
         if name in skip:
             continue
@@ -291,9 +336,19 @@ def _defer(
         if not _can_defer(folder, name):
             continue
         options = load.replace(dtype=component_dtype, storage_dtype=stored.get(name))
-        component = _deferred_component(folder, name, options)
+        component = _deferred_component(
+            folder,
+            name,
+            options,
+            mesh=mesh if name in shard else None,
+            # Beside sharded models, every plain one counts what each rank reads too.
+            count_reads=bool(shard) and quantization_method(folder, name) is None,
+        )
         if component is not None:
             found.components[name] = found.deferred[name] = component
+    unsharded = sorted(set(shard) - set(found.components))
+    if unsharded:  # diffusers loads it whole (a warning said why)
+        raise LoadError(f"cannot shard {unsharded}: ondeck does not load them itself")
     return found
 
 
@@ -444,14 +499,20 @@ def _component_dtype(dtype: Any, name: str, folder: Any) -> torch.dtype | None:
 
 
 def _deferred_component(
-    folder: ModelFolder, name: str, options: LoadOptions
+    folder: ModelFolder,
+    name: str,
+    options: LoadOptions,
+    *,
+    mesh: Any = None,
+    count_reads: bool = False,
 ) -> PipelineComponent | None:
     def make_loader(
         target_device: torch.device, target_dtype: torch.dtype | None
     ) -> ComponentLoader:
-        return component_loader(
-            folder, name, options.replace(device=target_device, dtype=target_dtype)
-        )
+        target = options.replace(device=target_device, dtype=target_dtype)
+        if mesh is not None or count_reads:
+            return ShardedComponentLoader(folder, name, target, mesh=mesh)
+        return component_loader(folder, name, target)
 
     try:
         loader = make_loader(options.device, options.dtype)

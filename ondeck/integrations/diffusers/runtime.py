@@ -18,7 +18,7 @@ from ... import memory
 from ...arguments import check_generate_arguments, warn_if_cut
 from ...errors import OndeckError
 from ...host_pool import output_host_bytes
-from ...lazy import LazyModule, is_lazy, is_out_of_memory
+from ...lazy import LazyModule, is_lazy, is_out_of_memory, loader_of
 from ...loading.options import DeviceChoice
 from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
@@ -158,6 +158,11 @@ class DiffusersRuntime(Pipeline):
             ComponentTurn(name, [self.components[held] for held in holding])
             for name, holding in self._turns
         ]
+
+    @property
+    def loaders(self) -> dict[str, Any]:
+        """Each deferred component's loader, by name (a report reads what each has read)."""
+        return {name: loader_of(proxy) for name, proxy in self.components.items()}
 
     @property
     def order(self) -> list[str]:
