@@ -21,6 +21,20 @@ import ondeck.diffusers  # noqa: E402
 from ondeck import distributed  # noqa: E402
 
 SHARD = ("transformer", "text_encoder_2")
+CONTEXT_SHAPE = {"height": 16, "width": 16}
+
+
+def token_counter(tokens: list[int]):
+    """A transform recording the image tokens each call's first block is given."""
+
+    def count(module):
+        def hook(block, args, kwargs):
+            tokens.append(kwargs["hidden_states"].shape[1])
+
+        module.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    return count
 
 
 def main(folder: str, out: Path) -> None:
@@ -47,6 +61,18 @@ def main(folder: str, out: Path) -> None:
         "component_bytes": pipe.ondeck.component_bytes(),
         "report_sharded": report["sharded"] if report else None,
     }
+    # The sequence split over the ranks too (Flux has a diffusers context-parallel plan),
+    # the transformer still sharded.
+    del pipe
+    split = ondeck.diffusers.from_pretrained(
+        folder, torch_dtype=torch.float32, device="cpu", policy="release",
+        shard=["transformer"], parallel=2, progress=False,
+    )  # fmt: skip
+    tokens: list[int] = []
+    split.transformer.add_transform(token_counter(tokens), reads_weights=False)
+    images = run(split, FAMILIES["flux"], seed=3, **CONTEXT_SHAPE)
+    np.save(out / f"context-images-rank{rank}.npy", np.asarray(images))
+    seen_here["context_tokens"] = sorted(set(tokens))
     (out / f"rank{rank}.json").write_text(json.dumps(seen_here))
     distributed.end_process()
 

@@ -16,6 +16,7 @@ import ondeck.diffusers
 from ondeck import OndeckError
 from ondeck.loading import ModelFolder
 
+from .diffusers_shard_worker import token_counter
 from .test_sharded import WORLD_SIZE, needs_gloo, torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -36,6 +37,7 @@ def ranks(flux_folder, tmp_path_factory):
     seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     for rank_seen in seen:
         rank_seen["images"] = np.load(out / f"images-rank{rank_seen['rank']}.npy")
+        rank_seen["context_images"] = np.load(out / f"context-images-rank{rank_seen['rank']}.npy")
     return seen
 
 
@@ -85,6 +87,21 @@ def test_sharded_images_equal_one_process_images(ranks, flux_folder):
     expected = np.asarray(run(pipe, FAMILIES["flux"], seed=3))
     for rank_seen in ranks:
         np.testing.assert_array_equal(rank_seen["images"], expected)
+
+
+@needs_gloo
+def test_the_sequence_split_over_the_ranks_gives_one_process_images(ranks, flux_folder):
+    pipe = ondeck.diffusers.from_pretrained(
+        flux_folder, torch_dtype=torch.float32, device="cpu", policy="release", progress=False
+    )
+    tokens: list[int] = []
+    pipe.transformer.add_transform(token_counter(tokens), reads_weights=False)
+    expected = np.asarray(run(pipe, FAMILIES["flux"], seed=3, height=16, width=16))
+    (whole,) = set(tokens)
+    for rank_seen in ranks:
+        assert rank_seen["context_tokens"] == [whole // 2], "each rank computes half the image"
+        # float32 attention over split keys sums in another order: not bit for bit.
+        np.testing.assert_allclose(rank_seen["context_images"], expected, atol=1e-5)
 
 
 @needs_gloo
