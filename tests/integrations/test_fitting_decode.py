@@ -186,3 +186,27 @@ def test_what_running_out_proved_is_not_forgotten_by_a_later_measurement(folders
     decoder.measured(1)  # a measurement far below what running out proved
     arguments = {"height": 32, "width": 32, "num_frames": 5}
     assert decoder.expected_need(arguments) >= int(proven * decoder.last_elements)
+
+
+def test_a_batch_that_does_not_fit_at_once_decodes_an_image_at_a_time(folders, monkeypatch):
+    from references import in_fresh_tensors
+
+    family = ALL_FAMILIES["flux"]
+    pipe = load(folders["flux"], "budget")  # the VAE stays: its settings can be read
+    decoder = pipe.ondeck.decoders["vae"]
+    arguments = {**family.call, "num_images_per_prompt": 2}
+    need = decoder.expected_need(arguments)
+    # Room for one image's decode, not for both at once.
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: need * 3 // 4)
+    output = run(pipe, family, num_images_per_prompt=2)
+    assert decoder.last_slices == 2 and decoder.last_tiles is None
+    plain = family.pipeline_type().from_pretrained(folders["flux"])
+    plain.set_progress_bar_config(disable=True)
+    in_fresh_tensors(plain)
+    plain.vae.enable_slicing()
+    assert np.array_equal(output, run(plain, family, num_images_per_prompt=2))
+    assert not pipe.vae.use_slicing, "the VAE's own setting is put back"
+
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: need * 2)
+    run(pipe, family, num_images_per_prompt=2)
+    assert decoder.last_slices == 1, "a batch that fits decodes at once"

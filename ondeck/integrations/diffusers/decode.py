@@ -192,6 +192,9 @@ class FittingDecode:
         self.config = spec.config or {}
         self.last_tiles: Tiles | None = None
         self.last_retries = 0
+        # Images (or videos) of the batch the last decode took one at a time, through the
+        # VAE's own ``enable_slicing``: 1 where it decoded the batch at once.
+        self.last_slices = 1
         self.last_elements: int | None = None
         self.last_need: int | None = None  # the last decode's whole-frame need
         # Whole frames' bytes per output element, measured (or, after running out of
@@ -207,6 +210,7 @@ class FittingDecode:
         """A tiled decode measured one tile: whole frames take about that over its area."""
         if self.last_retries:
             return None
+        measured *= self.last_slices  # one image at a time: the batch takes that each
         if self.last_tiles is not None:
             return int(measured / self.last_tiles.area)
         return measured
@@ -256,16 +260,21 @@ class FittingDecode:
         self._refuse_if_it_cannot_fit(need, height, width)
         module = self._module()
         if getattr(module, "use_tiling", False):
-            self.last_tiles, self.last_retries = None, 0
+            self.last_tiles, self.last_retries, self.last_slices = None, 0, 1
             return module.decode(*args, **kwargs)  # tiling the caller chose
         room = self.runtime.activation_room()
         if need is not None and room is not None and need > room and self.runtime.make_room():
             room = self.runtime.activation_room()
+        # A batch that does not fit at once decodes an image at a time, then in tiles if
+        # one image does not fit either.
+        slices = latents.shape[0] if _slices(module, latents, need, room) else 1
+        elements //= slices
+        need = need // slices if need is not None else None
         tiles = tiles_for(height, width, need, room, scale=scale) if self.style else None
         retries, made_room = 0, False
         while True:
             try:
-                result = self._decode(module, tiles, scale, args, kwargs)
+                result = self._decode(module, tiles, slices, scale, args, kwargs)
                 break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
@@ -296,7 +305,7 @@ class FittingDecode:
                 )
         if tiles is not None and latents.is_cuda:
             torch.cuda.empty_cache()  # tiles mean the device is tight
-        self.last_tiles, self.last_retries = tiles, retries
+        self.last_tiles, self.last_retries, self.last_slices = tiles, retries, slices
         return result
 
     def _module(self) -> Any:
@@ -328,13 +337,30 @@ class FittingDecode:
             )
 
     def _decode(
-        self, module: Any, tiles: Tiles | None, scale: int, args: tuple, kwargs: dict
+        self, module: Any, tiles: Tiles | None, slices: int, scale: int, args: tuple, kwargs: dict
     ) -> Any:
-        if tiles is None:
+        if tiles is None and slices == 1:
             return module.decode(*args, **kwargs)
-        with _settings_kept(module, self.style.names):
-            self.style.apply(module, tiles, scale)
+        names = (*(self.style.names if tiles is not None else ()), "use_slicing")
+        with _settings_kept(module, names):
+            if slices > 1:
+                module.enable_slicing()
+            if tiles is not None:
+                self.style.apply(module, tiles, scale)
             return module.decode(*args, **kwargs)
+
+
+def _slices(module: Any, latents: torch.Tensor, need: int | None, room: int | None) -> bool:
+    """Whether to decode a batch one image at a time: it does not fit at once, and the
+    VAE decodes slices itself (diffusers' ``enable_slicing``)."""
+    return (
+        latents.shape[0] > 1
+        and need is not None
+        and room is not None
+        and need > room
+        and callable(getattr(module, "enable_slicing", None))
+        and hasattr(module, "use_slicing")
+    )
 
 
 @contextlib.contextmanager
