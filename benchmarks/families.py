@@ -236,6 +236,42 @@ CALLS = {
 PROMPTS = ["a red fox in fresh snow", "a grey heron in a misty river", "a neon street"]
 
 
+class CallTimer:
+    """The device seconds of every call of one method, read with CUDA events."""
+
+    def __init__(self, owner, method: str):
+        import torch
+
+        self.pairs: list = []
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end.record()
+                self.pairs.append((start, end))
+
+        setattr(owner, method, timed)
+
+    def take(self) -> float:
+        seconds = sum(start.elapsed_time(end) for start, end in self.pairs) / 1000
+        self.pairs.clear()
+        return seconds
+
+
+def component_timers(pipe) -> dict:
+    """A timer per text encoder and transformer call and per VAE decode, of eager's run."""
+    timers = {}
+    for name, module in pipe.components.items():
+        if name.startswith(("text_encoder", "transformer")) and module is not None:
+            timers[name] = CallTimer(module, "forward")
+    timers["vae"] = CallTimer(pipe.vae, "decode")
+    return timers
+
+
 def family_child(args) -> None:
     """One mode of an sd35 or hunyuan family, in this process: prints its RESULT line."""
     import torch
@@ -246,6 +282,7 @@ def family_child(args) -> None:
     import diffusers
 
     import ondeck.diffusers
+    from ondeck.loading import HostCache
 
     result: dict = {"mode": args.child, "memory_gib": args.memory_gib, "runs": []}
     reset_peak_rss()
@@ -259,8 +296,11 @@ def family_child(args) -> None:
                 .to("cuda")
             )
             runtime = None
+            timers = component_timers(pipe)
         else:
             options = {"policy": "release"} if args.child.endswith("release") else {}
+            if args.host_cache_gib:
+                options["host_cache"] = HostCache(int(args.host_cache_gib * GiB))
             pipe = ondeck.diffusers.from_pretrained(
                 args.folder, torch_dtype=torch.bfloat16, device="cuda", progress=False, **options
             )
@@ -301,7 +341,23 @@ def family_child(args) -> None:
                 "rss_bytes": rss_bytes(),
                 "output_mean": float(images.mean()),
             }
-            if runtime is not None:
+            if runtime is None:
+                row["stages"] = [[name, timer.take()] for name, timer in timers.items()]
+            else:
+                row["stages"] = [
+                    [s.stage, s.seconds, s.exposed_load_seconds, s.allocator_retries]
+                    for s in runtime.tracker.stages
+                    if s.run == run + 1
+                ]
+                row["events"] = [
+                    [round(e.seconds, 3), e.kind, e.name, e.nbytes, e.duration_seconds]
+                    for e in runtime.tracker.events
+                    if e.run == run + 1 and e.kind in ("load", "fill", "release", "wait")
+                ]
+                row["loaded_from"] = {
+                    name: getattr(loader, "last_source", None)
+                    for name, loader in runtime.loaders.items()
+                }
                 row["decode"] = decode_report(runtime)
                 row["exposed_load_seconds"] = runtime.tracker.exposed_load_seconds(run + 1)
             result["runs"].append(row)
@@ -385,10 +441,11 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
 
 
 def family_command(
-    family: str, folder: Path, mode: str, runs: int, steps: int, memory: int | None
+    family: str, folder: Path, mode: str, runs: int, steps: int, memory: int | None, cache=None
 ) -> list:
     command = [__file__, "--child", mode, "--family", family, "--folder", str(folder)]
     command += ["--runs", str(runs), "--steps", str(steps)]
+    command += ["--host-cache-gib", str(cache)] if cache else []
     return command + (["--memory-gib", str(memory)] if memory else [])
 
 
@@ -406,6 +463,10 @@ def main() -> None:
     parser.add_argument("--cgroup", default="", help="host budgets in GiB as a cgroup's memory.max")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--host-cache", type=float, help="sd35/hunyuan: each ondeck mode again with a host cache"
+    )
+    parser.add_argument("--host-cache-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 4 if args.family == "hunyuan" else 8
@@ -447,7 +508,13 @@ def main() -> None:
             plan += [("ondeck-diffusers", card, gib, True) for gib in cgroups]
     if not args.no_release:
         plan.append(("ondeck-diffusers-release", "full", None, False))
+    if args.host_cache and args.family != "wan":
+        plan += [
+            (mode, card, None, "cache") for mode, card, _, _ in plan if mode != "diffusers-eager"
+        ]
     for mode, card, host_gib, in_cgroup in plan:
+        cache = args.host_cache if in_cgroup == "cache" else None
+        in_cgroup = in_cgroup is True
         memory = None if card == "full" else int(card)
         cgroup = None
         if args.family == "wan":
@@ -456,7 +523,7 @@ def main() -> None:
                 path, mode, args.runs, memory_gib=memory, host_memory_gib=host_flag
             )
         else:
-            command = family_command(args.family, path, mode, args.runs, args.steps, memory)
+            command = family_command(args.family, path, mode, args.runs, args.steps, memory, cache)
         if in_cgroup:
             try:
                 cgroup = memory_cgroup(f"ondeck-bench-{host_gib:g}", int(host_gib * GiB))
@@ -476,10 +543,12 @@ def main() -> None:
         if host_gib:
             row["host_label"] = f"{'cgroup' if in_cgroup else 'flag'} {host_gib:g}G"
             row["host_budget_bytes"] = int(host_gib * GiB)
+        if cache:
+            row["host_label"] = f"cache {cache:g}G"
         rows.append(row)
         runs = ", ".join(f"{r['seconds']:.1f}" for r in row.get("runs", []))
         error = f" ERROR {row['error'][:400]}" if row.get("error") else ""
-        label = f" host {row['host_label']}" if host_gib else ""
+        label = f" host {row['host_label']}" if row.get("host_label") else ""
         print(
             f"{mode} @ {card_label(card)}{label}: runs {runs} s; "
             f"{row.get('policy_reason', '')}{error}"
