@@ -140,6 +140,11 @@ class Executor:
         self._next_run = threading.Thread(target=load, name="ondeck-next-run", daemon=True)
         self._next_run.start()
 
+    @property
+    def loading_ahead(self) -> frozenset[str]:
+        """The next run's components this run's last stage loads (or loaded) early."""
+        return frozenset(self._next_run_names) if self._next_run is not None else frozenset()
+
     @contextmanager
     def _prefetching(self) -> Iterator[None]:
         """Marks the calling thread as a prefetch's (``in_prefetch_thread``) meanwhile,

@@ -274,11 +274,10 @@ class ReleasePolicy(Policy):
         return NOTHING
 
     def _next_run_fits(self, snapshot: Snapshot) -> tuple[str, ...]:
-        """The next run's first components, if loading them now keeps this run's peak."""
+        """The next run's first components, in the order its stages use them, as many as
+        can load now without raising the run's peak: beside this last stage, and beside
+        each early stage of the next run until its own turn comes."""
         uses = snapshot.uses
-        first = tuple(n for n in uses[0].components if n not in snapshot.resident)
-        if not first:
-            return ()
         activation, _ = self.activation_estimate(snapshot)
         if any(activation.get(use.name) is None for use in uses):
             return ()
@@ -288,8 +287,23 @@ class ReleasePolicy(Policy):
             sum(nbytes.get(c, 0) for c in held) + activation[use.name]
             for use, held in zip(uses, residency, strict=True)
         ]
-        last = peaks[-1] + sum(nbytes.get(c, 0) for c in first)
-        return first if last <= max(peaks) else ()
+        limit = max(peaks)
+        chosen: list[str] = []
+        for stage, use in enumerate(uses[:-1]):
+            adding = [c for c in use.components if c not in snapshot.resident and c not in chosen]
+            early = set(chosen + adding)
+            # Held early, they sit beside the last stage and beside every next-run stage
+            # before the one that uses them.
+            fits = peaks[-1] + sum(nbytes.get(c, 0) for c in early) <= limit and all(
+                sum(nbytes.get(c, 0) for c in residency[before] | early)
+                + activation[uses[before].name]
+                <= limit
+                for before in range(stage + 1)
+            )
+            if not fits:
+                break
+            chosen += adding
+        return tuple(chosen)
 
     def after_stage(self, snapshot: Snapshot, index: int, *, failed: bool) -> Steps:
         """Release what no later stage of the run holds: the residency the plan

@@ -553,13 +553,14 @@ class Pipeline(HostMemory):
         """Bytes of the components loading right now (a prefetch in the background)."""
         return sum(proxy.spec.nbytes or 0 for proxy in self.deferred.values() if is_loading(proxy))
 
-    def _after_stage(self, index: int, failed: bool) -> None:
-        """Release what the schedule says; never let a release error mask the stage's."""
+    def _after_stage(self, index: int, failed: bool, keep: frozenset[str] = frozenset()) -> None:
+        """Release what the schedule says, but ``keep``; never let a release error mask
+        the stage's."""
         if self.training:
             return
         try:
             steps = self.policy.after_stage(self.snapshot(), index, failed=failed)
-            self.executor.release(steps.release)
+            self.executor.release(name for name in steps.release if name not in keep)
         except Exception as error:
             if not failed:
                 raise

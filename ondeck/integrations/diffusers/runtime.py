@@ -388,10 +388,12 @@ class DiffusersRuntime(Pipeline):
             if self._current_index is not None:
                 self._finish_turn(self._current_index)
                 self._current_index = None
-            # Components touched outside their turns go too, where the policy frees.
+            # Components touched outside their turns go too, where the policy frees;
+            # not those the last turn is loading for the next call.
             self._held_back = []
+            ahead = self.executor.loading_ahead
             for index in range(len(self.stages)):
-                super()._after_stage(index, failed=False)
+                super()._after_stage(index, failed=False, keep=ahead)
             self._after_run()
         self.tracker.run_finished()
         self._learn(self._record)
