@@ -250,8 +250,9 @@ class ReleasePolicy(Policy):
     """Load on first use, free after the last stage that holds the component.
 
     With ``prefetch_next_run`` (the default), the last stage also starts loading the
-    next run's first components in the background, when they fit beside it without
-    raising the run's peak above its largest stage's (weights and measured activations;
+    next run's first components in the background, in turn order, as many as fit beside
+    it (and beside the next run's stages before their turn) without raising the run's
+    peak above its largest stage's (weights and measured activations;
     nothing is loaded early while an activation is unknown). They then stay resident
     between runs (the run returns once they are in); ``release_all()`` frees them.
     """
