@@ -64,11 +64,15 @@ def _running_out(times: int | None):
     return transform, count
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
 def test_running_out_once_frees_what_the_policy_kept_and_decodes_whole(
     family, folders, references, monkeypatch
 ):
+    if family == "allegro":
+        pytest.skip("AutoencoderKLAllegro has no whole-frame decode: it always tiles")
     pipe = load(folders[family], "budget")
+    if "vae" not in pipe.ondeck.decoders:
+        pytest.skip(f"{family}: its decoder is not a component named 'vae'")
     made_room = []
     original = DiffusersRuntime.make_room
     monkeypatch.setattr(
