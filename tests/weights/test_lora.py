@@ -59,6 +59,25 @@ def test_a_lora_on_a_float8_file(base, float8, lora_files, policy):
     assert np.array_equal(frames(pipe), expected)
 
 
+@pytest.mark.parametrize("policy", ["release", "budget", "streaming"])
+def test_a_lora_on_weights_kept_in_fp8(base, lora_files, lora_reference, policy):
+    """``storage_dtype="fp8"`` under a LoRA: the LoRA's layers compute beside the fp8
+    weights upcast per layer. Every policy gives eager's frames, twice (the LoRA is not
+    applied again at a reload); they differ from the fp8 frames without the LoRA and from
+    diffusers' full-precision LoRA frames."""
+    stored, lora = {"transformer": "fp8"}, [(lora_files["diffusers"], 0.7)]
+    expected = frames(load(base, "eager", storage_dtype=stored, loras=lora))
+    without = frames(load(base, "eager", storage_dtype=stored))
+    pipe = load(base, policy, storage_dtype=stored, loras=lora)
+
+    assert np.array_equal(frames(pipe), expected)
+    assert np.array_equal(frames(pipe), expected), "the same after a reload"
+    if policy == "streaming":
+        assert streamed_passes(pipe) > 0
+    assert not np.array_equal(expected, without), "the LoRA changes the fp8 frames"
+    assert not np.array_equal(expected, lora_reference), "the weights were kept in fp8"
+
+
 def test_two_loras_each_at_its_own_scale(base, lora_files):
     loras = [(lora_files["diffusers"], 0.7), (lora_files["musubi"], 0.2)]
     expected = reference_frames(base, loras=loras)
