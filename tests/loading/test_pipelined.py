@@ -500,3 +500,36 @@ def _freed_tensors_in_frames(error: BaseException) -> list[tuple[str, str]]:
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
     return found
+
+
+def test_fills_onto_one_device_take_turns_in_the_order_they_started():
+    """A second fill (the next component) starts reading only once the first has ended,
+    so the component needed first is whole first; a fill stopped while it waits for its
+    turn ends at once, and the fills after it still run."""
+    order: list[str] = []
+    hold = threading.Event()
+    ended: dict[str, BaseException | None] = {}
+
+    def filler(name: str, gate: threading.Event | None = None):
+        def fill(group):
+            if gate is not None:
+                gate.wait(10)
+            order.append(f"{name}{group}")
+
+        return fill
+
+    def finished(name: str):
+        return lambda error: ended.__setitem__(name, error)
+
+    cpu = torch.device("cpu")
+    first = pipelined.start_filling("a", [0, 1], filler("a", hold), finished("a"), device=cpu)
+    waiting = pipelined.start_filling("b", [0, 1], filler("b"), finished("b"), device=cpu)
+    last = pipelined.start_filling("c", [0], filler("c"), finished("c"), device=cpu)
+    waiting.cancel()  # returns without the first fill ending
+    assert isinstance(ended["b"], LoadError) and "stopped" in str(ended["b"])
+    assert order == [] and "a" not in ended and "c" not in ended
+    hold.set()
+    last.wait()
+    first.wait()
+    assert order == ["a0", "a1", "c0"]
+    assert ended["a"] is None and ended["c"] is None
