@@ -214,3 +214,33 @@ def test_a_batch_that_does_not_fit_at_once_decodes_an_image_at_a_time(folders, m
     monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: need * 2)
     run(pipe, family, num_images_per_prompt=2)
     assert decoder.last_slices == 1, "a batch that fits decodes at once"
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("retries", [1, 3])
+def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time(
+    family, retries, folders, references, monkeypatch
+):
+    """Whole frames that fitted their room only by the allocator giving back its cache
+    and retrying again and again (slow on a large card) took all the room: the next
+    call of that size decodes in diffusers' own tiles. One retry is not crowding."""
+    from itertools import chain, repeat
+
+    from ondeck.integrations.diffusers import decode
+
+    pipe = load(folders[family])
+    decoder = pipe.ondeck.decoders["vae"]
+    room = 2 * decoder.expected_need(ALL_FAMILIES[family].call)
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
+    counts = chain([0, retries], repeat(retries))  # the first decode's before and after
+    monkeypatch.setattr(decode, "allocator_retries", lambda device: next(counts))
+    assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
+    assert decoder.last_tiles is None, "whole frames fitted, as far as the room says"
+    second = run(pipe, ALL_FAMILIES[family])
+    tiles = decoder.last_tiles
+    if retries < decode.CROWDED_RETRIES:
+        assert tiles is None
+        assert np.array_equal(second, references[family][1])
+        return
+    assert tiles is not None and tiles.count > 1
+    assert np.array_equal(second, plain_tiled(family, folders[family], tiles))

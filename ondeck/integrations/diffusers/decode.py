@@ -33,6 +33,12 @@ ESTIMATE_BYTES_PER_ELEMENT_CHANNEL = 4
 # by latent frame with a cache of the previous ones).
 FRAMES_IN_FLIGHT = 4
 
+# A decode during which the caching allocator gave back its cache and retried this many
+# times fitted only by doing so, each time unmapping and mapping gigabytes again (half a
+# second each on a 16 GiB share of an H200): it took all its room, and the next decode of
+# that size tiles.
+CROWDED_RETRIES = 2
+
 # The three ways diffusers' VAEs take tile sizes.
 STRIDES = "strides"  # enable_tiling(tile_sample_min_height=..., tile_sample_stride_height=...)
 OVERLAP_FACTORS = "overlap factors"  # enable_tiling(tile_sample_min_height=..., tile_overlap_...)
@@ -274,7 +280,9 @@ class FittingDecode:
         retries, made_room = 0, False
         while True:
             try:
+                before = allocator_retries(latents.device)
                 result = self._decode(module, tiles, slices, scale, args, kwargs)
+                self._crowded(before, allocator_retries(latents.device), tiles, room, elements)
                 break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
@@ -310,6 +318,25 @@ class FittingDecode:
 
     def _module(self) -> Any:
         return self.proxy.materialize()
+
+    def _crowded(
+        self,
+        before: int | None,
+        after: int | None,
+        tiles: Tiles | None,
+        room: int | None,
+        elements: int,
+    ) -> None:
+        """A decode that fitted only by the allocator retrying (``CROWDED_RETRIES``) took
+        at least all of ``room`` for its tiles: whole frames are counted as needing more
+        than the room over the tiles' area, so that the next decode of this size tiles
+        finer and leaves the share a decode keeps free."""
+        if before is None or after is None or room is None or after - before < CROWDED_RETRIES:
+            return
+        area = tiles.area if tiles is not None else 1.0
+        at_least = max(room, 0) / (TILE_SAFETY * area) / elements
+        self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
+        self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
         if self.bytes_per_element is not None:
@@ -348,6 +375,14 @@ class FittingDecode:
             if tiles is not None:
                 self.style.apply(module, tiles, scale)
             return module.decode(*args, **kwargs)
+
+
+def allocator_retries(device: torch.device) -> int | None:
+    """How often the caching allocator on ``device`` has given back its cache and retried
+    an allocation so far; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _slices(module: Any, latents: torch.Tensor, need: int | None, room: int | None) -> bool:
