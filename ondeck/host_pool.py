@@ -18,6 +18,7 @@ __all__ = [
     "RUN_GROWTH_MIN_BYTES",
     "HostGrowth",
     "HostMemory",
+    "HostPlan",
     "output_host_bytes",
 ]
 
@@ -187,3 +188,57 @@ class HostMemory:
         """Fail the run (between stages) if the host watch saw the budget exceeded."""
         if self.host_watch is not None:
             self.host_watch.check()
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The host pool: what the process holds now, the reserve for its growth during a run,
+    the pinned host copies of streamed blocks, the rings of blocks read from the files each
+    pass, and the host cache's budget, against the host budget."""
+
+    budget_bytes: int
+    source: str
+    process_bytes: int
+    pinned_bytes: int
+    cache_bytes: int
+    ring_bytes: int = 0
+    growth_bytes: int = 0
+    growth_source: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return (
+            self.process_bytes
+            + self.growth_bytes
+            + self.pinned_bytes
+            + self.ring_bytes
+            + self.cache_bytes
+        )
+
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
+            f"{format_bytes(self.budget_bytes)} ({self.source}): the process now "
+            f"{format_bytes(self.process_bytes)}, its growth during a run "
+            f"{format_bytes(self.growth_bytes)} ({self.growth_source or 'not known'}), "
+            f"pinned copies of streamed blocks {format_bytes(self.pinned_bytes)}, "
+            + (
+                f"rings of blocks read from the files {format_bytes(self.ring_bytes)}, "
+                if self.ring_bytes
+                else ""
+            )
+            + f"host cache {format_bytes(self.cache_bytes)}"
+        ]
+        if not self.fits():
+            lines.append(
+                f"host: over by {format_bytes(self.peak_bytes - self.budget_bytes)}; a run "
+                "stops with a HostMemoryError before the kernel would kill it once dropping "
+                "the host cache is not enough. What would fit: fp8 storage (--weights fp8) "
+                "halves the streamed blocks' host memory, a lower resolution keeps more "
+                "blocks on the device, a smaller --host-cache, a larger --host-memory, or a "
+                "larger card"
+            )
+        return lines

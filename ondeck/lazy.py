@@ -727,7 +727,12 @@ class LazyModule:
                 called(self)  # a planner weighs streaming by how often each is called
         # A call may start while a pipelined load still brings blocks in: each block's
         # forward waits for its own weights.
-        return self.materialize(complete=False)(*args, **kwargs)
+        result = self.materialize(complete=False)(*args, **kwargs)
+        for observer in object.__getattribute__(self, "_ondeck_observers"):
+            returned = getattr(observer, "component_returned", None)
+            if returned is not None:
+                returned(self)  # and by how long a call computes
+        return result
 
     def __len__(self) -> int:
         return len(self.materialize())

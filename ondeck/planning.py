@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .host_pool import HostPlan
 from .memory import format_bytes, parse_bytes
 from .streaming.file_reads import SLOW_FILE_READS, FileReads, plan_file_reads
 from .streaming.layout import (
@@ -344,60 +345,6 @@ def simulate(
     return planned
 
 
-@dataclass(frozen=True)
-class HostPlan:
-    """The host pool: what the process holds now, the reserve for its growth during a run,
-    the pinned host copies of streamed blocks, the rings of blocks read from the files each
-    pass, and the host cache's budget, against the host budget."""
-
-    budget_bytes: int
-    source: str
-    process_bytes: int
-    pinned_bytes: int
-    cache_bytes: int
-    ring_bytes: int = 0
-    growth_bytes: int = 0
-    growth_source: str = ""
-
-    @property
-    def peak_bytes(self) -> int:
-        return (
-            self.process_bytes
-            + self.growth_bytes
-            + self.pinned_bytes
-            + self.ring_bytes
-            + self.cache_bytes
-        )
-
-    def fits(self) -> bool:
-        return self.peak_bytes <= self.budget_bytes
-
-    def describe(self) -> list[str]:
-        lines = [
-            f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
-            f"{format_bytes(self.budget_bytes)} ({self.source}): the process now "
-            f"{format_bytes(self.process_bytes)}, its growth during a run "
-            f"{format_bytes(self.growth_bytes)} ({self.growth_source or 'not known'}), "
-            f"pinned copies of streamed blocks {format_bytes(self.pinned_bytes)}, "
-            + (
-                f"rings of blocks read from the files {format_bytes(self.ring_bytes)}, "
-                if self.ring_bytes
-                else ""
-            )
-            + f"host cache {format_bytes(self.cache_bytes)}"
-        ]
-        if not self.fits():
-            lines.append(
-                f"host: over by {format_bytes(self.peak_bytes - self.budget_bytes)}; a run "
-                "stops with a HostMemoryError before the kernel would kill it once dropping "
-                "the host cache is not enough. What would fit: fp8 storage (--weights fp8) "
-                "halves the streamed blocks' host memory, a lower resolution keeps more "
-                "blocks on the device, a smaller --host-cache, a larger --host-memory, or a "
-                "larger card"
-            )
-        return lines
-
-
 @dataclass
 class Plan:
     """The predicted residency of a pipeline, before a byte is loaded."""
@@ -656,21 +603,46 @@ def build_plan(
     resident = planned_with(kept)
     if resident.overflow() is not None:
         return planned
-    reloading, staying = (
-        moved_per_run(planned, streaming.calls),
-        moved_per_run(resident, streaming.calls),
-    )
+    rate = resident.transfer_bytes_per_second or streaming.bytes_per_second
+    times = [exposed_per_run(plan, streaming, rate) for plan in (planned, resident)]
+    if None not in times:
+        reloading, staying = times
+        note = (
+            f"{staying:.2f} s a run of copies that compute does not hide, against "
+            f"{reloading:.2f} s reloading (calls timed, copies at {rate / 1e9:.1f} GB/s)"
+        )
+    else:
+        reloading, staying = (moved_per_run(plan, streaming.calls) for plan in (planned, resident))
+        note = (
+            f"{format_bytes(staying)} cross per run, against {format_bytes(reloading)} "
+            "reloading and streaming would move"
+        )
     if staying >= RESIDENT_STREAMING_GAIN * reloading:
         return planned
     names = ", ".join(
         f"{name} (called {streaming.calls[name]} times a run)" for name in resident.streamed
     )
     resident.streaming_notes.append(
-        f"streaming {names} keeps every component on the device from stage to stage: "
-        f"{format_bytes(staying)} cross per run, against {format_bytes(reloading)} "
-        "reloading and streaming would move"
+        f"streaming {names} keeps every component on the device from stage to stage: {note}"
     )
     return resident
+
+
+def exposed_per_run(plan: Plan, streaming: StreamingInputs, rate: float) -> float | None:
+    """Seconds of copies compute does not hide in a run of ``plan`` from run 2 on: each
+    load at the rate it last reached, less one call (compute starts while it arrives),
+    and each streamed call beyond its quickest timed call. None where a call is untimed."""
+    timed, loads = streaming.seconds_per_call, loaded_per_run(plan)
+    if not rate or any(name not in timed for name in (*plan.streamed, *loads)):
+        return None
+    seconds = 0.0
+    for name, nbytes in loads.items():
+        load_rate = streaming.load_bytes_per_second.get(name, rate)
+        seconds += max(0.0, nbytes / load_rate - timed[name])
+    for name, layout in plan.streamed.items():
+        beyond = layout.bytes_per_pass / rate - timed[name]
+        seconds += streaming.calls.get(name, 1) * max(0.0, beyond)
+    return seconds
 
 
 def moved_per_run(plan: Plan, calls: Mapping[str, int]) -> int:
@@ -707,16 +679,22 @@ def loads_from(plan: Plan, start: Iterable[str]) -> tuple[int, frozenset[str]]:
 
 def bytes_loaded_per_run(plan: Plan) -> int:
     """Bytes a plan loads in its last simulated run (the steady state: run 2 onwards)."""
+    return sum(loaded_per_run(plan).values())
+
+
+def loaded_per_run(plan: Plan) -> dict[str, int]:
+    """Per component, the bytes a plan loads in its last simulated run."""
     runs = plan.runs
     if not runs:
-        return 0
+        return {}
     last = runs[-1].run
     sizes = plan.device_bytes
     previous = [stage for stage in runs if stage.run == last - 1]
     resident = set(previous[-1].resident) if previous else set()
-    loaded = 0
+    loaded: dict[str, int] = {}
     for stage in (stage for stage in runs if stage.run == last):
-        loaded += sum(sizes.get(name, 0) for name in set(stage.resident) - resident)
+        for name in set(stage.resident) - resident:
+            loaded[name] = loaded.get(name, 0) + sizes.get(name, 0)
         resident = set(stage.resident)
     return loaded
 

@@ -57,6 +57,10 @@ class Snapshot:
     # Per component, its calls (forward passes) in the last run that completed; empty
     # before one has.
     calls_per_run: Mapping[str, int] = field(default_factory=dict)
+    # Per component, its quickest call's device seconds in that run; empty off CUDA.
+    seconds_per_call: Mapping[str, float] = field(default_factory=dict)
+    # Per component loaded in that run, the rate its load reached.
+    load_bytes_per_second: Mapping[str, float] = field(default_factory=dict)
     # Host memory streamed blocks' pinned copies and rings may take (the host budget less
     # the process and the host cache's budget); None where unknown.
     host_room_bytes: int | None = None
@@ -72,6 +76,8 @@ class Snapshot:
             "streamable_blocks",
             "upcast_bytes",
             "calls_per_run",
+            "seconds_per_call",
+            "load_bytes_per_second",
         ):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "uses", tuple(self.uses))

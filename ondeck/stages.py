@@ -31,7 +31,7 @@ from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
-from .tracker import MemoryTracker, StageRecord
+from .tracker import CallTimer, MemoryTracker, StageRecord
 
 __all__ = ["Stage", "Pipeline", "held_components"]
 
@@ -176,7 +176,9 @@ class Pipeline(HostMemory):
     ):
         self.device = resolve_device(device)
         self.init_host_memory(parse_bytes(host_memory))
-        self.tracker = MemoryTracker(device=str(self.device))
+        self.tracker = MemoryTracker(
+            device=str(self.device), call_timer=CallTimer.for_device(self.device)
+        )
         self.training = False
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
@@ -362,6 +364,8 @@ class Pipeline(HostMemory):
                 name: upcast for name, loader in loaders.items() if (upcast := _upcast(loader))
             },
             calls_per_run=self.tracker.calls_per_run,
+            seconds_per_call=self.tracker.seconds_per_call,
+            load_bytes_per_second=self.tracker.load_bytes_per_second,
             host_room_bytes=self.host_room_bytes(),
         )
 
@@ -652,6 +656,9 @@ class Pipeline(HostMemory):
         """A call of a component (its forward), counted per run (``run_started`` drops
         the calls made between runs)."""
         self.tracker.called(self._name_of(proxy))
+
+    def component_returned(self, proxy: LazyModule) -> None:
+        self.tracker.returned(self._name_of(proxy))
 
     def after_wait(self, proxy: LazyModule, seconds: float) -> None:
         """A forward waited for a block that a pipelined load had not brought in yet."""

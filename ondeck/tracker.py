@@ -45,6 +45,53 @@ class StageRecord:
     allocator_ooms: int | None = None
 
 
+class CallTimer:
+    """Each call's time on the device, between two timing events recorded on the
+    computing stream as the call starts and returns (``event()`` makes one: CUDA's
+    ``Event(enable_timing=True)``). Read once the run is over, when the events are done;
+    a call's time includes the device waiting for weights still arriving, so the quickest
+    call of a run is the one closest to its compute alone."""
+
+    def __init__(self, event: Any):
+        self._event = event
+        self._open: dict[str, list[Any]] = {}
+        self._timed: list[tuple[str, Any, Any]] = []
+
+    @classmethod
+    def for_device(cls, device: Any) -> CallTimer | None:
+        """A timer on CUDA; None elsewhere (no device events to time with)."""
+        if not str(device).startswith("cuda"):
+            return None
+        import torch
+
+        return cls(lambda: torch.cuda.Event(enable_timing=True))
+
+    def started(self, name: str) -> None:
+        event = self._event()
+        event.record()
+        self._open.setdefault(name, []).append(event)
+
+    def ended(self, name: str) -> None:
+        opened = self._open.get(name)
+        if not opened:
+            return
+        event = self._event()
+        event.record()
+        self._timed.append((name, opened.pop(), event))
+
+    def quickest(self) -> dict[str, float]:
+        """Per component, its quickest call's seconds so far in this run."""
+        quickest: dict[str, float] = {}
+        for name, start, end in self._timed:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+            quickest[name] = min(seconds, quickest.get(name, seconds))
+        return quickest
+
+    def clear(self) -> None:
+        self._open, self._timed = {}, []
+
+
 def _resets_peaks_by_default() -> bool:
     return os.environ.get("ONDECK_RESET_PEAKS", "0").strip().lower() in ("1", "true", "yes")
 
@@ -85,6 +132,14 @@ class MemoryTracker:
     reset_peaks: bool = field(default_factory=_resets_peaks_by_default)
     # Per component, its calls in the last run that completed (``called``).
     calls_per_run: dict[str, int] = field(default_factory=dict)
+    # Per component, its quickest call's device time in the last run that completed
+    # (``call_timer``): what a call computes when nothing keeps it waiting. Only where
+    # the device times its work (CUDA events).
+    seconds_per_call: dict[str, float] = field(default_factory=dict)
+    call_timer: CallTimer | None = None
+    # Per component loaded in the last run that completed, the rate its load reached
+    # (bytes over the seconds to its last weight in place): what reloading it costs.
+    load_bytes_per_second: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -157,12 +212,29 @@ class MemoryTracker:
         """``name`` was called (one forward pass) in the run under way."""
         with self._lock:
             self._calls[name] = self._calls.get(name, 0) + 1
+        if self.call_timer is not None:
+            self.call_timer.started(name)
+
+    def returned(self, name: str) -> None:
+        """A call of ``name`` returned."""
+        if self.call_timer is not None:
+            self.call_timer.ended(name)
 
     def run_finished(self) -> None:
-        """A run completed: its calls per component become ``calls_per_run``."""
+        """A run completed: its calls per component become ``calls_per_run``, and their
+        quickest device times ``seconds_per_call``."""
+        timed = self.call_timer.quickest() if self.call_timer is not None else {}
         with self._lock:
             self.calls_per_run = self._calls
             self._calls = {}
+            if timed:
+                self.seconds_per_call = timed
+            loads: dict[str, tuple[int, float]] = {}
+            for event in self.events:  # a pipelined load's fill ends it, and comes last
+                if event.run == self.runs and event.kind in ("load", "fill"):
+                    if event.duration_seconds and event.nbytes:
+                        loads[event.name] = (event.nbytes, event.duration_seconds)
+            self.load_bytes_per_second.update({n: b / s for n, (b, s) in loads.items()})
 
     def run_started(self) -> None:
         """A run begins; events and stage records of older runs than ``keep_runs`` go.
@@ -173,6 +245,8 @@ class MemoryTracker:
         with self._lock:
             self.runs += 1
             self._calls = {}
+        if self.call_timer is not None:
+            self.call_timer.clear()
             oldest = self.runs - self.keep_runs + 1
             if self.stages and self.stages[0].run < oldest:
                 self.stages = [s for s in self.stages if s.run >= oldest]
@@ -307,6 +381,8 @@ class MemoryTracker:
             "host_growth_bytes": self.host_growth_bytes,
             "bytes_loaded": self.bytes_loaded,
             "calls_per_run": dict(self.calls_per_run),
+            "seconds_per_call": dict(self.seconds_per_call),
+            "load_bytes_per_second": dict(self.load_bytes_per_second),
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
             "process_peak_rss_bytes": process_peak_rss_bytes(),
             "exposed_load_seconds": self.exposed_load_seconds(),

@@ -232,6 +232,10 @@ class StreamingInputs:
     measure: Callable[[], tuple[float, str]] | None = None
     # Per component, its calls (forward passes) in the last run; empty before a run.
     calls: Mapping[str, int] = field(default_factory=dict)
+    # Per component, its quickest call's device seconds in that run; empty where untimed.
+    seconds_per_call: Mapping[str, float] = field(default_factory=dict)
+    # Per component loaded in that run, the rate its load reached.
+    load_bytes_per_second: Mapping[str, float] = field(default_factory=dict)
     # The host memory streamed blocks may take (``file_reads.HostRoom``); None: unknown,
     # every streamed block keeps a pinned host copy.
     host: Any = None

@@ -120,6 +120,8 @@ class BlockStreaming:
             measure=measure,
             previous=previous,
             calls={name: calls for name, calls in snapshot.calls_per_run.items() if calls > 0},
+            seconds_per_call=dict(snapshot.seconds_per_call),
+            load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
         )
 

@@ -6,10 +6,12 @@ figures (bytes allocated now, peak since the last reset), so these run without a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from ondeck.tracker import MemoryTracker
+from ondeck.tracker import CallTimer, MemoryTracker
 
 GiB = 2**30
 
@@ -191,3 +193,68 @@ def test_retries_not_counted_at_the_stage_start_are_unknown_not_a_total(cuda, mo
     tracker.stage_started("Denoise")
     monkeypatch.setattr(torch.cuda, "memory_stats", cuda.memory_stats)
     assert tracker.stage_finished("Denoise").allocator_retries is None
+
+
+class ClockEvent:
+    """A timing event on the host clock, in the shape of CUDA's (milliseconds apart)."""
+
+    def __init__(self):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000
+
+
+def test_a_run_keeps_each_components_quickest_call_and_each_loads_rate():
+    """Every call through a component's proxy is timed; after the run each component
+    has its quickest call, and each component loaded its load's rate. A run that fails
+    keeps the figures of the last one that completed."""
+    from .helpers import Apply, ThreeStages, state, three_loaders
+
+    class SlowOnce(torch.nn.Module):  # its second call also waits 50 ms, as for weights
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            time.sleep(0.05 if self.calls == 2 else 0.002)
+            return x
+
+    class TwiceDenoised(ThreeStages):
+        def create_stages(self):
+            stages = super().create_stages()
+            return [stages[0], stages[1], Apply(self.components["denoiser"], "Again"), stages[2]]
+
+    loaders = three_loaders()
+    slow = SlowOnce()
+    loaders["denoiser"] = lambda: slow
+    pipe = TwiceDenoised(loaders, policy="budget", budget="1GiB")
+    assert pipe.tracker.call_timer is None, "off CUDA nothing times the calls"
+    pipe.tracker.call_timer = CallTimer(ClockEvent)
+    pipe(state())
+    timed = pipe.tracker.seconds_per_call
+    assert set(timed) == {"encoder", "denoiser", "decoder"}
+    assert 0.002 <= timed["denoiser"] < 0.04, "the quickest of its two calls"
+    assert pipe.snapshot().seconds_per_call == timed
+    rates = pipe.tracker.load_bytes_per_second
+    assert set(rates) == {"encoder", "decoder"}  # the denoiser's loader reports no bytes
+    assert all(rate > 0 for rate in rates.values())
+    assert pipe.report()["seconds_per_call"] == timed
+
+
+def test_a_timer_pairs_each_return_with_its_call_and_forgets_on_clear():
+    timer = CallTimer(ClockEvent)
+    timer.started("a")
+    timer.started("b")
+    timer.ended("b")
+    timer.ended("c")  # never started: nothing to pair
+    assert set(timer.quickest()) == {"b"}  # "a" never returned
+    timer.clear()
+    assert timer.quickest() == {}

@@ -334,3 +334,44 @@ def test_resident_streaming_loses_to_reloading_when_it_would_move_more():
     assert kept is not None and "transformer" in kept.layouts
     assert bytes_loaded_per_run(plan) > 0  # the reloading plan won
     assert "keeps every component on the device" not in str(plan)
+
+
+def _timed_plan_at_16(seconds_per_call, load_bytes_per_second=None):
+    inputs = StreamingInputs(
+        {"text_encoder_3": T5, "transformer": MMDIT},
+        unmeasured_activation_fraction=0.0,
+        bytes_per_second=55e9,
+        calls={"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
+        seconds_per_call=seconds_per_call,
+        load_bytes_per_second=load_bytes_per_second or {},
+    )
+    return build_plan(
+        IMAGE_USES,
+        IMAGE_SIZES,
+        policy="budget",
+        budget=16 * GiB,
+        activation=IMAGE_ACTIVATION,
+        streaming=inputs,
+    )
+
+
+def test_timed_calls_weigh_the_copies_their_compute_does_not_hide():
+    """By bytes, streaming the transformer as well moves more than reloading at 16 GiB.
+    Timed, what counts is the copies compute does not hide: a transformer call long
+    enough to hide its streamed blocks leaves only the encoder's copies, less than the
+    reloads (read at the rate they reached, less one call each); a short call does not."""
+    untimed = _timed_plan_at_16({})
+    assert bytes_loaded_per_run(untimed) > 0  # by bytes, reloading
+    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2, "vae": 0.05}
+    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
+    staying = _timed_plan_at_16(calls, slow_reads)
+    assert set(staying.streamed) >= {"text_encoder_3", "transformer"}
+    assert bytes_loaded_per_run(staying) == 0
+    assert "s a run of copies that compute does not hide" in str(staying)
+    # A transformer call shorter than its streamed blocks' copies: reloading again.
+    short = _timed_plan_at_16({**calls, "transformer": 0.01}, slow_reads)
+    assert bytes_loaded_per_run(short) > 0
+    # Reloads at the streaming rate, the transformer's hidden behind its first call:
+    # streaming the encoder twice costs more than loading it once.
+    fast = _timed_plan_at_16({**calls, "transformer": 0.5})
+    assert bytes_loaded_per_run(fast) > 0
