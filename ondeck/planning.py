@@ -632,13 +632,13 @@ def exposed_per_run(plan: Plan, streaming: StreamingInputs, rate: float) -> floa
     """Seconds of copies compute does not hide in a run of ``plan`` from run 2 on: each
     load at the rate it last reached, less one call (compute starts while it arrives),
     and each streamed call beyond its quickest timed call. None where a call is untimed."""
-    timed, loads = streaming.seconds_per_call, loaded_per_run(plan)
-    if not rate or any(name not in timed for name in (*plan.streamed, *loads)):
+    timed = streaming.seconds_per_call
+    if not rate or any(name not in timed for name in plan.streamed):
         return None
     seconds = 0.0
-    for name, nbytes in loads.items():
+    for name, nbytes in loaded_per_run(plan).items():  # untimed (a VAE's decode): no call
         load_rate = streaming.load_bytes_per_second.get(name, rate)
-        seconds += max(0.0, nbytes / load_rate - timed[name])
+        seconds += max(0.0, nbytes / load_rate - timed.get(name, 0.0))
     for name, layout in plan.streamed.items():
         beyond = layout.bytes_per_pass / rate - timed[name]
         seconds += streaming.calls.get(name, 1) * max(0.0, beyond)

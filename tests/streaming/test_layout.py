@@ -362,7 +362,8 @@ def test_timed_calls_weigh_the_copies_their_compute_does_not_hide():
     reloads (read at the rate they reached, less one call each); a short call does not."""
     untimed = _timed_plan_at_16({})
     assert bytes_loaded_per_run(untimed) > 0  # by bytes, reloading
-    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2, "vae": 0.05}
+    # The VAE's decode is not a call of the component: its reload counts whole.
+    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
     slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
     staying = _timed_plan_at_16(calls, slow_reads)
     assert set(staying.streamed) >= {"text_encoder_3", "transformer"}
