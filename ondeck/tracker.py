@@ -52,32 +52,36 @@ class CallTimer:
     a call's time includes the device waiting for weights still arriving, so the quickest
     call of a run is the one closest to its compute alone."""
 
-    def __init__(self, event: Any):
+    def __init__(self, event: Any, stream: Any = lambda: None):
         self._event = event
+        self._stream = stream  # the stream to record on: None, the current one
         self._open: dict[str, list[Any]] = {}
         self._timed: list[tuple[str, Any, Any]] = []
 
     @classmethod
     def for_device(cls, device: Any) -> CallTimer | None:
-        """A timer on CUDA; None elsewhere (no device events to time with)."""
+        """A timer on ``device``'s current stream on CUDA; None elsewhere."""
         if not str(device).startswith("cuda"):
             return None
         import torch
 
-        return cls(lambda: torch.cuda.Event(enable_timing=True))
+        return cls(
+            lambda: torch.cuda.Event(enable_timing=True),
+            lambda: torch.cuda.current_stream(device),
+        )
+
+    def _recorded(self) -> Any:
+        event = self._event()
+        event.record(self._stream())
+        return event
 
     def started(self, name: str) -> None:
-        event = self._event()
-        event.record()
-        self._open.setdefault(name, []).append(event)
+        self._open.setdefault(name, []).append(self._recorded())
 
     def ended(self, name: str) -> None:
         opened = self._open.get(name)
-        if not opened:
-            return
-        event = self._event()
-        event.record()
-        self._timed.append((name, opened.pop(), event))
+        if opened:
+            self._timed.append((name, opened.pop(), self._recorded()))
 
     def quickest(self) -> dict[str, float]:
         """Per component, its quickest call's seconds so far in this run."""
@@ -245,12 +249,12 @@ class MemoryTracker:
         with self._lock:
             self.runs += 1
             self._calls = {}
-        if self.call_timer is not None:
-            self.call_timer.clear()
             oldest = self.runs - self.keep_runs + 1
             if self.stages and self.stages[0].run < oldest:
                 self.stages = [s for s in self.stages if s.run >= oldest]
                 self.events = [e for e in self.events if e.run >= oldest]
+        if self.call_timer is not None:
+            self.call_timer.clear()
 
     def _on_cuda(self) -> bool:
         return str(self.device).startswith("cuda")

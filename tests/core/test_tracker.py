@@ -201,7 +201,7 @@ class ClockEvent:
     def __init__(self):
         self.at = None
 
-    def record(self):
+    def record(self, stream=None):
         self.at = time.perf_counter()
 
     def synchronize(self):

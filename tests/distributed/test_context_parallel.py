@@ -11,7 +11,6 @@ log-sum-exp, which only CUDA has: it is not run here. The GPU figures come from
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,9 +31,8 @@ from ondeck.parallel import (
 )
 from ondeck.pipelines.wan import WanTextToVideo
 
-from .test_sharded import WORLD_SIZE, needs_gloo, torchrun
+from .test_sharded import WORLD_SIZE, needs_gloo, run_ranks, torchrun
 
-HERE = Path(__file__).resolve().parent
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
 # 32x32 pixels, 5 frames: 2 latent frames of 4x4, patches of 1x2x2.
 TOKENS = 2 * 2 * 2
@@ -97,9 +95,8 @@ def one_process(wan_folder, six_block_folder):
 def ranks(wan_folder, six_block_folder, tmp_path_factory):
     """What each of two ranks saw (context_worker.py)."""
     out = tmp_path_factory.mktemp("context-ranks")
-    worker = str(HERE / "context_worker.py")
-    torchrun(worker, str(wan_folder), str(six_block_folder), str(out), cwd=out, timeout=400)
-    seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    folders = (str(wan_folder), str(six_block_folder))
+    seen = run_ranks("context_worker.py", *folders, out=out, timeout=400)
     for rank, rank_seen in enumerate(seen):
         rank_seen["frames"] = {
             (label, which): np.load(out / f"{label}-{which}-rank{rank}.npy")

@@ -41,6 +41,7 @@ needs_gloo = pytest.mark.skipif(
 def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "ONDECK_PROGRESS": "0"}
     environment.setdefault("NCCL_NVLS_ENABLE", "0")
+    environment["TMPDIR"] = str(cwd)  # torchrun's own run folders stay with the test's
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={WORLD_SIZE}", *args]
     done = subprocess.run(
@@ -48,6 +49,13 @@ def torchrun(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Complete
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done
+
+
+def run_ranks(worker: str, *args: str, out: Path, timeout: float = 120) -> list[dict]:
+    """Run ``worker`` (beside this file) on each rank with ``args`` and ``out``; returns
+    what each rank wrote to ``out/rank<N>.json``."""
+    torchrun(str(HERE / worker), *args, str(out), cwd=out, timeout=timeout)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +77,7 @@ def one_process(wan_folder):
 def ranks(wan_folder, tmp_path_factory):
     """What each of two ranks saw running the tiny Wan pipeline sharded (rank_worker.py)."""
     out = tmp_path_factory.mktemp("ranks")
-    torchrun(str(HERE / "rank_worker.py"), str(wan_folder), str(out), cwd=out)
-    seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    seen = run_ranks("rank_worker.py", str(wan_folder), out=out)
     for rank_seen in seen:
         rank_seen["host_cache_frames"] = np.load(out / f"host-cache-rank{rank_seen['rank']}.npy")
         rank_seen["frames"] = {

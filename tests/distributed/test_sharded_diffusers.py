@@ -5,7 +5,6 @@ reading only its rows."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +16,8 @@ from ondeck import OndeckError
 from ondeck.loading import ModelFolder
 
 from .diffusers_shard_worker import token_counter
-from .test_sharded import WORLD_SIZE, needs_gloo, torchrun
+from .test_sharded import WORLD_SIZE, needs_gloo, run_ranks, torchrun
 
-HERE = Path(__file__).resolve().parent
 SHARD = ["text_encoder_2", "transformer"]
 
 
@@ -33,8 +31,7 @@ def flux_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(flux_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("flux-ranks")
-    torchrun(str(HERE / "diffusers_shard_worker.py"), str(flux_folder), str(out), cwd=out)
-    seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    seen = run_ranks("diffusers_shard_worker.py", str(flux_folder), out=out)
     for rank_seen in seen:
         rank_seen["images"] = np.load(out / f"images-rank{rank_seen['rank']}.npy")
         rank_seen["context_images"] = np.load(out / f"context-images-rank{rank_seen['rank']}.npy")

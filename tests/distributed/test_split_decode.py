@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +11,7 @@ import torch
 from ondeck.pipelines.split_decode import MAX_SLAB_SHARE, decoder_margin, plan_slab
 from ondeck.pipelines.wan import WanTextToVideo
 
-from .test_sharded import WORLD_SIZE, needs_gloo, torchrun
-
-HERE = Path(__file__).resolve().parent
+from .test_sharded import WORLD_SIZE, needs_gloo, run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +38,7 @@ def wan_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(wan_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("split-ranks")
-    worker = str(HERE / "split_decode_worker.py")
-    torchrun(worker, str(wan_folder), str(out), cwd=out, timeout=300)
-    seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    seen = run_ranks("split_decode_worker.py", str(wan_folder), out=out, timeout=300)
     return {"out": out, "seen": seen}
 
 

@@ -270,17 +270,18 @@ IMAGE_SIZES = {
 IMAGE_ACTIVATION = {"encode": GiB // 4, "denoise": int(1.5 * GiB), "decode": 2 * GiB}
 
 
-def _image_plan(calls):
+def _image_plan(calls, budget=22 * GiB, **timing):
     inputs = StreamingInputs(
         {"text_encoder_3": T5, "transformer": MMDIT},
         unmeasured_activation_fraction=0.0,
         calls=calls,
+        **timing,
     )
     return build_plan(
         IMAGE_USES,
         IMAGE_SIZES,
         policy="budget",
-        budget=22 * GiB,
+        budget=budget,
         activation=IMAGE_ACTIVATION,
         streaming=inputs,
     )
@@ -337,21 +338,12 @@ def test_resident_streaming_loses_to_reloading_when_it_would_move_more():
 
 
 def _timed_plan_at_16(seconds_per_call, load_bytes_per_second=None):
-    inputs = StreamingInputs(
-        {"text_encoder_3": T5, "transformer": MMDIT},
-        unmeasured_activation_fraction=0.0,
+    return _image_plan(
+        {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
+        16 * GiB,
         bytes_per_second=55e9,
-        calls={"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
         seconds_per_call=seconds_per_call,
         load_bytes_per_second=load_bytes_per_second or {},
-    )
-    return build_plan(
-        IMAGE_USES,
-        IMAGE_SIZES,
-        policy="budget",
-        budget=16 * GiB,
-        activation=IMAGE_ACTIVATION,
-        streaming=inputs,
     )
 
 
