@@ -22,6 +22,7 @@ from ..loading import (
     QuantizedComponentLoader,
     component_loader,
 )
+from ..loading.sharded import shardable_models
 from ..loading.single_file import SingleFileFolder
 from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
@@ -146,15 +147,7 @@ def check_shard_names(shard: tuple[str, ...], path: Path, libraries: tuple[str, 
     """Each --shard name one of the folder's models, from model_index.json alone."""
     if not shard:
         return
-    import torch
-
-    folder = ModelFolder.open(path, libraries=libraries)
-    models = [
-        name
-        for name in folder.component_names
-        if isinstance(folder.component_class(name), type)
-        and issubclass(folder.component_class(name), torch.nn.Module)
-    ]
+    models = shardable_models(ModelFolder.open(path, libraries=libraries))
     unknown = sorted(set(shard) - set(models))
     if unknown:
         raise UsageError(

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,14 @@ from .model_folder import ModelFolder
 from .options import LoadOptions
 from .pipelined import fill_groups
 from .safetensors_format import TensorInfo
-from .skeleton import Skeleton, get_tensor, match_tensors, module_paths, set_tensor
+from .skeleton import (
+    Skeleton,
+    get_tensor,
+    is_model_container,
+    match_tensors,
+    module_paths,
+    set_tensor,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ShardedComponentLoader",
     "check_shard",
+    "shardable_models",
     "shard_cache_key",
     "shard_rows",
     "shard_units",
@@ -43,6 +51,23 @@ __all__ = [
 
 # Methods other than ``forward`` that callers run a sharded component through.
 ENTRY_METHODS = ("encode", "decode")
+
+
+def shardable_models(folder: ModelFolder, skip: Collection[str] = ()) -> list[str]:
+    """The folder's models ondeck can read by rows, from ``model_index.json`` alone: its
+    ``nn.Module`` components, less ``skip`` and models that only hold others."""
+    models = []
+    for name in folder.component_names:
+        if name in skip:
+            continue
+        try:
+            cls = folder.component_class(name)
+        except LoadError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            if not is_model_container(cls):
+                models.append(name)
+    return models
 
 
 def check_shard(

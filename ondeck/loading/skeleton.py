@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import re
 import threading
@@ -28,6 +29,7 @@ __all__ = [
     "SkeletonBuildError",
     "Slot",
     "build_skeleton",
+    "is_model_container",
     "library_of",
     "match_tensors",
     "module_paths",
@@ -107,6 +109,19 @@ def library_of(cls: type) -> str:
         if module.startswith("transformers.") and base.__name__ == "PreTrainedModel":
             return "transformers"
     return "torch"
+
+
+def is_model_container(cls: Any) -> bool:
+    """A diffusers model class that only holds models saved beside it
+    (``MultiControlNetModel``: ``controlnet``, ``controlnet_1``, ...), built from a list of
+    them, with no config."""
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, torch.nn.Module)
+        and library_of(cls) == "diffusers"
+        and not hasattr(cls, "load_config")
+        and "controlnets" in inspect.signature(cls.__init__).parameters
+    )
 
 
 class SkeletonBuildError(LoadError):

@@ -160,3 +160,20 @@ def test_ltx_latent_upsampler_is_deferred_and_matches_diffusers(upsampler_folder
     assert np.array_equal(_upsample(pipe), expected)
     assert pipe.latent_upsampler.load_count == 1
     assert not ondeck.is_loaded(pipe.latent_upsampler)
+
+
+def test_a_container_is_not_offered_for_sharding_by_the_command_or_the_loader(multi_folder):
+    """The command's check (before the ranks start) and the loader agree on the models
+    that can be sharded: a container holds no rows of its own."""
+    from ondeck.cli.commands import check_shard_names
+    from ondeck.cli.options import UsageError
+    from ondeck.loading import ModelFolder
+    from ondeck.loading.sharded import shardable_models
+
+    models = shardable_models(ModelFolder.open(multi_folder))
+    assert "controlnet" not in models
+    assert {"unet", "text_encoder", "vae"} <= set(models)
+    with pytest.raises(UsageError, match=r"cannot shard \['controlnet'\]"):
+        check_shard_names(("controlnet",), multi_folder, ())
+    with pytest.raises(ValueError, match=r"cannot shard \['controlnet'\]"):
+        ondeck.diffusers.from_pretrained(multi_folder, device="cpu", shard=["controlnet"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import os
 import warnings
@@ -30,9 +29,9 @@ from ...loading import (
 )
 from ...loading.options import DeviceChoice, StorageChoice
 from ...loading.quantized import quantization_method
-from ...loading.sharded import ShardedComponentLoader, check_shard
+from ...loading.sharded import ShardedComponentLoader, check_shard, shardable_models
 from ...loading.single_file import SingleFileFolder
-from ...loading.skeleton import SkeletonBuildError, library_of
+from ...loading.skeleton import SkeletonBuildError, is_model_container, library_of
 from ...memory import resolve_device
 from ...parallel import ContextParallel, resolve_parallel, split_sequences
 from ...policy import Policy
@@ -272,14 +271,7 @@ def _shard_names(
             "--component, --lora) cannot be sharded: leave them out to shard",
             path=str(folder.path),
         )
-    models = [
-        name
-        for name in folder.component_names
-        if name not in skip
-        and issubclass(folder.component_class(name), torch.nn.Module)
-        and not _is_container(folder, name)
-    ]
-    return check_shard(folder, shard, models)
+    return check_shard(folder, shard, shardable_models(folder, skip))
 
 
 def _require_models(folder: ModelFolder, skip: Mapping[str, Any]) -> None:
@@ -419,18 +411,10 @@ def _can_defer(folder: Any, name: str) -> bool:
 
 
 def _is_container(folder: Any, name: str) -> bool:
-    """A diffusers model that only holds models saved beside it (``MultiControlNetModel``:
-    ``controlnet``, ``controlnet_1``, ...), built from a list of them, with no config."""
     try:
-        cls = folder.component_class(name)
+        return is_model_container(folder.component_class(name))
     except LoadError:
         return False
-    return (
-        issubclass(cls, torch.nn.Module)
-        and library_of(cls) == "diffusers"
-        and not hasattr(cls, "load_config")
-        and "controlnets" in inspect.signature(cls.__init__).parameters
-    )
 
 
 def _deferred_container(
