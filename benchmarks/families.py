@@ -360,6 +360,9 @@ def family_child(args) -> None:
                 }
                 row["decode"] = decode_report(runtime)
                 row["exposed_load_seconds"] = runtime.tracker.exposed_load_seconds(run + 1)
+                row["seconds_per_call"] = dict(runtime.tracker.seconds_per_call)
+                row["load_bytes_per_second"] = dict(runtime.tracker.load_bytes_per_second)
+                row["plan_notes"] = list(runtime.plan().streaming_notes)
             result["runs"].append(row)
             print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr)
     except Exception as error:
