@@ -265,7 +265,8 @@ class ReleasePolicy(Policy):
         self.prefetch_next_run = prefetch_next_run
 
     def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
-        if index == len(snapshot.uses) - 1 and index > 0 and self.prefetch_next_run:
+        last = index == len(snapshot.uses) - 1 and index > 0
+        if last and self.prefetch_next_run and snapshot.more_runs:
             names = self._next_run_fits(snapshot)
             if names:
                 # The stage's own components first: loading both at once would share
@@ -441,11 +442,16 @@ class BudgetPolicy(Policy):
             )
         except ValueError as error:
             raise BudgetError(f"{error}; nothing more was loaded") from error
+        prefetch, prefetch_evict = step.prefetch, step.prefetch_evict
+        if not snapshot.more_runs:  # nothing for the stages of a run that will not come
+            ahead = {c for use in uses[index + 1 :] for c in use.components}
+            prefetch = tuple(c for c in prefetch if c in ahead)
+            prefetch_evict = prefetch_evict if prefetch else ()
         return Steps(
             release=step.evict,
             load=step.load,
-            prefetch_release=step.prefetch_evict,
-            prefetch=step.prefetch,
+            prefetch_release=prefetch_evict,
+            prefetch=prefetch,
             keep=tuple(sorted((snapshot.in_flight - set(step.evict)) | set(step.load))),
         )
 

@@ -180,6 +180,9 @@ class Pipeline(HostMemory):
             device=str(self.device), call_timer=CallTimer.for_device(self.device)
         )
         self.training = False
+        # Whether another run is expected after this one: when False, the last stage loads
+        # nothing ahead for a next run (a one-shot command's last run).
+        self.more_runs = True
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
         self._schedule: dict[str, list[str]] | None = None
@@ -367,6 +370,7 @@ class Pipeline(HostMemory):
             seconds_per_call=self.tracker.seconds_per_call,
             load_bytes_per_second=self.tracker.load_bytes_per_second,
             host_room_bytes=self.host_room_bytes(),
+            more_runs=self.more_runs,
         )
 
     # -- running ------------------------------------------------------------------------

@@ -173,6 +173,7 @@ def _run_all(
     frames = None
     for run in range(args.runs):
         watch.reset()
+        pipe.more_runs = run + 1 < args.runs  # nothing is loaded ahead after the last
         started = time.perf_counter()
         label = f"run {run + 1}/{args.runs} denoising"
         quiet = not main or os.environ.get("ONDECK_PROGRESS") == "0"

@@ -168,3 +168,23 @@ def test_without_imageio_ffmpeg_the_frames_are_kept(capsys, tiny_model, tmp_path
     )
     assert line.endswith(f"the frames are kept in {out / 'frames.npy'} (numpy.load)")
     assert listing(out) == {"report.json", "timeline.png", "frames.npy"}
+
+
+def test_only_the_last_run_of_a_command_expects_no_run_after_it(
+    capsys, tiny_model, tmp_path, monkeypatch
+):
+    """`--runs 3`: the policy loads ahead after the first two runs, and nothing after the
+    last one, which no run follows."""
+    from ondeck.stages import Pipeline
+
+    seen = []
+    run_once = Pipeline._run
+
+    def noting(self, state):
+        seen.append(self.more_runs)
+        return run_once(self, state)
+
+    monkeypatch.setattr(Pipeline, "_run", noting)
+    code, _, err = generate(capsys, tiny_model, tmp_path / "out", "--runs", "3")
+    assert code == 0, err
+    assert seen == [True, True, False]

@@ -132,3 +132,16 @@ def test_a_failed_early_load_warns_and_the_next_run_loads_it_itself(monkeypatch,
     assert resident(pipe) == set()
     run(pipe)  # loads it for its own Encode, and ahead again
     assert resident(pipe) == {"encoder"}
+
+
+def test_nothing_loads_ahead_after_a_run_the_caller_says_is_the_last(monkeypatch, tmp_path):
+    pipe, loaders = pipeline(
+        monkeypatch, tmp_path, {"Encode": ONE, "Denoise": 8 * ONE, "Decode": ONE}
+    )
+    pipe.more_runs = False
+    first = run(pipe)
+    assert resident(pipe) == set()
+    assert loaders["encoder"].calls == 1  # for this run's Encode only
+    pipe.more_runs = True
+    assert torch.equal(run(pipe), first)
+    assert resident(pipe) == {"encoder"}  # another run expected: loaded ahead again

@@ -98,3 +98,15 @@ def test_a_pipelines_snapshot_loads_nothing_and_names_what_is_resident():
     pipe.deferred[first].materialize()
     assert pipe.snapshot().resident == {first}
     pipe.close()
+
+
+def test_the_budget_policy_prefetches_nothing_for_a_run_that_will_not_come():
+    # Budget 30 with the decoder resident: after the last stage the text encoder would
+    # load for the next run's first stage.
+    policy = BudgetPolicy(30)
+    activation = {"stored_activation": {"Encode": 1, "Denoise": 1, "Decode": 8}}
+    ahead = policy.before_stage(snapshot({"vae"}, 2, **activation), 2)
+    assert ahead.prefetch == ("text_encoder",)
+    last = policy.before_stage(snapshot({"vae"}, 2, more_runs=False, **activation), 2)
+    assert last.prefetch == () and last.prefetch_release == ()
+    assert last.load == ahead.load
