@@ -321,7 +321,9 @@ def family_child(args) -> None:
                 }
         pipe.set_progress_bar_config(disable=True)
         result["setup_seconds"] = time.perf_counter() - started
-        for run, prompt in enumerate(PROMPTS[: args.runs]):
+        # A new prompt each run; past three they come round again.
+        prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
+        for run, prompt in enumerate(prompts):
             started = time.perf_counter()
             with PeakSampler(torch.cuda.memory_reserved) as sampler:
                 images = getattr(
@@ -566,19 +568,21 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'families.json'}")
     print(
         f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2-3':>8} {'/eager':>7} "
-        f"{'run 1/eager 1':>13} {'reserved':>9} {'RSS':>7} {'decode':<18} transfer floor"
+        f"{'last/eager':>10} {'run 1/eager 1':>13} {'reserved':>9} {'RSS':>7} {'decode':<18} "
+        "transfer floor"
     )
     for row in rows:
         runs = row.get("runs", [])
         done = len(runs) == args.runs and not row.get("error")
         later = later_seconds(row) if runs else None
         ratio = f"{later / eager_later:.3f}" if later and eager_later else "-"
+        last = f"{runs[-1]['seconds'] / eager_later:.3f}" if runs and eager_later else "-"
         first = f"{runs[0]['seconds'] / eager_first:.2f}" if runs and eager_first else "-"
         policy = chosen_policy(row) if row["mode"] != "diffusers-eager" else "-"
         mode = row["mode"] + (f" {row['host_label']}" if row.get("host_label") else "")
         print(
             f"{card_label(row['card']):<10} {mode:<26} {'yes' if done else 'NO':<5} "
-            f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {first:>13} "
+            f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {last:>10} {first:>13} "
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>6.1f}G "
             f"{decoded(row):<18} {transfer_floor(row)}"
         )
