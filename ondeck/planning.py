@@ -28,8 +28,9 @@ __all__ = ["HostPlan", "Plan", "StageUse", "release_schedule"]
 # early, where loading early would raise the run's peak (see ``_PeakGuard``).
 SMALL_PREFETCH_FRACTION = 0.05
 # Streaming the least-called components to keep every component resident replaces a
-# plan that reloads only when it moves at most this share of that plan's bytes per run:
-# a clear gain, so that two plans close in cost do not alternate from run to run.
+# plan that reloads only when it costs at most this share of that plan's per run (the
+# copies compute does not hide where calls are timed, else the bytes moved): a clear
+# gain, so that two plans close in cost do not alternate from run to run.
 RESIDENT_STREAMING_GAIN = 0.8
 
 
