@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ondeck
 from ondeck.pipelines.wan import WanTextToVideo
 
 from .conftest import settle
@@ -71,3 +72,62 @@ def test_a_stage_that_raises_the_device_peak_is_measured_without_resets(tiny_fol
     assert encode.peak_measured_bytes >= pipe.component_bytes()["text_encoder"]
     measured = [s.peak_measured_bytes for s in pipe.tracker.stages if s.peak_measured_bytes]
     assert max(measured) <= torch.cuda.max_memory_allocated()
+
+
+class _Busy(torch.nn.Module):
+    """Keeps the device busy for ``cycles`` clock cycles a call; the host returns at once."""
+
+    def __init__(self, cycles: int):
+        super().__init__()
+        self.cycles = cycles
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+        return x * self.weight
+
+
+class _Apply(ondeck.Stage):
+    def __init__(self, component, name):
+        super().__init__()
+        self.component = component
+        self.name = name
+
+    def forward(self, state):
+        state["x"] = self.component(state["x"])
+        return state
+
+
+class _TwoStages(ondeck.Pipeline):
+    lazy_components = ("busy", "quick")
+
+    def create_stages(self):
+        return [_Apply(self.components["busy"], "Busy"), _Apply(self.components["quick"], "Quick")]
+
+
+def test_each_components_calls_are_timed_on_the_device():
+    """A call through a component is timed by events on the pipeline device's stream: a
+    component that keeps the device busy has that time as its quickest call, though the
+    host returns from it at once; one that does little has far less."""
+    from .conftest import BUSY_CYCLES
+
+    loaders = {
+        "busy": lambda: _Busy(BUSY_CYCLES).cuda(),
+        "quick": lambda: _Busy(0).cuda(),
+    }
+    pipe = _TwoStages(loaders, policy="release", device="cuda")
+    assert pipe.tracker.call_timer is not None
+    for _ in range(2):
+        pipe({"x": torch.ones(4, device="cuda")})
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(BUSY_CYCLES)
+    end.record()
+    end.synchronize()
+    busy = start.elapsed_time(end) / 1000
+    timed = pipe.tracker.seconds_per_call
+    assert set(timed) == {"busy", "quick"}
+    assert timed["busy"] >= 0.8 * busy
+    assert timed["quick"] < 0.2 * busy
