@@ -9,6 +9,7 @@ import ondeck
 from ondeck.pipelines.wan import WanTextToVideo
 
 from .conftest import settle
+from .test_thread_devices import Apply
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,22 +89,11 @@ class _Busy(torch.nn.Module):
         return x * self.weight
 
 
-class _Apply(ondeck.Stage):
-    def __init__(self, component, name):
-        super().__init__()
-        self.component = component
-        self.name = name
-
-    def forward(self, state):
-        state["x"] = self.component(state["x"])
-        return state
-
-
 class _TwoStages(ondeck.Pipeline):
     lazy_components = ("busy", "quick")
 
     def create_stages(self):
-        return [_Apply(self.components["busy"], "Busy"), _Apply(self.components["quick"], "Quick")]
+        return [Apply(self.components["busy"], "Busy"), Apply(self.components["quick"], "Quick")]
 
 
 def test_each_components_calls_are_timed_on_the_device():
