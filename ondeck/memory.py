@@ -219,6 +219,21 @@ def measured_device_bytes(device: Any) -> int:
     return process_rss_bytes()
 
 
+def allocator_counts(device: Any) -> tuple[int, int] | None:
+    """The CUDA caching allocator's counts on ``device`` so far: the times it gave back its
+    cache and retried an allocation, and of those the ones that still ran out of memory.
+    None off CUDA, or where the counts cannot be read."""
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    try:
+        stats = torch.cuda.memory_stats(device)
+        return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0))
+    except Exception:
+        return None
+
+
 def free_cached_memory() -> None:
     """Collect garbage and hand the device memory torch's allocator caches back, so the
     next allocation after running out of memory finds it."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import timeline
-from .memory import measured_device_bytes, process_peak_rss_bytes
+from .memory import allocator_counts, measured_device_bytes, process_peak_rss_bytes
 
 __all__ = ["Event", "MemoryTracker", "StageRecord"]
 
@@ -261,15 +261,7 @@ class MemoryTracker:
 
     def _allocator_counts(self) -> tuple[int, int] | None:
         """The CUDA allocator's retries and out-of-memory errors so far; None off CUDA."""
-        if not self._on_cuda():
-            return None
-        import torch
-
-        try:
-            stats = torch.cuda.memory_stats(self.device)
-            return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0))
-        except Exception:
-            return None
+        return allocator_counts(self.device)
 
     def _mark(self, *, stage_start: bool) -> None:
         """The measured part of a stage begins here (at its start, then at its compute)."""

@@ -233,7 +233,7 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
     room = 2 * decoder.expected_need(ALL_FAMILIES[family].call)
     monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
     counts = chain([0, retries], repeat(retries))  # the first decode's before and after
-    monkeypatch.setattr(decode, "allocator_retries", lambda device: next(counts))
+    monkeypatch.setattr(decode, "allocator_counts", lambda device: (next(counts), 0))
     assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
     assert decoder.last_tiles is None, "whole frames fitted, as far as the room says"
     second = run(pipe, ALL_FAMILIES[family])

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import BudgetError, LoadError
 from ...lazy import is_out_of_memory
-from ...memory import format_bytes, free_cached_memory
+from ...memory import allocator_counts, format_bytes, free_cached_memory
 from ...tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, tiles_for
 
 __all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_style"]
@@ -280,9 +280,9 @@ class FittingDecode:
         retries, made_room = 0, False
         while True:
             try:
-                before = allocator_retries(latents.device)
+                before = allocator_counts(latents.device)
                 result = self._decode(module, tiles, slices, scale, args, kwargs)
-                self._crowded(before, allocator_retries(latents.device), tiles, room, elements)
+                self._crowded(before, allocator_counts(latents.device), tiles, room, elements)
                 break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
@@ -321,17 +321,20 @@ class FittingDecode:
 
     def _crowded(
         self,
-        before: int | None,
-        after: int | None,
+        before: tuple[int, int] | None,
+        after: tuple[int, int] | None,
         tiles: Tiles | None,
         room: int | None,
         elements: int,
     ) -> None:
-        """A decode that fitted only by the allocator retrying (``CROWDED_RETRIES``) took
-        at least all of ``room`` for its tiles: whole frames are counted as needing more
-        than the room over the tiles' area, so that the next decode of this size tiles
-        finer and leaves the share a decode keeps free."""
-        if before is None or after is None or room is None or after - before < CROWDED_RETRIES:
+        """A decode that fitted only by the allocator retrying (``CROWDED_RETRIES``; the
+        counts are ``memory.allocator_counts``) took at least all of ``room`` for its
+        tiles: whole frames are counted as needing more than the room over the tiles'
+        area, so that the next decode of this size tiles finer and leaves the share a
+        decode keeps free."""
+        if before is None or after is None or room is None:
+            return
+        if after[0] - before[0] < CROWDED_RETRIES:
             return
         area = tiles.area if tiles is not None else 1.0
         at_least = max(room, 0) / (TILE_SAFETY * area) / elements
@@ -375,14 +378,6 @@ class FittingDecode:
             if tiles is not None:
                 self.style.apply(module, tiles, scale)
             return module.decode(*args, **kwargs)
-
-
-def allocator_retries(device: torch.device) -> int | None:
-    """How often the caching allocator on ``device`` has given back its cache and retried
-    an allocation so far; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _slices(module: Any, latents: torch.Tensor, need: int | None, room: int | None) -> bool:
