@@ -133,15 +133,15 @@ class StageStep:
 
 
 def next_stage_with_loads(
-    uses: Sequence[StageUse], index: int, resident: Iterable[str]
+    uses: Sequence[StageUse], index: int, resident: Iterable[str], *, next_run: bool = True
 ) -> tuple[int, int] | None:
     """The next stage that needs a component not yet resident, and how many stages away
     it is. After the last stage this looks into the next run: a pipeline that runs again
     (a new prompt) needs its first stages' components then, and the budget policy keeps
-    what it loaded between runs."""
+    what it loaded between runs. Without a ``next_run``, only this run's later stages."""
     resident = set(resident)
     count = len(uses)
-    for step in range(1, count):
+    for step in range(1, count if next_run else count - index):
         later = (index + step) % count
         if set(uses[later].components) - resident:
             return later, step
@@ -182,9 +182,11 @@ def budget_step(
     budget: int,
     activation: Mapping[str, int | None],
     prefetch: bool,
+    next_run: bool = True,
 ) -> StageStep:
     """Decide evictions and loads before stage ``index``, and what to prefetch during it
-    (the next stage that needs a load, in the next run after the last stage).
+    (the next stage that needs a load, in the next run after the last stage unless there
+    is no ``next_run``).
 
     Raises ``ValueError`` when the stage's own components and activations cannot fit.
     """
@@ -218,7 +220,7 @@ def budget_step(
     prefetch_evict: list[str] = []
     prefetched: list[str] = []
     if prefetch:
-        found = next_stage_with_loads(uses, index, resident)
+        found = next_stage_with_loads(uses, index, resident, next_run=next_run)
         if found is not None:
             later, distance = found
             incoming = [c for c in uses[later].components if c not in resident]

@@ -439,19 +439,15 @@ class BudgetPolicy(Policy):
                 budget=self.budget_bytes,
                 activation=activation,
                 prefetch=self.prefetch,
+                next_run=snapshot.more_runs,
             )
         except ValueError as error:
             raise BudgetError(f"{error}; nothing more was loaded") from error
-        prefetch, prefetch_evict = step.prefetch, step.prefetch_evict
-        if not snapshot.more_runs:  # nothing for the stages of a run that will not come
-            ahead = {c for use in uses[index + 1 :] for c in use.components}
-            prefetch = tuple(c for c in prefetch if c in ahead)
-            prefetch_evict = prefetch_evict if prefetch else ()
         return Steps(
             release=step.evict,
             load=step.load,
-            prefetch_release=prefetch_evict,
-            prefetch=prefetch,
+            prefetch_release=step.prefetch_evict,
+            prefetch=step.prefetch,
             keep=tuple(sorted((snapshot.in_flight - set(step.evict)) | set(step.load))),
         )
 
