@@ -221,8 +221,11 @@ def test_a_run_keeps_each_components_quickest_call_and_each_loads_rate():
         def __init__(self):
             super().__init__()
             self.calls = 0
+            self.fail = False
 
         def forward(self, x):
+            if self.fail:
+                raise RuntimeError("the denoiser failed")
             self.calls += 1
             time.sleep(0.05 if self.calls == 2 else 0.002)
             return x
@@ -247,6 +250,10 @@ def test_a_run_keeps_each_components_quickest_call_and_each_loads_rate():
     assert set(rates) == {"encoder", "decoder"}  # the denoiser's loader reports no bytes
     assert all(rate > 0 for rate in rates.values())
     assert pipe.report()["seconds_per_call"] == timed
+    slow.fail = True
+    with pytest.raises(RuntimeError, match="the denoiser failed"):
+        pipe(state())
+    assert pipe.tracker.seconds_per_call == timed
 
 
 def test_a_timer_pairs_each_return_with_its_call_and_forgets_on_clear():
