@@ -301,6 +301,8 @@ def family_child(args) -> None:
             options = {"policy": "release"} if args.child.endswith("release") else {}
             if args.host_cache_gib:
                 options["host_cache"] = HostCache(int(args.host_cache_gib * GiB))
+            if args.prompt_cache:  # as `ondeck generate` has it
+                options["prompt_cache"] = True
             pipe = ondeck.diffusers.from_pretrained(
                 args.folder, torch_dtype=torch.bfloat16, device="cuda", progress=False, **options
             )
@@ -446,11 +448,19 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
 
 
 def family_command(
-    family: str, folder: Path, mode: str, runs: int, steps: int, memory: int | None, cache=None
+    family: str,
+    folder: Path,
+    mode: str,
+    runs: int,
+    steps: int,
+    memory: int | None,
+    cache=None,
+    prompt_cache: bool = False,
 ) -> list:
     command = [__file__, "--child", mode, "--family", family, "--folder", str(folder)]
     command += ["--runs", str(runs), "--steps", str(steps)]
     command += ["--host-cache-gib", str(cache)] if cache else []
+    command += ["--prompt-cache"] if prompt_cache else []
     return command + (["--memory-gib", str(memory)] if memory else [])
 
 
@@ -472,6 +482,11 @@ def main() -> None:
         "--host-cache", type=float, help="sd35/hunyuan: each ondeck mode again with a host cache"
     )
     parser.add_argument("--host-cache-gib", type=float, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prompt-cache",
+        action="store_true",
+        help="sd35/hunyuan: ondeck's encoders keep their answers, as `ondeck generate`'s do",
+    )
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 4 if args.family == "hunyuan" else 8
@@ -528,7 +543,9 @@ def main() -> None:
                 path, mode, args.runs, memory_gib=memory, host_memory_gib=host_flag
             )
         else:
-            command = family_command(args.family, path, mode, args.runs, args.steps, memory, cache)
+            command = family_command(
+                args.family, path, mode, args.runs, args.steps, memory, cache, args.prompt_cache
+            )
         if in_cgroup:
             try:
                 cgroup = memory_cgroup(f"ondeck-bench-{host_gib:g}", int(host_gib * GiB))

@@ -103,6 +103,9 @@ MODES = {
     "reload": Mode(25, layout="file", files=("fp8",)),
     "fp8file-release": Mode(42, files=("fp8",)),
     "fp8file-8": Mode(55, 8, files=("fp8",)),
+    # "-cached": the encoders keep their answers, as `ondeck generate`'s do.
+    "fp8file-8-cached": Mode(55, 8, files=("fp8",)),
+    "folder-8-cached": Mode(55, 8, layout="folder"),
     "gguf-diffusers": Mode(70, files=("gguf",)),
     "gguf-full": Mode(60, files=("gguf",)),
     "gguf-16": Mode(65, 16, files=("gguf",)),
@@ -606,6 +609,8 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["components"] = {"transformer": files[key]}
     if mode.endswith("release"):
         options["policy"] = "release"
+    if mode.endswith("-cached"):
+        options["prompt_cache"] = True
     if mode in ("lora-release", "lorafused-release"):
         options["loras"] = [files["lora"]]
     pipe = ondeck.diffusers.from_pretrained(

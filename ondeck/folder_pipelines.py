@@ -19,15 +19,20 @@ from .planning import Plan
 __all__ = ["pipeline_for_folder", "plan"]
 
 
-def pipeline_for_folder(path: str | os.PathLike, **options: Any) -> Any:
-    """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration."""
+def pipeline_for_folder(
+    path: str | os.PathLike, *, prompt_cache: bool = True, **options: Any
+) -> Any:
+    """The ondeck pipeline for a folder: Wan's own stages, else the diffusers integration.
+
+    ``prompt_cache``: encoders answer a prompt they have encoded before without loading
+    (Wan's stages always do)."""
     path = resolve_model(path)  # a Hub repo id becomes its snapshot folder
     model_index = read_model_index(path)
     # Single files and LoRAs go through diffusers' own key conversions and LoRA loading.
     brought = options.get("components") or options.get("loras")
     if is_wan_folder(model_index) and not brought:
         return WanTextToVideo.from_folder(path, **options)
-    return from_pretrained(path, **options).ondeck
+    return from_pretrained(path, prompt_cache=prompt_cache, **options).ondeck
 
 
 def plan(source: Any, budget: int | str | None = None, **options: Any) -> Plan:

@@ -214,3 +214,17 @@ def test_an_input_image_of_too_many_pixels_is_refused_before_decoding(capsys, tm
     code, _, err = run(capsys, "generate", "m", "--image", path, "--output", tmp_path / "o")
     assert code == 2
     assert "is 9000x9000, more than 64 Mpixels" in err
+
+
+def test_a_second_run_of_a_command_answers_its_prompts_without_encoding_again(
+    capsys, family, tmp_path
+):
+    out = tmp_path / "out"
+    argv = ["--height", "8", "--width", "8", "--runs", "2", "--output", out]
+    code, _, err = run(capsys, "generate", family("sd3"), *CPU, *argv)
+    assert code == 0, err
+    kept = json.loads((out / "report.json").read_text())["prompt_cache"]
+    # Each of the three encoders: the prompt and the negative prompt once each, then kept.
+    assert kept == dict.fromkeys(
+        ("text_encoder", "text_encoder_2", "text_encoder_3"), {"hits": 2, "misses": 2, "kept": 2}
+    )

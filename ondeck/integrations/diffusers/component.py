@@ -3,6 +3,8 @@ that survive a release, placement calls redirect future loads."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,7 @@ from ...errors import OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule, loaded_module
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
+from .encodings import EncodingCache
 from .fused_lora import ADAPTER_METHODS, FusedLora, is_adapter_call, mark_recorded
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
@@ -81,6 +84,32 @@ _PLACEMENT_METHODS = {
     "double": torch.float64,
 }
 
+# Walks of a component's modules: reading them changes nothing a call answers.
+_MODULE_WALKS = frozenset({"modules", "named_modules"})
+
+
+@functools.cache
+def _device_probes() -> frozenset:
+    """The code of diffusers' functions that walk a component's modules only to find
+    offload hooks, before a text encoder's call (``get_module_execution_device``)."""
+    from diffusers.hooks import group_offloading
+    from diffusers.utils import torch_utils
+
+    functions = (
+        getattr(torch_utils, "get_module_execution_device", None),
+        getattr(group_offloading, "_get_top_level_group_offload_hook", None),
+    )
+    return frozenset(function.__code__ for function in functions if function is not None)
+
+
+def _asked_by_device_probe() -> bool:
+    """Whether the attribute being read was asked for by one of ``_device_probes``:
+    an unloaded component has no hooks, and answering the walk with the proxy alone
+    lets a call whose answer is kept skip the load."""
+    caller = sys._getframe(2)  # this function, PipelineComponent.__getattr__, the asker
+    return caller.f_code in _device_probes()
+
+
 _PLAIN_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
@@ -130,6 +159,8 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_settings", {})
         setter(self, "_ondeck_adapters", [])
         setter(self, "_ondeck_fused_lora", FusedLora())
+        # An encoder's answers by their inputs (see ``keep_answers``); None: not kept.
+        setter(self, "_ondeck_answers", None)
 
     # -- touches ------------------------------------------------------------------------
 
@@ -138,6 +169,49 @@ class PipelineComponent(LazyModule):
         if runtime is not None:
             runtime.component_touched(self)
         return LazyModule.materialize(self, complete=complete)
+
+    # -- answers kept across calls ------------------------------------------------------
+
+    def keep_answers(self, cache: EncodingCache | None = None) -> None:
+        """Answer a call this component has answered before from ``cache`` (a new one by
+        default), without loading it; None stops keeping answers. For encoders: a
+        negative prompt every run shares, a prompt run again with a new seed."""
+        object.__setattr__(self, "_ondeck_answers", cache if cache is not None else EncodingCache())
+
+    def stop_keeping_answers(self) -> None:
+        object.__setattr__(self, "_ondeck_answers", None)
+
+    @property
+    def answers(self) -> EncodingCache | None:
+        """The answers kept (``hits``, ``misses``, ``len``), or None when none are."""
+        return object.__getattribute__(self, "_ondeck_answers")
+
+    def _forget_answers(self) -> None:
+        """Something other than a call reached the component (it may change what a call
+        answers): nothing kept is trusted any more."""
+        answers = object.__getattribute__(self, "_ondeck_answers")
+        if answers is not None:
+            answers.clear()
+
+    def _has_adapters(self) -> bool:
+        module = object.__getattribute__(self, "_ondeck_module")
+        return bool(self.recorded_adapters() or getattr(module, "peft_config", None))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        answers = object.__getattribute__(self, "_ondeck_answers")
+        key = None
+        if answers is not None and not self._has_adapters():
+            key = answers.key(args, kwargs)
+        if key is None:
+            return LazyModule.__call__(self, *args, **kwargs)
+        found = answers.get(key)
+        if found is not None:
+            return found
+        result = LazyModule.__call__(self, *args, **kwargs)
+        module = object.__getattribute__(self, "_ondeck_module")
+        if module is not None and not module.training:  # dropout would make it random
+            answers.put(key, result)
+        return result
 
     # -- attribute access ---------------------------------------------------------------
 
@@ -152,6 +226,11 @@ class PipelineComponent(LazyModule):
             if attribute == "_reset_stateful_cache" and hasattr(declared, attribute):
                 return _nothing_to_reset
             raise AttributeError(attribute)
+        if attribute in _MODULE_WALKS:
+            if module is None and _asked_by_device_probe():
+                return lambda: iter((self,))  # no offload hooks to find: nothing loads
+        else:
+            self._forget_answers()
         if attribute in _ADAPTER_STATE:
             self._drop_module_without_adapters()
         if attribute in _PLACEMENT_METHODS and self._can_retarget():
@@ -178,6 +257,7 @@ class PipelineComponent(LazyModule):
         if attribute in INTERNAL_ATTRIBUTES or attribute.startswith("_ondeck_"):
             object.__setattr__(self, attribute, value)
             return
+        self._forget_answers()
         if not is_plain_value(value):
             LazyModule.__setattr__(self, attribute, value)
             return
@@ -226,6 +306,7 @@ class PipelineComponent(LazyModule):
         access loads without it.
         """
         transforms = object.__getattribute__(self, "_ondeck_transforms")
+        self._forget_answers()
 
         def guarded(module: Any) -> Any:
             try:
@@ -254,6 +335,7 @@ class PipelineComponent(LazyModule):
         released first, since ``fn`` might look for its adapters."""
         if reads_weights:
             self._drop_module_without_adapters()
+        self._forget_answers()
         LazyModule.add_transform(self, fn, reads_weights=reads_weights)
         with object.__getattribute__(self, "_ondeck_lock"):
             transforms = object.__getattribute__(self, "_ondeck_transforms")
@@ -359,6 +441,7 @@ class PipelineComponent(LazyModule):
         """
         if move is not None:
             self._complete_filling()
+        self._forget_answers()
         with object.__getattribute__(self, "_ondeck_lock"):
             self._retarget_locked(device, dtype)
             module = object.__getattribute__(self, "_ondeck_module")

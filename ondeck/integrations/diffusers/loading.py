@@ -36,6 +36,7 @@ from ...memory import resolve_device
 from ...parallel import ContextParallel, resolve_parallel, split_sequences
 from ...policy import Policy
 from .component import PipelineComponent, is_plain_value
+from .encodings import caches_answers
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
 
@@ -68,6 +69,7 @@ def from_pretrained(
     loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] = (),
     host_memory: int | str | None = None,
     shard: str | Sequence[str] = (),
+    prompt_cache: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Load a diffusers pipeline with its heavy components on demand.
@@ -98,6 +100,10 @@ def from_pretrained(
     (``ondeck.loading.single_file``). ``loras`` lists LoRA files (or ``(file, scale)``
     pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``. ``shard``
     names models split over a ``torchrun`` launch's ranks (FSDP2; ``docs/multi-gpu.md``).
+    ``prompt_cache``: the text and image encoders answer a call they have answered
+    before (a negative prompt every run shares, a prompt run again) from host memory,
+    without loading (``PipelineComponent.keep_answers``; ``ondeck generate`` and
+    ``ondeck serve`` turn it on).
     """
     import diffusers
 
@@ -128,6 +134,10 @@ def from_pretrained(
         host_memory=host_memory,
     )
     pipe.ondeck.parallel = parallel
+    if prompt_cache:
+        for name, proxy in found.deferred.items():
+            if caches_answers(proxy.spec, name):
+                proxy.keep_answers()
     if loras:
         load_loras(pipe, loras)
     return pipe

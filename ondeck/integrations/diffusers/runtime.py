@@ -564,6 +564,11 @@ class DiffusersRuntime(Pipeline):
         report = super().report()
         report["pipeline"] = type(self.pipe).__name__
         report["turns"] = {name: list(holding) for name, holding in self._turns}
+        report["prompt_cache"] = {
+            name: {"hits": answers.hits, "misses": answers.misses, "kept": len(answers)}
+            for name, proxy in self.components.items()
+            if isinstance(proxy, PipelineComponent) and (answers := proxy.answers) is not None
+        }
         return report
 
     def __repr__(self) -> str:

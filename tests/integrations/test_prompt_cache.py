@@ -1,0 +1,161 @@
+"""Encoders answer a call they have answered before without loading: every family gives
+diffusers' outputs with it, a new input is encoded, and anything that may change the
+weights (a transform, a setting, an adapter) makes the encoder compute again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+import ondeck
+import ondeck.diffusers
+from ondeck.integrations.diffusers.encodings import MAX_INPUT_BYTES, EncodingCache
+
+from .breadth_pipelines import ALL_FAMILIES
+from .tiny_pipelines import run
+
+
+def load(path, *, prompt_cache=True):
+    pipe = ondeck.diffusers.from_pretrained(
+        path, device="cpu", policy="release", progress=False, prompt_cache=prompt_cache
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def encoders(pipe) -> dict[str, object]:
+    return {
+        name: proxy for name, proxy in pipe.ondeck.deferred.items() if proxy.answers is not None
+    }
+
+
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
+def test_a_prompt_encoded_before_is_answered_without_loading_the_encoders(
+    family, folders, references
+):
+    pipe = load(folders[family])
+    kept = encoders(pipe)
+    assert kept, f"{family}: no encoder keeps its answers"
+    for call, expected in enumerate(references[family], start=1):
+        output = run(pipe, ALL_FAMILIES[family])
+        assert np.array_equal(output, expected), f"{family}: call {call} differs"
+    loads = {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
+    assert {name: loads[name] for name in kept} == dict.fromkeys(kept, 1), loads
+    assert set(loads.values()) == {1, 2}, "the others load under release in each call"
+    report = pipe.ondeck.report()["prompt_cache"]
+    assert all(report[name]["hits"] >= 1 for name in kept), report
+
+
+def test_without_the_option_no_encoder_keeps_answers(folders):
+    pipe = load(folders["sd3"], prompt_cache=False)
+    assert encoders(pipe) == {}
+    run(pipe, ALL_FAMILIES["sd3"])
+    run(pipe, ALL_FAMILIES["sd3"])
+    assert {proxy.load_count for proxy in pipe.ondeck.deferred.values()} == {2}
+
+
+def test_a_new_prompt_is_encoded_and_each_answer_matches_an_uncached_run(folders):
+    family = ALL_FAMILIES["wan"]
+    cached, plain = load(folders["wan"]), load(folders["wan"], prompt_cache=False)
+    for prompt in ("a fox", "a heron", "a fox"):
+        expected = run(plain, family, prompt=prompt)
+        assert np.array_equal(run(cached, family, prompt=prompt), expected), prompt
+    answers = cached.text_encoder.answers
+    # "a fox", "a heron" and the negative prompt: each encoded once, then answered.
+    assert (answers.misses, answers.hits, len(answers)) == (3, 3, 3)
+
+
+def _zero_embeddings(module):
+    module.get_input_embeddings().weight.data.zero_()
+    return module
+
+
+def test_a_transform_added_after_a_call_makes_the_encoder_compute_again(folders):
+    family = ALL_FAMILIES["wan"]
+    pipe = load(folders["wan"])
+    before = run(pipe, family)
+    pipe.ondeck.add_transform("text_encoder", _zero_embeddings)
+    after = run(pipe, family)
+    assert not np.array_equal(before, after), "the answer kept from other weights was used"
+    assert pipe.text_encoder.answers.hits == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda encoder: setattr(encoder, "some_flag", True),
+        lambda encoder: encoder.get_input_embeddings(),
+        lambda encoder: encoder.to(torch.float32),
+    ],
+    ids=["setting", "attribute", "placement"],
+)
+def test_anything_but_a_call_forgets_the_answers(folders, change):
+    pipe = load(folders["wan"])
+    run(pipe, ALL_FAMILIES["wan"])
+    assert len(pipe.text_encoder.answers) == 2
+    change(pipe.text_encoder)
+    assert len(pipe.text_encoder.answers) == 0
+
+
+def test_an_encoder_with_adapters_keeps_nothing(folders):
+    pipe = load(folders["wan"])
+    pipe.text_encoder.record_adapter("style")  # as a recorded load_adapter call does
+    run(pipe, ALL_FAMILIES["wan"])
+    assert len(pipe.text_encoder.answers) == 0
+    assert pipe.text_encoder.load_count == 1
+
+
+# -- the cache itself -----------------------------------------------------------------------
+
+
+def test_inputs_are_keyed_by_their_bytes_and_large_or_unknown_ones_are_not_kept():
+    cache = EncodingCache()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert cache.key((ids,), {"mask": ids.bool()}) == cache.key(
+            (ids.clone(),), {"mask": ids > 0}
+        )
+        assert cache.key((ids,), {}) != cache.key((ids + 1,), {})
+        assert cache.key((ids.bfloat16(),), {}) != cache.key((ids.float(),), {})
+        big = torch.zeros(MAX_INPUT_BYTES // 4 + 1)
+        assert cache.key((big,), {}) is None
+        assert cache.key((object(),), {}) is None
+    assert cache.key((ids,), {}) is None, "gradients are being recorded"
+
+
+def test_an_answer_comes_back_as_a_fresh_copy_of_its_class_without_a_key_value_cache():
+    from transformers.cache_utils import DynamicCache
+
+    cache = EncodingCache()
+    hidden = torch.arange(6.0).reshape(1, 2, 3)
+    answer = BaseModelOutputWithPast(
+        last_hidden_state=hidden, past_key_values=DynamicCache(), hidden_states=(hidden, hidden)
+    )
+    cache.put(("key",), answer)
+    hidden.zero_()  # the caller changing what it got changes nothing kept
+    found = cache.get(("key",))
+    assert type(found) is BaseModelOutputWithPast
+    assert found.past_key_values is None
+    assert torch.equal(found[0], torch.arange(6.0).reshape(1, 2, 3))
+    found.last_hidden_state.add_(1)
+    again = cache.get(("key",))
+    assert torch.equal(again.last_hidden_state, torch.arange(6.0).reshape(1, 2, 3))
+    assert torch.equal(again.hidden_states[1], torch.arange(6.0).reshape(1, 2, 3))
+    assert (cache.hits, cache.misses) == (2, 0)
+
+
+def test_the_least_recently_used_answers_go_first_when_the_bytes_run_out():
+    cache = EncodingCache(max_bytes=4 * 1024)
+    for index in range(3):
+        cache.put((index,), torch.zeros(256))  # 1 KiB each
+    assert cache.get((0,)) is not None  # now the most recently used
+    cache.put((3,), torch.zeros(512))
+    assert {key for key in ((0,), (1,), (2,), (3,)) if cache.get(key) is not None} == {
+        (0,),
+        (2,),
+        (3,),
+    }
+    cache.put((4,), torch.zeros(1024))  # half the bytes or more: not kept
+    assert cache.get((4,)) is None and len(cache) == 3
