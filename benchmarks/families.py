@@ -233,7 +233,16 @@ CALLS = {
 }
 
 
-PROMPTS = ["a red fox in fresh snow", "a grey heron in a misty river", "a neon street"]
+# Runs beyond these come round to the first prompts again: with --prompt-cache, a prompt
+# seen before is answered without its encoders.
+PROMPTS = [
+    "a red fox in fresh snow",
+    "a grey heron in a misty river",
+    "a neon street",
+    "a lighthouse in a storm",
+    "a bowl of ripe cherries",
+    "an old tram in the fog",
+]
 
 
 class CallTimer:
