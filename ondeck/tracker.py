@@ -226,13 +226,15 @@ class MemoryTracker:
 
     def run_finished(self) -> None:
         """A run completed: its calls per component become ``calls_per_run``, and their
-        quickest device times ``seconds_per_call``."""
+        quickest device times ``seconds_per_call``. A component the run did not call
+        (every answer it gave was kept from before) keeps its figures: the next run,
+        with a new prompt, calls it again, and a plan that forgot it would flip."""
         timed = self.call_timer.quickest() if self.call_timer is not None else {}
         with self._lock:
-            self.calls_per_run = self._calls
+            self.calls_per_run = {**self.calls_per_run, **self._calls}
             self._calls = {}
             if timed:
-                self.seconds_per_call = timed
+                self.seconds_per_call = {**self.seconds_per_call, **timed}
             loads: dict[str, tuple[int, float]] = {}
             for event in self.events:  # a pipelined load's fill ends it, and comes last
                 if event.run == self.runs and event.kind in ("load", "fill"):

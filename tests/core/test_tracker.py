@@ -265,3 +265,18 @@ def test_a_timer_pairs_each_return_with_its_call_and_forgets_on_clear():
     assert set(timer.quickest()) == {"b"}  # "a" never returned
     timer.clear()
     assert timer.quickest() == {}
+
+
+def test_a_component_a_run_did_not_call_keeps_its_calls_and_its_time():
+    """An encoder whose answers were all kept is not called in that run: its figures
+    stay, so the next plan (the next prompt calls it again) does not drop it."""
+    tracker = MemoryTracker(device="cpu")
+    tracker.call_timer = CallTimer(ClockEvent)
+    for calls in (["encoder", "encoder", "denoiser"], ["denoiser", "denoiser"]):
+        tracker.run_started()
+        for name in calls:
+            tracker.called(name)
+            tracker.returned(name)
+        tracker.run_finished()
+    assert tracker.calls_per_run == {"encoder": 2, "denoiser": 2}
+    assert set(tracker.seconds_per_call) == {"encoder", "denoiser"}
