@@ -223,7 +223,8 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
 ):
     """Whole frames that fitted their room only by the allocator giving back its cache
     and retrying again and again (slow on a large card) took all the room: the next
-    call of that size decodes in diffusers' own tiles. One retry is not crowding."""
+    call of that size decodes in diffusers' own tiles, within its room, freeing nothing
+    the policy keeps. One retry is not crowding."""
     from itertools import chain, repeat
 
     from ondeck.integrations.diffusers import decode
@@ -236,6 +237,11 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
     monkeypatch.setattr(decode, "allocator_counts", lambda device: (next(counts), 0))
     assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
     assert decoder.last_tiles is None, "whole frames fitted, as far as the room says"
+    made_room = []
+    original = DiffusersRuntime.make_room
+    monkeypatch.setattr(
+        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+    )
     second = run(pipe, ALL_FAMILIES[family])
     tiles = decoder.last_tiles
     if retries < decode.CROWDED_RETRIES:
@@ -243,4 +249,5 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
         assert np.array_equal(second, references[family][1])
         return
     assert tiles is not None and tiles.count > 1
+    assert made_room == [], "what the policy keeps stays; the decode tiles instead"
     assert np.array_equal(second, plain_tiled(family, folders[family], tiles))

@@ -209,6 +209,10 @@ class FittingDecode:
         # What running out of memory proved whole frames take at least, per element: a
         # later measurement (of tiles, which understate whole frames) never goes below.
         self.proven_bytes_per_element = 0.0
+        # Whether a decode fitted only by the allocator retrying (``_crowded``): from then
+        # on a decode that does not fit tiles within its room, keeping what the policy
+        # keeps (freeing it would reload it in the next run, every run).
+        self.crowded = False
 
     # -- what the runtime asks ------------------------------------------------------------
 
@@ -269,8 +273,10 @@ class FittingDecode:
             self.last_tiles, self.last_retries, self.last_slices = None, 0, 1
             return module.decode(*args, **kwargs)  # tiling the caller chose
         room = self.runtime.activation_room()
-        if need is not None and room is not None and need > room and self.runtime.make_room():
-            room = self.runtime.activation_room()
+        tiles_within = self.crowded and self.style is not None
+        if need is not None and room is not None and need > room and not tiles_within:
+            if self.runtime.make_room():
+                room = self.runtime.activation_room()
         # A batch that does not fit at once decodes an image at a time, then in tiles if
         # one image does not fit either.
         slices = latents.shape[0] if _slices(module, latents, need, room) else 1
@@ -336,6 +342,7 @@ class FittingDecode:
             return
         if after[0] - before[0] < CROWDED_RETRIES:
             return
+        self.crowded = True
         area = tiles.area if tiles is not None else 1.0
         at_least = max(room, 0) / (TILE_SAFETY * area) / elements
         self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
