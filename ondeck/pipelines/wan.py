@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import os
 import re
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..loading.sharded import ShardedComponentLoader, check_shard
 from ..memory import resolve_device
 from ..parallel import ContextParallel, resolve_parallel
 from ..policy import Policy
+from ..recency import LeastRecentlyUsed
 from ..stages import Pipeline, Stage
 from ..tiles import decode_tiles
 from .wan_decode import Decode, host_frames
@@ -60,7 +60,7 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class PromptCache:
+class PromptCache(LeastRecentlyUsed):
     """Encoded prompts by (text, max length, encoder identity, device): one entry per
     text, so a negative prompt kept across runs with new prompts is encoded once.
 
@@ -68,31 +68,7 @@ class PromptCache:
     """
 
     def __init__(self, max_entries: int = 32):
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: tuple) -> torch.Tensor | None:
-        found = self._entries.get(key)
-        if found is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return found
-
-    def put(self, key: tuple, value: torch.Tensor) -> None:
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._entries
+        super().__init__(max_entries)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ POLICIES = [("release", {}), ("budget", {"budget": "1GiB"})]
 def prompt_cache_nbytes(pipe) -> int:
     """Bytes of the embeddings the pipeline's prompt cache holds (a bounded cache)."""
     total = 0
-    for embeds in pipe.prompt_cache._entries.values():
+    for embeds in pipe.prompt_cache.values():
         total += embeds.untyped_storage().nbytes()
     return total
 

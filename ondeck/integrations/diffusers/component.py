@@ -92,14 +92,18 @@ _MODULE_WALKS = frozenset({"modules", "named_modules"})
 def _device_probes() -> frozenset:
     """The code of diffusers' functions that walk a component's modules only to find
     offload hooks, before a text encoder's call (``get_module_execution_device``)."""
-    from diffusers.hooks import group_offloading
-    from diffusers.utils import torch_utils
+    import importlib
 
-    functions = (
-        getattr(torch_utils, "get_module_execution_device", None),
-        getattr(group_offloading, "_get_top_level_group_offload_hook", None),
-    )
-    return frozenset(function.__code__ for function in functions if function is not None)
+    functions = []
+    for module_name, name in (
+        ("diffusers.utils.torch_utils", "get_module_execution_device"),
+        ("diffusers.hooks.group_offloading", "_get_top_level_group_offload_hook"),
+    ):
+        try:  # diffusers releases before these had no such probe
+            functions.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError):
+            continue
+    return frozenset(function.__code__ for function in functions)
 
 
 def _asked_by_device_probe() -> bool:

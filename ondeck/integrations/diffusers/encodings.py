@@ -12,12 +12,12 @@ device the encoder answered on, so changing it in place changes nothing kept.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ...recency import LeastRecentlyUsed
 
 # Inputs larger than this are not hashed (a text encoder's are token ids: kilobytes).
 MAX_INPUT_BYTES = 1 << 20
@@ -44,16 +44,19 @@ class EncodingCache:
     """Answers of one component's calls by their inputs, least recently used first out."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_CACHED_BYTES):
-        self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
-        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
-        self._nbytes = 0
-        self._lock = threading.Lock()
+        self._kept = LeastRecentlyUsed(max_entries, max_bytes)
+
+    @property
+    def hits(self) -> int:
+        return self._kept.hits
+
+    @property
+    def misses(self) -> int:
+        return self._kept.misses
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kept)
 
     def key(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple | None:
         """The key of a call with these arguments; None when it cannot be kept (an
@@ -72,39 +75,22 @@ class EncodingCache:
 
     def get(self, key: tuple) -> Any | None:
         """A fresh copy of the answer kept for ``key``, on its device; None if none."""
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._entries.move_to_end(key)
-        return _mapped(found[0], _HostTensor.restored)
+        found = self._kept.get(key)
+        return _mapped(found, _HostTensor.restored) if found is not None else None
 
     def put(self, key: tuple, answer: Any) -> None:
-        """Keep a host copy of ``answer`` (unless it is too large or of a kind this cache
-        cannot copy)."""
+        """Keep a host copy of ``answer`` (unless it takes half the bytes or more, or is
+        of a kind this cache cannot copy)."""
         try:
             nbytes = _tensor_bytes(answer)
             if nbytes > self.max_bytes // 2:
                 return
-            kept = _mapped(answer, _HostTensor)
+            self._kept.put(key, _mapped(answer, _HostTensor), nbytes)
         except _Uncacheable:
             return
-        with self._lock:
-            if key in self._entries:
-                self._nbytes -= self._entries.pop(key)[1]
-            self._entries[key] = (kept, nbytes)
-            self._nbytes += nbytes
-            while self._entries and (
-                len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
-            ):
-                self._nbytes -= self._entries.popitem(last=False)[1][1]
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._nbytes = 0
+        self._kept.clear()
 
 
 def _key_of(value: Any) -> Any:
