@@ -88,15 +88,55 @@ def test_a_transform_added_after_a_call_makes_the_encoder_compute_again(folders)
         lambda encoder: setattr(encoder, "some_flag", True),
         lambda encoder: encoder.get_input_embeddings(),
         lambda encoder: encoder.to(torch.float32),
+        lambda encoder: encoder.retarget(None, torch.float32),  # as runtime.place() does
+        lambda encoder: delattr(encoder, "some_flag"),
     ],
-    ids=["setting", "attribute", "placement"],
+    ids=["setting", "attribute", "placement", "retarget", "deletion"],
 )
 def test_anything_but_a_call_forgets_the_answers(folders, change):
     pipe = load(folders["wan"])
     run(pipe, ALL_FAMILIES["wan"])
+    pipe.text_encoder.materialize().some_flag = False  # for the deletion to find
     assert len(pipe.text_encoder.answers) == 2
     change(pipe.text_encoder)
     assert len(pipe.text_encoder.answers) == 0
+
+
+def test_an_encoder_in_training_mode_keeps_nothing(folders):
+    pipe = load(folders["wan"])
+    pipe.text_encoder.train()  # dropout: its answers are random
+    run(pipe, ALL_FAMILIES["wan"])
+    assert len(pipe.text_encoder.answers) == 0
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+        self.during_call = lambda: None
+
+    def forward(self, x):
+        self.during_call()
+        return x * self.scale
+
+
+def test_an_answer_computed_while_the_answers_were_forgotten_is_not_kept():
+    """A change that comes while a call computes (from another thread, say) may have
+    changed the weights the call used: its answer is not kept."""
+    from ondeck.integrations.diffusers import PipelineComponent
+
+    module = _Doubling().eval()
+    proxy = PipelineComponent("text_encoder", lambda: module)
+    proxy.keep_answers()
+    module.during_call = proxy.answers.clear  # what a forget on another thread does
+    ids = torch.tensor([1.0, 2.0])
+    with torch.no_grad():
+        assert torch.equal(proxy(ids), torch.tensor([2.0, 4.0]))
+        assert len(proxy.answers) == 0
+        module.during_call = lambda: None
+        proxy(ids)
+        assert len(proxy.answers) == 1 and torch.equal(proxy(ids), torch.tensor([2.0, 4.0]))
+    assert (proxy.answers.hits, proxy.answers.misses) == (1, 2)
 
 
 def test_an_encoder_with_adapters_keeps_nothing(folders):
@@ -122,6 +162,9 @@ def test_inputs_are_keyed_by_their_bytes_and_large_or_unknown_ones_are_not_kept(
         big = torch.zeros(MAX_INPUT_BYTES // 4 + 1)
         assert cache.key((big,), {}) is None
         assert cache.key((object(),), {}) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = cache.key((ids,), {})
+        assert autocast != cache.key((ids,), {}), "autocast changes what a call returns"
     assert cache.key((ids,), {}) is None, "gradients are being recorded"
 
 
@@ -133,8 +176,10 @@ def test_an_answer_comes_back_as_a_fresh_copy_of_its_class_without_a_key_value_c
     answer = BaseModelOutputWithPast(
         last_hidden_state=hidden, past_key_values=DynamicCache(), hidden_states=(hidden, hidden)
     )
-    cache.put(("key",), answer)
+    cache.put(("key",), answer, cache.generation)
     hidden.zero_()  # the caller changing what it got changes nothing kept
+    kept = cache.get(("key",))
+    assert kept.hidden_states[0] is kept.hidden_states[1], "one tensor, copied once"
     found = cache.get(("key",))
     assert type(found) is BaseModelOutputWithPast
     assert found.past_key_values is None
@@ -143,19 +188,19 @@ def test_an_answer_comes_back_as_a_fresh_copy_of_its_class_without_a_key_value_c
     again = cache.get(("key",))
     assert torch.equal(again.last_hidden_state, torch.arange(6.0).reshape(1, 2, 3))
     assert torch.equal(again.hidden_states[1], torch.arange(6.0).reshape(1, 2, 3))
-    assert (cache.hits, cache.misses) == (2, 0)
+    assert (cache.hits, cache.misses) == (3, 0)
 
 
 def test_the_least_recently_used_answers_go_first_when_the_bytes_run_out():
     cache = EncodingCache(max_bytes=4 * 1024)
     for index in range(3):
-        cache.put((index,), torch.zeros(256))  # 1 KiB each
+        cache.put((index,), torch.zeros(256), cache.generation)  # 1 KiB each
     assert cache.get((0,)) is not None  # now the most recently used
-    cache.put((3,), torch.zeros(512))
+    cache.put((3,), torch.zeros(512), cache.generation)
     assert {key for key in ((0,), (1,), (2,), (3,)) if cache.get(key) is not None} == {
         (0,),
         (2,),
         (3,),
     }
-    cache.put((4,), torch.zeros(1024))  # half the bytes or more: not kept
+    cache.put((4,), torch.zeros(1024), cache.generation)  # half the bytes or more: not kept
     assert cache.get((4,)) is None and len(cache) == 3

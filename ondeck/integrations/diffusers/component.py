@@ -176,11 +176,13 @@ class PipelineComponent(LazyModule):
 
     # -- answers kept across calls ------------------------------------------------------
 
-    def keep_answers(self, cache: EncodingCache | None = None) -> None:
-        """Answer a call this component has answered before from ``cache`` (a new one by
-        default), without loading it; None stops keeping answers. For encoders: a
-        negative prompt every run shares, a prompt run again with a new seed."""
-        object.__setattr__(self, "_ondeck_answers", cache if cache is not None else EncodingCache())
+    def keep_answers(self) -> None:
+        """Answer a call this component has answered before from host memory, without
+        loading it. For encoders: a negative prompt every run shares, a prompt run again
+        with a new seed. A change made to the loaded module other than through this
+        proxy's attributes (through ``modules()`` or ``config``) is not seen: call
+        ``answers.clear()`` after one."""
+        object.__setattr__(self, "_ondeck_answers", EncodingCache())
 
     def stop_keeping_answers(self) -> None:
         object.__setattr__(self, "_ondeck_answers", None)
@@ -211,10 +213,11 @@ class PipelineComponent(LazyModule):
         found = answers.get(key)
         if found is not None:
             return found
+        generation = answers.generation
         result = LazyModule.__call__(self, *args, **kwargs)
         module = object.__getattribute__(self, "_ondeck_module")
         if module is not None and not module.training:  # dropout would make it random
-            answers.put(key, result)
+            answers.put(key, result, generation)
         return result
 
     # -- attribute access ---------------------------------------------------------------
@@ -275,6 +278,10 @@ class PipelineComponent(LazyModule):
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:
                 setattr(module, attribute, value)
+
+    def __delattr__(self, attribute: str) -> None:
+        self._forget_answers()
+        LazyModule.__delattr__(self, attribute)
 
     # -- recorded calls -----------------------------------------------------------------
 

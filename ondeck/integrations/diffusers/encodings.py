@@ -22,7 +22,7 @@ from ...recency import LeastRecentlyUsed
 # Inputs larger than this are not hashed (a text encoder's are token ids: kilobytes).
 MAX_INPUT_BYTES = 1 << 20
 # The host bytes one component's answers may hold.
-MAX_CACHED_BYTES = 512 << 20
+MAX_CACHED_BYTES = 256 << 20
 MAX_ENTRIES = 32
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -46,6 +46,8 @@ class EncodingCache:
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_CACHED_BYTES):
         self.max_bytes = max_bytes
         self._kept = LeastRecentlyUsed(max_entries, max_bytes)
+        # Counts the clears: an answer computed across one is from before it, not kept.
+        self.generation = 0
 
     @property
     def hits(self) -> int:
@@ -68,7 +70,7 @@ class EncodingCache:
             return (
                 _key_of(args),
                 tuple(sorted((name, _key_of(value)) for name, value in kwargs.items())),
-                torch.is_autocast_enabled(),
+                _autocast_state(),
             )
         except _Uncacheable:
             return None
@@ -78,9 +80,12 @@ class EncodingCache:
         found = self._kept.get(key)
         return _mapped(found, _HostTensor.restored) if found is not None else None
 
-    def put(self, key: tuple, answer: Any) -> None:
+    def put(self, key: tuple, answer: Any, generation: int) -> None:
         """Keep a host copy of ``answer`` (unless it takes half the bytes or more, or is
-        of a kind this cache cannot copy)."""
+        of a kind this cache cannot copy), computed when ``generation`` was current: if
+        the cache was cleared since, the answer may be from weights that changed."""
+        if generation != self.generation:
+            return
         try:
             nbytes = _tensor_bytes(answer)
             if nbytes > self.max_bytes // 2:
@@ -90,7 +95,16 @@ class EncodingCache:
             return
 
     def clear(self) -> None:
+        self.generation += 1
         self._kept.clear()
+
+
+def _autocast_state() -> tuple:
+    """Autocast on each device type, and to which dtype: it changes what a call returns."""
+    return tuple(
+        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        for kind in ("cpu", "cuda")
+    )
 
 
 def _key_of(value: Any) -> Any:
@@ -120,24 +134,28 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _mapped(value: Any, copy: Any) -> Any:
-    """``value`` with every tensor (or kept tensor) replaced by ``copy(it)``; output
+def _mapped(value: Any, copy: Any, copies: dict[int, Any] | None = None) -> Any:
+    """``value`` with every tensor (or kept tensor) replaced by ``copy(it)``, once per
+    object (T5's last hidden state is also the last of its hidden states); output
     classes (transformers' ``ModelOutput``) keep their class."""
+    copies = {} if copies is None else copies
     if isinstance(value, (torch.Tensor, _HostTensor)):
-        return copy(value)
+        if id(value) not in copies:
+            copies[id(value)] = copy(value)
+        return copies[id(value)]
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, Mapping):
         items = {
-            name: _mapped(item, copy)
+            name: _mapped(item, copy, copies)
             for name, item in value.items()
             if not _is_key_value_cache(item)
         }
         return type(value)(**items) if _is_output(value) else type(value)(items)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_mapped(item, copy) for item in value))
+        return type(value)(*(_mapped(item, copy, copies) for item in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_mapped(item, copy) for item in value)
+        return type(value)(_mapped(item, copy, copies) for item in value)
     raise _Uncacheable
 
 

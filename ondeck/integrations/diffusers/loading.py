@@ -82,36 +82,31 @@ def from_pretrained(
     ``pipe.ondeck`` is the runtime: ``plan()``, ``report()``, ``policy``,
     ``release_all()``, ``add_transform()``, ``generate()``.
 
-    ``torch_dtype`` (or ``dtype``) follows diffusers: one dtype, or a dict by component
-    name with a ``"default"``; when omitted, diffusers models load in float32 and
-    transformers models in their checkpoint's dtype; ``device`` defaults to CUDA. ``policy``,
-    ``budget``, ``prefetch``, ``host_memory`` are :class:`ondeck.Pipeline`'s; ``host_cache``
-    is an ``ondeck.loading.HostCache``.
-    ``libraries``: installed packages beyond diffusers and transformers whose classes
-    model_index.json may name (nothing else is imported for the folder).
-    ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
+    ``torch_dtype`` (or ``dtype``) follows diffusers: one dtype, or a dict by component name
+    with a ``"default"``; when omitted, diffusers models load in float32 and transformers
+    models in their checkpoint's dtype; ``device`` defaults to CUDA. ``policy``, ``budget``,
+    ``prefetch``, ``host_memory`` are :class:`ondeck.Pipeline`'s; ``host_cache`` is an
+    ``ondeck.loading.HostCache``. ``libraries``: installed packages beyond diffusers and
+    transformers whose classes model_index.json may name (nothing else is imported for the
+    folder). ``parallel`` (``"context"``, a degree or an ``ondeck.parallel.ContextParallel``),
     under ``torchrun``, splits the sequence of every deferred component diffusers gives a
-    context-parallel plan over the ranks (see ``ondeck.parallel``).
-    ``storage_dtype`` (``"fp8"``, or a dict by component) keeps the big components'
-    weights (all but the VAE) in fp8, computing in their dtype (``ondeck.loading.fp8``).
-    ``components`` maps a component name to a single checkpoint file that replaces its
-    weights: a ``.safetensors`` file in the original repository's key names or diffusers'
-    (float8 and fp8_scaled included), or a ``.gguf`` file; the rest comes from ``path``
-    (``ondeck.loading.single_file``). ``loras`` lists LoRA files (or ``(file, scale)``
-    pairs) loaded with ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``. ``shard``
-    names models split over a ``torchrun`` launch's ranks (FSDP2; ``docs/multi-gpu.md``).
-    ``prompt_cache``: the text and image encoders answer a call they have answered
-    before (a negative prompt every run shares, a prompt run again) from host memory,
-    without loading (``PipelineComponent.keep_answers``; ``ondeck generate`` and
+    context-parallel plan over the ranks (see ``ondeck.parallel``). ``storage_dtype``
+    (``"fp8"``, or a dict by component) keeps the big components' weights (all but the VAE) in
+    fp8, computing in their dtype (``ondeck.loading.fp8``). ``components`` maps a component
+    name to a single checkpoint file that replaces its weights: a ``.safetensors`` file in the
+    original repository's key names or diffusers' (float8 and fp8_scaled included), or a
+    ``.gguf`` file; the rest comes from ``path`` (``ondeck.loading.single_file``). ``loras``
+    lists LoRA files (or ``(file, scale)`` pairs) loaded with ``pipe.load_lora_weights`` and
+    set with ``pipe.set_adapters``. ``shard`` names models split over a ``torchrun`` launch's
+    ranks (FSDP2; ``docs/multi-gpu.md``). ``prompt_cache``: encoders answer a call made before
+    from host memory, without loading (:func:`keep_encoders_answers`; ``ondeck generate`` and
     ``ondeck serve`` turn it on).
     """
     import diffusers
 
     dtype = _asked_dtype(path, torch_dtype, kwargs)
     path = _local_folder(path, kwargs)
-    folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
-    if components:
-        folder = SingleFileFolder(folder, components)
+    folder = _opened(path, components, libraries, kwargs)
     base_class = _pipeline_class(diffusers, folder)
     _require_models(folder, skip=kwargs)
     stored = _stored(folder, storage_dtype, skip=kwargs)
@@ -123,24 +118,34 @@ def from_pretrained(
     if parallel is not None:
         split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
+    options = dict(policy=policy, budget=budget, prefetch=prefetch, host_memory=host_memory)
+    containers = tuple(found.containers)
     pipe.ondeck = DiffusersRuntime(
-        pipe,
-        found.deferred,
-        policy=policy,
-        budget=budget,
-        device=device,
-        prefetch=prefetch,
-        containers=tuple(found.containers),
-        host_memory=host_memory,
+        pipe, found.deferred, device=device, containers=containers, **options
     )
     pipe.ondeck.parallel = parallel
     if prompt_cache:
-        for name, proxy in found.deferred.items():
-            if caches_answers(proxy.spec, name):
-                proxy.keep_answers()
+        keep_encoders_answers(found.deferred)
     if loras:
         load_loras(pipe, loras)
     return pipe
+
+
+def _opened(
+    path: Path, components: Mapping[str, Any] | None, libraries: Sequence[str], kwargs: dict
+) -> Any:
+    """The model folder, with single files standing in for the components they replace."""
+    folder = ModelFolder.open(path, variant=kwargs.get("variant"), libraries=libraries)
+    return SingleFileFolder(folder, components) if components else folder
+
+
+def keep_encoders_answers(components: Mapping[str, PipelineComponent]) -> None:
+    """Each text or image encoder among ``components`` answers a call it has answered
+    before (a negative prompt every run shares, a prompt run again) from host memory,
+    without loading (``PipelineComponent.keep_answers``)."""
+    for name, proxy in components.items():
+        if caches_answers(proxy.spec, name):
+            proxy.keep_answers()
 
 
 def _built(
