@@ -130,6 +130,7 @@ FLOORS: dict[str, int] = {
     "ondeck.embedded": 0,
     "ondeck.loader": 0,
     "ondeck.tiles": 0,
+    "ondeck.recency": 0,
     # 1: the proxy, and the record of what was resident when
     "ondeck.lazy": 1,
     "ondeck.tracker": 1,
