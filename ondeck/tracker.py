@@ -261,10 +261,6 @@ class MemoryTracker:
     def _on_cuda(self) -> bool:
         return str(self.device).startswith("cuda")
 
-    def _allocator_counts(self) -> tuple[int, int] | None:
-        """The CUDA allocator's retries and out-of-memory errors so far; None off CUDA."""
-        return allocator_counts(self.device)
-
     def _mark(self, *, stage_start: bool) -> None:
         """The measured part of a stage begins here (at its start, then at its compute)."""
         import torch
@@ -307,7 +303,7 @@ class MemoryTracker:
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
             self._compute_resident = self.resident_bytes
-            self._allocator_counts_at_start = self._allocator_counts()
+            self._allocator_counts_at_start = allocator_counts(self.device)
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
 
@@ -337,7 +333,7 @@ class MemoryTracker:
                 peak = max(compute_peak, self._peak_before_reset or 0)
             if overall_peak is not None:
                 self.peak_measured_bytes = max(self.peak_measured_bytes, overall_peak)
-            counts, at_start = self._allocator_counts(), self._allocator_counts_at_start
+            counts, at_start = allocator_counts(self.device), self._allocator_counts_at_start
             retries = ooms = None  # not counted at both ends: unknown, not a lifetime total
             if counts is not None and at_start is not None:
                 retries, ooms = counts[0] - at_start[0], counts[1] - at_start[1]

@@ -204,3 +204,13 @@ def test_the_least_recently_used_answers_go_first_when_the_bytes_run_out():
     }
     cache.put((4,), torch.zeros(1024), cache.generation)  # half the bytes or more: not kept
     assert cache.get((4,)) is None and len(cache) == 3
+
+
+def test_a_tensor_an_answer_holds_twice_is_counted_once():
+    """T5's last hidden state is also the last of its hidden states: kept once, so its
+    bytes count once against the cache's."""
+    cache = EncodingCache(max_bytes=4 * 1024)
+    hidden = torch.zeros(384)  # 1.5 KiB: twice would be over half the cache's bytes
+    answer = BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=(hidden,))
+    cache.put(("key",), answer, cache.generation)
+    assert len(cache) == 1

@@ -184,9 +184,6 @@ class PipelineComponent(LazyModule):
         ``answers.clear()`` after one."""
         object.__setattr__(self, "_ondeck_answers", EncodingCache())
 
-    def stop_keeping_answers(self) -> None:
-        object.__setattr__(self, "_ondeck_answers", None)
-
     @property
     def answers(self) -> EncodingCache | None:
         """The answers kept (``hits``, ``misses``, ``len``), or None when none are."""

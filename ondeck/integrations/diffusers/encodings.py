@@ -2,11 +2,12 @@
 pipeline encodes again is answered from host memory, without loading the encoder or
 streaming its blocks.
 
-An answer is keyed on everything the call was given (tensors by their bytes) and
-is forgotten as soon as anything other than a call or a walk of its modules reaches the
+An answer is keyed on everything the call was given (tensors by their bytes) and is
+forgotten as soon as anything other than a call or a walk of its modules reaches the
 component: an attribute, a configuring call, a LoRA, a move. A component with adapters
-(LoRA) keeps nothing: their scales change between calls without a trace. What the pipeline gets back is a fresh copy on the
-device the encoder answered on, so changing it in place changes nothing kept.
+(LoRA) keeps nothing: their scales change between calls without a trace. What the
+pipeline gets back is a fresh copy on the device the encoder answered on, so changing it
+in place changes nothing kept.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class EncodingCache:
     """Answers of one component's calls by their inputs, least recently used first out."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_CACHED_BYTES):
-        self.max_bytes = max_bytes
         self._kept = LeastRecentlyUsed(max_entries, max_bytes)
         # Counts the clears: an answer computed across one is from before it, not kept.
         self.generation = 0
@@ -88,7 +88,7 @@ class EncodingCache:
             return
         try:
             nbytes = _tensor_bytes(answer)
-            if nbytes > self.max_bytes // 2:
+            if nbytes > self._kept.max_bytes // 2:
                 return
             self._kept.put(key, _mapped(answer, _HostTensor), nbytes)
         except _Uncacheable:
@@ -124,13 +124,18 @@ def _key_of(value: Any) -> Any:
     raise _Uncacheable
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """The bytes of the tensors in ``value``, each counted once, as ``_mapped`` copies it."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
         return value.numel() * value.element_size()
     if isinstance(value, Mapping):
-        return sum(_tensor_bytes(item) for item in value.values())
+        return sum(_tensor_bytes(item, seen) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
+        return sum(_tensor_bytes(item, seen) for item in value)
     return 0
 
 
