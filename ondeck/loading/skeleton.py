@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
+import functools
+import gc
 import inspect
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +33,7 @@ __all__ = [
     "SkeletonBuildError",
     "Slot",
     "build_skeleton",
+    "copy_module",
     "is_model_container",
     "library_of",
     "match_tensors",
@@ -77,11 +82,11 @@ class Skeleton:
     stored: Mapping[str, torch.dtype] = field(default_factory=dict)
 
     def fresh(self) -> Skeleton:
-        """An independent copy to fill. Copying touches no process-wide state, unlike a
-        build (which sets torch's default dtype and patches nn.Module for a moment), so a
-        load in a background thread cannot disturb the thread running the model."""
+        """An independent copy to fill. Copying sets no process-wide state a thread running
+        the model reads, unlike a build (which sets torch's default dtype and patches
+        nn.Module for a moment), so a load in a background thread cannot disturb it."""
         return _describe(
-            copy.deepcopy(self.module), self.library, self.dtype, self.file_keys, self.stored
+            copy_module(self.module), self.library, self.dtype, self.file_keys, self.stored
         )
 
     def with_stored(self, stored: Mapping[str, torch.dtype]) -> Skeleton:
@@ -98,6 +103,77 @@ class Skeleton:
             buffer = get_tensor(self.module, names[0])
             extra += buffer.numel() * buffer.element_size()
         return sum(slot.nbytes for slot in self.slots) + extra
+
+
+# -- copying a skeleton ---------------------------------------------------------------------
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_COPYING = threading.Lock()  # also guards the collector's state while it is paused
+
+
+def copy_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(module)``, several times faster for a large model's skeleton.
+
+    A module tree is copied directly: each module's attribute table, with fresh tables of
+    parameters, buffers and submodules, fresh empty hook tables, and immutable values
+    shared, as deepcopy shares them; anything else (configs, attention processors,
+    non-empty hook tables, tensors) goes through ``copy.deepcopy`` with the same memo, so
+    a module or value reached twice is copied once, as deepcopy copies it. A class with
+    its own copy or pickle methods is copied by deepcopy. The cyclic garbage collector is
+    paused meanwhile (and then left as it was): the copy makes thousands of containers and
+    no garbage, and a full collection triggered halfway would cost more than the copy.
+    """
+    with _COPYING:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return _copy_module(module, {})
+        finally:
+            if collecting:
+                gc.enable()
+
+
+def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    found = memo.get(id(module))
+    if found is not None:
+        return found
+    cls = type(module)
+    if not _plainly_copied(cls):
+        return copy.deepcopy(module, memo)
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    state: dict[str, Any] = {}
+    for key, value in module.__dict__.items():
+        kind = type(value)
+        if key == "_modules":
+            state[key] = kind(
+                (name, None if child is None else _copy_module(child, memo))
+                for name, child in value.items()
+            )
+        elif key in ("_parameters", "_buffers"):
+            state[key] = kind(
+                (name, None if tensor is None else copy.deepcopy(tensor, memo))
+                for name, tensor in value.items()
+            )
+        elif kind in _ATOMS:
+            state[key] = value
+        elif kind in (dict, OrderedDict, set) and not value:
+            state[key] = kind()
+        elif kind in (tuple, torch.Size) and all(type(item) in _ATOMS for item in value):
+            state[key] = value
+        else:
+            state[key] = copy.deepcopy(value, memo)
+    new.__dict__.update(state)
+    return new
+
+
+@functools.cache
+def _plainly_copied(cls: type) -> bool:
+    """Whether deepcopy would copy ``cls`` as nn.Module does: through its attribute table."""
+    for method in ("__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"):
+        if getattr(cls, method, None) is not getattr(torch.nn.Module, method, None):
+            return False
+    return not copyreg._slotnames(cls)
 
 
 def library_of(cls: type) -> str:
