@@ -114,14 +114,15 @@ _COPYING = threading.Lock()  # also guards the collector's state while it is pau
 def copy_module(module: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(module)``, several times faster for a large model's skeleton.
 
-    A module tree is copied directly: each module's attribute table, with fresh tables of
-    parameters, buffers and submodules, fresh empty hook tables, and immutable values
-    shared, as deepcopy shares them; anything else (configs, attention processors,
-    non-empty hook tables, tensors) goes through ``copy.deepcopy`` with the same memo, so
-    a module or value reached twice is copied once, as deepcopy copies it. A class with
-    its own copy or pickle methods is copied by deepcopy. The cyclic garbage collector is
-    paused meanwhile (and then left as it was): the copy makes thousands of containers and
-    no garbage, and a full collection triggered halfway would cost more than the copy.
+    A module tree is copied directly: each module's state as ``nn.Module`` hands it to
+    deepcopy, with fresh tables of parameters, buffers and submodules, fresh empty hook
+    tables, and immutable values shared, as deepcopy shares them. Anything else (configs,
+    attention processors, non-empty hook tables, tensors) goes through ``copy.deepcopy``
+    with the same memo, so a module or value reached twice is copied once, as deepcopy
+    copies it. A class with its own copy or pickle methods is copied by deepcopy. The
+    cyclic garbage collector is paused meanwhile (and then left as it was): the copy makes
+    thousands of containers and no garbage, and a full collection triggered halfway would
+    cost more than the copy.
     """
     with _COPYING:
         collecting = gc.isenabled()
@@ -143,7 +144,7 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     new = cls.__new__(cls)
     memo[id(module)] = new
     state: dict[str, Any] = {}
-    for key, value in module.__dict__.items():
+    for key, value in module.__getstate__().items():  # what deepcopy would copy
         kind = type(value)
         if key == "_modules":
             state[key] = kind(
@@ -163,7 +164,7 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
             state[key] = value
         else:
             state[key] = copy.deepcopy(value, memo)
-    new.__dict__.update(state)
+    new.__setstate__(state)
     return new
 
 

@@ -122,6 +122,7 @@ def _shared_parts() -> torch.nn.Module:
         root.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
         root.again = root.blocks[1]  # one module under two names
         root.odd = _Pickled(4, 4)
+    root.blocks[0]._compiled_call_impl = print  # what Module.compile() sets; not copied
     settings = _Settings()
     root.settings = settings
     root.blocks[0].settings = settings  # one value reached twice
@@ -137,6 +138,7 @@ def test_what_is_shared_inside_stays_shared_in_the_copy():
     assert copied.settings is copied.blocks[0].settings
     assert copied.settings is not template.settings
     assert copied.odd.pickled and not hasattr(template.odd, "pickled")
+    assert "_compiled_call_impl" not in vars(copied.blocks[0])
     assert not mutable_objects(template).keys() & mutable_objects(copied).keys()
 
 
