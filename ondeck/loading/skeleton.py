@@ -108,7 +108,9 @@ class Skeleton:
 # -- copying a skeleton ---------------------------------------------------------------------
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-_COPYING = threading.Lock()  # also guards the collector's state while it is paused
+# Also guards the collector's state while it is paused; reentrant, so a value's own
+# __deepcopy__ may copy a module in turn.
+_COPYING = threading.RLock()
 
 
 def copy_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -126,8 +128,8 @@ def copy_module(module: torch.nn.Module) -> torch.nn.Module:
     """
     with _COPYING:
         collecting = gc.isenabled()
-        gc.disable()
         try:
+            gc.disable()
             return _copy_module(module, {})
         finally:
             if collecting:
@@ -139,7 +141,7 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     if found is not None:
         return found
     cls = type(module)
-    if not _plainly_copied(cls):
+    if not _plainly_copied(cls) or "__deepcopy__" in module.__dict__:
         return copy.deepcopy(module, memo)
     new = cls.__new__(cls)
     memo[id(module)] = new
@@ -159,7 +161,8 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
         elif kind in _ATOMS:
             state[key] = value
         elif kind in (dict, OrderedDict, set) and not value:
-            state[key] = kind()
+            # Memoised like deepcopy's: an empty table reached twice is one in the copy.
+            state[key] = memo.setdefault(id(value), kind())
         elif kind in (tuple, torch.Size) and all(type(item) in _ATOMS for item in value):
             state[key] = value
         else:
@@ -168,13 +171,23 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
     return new
 
 
+_COPY_METHODS = (
+    "__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__", "__setstate__",
+    "__getnewargs__", "__getnewargs_ex__",
+)  # fmt: skip
+
+
 @functools.cache
 def _plainly_copied(cls: type) -> bool:
-    """Whether deepcopy would copy ``cls`` as nn.Module does: through its attribute table."""
-    for method in ("__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"):
-        if getattr(cls, method, None) is not getattr(torch.nn.Module, method, None):
-            return False
-    return not copyreg._slotnames(cls)
+    """Whether deepcopy would copy ``cls`` as nn.Module does: through the state
+    ``nn.Module.__getstate__`` gives. Asked once per class (classes do not change their
+    copy methods after they are used)."""
+    if cls in copyreg.dispatch_table or copyreg._slotnames(cls):
+        return False
+    return all(
+        getattr(cls, method, None) is getattr(torch.nn.Module, method, None)
+        for method in _COPY_METHODS
+    )
 
 
 def library_of(cls: type) -> str:

@@ -5,6 +5,7 @@ template, and the garbage collector left as it was."""
 from __future__ import annotations
 
 import copy
+import copyreg
 import gc
 import types
 
@@ -126,6 +127,7 @@ def _shared_parts() -> torch.nn.Module:
     settings = _Settings()
     root.settings = settings
     root.blocks[0].settings = settings  # one value reached twice
+    root.blocks[0].cache = settings.cache = {}  # one empty table reached twice
     return root
 
 
@@ -136,6 +138,7 @@ def test_what_is_shared_inside_stays_shared_in_the_copy():
     assert copied.head.weight is copied.embed.weight
     assert copied.again is copied.blocks[1]
     assert copied.settings is copied.blocks[0].settings
+    assert copied.blocks[0].cache is copied.settings.cache is not template.settings.cache
     assert copied.settings is not template.settings
     assert copied.odd.pickled and not hasattr(template.odd, "pickled")
     assert "_compiled_call_impl" not in vars(copied.blocks[0])
@@ -156,6 +159,49 @@ def test_filling_a_copy_leaves_the_template_as_it_was(folders):
     assert {name: p.requires_grad for name, p in template.named_parameters()} == before
     assert not template._forward_hooks
     assert not hasattr(template.transformer_blocks[0], "processor_note")
+
+
+class _Sized(torch.nn.Linear):
+    """Made again from its arguments, as pickling does."""
+
+    def __new__(cls, in_features, out_features, **kwargs):
+        return super().__new__(cls)
+
+    def __getnewargs__(self):
+        return (self.in_features, self.out_features)
+
+
+class _Registered(torch.nn.Linear):
+    pass
+
+
+class _CopiesModules:
+    """A value whose own __deepcopy__ copies a module in turn."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __deepcopy__(self, memo):
+        return _CopiesModules(copy_module(self.module))
+
+
+def test_classes_that_copy_their_own_way_are_copied_as_deepcopy_copies_them():
+    with torch.device("meta"):
+        root = torch.nn.Module()
+        root.sized = _Sized(2, 3)
+        root.registered = _Registered(2, 3)
+        root.inner = torch.nn.Linear(3, 3)
+    root.holder = _CopiesModules(root.inner)
+    copyreg.pickle(_Registered, lambda m: (_Registered, (4, 5)))
+    try:
+        copied = copy_module(root)  # nested copy_module: no deadlock
+        assert shape_of(copied) == shape_of(copy.deepcopy(root))
+    finally:
+        del copyreg.dispatch_table[_Registered]
+    assert copied.registered.in_features == 4  # copyreg's reducer was asked
+    assert copied.sized.out_features == 3
+    assert copied.holder.module is not root.inner
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("enabled", [True, False])
