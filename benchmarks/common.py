@@ -774,3 +774,14 @@ def run_variant(args: list[str], *, timeout: float) -> dict:
     result["process_seconds"] = time.perf_counter() - started
     result["args"] = args
     return result
+
+
+def union_of(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping or touching intervals joined, in order (a trace's busy spans)."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]

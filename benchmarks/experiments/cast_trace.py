@@ -26,20 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import ready_wan14b_folder, reload_arm_loader, write_document  # noqa: E402
+from common import ready_wan14b_folder, reload_arm_loader, union_of, write_document  # noqa: E402
 
 ARMS = ("bf16", "fp8", "bf16, whole", "fp8, whole")
 GAP_US = 50
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
 
 
 def timeline(trace: dict) -> dict:
@@ -58,12 +48,12 @@ def timeline(trace: dict) -> dict:
             kernels.append(span)
     if not copies:
         return {"copies": 0}
-    busy = _union(copies)
+    busy = union_of(copies)
     first, last = busy[0][0], busy[-1][1]
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:], strict=False)]
     long_gaps = sorted((g for g in gaps if g > GAP_US), reverse=True)
     busy_us = sum(b - a for a, b in busy)
-    kernel_us = sum(b - a for a, b in _union(kernels))
+    kernel_us = sum(b - a for a, b in union_of(kernels))
     last_kernel = max((end for _, end in kernels), default=last)
     return {
         # the device's work after the last copy ended (the last casts)

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, out_dir, run_child, warm_page_cache, write_document  # noqa: E402
+from common import emit, out_dir, run_child, union_of, warm_page_cache, write_document  # noqa: E402
 from families import CALLS, PROMPTS, build_hunyuan_folder, build_sd35_folder  # noqa: E402
 
 GAP_US = 1000
@@ -91,9 +91,9 @@ def summarise(trace: dict) -> dict:
             copies.append(span)
         elif category == "cuda_runtime" or category == "cuda_driver":
             api.append((span, event.get("name", "")))
-    busy = merge(kernels)  # the device computing; copies run beside it
+    busy = union_of(kernels)  # the device computing; copies run beside it
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False) if b[0] - a[1] > GAP_US]
-    copying = merge(copies)
+    copying = union_of(copies)
     copy_in_gaps = sum(
         max(0.0, min(b, end) - max(a, start)) for start, end in gaps for a, b in copying
     )
@@ -107,8 +107,8 @@ def summarise(trace: dict) -> dict:
     for (a, b), name in api:
         slow[name] += (b - a) / 1e6
     return {
-        "kernel_busy_s": sum(b - a for a, b in merge(kernels)) / 1e6,
-        "copy_busy_s": sum(b - a for a, b in merge(copies)) / 1e6,
+        "kernel_busy_s": sum(b - a for a, b in union_of(kernels)) / 1e6,
+        "copy_busy_s": sum(b - a for a, b in union_of(copies)) / 1e6,
         "span_s": (busy[-1][1] - busy[0][0]) / 1e6 if busy else 0,
         "idle_gaps": len(gaps),
         "idle_s": sum(b - a for a, b in gaps) / 1e6,
@@ -120,16 +120,6 @@ def summarise(trace: dict) -> dict:
         "api_in_gaps_s": {k: round(v, 4) for k, v in in_gaps.most_common(10)},
         "api_total_s": {k: round(v, 4) for k, v in slow.most_common(10)},
     }
-
-
-def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
 
 
 class Spans:
