@@ -281,6 +281,28 @@ def component_timers(pipe) -> dict:
     return timers
 
 
+def eager_pipeline(family: str, folder: str):
+    """The family's diffusers pipeline, every component on the GPU in bf16."""
+    import diffusers
+    import torch
+
+    pipeline_class = CALLS[family][0]
+    return (
+        getattr(diffusers, pipeline_class)
+        .from_pretrained(folder, torch_dtype=torch.bfloat16)
+        .to("cuda")
+    )
+
+
+def load_events(tracker, run: int) -> list[list]:
+    """The run's loads, fills, releases and waits: [seconds, kind, name, bytes, duration]."""
+    return [
+        [round(e.seconds, 3), e.kind, e.name, e.nbytes, e.duration_seconds]
+        for e in tracker.events
+        if e.run == run and e.kind in ("load", "fill", "release", "wait")
+    ]
+
+
 def family_child(args) -> None:
     """One mode of an sd35 or hunyuan family, in this process: prints its RESULT line."""
     import torch
@@ -288,7 +310,6 @@ def family_child(args) -> None:
     if args.memory_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * GiB / total))
-    import diffusers
 
     import ondeck.diffusers
     from ondeck.loading import HostCache
@@ -299,11 +320,7 @@ def family_child(args) -> None:
     try:
         pipeline_class, call, output = CALLS[args.family]
         if args.child == "diffusers-eager":
-            pipe = (
-                getattr(diffusers, pipeline_class)
-                .from_pretrained(args.folder, torch_dtype=torch.bfloat16)
-                .to("cuda")
-            )
+            pipe = eager_pipeline(args.family, args.folder)
             runtime = None
             timers = component_timers(pipe)
         else:
@@ -362,11 +379,7 @@ def family_child(args) -> None:
                     for s in runtime.tracker.stages
                     if s.run == run + 1
                 ]
-                row["events"] = [
-                    [round(e.seconds, 3), e.kind, e.name, e.nbytes, e.duration_seconds]
-                    for e in runtime.tracker.events
-                    if e.run == run + 1 and e.kind in ("load", "fill", "release", "wait")
-                ]
+                row["events"] = load_events(runtime.tracker, run + 1)
                 row["loaded_from"] = {
                     name: getattr(loader, "last_source", None)
                     for name, loader in runtime.loaders.items()

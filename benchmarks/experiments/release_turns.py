@@ -29,7 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import emit, out_dir, run_child, union_of, warm_page_cache, write_document  # noqa: E402
-from families import CALLS, PROMPTS, build_hunyuan_folder, build_sd35_folder  # noqa: E402
+from families import (  # noqa: E402
+    CALLS,
+    PROMPTS,
+    build_hunyuan_folder,
+    build_sd35_folder,
+    eager_pipeline,
+    load_events,
+)
 
 GAP_US = 1000
 
@@ -180,7 +187,6 @@ def apply_variant(variant: str) -> None:
 
 
 def child(args) -> None:
-    import diffusers
     import torch
 
     import ondeck.diffusers
@@ -195,13 +201,9 @@ def child(args) -> None:
         spans.wrap(ComponentLoader, "_prepare_spare", "spare")
         spans.wrap(ComponentLoader, "_take_skeleton", "skeleton")
 
-    pipeline_class, call, output = CALLS[args.family]
+    _, call, output = CALLS[args.family]
     if args.child == "eager":
-        pipe = (
-            getattr(diffusers, pipeline_class)
-            .from_pretrained(args.folder, torch_dtype=torch.bfloat16)
-            .to("cuda")
-        )
+        pipe = eager_pipeline(args.family, args.folder)
     else:
         pipe = ondeck.diffusers.from_pretrained(
             args.folder,
@@ -264,13 +266,8 @@ def child(args) -> None:
             with gzip.open(str(path) + ".gz", "wt") as packed:
                 json.dump(trace, packed)
             path.unlink()
-        if pipe.__class__.__name__ != pipeline_class and hasattr(pipe, "ondeck"):
-            tracker = pipe.ondeck.tracker
-            row["events"] = [
-                [round(e.seconds, 3), e.kind, e.name, e.nbytes, e.duration_seconds]
-                for e in tracker.events
-                if e.run == run + 1 and e.kind in ("load", "fill", "release", "wait")
-            ]
+        if hasattr(pipe, "ondeck"):
+            row["events"] = load_events(pipe.ondeck.tracker, run + 1)
         result["runs"].append(row)
         print(f"{args.child} run {run + 1}: {seconds:.2f}s", file=sys.stderr, flush=True)
     emit(result)
