@@ -83,6 +83,14 @@ def decoded(row: dict) -> str:
     return text + (f", {last['retries']} retried" if last.get("retries") else "")
 
 
+# SD3.5 Large's MMDiT: 38 blocks, 8B parameters.
+SD35_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+    num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm",
+)  # fmt: skip
+
+
 def build_sd35_folder(path: Path) -> Path:
     """SD3.5 Large's shapes with random bf16 weights, as the pipeline saves them."""
     import torch
@@ -118,12 +126,7 @@ def build_sd35_folder(path: Path) -> Path:
         vocab.update({f"{c}{suffix}": len(vocab) for c in "abcdefghijklmnopqrstuvwxyz"})
     with torch.device("cuda"):
         parts = dict(
-            transformer=SD3Transformer2DModel(
-                sample_size=128, patch_size=2, in_channels=16, num_layers=38,
-                attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
-                caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
-                pos_embed_max_size=192, qk_norm="rms_norm",
-            ),
+            transformer=SD3Transformer2DModel(**SD35_TRANSFORMER),
             text_encoder=clip(768, 12, 12, "quick_gelu"),
             text_encoder_2=clip(1280, 32, 20, "gelu"),
             text_encoder_3=T5EncoderModel(
