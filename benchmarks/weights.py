@@ -19,9 +19,6 @@ of its own (clean peaks), ``--runs`` prompts each, 480x832, 33 frames, 4 steps:
 - ``folder-24``, ``file-24``, ``folder-8``, ``file-8``: the same under the automatic
   policy on a card emulated at 24 and 8 GiB (``set_per_process_memory_fraction``).
 - ``fp8file-release``, ``fp8file-8``: the float8 file (stored fp8, computed in bf16).
-  ``fp8file-8-inline``: the same with each stored layer upcast where it runs, none made
-  ahead on the side stream (``ondeck.loading.upcast_ahead``); its frames against
-  ``fp8file-8``'s.
 - ``reload``: the transformer loaded from the page cache, from the bf16 file and from the
   float8 file in turns: file GB/s and seconds per load.
 - ``gguf-full``, ``gguf-16``, ``gguf-8``: the Q8_0 file through ondeck (auto);
@@ -108,8 +105,6 @@ MODES = {
     "fp8file-8": Mode(55, 8, files=("fp8",)),
     # "-cached": the encoders keep their answers, as `ondeck generate`'s do.
     "fp8file-8-cached": Mode(55, 8, files=("fp8",)),
-    # "-inline": each stored layer upcast where it runs, none ahead on the side stream.
-    "fp8file-8-inline": Mode(55, 8, files=("fp8",)),
     "folder-8-cached": Mode(55, 8, layout="folder"),
     "gguf-diffusers": Mode(70, files=("gguf",)),
     "gguf-full": Mode(60, files=("gguf",)),
@@ -616,10 +611,6 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["policy"] = "release"
     if mode.endswith("-cached"):
         options["prompt_cache"] = True
-    if mode.endswith("-inline"):
-        from ondeck.loading.upcast_ahead import UpcastAhead
-
-        UpcastAhead._start = lambda self, name: None
     if mode in ("lora-release", "lorafused-release"):
         options["loras"] = [files["lora"]]
     pipe = ondeck.diffusers.from_pretrained(
@@ -939,7 +930,6 @@ def summarise(rows: dict) -> dict:
         if bf16_seconds and fp8_seconds
         else None,
         "fp8file_8_vs_eager": ratio(rows, "fp8file-8", "eager"),
-        "fp8file_8_inline_vs_eager": ratio(rows, "fp8file-8-inline", "eager"),
         "gguf_vs_eager": {m: ratio(rows, m, "eager") for m in ("gguf-full", "gguf-16", "gguf-8")},
         "gguf_vs_diffusers_gguf": {
             m: ratio(rows, m, "gguf-diffusers") for m in ("gguf-full", "gguf-16", "gguf-8")
@@ -972,8 +962,6 @@ def frame_differences(rows: dict) -> dict:
             found[f"{mode} vs eager"] = gap
         if mode.startswith("file-") and (gap := difference(mode, "folder-" + mode[5:])):
             found[f"{mode} vs folder-{mode[5:]}"] = gap
-        if mode.endswith("-inline") and (gap := difference(mode, mode[: -len("-inline")])):
-            found[f"{mode} vs {mode[: -len('-inline')]}"] = gap
     return found
 
 
@@ -1012,10 +1000,6 @@ def print_table(rows: dict, summary: dict, skipped: list[str]) -> None:
     print(f"single file / folder (<= 1.02)          {shown(summary['file_vs_folder'])}")
     print(f"fp8 reload rate / bf16 file's (>= 1.8)  {shown(summary['fp8_reload_rate_vs_bf16'])}")
     print(f"fp8 file at 8 GiB / eager (<= 1.06)     {shown(summary['fp8file_8_vs_eager'])}")
-    if summary["fp8file_8_inline_vs_eager"] is not None:
-        print(
-            f"  the same, upcast inline               {shown(summary['fp8file_8_inline_vs_eager'])}"
-        )
     print(f"GGUF Q8_0 / eager                       {shown(summary['gguf_vs_eager'])}")
     print(f"GGUF Q8_0 / diffusers' GGUF             {shown(summary['gguf_vs_diffusers_gguf'])}")
     print(f"one LoRA under release / without (1.03) {shown(summary['lora_vs_without'])}")

@@ -36,7 +36,6 @@ from ..errors import LoadError
 from .options import StorageChoice
 from .quantized import describe_method, package_installed, package_name, quantization_method
 from .safetensors_format import TensorInfo
-from .upcast_ahead import UpcastAhead
 
 __all__ = [
     "FLOAT8_DTYPES",
@@ -429,10 +428,10 @@ def upcast_for_compute(
     if in_place:
         _apply_casting(module, library, storage, compute, kept)
     else:
-        ahead = UpcastAhead(storage, compute, ((n, module.get_submodule(n)) for n in layers))
         for name in layers:
-            registry = HookRegistry.check_if_exists_or_initialize(ahead.layer(name))
-            registry.register_hook(_swapping_hook(storage, compute, ahead, name), _HOOK_NAME)
+            layer = module.get_submodule(name)
+            registry = HookRegistry.check_if_exists_or_initialize(layer)
+            registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
         if not (library == "diffusers" and hasattr(module, "enable_layerwise_casting")):
             _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
     for name in layers:
@@ -620,12 +619,8 @@ def _casting_hook(module: torch.nn.Module) -> Any:
     return registry.get_hook(_HOOK_NAME) if registry is not None else None
 
 
-def _swapping_hook(
-    storage: torch.dtype, compute: torch.dtype, ahead: UpcastAhead, name: str
-) -> Any:
-    hook = _swapping_hook_class()(storage, compute, non_blocking=False)
-    hook.ahead, hook.layer_name = ahead, name
-    return hook
+def _swapping_hook(storage: torch.dtype, compute: torch.dtype) -> Any:
+    return _swapping_hook_class()(storage, compute, non_blocking=False)
 
 
 @functools.cache
@@ -634,11 +629,7 @@ def _swapping_hook_class() -> type:
 
     class SwappingCastingHook(LayerwiseCastingHook):
         """diffusers' layerwise casting hook, without casting the stored tensors in place:
-        a forward sees upcast copies, the module keeps the stored tensors. With
-        ``ahead``, the copies come from its layer's ``UpcastAhead``."""
-
-        ahead: UpcastAhead | None = None
-        layer_name = ""
+        a forward sees upcast copies, the module keeps the stored tensors."""
 
         def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
             return module  # loaded in the storage dtype already
@@ -651,18 +642,10 @@ def _swapping_hook_class() -> type:
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             stored: list = []
-            ahead, failed = self.ahead, True
             try:
-                if ahead is None:
-                    _swap_in([module], self.storage_dtype, self.compute_dtype, stored)
-                else:
-                    ahead.swap_in(self.layer_name, module, stored)
-                output = self.fn_ref.original_forward(*args, **kwargs)
-                failed = False
-                return output
+                _swap_in([module], self.storage_dtype, self.compute_dtype, stored)
+                return self.fn_ref.original_forward(*args, **kwargs)
             finally:
-                if ahead is not None:
-                    ahead.join(failed)
                 for table, name, tensor in stored:
                     table[name] = tensor
 
