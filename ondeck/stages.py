@@ -32,7 +32,6 @@ from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
 from .profiles import default_profiles
 from .snapshot import Snapshot
 from .tracker import CallTimer, MemoryTracker, StageRecord
-from .warmup import start_warming
 
 __all__ = ["Stage", "Pipeline", "held_components"]
 
@@ -176,8 +175,6 @@ class Pipeline(HostMemory):
         host_memory: int | str | None = None,
     ):
         self.device = resolve_device(device)
-        # The device's libraries made ready while the first loads read (``ondeck.warmup``).
-        start_warming(self.device)
         self.init_host_memory(parse_bytes(host_memory))
         self.tracker = MemoryTracker(
             device=str(self.device), call_timer=CallTimer.for_device(self.device)

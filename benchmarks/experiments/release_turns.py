@@ -167,15 +167,10 @@ class Spans:
 def apply_variant(variant: str) -> None:
     """The variants compared: ``no-spare`` builds a pipelined load's skeleton when it
     starts instead of on the filling's thread after the last load; ``largest-first``
-    starts the next run's largest component first, then the rest in turn order; ``cold``
-    leaves the device's libraries to the first calls that need them (no
-    ``ondeck.warmup``)."""
-    import ondeck.stages
+    starts the next run's largest component first, then the rest in turn order."""
     from ondeck.executor import Executor
     from ondeck.loading.components import ComponentLoader
 
-    if "cold" in variant:
-        ondeck.stages.start_warming = lambda device, dtypes=None: None
     if "no-spare" in variant:
         ComponentLoader._prepare_spare = lambda self, template: None
     if "largest-first" in variant:
