@@ -200,7 +200,7 @@ class ComponentLoader(FolderLoader):
             reading = time.perf_counter()
             self.last_allocate_seconds = reading - allocating
             placed_bytes = self._fill_placed(placed, other).nbytes if placed else 0
-            self.last_placed_read_seconds = time.perf_counter() - reading
+            self.last_placed_read_seconds = time.perf_counter() - reading if placed else 0.0
             groups, group_of = fill_groups(
                 [sources[i][0].names for i in on_device],
                 [sources[i][1].nbytes for i in on_device],

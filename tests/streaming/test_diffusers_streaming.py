@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from references import in_fresh_tensors
 
@@ -102,9 +103,30 @@ def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(
 
     pipe = streaming_pipe(six_block_folder)
     loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
+    tracker = pipe.ondeck.tracker
+
+    def last_load():
+        return [
+            e
+            for e in tracker.events
+            if e.name == "transformer" and e.kind in ("load", "fill") and e.run == tracker.runs
+        ][-1]
+
     frames(pipe)
     assert loader.last_allocate_seconds > 0 and loader.last_placed_read_seconds > 0
+    # What a reload would take: the load's device bytes over its seconds less the host
+    # copies' making and filling.
+    load = last_load()
+    setup = loader.last_allocate_seconds + loader.last_placed_read_seconds
+    assert 0 < setup < load.duration_seconds
+    assert tracker.load_bytes_per_second["transformer"] == pytest.approx(
+        load.nbytes / (load.duration_seconds - setup)
+    )
     pipe.transformer.release()
     frames(pipe)
     assert pipe.transformer.load_count == 2
     assert loader.last_placed_read_seconds == 0, "the host copies kept their blocks"
+    load = last_load()
+    assert tracker.load_bytes_per_second["transformer"] == pytest.approx(
+        load.nbytes / load.duration_seconds
+    )
