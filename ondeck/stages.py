@@ -414,6 +414,26 @@ class Pipeline(HostMemory):
             return False
         return self._recover_from_oom(index)
 
+    def room_to_make(self) -> tuple[int, float] | None:
+        """What ``make_room`` would free now, in bytes, and the seconds loading it again
+        takes at the rates the components' last loads reached; None where it would free
+        nothing, or a rate is not known."""
+        index = self._current_index
+        if index is None:
+            return None
+        steps = self.policy.recover_from_oom(self.snapshot(), index)
+        if steps is None or not steps.release:
+            return None
+        rates = self.tracker.load_bytes_per_second
+        freed, seconds = 0, 0.0
+        for name in steps.release:
+            nbytes = self.tracker.resident.get(name, 0)
+            if nbytes and not rates.get(name):
+                return None
+            freed += nbytes
+            seconds += nbytes / rates[name] if nbytes else 0.0
+        return freed, seconds
+
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget
         less what is resident, else what the device has left; None where unknown."""

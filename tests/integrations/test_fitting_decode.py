@@ -10,6 +10,7 @@ import torch
 import ondeck.diffusers
 from ondeck.errors import BudgetError
 from ondeck.integrations.diffusers import DiffusersRuntime
+from ondeck.policy import BudgetPolicy
 
 from .breadth_pipelines import ALL_FAMILIES
 from .tiny_pipelines import plain_tiled, run
@@ -251,3 +252,95 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
     assert tiles is not None and tiles.count > 1
     assert made_room == [], "what the policy keeps stays; the decode tiles instead"
     assert np.array_equal(second, plain_tiled(family, folders[family], tiles))
+
+
+def _crowded(pipe, family, monkeypatch):
+    """A first decode that fitted its room only by the allocator retrying: the decoder
+    counts as crowded. Returns the decoder and the room its decodes are told of."""
+    from itertools import chain, repeat
+
+    from ondeck.integrations.diffusers import decode
+
+    decoder = pipe.ondeck.decoders["vae"]
+    room = 2 * decoder.expected_need(ALL_FAMILIES[family].call)
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
+    counts = chain([0, decode.CROWDED_RETRIES], repeat(decode.CROWDED_RETRIES))
+    monkeypatch.setattr(decode, "allocator_counts", lambda device: (next(counts), 0))
+    run(pipe, ALL_FAMILIES[family])
+    assert decoder.crowded
+    return decoder
+
+
+@pytest.mark.parametrize(("reload_seconds", "frees"), [(0.5, True), (50.0, False)])
+def test_a_crowded_decode_frees_what_is_kept_where_its_tiles_cost_more_than_a_reload(
+    reload_seconds, frees, folders, monkeypatch
+):
+    """The tiles within the room cover more frame area than whole frames in the room a
+    release would make: at the seconds per area decodes took, that costs more or less
+    than loading the freed components again. The cheaper is done."""
+    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
+    decoder = _crowded(pipe, "wan", monkeypatch)
+    decoder.seconds_per_area = 10.0  # the extra area of the tiles: several seconds
+    decoder._timing = None
+    monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, reload_seconds))
+    made_room = []
+    original = DiffusersRuntime.make_room
+    monkeypatch.setattr(
+        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+    )
+    run(pipe, ALL_FAMILIES["wan"])
+    assert made_room == ([1] if frees else [])
+
+
+def test_without_a_timed_decode_or_a_known_reload_a_crowded_decode_tiles_within(
+    folders, monkeypatch
+):
+    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
+    decoder = _crowded(pipe, "wan", monkeypatch)
+    assert decoder._seconds_per_area() is None, "a crowded decode's time is not kept"
+    monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, 0.0))
+    made_room = []
+    monkeypatch.setattr(DiffusersRuntime, "make_room", lambda self: made_room.append(1))
+    run(pipe, ALL_FAMILIES["wan"])
+    assert made_room == []
+    assert decoder.last_tiles is not None
+
+
+def test_a_decode_that_fitted_without_retries_is_timed_per_frame_area(folders):
+    pipe = load(folders["wan"])
+    decoder = pipe.ondeck.decoders["vae"]
+    assert decoder._seconds_per_area() is None
+    run(pipe, ALL_FAMILIES["wan"])
+    assert decoder.last_tiles is None and decoder._seconds_per_area() > 0
+
+
+def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_rates(
+    folders,
+):
+    """Inside the decode of a budget that keeps every component: a release would free
+    all but the VAE, and loading them again takes their bytes at the rates their last
+    loads reached."""
+    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
+    run(pipe, ALL_FAMILIES["wan"])  # the rates: the first run's loads
+    runtime = pipe.ondeck
+    rates = dict(runtime.tracker.load_bytes_per_second)
+    seen = []
+
+    def watch(vae):
+        decode = vae.decode
+
+        def watching(*args, **kwargs):
+            seen.append((dict(runtime.tracker.resident), runtime.room_to_make()))
+            return decode(*args, **kwargs)
+
+        vae.decode = watching
+        return vae
+
+    pipe.vae.add_transform(watch)
+    pipe.vae.release()
+    run(pipe, ALL_FAMILIES["wan"])
+    ((resident, (freed, seconds)),) = seen
+    kept = {name: n for name, n in resident.items() if name != "vae"}
+    assert kept and freed == sum(kept.values())
+    assert seconds == pytest.approx(sum(n / rates[name] for name, n in kept.items()))
+    assert runtime.room_to_make() is None, "between runs no stage is running"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -211,8 +212,15 @@ class FittingDecode:
         self.proven_bytes_per_element = 0.0
         # Whether a decode fitted only by the allocator retrying (``_crowded``): from then
         # on a decode that does not fit tiles within its room, keeping what the policy
-        # keeps (freeing it would reload it in the next run, every run).
+        # keeps (freeing it would reload it in the next run, every run), unless the
+        # tiles would cost more than that reload (``_room_pays``).
         self.crowded = False
+        # The last decode that fitted without retries: its timing (start and end, CUDA
+        # events or host clock readings) and the frame area it covered (the tiles' areas
+        # summed, overlaps counted twice; 1 for whole frames). Read into
+        # ``seconds_per_area`` once it has ended.
+        self._timing: tuple[Any, Any, float] | None = None
+        self.seconds_per_area: float | None = None
 
     # -- what the runtime asks ------------------------------------------------------------
 
@@ -273,10 +281,11 @@ class FittingDecode:
             self.last_tiles, self.last_retries, self.last_slices = None, 0, 1
             return module.decode(*args, **kwargs)  # tiling the caller chose
         room = self.runtime.activation_room()
-        tiles_within = self.crowded and self.style is not None
-        if need is not None and room is not None and need > room and not tiles_within:
-            if self.runtime.make_room():
-                room = self.runtime.activation_room()
+        if need is not None and room is not None and need > room:
+            tiles_within = self.crowded and self.style is not None
+            if not tiles_within or self._room_pays(height, width, need, room, scale):
+                if self.runtime.make_room():
+                    room = self.runtime.activation_room()
         # A batch that does not fit at once decodes an image at a time, then in tiles if
         # one image does not fit either.
         slices = latents.shape[0] if _slices(module, latents, need, room) else 1
@@ -287,8 +296,14 @@ class FittingDecode:
         while True:
             try:
                 before = allocator_counts(latents.device)
+                started = _clock(latents.device)
                 result = self._decode(module, tiles, slices, scale, args, kwargs)
-                self._crowded(before, allocator_counts(latents.device), tiles, room, elements)
+                ended = _clock(latents.device)
+                crowded = self._crowded(
+                    before, allocator_counts(latents.device), tiles, room, elements
+                )
+                if not crowded and not retries:
+                    self._timing = (started, ended, covered_area(tiles))
                 break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
@@ -332,21 +347,49 @@ class FittingDecode:
         tiles: Tiles | None,
         room: int | None,
         elements: int,
-    ) -> None:
+    ) -> bool:
         """A decode that fitted only by the allocator retrying (``CROWDED_RETRIES``; the
         counts are ``memory.allocator_counts``) took at least all of ``room`` for its
         tiles: whole frames are counted as needing more than the room over the tiles'
         area, so that the next decode of this size tiles finer and leaves the share a
-        decode keeps free."""
-        if before is None or after is None or room is None:
-            return
+        decode keeps free. Whether it was so crowded."""
+        if before is None or after is None:
+            return False
         if after[0] - before[0] < CROWDED_RETRIES:
-            return
+            return False
+        if room is None:
+            return True
         self.crowded = True
         area = tiles.area if tiles is not None else 1.0
         at_least = max(room, 0) / (TILE_SAFETY * area) / elements
         self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
         self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
+        return True
+
+    def _room_pays(self, height: int, width: int, need: int, room: int, scale: int) -> bool:
+        """Whether freeing what the policy keeps (``make_room``) costs less than tiling
+        within the room: the frame area the tiles cover beyond what they would cover in
+        the larger room, at the seconds per area the last decode took, against loading
+        the freed components again at the rates their last loads reached. Unknown
+        either way: no (a crowded decode tiles within its room)."""
+        per_area = self._seconds_per_area()
+        made = self.runtime.room_to_make()
+        if per_area is None or made is None:
+            return False
+        freed, reload_seconds = made
+        here = covered_area(tiles_for(height, width, need, room, scale=scale))
+        there = covered_area(tiles_for(height, width, need, room + freed, scale=scale))
+        return per_area * (here - there) > reload_seconds
+
+    def _seconds_per_area(self) -> float | None:
+        """Seconds a decode took per frame area covered, from the last that fitted
+        without retries, once it has ended."""
+        if self._timing is not None:
+            seconds = _elapsed(*self._timing[:2])
+            if seconds is not None:
+                self.seconds_per_area = seconds / self._timing[2]
+                self._timing = None
+        return self.seconds_per_area
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
         if self.bytes_per_element is not None:
@@ -385,6 +428,32 @@ class FittingDecode:
             if tiles is not None:
                 self.style.apply(module, tiles, scale)
             return module.decode(*args, **kwargs)
+
+
+def covered_area(tiles: Tiles | None) -> float:
+    """The frame area a decode computes, in frames: its tiles' areas summed (overlaps
+    counted each time), 1 for whole frames."""
+    return tiles.count * tiles.area if tiles is not None else 1.0
+
+
+def _clock(device: torch.device) -> Any:
+    """A mark in time: an event recorded on the device's stream (CUDA), else the host's
+    clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def _elapsed(start: Any, end: Any) -> float | None:
+    """Seconds from ``start`` to ``end`` (``_clock`` marks); None while the device has
+    not reached ``end``."""
+    if isinstance(start, float):
+        return end - start
+    if not end.query():
+        return None
+    return start.elapsed_time(end) / 1000
 
 
 def _slices(module: Any, latents: torch.Tensor, need: int | None, room: int | None) -> bool:
