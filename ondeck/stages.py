@@ -416,15 +416,15 @@ class Pipeline(HostMemory):
 
     def room_to_make(self) -> tuple[int, float] | None:
         """What ``make_room`` would free now, in bytes, and the seconds loading it again
-        takes at the rates the components' last loads reached; None where it would free
-        nothing, or a rate is not known."""
+        under the same plan takes (``MemoryTracker.reload_bytes_per_second``); None where
+        it would free nothing, or a rate is not known."""
         index = self._current_index
         if index is None:
             return None
         steps = self.policy.recover_from_oom(self.snapshot(), index)
         if steps is None or not steps.release:
             return None
-        rates = self.tracker.load_bytes_per_second
+        rates = self.tracker.reload_bytes_per_second
         freed, seconds = 0, 0.0
         for name in steps.release:
             nbytes = self.tracker.resident.get(name, 0)

@@ -142,10 +142,12 @@ class MemoryTracker:
     seconds_per_call: dict[str, float] = field(default_factory=dict)
     call_timer: CallTimer | None = None
     # Per component loaded in the last run that completed, the rate its load reached
-    # (bytes over the seconds to its last weight in place, less what only a first load
-    # under a plan does: page-locking and filling streamed blocks' host copies): what
-    # reloading it costs.
+    # (bytes over the seconds to its last weight in place): what loading it costs, as
+    # the plan weighs reloading against staying.
     load_bytes_per_second: dict[str, float] = field(default_factory=dict)
+    # The same less what only a first load under a plan does (page-locking and filling
+    # streamed blocks' host copies): what loading it again under the same plan costs.
+    reload_bytes_per_second: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -256,12 +258,12 @@ class MemoryTracker:
             for event in self.events:  # a pipelined load's fill ends it, and comes last
                 if event.run == self.runs and event.kind in ("load", "fill"):
                     if event.duration_seconds and event.nbytes:
-                        seconds = event.duration_seconds
-                        setup = self._setup_seconds.get(event.name, 0.0)
-                        if 0 < setup < seconds:
-                            seconds -= setup
-                        loads[event.name] = (event.nbytes, seconds)
+                        loads[event.name] = (event.nbytes, event.duration_seconds)
             self.load_bytes_per_second.update({n: b / s for n, (b, s) in loads.items()})
+            for name, (nbytes, seconds) in loads.items():
+                setup = self._setup_seconds.get(name, 0.0)
+                again = seconds - setup if 0 < setup < seconds else seconds
+                self.reload_bytes_per_second[name] = nbytes / again
 
     def run_started(self) -> None:
         """A run begins; events and stage records of older runs than ``keep_runs`` go.
@@ -398,6 +400,7 @@ class MemoryTracker:
             "calls_per_run": dict(self.calls_per_run),
             "seconds_per_call": dict(self.seconds_per_call),
             "load_bytes_per_second": dict(self.load_bytes_per_second),
+            "reload_bytes_per_second": dict(self.reload_bytes_per_second),
             "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
             "process_peak_rss_bytes": process_peak_rss_bytes(),
             "exposed_load_seconds": self.exposed_load_seconds(),

@@ -282,7 +282,7 @@ def test_a_component_a_run_did_not_call_keeps_its_calls_and_its_time():
     assert set(tracker.seconds_per_call) == {"encoder", "denoiser"}
 
 
-def test_a_load_rate_leaves_out_what_only_a_first_load_under_a_plan_does():
+def test_a_reload_rate_leaves_out_what_only_a_first_load_under_a_plan_does():
     """A load that also page-locked and filled its streamed blocks' host copies: the
     rate a reload reaches counts its device bytes over the rest of its seconds."""
     tracker = MemoryTracker()
@@ -292,12 +292,16 @@ def test_a_load_rate_leaves_out_what_only_a_first_load_under_a_plan_does():
     tracker.loaded("denoiser", 8_000, 0.1, setup_seconds=0.0)
     tracker.filled("denoiser", 1.0, setup_seconds=0.2)  # a pipelined load ends at its fill
     tracker.run_finished()
-    assert tracker.load_bytes_per_second == pytest.approx(
+    assert tracker.reload_bytes_per_second == pytest.approx(
         {"encoder": 4_000 / 0.5, "vae": 1_000 / 0.5, "denoiser": 8_000 / 0.8}
+    )
+    # What the plan weighs staying against: the loads as they went.
+    assert tracker.load_bytes_per_second == pytest.approx(
+        {"encoder": 4_000 / 2.0, "vae": 1_000 / 0.5, "denoiser": 8_000 / 1.0}
     )
     tracker.run_started()
     tracker.loaded("encoder", 4_000, 0.5)  # the reload: host copies held already
     tracker.loaded("vae", 1_000, 0.25, setup_seconds=0.5)  # more than it took: ignored
     tracker.run_finished()
-    assert tracker.load_bytes_per_second["encoder"] == pytest.approx(8_000)
-    assert tracker.load_bytes_per_second["vae"] == pytest.approx(4_000)
+    assert tracker.reload_bytes_per_second["encoder"] == pytest.approx(8_000)
+    assert tracker.reload_bytes_per_second["vae"] == pytest.approx(4_000)

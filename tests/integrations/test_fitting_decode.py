@@ -323,7 +323,7 @@ def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_
     pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
     run(pipe, ALL_FAMILIES["wan"])  # the rates: the first run's loads
     runtime = pipe.ondeck
-    rates = dict(runtime.tracker.load_bytes_per_second)
+    rates = dict(runtime.tracker.reload_bytes_per_second)
     seen = []
 
     def watch(vae):
