@@ -38,6 +38,12 @@ class Loader(Protocol):
         (0 when nothing is stored in a narrower dtype)."""
         ...
 
+    @property
+    def setup_seconds(self) -> float:
+        """Of its last load's seconds, those a reload under the same plan does not
+        repeat (making and filling streamed blocks' host copies; 0: none)."""
+        ...
+
     def __call__(self) -> Any:
         """The loaded component, every weight in place."""
         ...
@@ -58,6 +64,7 @@ class DeclaredLoader:
 
     returns_fresh_module: bool = False
     upcast_bytes: int = 0
+    setup_seconds: float = 0.0
 
     @property
     def spec(self) -> ComponentSpec | None:

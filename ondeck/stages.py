@@ -679,7 +679,7 @@ class Pipeline(HostMemory):
             nbytes,
             seconds,
             exposed=not self.executor.in_prefetch_thread(),
-            setup_seconds=_setup_seconds(proxy),
+            setup_seconds=as_loader(loader_of(proxy)).setup_seconds,
         )
 
     def component_called(self, proxy: LazyModule) -> None:
@@ -696,7 +696,9 @@ class Pipeline(HostMemory):
 
     def after_fill(self, proxy: LazyModule, seconds: float) -> None:
         """A pipelined load's last weights are in place, ``seconds`` after it began."""
-        self.tracker.filled(self._name_of(proxy), seconds, setup_seconds=_setup_seconds(proxy))
+        self.tracker.filled(
+            self._name_of(proxy), seconds, setup_seconds=as_loader(loader_of(proxy)).setup_seconds
+        )
 
     def after_release(self, proxy: LazyModule, nbytes: int) -> None:
         self.tracker.released(self._name_of(proxy), nbytes)
@@ -739,13 +741,3 @@ def _upcast(loader: Any) -> int:
         return int(as_loader(loader).upcast_bytes or 0)
     except Exception:
         return 0
-
-
-def _setup_seconds(proxy: LazyModule) -> float:
-    """The seconds of the proxy's last load that a reload under the same plan does not
-    repeat: making and filling its streamed blocks' host copies (0 once they hold them)."""
-    loader = loader_of(proxy)
-    placed = getattr(loader, "last_placed_read_seconds", 0.0) or 0.0
-    if placed <= 0:
-        return 0.0
-    return placed + (getattr(loader, "last_allocate_seconds", 0.0) or 0.0)

@@ -61,6 +61,7 @@ def test_a_plain_callable_gets_the_protocols_defaults_and_a_declared_loader_stay
     assert isinstance(plain, PlainLoader)
     assert plain.begin() == ("module", None)
     assert plain.spec is None and plain.upcast_bytes == 0 and not plain.returns_fresh_module
+    assert plain.setup_seconds == 0.0
 
     class Declared(DeclaredLoader):
         returns_fresh_module = True
