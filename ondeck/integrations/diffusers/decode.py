@@ -369,9 +369,9 @@ class FittingDecode:
     def _room_pays(self, height: int, width: int, need: int, room: int, scale: int) -> bool:
         """Whether freeing what the policy keeps (``make_room``) costs less than tiling
         within the room: the frame area the tiles cover beyond what they would cover in
-        the larger room, at the seconds per area the last decode took, against loading
-        the freed components again at the rates their last loads reached. Unknown
-        either way: no (a crowded decode tiles within its room)."""
+        the larger room, at the seconds per area the last timed decode took, against
+        loading the freed components again under the same plan (``room_to_make``).
+        Unknown either way: no (a crowded decode tiles within its room)."""
         per_area = self._seconds_per_area()
         made = self.runtime.room_to_make()
         if per_area is None or made is None:
