@@ -417,9 +417,10 @@ class Pipeline(HostMemory):
     def room_to_make(self) -> tuple[int, float] | None:
         """What ``make_room`` would free now, in bytes, and the seconds loading it again
         under the same plan takes (``MemoryTracker.reload_bytes_per_second``); None where
-        it would free nothing, or a rate is not known."""
+        it would free nothing, a rate is not known, or a load is under way."""
         index = self._current_index
-        if index is None:
+        if index is None or self._loading_bytes():
+            # A load under way: making room would wait for it, then free it too.
             return None
         steps = self.policy.recover_from_oom(self.snapshot(), index)
         if steps is None or not steps.release:
@@ -432,7 +433,7 @@ class Pipeline(HostMemory):
                 return None
             freed += nbytes
             seconds += nbytes / rates[name] if nbytes else 0.0
-        return freed, seconds
+        return (freed, seconds) if freed else None
 
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget

@@ -271,7 +271,7 @@ def _crowded(pipe, family, monkeypatch):
     return decoder
 
 
-@pytest.mark.parametrize(("reload_seconds", "frees"), [(0.5, True), (50.0, False)])
+@pytest.mark.parametrize(("reload_seconds", "frees"), [(1e-9, True), (1e9, False)])
 def test_a_crowded_decode_frees_what_is_kept_where_its_tiles_cost_more_than_a_reload(
     reload_seconds, frees, folders, monkeypatch
 ):
@@ -280,7 +280,7 @@ def test_a_crowded_decode_frees_what_is_kept_where_its_tiles_cost_more_than_a_re
     than loading the freed components again. The cheaper is done."""
     pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
     decoder = _crowded(pipe, "wan", monkeypatch)
-    decoder.seconds_per_area = 10.0  # the extra area of the tiles: several seconds
+    decoder.seconds_per_pixel = 1e-3
     decoder._timing = None
     monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, reload_seconds))
     made_room = []
@@ -297,7 +297,7 @@ def test_without_a_timed_decode_or_a_known_reload_a_crowded_decode_tiles_within(
 ):
     pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
     decoder = _crowded(pipe, "wan", monkeypatch)
-    assert decoder._seconds_per_area() is None, "a crowded decode's time is not kept"
+    assert decoder._seconds_per_pixel() is None, "a crowded decode's time is not kept"
     monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, 0.0))
     made_room = []
     monkeypatch.setattr(DiffusersRuntime, "make_room", lambda self: made_room.append(1))
@@ -306,12 +306,12 @@ def test_without_a_timed_decode_or_a_known_reload_a_crowded_decode_tiles_within(
     assert decoder.last_tiles is not None
 
 
-def test_a_decode_that_fitted_without_retries_is_timed_per_frame_area(folders):
+def test_a_decode_that_fitted_without_retries_is_timed_per_pixel(folders):
     pipe = load(folders["wan"])
     decoder = pipe.ondeck.decoders["vae"]
-    assert decoder._seconds_per_area() is None
+    assert decoder._seconds_per_pixel() is None
     run(pipe, ALL_FAMILIES["wan"])
-    assert decoder.last_tiles is None and decoder._seconds_per_area() > 0
+    assert decoder.last_tiles is None and decoder._seconds_per_pixel() > 0
 
 
 def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_rates(
@@ -344,3 +344,82 @@ def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_
     assert kept and freed == sum(kept.values())
     assert seconds == pytest.approx(sum(n / rates[name] for name, n in kept.items()))
     assert runtime.room_to_make() is None, "between runs no stage is running"
+
+
+class _Runtime:
+    def __init__(self, made):
+        self.made = made
+
+    def room_to_make(self):
+        return self.made
+
+
+class _Proxy:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self._ondeck_spec = SimpleNamespace(cls=None, config={"block_out_channels": [8]})
+
+
+class _SlicingVae:
+    use_slicing = False
+
+    def enable_slicing(self):
+        self.use_slicing = True
+
+
+def _deciding(made, per_pixel):
+    from ondeck.integrations.diffusers.decode import FittingDecode
+
+    decoder = FittingDecode(_Proxy(), _Runtime(made), "vae")
+    decoder.seconds_per_pixel = per_pixel
+    return decoder
+
+
+def test_the_tiles_extra_cost_scales_with_the_pixels_of_the_decode_at_hand():
+    from ondeck.integrations.diffusers.decode import covered_area
+    from ondeck.tiles import tiles_for
+
+    need, room, freed = 1000, 400, 10_000
+    small, large = torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 16, 16)
+    for latents in (small, large):
+        side = latents.shape[-1] * 8
+        extra = covered_area(tiles_for(side, side, need, room)) - 1.0
+        assert extra > 0
+        cost = 1e-6 * side * side * extra  # the seconds the tiles' extra pixels take
+        assert _deciding((freed, 0.99 * cost), 1e-6)._room_pays(None, latents, need, room, 8)
+        assert not _deciding((freed, 1.01 * cost), 1e-6)._room_pays(None, latents, need, room, 8)
+
+
+def test_a_batch_that_would_decode_an_image_at_a_time_counts_no_tiles():
+    """Two images whose need is twice the room each decode whole, one at a time, in the
+    room as it is: freeing anything gains no pixels."""
+    latents = torch.zeros(2, 4, 8, 8)
+    decoder = _deciding((10_000, 1e-12), 1.0)
+    assert not decoder._room_pays(_SlicingVae(), latents, 800, 500, 8)
+    assert decoder._room_pays(object(), latents, 800, 500, 8), "no slicing: tiles"
+
+
+def test_no_room_is_priced_while_a_load_is_under_way(folders, monkeypatch):
+    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
+    run(pipe, ALL_FAMILIES["wan"])
+    runtime = pipe.ondeck
+    seen = []
+
+    def watch(vae):
+        decode = vae.decode
+
+        def watching(*args, **kwargs):
+            seen.append(runtime.room_to_make())
+            monkeypatch.setattr(DiffusersRuntime, "_loading_bytes", lambda self: 1)
+            seen.append(runtime.room_to_make())
+            monkeypatch.undo()
+            return decode(*args, **kwargs)
+
+        vae.decode = watching
+        return vae
+
+    pipe.vae.add_transform(watch)
+    pipe.vae.release()
+    run(pipe, ALL_FAMILIES["wan"])
+    assert seen[0] is not None and seen[1] is None

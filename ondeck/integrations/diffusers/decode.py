@@ -216,11 +216,11 @@ class FittingDecode:
         # tiles would cost more than that reload (``_room_pays``).
         self.crowded = False
         # The last decode that fitted without retries: its timing (start and end, CUDA
-        # events or host clock readings) and the frame area it covered (the tiles' areas
-        # summed, overlaps counted twice; 1 for whole frames). Read into
-        # ``seconds_per_area`` once it has ended.
+        # events or host clock readings) and the output pixels it computed (its pixels
+        # times the frame area its tiles covered, overlaps counted each time). Read into
+        # ``seconds_per_pixel`` once it has ended.
         self._timing: tuple[Any, Any, float] | None = None
-        self.seconds_per_area: float | None = None
+        self.seconds_per_pixel: float | None = None
 
     # -- what the runtime asks ------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class FittingDecode:
         room = self.runtime.activation_room()
         if need is not None and room is not None and need > room:
             tiles_within = self.crowded and self.style is not None
-            if not tiles_within or self._room_pays(height, width, need, room, scale):
+            if not tiles_within or self._room_pays(module, latents, need, room, scale):
                 if self.runtime.make_room():
                     room = self.runtime.activation_room()
         # A batch that does not fit at once decodes an image at a time, then in tiles if
@@ -303,7 +303,8 @@ class FittingDecode:
                     before, allocator_counts(latents.device), tiles, room, elements
                 )
                 if not crowded and not retries:
-                    self._timing = (started, ended, covered_area(tiles))
+                    pixels = output_pixels(latents, scale) * covered_area(tiles)
+                    self._timing = (started, ended, pixels)
                 break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
@@ -366,30 +367,38 @@ class FittingDecode:
         self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
         return True
 
-    def _room_pays(self, height: int, width: int, need: int, room: int, scale: int) -> bool:
+    def _room_pays(
+        self, module: Any, latents: torch.Tensor, need: int, room: int, scale: int
+    ) -> bool:
         """Whether freeing what the policy keeps (``make_room``) costs less than tiling
-        within the room: the frame area the tiles cover beyond what they would cover in
-        the larger room, at the seconds per area the last timed decode took, against
-        loading the freed components again under the same plan (``room_to_make``).
-        Unknown either way: no (a crowded decode tiles within its room)."""
-        per_area = self._seconds_per_area()
+        within the room: the pixels the tiles compute beyond what they would in the
+        larger room (each decoding an image at a time where it would), at the seconds
+        per pixel the last timed decode took, against loading the freed components
+        again under the same plan (``room_to_make``). Unknown either way: no (a crowded
+        decode tiles within its room)."""
+        per_pixel = self._seconds_per_pixel()
         made = self.runtime.room_to_make()
-        if per_area is None or made is None:
+        if per_pixel is None or made is None:
             return False
         freed, reload_seconds = made
-        here = covered_area(tiles_for(height, width, need, room, scale=scale))
-        there = covered_area(tiles_for(height, width, need, room + freed, scale=scale))
-        return per_area * (here - there) > reload_seconds
+        height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
 
-    def _seconds_per_area(self) -> float | None:
-        """Seconds a decode took per frame area covered, from the last that fitted
+        def covered(room: int) -> float:
+            slices = latents.shape[0] if _slices(module, latents, need, room) else 1
+            return covered_area(tiles_for(height, width, need // slices, room, scale=scale))
+
+        extra = output_pixels(latents, scale) * (covered(room) - covered(room + freed))
+        return per_pixel * extra > reload_seconds
+
+    def _seconds_per_pixel(self) -> float | None:
+        """Seconds a decode took per output pixel it computed, from the last that fitted
         without retries, once it has ended."""
         if self._timing is not None:
             seconds = _elapsed(*self._timing[:2])
             if seconds is not None:
-                self.seconds_per_area = seconds / self._timing[2]
+                self.seconds_per_pixel = seconds / self._timing[2]
                 self._timing = None
-        return self.seconds_per_area
+        return self.seconds_per_pixel
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
         if self.bytes_per_element is not None:
@@ -428,6 +437,12 @@ class FittingDecode:
             if tiles is not None:
                 self.style.apply(module, tiles, scale)
             return module.decode(*args, **kwargs)
+
+
+def output_pixels(latents: torch.Tensor, scale: int) -> int:
+    """The pixels a decode of ``latents`` outputs: every image, and every frame of a video."""
+    frames = output_frames(latents.shape[2]) if latents.dim() == 5 else 1
+    return latents.shape[0] * frames * latents.shape[-2] * latents.shape[-1] * scale * scale
 
 
 def covered_area(tiles: Tiles | None) -> float:
