@@ -13,7 +13,8 @@ Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 4
 33 frames, 4 steps, three prompts per mode, each mode in its own process
 (``benchmarks/wan_modes.py --mode ondeck-diffusers``) on a device emulated with
 ``torch.cuda.set_per_process_memory_fraction``; then ``release`` on the full card.
-Prints, last, a table: completed or not, the policy auto chose, runs 2-3 / eager, run 1
+Prints, last, a table: completed or not, the policy auto chose, runs 2+ (the median of
+run 2 and later; runs 2-3 by default) / eager, run 1
 / eager's run 1, peak reserved (sampled), host peak RSS, how the last run decoded and
 the plan's transfer floor per pass where blocks stream (bytes streamed over the measured
 host-to-device rate). Writes families.json to $OUT.
@@ -22,7 +23,7 @@ host-to-device rate). Writes families.json to $OUT.
 host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a
 real cgroup v2 ``memory.max`` around the process (no flag: ondeck reads the limit),
 beside the run with the machine's own host budget. A second table compares each:
-completed, peak RSS against the budget, streamed blocks read from the files, runs 2-3
+completed, peak RSS against the budget, streamed blocks read from the files, runs 2+
 against eager and against the prediction. The prediction takes the run without a host
 limit on the same card and, per streamed component, swaps its per-pass time for the
 plan's: a pass costs the slower of its compute (that run's stage seconds per pass) and
@@ -443,7 +444,7 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
     if not host_rows:
         return
     print(
-        f"\n{'card':<8} {'host budget':<16} {'done':<5} {'runs 2-3':>8} {'/eager':>7} "
+        f"\n{'card':<8} {'host budget':<16} {'done':<5} {'runs 2+':>8} {'/eager':>7} "
         f"{'/predicted':>10} {'peak RSS':>9} {'<= budget':>9} {'plan host':>9} from files"
     )
     for row in rows:
@@ -609,7 +610,7 @@ def main() -> None:
     eager_first = eager["runs"][0]["seconds"] if eager else None
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'families.json'}")
     print(
-        f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2-3':>8} {'/eager':>7} "
+        f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2+':>8} {'/eager':>7} "
         f"{'last/eager':>10} {'run 1/eager 1':>13} {'reserved':>9} {'RSS':>7} {'decode':<18} "
         "transfer floor"
     )
