@@ -14,8 +14,8 @@ Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 4
 (``benchmarks/wan_modes.py --mode ondeck-diffusers``) on a device emulated with
 ``torch.cuda.set_per_process_memory_fraction``; then ``release`` on the full card.
 Prints, last, a table: completed or not, the policy auto chose, runs 2+ (the median of
-run 2 and later; runs 2-3 by default) / eager, run 1
-/ eager's run 1, peak reserved (sampled), host peak RSS, how the last run decoded and
+run 2 and later; runs 2-3 by default) / eager, run 1 / eager's run 1, peak reserved
+(sampled), host peak RSS, how the last run decoded and
 the plan's transfer floor per pass where blocks stream (bytes streamed over the measured
 host-to-device rate). Writes families.json to $OUT.
 
