@@ -314,23 +314,19 @@ def test_a_decode_that_fitted_without_retries_is_timed_per_pixel(folders):
     assert decoder.last_tiles is None and decoder._seconds_per_pixel() > 0
 
 
-def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_rates(
-    folders,
-):
-    """Inside the decode of a budget that keeps every component: a release would free
-    all but the VAE, and loading them again takes their bytes at the rates their last
-    loads reached."""
-    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
-    run(pipe, ALL_FAMILIES["wan"])  # the rates: the first run's loads
-    runtime = pipe.ondeck
-    rates = dict(runtime.tracker.reload_bytes_per_second)
-    seen = []
+def _inside_a_second_decode(folder, look):
+    """A budget that keeps every component runs once (the loads' rates), then again with
+    the VAE released: ``look(runtime)`` inside that run's decode. Returns the runtime and
+    what each look returned."""
+    pipe = load(folder, policy=BudgetPolicy(2**40))
+    run(pipe, ALL_FAMILIES["wan"])
+    runtime, seen = pipe.ondeck, []
 
     def watch(vae):
         decode = vae.decode
 
         def watching(*args, **kwargs):
-            seen.append((dict(runtime.tracker.resident), runtime.room_to_make()))
+            seen.append(look(runtime))
             return decode(*args, **kwargs)
 
         vae.decode = watching
@@ -339,7 +335,22 @@ def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_
     pipe.vae.add_transform(watch)
     pipe.vae.release()
     run(pipe, ALL_FAMILIES["wan"])
-    ((resident, (freed, seconds)),) = seen
+    return runtime, seen
+
+
+def test_the_room_a_release_would_make_counts_the_kept_components_at_their_load_rates(
+    folders,
+):
+    """Inside the decode of a budget that keeps every component: a release would free
+    all but the VAE, and loading them again takes their bytes at the rates their last
+    loads reached."""
+    rates = {}
+
+    def look(runtime):
+        rates.update(runtime.tracker.reload_bytes_per_second)
+        return dict(runtime.tracker.resident), runtime.room_to_make()
+
+    runtime, ((resident, (freed, seconds)),) = _inside_a_second_decode(folders["wan"], look)
     kept = {name: n for name, n in resident.items() if name != "vae"}
     assert kept and freed == sum(kept.values())
     assert seconds == pytest.approx(sum(n / rates[name] for name, n in kept.items()))
@@ -401,25 +412,12 @@ def test_a_batch_that_would_decode_an_image_at_a_time_counts_no_tiles():
 
 
 def test_no_room_is_priced_while_a_load_is_under_way(folders, monkeypatch):
-    pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
-    run(pipe, ALL_FAMILIES["wan"])
-    runtime = pipe.ondeck
-    seen = []
+    def look(runtime):
+        idle = runtime.room_to_make()
+        monkeypatch.setattr(DiffusersRuntime, "_loading_bytes", lambda self: 1)
+        loading = runtime.room_to_make()
+        monkeypatch.undo()
+        return idle, loading
 
-    def watch(vae):
-        decode = vae.decode
-
-        def watching(*args, **kwargs):
-            seen.append(runtime.room_to_make())
-            monkeypatch.setattr(DiffusersRuntime, "_loading_bytes", lambda self: 1)
-            seen.append(runtime.room_to_make())
-            monkeypatch.undo()
-            return decode(*args, **kwargs)
-
-        vae.decode = watching
-        return vae
-
-    pipe.vae.add_transform(watch)
-    pipe.vae.release()
-    run(pipe, ALL_FAMILIES["wan"])
-    assert seen[0] is not None and seen[1] is None
+    _, ((idle, loading),) = _inside_a_second_decode(folders["wan"], look)
+    assert idle is not None and loading is None
