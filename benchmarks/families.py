@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -357,7 +358,11 @@ def family_child(args) -> None:
         prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
         for run, prompt in enumerate(prompts):
             started = time.perf_counter()
-            with PeakSampler(torch.cuda.memory_reserved) as sampler:
+            with (
+                PeakSampler(torch.cuda.memory_reserved) as sampler,
+                warnings.catch_warnings(record=True) as caught,
+            ):
+                warnings.simplefilter("always")
                 images = getattr(
                     pipe(
                         prompt,
@@ -393,6 +398,9 @@ def family_child(args) -> None:
                 row["seconds_per_call"] = dict(runtime.tracker.seconds_per_call)
                 row["load_bytes_per_second"] = dict(runtime.tracker.load_bytes_per_second)
                 row["plan_notes"] = list(runtime.plan().streaming_notes)
+                row["plan_after"] = str(runtime.plan())
+                row["measured_activation"] = dict(runtime.snapshot().measured_activation)
+            row["warnings"] = [str(w.message)[:500] for w in caught]
             result["runs"].append(row)
             print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr)
     except Exception as error:

@@ -306,6 +306,34 @@ def test_without_a_timed_decode_or_a_known_reload_a_crowded_decode_tiles_within(
     assert decoder.last_tiles is not None
 
 
+def test_tiles_that_are_crowded_all_the_same_do_not_tile_finer_run_after_run(folders, monkeypatch):
+    """Each decode makes the allocator retry: the first, in whole frames, raises the
+    need and the second tiles; the second, in finer tiles, was crowded by something
+    other than its size, so the third tiles as the second did."""
+    from ondeck.integrations.diffusers import decode
+
+    pipe = load(folders["wan"])
+    decoder = pipe.ondeck.decoders["vae"]
+    room = 2 * decoder.expected_need(ALL_FAMILIES["wan"].call)
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
+    calls = []  # each decode reads the counts before and after: every one retried
+
+    def counts(device):
+        calls.append(1)
+        return (len(calls) // 2 * decode.CROWDED_RETRIES, 0)
+
+    monkeypatch.setattr(decode, "allocator_counts", counts)
+    run(pipe, ALL_FAMILIES["wan"])
+    assert decoder.crowded and decoder.last_tiles is None
+    run(pipe, ALL_FAMILIES["wan"])
+    second, need = decoder.last_tiles, decoder.bytes_per_element
+    assert second is not None and second.count > 1
+    run(pipe, ALL_FAMILIES["wan"])
+    assert decoder.last_retries == 0 and len(calls) == 6, "each decode was crowded"
+    assert decoder.last_tiles == second
+    assert decoder.bytes_per_element == need
+
+
 def test_a_decode_that_fitted_without_retries_is_timed_per_pixel(folders):
     pipe = load(folders["wan"])
     decoder = pipe.ondeck.decoders["vae"]

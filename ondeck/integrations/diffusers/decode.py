@@ -215,6 +215,11 @@ class FittingDecode:
         # keeps (freeing it would reload it in the next run, every run), unless the
         # tiles would cost more than that reload (``_room_pays``).
         self.crowded = False
+        # The frame area of the tiles of the decode that last raised the need for being
+        # crowded: a decode in finer tiles than that which still made the allocator retry
+        # was crowded by something other than its size, and raises nothing (else each
+        # such decode would tile finer than the last, run after run).
+        self.crowded_area: float | None = None
         # The last decode that fitted without retries: its timing (start and end, CUDA
         # events or host clock readings) and the output pixels it computed (its pixels
         # times the frame area its tiles covered, overlaps counted each time). Read into
@@ -353,7 +358,8 @@ class FittingDecode:
         counts are ``memory.allocator_counts``) took at least all of ``room`` for its
         tiles: whole frames are counted as needing more than the room over the tiles'
         area, so that the next decode of this size tiles finer and leaves the share a
-        decode keeps free. Whether it was so crowded."""
+        decode keeps free; once only, where tiles already finer than the last such
+        decode's were crowded all the same. Whether it was so crowded."""
         if before is None or after is None:
             return False
         if after[0] - before[0] < CROWDED_RETRIES:
@@ -362,6 +368,9 @@ class FittingDecode:
             return True
         self.crowded = True
         area = tiles.area if tiles is not None else 1.0
+        if self.crowded_area is not None and area < self.crowded_area:
+            return True
+        self.crowded_area = area
         at_least = max(room, 0) / (TILE_SAFETY * area) / elements
         self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
         self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
