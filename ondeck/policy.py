@@ -393,7 +393,8 @@ class BudgetPolicy(Policy):
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan
-        if (snapshot.retried_stages or snapshot.upcast_bytes) and not self.skip_retry_reserve:
+        reserved = snapshot.retried_stages or snapshot.upcast_bytes or snapshot.limit_stages
+        if reserved and not self.skip_retry_reserve:
             without = self._relaxed(snapshot, budget, "skip_retry_reserve")
             if without.overflow() is None:
                 without.retry_reserve_dropped = True
@@ -531,6 +532,27 @@ class AutoBudgetPolicy(BudgetPolicy):
     def before_run(self, snapshot: Snapshot) -> Steps:
         self.budget_bytes = self.current_budget(snapshot)
         return super().before_run(snapshot)
+
+    def allocator_reserves(
+        self, snapshot: Snapshot, needs: Mapping[str, int | None]
+    ) -> list[tuple[str, dict[str, int]]]:
+        """Also, once runs plan against ``measured_budget``: a stage whose allocator
+        retried in some run (``Snapshot.limit_stages``) reached the device's limit, so
+        what the plan does not count (fragmentation, workspaces, tensors outside the
+        components) filled the estimate's reserve; it keeps that reserve. Counting its
+        peak against the measured budget instead runs it out of memory, and the call
+        starts again."""
+        reserves = super().allocator_reserves(snapshot, needs)
+        relief = self.measured_budget_bytes - self.estimated_budget_bytes
+        measured = planning_budget(
+            needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
+        )
+        if relief > 0 and measured > self.estimated_budget_bytes and not self.skip_retry_reserve:
+            kept = {
+                stage: relief for stage in snapshot.limit_stages if needs.get(stage) is not None
+            }
+            reserves.append(("where the allocator reached the device's limit", kept))
+        return reserves
 
     def plan_for(self, source: Any, budget: int | None = None) -> Plan:
         snapshot = _view(source)

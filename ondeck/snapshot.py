@@ -44,6 +44,9 @@ class Snapshot:
     measured_activation: Mapping[str, int] = field(default_factory=dict)
     # Stages whose CUDA allocator kept retrying, with how many runs (this process) it did.
     retried_stages: Mapping[str, int] = field(default_factory=dict)
+    # Stages during which the CUDA allocator retried at all (and never ran out of
+    # memory), in any run of this process: their peaks reached the device's limit.
+    limit_stages: frozenset[str] = frozenset()
     device: Any = None
     fit_activations: tuple[Callable[[int, int], int], ...] = ()
     # Whether the stage about to run will touch its components (a cache may say no).

@@ -195,6 +195,7 @@ class Pipeline(HostMemory):
         self._profile_shape: dict[str, Any] | None = None
         self._measured_activation: dict[str, int] = {}
         self._retried_stages: dict[str, int] = {}
+        self._limit_stages: set[str] = set()
         # Carries out every decision the policy makes; owns the threads that loads use.
         self.executor = Executor(self)
         self.components = _Components(self)
@@ -211,6 +212,7 @@ class Pipeline(HostMemory):
         # Peaks measured under another policy (or device) do not carry over.
         self._measured_activation = {}
         self._retried_stages = {}
+        self._limit_stages = set()
         if policy == "auto" and budget is None:
             self.policy = choose_auto(self.snapshot(), prefetch=prefetch)
         else:
@@ -357,6 +359,7 @@ class Pipeline(HostMemory):
             stored_note=note,
             measured_activation=self._measured_activation,
             retried_stages=self._retried_stages,
+            limit_stages=frozenset(self._limit_stages),
             device=self.device,
             fit_activations=tuple(stage.fit_activations for stage in self.stages),
             needs_components=needs_components,
@@ -463,8 +466,11 @@ class Pipeline(HostMemory):
         """Keep the largest activation peak measured per stage (device bytes), and store
         it in the profile of this model and shape. Count the runs in which the stage's
         allocator kept retrying (``policy.RETRY_RESERVE_MIN_RETRIES``) without running
-        out of memory, in this process only: the plan gives it more reserve."""
+        out of memory, in this process only: the plan gives it more reserve. Note the
+        stages whose allocator retried at all (``Snapshot.limit_stages``)."""
         retries = record.allocator_retries
+        if retries and not record.allocator_ooms:
+            self._limit_stages.add(record.stage)
         # A stage that ran out of memory (a tiled decode finding its tiles) learns from
         # that instead. The counts are the device's: a load running beside the stage
         # (a prefetch, a fill) counts in them too, and shares the stage's room anyway.

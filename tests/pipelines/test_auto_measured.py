@@ -16,6 +16,7 @@ import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
 from ondeck.lazy import loader_of
+from ondeck.memory import format_bytes
 from ondeck.pipelines.wan import Decode, WanTextToVideo
 from ondeck.tracker import StageRecord
 from tests.core.helpers import Apply, CountingLoader
@@ -227,28 +228,60 @@ def test_a_stage_whose_allocator_kept_retrying_plans_with_more_reserve(monkeypat
     def need(stage):
         return pipe.policy.activation_needs(pipe)[0][stage]
 
+    # The estimate's reserve a stage at the device's limit keeps (see the next test).
+    relief = pipe.policy.measured_budget_bytes - pipe.policy.estimated_budget_bytes
     # A stage that ran out of memory (a tiled decode finding its tiles) learns from that;
-    # a few stray retries are not a stage at the allocator's limit.
+    # a few stray retries are no step more.
     retried(pipe, "Decode", 60, ooms=20)
     retried(pipe, "Denoise", policy_module.RETRY_RESERVE_MIN_RETRIES - 1)
-    assert (need("Denoise"), need("Decode")) == (MEASURED["Denoise"], MEASURED["Decode"])
+    assert (need("Denoise"), need("Decode")) == (MEASURED["Denoise"] + relief, MEASURED["Decode"])
     retried(pipe, "Denoise", 40)
-    assert need("Denoise") == MEASURED["Denoise"] + step
+    assert need("Denoise") == MEASURED["Denoise"] + relief + step
     assert need("Decode") == MEASURED["Decode"]  # only the stage that retried
-    plan = pipe.plan()
-    assert plan.fits()  # 13.58 + 1.6 + 0.5 GiB fit the measured budget of 15.68
-    assert "'Denoise' +512.00 MiB" in plan.activation_note
     for _ in range(3):
         retried(pipe, "Denoise", 40)
-    assert need("Denoise") == MEASURED["Denoise"] + policy_module.RETRY_RESERVE_MAX_STEPS * step
+    assert need("Denoise") == (
+        MEASURED["Denoise"] + relief + policy_module.RETRY_RESERVE_MAX_STEPS * step
+    )
     # The profile keeps what was measured, never the reserve.
     assert {n for stage, n in stored if stage == "Denoise"} == {MEASURED["Denoise"]}
-    # Two steps would overflow (this transformer cannot stream): the run plans without
-    # them rather than refusing.
+    # The reserves would overflow (this transformer cannot stream): the run plans
+    # without them rather than refusing.
     pipe.policy.before_run(pipe.snapshot())
     assert pipe.policy.skip_retry_reserve
     plan = pipe.plan()
     assert plan.fits() and resident(plan, 2)["Denoise"] == ("transformer",)
+
+
+def test_a_stage_that_reached_the_devices_limit_keeps_the_estimates_reserve(monkeypatch):
+    """A stage whose allocator retried even once ran at the device's limit with the
+    estimate's reserve around it. Once runs plan against the measured budget it keeps
+    that reserve, and a step more per run where it kept retrying; the other stages
+    plan with the measured margin. Before then every stage has the estimate's."""
+    fake_card(monkeypatch, 16 * GIB)
+    small = {**MEASURED, "Denoise": int(0.2 * GIB)}
+    unmeasured = wan_shaped()
+    measure(unmeasured, {stage: n for stage, n in small.items() if stage != "Decode"})
+    retried(unmeasured, "Denoise", 1, activation=small["Denoise"])
+    assert unmeasured.policy.activation_needs(unmeasured)[0]["Denoise"] == small["Denoise"]
+    pipe = wan_shaped()
+    measure(pipe, small)
+    budget = pipe.plan().budget
+    relief = pipe.policy.measured_budget_bytes - pipe.policy.estimated_budget_bytes
+    assert budget == pipe.policy.measured_budget_bytes and relief > 0
+    retried(pipe, "Denoise", 1, activation=small["Denoise"])
+    retried(pipe, "EncodePrompt", 0, activation=small["EncodePrompt"])
+    needs = pipe.policy.activation_needs(pipe)[0]
+    assert needs["Denoise"] == small["Denoise"] + relief
+    assert needs["EncodePrompt"] == small["EncodePrompt"]
+    retried(pipe, "Denoise", 40, activation=small["Denoise"])
+    plan = pipe.plan()
+    assert plan.budget == budget and plan.fits()  # 13.58 + 0.2 + 0.96 + 0.5 of 15.68
+    assert f"reached the device's limit: 'Denoise' +{format_bytes(relief)}" in (
+        plan.activation_note
+    )
+    assert "'Denoise' +512.00 MiB" in plan.activation_note
+    assert resident(plan, 2)["Denoise"] == ("transformer",)
 
 
 def test_the_retry_reserve_streams_a_block_more_where_streaming_can(
