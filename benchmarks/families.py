@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -50,6 +51,7 @@ from common import (  # noqa: E402
     emit,
     folder_bytes,
     later_seconds,
+    median,
     memory_cgroup,
     out_dir,
     peak_reserved,
@@ -73,6 +75,51 @@ def transfer_floor(row: dict) -> str:
     seconds = sum(part["predicted_seconds_per_pass"] for part in planned.values())
     nbytes = sum(part["bytes_per_pass"] for part in planned.values())
     return f"{nbytes / GiB:.1f}G {seconds * 1000:.0f}ms/pass"
+
+
+# In a plan's text: a streamed component's line, and its transfer floor for one call.
+STREAMED_LINE = re.compile(r"^  (\w+)\.\S+: \d+ of \d+ blocks resident")
+FLOOR_LINE = re.compile(r"per call: .* a transfer floor of ([\d.]+) s")
+
+
+def planned_floors(plan_text: str) -> dict[str, float]:
+    """Per streamed component, the transfer floor of one call the plan states."""
+    floors: dict[str, float] = {}
+    component = None
+    for line in plan_text.splitlines():
+        streamed = STREAMED_LINE.match(line)
+        if streamed:
+            component = streamed.group(1)
+            continue
+        floor = FLOOR_LINE.search(line)
+        if floor and component:
+            floors[component] = floors.get(component, 0.0) + float(floor.group(1))
+    return floors
+
+
+def floor_ratio(row: dict, eager: dict | None) -> str:
+    """Runs 2+ over the floor a run streaming by its plan cannot beat: eager's runs 2+,
+    each component's turn taken at the slower of eager's compute for it and the
+    transfer floor the plan the run ran by states for it (a pass's transfer overlaps
+    its compute)."""
+    runs = row.get("runs") or []
+    if not eager or len(eager.get("runs") or []) < 2 or len(runs) < 2:
+        return "-"
+    if "plan_after" not in runs[0]:
+        return "-"
+    names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
+    compute = {
+        name: median(
+            [sum(s[1] for s in run["stages"] if s[0] == name) for run in eager["runs"][1:]]
+        )
+        for name in names
+    }
+    ratios = []
+    for before, run in zip(runs, runs[1:], strict=False):
+        floors = planned_floors(before.get("plan_after") or "")
+        extra = sum(max(0.0, floors.get(name, 0.0) - seconds) for name, seconds in compute.items())
+        ratios.append(run["seconds"] / (later_seconds(eager) + extra))
+    return f"{median(ratios):.3f}"
 
 
 def decoded(row: dict) -> str:
@@ -619,8 +666,8 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'families.json'}")
     print(
         f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2+':>8} {'/eager':>7} "
-        f"{'last/eager':>10} {'run 1/eager 1':>13} {'reserved':>9} {'RSS':>7} {'decode':<18} "
-        "transfer floor"
+        f"{'last/eager':>10} {'run 1/eager 1':>13} {'/floor':>7} {'reserved':>9} {'RSS':>7} "
+        f"{'decode':<18} transfer floor"
     )
     for row in rows:
         runs = row.get("runs", [])
@@ -634,6 +681,7 @@ def main() -> None:
         print(
             f"{card_label(row['card']):<10} {mode:<26} {'yes' if done else 'NO':<5} "
             f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {last:>10} {first:>13} "
+            f"{floor_ratio(row, eager) if row is not eager else '-':>7} "
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>6.1f}G "
             f"{decoded(row):<18} {transfer_floor(row)}"
         )

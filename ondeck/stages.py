@@ -467,9 +467,10 @@ class Pipeline(HostMemory):
         it in the profile of this model and shape. Count the runs in which the stage's
         allocator kept retrying (``policy.RETRY_RESERVE_MIN_RETRIES``) without running
         out of memory, in this process only: the plan gives it more reserve. Note the
-        stages whose allocator retried at all (``Snapshot.limit_stages``)."""
+        stages whose allocator retried at all (``Snapshot.limit_stages``), but for one that
+        fits its work to its room (a tiled decode tiles finer after retries of its own)."""
         retries = record.allocator_retries
-        if retries and not record.allocator_ooms:
+        if retries and not record.allocator_ooms and not _works_in_pieces(self.stages[index]):
             self._limit_stages.add(record.stage)
         # A stage that ran out of memory (a tiled decode finding its tiles) learns from
         # that instead. The counts are the device's: a load running beside the stage
@@ -748,3 +749,9 @@ def _upcast(loader: Any) -> int:
         return int(as_loader(loader).upcast_bytes or 0)
     except Exception:
         return 0
+
+
+def _works_in_pieces(stage: Stage) -> bool:
+    """Whether the stage fits its activations to the room it has (``fit_activations``)."""
+    need = 1 << 40
+    return stage.fit_activations(need, need // 2) < need

@@ -275,6 +275,11 @@ def test_a_stage_that_reached_the_devices_limit_keeps_the_estimates_reserve(monk
     assert needs["Denoise"] == small["Denoise"] + relief
     assert needs["EncodePrompt"] == small["EncodePrompt"]
     retried(pipe, "Denoise", 40, activation=small["Denoise"])
+    # A stage that fits its work to its room (a tiled decode) learns from its own retries.
+    decode = pipe.stages[[use.name for use in pipe.stage_uses()].index("Decode")]
+    monkeypatch.setattr(decode, "fit_activations", lambda need, room: min(need, room))
+    retried(pipe, "Decode", 3)
+    assert pipe.snapshot().limit_stages == {"Denoise"}
     plan = pipe.plan()
     assert plan.budget == budget and plan.fits()  # 13.58 + 0.2 + 0.96 + 0.5 of 15.68
     assert f"reached the device's limit: 'Denoise' +{format_bytes(relief)}" in (
