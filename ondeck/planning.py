@@ -373,6 +373,10 @@ class Plan:
     # True when the reserves for the allocator (stages whose allocator retried, upcast
     # copies of stored layers) were left out because they alone overflowed.
     retry_reserve_dropped: bool = False
+    # True when the reserve kept for stages that reached the device's limit
+    # (``Snapshot.limit_stages``) was left out because it overflowed; the others are
+    # dropped only where the plan overflows without it too.
+    limit_reserve_dropped: bool = False
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)

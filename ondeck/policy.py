@@ -93,6 +93,9 @@ class Policy:
         # copies of stored layers) would make a run refuse that fits without them (see
         # BudgetPolicy.plan_for).
         self.skip_retry_reserve = False
+        # Set when the reserve kept for stages that reached the device's limit would make
+        # a run refuse (see AutoBudgetPolicy.allocator_reserves); dropped before the others.
+        self.skip_limit_reserve = False
 
     def attached(self, snapshot: Snapshot) -> Steps:
         """What to do when the pipeline takes this policy on."""
@@ -357,10 +360,11 @@ class BudgetPolicy(Policy):
     def before_run(self, snapshot: Snapshot) -> Steps:
         self._skipped = set()
         self.distrust_stored = False
-        self.skip_retry_reserve = False
+        self.skip_retry_reserve = self.skip_limit_reserve = False
         plan = self.plan_for(snapshot, self.budget_bytes)
         # The run's stages decide as its plan did.
         self.skip_retry_reserve = plan.retry_reserve_dropped
+        self.skip_limit_reserve = plan.limit_reserve_dropped
         if plan.profile_set_aside:
             self.distrust_stored = True  # the run decides as its plan did, and re-measures
             warnings.warn(
@@ -393,11 +397,18 @@ class BudgetPolicy(Policy):
         plan = super().plan_for(snapshot, budget)
         if plan.overflow() is None or self.distrust_stored:
             return plan
-        reserved = snapshot.retried_stages or snapshot.upcast_bytes or snapshot.limit_stages
+        limit = bool(snapshot.limit_stages) and not self.skip_limit_reserve
+        if limit:
+            without = self._relaxed(snapshot, budget, "skip_limit_reserve")
+            if without.overflow() is None:
+                without.limit_reserve_dropped = True
+                return without
+        reserved = snapshot.retried_stages or snapshot.upcast_bytes or limit
         if reserved and not self.skip_retry_reserve:
-            without = self._relaxed(snapshot, budget, "skip_retry_reserve")
+            without = self._relaxed(snapshot, budget, "skip_limit_reserve", "skip_retry_reserve")
             if without.overflow() is None:
                 without.retry_reserve_dropped = True
+                without.limit_reserve_dropped = limit
                 return without
         stored = dict(snapshot.stored_activation)
         if not stored:
@@ -409,14 +420,16 @@ class BudgetPolicy(Policy):
         relaxed.activation_note += "\n" + _set_aside_note(stored, "")
         return relaxed
 
-    def _relaxed(self, snapshot: Snapshot, budget: int | None, flag: str) -> Plan:
-        """The plan with ``flag`` (an attribute of this policy) set, then restored."""
-        before = getattr(self, flag)
-        setattr(self, flag, True)
+    def _relaxed(self, snapshot: Snapshot, budget: int | None, *flags: str) -> Plan:
+        """The plan with ``flags`` (attributes of this policy) set, then restored."""
+        before = {flag: getattr(self, flag) for flag in flags}
+        for flag in flags:
+            setattr(self, flag, True)
         try:
             return super().plan_for(snapshot, budget)
         finally:
-            setattr(self, flag, before)
+            for flag, value in before.items():
+                setattr(self, flag, value)
 
     def before_stage(self, snapshot: Snapshot, index: int) -> Steps:
         uses = list(snapshot.uses)
@@ -541,13 +554,14 @@ class AutoBudgetPolicy(BudgetPolicy):
         what the plan does not count (fragmentation, workspaces, tensors outside the
         components) filled the estimate's reserve; it keeps that reserve. Counting its
         peak against the measured budget instead runs it out of memory, and the call
-        starts again."""
+        starts again. Where it would make the plan overflow, it goes first
+        (``skip_limit_reserve``), before the other reserves."""
         reserves = super().allocator_reserves(snapshot, needs)
         relief = self.measured_budget_bytes - self.estimated_budget_bytes
         measured = planning_budget(
             needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
         )
-        if relief > 0 and measured > self.estimated_budget_bytes and not self.skip_retry_reserve:
+        if measured > self.estimated_budget_bytes and not self.skip_limit_reserve:
             kept = {
                 stage: relief for stage in snapshot.limit_stages if needs.get(stage) is not None
             }

@@ -334,6 +334,23 @@ def test_tiles_that_are_crowded_all_the_same_do_not_tile_finer_run_after_run(fol
     assert decoder.bytes_per_element == need
 
 
+def test_a_crowded_decode_of_another_size_raises_the_need_again(folders):
+    """Finer tiles than a crowded decode's are compared at the same size only: a
+    decode of another size, crowded in smaller tiles, still raises its need."""
+    from ondeck.integrations.diffusers import decode
+    from ondeck.tiles import Tiles
+
+    decoder = load(folders["wan"]).ondeck.decoders["vae"]
+    crowded = (0, 0), (decode.CROWDED_RETRIES, 0)
+    assert decoder._crowded(*crowded, None, 1 << 30, 1000)  # whole frames, 1000 elements
+    raised = decoder.bytes_per_element
+    quarter = Tiles(16, 16, 16, 16, 4, 0.25)
+    assert decoder._crowded(*crowded, quarter, 1 << 30, 1000)
+    assert decoder.bytes_per_element == raised, "the same size in finer tiles"
+    assert decoder._crowded(*crowded, quarter, 1 << 30, 500)
+    assert decoder.bytes_per_element > raised, "another size"
+
+
 def test_a_decode_that_fitted_without_retries_is_timed_per_pixel(folders):
     pipe = load(folders["wan"])
     decoder = pipe.ondeck.decoders["vae"]

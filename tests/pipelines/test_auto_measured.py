@@ -238,6 +238,11 @@ def test_a_stage_whose_allocator_kept_retrying_plans_with_more_reserve(monkeypat
     retried(pipe, "Denoise", 40)
     assert need("Denoise") == MEASURED["Denoise"] + relief + step
     assert need("Decode") == MEASURED["Decode"]  # only the stage that retried
+    # 13.58 + 1.6 + 0.96 + 0.5 GiB overflow the measured budget of 15.68; without the
+    # reserve kept at the device's limit they fit, and the step stays.
+    plan = pipe.plan()
+    assert plan.fits() and plan.limit_reserve_dropped and not plan.retry_reserve_dropped
+    assert "'Denoise' +512.00 MiB" in plan.activation_note
     for _ in range(3):
         retried(pipe, "Denoise", 40)
     assert need("Denoise") == (
@@ -287,6 +292,21 @@ def test_a_stage_that_reached_the_devices_limit_keeps_the_estimates_reserve(monk
     )
     assert "'Denoise' +512.00 MiB" in plan.activation_note
     assert resident(plan, 2)["Denoise"] == ("transformer",)
+
+
+def test_the_reserve_kept_at_the_devices_limit_goes_where_it_alone_would_make_a_run_refuse(
+    monkeypatch,
+):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    measure(pipe, MEASURED)
+    retried(pipe, "Denoise", 1)  # 13.58 + 1.6 + 0.96 GiB overflow 15.68
+    plan = pipe.plan()
+    assert plan.fits() and plan.limit_reserve_dropped and not plan.retry_reserve_dropped
+    assert plan.budget == pipe.policy.measured_budget_bytes
+    pipe.policy.before_run(pipe.snapshot())
+    assert pipe.policy.skip_limit_reserve and not pipe.policy.skip_retry_reserve
+    assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
 
 
 def test_the_retry_reserve_streams_a_block_more_where_streaming_can(

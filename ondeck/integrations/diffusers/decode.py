@@ -215,11 +215,12 @@ class FittingDecode:
         # keeps (freeing it would reload it in the next run, every run), unless the
         # tiles would cost more than that reload (``_room_pays``).
         self.crowded = False
-        # The frame area of the tiles of the decode that last raised the need for being
-        # crowded: a decode in finer tiles than that which still made the allocator retry
-        # was crowded by something other than its size, and raises nothing (else each
-        # such decode would tile finer than the last, run after run).
-        self.crowded_area: float | None = None
+        # Per decode size (output elements), the frame area of the tiles of the decode
+        # that last raised the need for being crowded: a decode of that size in finer
+        # tiles which still made the allocator retry was crowded by something other
+        # than its size, and raises nothing (else each such decode would tile finer
+        # than the last, run after run).
+        self.crowded_areas: dict[int, float] = {}
         # The last decode that fitted without retries: its timing (start and end, CUDA
         # events or host clock readings) and the output pixels it computed (its pixels
         # times the frame area its tiles covered, overlaps counted each time). Read into
@@ -368,9 +369,9 @@ class FittingDecode:
             return True
         self.crowded = True
         area = tiles.area if tiles is not None else 1.0
-        if self.crowded_area is not None and area < self.crowded_area:
+        if area < self.crowded_areas.get(elements, 0.0):
             return True
-        self.crowded_area = area
+        self.crowded_areas[elements] = area
         at_least = max(room, 0) / (TILE_SAFETY * area) / elements
         self.proven_bytes_per_element = max(self.proven_bytes_per_element, at_least)
         self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
