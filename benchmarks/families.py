@@ -14,8 +14,8 @@ Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 4
 (``benchmarks/wan_modes.py --mode ondeck-diffusers``) on a device emulated with
 ``torch.cuda.set_per_process_memory_fraction``; then ``release`` on the full card.
 Prints, last, a table: completed or not, the policy auto chose, runs 2+ (the median of
-run 2 and later; runs 2-3 by default) / eager, run 1 / eager's run 1, peak reserved
-(sampled), host peak RSS, how the last run decoded and
+run 2 and later; runs 2-3 by default) / eager, run 1 / eager's run 1, runs 2+ / the
+floor (``floor_ratio``), peak reserved (sampled), host peak RSS, how the last run decoded and
 the plan's transfer floor per pass where blocks stream (bytes streamed over the measured
 host-to-device rate). Writes families.json to $OUT.
 
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -77,35 +77,15 @@ def transfer_floor(row: dict) -> str:
     return f"{nbytes / GiB:.1f}G {seconds * 1000:.0f}ms/pass"
 
 
-# In a plan's text: a streamed component's line, and its transfer floor for one call.
-STREAMED_LINE = re.compile(r"^  (\w+)\.\S+: \d+ of \d+ blocks resident")
-FLOOR_LINE = re.compile(r"per call: .* a transfer floor of ([\d.]+) s")
-
-
-def planned_floors(plan_text: str) -> dict[str, float]:
-    """Per streamed component, the transfer floor of one call the plan states."""
-    floors: dict[str, float] = {}
-    component = None
-    for line in plan_text.splitlines():
-        streamed = STREAMED_LINE.match(line)
-        if streamed:
-            component = streamed.group(1)
-            continue
-        floor = FLOOR_LINE.search(line)
-        if floor and component:
-            floors[component] = floors.get(component, 0.0) + float(floor.group(1))
-    return floors
-
-
 def floor_ratio(row: dict, eager: dict | None) -> str:
     """Runs 2+ over the floor a run streaming by its plan cannot beat: eager's runs 2+,
     each component's turn taken at the slower of eager's compute for it and the
-    transfer floor the plan the run ran by states for it (a pass's transfer overlaps
-    its compute)."""
+    transfer floor of its streamed blocks in a call under the plan the run ran by
+    (``Plan.call_transfer_seconds``; a pass's transfer overlaps its compute)."""
     runs = row.get("runs") or []
     if not eager or len(eager.get("runs") or []) < 2 or len(runs) < 2:
         return "-"
-    if "plan_after" not in runs[0]:
+    if "call_transfer_seconds" not in runs[0]:
         return "-"
     names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
     compute = {
@@ -116,7 +96,11 @@ def floor_ratio(row: dict, eager: dict | None) -> str:
     }
     ratios = []
     for before, run in zip(runs, runs[1:], strict=False):
-        floors = planned_floors(before.get("plan_after") or "")
+        floors = {
+            name: seconds
+            for name, seconds in before["call_transfer_seconds"].items()
+            if math.isfinite(seconds)
+        }
         extra = sum(max(0.0, floors.get(name, 0.0) - seconds) for name, seconds in compute.items())
         ratios.append(run["seconds"] / (later_seconds(eager) + extra))
     return f"{median(ratios):.3f}"
@@ -444,8 +428,14 @@ def family_child(args) -> None:
                 row["exposed_load_seconds"] = runtime.tracker.exposed_load_seconds(run + 1)
                 row["seconds_per_call"] = dict(runtime.tracker.seconds_per_call)
                 row["load_bytes_per_second"] = dict(runtime.tracker.load_bytes_per_second)
-                row["plan_notes"] = list(runtime.plan().streaming_notes)
-                row["plan_after"] = str(runtime.plan())
+                plan = runtime.plan()
+                row["plan_notes"] = list(plan.streaming_notes)
+                row["plan_after"] = str(plan)
+                row["call_transfer_seconds"] = {
+                    name: seconds
+                    for name in plan.streamed
+                    if (seconds := plan.call_transfer_seconds(name)) is not None
+                }
                 row["measured_activation"] = dict(runtime.snapshot().measured_activation)
             row["warnings"] = [str(w.message)[:500] for w in caught]
             result["runs"].append(row)

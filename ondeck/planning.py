@@ -431,15 +431,24 @@ class Plan:
                 )
         return notes
 
+    def call_transfer_seconds(self, name: str) -> float | None:
+        """The transfer floor of the blocks ``name`` streams in one call: its bytes a
+        pass times its passes a call, at the plan's copy rate; None before a call."""
+        layout, passes = self.streamed.get(name), self.passes_per_call.get(name)
+        if layout is None or not passes:
+            return None
+        rate = self.transfer_bytes_per_second or 0
+        return layout.bytes_per_pass * passes / rate if rate > 0 else float("inf")
+
     def _per_call(self, name: str, layout: StreamLayout, rate: float) -> str:
         """The bytes ``name`` streams per call and their transfer floor at ``rate``."""
         passes = self.passes_per_call.get(name)
-        if not passes:
+        floor = self.call_transfer_seconds(name)
+        if not passes or floor is None:
             return (
                 "    per call: the per-pass figures times its forward passes (known after a call)"
             )
         nbytes = layout.bytes_per_pass * passes
-        floor = nbytes / rate if rate > 0 else float("inf")
         return (
             f"    per call: {format_bytes(int(nbytes))} in {passes:g} passes, a transfer floor "
             f"of {floor:.2f} s at {rate / 1e9:.1f} GB/s"

@@ -538,6 +538,9 @@ class AutoBudgetPolicy(BudgetPolicy):
 
     def current_budget(self, source: Any) -> int:
         needs, _ = self.activation_needs(_view(source))
+        return self._budget_for(needs)
+
+    def _budget_for(self, needs: Mapping[str, int | None]) -> int:
         return planning_budget(
             needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
         )
@@ -558,10 +561,7 @@ class AutoBudgetPolicy(BudgetPolicy):
         (``skip_limit_reserve``), before the other reserves."""
         reserves = super().allocator_reserves(snapshot, needs)
         relief = self.measured_budget_bytes - self.estimated_budget_bytes
-        measured = planning_budget(
-            needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
-        )
-        if measured > self.estimated_budget_bytes and not self.skip_limit_reserve:
+        if self._budget_for(needs) > self.estimated_budget_bytes and not self.skip_limit_reserve:
             kept = {
                 stage: relief for stage in snapshot.limit_stages if needs.get(stage) is not None
             }

@@ -50,6 +50,11 @@ def test_the_plan_gives_the_bytes_streamed_per_call_and_their_transfer_floor(six
     passes = 2 * SHAPE["num_inference_steps"]  # with and without guidance, per step
     assert plan.passes_per_call["transformer"] == passes
     assert f"in {passes} passes, a transfer floor of" in str(plan)
+    assert plan.call_transfer_seconds("text_encoder") is None  # not streamed
+    rate = plan.transfer_bytes_per_second
+    floor = plan.streamed["transformer"].bytes_per_pass * passes / rate
+    assert plan.call_transfer_seconds("transformer") == pytest.approx(floor)
+    assert f"a transfer floor of {floor:.2f} s" in str(plan)
 
 
 def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_run(
