@@ -13,13 +13,19 @@ from dataclasses import dataclass, field
 
 from .host_pool import HostPlan
 from .memory import format_bytes, parse_bytes
-from .streaming.file_reads import SLOW_FILE_READS, FileReads, plan_file_reads
+from .streaming.file_reads import (
+    DEFAULT_READ_BYTES_PER_SECOND,
+    SLOW_FILE_READS,
+    FileReads,
+    plan_file_reads,
+)
 from .streaming.layout import (
     StreamingChoice,
     StreamingInputs,
     StreamLayout,
     plan_resident_streaming,
     plan_streaming,
+    switch_waits,
 )
 
 __all__ = ["HostPlan", "Plan", "StageUse", "release_schedule"]
@@ -377,6 +383,9 @@ class Plan:
     # (``Snapshot.limit_stages``) was left out because it overflowed; the others are
     # dropped only where the plan overflows without it too.
     limit_reserve_dropped: bool = False
+    # Seconds a run that a plan keeping every component resident would save, where it
+    # waits until the runs on this plan have lost its one-time cost (``switch_waits``).
+    resident_gain: float | None = None
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)
@@ -635,6 +644,13 @@ def build_plan(
         )
     if staying >= RESIDENT_STREAMING_GAIN * reloading:
         return planned
+    if None not in times:
+        args = (resident.streamed, planned.streamed, streaming, resident.file_reads)
+        wait = switch_waits(*args, reloading - staying, DEFAULT_READ_BYTES_PER_SECOND)
+        if wait is not None:
+            planned.resident_gain = reloading - staying
+            planned.streaming_notes.append(wait)
+            return planned
     names = ", ".join(
         f"{name} (called {streaming.calls[name]} times a run)" for name in resident.streamed
     )

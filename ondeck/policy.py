@@ -382,6 +382,7 @@ class BudgetPolicy(Policy):
                 plan=plan,
             )
         if self.streaming is not None:
+            self.streaming.count_run(plan)
             return Steps(streaming=(self.streaming, plan))
         return NOTHING
 

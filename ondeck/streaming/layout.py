@@ -19,11 +19,13 @@ __all__ = [
     "StreamingChoice",
     "StreamingInputs",
     "evenly_spaced",
+    "new_host_copies",
     "packed_offsets",
     "plan_resident_streaming",
     "plan_streaming",
     "stream_layout",
     "streamed_blocks",
+    "switch_waits",
 ]
 
 DEFAULT_SLOTS = 2
@@ -34,6 +36,10 @@ DEFAULT_BANDWIDTH_SOURCE = "default: pinned host to H200"
 # Activations of a stage that has not run yet are unknown; a streamed component would
 # otherwise take every byte of the budget. This share of the budget stays free for them.
 UNMEASURED_ACTIVATION_FRACTION = 0.10
+# How fast fresh host memory becomes a streamed block's pinned copy: its pages touched on
+# eight threads, then registered (about 15 GB/s on an H200 host, measured with
+# benchmarks/experiments/pinning.py), before the block is read into it.
+PAGE_LOCK_BYTES_PER_SECOND = 15e9
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,9 @@ class StreamingInputs:
     # The host memory streamed blocks may take (``file_reads.HostRoom``); None: unknown,
     # every streamed block keeps a pinned host copy.
     host: Any = None
+    # Seconds the runs so far lost by not switching to a plan that keeps every
+    # component resident, while it waits to repay its one-time cost.
+    declined_seconds: float = 0.0
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:
@@ -459,3 +468,53 @@ def plan_resident_streaming(
         if layout.streamed:
             layouts[component] = layout
     return StreamingChoice(layouts=layouts, reserved=guessed) if layouts else None
+
+
+def new_host_copies(
+    layouts: Mapping[str, StreamLayout],
+    besides: Mapping[str, StreamLayout],
+    inputs: StreamingInputs,
+    from_files: Mapping[str, Any],
+    read_rate: float,
+) -> tuple[int, float]:
+    """Bytes and seconds of the pinned host copies ``layouts`` would make that neither
+    ``besides`` (another plan, which makes its own anyway) nor the copies held now
+    (``inputs.previous``) have, nor the files feed each pass (``from_files``): each
+    page-locked fresh, then read at the rate its component last loaded (else
+    ``read_rate``)."""
+    nbytes, seconds = 0, 0.0
+    for name, layout in layouts.items():
+        skip = set(inputs.previous.get(name, ()))
+        skip.update(besides[name].streamed if name in besides else ())
+        skip.update(from_files[name].from_files if name in from_files else ())
+        sizes = inputs.candidates[name].packed_bytes
+        new = sum(sizes[block] for block in layout.streamed if block not in skip)
+        rate = inputs.load_bytes_per_second.get(name) or read_rate
+        nbytes += new
+        seconds += new / PAGE_LOCK_BYTES_PER_SECOND + new / rate
+    return nbytes, seconds
+
+
+def switch_waits(
+    layouts: Mapping[str, StreamLayout],
+    besides: Mapping[str, StreamLayout],
+    inputs: StreamingInputs,
+    from_files: Mapping[str, Any],
+    gain: float,
+    read_rate: float,
+) -> str | None:
+    """Why a plan that keeps every component resident by streaming ``layouts`` waits,
+    although it saves ``gain`` seconds a run over the plan streaming ``besides``; None
+    once the runs on that plan have lost (``inputs.declined_seconds``) what switching
+    costs once: the pinned host copies only ``layouts`` needs (``new_host_copies``).
+    Switching at once would put that cost in the very next run; waiting, a few calls take
+    no longer than they would have, and a long series loses at most that cost again."""
+    nbytes, switch = new_host_copies(layouts, besides, inputs, from_files, read_rate)
+    if inputs.declined_seconds + gain >= switch:
+        return None
+    return (
+        f"keeping every component on the device, streaming {', '.join(layouts)}, would save "
+        f"{gain:.2f} s a run after {format_bytes(nbytes)} of new pinned host copies (about "
+        f"{switch:.2f} s, once): it is taken once the runs on this plan have lost that much "
+        f"({inputs.declined_seconds:.2f} s so far)"
+    )

@@ -79,6 +79,9 @@ class BlockStreaming:
         self.reserved: dict[str, int] = {}
         self._lock = threading.Lock()
         self._preparing: _Preparing | None = None
+        # What the runs so far lost waiting to switch to a plan that keeps every
+        # component resident (``planning._declined``); counted by ``count_run``.
+        self.declined_seconds = 0.0
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
         """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
@@ -123,7 +126,14 @@ class BlockStreaming:
             seconds_per_call=dict(snapshot.seconds_per_call),
             load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
+            declined_seconds=self.declined_seconds,
         )
+
+    def count_run(self, plan: Any) -> None:
+        """A run starts on ``plan``: what it declines to save (``Plan.resident_gain``) adds
+        to what the runs have lost so far; a run that declines nothing starts over."""
+        gain = getattr(plan, "resident_gain", None)
+        self.declined_seconds = self.declined_seconds + gain if gain else 0.0
 
     def _host_room(self, snapshot: Any) -> HostRoom | None:
         room = getattr(snapshot, "host_room_bytes", None)

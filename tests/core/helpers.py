@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -22,8 +23,6 @@ class CountingLoader(DeclaredLoader):
 
     def __call__(self) -> torch.nn.Module:
         if self.delay:
-            import time
-
             time.sleep(self.delay)
         with self._lock:
             self.calls += 1
@@ -90,3 +89,19 @@ def three_loaders(features: int = 32) -> dict[str, CountingLoader]:
 
 def state(features: int = 32) -> dict:
     return {"x": torch.ones(2, features)}
+
+
+class ClockEvent:
+    """A timing event on the host clock, in the shape of CUDA's (milliseconds apart)."""
+
+    def __init__(self):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000

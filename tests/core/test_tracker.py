@@ -13,6 +13,8 @@ import torch
 
 from ondeck.tracker import CallTimer, MemoryTracker
 
+from .helpers import ClockEvent
+
 GiB = 2**30
 
 
@@ -193,22 +195,6 @@ def test_retries_not_counted_at_the_stage_start_are_unknown_not_a_total(cuda, mo
     tracker.stage_started("Denoise")
     monkeypatch.setattr(torch.cuda, "memory_stats", cuda.memory_stats)
     assert tracker.stage_finished("Denoise").allocator_retries is None
-
-
-class ClockEvent:
-    """A timing event on the host clock, in the shape of CUDA's (milliseconds apart)."""
-
-    def __init__(self):
-        self.at = None
-
-    def record(self, stream=None):
-        self.at = time.perf_counter()
-
-    def synchronize(self):
-        assert self.at is not None
-
-    def elapsed_time(self, end):
-        return (end.at - self.at) * 1000
 
 
 def test_a_run_keeps_each_components_quickest_call_and_each_loads_rate():

@@ -9,6 +9,8 @@ from references import in_fresh_tensors
 
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions
+from ondeck.tracker import CallTimer
+from tests.core.helpers import ClockEvent
 
 from .conftest import budget_keeping, transformer_blocks
 
@@ -100,6 +102,57 @@ def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_
     assert set(plan.streamed) == {"text_encoder"}
     assert "keeps every component on the device" in str(plan)
     assert loaded[2] == loaded[1]  # the third run loads nothing: all stayed resident
+
+
+def test_staying_resident_waits_until_the_runs_have_lost_what_the_switch_costs(
+    six_block_folder, monkeypatch
+):
+    """The same budget, with fresh host memory page-locking at a byte a second: the
+    switch's one-time cost dwarfs what a run saves, so each run reloads and adds what
+    it lost; at the real rate the runs so far have lost more than the switch costs, and
+    it is taken at once."""
+    import ondeck.diffusers
+    from ondeck.loading import ModelFolder
+    from ondeck.streaming import describe_blocks, find_blocks
+    from ondeck.streaming import layout as layout_module
+
+    folder = ModelFolder.open(six_block_folder)
+
+    def blocks_of(name):
+        template = folder.template(name, torch.float32)
+        return describe_blocks(template, find_blocks(template.module))[0]
+
+    blocks = blocks_of("text_encoder")
+    whole = {name: blocks_of(name).total_bytes for name in ("transformer", "vae")}
+    budget = whole["transformer"] + whole["vae"] + blocks.other_bytes + max(blocks.packed_bytes)
+    budget += 2**17 + 4096  # as in the test above: only streaming the encoder keeps all
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0, slots=1)
+    pipe = ondeck.diffusers.from_pretrained(
+        six_block_folder,
+        dtype=torch.float32,
+        device="cpu",
+        policy=BudgetPolicy(budget, streaming=options),
+    )
+    pipe.ondeck.tracker.call_timer = CallTimer(ClockEvent)  # calls timed, as on CUDA
+    streaming = pipe.ondeck.policy.streaming
+    monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 1.0)
+    loaded, declined = [], []
+    for _ in range(3):
+        frames(pipe)
+        loaded.append(pipe.ondeck.report()["bytes_loaded"])
+        declined.append(streaming.declined_seconds)
+    assert "text_encoder" not in streaming.streamers  # still reloading, run after run
+    assert loaded[2] - loaded[1] == loaded[1] - loaded[0] > 0
+    assert declined[0] == 0 < declined[1] < declined[2]  # runs 2 and 3 each lost a gain
+    plan = pipe.ondeck.plan()
+    assert plan.resident_gain > 0 and "it is taken once the runs on this plan" in str(plan)
+    monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 15e9)
+    for _ in range(2):
+        frames(pipe)
+        loaded.append(pipe.ondeck.report()["bytes_loaded"])
+    assert set(pipe.ondeck.plan().streamed) == {"text_encoder"}
+    assert streaming.declined_seconds == 0  # switched: nothing declined any more
+    assert loaded[4] == loaded[3]  # the run after the switch loads nothing
 
 
 def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from ondeck.memory import format_bytes
 from ondeck.planning import StageUse, build_plan, bytes_loaded_per_run, moved_per_run
 from ondeck.streaming import (
     BlockSizes,
+    BlockStreaming,
     StreamingInputs,
+    StreamOptions,
     evenly_spaced,
     plan_streaming,
     stream_layout,
 )
 from ondeck.streaming.host import HostCopies
-from ondeck.streaming.layout import plan_resident_streaming, streamed_blocks
+from ondeck.streaming.layout import (
+    PAGE_LOCK_BYTES_PER_SECOND,
+    plan_resident_streaming,
+    streamed_blocks,
+)
 
 GiB = 2**30
 
@@ -337,13 +346,15 @@ def test_resident_streaming_loses_to_reloading_when_it_would_move_more():
     assert "keeps every component on the device" not in str(plan)
 
 
-def _timed_plan_at_16(seconds_per_call, load_bytes_per_second=None):
+def _timed_plan_at_16(seconds_per_call, load_bytes_per_second=None, declined_seconds=60.0):
+    # ``declined_seconds``: by default the runs so far lost more than any switch costs.
     return _image_plan(
         {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
         16 * GiB,
         bytes_per_second=55e9,
         seconds_per_call=seconds_per_call,
         load_bytes_per_second=load_bytes_per_second or {},
+        declined_seconds=declined_seconds,
     )
 
 
@@ -368,3 +379,68 @@ def test_timed_calls_weigh_the_copies_their_compute_does_not_hide():
     # streaming the encoder twice costs more than loading it once.
     fast = _timed_plan_at_16({**calls, "transformer": 0.5})
     assert bytes_loaded_per_run(fast) > 0
+
+
+def test_keeping_every_component_resident_waits_until_the_runs_have_lost_its_one_time_cost():
+    """The switch to the plan that keeps every component resident costs once: the pinned
+    host copies only it makes, page-locked, then read. It is taken when the runs on the
+    reloading plan have lost that much, counting the run about to start; not before."""
+    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
+    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
+    staying = _timed_plan_at_16(calls, slow_reads)
+    waiting = _timed_plan_at_16(calls, slow_reads, declined_seconds=0.0)
+    assert bytes_loaded_per_run(waiting) > 0 == bytes_loaded_per_run(staying)
+    sizes = {"text_encoder_3": T5, "transformer": MMDIT}
+    new = sum(
+        sizes[name].packed_bytes[block]
+        for name, layout in staying.streamed.items()
+        for block in layout.streamed
+        if name not in waiting.streamed or block not in waiting.streamed[name].streamed
+    )
+    cost = new / PAGE_LOCK_BYTES_PER_SECOND + new / 30e9
+    gain = waiting.resident_gain
+    assert 0 < gain < cost
+    assert f"after {format_bytes(new)} of new pinned host copies (about {cost:.2f} s" in str(
+        waiting
+    )
+    short = _timed_plan_at_16(calls, slow_reads, declined_seconds=cost - gain - 0.01)
+    assert bytes_loaded_per_run(short) > 0 and short.resident_gain == pytest.approx(gain)
+    enough = _timed_plan_at_16(calls, slow_reads, declined_seconds=cost - gain + 0.01)
+    assert bytes_loaded_per_run(enough) == 0 and enough.resident_gain is None
+
+
+def test_host_copies_held_already_make_the_switch_to_staying_resident_free():
+    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
+    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
+    staying = _timed_plan_at_16(calls, slow_reads)
+    held = {name: tuple(layout.streamed) for name, layout in staying.streamed.items()}
+    plan = _image_plan(
+        {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
+        16 * GiB,
+        bytes_per_second=55e9,
+        seconds_per_call=calls,
+        load_bytes_per_second=slow_reads,
+        previous=held,
+    )
+    assert bytes_loaded_per_run(plan) == 0 and plan.resident_gain is None
+
+
+def test_the_runs_add_up_what_they_declined_and_start_over_once_they_decline_nothing():
+    streaming = BlockStreaming(StreamOptions(unified=False))
+    for gain, lost in ((0.4, 0.4), (0.3, 0.7), (None, 0.0), (0.2, 0.2)):
+        streaming.count_run(SimpleNamespace(resident_gain=gain))
+        assert streaming.declined_seconds == pytest.approx(lost)
+        assert streaming.inputs(_no_components()).declined_seconds == pytest.approx(lost)
+
+
+def _no_components() -> SimpleNamespace:
+    """A pipeline's snapshot with nothing to stream: what ``BlockStreaming.inputs`` reads."""
+    return SimpleNamespace(
+        device="cpu",
+        streamable_blocks={},
+        loaders={},
+        calls_per_run={},
+        seconds_per_call={},
+        load_bytes_per_second={},
+        host_room_bytes=None,
+    )
