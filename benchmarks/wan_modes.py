@@ -367,7 +367,8 @@ def main() -> None:
         per_run_rss = restart_peak_rss()
         if per_run_rss:
             result["generation_peak_rss_bytes"] = None  # filled in after the runs
-        for run, prompt in enumerate(PROMPTS[: args.runs]):
+        for run in range(args.runs):
+            prompt = PROMPTS[run % len(PROMPTS)]  # past three, the prompts come round again
             torch.cuda.reset_peak_memory_stats()
             if per_run_rss and run:
                 reset_peak_rss()  # each run's own peak; the generations' is their maximum

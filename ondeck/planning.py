@@ -25,7 +25,7 @@ from .streaming.layout import (
     StreamLayout,
     plan_resident_streaming,
     plan_streaming,
-    switch_waits,
+    switch_cost,
 )
 
 __all__ = ["HostPlan", "Plan", "StageUse", "release_schedule"]
@@ -383,9 +383,10 @@ class Plan:
     # (``Snapshot.limit_stages``) was left out because it overflowed; the others are
     # dropped only where the plan overflows without it too.
     limit_reserve_dropped: bool = False
-    # Seconds a run that a plan keeping every component resident would save, where it
-    # waits until the runs on this plan have lost its one-time cost (``switch_waits``).
+    # Seconds a run a plan keeping every component resident would save, while it waits
+    # (``_waits``); per component, its blocks whose host copies are page-locked meanwhile.
     resident_gain: float | None = None
+    ahead_host_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)
@@ -644,13 +645,8 @@ def build_plan(
         )
     if staying >= RESIDENT_STREAMING_GAIN * reloading:
         return planned
-    if None not in times:
-        args = (resident.streamed, planned.streamed, streaming, resident.file_reads)
-        wait = switch_waits(*args, reloading - staying, DEFAULT_READ_BYTES_PER_SECOND)
-        if wait is not None:
-            planned.resident_gain = reloading - staying
-            planned.streaming_notes.append(wait)
-            return planned
+    if None not in times and _waits(planned, resident, streaming, reloading - staying):
+        return planned
     names = ", ".join(
         f"{name} (called {streaming.calls[name]} times a run)" for name in resident.streamed
     )
@@ -658,6 +654,23 @@ def build_plan(
         f"streaming {names} keeps every component on the device from stage to stage: {note}"
     )
     return resident
+
+
+def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: float) -> bool:
+    """Whether ``planned`` stays although ``resident`` saves ``gain`` seconds a run, until
+    the runs on it have lost what the switch costs once (``Switch.waits``); meanwhile it
+    page-locks the new host copies beside its own, where the host holds both."""
+    declined = streaming.declined_seconds
+    args = (resident.streamed, planned.streamed, streaming, resident.file_reads)
+    switch = switch_cost(*args, DEFAULT_READ_BYTES_PER_SECOND)
+    if not switch.waits(gain, declined):
+        return False
+    planned.resident_gain = gain
+    planned.streaming_notes.append(switch.note(resident.streamed, gain, declined))
+    room = streaming.host.room_bytes if streaming.host is not None else None
+    if room is None or planned.pinned_host_bytes + planned.ring_bytes + switch.nbytes <= room:
+        planned.ahead_host_blocks = switch.blocks
+    return True
 
 
 def exposed_per_run(plan: Plan, streaming: StreamingInputs, rate: float) -> float | None:

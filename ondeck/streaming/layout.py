@@ -7,7 +7,7 @@ decide with them, so the plan predicts exactly what the run will hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,14 +18,14 @@ __all__ = [
     "StreamLayout",
     "StreamingChoice",
     "StreamingInputs",
+    "Switch",
     "evenly_spaced",
-    "new_host_copies",
     "packed_offsets",
     "plan_resident_streaming",
     "plan_streaming",
     "stream_layout",
     "streamed_blocks",
-    "switch_waits",
+    "switch_cost",
 ]
 
 DEFAULT_SLOTS = 2
@@ -248,6 +248,8 @@ class StreamingInputs:
     # Seconds the runs so far lost by not switching to a plan that keeps every
     # component resident, while it waits to repay its one-time cost.
     declined_seconds: float = 0.0
+    # Per component, the blocks whose host copies are page-locked now (filled or not).
+    allocated: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:
@@ -470,51 +472,61 @@ def plan_resident_streaming(
     return StreamingChoice(layouts=layouts, reserved=guessed) if layouts else None
 
 
-def new_host_copies(
+@dataclass(frozen=True)
+class Switch:
+    """What switching to a plan that keeps every component resident makes once: per
+    component, the streamed blocks that need a new pinned host copy; their bytes, those
+    of them not page-locked yet, and the seconds it all takes."""
+
+    blocks: dict[str, tuple[int, ...]]
+    nbytes: int
+    unlocked_bytes: int
+    seconds: float
+
+    def waits(self, gain: float, declined: float) -> bool:
+        """Whether to wait although the switch saves ``gain`` seconds a run: until the
+        runs on the other plan have lost (``declined``) what it costs once. Switching at
+        once would put that cost in the very next run; waiting, a few calls take no
+        longer than they would have, and a long series loses at most that cost again."""
+        return declined + gain < self.seconds
+
+    def note(self, names: Iterable[str], gain: float, declined: float) -> str:
+        return (
+            f"keeping every component on the device, streaming {', '.join(names)}, would "
+            f"save {gain:.2f} s a run after {format_bytes(self.nbytes)} of new pinned host "
+            f"copies ({format_bytes(self.unlocked_bytes)} not page-locked yet; about "
+            f"{self.seconds:.2f} s, once): it is taken once the runs on this plan have "
+            f"lost that much ({declined:.2f} s so far)"
+        )
+
+
+def switch_cost(
     layouts: Mapping[str, StreamLayout],
     besides: Mapping[str, StreamLayout],
     inputs: StreamingInputs,
     from_files: Mapping[str, Any],
     read_rate: float,
-) -> tuple[int, float]:
-    """Bytes and seconds of the pinned host copies ``layouts`` would make that neither
-    ``besides`` (another plan, which makes its own anyway) nor the copies held now
-    (``inputs.previous``) have, nor the files feed each pass (``from_files``): each
-    page-locked fresh, then read at the rate its component last loaded (else
-    ``read_rate``)."""
-    nbytes, seconds = 0, 0.0
+) -> Switch:
+    """The pinned host copies ``layouts`` would make that neither ``besides`` (another
+    plan, which makes its own anyway) nor the copies held now (``inputs.previous``)
+    have, nor the files feed each pass (``from_files``): each page-locked unless it is
+    already (``inputs.allocated``), then read at the rate its component last loaded
+    (else ``read_rate``)."""
+    blocks: dict[str, tuple[int, ...]] = {}
+    nbytes = unlocked = 0
+    seconds = 0.0
     for name, layout in layouts.items():
         skip = set(inputs.previous.get(name, ()))
         skip.update(besides[name].streamed if name in besides else ())
         skip.update(from_files[name].from_files if name in from_files else ())
         sizes = inputs.candidates[name].packed_bytes
-        new = sum(sizes[block] for block in layout.streamed if block not in skip)
+        new = tuple(block for block in layout.streamed if block not in skip)
+        locked = set(inputs.allocated.get(name, ()))
+        read = sum(sizes[block] for block in new)
+        lock = sum(sizes[block] for block in new if block not in locked)
         rate = inputs.load_bytes_per_second.get(name) or read_rate
-        nbytes += new
-        seconds += new / PAGE_LOCK_BYTES_PER_SECOND + new / rate
-    return nbytes, seconds
-
-
-def switch_waits(
-    layouts: Mapping[str, StreamLayout],
-    besides: Mapping[str, StreamLayout],
-    inputs: StreamingInputs,
-    from_files: Mapping[str, Any],
-    gain: float,
-    read_rate: float,
-) -> str | None:
-    """Why a plan that keeps every component resident by streaming ``layouts`` waits,
-    although it saves ``gain`` seconds a run over the plan streaming ``besides``; None
-    once the runs on that plan have lost (``inputs.declined_seconds``) what switching
-    costs once: the pinned host copies only ``layouts`` needs (``new_host_copies``).
-    Switching at once would put that cost in the very next run; waiting, a few calls take
-    no longer than they would have, and a long series loses at most that cost again."""
-    nbytes, switch = new_host_copies(layouts, besides, inputs, from_files, read_rate)
-    if inputs.declined_seconds + gain >= switch:
-        return None
-    return (
-        f"keeping every component on the device, streaming {', '.join(layouts)}, would save "
-        f"{gain:.2f} s a run after {format_bytes(nbytes)} of new pinned host copies (about "
-        f"{switch:.2f} s, once): it is taken once the runs on this plan have lost that much "
-        f"({inputs.declined_seconds:.2f} s so far)"
-    )
+        if new:
+            blocks[name] = new
+        nbytes, unlocked = nbytes + read, unlocked + lock
+        seconds += lock / PAGE_LOCK_BYTES_PER_SECOND + read / rate
+    return Switch(blocks, nbytes, unlocked, seconds)
