@@ -383,10 +383,9 @@ class Plan:
     # (``Snapshot.limit_stages``) was left out because it overflowed; the others are
     # dropped only where the plan overflows without it too.
     limit_reserve_dropped: bool = False
-    # Seconds a run a plan keeping every component resident would save, while it waits
-    # (``_waits``); per component, its blocks whose host copies are page-locked meanwhile.
+    # Seconds a run that a plan keeping every component resident would save, where it
+    # waits until the runs on this plan have lost its one-time cost (``_waits``).
     resident_gain: float | None = None
-    ahead_host_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)
@@ -658,8 +657,7 @@ def build_plan(
 
 def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: float) -> bool:
     """Whether ``planned`` stays although ``resident`` saves ``gain`` seconds a run, until
-    the runs on it have lost what the switch costs once (``Switch.waits``); meanwhile it
-    page-locks the new host copies beside its own, where the host holds both."""
+    the runs on it have lost what the switch costs once (``Switch.waits``)."""
     declined = streaming.declined_seconds
     args = (resident.streamed, planned.streamed, streaming, resident.file_reads)
     switch = switch_cost(*args, DEFAULT_READ_BYTES_PER_SECOND)
@@ -667,9 +665,6 @@ def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: floa
         return False
     planned.resident_gain = gain
     planned.streaming_notes.append(switch.note(resident.streamed, gain, declined))
-    room = streaming.host.room_bytes if streaming.host is not None else None
-    if room is None or planned.pinned_host_bytes + planned.ring_bytes + switch.nbytes <= room:
-        planned.ahead_host_blocks = switch.blocks
     return True
 
 

@@ -65,10 +65,6 @@ class HostCopies:
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._sizes: dict[int, int] = {}  # planned block -> bytes
-        # Planned for a layout that is not in use yet (``plan_ahead``): kept by
-        # ``keep_only`` until the plan changes them.
-        self._ahead: set[int] = set()
-        self._layout: set[int] = set()  # the blocks the layout in use streams
         self._regions: dict[int, Any] = {}  # allocated block -> uint8 tensor
         self.filled: set[int] = set()
         # A region being allocated counts from before its pages are touched: the host
@@ -90,37 +86,16 @@ class HostCopies:
         return sum(region.numel() for region in list(self._regions.values()))
 
     def keep_only(self, wanted: Mapping[int, int]) -> None:
-        """Plan regions for exactly the blocks in ``wanted`` (block -> bytes) and those
-        planned ahead; blocks already held keep their contents, the others' regions are
-        freed."""
+        """Plan regions for exactly the blocks in ``wanted`` (block -> bytes); blocks
+        already held keep their contents, the others' regions are freed."""
         with self._lock:
             self._generation += 1
-            self._layout = set(wanted)
-            self._forget(self._layout | self._ahead)
+            for block in [b for b in self._sizes if b not in wanted]:
+                del self._sizes[block]
+                self._regions.pop(block, None)
+                self.filled.discard(block)
             for block, nbytes in wanted.items():
                 self._sizes.setdefault(block, nbytes)
-
-    def plan_ahead(self, wanted: Mapping[int, int]) -> None:
-        """Plan regions for the blocks in ``wanted`` besides the layout's, for a layout
-        to come (``prepare`` page-locks them); those planned ahead before and not now go,
-        unless the layout holds them."""
-        with self._lock:
-            self._generation += 1
-            self._ahead = set(wanted)
-            self._forget(self._layout | self._ahead)
-            for block, nbytes in wanted.items():
-                self._sizes.setdefault(block, nbytes)
-
-    def _forget(self, kept: set[int]) -> None:
-        for block in [b for b in self._sizes if b not in kept]:
-            del self._sizes[block]
-            self._regions.pop(block, None)
-            self.filled.discard(block)
-
-    @property
-    def allocated(self) -> tuple[int, ...]:
-        """The blocks whose regions exist now (page-locked, filled or not)."""
-        return tuple(sorted(list(self._regions)))
 
     def region(self, block: int) -> Any:
         region = self._regions.get(block)  # held: no lock, as a streaming pass asks

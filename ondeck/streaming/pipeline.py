@@ -82,7 +82,6 @@ class BlockStreaming:
         # What the runs so far lost waiting to switch to a plan that keeps every
         # component resident (``planning._declined``); counted by ``count_run``.
         self.declined_seconds = 0.0
-        self._ahead: dict[str, BlockStreamer] = {}  # streamers with host copies planned ahead
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
         """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
@@ -101,7 +100,6 @@ class BlockStreaming:
         hints = snapshot.streamable_blocks
         candidates: dict[str, BlockSizes] = {}
         previous: dict[str, tuple[int, ...]] = {}
-        allocated: dict[str, tuple[int, ...]] = {}
         for name, loader in snapshot.loaders.items():
             if name in hints and not hints[name]:
                 continue
@@ -110,8 +108,6 @@ class BlockStreaming:
                 candidates[name] = streamer.sizes
                 if streamer.layout is not None and streamer.host_bytes:
                     previous[name] = tuple(streamer.layout.streamed)
-                if streamer.allocated_blocks:
-                    allocated[name] = streamer.allocated_blocks
         measure = None
         if options.bytes_per_second:
             bandwidth, source = options.bytes_per_second, "given"
@@ -131,7 +127,6 @@ class BlockStreaming:
             load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
             declined_seconds=self.declined_seconds,
-            allocated=allocated,
         )
 
     def count_run(self, plan: Any) -> None:
@@ -233,24 +228,7 @@ class BlockStreaming:
                 streamer.use_layout(layout, from_files)
                 loader.placement = streamer
                 self.streamers[name] = streamer
-        self._plan_ahead(getattr(plan, "ahead_host_blocks", {}))
         self._prepare_host_copies(pipeline)
-
-    def _plan_ahead(self, blocks: Mapping[str, tuple[int, ...]]) -> None:
-        """Page-lock the host copies of a plan the run waits to switch to (``Plan.
-        ahead_host_blocks``) beside this run's; those planned ahead before and not now go."""
-        for name, (_, streamer) in self._candidates.items():
-            if streamer is not None and (name in blocks or name in self._ahead):
-                streamer.plan_ahead(blocks.get(name, ()))
-        self._ahead = {
-            name: streamer
-            for name, (_, streamer) in self._candidates.items()
-            if streamer is not None and name in blocks
-        }
-
-    def _holding(self) -> list[BlockStreamer]:
-        """Every streamer that may hold host memory: those streaming, those planned ahead."""
-        return list({id(s): s for s in [*self.streamers.values(), *self._ahead.values()]}.values())
 
     def _prepare_host_copies(self, pipeline: Any) -> None:
         """Allocate the streamed components' host copies on a thread, in the order the
@@ -265,10 +243,11 @@ class BlockStreaming:
         wanted = self.options.prepare_host_copies
         if not self.options.keep_host_copies or wanted is False:
             return
-        holding = {**self._ahead, **self.streamers}  # this run's own first, in stage order
-        order = _stage_order(pipeline, self.streamers)
-        order += [n for n in _stage_order(pipeline, self._ahead) if n not in order]
-        streamers = [holding[name] for name in order if wanted or holding[name].pinned]
+        streamers = [
+            self.streamers[name]
+            for name in _stage_order(pipeline, self.streamers)
+            if wanted or self.streamers[name].pinned
+        ]
         if streamers:
             self._preparing = _Preparing(streamers)
 
@@ -321,11 +300,11 @@ class BlockStreaming:
 
     def host_bytes(self) -> int:
         """Host memory the streamers hold now: pinned copies and rings."""
-        return sum(s.host_bytes + s.ring_bytes for s in self._holding())
+        return sum(s.host_bytes + s.ring_bytes for s in self.streamers.values())
 
     def drop_host_copies(self) -> int:
         """Free host copies of components not loaded now; returns the bytes freed."""
-        return sum(streamer.drop_host_copies() for streamer in self._holding())
+        return sum(streamer.drop_host_copies() for streamer in self.streamers.values())
 
 
 def _stage_order(pipeline: Any, names: Mapping[str, Any]) -> list[str]:

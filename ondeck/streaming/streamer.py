@@ -195,18 +195,6 @@ class BlockStreamer:
                 }
             )
 
-    def plan_ahead(self, blocks: Sequence[int]) -> None:
-        """Host copies for ``blocks`` besides the layout's, for a layout to come: page-locked
-        by ``prepare_host_copies`` and kept until the next ``plan_ahead``, filled by the
-        first load that streams them."""
-        with self._lock:
-            self._host.plan_ahead({b: self.sizes.packed_bytes[b] for b in blocks})
-
-    @property
-    def allocated_blocks(self) -> tuple[int, ...]:
-        """The blocks whose host copies are page-locked now, filled or not."""
-        return self._host.allocated
-
     def prepare_host_copies(self, stop: threading.Event) -> int:
         """Allocate the host copies the layout plans, before the load that fills them
         (``HostCopies.prepare``); returns the bytes allocated."""

@@ -131,19 +131,3 @@ def test_the_copies_come_in_the_order_the_stages_use_them():
         "controlnet",
     ]
     assert _stage_order(object(), names) == list(names)  # no stages known: as given
-
-
-def test_host_copies_planned_ahead_stay_beside_the_layouts_until_the_plan_changes_them():
-    copies = HostCopies(pinned=False)
-    copies.keep_only({0: 8, 1: 8})
-    copies.plan_ahead({1: 8, 2: 16, 3: 16})  # a layout to come streams 1, 2 and 3
-    assert copies.prepare(threading.Event()) == 8 + 8 + 16 + 16
-    assert copies.allocated == (0, 1, 2, 3)
-    copies.filled.update({0, 1})
-    copies.keep_only({0: 8, 1: 8, 4: 8})  # the layout in use changes: the ahead stay
-    assert copies.allocated == (0, 1, 2, 3)
-    copies.plan_ahead({3: 16})  # no longer ahead: 2 goes, 1 stays with the layout
-    assert copies.allocated == (0, 1, 3) and copies.filled == {0, 1}
-    copies.keep_only({2: 16, 3: 16})  # the switch: 3 was locked ahead, 0 and 1 go
-    copies.plan_ahead({})
-    assert copies.allocated == (3,) and copies.nbytes == 16 and not copies.filled

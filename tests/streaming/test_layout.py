@@ -17,7 +17,6 @@ from ondeck.streaming import (
     plan_streaming,
     stream_layout,
 )
-from ondeck.streaming.file_reads import HostRoom
 from ondeck.streaming.host import HostCopies
 from ondeck.streaming.layout import (
     PAGE_LOCK_BYTES_PER_SECOND,
@@ -401,18 +400,9 @@ def test_keeping_every_component_resident_waits_until_the_runs_have_lost_its_one
     cost = new / PAGE_LOCK_BYTES_PER_SECOND + new / 30e9
     gain = waiting.resident_gain
     assert 0 < gain < cost
-    assert f"after {format_bytes(new)} of new pinned host copies (" in str(waiting)
-    assert f"not page-locked yet; about {cost:.2f} s, once)" in str(waiting)
-    # Waiting, the run page-locks those copies beside its own (no host budget to mind).
-    ahead = {
-        name: tuple(
-            b
-            for b in layout.streamed
-            if name not in waiting.streamed or b not in waiting.streamed[name].streamed
-        )
-        for name, layout in staying.streamed.items()
-    }
-    assert waiting.ahead_host_blocks == {n: b for n, b in ahead.items() if b}
+    assert f"after {format_bytes(new)} of new pinned host copies (about {cost:.2f} s" in str(
+        waiting
+    )
     short = _timed_plan_at_16(calls, slow_reads, declined_seconds=cost - gain - 0.01)
     assert bytes_loaded_per_run(short) > 0 and short.resident_gain == pytest.approx(gain)
     enough = _timed_plan_at_16(calls, slow_reads, declined_seconds=cost - gain + 0.01)
@@ -454,59 +444,3 @@ def _no_components() -> SimpleNamespace:
         load_bytes_per_second={},
         host_room_bytes=None,
     )
-
-
-def test_host_copies_page_locked_ahead_leave_the_switch_only_their_reads():
-    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
-    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
-    waiting = _timed_plan_at_16(calls, slow_reads, declined_seconds=0.0)
-    sizes = {"text_encoder_3": T5, "transformer": MMDIT}
-    new = sum(
-        sizes[name].packed_bytes[block]
-        for name, blocks in waiting.ahead_host_blocks.items()
-        for block in blocks
-    )
-    declined = new / 30e9 - waiting.resident_gain + 0.01  # more than reading them costs
-
-    def plan(**ahead):
-        return _image_plan(
-            {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
-            16 * GiB,
-            bytes_per_second=55e9,
-            seconds_per_call=calls,
-            load_bytes_per_second=slow_reads,
-            declined_seconds=declined,
-            **ahead,
-        )
-
-    assert bytes_loaded_per_run(plan()) > 0  # page-locking them as well: still waiting
-    assert bytes_loaded_per_run(plan(allocated=waiting.ahead_host_blocks)) == 0
-
-
-def test_host_copies_are_page_locked_ahead_only_where_the_host_holds_both_plans_copies():
-    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
-    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
-    waiting = _timed_plan_at_16(calls, slow_reads, declined_seconds=0.0)
-    sizes = {"text_encoder_3": T5, "transformer": MMDIT}
-    ahead = sum(
-        sizes[name].packed_bytes[block]
-        for name, blocks in waiting.ahead_host_blocks.items()
-        for block in blocks
-    )
-    both = waiting.pinned_host_bytes + ahead
-
-    def plan(room):
-        return _image_plan(
-            {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
-            16 * GiB,
-            bytes_per_second=55e9,
-            seconds_per_call=calls,
-            load_bytes_per_second=slow_reads,
-            declined_seconds=0.0,
-            host=HostRoom(room),
-        )
-
-    assert plan(both).ahead_host_blocks == waiting.ahead_host_blocks
-    short = plan(both - 1)
-    assert short.resident_gain is not None and not short.ahead_host_blocks  # waits all the same
-    assert short.pinned_host_bytes == waiting.pinned_host_bytes
