@@ -59,38 +59,40 @@ def test_the_plan_gives_the_bytes_streamed_per_call_and_their_transfer_floor(six
     assert f"a transfer floor of {floor:.2f} s" in str(plan)
 
 
-def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_run(
-    six_block_folder,
-):
-    from diffusers import WanPipeline
-
+def encoder_streaming_pipe(folder):
+    """ondeck.diffusers over ``folder`` with room for the transformer, the VAE and the
+    text encoder streaming through one slot, not for all three whole: each stage fits
+    alone, and reloading is the only other way."""
     import ondeck.diffusers
     from ondeck.loading import ModelFolder
     from ondeck.streaming import describe_blocks, find_blocks
 
-    plain = WanPipeline.from_pretrained(six_block_folder, dtype=torch.float32)
-    expected = frames(in_fresh_tensors(plain))
-    folder = ModelFolder.open(six_block_folder)
+    model_folder = ModelFolder.open(folder)
 
     def blocks_of(name):
-        template = folder.template(name, torch.float32)
+        template = model_folder.template(name, torch.float32)
         return describe_blocks(template, find_blocks(template.module))[0]
 
     blocks = blocks_of("text_encoder")
     whole = {name: blocks_of(name).total_bytes for name in ("transformer", "vae")}
     decode_reserve = 2**17  # the decode's need the plan holds room for, estimated
-    # Room for the transformer, the VAE and the encoder streaming through one slot, not
-    # for all three whole: each stage fits alone, and reloading would be the only other way.
     budget = whole["transformer"] + whole["vae"] + blocks.other_bytes + max(blocks.packed_bytes)
     budget += decode_reserve + 4096
     assert whole["transformer"] + whole["vae"] + blocks.total_bytes + decode_reserve > budget
     options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0, slots=1)
-    pipe = ondeck.diffusers.from_pretrained(
-        six_block_folder,
-        dtype=torch.float32,
-        device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
+    return ondeck.diffusers.from_pretrained(
+        folder, dtype=torch.float32, device="cpu", policy=BudgetPolicy(budget, streaming=options)
     )
+
+
+def test_a_text_encoder_called_twice_streams_so_nothing_reloads_from_the_second_run(
+    six_block_folder,
+):
+    from diffusers import WanPipeline
+
+    plain = WanPipeline.from_pretrained(six_block_folder, dtype=torch.float32)
+    expected = frames(in_fresh_tensors(plain))
+    pipe = encoder_streaming_pipe(six_block_folder)
     loaded = []
     for _ in range(3):
         assert np.array_equal(frames(pipe), expected)
@@ -111,28 +113,9 @@ def test_staying_resident_waits_until_the_runs_have_lost_what_the_switch_costs(
     switch's one-time cost dwarfs what a run saves, so each run reloads and adds what
     it lost; at the real rate the runs so far have lost more than the switch costs, and
     it is taken at once."""
-    import ondeck.diffusers
-    from ondeck.loading import ModelFolder
-    from ondeck.streaming import describe_blocks, find_blocks
     from ondeck.streaming import layout as layout_module
 
-    folder = ModelFolder.open(six_block_folder)
-
-    def blocks_of(name):
-        template = folder.template(name, torch.float32)
-        return describe_blocks(template, find_blocks(template.module))[0]
-
-    blocks = blocks_of("text_encoder")
-    whole = {name: blocks_of(name).total_bytes for name in ("transformer", "vae")}
-    budget = whole["transformer"] + whole["vae"] + blocks.other_bytes + max(blocks.packed_bytes)
-    budget += 2**17 + 4096  # as in the test above: only streaming the encoder keeps all
-    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0, slots=1)
-    pipe = ondeck.diffusers.from_pretrained(
-        six_block_folder,
-        dtype=torch.float32,
-        device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
-    )
+    pipe = encoder_streaming_pipe(six_block_folder)
     pipe.ondeck.tracker.call_timer = CallTimer(ClockEvent)  # calls timed, as on CUDA
     streaming = pipe.ondeck.policy.streaming
     monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 1.0)
