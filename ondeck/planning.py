@@ -386,6 +386,7 @@ class Plan:
     # Seconds a run that a plan keeping every component resident would save, where it
     # waits until the runs on this plan have lost its one-time cost (``_waits``).
     resident_gain: float | None = None
+    keeps_resident: bool = False  # the plan streams so that every component stays
     # Per streamed component, its forward passes per call, as the calls so far ran them
     # (a call's steps, twice with guidance); absent before a call.
     passes_per_call: dict[str, float] = field(default_factory=dict)
@@ -652,16 +653,21 @@ def build_plan(
     resident.streaming_notes.append(
         f"streaming {names} keeps every component on the device from stage to stage: {note}"
     )
+    resident.keeps_resident = True
     return resident
 
 
 def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: float) -> bool:
     """Whether ``planned`` stays although ``resident`` saves ``gain`` seconds a run, until
     the runs on it have lost what the switch costs once (``Switch.waits``)."""
-    declined = streaming.declined_seconds
-    args = (resident.streamed, planned.streamed, streaming, resident.file_reads)
-    switch = switch_cost(*args, DEFAULT_READ_BYTES_PER_SECOND)
-    if not switch.waits(gain, declined):
+    declined, reloaded = streaming.declined_seconds, loaded_per_run(planned)
+    once = {  # kept loaded from run to run now, loaded again at the switch to stream
+        name: layout.device_bytes
+        for name, layout in resident.streamed.items()
+        if name not in reloaded and planned.streamed.get(name) != layout
+    }
+    switch = switch_cost(resident, planned, streaming, once, DEFAULT_READ_BYTES_PER_SECOND)
+    if planned.overflow() is not None or not switch.waits(gain, declined):
         return False
     planned.resident_gain = gain
     planned.streaming_notes.append(switch.note(resident.streamed, gain, declined))

@@ -382,7 +382,7 @@ class BudgetPolicy(Policy):
                 plan=plan,
             )
         if self.streaming is not None:
-            self.streaming.count_run(plan)
+            self.streaming.count_run(plan, snapshot.runs_completed)
             return Steps(streaming=(self.streaming, plan))
         return NOTHING
 

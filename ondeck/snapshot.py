@@ -70,6 +70,9 @@ class Snapshot:
     # Whether another run is expected (``Pipeline.more_runs``): without one, nothing is
     # loaded ahead for it.
     more_runs: bool = True
+    # Runs of this pipeline that completed so far: a call that starts again after running
+    # out of memory is the same run.
+    runs_completed: int = 0
 
     def __post_init__(self) -> None:
         for name in (

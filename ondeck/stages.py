@@ -374,6 +374,7 @@ class Pipeline(HostMemory):
             load_bytes_per_second=self.tracker.load_bytes_per_second,
             host_room_bytes=self.host_room_bytes(),
             more_runs=self.more_runs,
+            runs_completed=self.tracker.runs_completed,
         )
 
     # -- running ------------------------------------------------------------------------

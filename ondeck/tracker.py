@@ -126,6 +126,7 @@ class MemoryTracker:
     peak_resident_bytes: int = 0
     bytes_loaded: int = 0
     runs: int = 0
+    runs_completed: int = 0  # of those, the ones that completed (``run_finished``)
     peak_measured_bytes: int = 0
     # The process's highest RSS while runs were on (the host watch's samples).
     host_peak_bytes: int = 0
@@ -250,6 +251,7 @@ class MemoryTracker:
         with a new prompt, calls it again, and a plan that forgot it would flip."""
         timed = self.call_timer.quickest() if self.call_timer is not None else {}
         with self._lock:
+            self.runs_completed += 1
             self.calls_per_run = {**self.calls_per_run, **self._calls}
             self._calls = {}
             if timed:

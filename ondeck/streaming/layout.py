@@ -496,26 +496,36 @@ class Switch:
 
 
 def switch_cost(
-    layouts: Mapping[str, StreamLayout],
-    besides: Mapping[str, StreamLayout],
+    resident: Any,
+    reloading: Any,
     inputs: StreamingInputs,
-    from_files: Mapping[str, Any],
+    once: Mapping[str, int],
     read_rate: float,
 ) -> Switch:
-    """The pinned host copies ``layouts`` would make that neither ``besides`` (another
-    plan, which makes its own anyway) nor the copies held now (``inputs.previous``)
-    have, nor the files feed each pass (``from_files``): each page-locked fresh, then
-    read at the rate its component last loaded (else ``read_rate``). Page-locking them
-    beside the runs while the switch waits made those runs slower than it saved (an
-    SD3.5-shaped pipeline's loads at 16 GiB waited 1.4 s more): the switch makes them."""
+    """What switching from the plan ``reloading`` to ``resident`` (plans: their
+    ``streamed`` layouts and ``file_reads``) costs once: the pinned host copies
+    ``resident`` makes that neither ``reloading`` (which makes its own anyway) nor the
+    pinned copies held now have, each page-locked fresh and read; and the bytes of
+    components loaded again to stream (``once``), read. Reads go at the rate the
+    component last loaded, else as its files read (``inputs.host``), else ``read_rate``.
+    Page-locking the copies beside the runs while the switch waits made those runs slower
+    than it saved (an SD3.5-shaped pipeline's loads at 16 GiB waited 1.4 s more): the
+    switch makes them."""
     nbytes, seconds = 0, 0.0
-    for name, layout in layouts.items():
-        skip = set(inputs.previous.get(name, ()))
-        skip.update(besides[name].streamed if name in besides else ())
-        skip.update(from_files[name].from_files if name in from_files else ())
+    for name, layout in resident.streamed.items():
+        rate = inputs.load_bytes_per_second.get(name) or (
+            inputs.host.read_rate(name)[0] if inputs.host is not None else read_rate
+        )
+        held = inputs.host.held if inputs.host is not None else inputs.previous
+        skip = set(held.get(name, ()))
+        if name in reloading.streamed:
+            reads = reloading.file_reads.get(name)
+            from_files = set(reads.from_files) if reads is not None else set()
+            skip.update(b for b in reloading.streamed[name].streamed if b not in from_files)
+        reads = resident.file_reads.get(name)
+        skip.update(reads.from_files if reads is not None else ())
         sizes = inputs.candidates[name].packed_bytes
-        read = sum(sizes[block] for block in layout.streamed if block not in skip)
-        rate = inputs.load_bytes_per_second.get(name) or read_rate
-        nbytes += read
-        seconds += read / PAGE_LOCK_BYTES_PER_SECOND + read / rate
+        new = sum(sizes[block] for block in layout.streamed if block not in skip)
+        nbytes += new
+        seconds += new / PAGE_LOCK_BYTES_PER_SECOND + (new + once.get(name, 0)) / rate
     return Switch(nbytes, seconds)

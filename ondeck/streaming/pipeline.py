@@ -80,8 +80,9 @@ class BlockStreaming:
         self._lock = threading.Lock()
         self._preparing: _Preparing | None = None
         # What the runs so far lost waiting to switch to a plan that keeps every
-        # component resident (``planning._declined``); counted by ``count_run``.
+        # component resident (``planning._waits``); counted by ``count_run``, once a run.
         self.declined_seconds = 0.0
+        self._counted_run: int | None = None
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
         """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
@@ -129,11 +130,20 @@ class BlockStreaming:
             declined_seconds=self.declined_seconds,
         )
 
-    def count_run(self, plan: Any) -> None:
-        """A run starts on ``plan``: what it declines to save (``Plan.resident_gain``) adds
-        to what the runs have lost so far; a run that declines nothing starts over."""
-        gain = getattr(plan, "resident_gain", None)
-        self.declined_seconds = self.declined_seconds + gain if gain else 0.0
+    def count_run(self, plan: Any, completed: int) -> None:
+        """A run starts on ``plan`` after ``completed`` runs: what it declines to save
+        (``Plan.resident_gain``) adds to what the runs have lost so far, once a run (a
+        call that starts again after running out of memory is counted once); the switch
+        to staying resident (``Plan.keeps_resident``) starts the count over. A run that
+        neither waits nor switches (a cached prompt, timings close to the line) leaves
+        the count as it is."""
+        if completed == self._counted_run:
+            return
+        self._counted_run = completed
+        if getattr(plan, "resident_gain", None):
+            self.declined_seconds += plan.resident_gain
+        elif getattr(plan, "keeps_resident", False):
+            self.declined_seconds = 0.0
 
     def _host_room(self, snapshot: Any) -> HostRoom | None:
         room = getattr(snapshot, "host_room_bytes", None)

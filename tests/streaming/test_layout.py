@@ -22,6 +22,7 @@ from ondeck.streaming.layout import (
     PAGE_LOCK_BYTES_PER_SECOND,
     plan_resident_streaming,
     streamed_blocks,
+    switch_cost,
 )
 
 GiB = 2**30
@@ -425,10 +426,19 @@ def test_host_copies_held_already_make_the_switch_to_staying_resident_free():
     assert bytes_loaded_per_run(plan) == 0 and plan.resident_gain is None
 
 
-def test_the_runs_add_up_what_they_declined_and_start_over_once_they_decline_nothing():
+def test_the_runs_add_up_what_they_declined_once_each_until_the_switch():
     streaming = BlockStreaming(StreamOptions(unified=False))
-    for gain, lost in ((0.4, 0.4), (0.3, 0.7), (None, 0.0), (0.2, 0.2)):
-        streaming.count_run(SimpleNamespace(resident_gain=gain))
+    steps = [  # (runs completed before it, resident_gain, keeps_resident, lost so far)
+        (0, None, False, 0.0),  # run 1: nothing counted yet
+        (1, 0.4, False, 0.4),
+        (1, 0.4, False, 0.4),  # the same run again, after running out of memory
+        (2, 0.3, False, 0.7),
+        (3, None, False, 0.7),  # neither waits nor switches: the count stays
+        (4, None, True, 0.0),  # the switch
+        (5, 0.2, False, 0.2),
+    ]
+    for completed, gain, keeps, lost in steps:
+        streaming.count_run(SimpleNamespace(resident_gain=gain, keeps_resident=keeps), completed)
         assert streaming.declined_seconds == pytest.approx(lost)
         assert streaming.inputs(_no_components()).declined_seconds == pytest.approx(lost)
 
@@ -444,3 +454,28 @@ def _no_components() -> SimpleNamespace:
         load_bytes_per_second={},
         host_room_bytes=None,
     )
+
+
+def test_the_switch_counts_the_copies_only_the_resident_plan_pins_and_the_loads_it_causes():
+    sizes = BlockSizes("blocks", (100,) * 4, (128,) * 4, 50)
+    inputs = StreamingInputs({"enc": sizes}, load_bytes_per_second={"enc": 1000.0})
+
+    def plan(streamed, from_files):
+        return SimpleNamespace(
+            streamed={"enc": SimpleNamespace(streamed=streamed)},
+            file_reads={"enc": SimpleNamespace(from_files=from_files)},
+        )
+
+    # Block 0 both plans pin; 1 the reloading plan reads from the files each pass, so the
+    # resident plan's copy of it is new; 3 the resident plan reads from the files.
+    resident, reloading = plan((0, 1, 2, 3), (3,)), plan((0, 1), (1,))
+    switch = switch_cost(resident, reloading, inputs, {}, 1.0)
+    assert switch.nbytes == 2 * 128  # blocks 1 and 2
+    assert switch.seconds == pytest.approx(256 / PAGE_LOCK_BYTES_PER_SECOND + 256 / 1000)
+    held = StreamingInputs(
+        {"enc": sizes}, load_bytes_per_second={"enc": 1000.0}, previous={"enc": (2,)}
+    )
+    assert switch_cost(resident, reloading, held, {}, 1.0).nbytes == 128  # 2 is held
+    # A component kept loaded between runs now loads again once, to stream.
+    again = switch_cost(resident, reloading, inputs, {"enc": 500}, 1.0)
+    assert again.seconds == pytest.approx(switch.seconds + 500 / 1000)
