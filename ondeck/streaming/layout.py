@@ -511,19 +511,21 @@ def switch_cost(
     Page-locking the copies beside the runs while the switch waits made those runs slower
     than it saved (an SD3.5-shaped pipeline's loads at 16 GiB waited 1.4 s more): the
     switch makes them."""
+
+    def from_files(plan: Any, name: str) -> tuple[int, ...]:
+        reads = plan.file_reads.get(name)
+        return reads.from_files if reads is not None else ()
+
+    held = inputs.host.held if inputs.host is not None else inputs.previous
     nbytes, seconds = 0, 0.0
     for name, layout in resident.streamed.items():
         rate = inputs.load_bytes_per_second.get(name) or (
             inputs.host.read_rate(name)[0] if inputs.host is not None else read_rate
         )
-        held = inputs.host.held if inputs.host is not None else inputs.previous
-        skip = set(held.get(name, ()))
+        skip = set(held.get(name, ())) | set(from_files(resident, name))
         if name in reloading.streamed:
-            reads = reloading.file_reads.get(name)
-            from_files = set(reads.from_files) if reads is not None else set()
-            skip.update(b for b in reloading.streamed[name].streamed if b not in from_files)
-        reads = resident.file_reads.get(name)
-        skip.update(reads.from_files if reads is not None else ())
+            read_each_pass = from_files(reloading, name)
+            skip.update(b for b in reloading.streamed[name].streamed if b not in read_each_pass)
         sizes = inputs.candidates[name].packed_bytes
         new = sum(sizes[block] for block in layout.streamed if block not in skip)
         nbytes += new
