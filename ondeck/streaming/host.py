@@ -96,6 +96,7 @@ class HostCopies:
                 self.filled.discard(block)
             for block, nbytes in wanted.items():
                 self._sizes.setdefault(block, nbytes)
+            self.filled.intersection_update(self._regions)  # only a region can be filled
 
     def region(self, block: int) -> Any:
         region = self._regions.get(block)  # held: no lock, as a streaming pass asks

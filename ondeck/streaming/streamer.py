@@ -306,7 +306,8 @@ class BlockStreamer:
             if self._armed is not None:
                 self._armed.detach()
             self._armed = _Armed(self, module)
-            self._host.filled.update(self._streamed)
+            # Blocks read from the files each pass have no host copy to fill.
+            self._host.filled.update(self._streamed - self._from_files)
             self.stats.host_bytes_read += self._reading
             self._reading = 0
 
