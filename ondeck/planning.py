@@ -15,10 +15,9 @@ from .host_pool import HostPlan
 from .memory import format_bytes, parse_bytes
 from .streaming.file_reads import (
     DEFAULT_READ_BYTES_PER_SECOND,
+    SLOW_FILE_READS,
     FileReads,
-    file_read_notes,
     plan_file_reads,
-    reading_first,
 )
 from .streaming.layout import (
     StreamingChoice,
@@ -415,6 +414,33 @@ class Plan:
         """The rings that blocks read from the files each pass go through."""
         return sum(reads.ring_bytes for reads in self.file_reads.values())
 
+    def file_read_notes(self) -> list[str]:
+        """What would do better where blocks are read from the files: where the rings do
+        not fit at all, or where reading makes a pass much slower than pinned copies."""
+        if not self.file_reads:
+            return []
+        if not self.file_reads_fit:
+            return [
+                f"host: even reading every streamed block from the files, their rings "
+                f"({format_bytes(self.ring_bytes)}) do not fit the host budget beside the "
+                "process and the host cache. What would fit: fp8 storage (--weights fp8) "
+                "halves the blocks and their rings, a lower resolution keeps more blocks on "
+                "the device, a larger host budget (--host-memory) or a smaller --host-cache"
+            ]
+        notes = []
+        copy_rate = self.transfer_bytes_per_second or 0
+        for name, reads in self.file_reads.items():
+            slowdown = reads.slowdown(self.streamed[name], copy_rate, self.read_rates[name][0])
+            if slowdown > SLOW_FILE_READS:
+                notes.append(
+                    f"{name}: reading blocks from the files makes a pass {slowdown:.1f}x as "
+                    "slow as pinned copies would. What would be faster: fp8 storage "
+                    "(--weights fp8) halves the bytes read, a lower resolution keeps more "
+                    "blocks on the device, a larger host budget (--host-memory) or a smaller "
+                    "--host-cache keeps more pinned copies"
+                )
+        return notes
+
     def call_transfer_seconds(self, name: str) -> float | None:
         """The transfer floor of the blocks ``name`` streams in one call: its bytes a
         pass times its passes a call, at the plan's copy rate; None before a call."""
@@ -525,7 +551,11 @@ class Plan:
         if self.streamed:
             lines.append(
                 "streaming (blocks that do not fit come from pinned host memory"
-                + (", or from the files where said below" if self.file_reads else "")
+                + (
+                    ", or from the files where their pinned copies do not fit the host budget"
+                    if self.file_reads
+                    else ""
+                )
                 + "):"
             )
             rate = self.transfer_bytes_per_second or 0
@@ -615,34 +645,16 @@ def build_plan(
         )
     if staying >= RESIDENT_STREAMING_GAIN * reloading:
         return planned
+    if None not in times and _waits(planned, resident, streaming, reloading - staying):
+        return planned
     names = ", ".join(
-        f"{name} (called {streaming.calls[name]} times a run)" for name in kept.layouts
+        f"{name} (called {streaming.calls[name]} times a run)" for name in resident.streamed
     )
-    keeps = f"streaming {names} keeps every component on the device from stage to stage"
-    if None not in times:
-        renting, reloading = _renting(planned, resident, streaming, rate, reloading, keeps)
-        if _waits(renting, resident, streaming, reloading - staying):
-            return renting
-    resident.streaming_notes.append(f"{keeps}: {note}")
+    resident.streaming_notes.append(
+        f"streaming {names} keeps every component on the device from stage to stage: {note}"
+    )
     resident.keeps_resident = True
     return resident
-
-
-def _renting(planned: Plan, resident: Plan, streaming, rate, reloading, keeps) -> tuple:
-    """Until ``resident``'s new pinned copies pay, the better of ``planned`` (reloading)
-    and ``resident`` reading from the files the blocks without a copy, and its unhidden
-    seconds a run; each replaces the other for a clear gain only (``staying``)."""
-    reading = reading_first(planned, resident, streaming)
-    seconds = exposed_per_run(reading, streaming, rate) if reading is not None else None
-    gain = 1 / RESIDENT_STREAMING_GAIN if streaming.staying else RESIDENT_STREAMING_GAIN
-    if seconds is None or seconds >= gain * reloading:
-        return planned, reloading
-    reading.keeps_resident = True
-    reading.streaming_notes.append(
-        f"{keeps}, reading the blocks without a pinned copy from the files: "
-        f"{seconds:.2f} s a run of copies that compute does not hide"
-    )
-    return reading, seconds
 
 
 def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: float) -> bool:
@@ -652,9 +664,7 @@ def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: floa
     once = {  # kept loaded from run to run now, loaded again at the switch to stream
         name: layout.device_bytes
         for name, layout in resident.streamed.items()
-        if name not in reloaded
-        and (planned.streamed.get(name), planned.file_reads.get(name))
-        != (layout, resident.file_reads.get(name))
+        if name not in reloaded and planned.streamed.get(name) != layout
     }
     switch = switch_cost(resident, planned, streaming, once, DEFAULT_READ_BYTES_PER_SECOND)
     if planned.overflow() is not None or not switch.waits(gain, declined):
@@ -676,10 +686,8 @@ def exposed_per_run(plan: Plan, streaming: StreamingInputs, rate: float) -> floa
         load_rate = streaming.load_bytes_per_second.get(name, rate)
         seconds += max(0.0, nbytes / load_rate - timed.get(name, 0.0))
     for name, layout in plan.streamed.items():
-        reads = plan.file_reads.get(name)  # from the files too: the slower of reads, copies
-        moving = reads.transfer_seconds(layout, rate, plan.read_rates[name][0]) if reads else 0
-        moving = moving or layout.bytes_per_pass / rate
-        seconds += streaming.calls.get(name, 1) * max(0.0, moving - timed[name])
+        beyond = layout.bytes_per_pass / rate - timed[name]
+        seconds += streaming.calls.get(name, 1) * max(0.0, beyond)
     return seconds
 
 
@@ -774,15 +782,7 @@ def _planned(
                 held=host.held,
             )
             plan_.read_rates = {name: host.read_rate(name) for name in plan_.file_reads}
-            plan_.streaming_notes.extend(
-                file_read_notes(
-                    plan_.file_reads,
-                    plan_.file_reads_fit,
-                    choice.layouts,
-                    plan_.transfer_bytes_per_second or 0,
-                    plan_.read_rates,
-                )
-            )
+            plan_.streaming_notes.extend(plan_.file_read_notes())
     if policy == "budget" and not plan_.fits(budget):
         policy = "release"  # what would run if the budget allowed; the overflow is reported
     runs = simulate(

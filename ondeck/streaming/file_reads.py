@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from ..memory import format_bytes
 from .layout import BlockSizes, StreamLayout
@@ -22,10 +21,7 @@ __all__ = [
     "SLOW_FILE_READS",
     "FileReads",
     "HostRoom",
-    "file_read_notes",
     "plan_file_reads",
-    "reading_first",
-    "reads_until_pinned",
     "spread_order",
 ]
 
@@ -67,9 +63,6 @@ class FileReads:
     file_bytes_per_pass: int  # read from the files per forward pass
     ring_count: int
     ring_buffer_bytes: int  # each, sized as the device slots: for the largest streamed block
-    # True: the pinned copies would fit, and are made once the runs have lost what making
-    # them costs (``reads_until_pinned``); False: they do not fit the host budget.
-    until_pinned: bool = False
 
     @property
     def ring_bytes(self) -> int:
@@ -89,12 +82,6 @@ class FileReads:
             return 1.0
         return self.transfer_seconds(layout, copy_rate, read_rate) / pinned
 
-    @property
-    def reason(self) -> str:
-        if self.until_pinned:
-            return "their pinned copies are made once the runs have lost what making them costs"
-        return "their pinned copies do not fit the host budget"
-
     def describe(
         self,
         layout: StreamLayout,
@@ -107,8 +94,8 @@ class FileReads:
             f"    read from the files each pass: {len(self.from_files)} of "
             f"{len(layout.streamed)} streamed blocks, {format_bytes(self.file_bytes_per_pass)} "
             f"per pass through a ring of {self.ring_count} pinned buffers of "
-            f"{format_bytes(self.ring_buffer_bytes)} ({self.reason}); blocks "
-            f"{list(self.from_files)}",
+            f"{format_bytes(self.ring_buffer_bytes)} (their pinned copies do not fit the "
+            f"host budget); blocks {list(self.from_files)}",
             f"    reads at {read_rate / 1e9:.2f} GB/s ({read_source}): {_seconds(seconds)} "
             f"per pass, {self.slowdown(layout, copy_rate, read_rate):.1f}x the pinned path's "
             f"{_seconds(layout.transfer_seconds(copy_rate))}",
@@ -195,106 +182,3 @@ def plan_file_reads(
             ring_buffer_bytes=layout.slot_bytes,
         )
     return result, fits
-
-
-def reads_until_pinned(
-    layouts: Mapping[str, StreamLayout],
-    sizes: Mapping[str, BlockSizes],
-    kept: Mapping[str, Sequence[int]],
-    room_bytes: int,
-    *,
-    ring_count: int = DEFAULT_RING_BUFFERS,
-) -> dict[str, FileReads] | None:
-    """The streamed blocks read from the files each pass where only the pinned host
-    copies of ``kept`` (per component, the blocks whose copies are held or made anyway)
-    are kept: a plan that streams more can start at once, without page-locking new
-    copies, and make them later. None where no block would be read from the files, or
-    where the copies and rings do not fit ``room_bytes``."""
-    count = max(1, ring_count)
-    result: dict[str, FileReads] = {}
-    total = 0
-    for name, layout in layouts.items():
-        packed, keep = sizes[name].packed_bytes, set(kept.get(name, ()))
-        pinned = tuple(b for b in layout.streamed if b in keep)
-        from_files = tuple(b for b in layout.streamed if b not in pinned)
-        total += sum(packed[b] for b in pinned)
-        if not from_files:
-            continue
-        result[name] = FileReads(
-            pinned=pinned,
-            from_files=from_files,
-            pinned_bytes=sum(packed[b] for b in pinned),
-            file_bytes_per_pass=sum(packed[b] for b in from_files),
-            ring_count=count,
-            ring_buffer_bytes=layout.slot_bytes,
-            until_pinned=True,
-        )
-        total += count * layout.slot_bytes
-    return result if result and total <= room_bytes else None
-
-
-def reading_first(planned: Any, resident: Any, inputs: Any) -> Any:
-    """``resident`` (a plan) reading from the files each pass the streamed blocks whose
-    pinned host copies neither the host holds nor ``planned`` (the plan in force) makes:
-    a switch that page-locks nothing new, whose copies are made later. None where the
-    host is not known (``inputs.host``), where no block would be read, or where the
-    rings do not fit."""
-    host = inputs.host
-    if host is None:
-        return None
-    kept = {}
-    for name in resident.streamed:
-        keep = set(host.held.get(name, ()))
-        if name in planned.streamed:
-            reads = planned.file_reads.get(name)
-            keep.update(planned.streamed[name].streamed)
-            keep.difference_update(reads.from_files if reads is not None else ())
-        reads = resident.file_reads.get(name)
-        kept[name] = tuple(sorted(keep.difference(reads.from_files if reads else ())))
-    file_reads = reads_until_pinned(
-        resident.streamed, inputs.candidates, kept, host.room_bytes, ring_count=host.ring_buffers
-    )
-    if file_reads is None:
-        return None
-    return replace(
-        resident,
-        file_reads=file_reads,
-        read_rates={name: host.read_rate(name) for name in file_reads},
-        file_reads_fit=True,
-        streaming_notes=list(resident.streaming_notes),
-    )
-
-
-def file_read_notes(
-    file_reads: Mapping[str, FileReads],
-    fit: bool,
-    layouts: Mapping[str, StreamLayout],
-    copy_rate: float,
-    read_rates: Mapping[str, tuple[float, str]],
-) -> list[str]:
-    """What would do better where blocks are read from the files because their pinned
-    copies do not fit: where the rings do not fit at all, or where reading makes a pass
-    much slower than pinned copies."""
-    if not file_reads:
-        return []
-    if not fit:
-        rings = sum(reads.ring_bytes for reads in file_reads.values())
-        return [
-            f"host: even reading every streamed block from the files, their rings "
-            f"({format_bytes(rings)}) do not fit the host budget beside the "
-            "process and the host cache. What would fit: fp8 storage (--weights fp8) "
-            "halves the blocks and their rings, a lower resolution keeps more blocks on "
-            "the device, a larger host budget (--host-memory) or a smaller --host-cache"
-        ]
-    notes = []
-    for name, reads in file_reads.items():
-        slowdown = reads.slowdown(layouts[name], copy_rate, read_rates[name][0])
-        if slowdown > SLOW_FILE_READS:
-            notes.append(
-                f"{name}: reading blocks from the files makes a pass {slowdown:.1f}x as "
-                "slow as pinned copies would. What would be faster: fp8 storage "
-                "(--weights fp8) halves the bytes read, a lower resolution keeps more "
-                "blocks on the device, a larger host budget (--host-memory) or a smaller "
-                "--host-cache keeps more pinned copies"
-            )
-    return notes

@@ -248,9 +248,6 @@ class StreamingInputs:
     # Seconds the runs so far lost by not switching to a plan that keeps every
     # component resident, while it waits to repay its one-time cost.
     declined_seconds: float = 0.0
-    # Whether the plan in force keeps every component resident: leaving it for a plan
-    # that reloads takes a clear gain too (``planning.RESIDENT_STREAMING_GAIN``).
-    staying: bool = False
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:

@@ -82,7 +82,6 @@ class BlockStreaming:
         # What the runs so far lost waiting to switch to a plan that keeps every
         # component resident (``planning._waits``); counted by ``count_run``, once a run.
         self.declined_seconds = 0.0
-        self.staying = False  # the plan in force keeps every component resident
         self._counted_run: int | None = None
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
@@ -129,7 +128,6 @@ class BlockStreaming:
             load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
             declined_seconds=self.declined_seconds,
-            staying=self.staying,
         )
 
     def count_run(self, plan: Any, completed: int) -> None:
@@ -139,7 +137,6 @@ class BlockStreaming:
         to staying resident (``Plan.keeps_resident``) starts the count over. A run that
         neither waits nor switches (a cached prompt, timings close to the line) leaves
         the count as it is."""
-        self.staying = bool(getattr(plan, "keeps_resident", False))
         if completed == self._counted_run:
             return
         self._counted_run = completed

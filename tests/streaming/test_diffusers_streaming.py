@@ -59,11 +59,10 @@ def test_the_plan_gives_the_bytes_streamed_per_call_and_their_transfer_floor(six
     assert f"a transfer floor of {floor:.2f} s" in str(plan)
 
 
-def encoder_streaming_pipe(folder, read_bytes_per_second=None):
+def encoder_streaming_pipe(folder):
     """ondeck.diffusers over ``folder`` with room for the transformer, the VAE and the
     text encoder streaming through one slot, not for all three whole: each stage fits
-    alone, and reloading is the only other way. ``read_bytes_per_second``: the rate its
-    files read at, given (else measured)."""
+    alone, and reloading is the only other way."""
     import ondeck.diffusers
     from ondeck.loading import ModelFolder
     from ondeck.streaming import describe_blocks, find_blocks
@@ -80,12 +79,7 @@ def encoder_streaming_pipe(folder, read_bytes_per_second=None):
     budget = whole["transformer"] + whole["vae"] + blocks.other_bytes + max(blocks.packed_bytes)
     budget += decode_reserve + 4096
     assert whole["transformer"] + whole["vae"] + blocks.total_bytes + decode_reserve > budget
-    options = StreamOptions(
-        unified=False,
-        unmeasured_activation_fraction=0.0,
-        slots=1,
-        read_bytes_per_second=read_bytes_per_second,
-    )
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=0.0, slots=1)
     return ondeck.diffusers.from_pretrained(
         folder, dtype=torch.float32, device="cpu", policy=BudgetPolicy(budget, streaming=options)
     )
@@ -122,8 +116,7 @@ def test_staying_resident_waits_until_the_runs_have_lost_what_the_switch_costs(
     is tested on the plan's arithmetic, in test_layout.py)."""
     from ondeck.streaming import layout as layout_module
 
-    # Files read at a byte a second: streaming from them instead would be slower still.
-    pipe = encoder_streaming_pipe(six_block_folder, read_bytes_per_second=1.0)
+    pipe = encoder_streaming_pipe(six_block_folder)
     pipe.ondeck.tracker.call_timer = CallTimer(FixedEvent)  # calls timed, as on CUDA
     streaming = pipe.ondeck.policy.streaming
     monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 1.0)
@@ -144,43 +137,6 @@ def test_staying_resident_waits_until_the_runs_have_lost_what_the_switch_costs(
     assert set(pipe.ondeck.plan().streamed) == {"text_encoder"}
     assert streaming.declined_seconds == 0  # switched: nothing declined any more
     assert loaded[4] == loaded[3]  # the run after the switch loads nothing
-
-
-def test_while_the_switch_waits_the_encoder_streams_from_the_files_and_nothing_reloads(
-    six_block_folder, monkeypatch
-):
-    """The same, with files that read fast: from run 2 the encoder streams its blocks
-    from the files each call, so every component stays on the device and nothing loads
-    again, while the pinned copies wait to pay for themselves; then they are made."""
-    from diffusers import WanPipeline
-
-    from ondeck.streaming import layout as layout_module
-
-    plain = WanPipeline.from_pretrained(six_block_folder, dtype=torch.float32)
-    expected = frames(in_fresh_tensors(plain))
-    pipe = encoder_streaming_pipe(six_block_folder, read_bytes_per_second=1e12)
-    pipe.ondeck.tracker.call_timer = CallTimer(FixedEvent)
-    streaming = pipe.ondeck.policy.streaming
-    monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 1.0)
-    loaded = []
-    for _ in range(4):
-        assert np.array_equal(frames(pipe), expected)
-        loaded.append(pipe.ondeck.report()["bytes_loaded"])
-    encoder = streaming.streamers["text_encoder"]
-    assert encoder.file_reads.until_pinned and encoder.host_bytes == 0
-    assert set(encoder.file_reads.from_files) == set(encoder.layout.streamed)
-    assert encoder.stats.passes > 0
-    assert loaded[3] == loaded[2]  # from run 3 on nothing loads: all stays resident
-    assert "their pinned copies are made once the runs have lost" in str(pipe.ondeck.plan())
-    # Once the runs have lost what the copies cost (set here: what reading from the files
-    # loses depends on this machine's reads), the copies are made.
-    monkeypatch.setattr(layout_module, "PAGE_LOCK_BYTES_PER_SECOND", 15e9)
-    streaming.declined_seconds = 60.0
-    for _ in range(2):
-        assert np.array_equal(frames(pipe), expected)
-    encoder = streaming.streamers["text_encoder"]
-    assert encoder.file_reads is None and encoder.host_bytes > 0  # the copies are made
-    assert streaming.declined_seconds == 0
 
 
 def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(

@@ -93,6 +93,23 @@ def test_blocks_read_from_the_files_each_pass_give_the_pinned_frames(
     assert counted["host_bytes_read"] == 0 and seen["host_copies"] == 0
 
 
+def test_blocks_read_from_the_files_get_their_weights_once_the_host_has_room_for_copies(
+    six_block_folder, pinned_frames, monkeypatch
+):
+    """A block read from the files each pass holds no host copy: when the host budget
+    grows and the plan pins its copy, the next load reads the block into it."""
+    frames, _ = pinned_frames
+    pipe = streaming(six_block_folder, resident=2)
+    squeeze(pipe, ring_room(six_block_folder), monkeypatch)
+    assert np.array_equal(generate(pipe, PROMPTS[0]), frames[PROMPTS[0]])
+    assert stats(pipe)["from_files_blocks"]
+    pipe.host_memory = PROCESS + 64 * GiB  # room for every pinned copy
+    for prompt in PROMPTS:
+        assert np.array_equal(generate(pipe, prompt), frames[prompt]), prompt
+    streamer = pipe.policy.streaming.streamers["transformer"]
+    assert not streamer.from_files and streamer.host_bytes > 0
+
+
 def test_the_plan_for_a_small_host_budget_reads_from_the_files_and_predicts_the_slowdown(
     six_block_folder, pinned_frames, monkeypatch
 ):
