@@ -557,6 +557,12 @@ class LazyModule:
     def _discard(self, module: Any, filling: Any = None) -> None:
         if filling is not None:
             filling.cancel()  # nothing may write into the memory about to be freed
+        # What the loader attached to the module (a streamer's slots and hooks) goes
+        # with it, or the next load could not place the component another way.
+        try:
+            as_loader(object.__getattribute__(self, "_ondeck_loader")).unload(module)
+        except Exception:  # the failure being raised is the one to report
+            pass
         if object.__getattribute__(self, "_ondeck_free_storage"):
             free_module_storages(module)
 

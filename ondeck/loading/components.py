@@ -153,6 +153,7 @@ class ComponentLoader(FolderLoader):
                 filling.wait()
             except BaseException:
                 filling.cancel()
+                self.unload(module)  # the placement takes back what it armed
                 free_module_storages(module)
                 raise
         return module

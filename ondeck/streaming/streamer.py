@@ -145,6 +145,9 @@ class BlockStreamer:
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
+        # From a load's first destination to its finish or abort: the host copies it
+        # reads into (and arms the module on) must not be dropped meanwhile.
+        self._loading = False
         self._reading = 0
         self._lock = threading.RLock()
 
@@ -217,7 +220,7 @@ class BlockStreamer:
         """Free the host copies and the ring's kept buffers (not while the component is
         loaded); returns the bytes."""
         with self._lock:
-            if self._armed is not None:
+            if self._armed is not None or self._loading:
                 return 0
             ring_bytes = self._kept_ring_bytes
             self._ring_memory = []
@@ -233,6 +236,7 @@ class BlockStreamer:
     def destination(self, slot: Any) -> tuple[Any, bool] | None:
         """Where a tensor of a streamed block goes (a host view), and whether it is there
         already; None for every other tensor (it goes to the device as usual)."""
+        self._loading = True
         found = self._by_name.get(slot.names[0])
         if found is None or found[0] not in self._streamed:
             return None
@@ -306,6 +310,7 @@ class BlockStreamer:
             if self._armed is not None:
                 self._armed.detach()
             self._armed = _Armed(self, module)
+            self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
             self._host.filled.update(self._streamed - self._from_files)
             self.stats.host_bytes_read += self._reading
@@ -314,6 +319,7 @@ class BlockStreamer:
     def abort(self) -> None:
         """The load failed: forget host regions it left half filled."""
         with self._lock:
+            self._loading = False
             self._reading = 0
             self._host.drop_unfilled()
             self._close_ring()
