@@ -657,16 +657,27 @@ class LazyModule:
         else:
             self._complete_filling()  # a transform may read the weights
         with object.__getattribute__(self, "_ondeck_lock"):
-            object.__getattribute__(self, "_ondeck_transforms").append(fn)
             module = object.__getattribute__(self, "_ondeck_module")
-            if module is not None:
-                transformed = fn(module)
+            if module is not None:  # a transform that fails here is not kept
+                transformed = self._apply_or_release(fn, module)
                 if transformed is None:
+                    self.release()
                     raise LoadError(
                         f"component '{self._ondeck_name}': transform {fn!r} returned None"
                     )
                 object.__setattr__(self, "_ondeck_module", transformed)
+            object.__getattribute__(self, "_ondeck_transforms").append(fn)
         return self
+
+    def _apply_or_release(self, fn: Callable[[Any], Any], module: Any) -> Any:
+        """``fn(module)`` on the loaded module; where it raises, the module may be left
+        half changed (some layers fused, say), so it is released: the next access loads
+        it without ``fn``."""
+        try:
+            return fn(module)
+        except BaseException:
+            self.release()
+            raise
 
     def on_release(self, fn: Callable[..., Any]) -> LazyModule:
         """Call ``fn`` (with the module, if it takes an argument) on every release."""

@@ -253,33 +253,44 @@ def _find_path(file: Any, box: tuple[int, int], kinds: tuple[bytes, ...]) -> tup
 
 def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image") -> list[Path]:
     """``image.png``, or ``image-1.png`` … ``image-N.png`` for several, each complete
-    (read back and checked) before it is renamed into place."""
+    (read back and checked) before any is renamed into place: a set is replaced whole or
+    not at all. Images of an earlier set that this one does not replace are removed."""
     from PIL import Image
 
     folder = Path(folder)
     pixels = _pixels(images)
     if pixels.ndim != 4 or pixels.shape[0] == 0:
         raise OutputError(f"could not write {folder / (stem + '.png')}: no image to write")
-    names = (
-        [f"{stem}.png"]
-        if len(pixels) == 1
-        else [f"{stem}-{i}.png" for i in range(1, len(pixels) + 1)]
-    )
-    written = []
-    for name, image in zip(names, pixels, strict=True):
-        path = folder / name
-        try:
-            with atomic_path(path) as temporary:
+    names = image_names(len(pixels), stem)
+    written = [folder / name for name in names]
+    path = written[0]
+    try:
+        with contextlib.ExitStack() as renames:  # all renamed into place as it closes
+            for path, image in zip(written, pixels, strict=True):
+                temporary = renames.enter_context(atomic_path(path))
                 picture = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
                 picture.save(temporary, format="PNG")
                 with Image.open(temporary) as check:
                     check.load()
                     if check.size != picture.size:
                         raise OSError(f"read back as {check.size}, written as {picture.size}")
-        except (OSError, ValueError, TypeError) as error:
-            raise OutputError(f"could not write {path}: {_reason(error)}") from error
-        written.append(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise OutputError(f"could not write {path}: {_reason(error)}") from error
+    for stale in folder.glob(f"{stem}*.png"):
+        if stale.name not in names and _is_image_name(stale.name, stem):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
     return written
+
+
+def image_names(count: int, stem: str = "image") -> list[str]:
+    """The files ``count`` images are written as."""
+    return [f"{stem}.png"] if count == 1 else [f"{stem}-{i}.png" for i in range(1, count + 1)]
+
+
+def _is_image_name(name: str, stem: str) -> bool:
+    number = name[len(stem) + 1 : -len(".png")]
+    return name == f"{stem}.png" or (name.startswith(f"{stem}-") and number.isdigit())
 
 
 def _reason(error: BaseException) -> str:

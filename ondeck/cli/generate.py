@@ -50,7 +50,7 @@ def generate(args: argparse.Namespace) -> int:
     joined = commands.start_distributed(args)
     main = distributed.is_main()
     if main:  # before any work: a run that cannot write its result is not started
-        check_writable_folder(out, OUTPUT_NAMES)
+        check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(args.images or 1)))
     holding = output.holding_folder(out) if main else contextlib.nullcontext()
     with holding:
         return _generate(args, out, joined, main)
@@ -218,6 +218,8 @@ def write_results(
     pixels = frames[0] if media.video else _images(frames)
     if draw_timeline(pipe, plot_path, title):
         written.append(plot_path)
+    else:  # an earlier run's timeline would pass for this run's
+        plot_path.unlink(missing_ok=True)
     try:
         if bad_stage is not None:
             raise OutputError(
@@ -229,14 +231,21 @@ def write_results(
         else:
             results = output.write_images(out, pixels)
     except OutputError as error:
-        print(f"ondeck: wrote {', '.join(map(str, written))}")
+        print(f"ondeck: wrote {_shown(written)}")
         try:
             kept = write_frames(out / "frames.npy", pixels)
         except OutputError as second:
             raise OutputError(f"{error}; keeping the frames failed too ({second})") from error
         raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
-    print(f"ondeck: wrote {', '.join(map(str, [*results, *written]))}")
+    (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
+    print(f"ondeck: wrote {_shown([*results, *written])}")
     return 0
+
+
+def _shown(paths: list[Path]) -> str:
+    """Paths to print: a name that is not valid UTF-8 is shown escaped, not a failure."""
+    text = ", ".join(map(str, paths))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _images(frames: Any) -> Any:

@@ -225,8 +225,8 @@ def add_debug(parser: argparse.ArgumentParser) -> None:
 
 def _fps(text: str) -> float:
     value = _finite(text)
-    if not 0 < value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1000, got {text!r}")
+    if not 0.001 <= value <= 1000:  # what the video encoder takes
+        raise argparse.ArgumentTypeError(f"must be from 0.001 to 1000, got {text!r}")
     return value
 
 

@@ -340,12 +340,17 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
         images = []
         for role, path in sorted(job.files.items()):
             if role.startswith("image"):
-                images.append(
-                    {
-                        "b64_json": base64.b64encode(Path(path).read_bytes()).decode(),
-                        "revised_prompt": None,
-                    }
-                )
+                try:
+                    data = Path(path).read_bytes()
+                except FileNotFoundError:
+                    return failure_response(
+                        JobFailed(
+                            404,
+                            "content_gone",
+                            f"the job's {role} was removed (the outputs folder's size cap)",
+                        )
+                    )
+                images.append({"b64_json": base64.b64encode(data).decode(), "revised_prompt": None})
         return {"created": job.created_at, "data": images, "ondeck_job": job.id}
 
 

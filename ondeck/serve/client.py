@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OndeckError
-from ..output import atomic_path, check_writable_folder, write_json
+from ..output import atomic_path, check_writable_folder, holding_folder, write_json
 
 OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "image.png")
 
@@ -38,7 +38,26 @@ def _write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
+# What a local run offers that a server's job does not take.
+LOCAL_ONLY = {"--images": "images", "--fps": "fps", "--image": "image"}
+
+
 def generate_remote(args: argparse.Namespace) -> int:
+    """The run as a job on a server, its files written as a local run writes them, the
+    output folder held meanwhile."""
+    from ..cli.options import UsageError
+
+    given = [flag for flag, name in LOCAL_ONLY.items() if getattr(args, name, None) is not None]
+    given += ["--runs"] if getattr(args, "runs", 1) != 1 else []
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot be used with --server; run locally instead")
+    out = Path(args.output)
+    check_writable_folder(out, OUTPUT_NAMES)
+    with holding_folder(out):
+        return _generate_remote(args, out)
+
+
+def _generate_remote(args: argparse.Namespace, out: Path) -> int:
     import httpx
 
     base = args.server.rstrip("/")
@@ -46,8 +65,6 @@ def generate_remote(args: argparse.Namespace) -> int:
         base += "/v1"
     key = getattr(args, "api_key", None) or os.environ.get("ONDECK_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    out = Path(args.output)
-    check_writable_folder(out, OUTPUT_NAMES)
     with httpx.Client(
         base_url=base, headers=headers, timeout=httpx.Timeout(30.0, read=None)
     ) as http:

@@ -369,7 +369,8 @@ class Server:
             self.outputs.remove(job.id)
         finally:
             self._writing.discard(job.id)
-            self.outputs.trim(keep=set(self._writing))
+            # The job just written stays until the next one: its client is about to read it.
+            self.outputs.trim(keep={*self._writing, job.id})
 
     def timeline(self, job: Job) -> str | None:
         """The path of the job's timeline.png, drawn now if it was not yet; None when

@@ -329,10 +329,11 @@ class PipelineComponent(LazyModule):
             guarded.recorded_call = fn.recorded_call
         if is_adapter_call(guarded):
             self._drop_module_without_adapters()
+        self._complete_filling()  # the call may change weights still arriving
         with object.__getattribute__(self, "_ondeck_lock"):
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:
-                result = fn(module)
+                result = self._apply_or_release(fn, module)
                 if result is not None and result is not module:
                     object.__setattr__(self, "_ondeck_module", result)
             transforms.append(guarded)

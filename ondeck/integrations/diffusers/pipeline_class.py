@@ -115,12 +115,50 @@ def _build_pipeline_class(cls: type) -> type:
         "enable_sequential_cpu_offload": refuse_offload,
         "enable_group_offload": refuse_offload,
     }
+    base_unfuse = getattr(cls, "unfuse_lora", None)
+    if base_unfuse is not None:
+
+        @functools.wraps(base_unfuse)
+        def unfuse_lora(self: Any, *args: Any, **kwargs: Any) -> Any:
+            runtime = _runtime(self)
+            if runtime is None:
+                return base_unfuse(self, *args, **kwargs)
+            # diffusers unmerges each layer of the components in place, which a reload
+            # would not know of: each deferred one records it, to do at every load.
+            bound = inspect.signature(base_unfuse).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            for name in bound.arguments.get("components") or ():
+                component = self.__dict__.get(name)
+                if isinstance(component, PipelineComponent):
+                    _unfuse_component(component)
+            with _deferred_hidden(runtime):
+                return base_unfuse(self, *args, **kwargs)
+
+        namespace["unfuse_lora"] = unfuse_lora
     for attribute in dir(cls):
         if attribute.startswith("load_lora_into_"):
             static = inspect.getattr_static(cls, attribute)
             if isinstance(static, classmethod):
                 namespace[attribute] = classmethod(_lora_into_component(static.__func__))
     return type(cls.__name__, (cls,), namespace)
+
+
+def _unfuse_component(component: PipelineComponent) -> None:
+    """``unfuse_lora`` on a deferred component, recorded: a diffusers model's own
+    method, or for a transformers model each LoRA layer unmerged, as diffusers does."""
+    if hasattr(component.__class__, "unfuse_lora"):  # __class__: the declared class
+        component.unfuse_lora()
+        return
+
+    def unmerge(module: Any) -> Any:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for layer in module.modules():
+            if isinstance(layer, BaseTunerLayer):
+                layer.unmerge()
+        return module
+
+    component.add_transform(unmerge)
 
 
 def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
