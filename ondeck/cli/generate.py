@@ -21,6 +21,7 @@ from typing import Any
 # write_video, write_images and embedded_default are called through their modules,
 # where tests replace them.
 from .. import distributed, output
+from ..arguments import MAX_BATCH
 from ..memory import format_bytes
 from ..output import OutputError, atomic_path, check_writable_folder, write_frames, write_json
 from ..parallel import describe_split
@@ -50,7 +51,8 @@ def generate(args: argparse.Namespace) -> int:
     joined = commands.start_distributed(args)
     main = distributed.is_main()
     if main:  # before any work: a run that cannot write its result is not started
-        check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(args.images or 1)))
+        images = min(args.images or 1, MAX_BATCH)  # a count past it is refused later
+        check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(images)))
     holding = output.holding_folder(out) if main else contextlib.nullcontext()
     with holding:
         return _generate(args, out, joined, main)
