@@ -117,30 +117,35 @@ def _build_pipeline_class(cls: type) -> type:
     }
     base_unfuse = getattr(cls, "unfuse_lora", None)
     if base_unfuse is not None:
-
-        @functools.wraps(base_unfuse)
-        def unfuse_lora(self: Any, *args: Any, **kwargs: Any) -> Any:
-            runtime = _runtime(self)
-            if runtime is None:
-                return base_unfuse(self, *args, **kwargs)
-            # diffusers unmerges each layer of the components in place, which a reload
-            # would not know of: each deferred one records it, to do at every load.
-            bound = inspect.signature(base_unfuse).bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            for name in bound.arguments.get("components") or ():
-                component = self.__dict__.get(name)
-                if isinstance(component, PipelineComponent):
-                    _unfuse_component(component)
-            with _deferred_hidden(runtime):
-                return base_unfuse(self, *args, **kwargs)
-
-        namespace["unfuse_lora"] = unfuse_lora
+        namespace["unfuse_lora"] = _unfuse_lora_method(base_unfuse)
     for attribute in dir(cls):
         if attribute.startswith("load_lora_into_"):
             static = inspect.getattr_static(cls, attribute)
             if isinstance(static, classmethod):
                 namespace[attribute] = classmethod(_lora_into_component(static.__func__))
     return type(cls.__name__, (cls,), namespace)
+
+
+def _unfuse_lora_method(base_unfuse: Callable[..., Any]) -> Callable[..., Any]:
+    """The pipeline's ``unfuse_lora``: diffusers unmerges each layer of the components in
+    place, which a reload would not know of, so each deferred one records it, to do at
+    every load."""
+
+    @functools.wraps(base_unfuse)
+    def unfuse_lora(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = _runtime(self)
+        if runtime is None:
+            return base_unfuse(self, *args, **kwargs)
+        bound = inspect.signature(base_unfuse).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        for name in bound.arguments.get("components") or ():
+            component = self.__dict__.get(name)
+            if isinstance(component, PipelineComponent):
+                _unfuse_component(component)
+        with _deferred_hidden(runtime):
+            return base_unfuse(self, *args, **kwargs)
+
+    return unfuse_lora
 
 
 def _unfuse_component(component: PipelineComponent) -> None:
