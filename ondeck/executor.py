@@ -83,7 +83,15 @@ class Executor:
         freed. ``quietly`` (after a failed run): a failure only warns."""
         if not quietly:
             self.cancel_prefetch()
-            return sum(proxy.release() for proxy in self.pipeline.deferred.values())
+            freed, first_error = 0, None
+            for proxy in self.pipeline.deferred.values():
+                try:
+                    freed += proxy.release()
+                except Exception as error:  # release the others before reporting
+                    first_error = first_error or error
+            if first_error is not None:
+                raise first_error
+            return freed
         freed = 0
         for name, proxy in self.pipeline.deferred.items():
             try:
@@ -169,13 +177,15 @@ class Executor:
     def wait_for(self, names: Iterable[str]) -> None:
         """Wait for the prefetches of ``names``; a wait is charged to the component."""
         for name in names:
-            future = self._pending.pop(name, None)
+            future = self._pending.get(name)
             if future is None:
                 continue
             started = time.perf_counter()
             try:
                 future.result()
+                self._pending.pop(name, None)
             except Exception as error:
+                self._pending.pop(name, None)
                 # The stage's own access retries the load and reports the error itself.
                 warnings.warn(f"prefetching '{name}' failed: {error!r}", stacklevel=3)
             waited = time.perf_counter() - started

@@ -263,6 +263,11 @@ class ReleasePolicy(Policy):
     name = "release"
     plan_name = "release"
 
+    def recover_from_oom(self, snapshot: Snapshot, index: int) -> Steps | None:
+        """Out of memory: free what the stage does not hold (the next run's components
+        loaded early by the last stage), then retry once."""
+        return free_for_stage(snapshot, index)
+
     def __init__(self, *, prefetch_next_run: bool = True):
         super().__init__()
         self.prefetch_next_run = prefetch_next_run
@@ -489,11 +494,15 @@ class BudgetPolicy(Policy):
         return Steps(release=tuple(victims or ()))
 
     def recover_from_oom(self, snapshot: Snapshot, index: int) -> Steps | None:
-        """Free everything the stage does not hold, then retry once (when that freed
-        anything)."""
-        keep = set(snapshot.uses[index].components)
-        freed = tuple(n for n in snapshot.nbytes if n in snapshot.resident and n not in keep)
-        return Steps(release=freed, keep=tuple(keep)) if freed else None
+        return free_for_stage(snapshot, index)
+
+
+def free_for_stage(snapshot: Snapshot, index: int) -> Steps | None:
+    """Out of memory inside stage ``index``: free every component the stage does not
+    hold, then retry once (None where that frees nothing)."""
+    keep = set(snapshot.uses[index].components)
+    freed = tuple(n for n in snapshot.nbytes if n in snapshot.resident and n not in keep)
+    return Steps(release=freed, keep=tuple(keep)) if freed else None
 
 
 def _set_aside_note(stored: dict[str, int], when: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import types
 import warnings
@@ -569,13 +570,16 @@ class Pipeline(HostMemory):
 
     def _forward_with_recovery(self, stage: Stage, index: int, state: Any) -> tuple[Any, bool]:
         """The stage's result, and whether it ran again after running out of memory."""
+        calls = self.tracker.calls_so_far()
+        given = copy.copy(state)  # what the attempt that fails may change in place
         try:
             return stage.forward(state), False
         except Exception as error:
             if not is_out_of_memory(error) or not self._recover_from_oom(index):
                 raise
+        self.tracker.restore_calls(calls)  # the calls of the attempt that failed do not count
         self.tracker.compute_started()  # measure the retry, not the attempt that failed
-        return stage.forward(state), True
+        return stage.forward(copy.copy(given)), True
 
     def _recover_from_oom(self, index: int) -> bool:
         """Out of memory inside a stage: free what the policy lets go; whether to retry."""

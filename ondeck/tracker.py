@@ -239,6 +239,17 @@ class MemoryTracker:
         if self.call_timer is not None:
             self.call_timer.started(name)
 
+    def calls_so_far(self) -> dict[str, int]:
+        """The run's calls per component so far, to put back with ``restore_calls``."""
+        with self._lock:
+            return dict(self._calls)
+
+    def restore_calls(self, calls: dict[str, int]) -> None:
+        """Forget the calls made since ``calls_so_far``: an attempt that ran out of memory
+        and runs again counts once."""
+        with self._lock:
+            self._calls = dict(calls)
+
     def returned(self, name: str) -> None:
         """A call of ``name`` returned."""
         if self.call_timer is not None:
