@@ -83,23 +83,19 @@ class Executor:
         freed. ``quietly`` (after a failed run): a failure only warns."""
         if not quietly:
             self.cancel_prefetch()
-            freed, first_error = 0, None
-            for proxy in self.pipeline.deferred.values():
-                try:
-                    freed += proxy.release()
-                except Exception as error:  # release the others before reporting
-                    first_error = first_error or error
-            if first_error is not None:
-                raise first_error
-            return freed
-        freed = 0
+        freed, first_error = 0, None
         for name, proxy in self.pipeline.deferred.items():
             try:
                 freed += proxy.release()
-            except Exception as error:
+            except Exception as error:  # release the others before reporting
+                if not quietly:
+                    first_error = first_error or error
+                    continue
                 warnings.warn(
                     f"releasing '{name}' after a failed run failed: {error!r}", stacklevel=4
                 )
+        if first_error is not None:
+            raise first_error
         return freed
 
     def recover(self, steps: Steps) -> None:
@@ -183,11 +179,11 @@ class Executor:
             started = time.perf_counter()
             try:
                 future.result()
-                self._pending.pop(name, None)
             except Exception as error:
-                self._pending.pop(name, None)
                 # The stage's own access retries the load and reports the error itself.
                 warnings.warn(f"prefetching '{name}' failed: {error!r}", stacklevel=3)
+            # Not on an interrupt: the aborted run's clean-up still sees it pending.
+            self._pending.pop(name, None)
             waited = time.perf_counter() - started
             if waited > 1e-4:
                 self.pipeline.tracker.waited(name, waited)
