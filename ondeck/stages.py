@@ -218,6 +218,9 @@ class Pipeline(HostMemory):
             self.policy = choose_auto(self.snapshot(), prefetch=prefetch)
         else:
             self.policy = make_policy(policy, budget=budget, prefetch=prefetch, device=self.device)
+        streaming = getattr(self.policy, "streaming", None)
+        if streaming is not None:
+            streaming.tracker = self.tracker  # streamed blocks' waits leave the timed calls
         if self.policy.loads_up_front:
             self.executor.attach(self.policy.attached(self.snapshot()))
 

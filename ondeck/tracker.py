@@ -48,15 +48,17 @@ class StageRecord:
 class CallTimer:
     """Each call's time on the device, between two timing events recorded on the
     computing stream as the call starts and returns (``event()`` makes one: CUDA's
-    ``Event(enable_timing=True)``). Read once the run is over, when the events are done;
-    a call's time includes the device waiting for weights still arriving, so the quickest
-    call of a run is the one closest to its compute alone."""
+    ``Event(enable_timing=True)``), less the time the stream stood waiting inside the
+    call for streamed blocks still being copied (``mark`` before such a wait, ``stalled``
+    after it). Read once the run is over, when the events are done: what is left is the
+    call's compute, which the plan weighs copies against. The quickest call of a run is
+    kept (other waits, such as a pipelined load's, still count in its own call)."""
 
     def __init__(self, event: Any, stream: Any = lambda: None):
         self._event = event
         self._stream = stream  # the stream to record on: None, the current one
-        self._open: dict[str, list[Any]] = {}
-        self._timed: list[tuple[str, Any, Any]] = []
+        self._open: dict[str, list[_TimedCall]] = {}
+        self._timed: list[tuple[str, _TimedCall, Any]] = []
 
     @classmethod
     def for_device(cls, device: Any) -> CallTimer | None:
@@ -76,24 +78,43 @@ class CallTimer:
         return event
 
     def started(self, name: str) -> None:
-        self._open.setdefault(name, []).append(self._recorded())
+        self._open.setdefault(name, []).append(_TimedCall(self._recorded()))
 
     def ended(self, name: str) -> None:
         opened = self._open.get(name)
         if opened:
             self._timed.append((name, opened.pop(), self._recorded()))
 
+    def mark(self) -> Any:
+        """An event recorded now, where a wait for copies may follow (``stalled``)."""
+        return self._recorded()
+
+    def stalled(self, name: str, since: Any) -> None:
+        """``name``'s call stood waiting from ``since`` (``mark``) to now. Outside a call
+        of ``name`` (a stage that runs the module itself) it counts nowhere."""
+        opened = self._open.get(name)
+        if opened:
+            opened[-1].stalls.append((since, self._recorded()))
+
     def quickest(self) -> dict[str, float]:
-        """Per component, its quickest call's seconds so far in this run."""
+        """Per component, its quickest call's seconds so far in this run, less its waits."""
         quickest: dict[str, float] = {}
-        for name, start, end in self._timed:
+        for name, call, end in self._timed:
             end.synchronize()
-            seconds = start.elapsed_time(end) / 1000
+            milliseconds = call.start.elapsed_time(end)
+            milliseconds -= sum(start.elapsed_time(stop) for start, stop in call.stalls)
+            seconds = max(0.0, milliseconds / 1000)
             quickest[name] = min(seconds, quickest.get(name, seconds))
         return quickest
 
     def clear(self) -> None:
         self._open, self._timed = {}, []
+
+
+@dataclass
+class _TimedCall:
+    start: Any  # the event recorded as the call started
+    stalls: list[tuple[Any, Any]] = field(default_factory=list)  # (mark, end) of each wait
 
 
 def _resets_peaks_by_default() -> bool:

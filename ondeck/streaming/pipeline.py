@@ -83,6 +83,8 @@ class BlockStreaming:
         # component resident (``planning._waits``); counted by ``count_run``, once a run.
         self.declined_seconds = 0.0
         self._counted_run: int | None = None
+        # The pipeline's tracker, whose call timer the streamers tell their waits to.
+        self.tracker: Any = None
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
         """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
@@ -145,6 +147,10 @@ class BlockStreaming:
         elif getattr(plan, "keeps_resident", False):
             self.declined_seconds = 0.0
 
+    def call_timer(self) -> Any:
+        """The pipeline's call timer (``MemoryTracker.call_timer``), if it has one."""
+        return getattr(self.tracker, "call_timer", None)
+
     def _host_room(self, snapshot: Any) -> HostRoom | None:
         room = getattr(snapshot, "host_room_bytes", None)
         if room is None:
@@ -196,6 +202,7 @@ class BlockStreaming:
                         loader.device,
                         keep_host_copies=self.options.keep_host_copies,
                         lists=lists,
+                        timer=self.call_timer,
                     )
             except Exception:
                 streamer = None  # the load itself reports what is wrong with the folder

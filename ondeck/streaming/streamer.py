@@ -112,10 +112,15 @@ class BlockStreamer:
         *,
         keep_host_copies: bool = True,
         lists: BlockLists | None = None,
+        timer: Callable[[], Any] = lambda: None,
     ):
         import torch
 
         self.component = component
+        # The pipeline's call timer (``tracker.CallTimer``), None where calls are not
+        # timed: each block's wait for its copy is told to it, so the component's timed
+        # calls are its compute alone.
+        self.timer = timer
         self.sizes = sizes
         self.path = sizes.path
         self.lists = lists or BlockLists((sizes.path,), (sizes.block_count,))
@@ -569,6 +574,8 @@ class _Armed:
         self.position = {block: index for index, block in enumerate(self.order)}
 
     def _block_starts(self, block: int, module: Any, args: Any) -> None:
+        timer = self.streamer.timer()
+        since = timer.mark() if timer is not None else None
         if self.first_pass is not None:
             self.first_pass.append(block)
         slot = self._holding(block)
@@ -581,6 +588,8 @@ class _Armed:
                 )
             self._issue(block, slot)
         self.copies.wait(slot.ready, [s.buffer for s in self.slots])
+        if since is not None:
+            timer.stalled(self.streamer.component, since)
         self._bind(block, slot)
         slot.busy, slot.used = True, True
         self.clock += 1

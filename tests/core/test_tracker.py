@@ -253,6 +253,21 @@ def test_a_timer_pairs_each_return_with_its_call_and_forgets_on_clear():
     assert timer.quickest() == {}
 
 
+def test_a_timer_leaves_out_of_a_call_only_the_waits_inside_it():
+    timer = CallTimer(ClockEvent)
+    before = timer.mark()
+    time.sleep(0.02)
+    timer.stalled("a", before)  # no call of "a" open: counts nowhere
+    timer.started("a")
+    time.sleep(0.01)
+    waiting = timer.mark()
+    time.sleep(0.05)
+    timer.stalled("a", waiting)
+    timer.stalled("b", timer.mark())  # another component's wait: not "a"'s
+    timer.ended("a")
+    assert 0.005 < timer.quickest()["a"] < 0.04
+
+
 def test_a_component_a_run_did_not_call_keeps_its_calls_and_its_time():
     """An encoder whose answers were all kept is not called in that run: its figures
     stay, so the next plan (the next prompt calls it again) does not drop it."""

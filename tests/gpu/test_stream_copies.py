@@ -46,8 +46,8 @@ def inputs(seed: int = 0) -> dict:
     )
 
 
-def streamed_transformer(folder):
-    """The transformer with every block streamed through two slots, and the pipeline."""
+def streaming_pipe(folder):
+    """A pipeline whose plan streams every transformer block through two slots."""
     from streaming.conftest import budget_keeping, transformer_blocks
 
     budget = budget_keeping(transformer_blocks(folder), resident=0, slots=SLOTS)
@@ -61,6 +61,12 @@ def streamed_transformer(folder):
     )
     plan = pipe.plan()
     assert len(plan.streamed["transformer"].streamed) == 6, "every block streams"
+    return pipe, plan
+
+
+def streamed_transformer(folder):
+    """The transformer with every block streamed through two slots, and the pipeline."""
+    pipe, plan = streaming_pipe(folder)
     pipe.policy.streaming.apply(pipe, plan)
     module = pipe.components["transformer"].materialize()
     for block in module.blocks:
@@ -121,3 +127,42 @@ def test_device_copies_wait_for_the_compute_that_read_the_slot():
 
     assert torch.equal(seen.cpu(), torch.full((2**20,), 1.0)), "the copy overtook the read"
     assert torch.equal(after.cpu(), torch.full((2**20,), 2.0)), "the wait saw the copy"
+
+
+def test_a_streamed_components_timed_call_leaves_out_the_device_waiting_for_copies(
+    six_blocks, monkeypatch
+):
+    """Every block's copy is held back by a kernel spinning on the copy stream, so the
+    computing stream waits at each streamed block for tens of milliseconds. The timed
+    call is what is left: the transformer's own compute, a small part of those waits."""
+    from .conftest import BUSY_CYCLES
+
+    original = streamer._DeviceCopies.copy
+
+    def slow_copy(self, destination, source, *, after, done):
+        with torch.cuda.stream(self.stream):
+            keep_stream_busy(BUSY_CYCLES // 4)
+        original(self, destination, source, after=after, done=done)
+
+    monkeypatch.setattr(streamer._DeviceCopies, "copy", slow_copy)
+    pipe, _ = streaming_pipe(six_blocks)
+    try:
+        pipe.generate(
+            "a fox",
+            height=16,
+            width=16,
+            num_frames=5,
+            num_inference_steps=2,
+            max_sequence_length=16,
+        )
+        assert len(pipe.plan().streamed["transformer"].streamed) == 6
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        keep_stream_busy(BUSY_CYCLES // 4)
+        end.record()
+        end.synchronize()
+        one_copy = start.elapsed_time(end) / 1000
+        assert pipe.tracker.seconds_per_call["transformer"] < one_copy
+    finally:
+        pipe.release_all()
