@@ -141,6 +141,7 @@ class _Api:
             "owned_by": "ondeck",
             "kind": model.kind,
             "takes_image": model.takes_image,
+            **({"fps": model.fps} if model.kind == "video" else {}),
         }
 
     def served_model(self, name: str, kind: str) -> Any:
@@ -211,7 +212,7 @@ class _Api:
                     400, "invalid_value", f"frames must be at most {self.limits.frames}", "frames"
                 )
             job.frames = self.server.frames_for(model, body.seconds, body.frames)
-            job.seconds = body.seconds or f"{(job.frames - 1) / 16:g}"
+            job.seconds = body.seconds or f"{(job.frames - 1) / model.fps:g}"
         self.server.check_shape(model, job)
         return job
 
@@ -338,7 +339,7 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
         if job.error is not None:
             return failure_response(job.error)
         images = []
-        for role, path in sorted(job.files.items()):
+        for role, path in job.files.items():  # in the order written: image-1, image-2 ...
             if role.startswith("image"):
                 try:
                     data = Path(path).read_bytes()
@@ -444,7 +445,9 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.get("/v1/ondeck/jobs/{job_id}/image")
     async def job_image(job_id: str) -> Any:
-        return content_of(find_job(job_id), "image", "image/png")
+        job = find_job(job_id)  # its first image: image.png, or image-1.png of several
+        first = next((role for role in job.files if role.startswith("image")), "image")
+        return content_of(job, first, "image/png")
 
     @app.delete("/v1/ondeck/jobs/{job_id}")
     async def cancel_job(job_id: str) -> dict:

@@ -8,7 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..output import OutputError, atomic_path, write_json, write_video
+from ..cli.media import FALLBACK_FPS
+from ..output import OutputError, atomic_path, image_names, write_json, write_video
 
 # Every job folder starts with this, and only such folders are ever removed.
 JOB_PREFIXES = ("video_", "img_")
@@ -78,19 +79,20 @@ def png_bytes(pixels: Any) -> bytes:
     return buffer.getvalue()
 
 
-def write_job_files(folder: Path, report: dict, frames: Any, *, kind: str) -> dict[str, str]:
-    """report.json first, then video.mp4 (or image.png): what a local ``ondeck generate``
-    writes, less the timeline (``draw_timeline``, on first request). Returns the paths
-    written, by role."""
+def write_job_files(
+    folder: Path, report: dict, frames: Any, *, kind: str, fps: float = FALLBACK_FPS
+) -> dict[str, str]:
+    """report.json first, then video.mp4 at ``fps`` (or image.png, image-1.png ... for
+    several): what a local ``ondeck generate`` writes, less the timeline
+    (``draw_timeline``, on first request). Returns the paths written, by role (the file
+    name less its suffix), in order."""
     files = {"report": str(write_json(folder / "report.json", report))}
     if kind == "image":
-        for index, batch in enumerate(frames):
-            name = "image.png" if index == 0 else f"image-{index}.png"
+        for name, batch in zip(image_names(len(frames)), frames, strict=True):
             pixels = batch[0] if batch.ndim == 5 else batch  # B x 1 x H x W x C
-            path = write_png(folder / name, pixels[0])
-            files["image" if index == 0 else f"image-{index}"] = str(path)
+            files[name.removesuffix(".png")] = str(write_png(folder / name, pixels[0]))
     else:
-        files["video"] = str(write_video(folder / "video.mp4", frames[0]))
+        files["video"] = str(write_video(folder / "video.mp4", frames[0], fps=fps))
     return files
 
 

@@ -32,6 +32,10 @@ class ServedModel:
     policy: BudgetPolicy
     kind: str  # "video" or "image"
     last_used: float = 0.0
+    # A video model's frame rate and where it was read (``cli.media.model_fps``): what a
+    # request's seconds count in, and what its video is written at.
+    fps: float = 0.0
+    fps_from: str = ""
 
     def first_use(self) -> dict[str, int]:
         """Each deferred component's first stage index."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import folder_pipelines
+from ..cli.media import FALLBACK_FPS, media_of
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
 from ..hub import resolve_model
@@ -30,7 +31,6 @@ from .outputs import OutputStore, draw_timeline, timeline_view, write_job_files
 from .residency import ResidencyManager, ServedModel
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-FPS = 16
 
 
 @dataclass
@@ -173,8 +173,16 @@ class Server:
         # Each job's timeline and report are its own: the tracker keeps the last run.
         pipeline.tracker.keep_runs = 1
         pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
+        kind = _kind(pipeline)
+        media = media_of(Path(path))  # the frame rate, as `ondeck generate` reads it
         served = ServedModel(
-            name=name, source=str(source), pipeline=pipeline, policy=policy, kind=_kind(pipeline)
+            name=name,
+            source=str(source),
+            pipeline=pipeline,
+            policy=policy,
+            kind=kind,
+            fps=media.fps or FALLBACK_FPS if kind == "video" else 0.0,
+            fps_from=media.fps_from,
         )
         served.path = Path(path)  # type: ignore[attr-defined]
         served.takes_image = _takes_image(pipeline)  # type: ignore[attr-defined]
@@ -225,14 +233,16 @@ class Server:
                 raise JobFailed(
                     400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
                 ) from None
-            if not 0 < duration <= self.config.limits.frames / FPS:
+            longest = self.config.limits.frames / model.fps
+            if not 0 < duration <= longest:
                 raise JobFailed(
                     400,
                     "invalid_value",
-                    f"seconds must be more than 0 and at most {self.config.limits.frames / FPS:g}",
+                    f"seconds must be more than 0 and at most {longest:g} ({model.name} makes "
+                    f"{model.fps:g} frames a second)",
                     "seconds",
                 )
-            frames = int(round(duration * FPS)) + 1
+            frames = int(round(duration * model.fps)) + 1
         geometry = getattr(model.pipeline, "geometry", None)
         if geometry is not None:  # Wan: 4k+1 frames
             step = geometry.scale_temporal
@@ -351,6 +361,10 @@ class Server:
             weights=self.config.weights or "as computed",
             server_budget_bytes=self.budget_bytes,
             job_budget_bytes=model.policy.budget_bytes,
+            output={  # as a local run's report says it
+                "kind": "video" if model.kind == "video" else "images",
+                **({"fps": model.fps, "fps_from": model.fps_from} if model.kind == "video" else {}),
+            },
         )
         self.last_report = report
         self.last_job_id = job.id
@@ -361,7 +375,7 @@ class Server:
         try:
             started = time.perf_counter()
             folder = self.outputs.folder(job.id)
-            job.files = write_job_files(folder, report, frames, kind=model.kind)
+            job.files = write_job_files(folder, report, frames, kind=model.kind, fps=model.fps)
             job.write_seconds = time.perf_counter() - started
             job.complete()
         except Exception as error:

@@ -51,6 +51,13 @@ def test_models_lists_only_the_models_named_at_start(server):
     models = openai_client(server).models.list()
     assert sorted(m.id for m in models.data) == ["broken", "sd3", "wan", "wan2"]
     assert {m.id: m.kind for m in models.data}["sd3"] == "image"
+    # A video model's frame rate, which a request's seconds count in: Wan's is 16.
+    assert {m.id: getattr(m, "fps", None) for m in models.data} == {
+        "broken": 16.0,
+        "sd3": None,
+        "wan": 16.0,
+        "wan2": 16.0,
+    }
 
 
 def test_the_openai_client_generates_an_image_as_b64_json(server):
