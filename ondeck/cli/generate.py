@@ -213,7 +213,8 @@ def write_results(
 ) -> int:
     """report.json and the timeline first, then the video or images; each renamed into
     place. Frames that cannot be written, or are not finite, are kept as frames.npy
-    and fail the command."""
+    and fail the command. report.json is then written again with the outcome: the files
+    written (``output.files``), or the error and where the frames are kept."""
     report_path = write_json(out / "report.json", report)
     plot_path = out / "timeline.png"
     written = [report_path]
@@ -234,14 +235,28 @@ def write_results(
             results = output.write_images(out, pixels)
     except OutputError as error:
         print(f"ondeck: wrote {_shown(written)}")
+        outcome = {"error": str(error)}
         try:
             kept = write_frames(out / "frames.npy", pixels)
         except OutputError as second:
+            _record_outcome(report_path, report, {**outcome, "frames_kept": None})
             raise OutputError(f"{error}; keeping the frames failed too ({second})") from error
+        _record_outcome(report_path, report, {**outcome, "frames_kept": kept.name})
         raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
     (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
+    _record_outcome(report_path, report, {"files": [path.name for path in results]})
     print(f"ondeck: wrote {_shown([*results, *written])}")
     return 0
+
+
+def _record_outcome(path: Path, report: dict, outcome: dict) -> None:
+    """report.json again, its ``output`` saying what became of the results. Where that
+    write fails, the first report.json stays (it lists no files) and a warning says so."""
+    report.setdefault("output", {}).update(outcome)
+    try:
+        write_json(path, report)
+    except OutputError as error:
+        warnings.warn(f"{error}; it does not say what was written", RuntimeWarning, stacklevel=3)
 
 
 def _shown(paths: list[Path]) -> str:

@@ -270,3 +270,33 @@ def test_an_image_call_whose_files_went_past_the_cap_answers_in_openais_shape(tm
     assert document["data"] and base64.b64decode(document["data"][0]["b64_json"])[:4] == (
         b"\x89PNG"
     )
+
+
+def test_the_report_says_which_files_were_written_or_why_none_was(
+    capsys, tiny_model, flux, tmp_path, monkeypatch
+):
+    """report.json is written before the results, so that a failure still leaves it;
+    written again after them, it lists the files, or the error and the kept frames."""
+    out = tmp_path / "out"
+
+    def full(path, pixels, fps):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(output, "_encode", full)
+        code, _, _ = generate(capsys, tiny_model, out)
+    assert code == 1
+    said = json.loads((out / "report.json").read_text())["output"]
+    assert "No space left on device" in said["error"] and said["frames_kept"] == "frames.npy"
+    assert "files" not in said
+
+    code, _, err = generate(capsys, tiny_model, out)
+    assert code == 0, err
+    said = json.loads((out / "report.json").read_text())["output"]
+    assert said["files"] == ["video.mp4"] and "error" not in said
+
+    images = tmp_path / "images"
+    code, _, err = generate_images(capsys, flux, images, "--images", "2")
+    assert code == 0, err
+    said = json.loads((images / "report.json").read_text())["output"]
+    assert said["files"] == ["image-1.png", "image-2.png"]

@@ -218,7 +218,7 @@ def test_a_run_holds_its_folder_from_start_to_end(capsys, tiny_model, tmp_path, 
     monkeypatch.setattr("ondeck.cli.generate.write_json", while_running)
     code, _, err = generate(capsys, tiny_model, out)
     assert code == 0, err
-    assert seen == [True]
+    assert seen == [True, True]  # report.json, and again with the files written
     with output.holding_folder(out):  # released at the end
         pass
 
