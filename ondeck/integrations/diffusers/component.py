@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -198,7 +198,8 @@ class PipelineComponent(LazyModule):
 
     def _has_adapters(self) -> bool:
         module = object.__getattribute__(self, "_ondeck_module")
-        return bool(self.recorded_adapters() or getattr(module, "peft_config", None))
+        adapters = object.__getattribute__(self, "_ondeck_adapters")  # named or not
+        return bool(adapters or getattr(module, "peft_config", None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         answers = object.__getattribute__(self, "_ondeck_answers")
@@ -293,15 +294,20 @@ class PipelineComponent(LazyModule):
 
             def apply(module: Any) -> Any:
                 if method in _FUSING_METHODS:
-                    proxy._refuse_fusing_streamed(method)
+                    proxy.refuse_fusing_streamed(method)
                 getattr(module, method)(*fresh_copy(args), **fresh_copy(kwargs))
                 return module
 
             apply.__qualname__ = f"{method} (recorded)"
             mark_recorded(apply, method, args, kwargs)
             proxy.add_checked_transform(apply)
-            if method in _ADAPTER_LOADS and kwargs.get("adapter_name"):
-                proxy.record_adapter(kwargs["adapter_name"])
+            if method in _ADAPTER_LOADS:
+                proxy.record_adapter(kwargs.get("adapter_name"))
+            elif method == "delete_adapters":
+                names = args[0] if args else kwargs.get("adapter_names", ())
+                proxy.forget_adapters([names] if isinstance(names, str) else names)
+            elif method == "unload_lora":
+                proxy.forget_adapters(None)
 
         call.__name__ = method
         return call
@@ -391,7 +397,7 @@ class PipelineComponent(LazyModule):
         call.__name__ = method
         return call
 
-    def _refuse_fusing_streamed(self, method: str) -> None:
+    def refuse_fusing_streamed(self, method: str) -> None:
         """A fused LoRA changes the weights in place; the blocks that stream are brought
         in from their host copies before every pass, which hold the weights before it,
         so the fusion would silently be lost for those blocks."""
@@ -407,16 +413,33 @@ class PipelineComponent(LazyModule):
         loader = object.__getattribute__(self, "_ondeck_loader")
         return isinstance(loader, FolderLoader) and loader.placement is not None
 
-    def record_adapter(self, name: str) -> None:
-        """Note that a recorded call loads adapter ``name`` into this component."""
+    def record_adapter(self, name: str | None) -> None:
+        """Note that a recorded call loads adapter ``name`` into this component (None:
+        one diffusers names as it loads)."""
         adapters = object.__getattribute__(self, "_ondeck_adapters")
-        if name not in adapters:
+        if name is None or name not in adapters:
             adapters.append(name)
+
+    def forget_adapters(self, names: Sequence[str] | None) -> None:
+        """Recorded calls delete adapters ``names`` (None: every one)."""
+        adapters = object.__getattribute__(self, "_ondeck_adapters")
+        adapters[:] = [] if names is None else [a for a in adapters if a not in names]
 
     def recorded_adapters(self) -> list[str]:
         """The names of the adapters (LoRAs) loaded into this component by recorded
         calls, in order; known without loading it."""
-        return list(object.__getattribute__(self, "_ondeck_adapters"))
+        return [a for a in object.__getattribute__(self, "_ondeck_adapters") if a is not None]
+
+    def known_adapters(self) -> list[str] | None:
+        """The adapters this component has, without loading it: the loaded module's,
+        else those the recorded calls load; None when one of those is named only as it
+        loads."""
+        module = loaded_module(self)
+        fused = object.__getattribute__(self, "_ondeck_fused_lora")
+        if module is not None and not fused.built_fast(module):
+            return list(getattr(module, "peft_config", None) or {})
+        adapters = object.__getattribute__(self, "_ondeck_adapters")
+        return None if None in adapters else list(adapters)
 
     # -- placement ----------------------------------------------------------------------
 

@@ -195,38 +195,9 @@ def load_loras(
             ) from error
         names.append(name)
         scales.append(float(scale))
-    _set_adapters(pipe, dict(zip(names, scales, strict=True)))
+    # diffusers' own, loading nothing: each deferred component records its part.
+    pipe.set_adapters(names, scales)
     return names
-
-
-def _set_adapters(pipe: Any, scales: dict[str, float]) -> None:
-    """``pipe.set_adapters`` without loading anything: diffusers' own asks every
-    component for its adapters. Each deferred component that received some sets them
-    through a recorded call (diffusers models), or a transform doing what diffusers does
-    for a text encoder."""
-    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
-
-    for name in getattr(pipe, "_lora_loadable_modules", ()):
-        component = getattr(pipe, name, None)
-        if isinstance(component, PipelineComponent):
-            adapters = [a for a in component.recorded_adapters() if a in scales]
-        elif isinstance(component, torch.nn.Module):
-            adapters = [a for a in getattr(component, "peft_config", {}) if a in scales]
-        else:
-            continue
-        if not adapters:
-            continue
-        weights = [scales[adapter] for adapter in adapters]
-        # __class__, not type(): a proxy answers its declared class.
-        if library_of(component.__class__) == "diffusers" and hasattr(component, "set_adapters"):
-            component.set_adapters(adapters, weights)
-        else:
-
-            def activate(module: Any, adapters=adapters, weights=weights) -> Any:
-                set_weights_and_activate_adapters(module, adapters, weights)
-                return module
-
-            component.add_transform(activate)
 
 
 def _asked_dtype(path: Any, torch_dtype: Any, kwargs: dict[str, Any]) -> Any:

@@ -3,20 +3,15 @@ execution device and LoRA loading through the runtime."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ...errors import OndeckError
 from ...lazy import is_lazy, loaded_module
-from .component import PipelineComponent, fresh_copy
-from .fused_lora import mark_recorded
-from .runtime import DiffusersRuntime
+from .pipeline_lora import deferred_hidden, lora_methods, runtime_of
 
 _PIPELINE_CLASSES: dict[type, type] = {}
 _PIPELINE_CLASSES_LOCK = threading.Lock()
@@ -36,25 +31,6 @@ def ondeck_pipeline_class(cls: type) -> type:
         return found
 
 
-def _runtime(pipe: Any) -> DiffusersRuntime | None:
-    return pipe.__dict__.get("ondeck")
-
-
-@contextlib.contextmanager
-def _deferred_hidden(runtime: DiffusersRuntime) -> Iterator[None]:
-    """The runtime's deferred components read as None to diffusers code that would load
-    them."""
-    attributes = runtime.pipe.__dict__
-    hidden = (*runtime.deferred, *runtime.containers)
-    saved = {name: attributes[name] for name in hidden if name in attributes}
-    for name in saved:
-        attributes[name] = None
-    try:
-        yield
-    finally:
-        attributes.update(saved)
-
-
 def _build_pipeline_class(cls: type) -> type:
     from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
 
@@ -64,14 +40,14 @@ def _build_pipeline_class(cls: type) -> type:
 
     @functools.wraps(base_call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runtime = _runtime(self)
+        runtime = runtime_of(self)
         if runtime is None:
             return base_call(self, *args, **kwargs)
         return runtime.run(base_call, self, *args, **kwargs)
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         base_setattr(self, name, value)
-        runtime = _runtime(self)
+        runtime = runtime_of(self)
         if runtime is not None and name in runtime.components:
             runtime.swap(name, value)
         if not is_lazy(value):
@@ -84,12 +60,12 @@ def _build_pipeline_class(cls: type) -> type:
 
     @functools.wraps(base_to)
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runtime = _runtime(self)
+        runtime = runtime_of(self)
         if runtime is None:
             return base_to(self, *args, **kwargs)
         device, dtype = _pipeline_placement(args, kwargs)
         runtime.place(device, dtype)
-        with _deferred_hidden(runtime):
+        with deferred_hidden(runtime):
             base_to(self, *args, **kwargs)
         return self
 
@@ -115,92 +91,8 @@ def _build_pipeline_class(cls: type) -> type:
         "enable_sequential_cpu_offload": refuse_offload,
         "enable_group_offload": refuse_offload,
     }
-    base_unfuse = getattr(cls, "unfuse_lora", None)
-    if base_unfuse is not None:
-        namespace["unfuse_lora"] = _unfuse_lora_method(base_unfuse)
-    for attribute in dir(cls):
-        if attribute.startswith("load_lora_into_"):
-            static = inspect.getattr_static(cls, attribute)
-            if isinstance(static, classmethod):
-                namespace[attribute] = classmethod(_lora_into_component(static.__func__))
+    namespace.update(lora_methods(cls))
     return type(cls.__name__, (cls,), namespace)
-
-
-def _unfuse_lora_method(base_unfuse: Callable[..., Any]) -> Callable[..., Any]:
-    """The pipeline's ``unfuse_lora``: diffusers unmerges each layer of the components in
-    place, which a reload would not know of, so each deferred one records it, to do at
-    every load."""
-
-    @functools.wraps(base_unfuse)
-    def unfuse_lora(self: Any, *args: Any, **kwargs: Any) -> Any:
-        runtime = _runtime(self)
-        if runtime is None:
-            return base_unfuse(self, *args, **kwargs)
-        bound = inspect.signature(base_unfuse).bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        for name in bound.arguments.get("components") or ():
-            component = self.__dict__.get(name)
-            if isinstance(component, PipelineComponent):
-                _unfuse_component(component)
-        with _deferred_hidden(runtime):
-            return base_unfuse(self, *args, **kwargs)
-
-    return unfuse_lora
-
-
-def _unfuse_component(component: PipelineComponent) -> None:
-    """``unfuse_lora`` on a deferred component, recorded: a diffusers model's own
-    method, or for a transformers model each LoRA layer unmerged, as diffusers does."""
-    if hasattr(component.__class__, "unfuse_lora"):  # __class__: the declared class
-        component.unfuse_lora()
-        return
-
-    def unmerge(module: Any) -> Any:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for layer in module.modules():
-            if isinstance(layer, BaseTunerLayer):
-                layer.unmerge()
-        return module
-
-    component.add_transform(unmerge)
-
-
-def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``load_lora_into_<component>``: aimed at a deferred component, the loading
-    becomes a transform of that component (applied at every load, loading nothing now)."""
-    signature = inspect.signature(function)
-
-    @functools.wraps(function)
-    def load_lora_into(cls: type, *args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(cls, *args, **kwargs)
-        targets = [
-            (key, value)
-            for key, value in bound.arguments.items()
-            if issubclass(type(value), PipelineComponent)
-        ]
-        if not targets:
-            return function(cls, *args, **kwargs)
-        key, proxy = targets[0]
-        arguments = dict(bound.arguments)
-        if "_pipeline" in signature.parameters:
-            arguments["_pipeline"] = None  # its offload probes would load every component
-
-        def apply(module: Any) -> Any:
-            fresh = {name: fresh_copy(value) for name, value in arguments.items()}
-            fresh[key] = module
-            call = inspect.BoundArguments(signature, fresh)
-            function(*call.args, **call.kwargs)
-            return module
-
-        apply.__qualname__ = f"{function.__name__} (recorded)"
-        mark_recorded(apply, function.__name__, (), arguments)
-        proxy.add_checked_transform(apply)
-        if arguments.get("adapter_name"):
-            proxy.record_adapter(arguments["adapter_name"])
-        return None
-
-    return load_lora_into
 
 
 def _pipeline_placement(args: tuple, kwargs: dict) -> tuple[Any, torch.dtype | None]:

@@ -1,0 +1,285 @@
+"""The pipeline's LoRA methods over deferred components.
+
+diffusers carries a pipeline-level LoRA method out component by component: a diffusers
+model through a method of its own, which the component's proxy records to do again at
+every load; a transformers text encoder through helper functions that change the module
+in place, which a reload would not know of. Here each deferred text encoder gets a
+recorded call instead (the same pipeline-level method, diffusers' own, on a pipeline of
+that encoder alone, done at every load), and diffusers' method does the rest with the
+deferred encoders hidden. Which adapters a deferred component has is answered from the
+calls recorded on it, so asking loads nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from ...loading.skeleton import library_of
+from .component import PipelineComponent, fresh_copy
+from .fused_lora import mark_recorded
+from .runtime import DiffusersRuntime
+
+__all__ = ["deferred_hidden", "lora_methods", "runtime_of"]
+
+# Pipeline-level methods whose text-encoder part diffusers does in place.
+_ENCODER_METHODS = (
+    "set_adapters",
+    "disable_lora",
+    "enable_lora",
+    "delete_adapters",
+    "unload_lora_weights",
+    "fuse_lora",
+    "set_lora_device",
+)
+
+
+def runtime_of(pipe: Any) -> DiffusersRuntime | None:
+    return pipe.__dict__.get("ondeck")
+
+
+@contextlib.contextmanager
+def deferred_hidden(
+    runtime: DiffusersRuntime, names: Iterable[str] | None = None
+) -> Iterator[None]:
+    """The runtime's deferred components (or those of ``names``) read as None to
+    diffusers code that would load them."""
+    attributes = runtime.pipe.__dict__
+    hidden = (*runtime.deferred, *runtime.containers) if names is None else tuple(names)
+    saved = {name: attributes[name] for name in hidden if name in attributes}
+    for name in saved:
+        attributes[name] = None
+    try:
+        yield
+    finally:
+        attributes.update(saved)
+
+
+def lora_methods(cls: type) -> dict[str, Any]:
+    """The LoRA methods of ondeck's subclass of the pipeline class ``cls``: those of its
+    own that ``cls`` has."""
+    namespace: dict[str, Any] = {}
+    base_unfuse = getattr(cls, "unfuse_lora", None)
+    if base_unfuse is not None:
+        namespace["unfuse_lora"] = _unfuse_lora_method(base_unfuse)
+    base_list = getattr(cls, "get_list_adapters", None)
+    if base_list is not None:
+        namespace["get_list_adapters"] = _list_adapters_method(base_list)
+    for method in _ENCODER_METHODS:
+        base = getattr(cls, method, None)
+        if base is not None:
+            namespace[method] = _encoder_method(method, base)
+    for attribute in dir(cls):
+        if attribute.startswith("load_lora_into_"):
+            static = inspect.getattr_static(cls, attribute)
+            if isinstance(static, classmethod):
+                namespace[attribute] = classmethod(_lora_into_component(static.__func__))
+    return namespace
+
+
+def _deferred_encoders(pipe: Any, runtime: DiffusersRuntime) -> dict[str, PipelineComponent]:
+    """The deferred transformers models among the pipeline's LoRA-loadable components."""
+    found = {}
+    for name in getattr(pipe, "_lora_loadable_modules", ()):
+        proxy = runtime.deferred.get(name)
+        # __class__: a proxy answers its declared class.
+        if isinstance(proxy, PipelineComponent) and library_of(proxy.__class__) == "transformers":
+            found[name] = proxy
+    return found
+
+
+def _list_adapters_method(base: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_list_adapters``: a deferred component's adapters from the calls recorded on
+    it (or from its module, when loaded), without loading it; diffusers' own answer for
+    the others."""
+
+    @functools.wraps(base)
+    def get_list_adapters(self: Any) -> dict[str, list[str]]:
+        runtime = runtime_of(self)
+        if runtime is None:
+            return base(self)
+        with deferred_hidden(runtime):
+            listed = base(self)
+        for name in getattr(self, "_lora_loadable_modules", ()):
+            proxy = runtime.deferred.get(name)
+            if not isinstance(proxy, PipelineComponent):
+                continue
+            adapters = proxy.known_adapters()
+            if adapters is None:  # an adapter diffusers names as it loads: ask the module
+                adapters = list(getattr(proxy, "peft_config", {}) or {})
+            if adapters:
+                listed[name] = adapters
+        order = list(getattr(self, "_lora_loadable_modules", ()))
+        return dict(sorted(listed.items(), key=lambda item: order.index(item[0])))
+
+    return get_list_adapters
+
+
+def _encoder_method(method: str, base: Callable[..., Any]) -> Callable[..., Any]:
+    """A pipeline-level LoRA method: diffusers' with the deferred text encoders hidden,
+    then recorded on each of them (``_one_encoder``)."""
+    signature = inspect.signature(base)
+
+    @functools.wraps(base)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = runtime_of(self)
+        encoders = _deferred_encoders(self, runtime) if runtime is not None else {}
+        if not encoders:
+            return base(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        with deferred_hidden(runtime, encoders):
+            result = base(self, *args, **kwargs)
+        for name, proxy in encoders.items():
+            arguments = _encoder_arguments(method, name, bound.arguments)
+            if arguments is not None:
+                proxy.add_checked_transform(_one_encoder(method, name, proxy, arguments))
+            if method == "delete_adapters":
+                names = bound.arguments["adapter_names"]
+                proxy.forget_adapters([names] if isinstance(names, str) else names)
+            elif method == "unload_lora_weights":
+                proxy.forget_adapters(None)
+        return result
+
+    return call
+
+
+def _encoder_arguments(method: str, name: str, given: dict[str, Any]) -> dict | None:
+    """The arguments of ``method`` on a pipeline of encoder ``name`` alone; None where
+    the call leaves it alone."""
+    if method == "fuse_lora":
+        if name not in (given.get("components") or ()):
+            return None
+        return {
+            "components": [name],
+            "lora_scale": given.get("lora_scale", 1.0),
+            "safe_fusing": given.get("safe_fusing", False),
+            "adapter_names": given.get("adapter_names"),
+        }
+    keep = {
+        "set_adapters": ("adapter_names", "adapter_weights"),
+        "delete_adapters": ("adapter_names",),
+        "set_lora_device": ("adapter_names", "device"),
+    }.get(method, ())
+    return {key: given[key] for key in keep}
+
+
+def _one_encoder(
+    method: str, name: str, proxy: PipelineComponent, arguments: dict[str, Any]
+) -> Callable[[Any], Any]:
+    """A transform doing diffusers' pipeline-level ``method`` on a pipeline that holds
+    only the encoder ``name``: what it does to that encoder, at every load."""
+
+    def apply(module: Any) -> Any:
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        if method == "fuse_lora":
+            proxy.refuse_fusing_streamed(method)
+        given = fresh_copy(arguments)
+        if method == "set_adapters":
+            given = _its_own_adapters(module, given)
+            if given is None:
+                return module
+        part = LoraBaseMixin()
+        part._lora_loadable_modules = [name]
+        part._merged_adapters = set()
+        setattr(part, name, module)
+        getattr(part, method)(**given)
+        return module
+
+    apply.__qualname__ = f"pipeline {method} on {name} (recorded)"
+    return apply
+
+
+def _its_own_adapters(module: Any, given: dict[str, Any]) -> dict[str, Any] | None:
+    """``set_adapters``' names and weights for the adapters this encoder has: diffusers
+    checks them against the whole pipeline's, and an adapter without layers here changes
+    nothing here. None when it has none of them."""
+    names = given["adapter_names"]
+    names = [names] if isinstance(names, str) else list(names)
+    weights = given["adapter_weights"]
+    weights = weights if isinstance(weights, list) else [weights] * len(names)
+    present = getattr(module, "peft_config", None) or {}
+    pairs = [(n, w) for n, w in zip(names, weights, strict=True) if n in present]
+    if not pairs:
+        return None
+    return {"adapter_names": [n for n, _ in pairs], "adapter_weights": [w for _, w in pairs]}
+
+
+def _unfuse_lora_method(base_unfuse: Callable[..., Any]) -> Callable[..., Any]:
+    """The pipeline's ``unfuse_lora``: diffusers unmerges each layer of the components in
+    place, which a reload would not know of, so each deferred one records it, to do at
+    every load."""
+
+    @functools.wraps(base_unfuse)
+    def unfuse_lora(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = runtime_of(self)
+        if runtime is None:
+            return base_unfuse(self, *args, **kwargs)
+        bound = inspect.signature(base_unfuse).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        for name in bound.arguments.get("components") or ():
+            component = self.__dict__.get(name)
+            if isinstance(component, PipelineComponent):
+                _unfuse_component(component)
+        with deferred_hidden(runtime):
+            return base_unfuse(self, *args, **kwargs)
+
+    return unfuse_lora
+
+
+def _unfuse_component(component: PipelineComponent) -> None:
+    """``unfuse_lora`` on a deferred component, recorded: a diffusers model's own
+    method, or for a transformers model each LoRA layer unmerged, as diffusers does."""
+    if hasattr(component.__class__, "unfuse_lora"):  # __class__: the declared class
+        component.unfuse_lora()
+        return
+
+    def unmerge(module: Any) -> Any:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for layer in module.modules():
+            if isinstance(layer, BaseTunerLayer):
+                layer.unmerge()
+        return module
+
+    component.add_transform(unmerge)
+
+
+def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``load_lora_into_<component>``: aimed at a deferred component, the loading
+    becomes a transform of that component (applied at every load, loading nothing now)."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def load_lora_into(cls: type, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(cls, *args, **kwargs)
+        targets = [
+            (key, value)
+            for key, value in bound.arguments.items()
+            if issubclass(type(value), PipelineComponent)
+        ]
+        if not targets:
+            return function(cls, *args, **kwargs)
+        key, proxy = targets[0]
+        arguments = dict(bound.arguments)
+        if "_pipeline" in signature.parameters:
+            arguments["_pipeline"] = None  # its offload probes would load every component
+
+        def apply(module: Any) -> Any:
+            fresh = {name: fresh_copy(value) for name, value in arguments.items()}
+            fresh[key] = module
+            call = inspect.BoundArguments(signature, fresh)
+            function(*call.args, **call.kwargs)
+            return module
+
+        apply.__qualname__ = f"{function.__name__} (recorded)"
+        mark_recorded(apply, function.__name__, (), arguments)
+        proxy.add_checked_transform(apply)
+        proxy.record_adapter(arguments.get("adapter_name"))
+        return None
+
+    return load_lora_into

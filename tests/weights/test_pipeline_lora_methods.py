@@ -1,0 +1,113 @@
+"""The pipeline's own LoRA methods on a LoRA that reaches a text encoder as well as the
+transformer (Flux: CLIP and the transformer). diffusers changes a text encoder's layers
+in place through helper functions; on a deferred encoder each such call is recorded, so
+the next load, after a release, gives what plain diffusers gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from integrations.tiny_pipelines import FAMILIES, build_flux, run
+from references import in_fresh_tensors
+
+import ondeck
+import ondeck.diffusers
+
+pytest.importorskip("peft")
+
+FLUX = FAMILIES["flux"]
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """A tiny Flux folder and a LoRA file with layers on its text encoder and transformer,
+    in diffusers' key layout."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("flux-lora")
+    build_flux(root / "flux")
+    plain = FluxPipeline.from_pretrained(root / "flux")
+    generator = torch.Generator().manual_seed(1)
+    state = {}
+    for prefix, model, ends in (
+        ("text_encoder", plain.text_encoder, ("q_proj", "v_proj")),
+        ("transformer", plain.transformer, ("attn.to_q", "attn.to_k")),
+    ):
+        for name, layer in model.named_modules():
+            if name.endswith(ends):
+                a = torch.randn(4, layer.in_features, generator=generator) * 0.5
+                b = torch.randn(layer.out_features, 4, generator=generator) * 0.5
+                state[f"{prefix}.{name}.lora_A.weight"] = a
+                state[f"{prefix}.{name}.lora_B.weight"] = b
+    (root / "lora").mkdir()
+    save_file(state, root / "lora" / "pytorch_lora_weights.safetensors")
+    return root
+
+
+def _with_lora(pipe, root):
+    pipe.load_lora_weights(root / "lora", adapter_name="style")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _plain(root):
+    from diffusers import FluxPipeline
+
+    return _with_lora(in_fresh_tensors(FluxPipeline.from_pretrained(root / "flux")), root)
+
+
+def _loads(pipe) -> dict[str, int]:
+    return {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
+
+
+CALLS = {
+    "set_adapters": lambda pipe: pipe.set_adapters(["style"], [0.4]),
+    "per component": lambda pipe: pipe.set_adapters(
+        "style", {"text_encoder": 0.3, "transformer": 1.5}
+    ),
+    "disable_lora": lambda pipe: pipe.disable_lora(),
+    "delete_adapters": lambda pipe: pipe.delete_adapters("style"),
+    "unload_lora_weights": lambda pipe: pipe.unload_lora_weights(),
+    "fuse, then unload": lambda pipe: (
+        pipe.fuse_lora(components=["transformer", "text_encoder"], lora_scale=0.6),
+        pipe.unload_lora_weights(),
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_pipeline_lora_call_on_a_deferred_text_encoder_outlives_its_reloads(flux, call):
+    plain = _plain(flux)
+    loaded = run(plain, FLUX)
+    CALLS[call](plain)
+    expected = run(plain, FLUX)
+    assert not np.array_equal(expected, loaded), "the call changes the output"
+
+    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+    CALLS[call](pipe)
+    for _ in range(2):  # release: every call loads every component again
+        assert np.array_equal(run(pipe, FLUX), expected)
+    assert _loads(pipe)["text_encoder"] == 2
+
+
+def test_setting_adapters_asks_no_component_to_load_and_names_a_missing_one(flux):
+    plain = _plain(flux)
+    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+    before = _loads(pipe)  # (Flux's load_lora_weights itself reads the transformer's layers)
+    assert pipe.get_list_adapters() == plain.get_list_adapters()
+    with pytest.raises(ValueError, match=r"Adapter name\(s\) \{'other'\} not in the list"):
+        pipe.set_adapters(["style", "other"])
+    pipe.set_adapters(["style"], [0.4])
+    assert _loads(pipe) == before, "nothing loads to list or set adapters"
+    plain.set_adapters(["style"], [0.4])
+    assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
+
+
+def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux):
+    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+    pipe.delete_adapters("style")
+    assert pipe.get_list_adapters() == {}
+    with pytest.raises(ValueError, match="not in the list of present adapters"):
+        pipe.set_adapters("style")
