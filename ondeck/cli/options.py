@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from typing import Any
 
@@ -122,11 +123,17 @@ def _component_file(text: str) -> tuple[str, str]:
 
 
 def _lora(text: str) -> tuple[str, float]:
+    """FILE or FILE:SCALE. A whole text that names a file is a file (a ':' in its name);
+    one whose part before the last ':' names a file has a scale, which must be a number."""
     file, _, scale = text.rpartition(":")
+    if not file or os.path.exists(os.path.expanduser(text)):
+        return text, 1.0
     try:
-        return (file, _finite(scale)) if file else (text, 1.0)
-    except argparse.ArgumentTypeError:
-        return text, 1.0  # a ':' in the file name, no scale
+        return file, _finite(scale)
+    except argparse.ArgumentTypeError as error:
+        if os.path.exists(os.path.expanduser(file)):
+            raise argparse.ArgumentTypeError(f"{text!r}: the scale after ':' {error}") from None
+        return text, 1.0  # no such file either way: the load names it
 
 
 def weight_files(args: argparse.Namespace) -> dict[str, Any]:

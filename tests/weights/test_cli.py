@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from cli.helpers import FAST, run
 
 from ondeck.cli import UsageError, build_parser
@@ -109,3 +110,19 @@ def test_inspect_with_single_files_reads_no_weights_and_shows_them_as_they_load(
     assert rows["transformer"].endswith(f"from {float8[0]}")
     assert "gguf" in rows["text_encoder"]
     assert format_bytes(planned["text_encoder"]) in rows["text_encoder"]
+
+
+def test_a_lora_scale_that_is_not_a_number_is_a_usage_error(capsys, base, tmp_path):
+    """``--lora style.safetensors:abc`` with style.safetensors present is a typo for a
+    scale: one line naming it, status 2, before anything loads (before, the whole text was
+    taken for a file name that did not exist)."""
+    from cli.helpers import error_lines
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "style.safetensors"
+    save_file({"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 48)}, str(lora))
+    for scale in ("abc", "nan"):
+        code, _, err = run(capsys, "generate", base, "--lora", f"{lora}:{scale}", *FAST)
+        assert code == 2, err
+        (line,) = error_lines(err)
+        assert "the scale after ':'" in line and scale in line

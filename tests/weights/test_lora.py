@@ -203,3 +203,38 @@ def test_a_lora_goes_on_both_experts_of_a_two_transformer_pipeline(two_experts, 
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
     assert pipe.transformer.recorded_adapters() == pipe.transformer_2.recorded_adapters() != []
+
+
+def test_a_lora_for_other_shapes_is_refused_when_given_not_dropped_later(base, weights, tmp_path):
+    """A LoRA trained on a wider model of the same family (its feed-forward factors 64
+    wide, the model's 96): refused when it is given, naming the file, as plain diffusers
+    refuses it at load_lora_weights. Checked on the weightless skeleton, so nothing loads;
+    before, the first run failed at the transformer's load and later runs went on without
+    the LoRA."""
+    from safetensors.torch import save_file
+
+    from ondeck.errors import LoadError
+
+    from .conftest import lora_state
+
+    wider = {}
+    for key, tensor in weights.items():
+        if ".ffn.net.0.proj.weight" in key:
+            tensor = torch.zeros(64, tensor.shape[1])
+        elif ".ffn.net.2.weight" in key:
+            tensor = torch.zeros(tensor.shape[0], 64)
+        wider[key] = tensor
+    layout = {}
+    for layer, (down, up) in lora_state(wider).items():
+        layout[f"transformer.{layer}.lora_A.weight"] = down
+        layout[f"transformer.{layer}.lora_B.weight"] = up
+    path = tmp_path / "lora_for_a_wider_model.safetensors"
+    save_file(layout, str(path))
+
+    with pytest.raises(LoadError, match=r"lora_for_a_wider_model.*size mismatch"):
+        load(base, "release", loras=[path])
+    pipe = load(base, "release")
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        pipe.load_lora_weights(str(path), adapter_name="wider")
+    assert pipe.ondeck.deferred["transformer"].load_count == 0
+    assert np.array_equal(frames(pipe), reference_frames(base))  # nothing of it was kept

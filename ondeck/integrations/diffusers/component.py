@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...errors import OndeckError
+from ...errors import LoadError, OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule, loaded_module
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
@@ -300,6 +300,8 @@ class PipelineComponent(LazyModule):
 
             apply.__qualname__ = f"{method} (recorded)"
             mark_recorded(apply, method, args, kwargs)
+            if method in _ADAPTER_LOADS:
+                proxy.try_on_skeleton(apply)  # a LoRA of other shapes fails now
             proxy.add_checked_transform(apply)
             if method in _ADAPTER_LOADS:
                 proxy.record_adapter(kwargs.get("adapter_name"))
@@ -412,6 +414,20 @@ class PipelineComponent(LazyModule):
     def _streams_blocks(self) -> bool:
         loader = object.__getattribute__(self, "_ondeck_loader")
         return isinstance(loader, FolderLoader) and loader.placement is not None
+
+    def try_on_skeleton(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to a weightless copy of this unloaded component (its skeleton, on
+        the meta device), so that a call that cannot apply (a LoRA for other shapes)
+        fails now, as it would on a loaded module, not at a later load. A loaded
+        component applies it for real; one with no skeleton to build is not checked."""
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        if loaded_module(self) is not None or not isinstance(loader, FolderLoader):
+            return
+        try:
+            module = loader.folder.skeleton(loader.name, loader.dtype).module
+        except LoadError:
+            return  # the load itself reports what is wrong with the folder
+        fn(module)
 
     def record_adapter(self, name: str | None) -> None:
         """Note that a recorded call loads adapter ``name`` into this component (None:

@@ -188,9 +188,11 @@ def load_loras(
             for expert in experts:
                 pipe.load_lora_weights(str(file), adapter_name=name, **expert)
         except Exception as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            more = f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else ""
             raise LoadError(
                 f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
-                f"{type(error).__name__}: {error}",
+                f"{type(error).__name__}: {' '.join(lines[:2])}{more}",
                 path=str(file),
             ) from error
         names.append(name)

@@ -278,6 +278,7 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
         mark_recorded(apply, function.__name__, (), arguments)
+        proxy.try_on_skeleton(apply)  # a LoRA of other shapes fails now, not at a load
         proxy.add_checked_transform(apply)
         proxy.record_adapter(arguments.get("adapter_name"))
         return None
