@@ -321,6 +321,7 @@ class ComponentLoader(FolderLoader):
         self.last_read_seconds = 0.0
         cache = self.host_cache
         kept = self._from_other(jobs, other) if raw is None else {}
+        replacing = other[0] if other is not None else None
         held = raw if raw is not None else kept  # what the host cache serves
         reading = [job for job in jobs if job.info.name not in held]
         captured = stored = None
@@ -334,7 +335,8 @@ class ComponentLoader(FolderLoader):
             # A component kept in a storage dtype is cached as stored, once it is read.
             stored = list(reading) if cache and self.storage_dtype is not None else None
             capturing = cache is not None and stored is None
-            captured = cache.reserve(key, [job.info for job in reading]) if capturing else None
+            infos = [job.info for job in reading]
+            captured = cache.reserve(key, infos, keeping=replacing) if capturing else None
             if captured is not None:
                 for job in reading:
                     job.capture = captured[job.info.name]
@@ -360,8 +362,6 @@ class ComponentLoader(FolderLoader):
             stats = self._read_in_groups(groups, in_place, bar)
             self.last_readers = stats.readers
             self.last_read_seconds = time.perf_counter() - first_read[0]
-
-        replacing = other[0] if other is not None else None
 
         def finished(error: BaseException | None) -> None:
             if bar is not None:
@@ -489,7 +489,10 @@ class ComponentLoader(FolderLoader):
             return None, None, None
         key = component_key(self.folder.path, self.name, tensors)
         if self.storage_dtype is not None:
-            key = (*key, ("stored", str(self.storage_dtype), str(self.dtype)))
+            # A float8 file as saved keeps only its float8 tensors so; asked for, every
+            # tensor that can be: other bytes for the same tensors.
+            which = "as saved" if self._as_saved else "all"
+            key = (*key, ("stored", str(self.storage_dtype), str(self.dtype), which))
         component_length = len(key)
         # A placed load reads fewer tensors here; every key of a component (and storage
         # dtype) ends in its placement, so that only those differ.
@@ -539,7 +542,7 @@ class ComponentLoader(FolderLoader):
         stored = cache is not None and self.storage_dtype is not None
         captured = None
         if cache is not None and reading and not stored:
-            captured = cache.reserve(key, [job.info for job in reading])
+            captured = cache.reserve(key, [job.info for job in reading], keeping=replacing)
         if captured is not None:
             for job in reading:
                 job.capture = captured[job.info.name]

@@ -373,7 +373,7 @@ def keep_in_cache(
             cache.commit(key, {}, replacing=replacing, kept=kept)
         return
     infos = [as_held(job.info, job.destination) for job in jobs]
-    buffers = cache.reserve(key, infos)
+    buffers = cache.reserve(key, infos, keeping=replacing)
     if buffers is None:
         return
     devices = {job.destination.device for job in jobs if job.destination.device.type == "cuda"}

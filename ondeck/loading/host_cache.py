@@ -142,11 +142,15 @@ class HostCache:
             self.hits += 1
             return entry
 
-    def reserve(self, key: Hashable, infos: Iterable[TensorInfo]) -> dict[str, torch.Tensor] | None:
+    def reserve(
+        self, key: Hashable, infos: Iterable[TensorInfo], *, keeping: Hashable | None = None
+    ) -> dict[str, torch.Tensor] | None:
         """Host buffers to capture ``infos`` into while they load; None if they cannot fit.
 
-        Evicts least recently used entries to make room. Call :meth:`commit` once the
-        buffers are full, or :meth:`discard` if the load failed.
+        Evicts least recently used entries to make room, but ``keeping``: the entry the
+        new one will replace, whose tensors it keeps (``commit``'s ``replacing``). It
+        stays, and counts, until then. Call :meth:`commit` once the buffers are full, or
+        :meth:`discard` if the load failed.
         """
         infos = list(infos)
         pin = self.pin
@@ -155,8 +159,11 @@ class HostCache:
         with self._lock:
             if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
                 return None
-            while self._entries and self._used() + nbytes > self.budget_bytes:
-                evicted, _ = self._entries.popitem(last=False)
+            while self._used() + nbytes > self.budget_bytes:
+                evicted = next((k for k in self._entries if k != keeping), None)
+                if evicted is None:
+                    break
+                self._entries.pop(evicted)
                 self._sizes.pop(evicted, None)
             if self._used() + nbytes > self.budget_bytes:
                 return None
@@ -327,10 +334,19 @@ class HostCopy:
 
 def component_key(folder_path: Path, name: str, tensors: Mapping[str, Any]) -> tuple:
     """The start of a component's key in the cache: its folder, its name, and each of its
-    files' identity (size and mtime), so that a rewritten file is never served from memory.
-    ``tensors``: the component's tensors (``TensorInfo`` by name)."""
-    signature = []
-    for path in sorted({info.path for info in tensors.values()}):
-        status = os.stat(path)
-        signature.append((path, status.st_size, status.st_mtime_ns))
-    return (str(Path(folder_path).resolve()), name, tuple(signature))
+    files' identity (size, mtime, inode and device, and the hash of the header as it was
+    read), so that a file rewritten or replaced by another (a fine-tune copied over it
+    with its mtime kept) is never served from memory. ``tensors``: the component's
+    tensors (``TensorInfo`` by name)."""
+    identities = {info.path: info.identity for info in tensors.values()}
+    signature = tuple(
+        (*file_key(path), identity.header_sha256 if identity is not None else None)
+        for path, identity in sorted(identities.items())
+    )
+    return (str(Path(folder_path).resolve()), name, signature)
+
+
+def file_key(path: str | os.PathLike) -> tuple:
+    """A file's identity as a key: its path, size, mtime, inode and device."""
+    status = os.stat(path)
+    return (str(path), status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev)

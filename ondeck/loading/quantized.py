@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ import torch
 from ..errors import LoadError
 from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
+from .host_cache import file_key
 from .model_folder import ModelFolder
 from .options import LoadOptions
 from .safetensors_format import FileIdentity, TensorInfo
@@ -298,10 +300,10 @@ class QuantizedComponentLoader(FolderLoader):
             from diffusers import GGUFQuantizationConfig
 
             self.last_source = "file"
-            source = (
+            source, keep = (
                 self._cached_gguf()
                 if self.host_cache is not None
-                else _read_gguf(self.path, self.name, self.progress)
+                else (_read_gguf(self.path, self.name, self.progress), None)
             )
             placement = self.placement
             try:
@@ -319,7 +321,11 @@ class QuantizedComponentLoader(FolderLoader):
             except BaseException:
                 if placement is not None:
                     placement.abort()
+                if keep is not None:
+                    keep(False)
                 raise
+            if keep is not None:
+                keep(True)  # the bytes are kept only once a module was built from them
             return module
         self.last_source = "file"
         options: dict[str, Any] = {"torch_dtype": self.dtype, "local_files_only": True}
@@ -328,8 +334,7 @@ class QuantizedComponentLoader(FolderLoader):
         return self.cls.from_pretrained(str(self.directory), **options)
 
     def _dequantized_key(self) -> tuple:
-        status = self.path.stat()
-        identity = (str(self.path.resolve()), status.st_size, status.st_mtime_ns)
+        identity = file_key(self.path.resolve())
         return ("gguf dequantized", *identity, self.cls.__qualname__, str(self.dtype))
 
     def _keep_dequantized(self, module: torch.nn.Module) -> None:
@@ -407,7 +412,7 @@ class QuantizedComponentLoader(FolderLoader):
             )
         try:
             module = self.cls.from_single_file(
-                checkpoint,
+                dict(checkpoint),  # its conversion takes the keys out of what it is given
                 config=str(self.directory),
                 quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
                 torch_dtype=self.dtype,
@@ -416,7 +421,32 @@ class QuantizedComponentLoader(FolderLoader):
             )
         except Exception as error:
             raise self._failed("building it from the GGUF header", error) from error
+        missing = self._missing_from(module, checkpoint)
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise LoadError(
+                f"component '{self.name}' from {self.path}: the GGUF file lacks {len(missing)} "
+                f"of {self.cls.__name__}'s tensors ({shown}); is it another model's?",
+                component=self.name,
+                path=str(self.path),
+            )
         return _skeleton_of(module, self.dtype)
+
+    def _missing_from(self, module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:
+        """The module's parameters that the GGUF file's tensors, in the model's names
+        (diffusers' own single-file conversion, as its load converts them), do not give:
+        the load would leave them without weights."""
+        from .single_file import conversion_for
+
+        wanted = [name for name, _ in module.named_parameters()]
+        keys = {key.removeprefix("model.diffusion_model.") for key in checkpoint}
+        convert = conversion_for(self.cls)
+        if not set(wanted) <= keys and convert is not None:
+            config = self.cls.load_config(str(self.directory))
+            keys = set(convert(checkpoint=dict(checkpoint), config=config))
+        return [name for name in wanted if name not in keys]
 
     def _failed(self, doing: str, error: Exception) -> LoadError:
         """The LoadError for ``doing`` (what failed) raising ``error``, naming the file."""
@@ -445,15 +475,17 @@ class QuantizedComponentLoader(FolderLoader):
             _move_tensors(module, self.device, skip=streamed)
         placement.finish(module)
 
-    def _cached_gguf(self) -> dict[str, torch.Tensor]:
+    def _cached_gguf(self) -> tuple[dict[str, torch.Tensor], Callable[[bool], None] | None]:
         """The GGUF checkpoint as diffusers reads it (``load_gguf_checkpoint``), served
         from the host cache once a load has put its quantized bytes there: a reload then
         copies those bytes to the device instead of parsing and reading the file. The
-        entry is keyed on the file's identity, so a rewritten file is read again."""
+        entry is keyed on the file's identity, so a rewritten file is read again. With it,
+        ``keep(built)`` for bytes read now: kept once a module was built from them, else
+        given back (None when there is nothing to keep)."""
         from diffusers.quantizers.gguf.utils import GGUFParameter
 
         status = self.path.stat()
-        key = ("gguf", str(self.path.resolve()), status.st_size, status.st_mtime_ns)
+        key = ("gguf", *file_key(self.path.resolve()))
         entry = self.host_cache.get(key)
         if entry is not None and self._gguf_layout is not None:
             self.last_source = "host cache"
@@ -467,7 +499,7 @@ class QuantizedComponentLoader(FolderLoader):
                     if quant_type is not None
                     else tensor
                 )
-            return checkpoint
+            return checkpoint, None
         checkpoint = _read_gguf(self.path, self.name, self.progress, status)
         plain = {name: tensor.as_subclass(torch.Tensor) for name, tensor in checkpoint.items()}
         layout = {
@@ -486,16 +518,23 @@ class QuantizedComponentLoader(FolderLoader):
             for name, t in plain.items()
         ]
         buffers = self.host_cache.reserve(key, infos)
-        if buffers is not None:
-            try:
-                for name, tensor in plain.items():
-                    buffers[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-            except BaseException:
+        if buffers is None:
+            return checkpoint, None
+        try:
+            for name, tensor in plain.items():
+                buffers[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        except BaseException:
+            self.host_cache.discard(key)
+            raise
+
+        def keep(built: bool) -> None:
+            if not built:
                 self.host_cache.discard(key)
-                raise
+                return
             self.host_cache.commit(key, buffers)
             self._gguf_layout = layout
-        return checkpoint
+
+        return checkpoint, keep
 
 
 def _gguf_file(directory: Path, name: str) -> Path:

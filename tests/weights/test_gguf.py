@@ -364,3 +364,64 @@ def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, t
     with pytest.raises(LoadError, match="transformer.gguf.*changed"):
         _read_gguf(path, "transformer", status=as_read)
     assert _read_gguf(path, "transformer"), "read as it is now"
+
+
+def _gguf_without(gguf_base, path, drop):
+    """The transformer as an F32 GGUF file in the original key names, less ``drop``."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    from .conftest import original_name, transformer_file
+
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
+        if key not in drop:
+            name = original_name(key).removeprefix("model.diffusion_model.")
+            writer.add_tensor(name, tensor.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_file_missing_tensors_is_refused_naming_them_before_anything_loads(
+    gguf_base, tmp_path
+):
+    """As a safetensors file lacking them is: when the plan first sizes the component,
+    not at its load after the prompt was encoded ("Cannot copy out of meta tensor")."""
+    from ondeck.errors import LoadError
+
+    dropped = ("blocks.0.attn1.to_q.weight", "blocks.0.norm2.weight")
+    path = _gguf_without(gguf_base, tmp_path / "missing.gguf", dropped)
+    with pytest.raises(LoadError, match=r"lacks 2 of .*blocks\.0\.attn1\.to_q\.weight") as error:
+        load(gguf_base, "release", components={"transformer": path}).ondeck.plan()
+    assert "missing.gguf" in str(error.value) and "'transformer'" in str(error.value)
+
+
+def test_a_gguf_load_that_fails_keeps_nothing_in_the_host_cache(
+    gguf_base, gguf_file, tmp_path, monkeypatch
+):
+    """The file's bytes are kept only once a module was built from them; a failed build
+    gives them back, and the next load reads the file again."""
+    from diffusers import WanTransformer3DModel
+
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]}, host_cache=cache)
+    pipe.ondeck.plan()  # the header's skeleton is built before the failure is set up
+    real = WanTransformer3DModel.from_single_file.__func__
+
+    def failing(cls, *args, **kwargs):
+        raise RuntimeError("the build failed")
+
+    monkeypatch.setattr(WanTransformer3DModel, "from_single_file", classmethod(failing))
+    with pytest.raises(Exception, match="the build failed"):
+        frames(pipe)
+    assert not [key for key in cache.keys() if key[0] == "gguf"]  # (the text encoder's stays)
+    monkeypatch.setattr(WanTransformer3DModel, "from_single_file", classmethod(real))
+    frames(pipe)
+    assert [key for key in cache.keys() if key[0] == "gguf"]
