@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import io
+import logging
 import secrets
 from importlib import resources
 from pathlib import Path
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .jobs import Job, JobFailed, QueueFull, new_job_id
 from .schemas import ImageRequest, VideoRequest, parse_size
 from .server import Server
+
+logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -303,6 +306,20 @@ def _error_handlers(app: FastAPI, server: Server, api: _Api) -> None:
     async def _failed(request: Request, error: JobFailed) -> JSONResponse:
         return failure_response(error)
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+        # A body sent without its length, past the limit while a route reads it.
+        limit = server.config.limits.body_bytes
+        return error_response(
+            413, f"the request body is larger than {limit} bytes", "request_too_large"
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        # Anything a route did not foresee: still in OpenAI's shape (and logged).
+        logger.exception("answering %s %s failed", request.method, request.url.path)
+        return error_response(500, f"{type(error).__name__}: {error}", "server_error")
+
 
 def _model_routes(app: FastAPI, server: Server, api: _Api) -> None:
     """``/v1/models``."""
@@ -465,7 +482,7 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
 async def _json(request: Request) -> Any:
     try:
         return await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
         raise JobFailed(400, "invalid_json", "the request body is not JSON") from None
 
 
@@ -482,6 +499,8 @@ async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | No
                 if key != "input_reference":
                     raise JobFailed(400, "invalid_value", f"unexpected file field {key!r}", key)
                 image = await value.read(limits.image_bytes + 1)
+            elif key == "input_reference":  # a data: URL as a text field, as JSON takes it
+                image = _data_url(str(value), limits)
             else:
                 data[key] = value
         for key in ("steps", "num_inference_steps", "seed", "frames"):

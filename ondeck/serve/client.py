@@ -102,7 +102,13 @@ def _generate_remote(args: argparse.Namespace, out: Path) -> int:
                 body["frames"] = args.frames
             video = _check(http.post("/videos", json=body)).json()
             job_id = video["id"]
-            video = _wait(http, job_id)
+            try:
+                video = _wait(http, job_id)
+            except ServerError:  # the job failed there: nothing to stop
+                raise
+            except BaseException:  # Ctrl-C, or a lost connection: the job is not wanted
+                _cancel(http, job_id)
+                raise
             media = {"video.mp4": _check(http.get(f"/videos/{job_id}/content")).content}
         report = _check(http.get(f"/ondeck/jobs/{job_id}/report")).json()
         timeline = _check(http.get(f"/ondeck/jobs/{job_id}/timeline")).content
@@ -118,6 +124,15 @@ def _generate_remote(args: argparse.Namespace, out: Path) -> int:
         f"ondeck: wrote {', '.join(str(p) for p in reversed(written))} (job {job_id} on {args.server})"
     )
     return 0
+
+
+def _cancel(http: Any, job_id: str) -> None:
+    """Ask the server to stop a job this client no longer waits for (best effort: the
+    server may be gone, and the caller raises its own error)."""
+    try:
+        http.delete(f"/videos/{job_id}", timeout=5.0)
+    except Exception:
+        pass
 
 
 def _wait(http: Any, job_id: str) -> dict:

@@ -102,12 +102,15 @@ class Job:
     def fail(self, error: JobFailed) -> None:
         self.status = "failed"
         self.error = error
-        self.completed_at = int(time.time())
-        self.done_event.set()
+        self._finish()
 
     def complete(self) -> None:
         self.status = "completed"
+        self._finish()
+
+    def _finish(self) -> None:
         self.completed_at = int(time.time())
+        self.input_image = None  # a kept job keeps no request payload, run or not
         self.done_event.set()
 
     @property
@@ -147,6 +150,8 @@ class JobQueue:
         with self._condition:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
+            # A job cancelled while it waits gives its place up at once.
+            self._waiting = deque(j for j in self._waiting if not j.cancelled)
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} jobs are waiting already; try again later")
             self.jobs[job.id] = job

@@ -37,7 +37,11 @@ class OutputStore:
             try:
                 files = [f for f in path.iterdir() if f.is_file()]
                 nbytes = sum(f.stat().st_size for f in files)
-                found.append((path.stat().st_mtime, path, nbytes))
+                # A job's age is its report's, written once: a timeline drawn into an old
+                # job's folder when first asked for must not make it the newest.
+                report = path / "report.json"
+                dated = report if report in files else path
+                found.append((dated.stat().st_mtime, path, nbytes))
             except OSError:
                 continue
         return sorted(found, key=lambda item: item[0])

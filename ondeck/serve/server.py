@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import folder_pipelines
+from ..arguments import ArgumentError, check_generate_arguments
 from ..cli.media import FALLBACK_FPS, media_of
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
@@ -250,8 +251,17 @@ class Server:
         return max(1, frames)
 
     def check_shape(self, model: ServedModel, job: Job) -> None:
-        """Refuse, before queueing, a shape the model's configs rule out (Wan's rotary
-        positions); other pipelines check their inputs when the job runs."""
+        """Refuse, before queueing, a shape the model cannot take: sides that are not a
+        multiple of what its VAE and patches divide, frames its VAE does not take
+        (``ondeck.arguments``, as ``generate`` checks them), and Wan's rotary positions.
+        Other inputs the pipeline checks when the job runs."""
+        try:
+            check_generate_arguments(
+                model.pipeline, height=job.height, width=job.width, num_frames=job.frames
+            )
+        except ArgumentError as error:
+            param = "frames" if error.argument == "num_frames" else "size"
+            raise JobFailed(400, "invalid_value", str(error), param) from None
         geometry = getattr(model.pipeline, "geometry", None)
         if geometry is None:
             return
@@ -327,6 +337,8 @@ class Server:
             job.run_seconds = time.perf_counter() - started
             frames = outputs if job.kind == "image" else outputs[0]
             self._check_finite(frames)
+            if job.cancel_event.is_set():  # cancelled during the decode: nothing is written
+                raise JobCancelled(job.id)
         except Exception as error:
             # What the model held is freed before the job answers: its caller's next
             # request finds the server as it was before.
@@ -374,10 +386,16 @@ class Server:
     def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:
             started = time.perf_counter()
-            folder = self.outputs.folder(job.id)
-            job.files = write_job_files(folder, report, frames, kind=model.kind, fps=model.fps)
-            job.write_seconds = time.perf_counter() - started
-            job.complete()
+            if not job.cancel_event.is_set():
+                folder = self.outputs.folder(job.id)
+                job.files = write_job_files(folder, report, frames, kind=model.kind, fps=model.fps)
+                job.write_seconds = time.perf_counter() - started
+            if job.cancel_event.is_set():  # cancelled while its files were written: they go
+                self.outputs.remove(job.id)
+                job.files = {}
+                job.fail(JobFailed(409, "cancelled", f"the job was {job.cancel_reason} at its end"))
+            else:
+                job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
             self.outputs.remove(job.id)

@@ -1,0 +1,136 @@
+"""A job's life on a Server driven in-process through its ASGI app: a cancel at any
+point before the job completes, cancelled jobs that wait, and a shape refused before it
+waits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from PIL import Image
+
+import ondeck.serve.server as server_module
+from ondeck.serve.jobs import Job
+
+from .inprocess import Limits, call, make_server, wait_until
+
+VIDEO = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds the writer thread inside write_job_files until released (a real video of
+    a real model takes seconds to encode and write; this widens that window)."""
+    entered, release = threading.Event(), threading.Event()
+    real = server_module.write_job_files
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "write_job_files", held)
+    yield entered, release
+    release.set()
+
+
+def test_a_video_deleted_while_its_files_are_written_is_cancelled_and_leaves_no_files(
+    models, tmp_path, gate
+):
+    """A cancel (DELETE /v1/videos/{id}) after the last denoising step, while the video
+    decodes or its MP4 is written, answers {"deleted": true} and is kept: the job fails
+    as cancelled, nothing is served and its folder goes (the cancel used to be ignored
+    once the steps were over)."""
+    entered, release = gate
+    server = make_server(models, tmp_path)
+    try:
+        job_id = call(server, "POST", "/v1/videos", json=VIDEO).json()["id"]
+        assert entered.wait(60)
+        deleted = call(server, "DELETE", f"/v1/videos/{job_id}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        release.set()
+        job = server.queue.get(job_id)
+        wait_until(lambda: job.done_event.is_set())
+        wait_until(lambda: not server._writing)
+        after = call(server, "GET", f"/v1/videos/{job_id}")
+        content = call(server, "GET", f"/v1/videos/{job_id}/content")
+    finally:
+        server.stop()
+    folder = tmp_path / "outputs" / job_id
+    assert after.json()["status"] == "failed" and after.json()["error"]["code"] == "cancelled"
+    assert content.status_code == 409 and not folder.exists()
+
+
+def hold_device(server):
+    """Holds the device thread in its next job's room-making until released (a real
+    job runs for minutes)."""
+    entered, release = threading.Event(), threading.Event()
+    real = server.manager.prepare
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    server.manager.prepare = held
+    return entered, release
+
+
+def test_jobs_cancelled_while_they_wait_give_their_places_in_the_queue_up(models, tmp_path):
+    """Jobs cancelled while they wait (DELETE, or an image caller that disconnected,
+    behind a proxy's timeout say) no longer count against the queue's limit: with the
+    running job busy and the queue empty again, the next request is taken (it used to be
+    refused 503 queue_full until the device thread reached the cancelled ones)."""
+    server = make_server(models, tmp_path, limits=Limits(waiting_jobs=2))
+    entered, release = hold_device(server)
+    try:
+        call(server, "POST", "/v1/videos", json=VIDEO)  # running, held
+        assert entered.wait(60)
+        waiting = [call(server, "POST", "/v1/videos", json=VIDEO).json()["id"] for _ in range(2)]
+        for job_id in waiting:
+            assert call(server, "DELETE", f"/v1/videos/{job_id}").status_code == 200
+        assert call(server, "GET", "/v1/ondeck/status").json()["queue"] == []
+        response = call(server, "POST", "/v1/videos", json=VIDEO)
+        release.set()
+    finally:
+        release.set()
+        server.stop()
+    assert response.status_code == 200, response.text
+
+
+def test_a_job_cancelled_while_it_waits_drops_its_decoded_input_image(models, tmp_path):
+    """A job's decoded input image (up to 4096x4096 RGB, 48 MiB) goes once the job is
+    over, run or not: one cancelled while it waits, which never runs, holds none for the
+    time the server keeps it (up to 1000 jobs)."""
+    server = make_server(models, tmp_path)
+    entered, release = hold_device(server)
+    try:
+        call(server, "POST", "/v1/videos", json=VIDEO)  # running, held
+        assert entered.wait(60)
+        job = Job(kind="video", model="wan", prompt="a fox", width=32, height=32, frames=5, steps=2)
+        job.input_image = Image.new("RGB", (1024, 1024))
+        server.submit(job)
+        assert call(server, "DELETE", f"/v1/videos/{job.id}").status_code == 200
+        release.set()
+        # The device thread reaches the cancelled job and skips it.
+        wait_until(lambda: server.queue.current is None and not server.queue.waiting())
+        wait_until(lambda: not server.queue._waiting)
+        assert server.queue.get(job.id) is job  # the server still keeps the job
+    finally:
+        release.set()
+        server.stop()
+    assert job.input_image is None, "the cancelled job still holds its decoded input image"
+
+
+def test_a_size_the_model_cannot_take_is_refused_before_it_waits(models, tmp_path):
+    """A Wan video of 40x40 (Wan needs multiples of 16) is a 400 naming the size, as
+    `ondeck generate` refuses it, not a job that fails once the queue reaches it (after
+    other models were evicted to make room for it)."""
+    server = make_server(models, tmp_path)
+    try:
+        response = call(server, "POST", "/v1/videos", json={**VIDEO, "size": "40x40"})
+    finally:
+        server.stop()
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "size" and "multiple of 16" in error["message"]

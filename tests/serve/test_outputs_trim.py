@@ -1,0 +1,46 @@
+"""The outputs folder's cap: which job's files go first."""
+
+from __future__ import annotations
+
+from .helpers import wait_for
+from .inprocess import call, make_server
+
+VIDEO = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
+
+
+def _folder_bytes(folder) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def _run(server) -> str:
+    job_id = call(server, "POST", "/v1/videos", json=VIDEO).json()["id"]
+    job = server.queue.get(job_id)
+    wait_for(lambda: job.done_event.is_set() and not server._writing)
+    assert job.status == "completed", job.error and job.error.message
+    return job_id
+
+
+def test_past_the_cap_the_oldest_job_goes_first_though_its_timeline_was_drawn_later(
+    models, tmp_path
+):
+    """Past the cap the oldest jobs' folders go first, by their report's date: a timeline
+    drawn into an old job's folder when first asked for (the page and `ondeck generate
+    --server` both ask) does not make it the newest, so a newer job's files (whose client
+    may be about to download them) stay."""
+    server = make_server(models, tmp_path)
+    outputs = tmp_path / "outputs"
+    try:
+        oldest = _run(server)
+        newer = _run(server)
+        assert call(server, "GET", f"/v1/ondeck/jobs/{oldest}/timeline").status_code == 200
+        # A cap that holds the two jobs' folders but not a third.
+        server.outputs.cap_bytes = (
+            _folder_bytes(outputs / oldest) + _folder_bytes(outputs / newer) + 1
+        )
+        newest = _run(server)
+        kept = {job_id for job_id in (oldest, newer, newest) if (outputs / job_id).exists()}
+        newer_content = call(server, "GET", f"/v1/videos/{newer}/content").status_code
+    finally:
+        server.stop()
+    assert newest in kept and len(kept) == 2
+    assert oldest not in kept and newer_content == 200
