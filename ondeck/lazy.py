@@ -98,8 +98,10 @@ class ReplayLog:
 
     def __init__(self) -> None:
         self._calls: list[tuple[str, tuple, dict, frozenset[str]]] = []
+        self.revision = 0  # calls added so far
 
     def add(self, method: str, args: tuple, kwargs: dict) -> None:
+        self.revision += 1
         aspects = _aspects(method, args, kwargs)
         if aspects:
             self._calls = [call for call in self._calls if not call[3] <= aspects]
@@ -132,6 +134,7 @@ INTERNAL_ATTRIBUTES = (
     "_ondeck_load_count",
     "_ondeck_free_storage",
     "_ondeck_filling",
+    "_ondeck_changes",
 )
 
 
@@ -368,6 +371,7 @@ class LazyModule:
         setter(self, "_ondeck_load_count", 0)
         setter(self, "_ondeck_free_storage", bool(as_loader(loader).returns_fresh_module))
         setter(self, "_ondeck_filling", None)
+        setter(self, "_ondeck_changes", 0)
 
     # -- what is known without loading ------------------------------------------------
 
@@ -386,6 +390,14 @@ class LazyModule:
     def load_count(self) -> int:
         """How many times the loader has run successfully."""
         return object.__getattribute__(self, "_ondeck_load_count")
+
+    @property
+    def changes(self) -> int:
+        """How many times what a load makes was changed: transforms added, and calls
+        (``to``, ``half``, ...) to replay after a load. What a caller keeps of the
+        component's outputs (encoded prompts) is stale once this moves."""
+        replay = object.__getattribute__(self, "_ondeck_replay")
+        return object.__getattribute__(self, "_ondeck_changes") + replay.revision
 
     @property
     def __class__(self):  # noqa: D401 - answers isinstance() without loading
@@ -667,6 +679,8 @@ class LazyModule:
                     )
                 object.__setattr__(self, "_ondeck_module", transformed)
             object.__getattribute__(self, "_ondeck_transforms").append(fn)
+            changes = object.__getattribute__(self, "_ondeck_changes")
+            object.__setattr__(self, "_ondeck_changes", changes + 1)
         return self
 
     def _apply_or_release(self, fn: Callable[[Any], Any], module: Any) -> Any:

@@ -179,7 +179,10 @@ class EncodePrompt(Stage):
         texts = {"prompt_embeds": state["prompt"]}
         if state["guidance_scale"] > 1.0:
             texts["negative_prompt_embeds"] = state["negative_prompt"]
-        scope = (state["max_sequence_length"], self.identity, str(state["device"]))
+        # The encoder's changes since it was built (a transform, a replayed ``to``):
+        # what was encoded before one is not what it encodes now.
+        changes = self.text_encoder.changes if is_lazy(self.text_encoder) else 0
+        scope = (state["max_sequence_length"], self.identity, str(state["device"]), changes)
         return {name: (text, *scope) for name, text in texts.items()}
 
     def needs_components(self, state: dict) -> bool:
@@ -195,11 +198,12 @@ class EncodePrompt(Stage):
         }
         for name, embeds in encoded.items():  # moved once all are encoded: one wait
             # Kept in host memory: a cache must not hold device memory the stages need.
-            found[name] = embeds.cpu()
+            found[name] = embeds.to("cpu", copy=True)
             self.cache.put(keys[name], found[name])
         state["negative_prompt_embeds"] = None
         for name, embeds in found.items():
-            state[name] = embeds.to(state["device"])
+            # A copy: a caller changing the state's tensor in place leaves the kept one.
+            state[name] = embeds.to(state["device"], copy=True)
         return state
 
     @torch.no_grad()

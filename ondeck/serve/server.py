@@ -354,7 +354,17 @@ class Server:
         finally:
             job.input_image = None  # a kept job keeps no request payload
         self.jobs_run += 1
-        report = pipeline.report()
+        report = self._report(job, model, plan.peak_bytes, resident_at_start)
+        self.last_report = report
+        self.last_job_id = job.id
+        self._writing.add(job.id)
+        self._writer.submit(self._write, job, report, frames, model)
+
+    def _report(
+        self, job: Job, model: ServedModel, predicted_peak: int, resident_at_start: dict
+    ) -> dict:
+        """The job's report.json: the pipeline's report and what a local run's adds."""
+        report = model.pipeline.report()
         report.update(
             model=job.model,
             model_dir=str(model.path),  # type: ignore[attr-defined]
@@ -368,7 +378,7 @@ class Server:
             seed=job.seed,
             run_seconds=[job.run_seconds],
             sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
-            predicted_peak_bytes=plan.peak_bytes,
+            predicted_peak_bytes=predicted_peak,
             resident_at_start=resident_at_start,
             weights=self.config.weights or "as computed",
             server_budget_bytes=self.budget_bytes,
@@ -378,10 +388,7 @@ class Server:
                 **({"fps": model.fps, "fps_from": model.fps_from} if model.kind == "video" else {}),
             },
         )
-        self.last_report = report
-        self.last_job_id = job.id
-        self._writing.add(job.id)
-        self._writer.submit(self._write, job, report, frames, model)
+        return report
 
     def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:

@@ -4,6 +4,8 @@ weights (a transform, a setting, an adapter) makes the encoder compute again."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 import ondeck
 import ondeck.diffusers
+from ondeck.integrations.diffusers import PipelineComponent
 from ondeck.integrations.diffusers.encodings import MAX_INPUT_BYTES, EncodingCache
 
 from .breadth_pipelines import ALL_FAMILIES
@@ -214,3 +217,89 @@ def test_a_tensor_an_answer_holds_twice_is_counted_once():
     answer = BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=(hidden,))
     cache.put(("key",), answer, cache.generation)
     assert len(cache) == 1
+
+
+@pytest.fixture(scope="module")
+def sd_controlnet_folder(tmp_path_factory):
+    def get(name):
+        folder = tmp_path_factory.mktemp("textual-inversion") / name
+        ALL_FAMILIES[name].build(folder)
+        return folder
+
+    return get
+
+
+class _Hooked(torch.Tensor):
+    """A tensor whose host copy runs ``on_copy`` once: the moment another thread acts."""
+
+    on_copy = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and kwargs.get("copy") and cls.on_copy is not None:
+            action, cls.on_copy = cls.on_copy, None
+            action()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class _Scaling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+
+    def forward(self, x):
+        return (x * self.scale).as_subclass(_Hooked)
+
+
+def test_an_answer_is_not_kept_when_a_setting_changed_while_it_was_copied_to_the_host():
+    """A setting changed on the encoder (from another thread: a server's control thread,
+    a second pipeline sharing the encoder) while a call's answer is copied to host memory
+    forgets the kept answers, and that answer, from before the change, is not kept after
+    it: the generation is checked again, under the cache's lock, once the copy is made."""
+    module = _Scaling().eval()
+    proxy = PipelineComponent("text_encoder", lambda: module)
+    proxy.keep_answers()
+
+    def change_on_another_thread():
+        worker = threading.Thread(target=setattr, args=(proxy, "scale", 3.0))
+        worker.start()
+        worker.join()
+
+    ids = torch.tensor([1.0, 2.0])
+    with torch.no_grad():
+        _Hooked.on_copy = change_on_another_thread
+        proxy(ids)  # computed with scale 2; the change lands during the host copy
+        assert module.scale == 3.0
+        again = proxy(ids)
+    assert torch.equal(again, torch.tensor([3.0, 6.0])), "an answer from before the change"
+
+
+def test_a_textual_inversion_outlives_the_text_encoders_reloads(sd_controlnet_folder):
+    """``pipe.load_textual_inversion`` (diffusers' own) resizes the loaded text encoder's
+    embedding table and writes the new token's row in place; under ``release`` the
+    encoder reloads for the next prompt, and the table is made again (its size and the
+    rows from the first new token on), so a new prompt with the token renders as plain
+    diffusers renders it. After ``unload_textual_inversion`` the same holds."""
+    name = "sd_controlnet"
+    family = ALL_FAMILIES[name]
+    folder = sd_controlnet_folder(name)
+    ours = ondeck.diffusers.from_pretrained(
+        folder, device="cpu", policy="release", progress=False, prompt_cache=True
+    )
+    plain = family.pipeline_type().from_pretrained(folder)
+    embedding = torch.randn(
+        ours.text_encoder.config.hidden_size, generator=torch.Generator().manual_seed(3)
+    )
+    for pipe in (ours, plain):
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_textual_inversion({"<cat>": embedding.clone()}, token="<cat>")
+    for prompt in ("a <cat>", "a <cat> fox"):
+        expected = run(plain, family, prompt=prompt)
+        got = run(ours, family, prompt=prompt)
+        assert np.allclose(got, expected, atol=1e-5), f"{prompt!r}: the token's embedding is lost"
+    for pipe in (ours, plain):
+        pipe.unload_textual_inversion("<cat>")
+    assert np.allclose(
+        run(ours, family, prompt="a fox"), run(plain, family, prompt="a fox"), atol=1e-5
+    )

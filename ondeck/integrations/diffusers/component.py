@@ -345,6 +345,8 @@ class PipelineComponent(LazyModule):
                 if result is not None and result is not module:
                     object.__setattr__(self, "_ondeck_module", result)
             transforms.append(guarded)
+            changes = object.__getattribute__(self, "_ondeck_changes")
+            object.__setattr__(self, "_ondeck_changes", changes + 1)
             object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
 
     def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
@@ -507,6 +509,8 @@ class PipelineComponent(LazyModule):
             return
         new_loader = make_loader(new_device, new_dtype)
         object.__setattr__(self, "_ondeck_loader", new_loader)
+        changes = object.__getattribute__(self, "_ondeck_changes")
+        object.__setattr__(self, "_ondeck_changes", changes + 1)
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
 
 

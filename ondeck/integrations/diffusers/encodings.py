@@ -13,6 +13,7 @@ in place changes nothing kept.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,7 @@ class EncodingCache:
         self._kept = LeastRecentlyUsed(max_entries, max_bytes)
         # Counts the clears: an answer computed across one is from before it, not kept.
         self.generation = 0
+        self._lock = threading.Lock()  # a clear and the check before a put: one or the other
 
     @property
     def hits(self) -> int:
@@ -90,13 +92,17 @@ class EncodingCache:
             nbytes = _tensor_bytes(answer)
             if nbytes > self._kept.max_bytes // 2:
                 return
-            self._kept.put(key, _mapped(answer, _HostTensor), nbytes)
+            kept = _mapped(answer, _HostTensor)  # the copy to the host takes a while
         except _Uncacheable:
             return
+        with self._lock:  # a clear during the copy: the answer may be from before it
+            if generation == self.generation:
+                self._kept.put(key, kept, nbytes)
 
     def clear(self) -> None:
-        self.generation += 1
-        self._kept.clear()
+        with self._lock:
+            self.generation += 1
+            self._kept.clear()
 
 
 def _autocast_state() -> tuple:

@@ -1,4 +1,4 @@
-"""The pipeline's LoRA methods over deferred components.
+"""The pipeline's LoRA and textual inversion methods over deferred components.
 
 diffusers carries a pipeline-level LoRA method out component by component: a diffusers
 model through a method of its own, which the component's proxy records to do again at
@@ -7,7 +7,9 @@ in place, which a reload would not know of. Here each deferred text encoder gets
 recorded call instead (the same pipeline-level method, diffusers' own, on a pipeline of
 that encoder alone, done at every load), and diffusers' method does the rest with the
 deferred encoders hidden. Which adapters a deferred component has is answered from the
-calls recorded on it, so asking loads nothing.
+calls recorded on it, so asking loads nothing. A textual inversion (new tokens, new
+rows of a text encoder's embedding table, written in place) is kept as the rows it
+added, written again at every load.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from ...loading.skeleton import library_of
 from .component import PipelineComponent, fresh_copy
@@ -72,6 +76,10 @@ def lora_methods(cls: type) -> dict[str, Any]:
         base = getattr(cls, method, None)
         if base is not None:
             namespace[method] = _encoder_method(method, base)
+    for method in ("load_textual_inversion", "unload_textual_inversion"):
+        base = getattr(cls, method, None)
+        if base is not None:
+            namespace[method] = _textual_inversion_method(base)
     for attribute in dir(cls):
         if attribute.startswith("load_lora_into_"):
             static = inspect.getattr_static(cls, attribute)
@@ -284,3 +292,56 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return load_lora_into
+
+
+def _textual_inversion_method(base: Callable[..., Any]) -> Callable[..., Any]:
+    """``load_textual_inversion`` / ``unload_textual_inversion``: diffusers' own (which
+    loads the text encoder it changes), then the embedding table it left is kept as its
+    size and the rows from the first new token's on, written again at every load of a
+    deferred encoder (``_AddedRows``)."""
+    signature = inspect.signature(base)
+
+    @functools.wraps(base)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = runtime_of(self)
+        bound = signature.bind(self, *args, **kwargs)
+        encoder = bound.arguments.get("text_encoder") or self.__dict__.get("text_encoder")
+        tokenizer = bound.arguments.get("tokenizer") or self.__dict__.get("tokenizer")
+        if runtime is None or not isinstance(encoder, PipelineComponent) or tokenizer is None:
+            return base(self, *args, **kwargs)
+        added = runtime.__dict__.setdefault("_added_rows", {})
+        rows = added.setdefault(id(encoder), _AddedRows(len(tokenizer)))
+        rows.first = min(rows.first, len(tokenizer))  # new tokens' ids start here
+        result = base(self, *args, **kwargs)
+        if rows.take(encoder.get_input_embeddings().weight):
+            encoder.add_transform(rows.apply)
+        return result
+
+    return call
+
+
+class _AddedRows:
+    """A text encoder's embedding table as textual inversions left it: its size, and
+    its rows from ``first`` (the first new token's id) on, to make again at every load."""
+
+    def __init__(self, first: int):
+        self.first = first
+        self.size = 0
+        self.rows: torch.Tensor | None = None
+        self.recorded = False
+
+    def take(self, weight: torch.Tensor) -> bool:
+        """Keep the table's size and its rows from ``first`` on, in host memory; whether
+        the transform that makes them is still to be added."""
+        self.size = weight.shape[0]
+        self.rows = weight.detach()[self.first :].to("cpu", copy=True)
+        fresh, self.recorded = not self.recorded, True
+        return fresh
+
+    def apply(self, module: Any) -> Any:
+        if module.get_input_embeddings().weight.shape[0] != self.size:
+            module.resize_token_embeddings(self.size, mean_resizing=False)  # written below
+        weight = module.get_input_embeddings().weight
+        with torch.no_grad():
+            weight[self.first :] = self.rows.to(weight.device, weight.dtype)
+        return module
