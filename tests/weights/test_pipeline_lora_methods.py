@@ -111,3 +111,12 @@ def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux):
     assert pipe.get_list_adapters() == {}
     with pytest.raises(ValueError, match="not in the list of present adapters"):
         pipe.set_adapters("style")
+
+
+def test_a_fuse_on_a_deferred_text_encoder_is_counted_as_diffusers_counts_it(flux):
+    plain = _plain(flux)
+    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+    for each in (plain, pipe):
+        each.fuse_lora(components=["text_encoder"], lora_scale=0.6)
+    assert pipe.fused_loras == plain.fused_loras == {"style"}
+    assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))

@@ -145,6 +145,9 @@ def _encoder_method(method: str, base: Callable[..., Any]) -> Callable[..., Any]
             arguments = _encoder_arguments(method, name, bound.arguments)
             if arguments is not None:
                 proxy.add_checked_transform(_one_encoder(method, name, proxy, arguments))
+                if method == "fuse_lora":  # diffusers counts what it merged where it saw it
+                    merged = arguments["adapter_names"] or proxy.known_adapters() or ()
+                    self._merged_adapters = self._merged_adapters | set(merged)
             if method == "delete_adapters":
                 names = bound.arguments["adapter_names"]
                 proxy.forget_adapters([names] if isinstance(names, str) else names)
