@@ -40,6 +40,18 @@ def generate_images(capsys, model, out, *more):
     return run(capsys, "generate", model, *IMAGE_ARGS, "--output", out, *more)
 
 
+def generate_on_a_full_disk(capsys, model, out, monkeypatch) -> int:
+    """A run whose video's encoder finds the disk full; its exit status."""
+
+    def full(path, pixels, fps):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(output, "_encode", full)
+        code, _, _ = generate(capsys, model, out)
+    return code
+
+
 # -- files a previous run left ----------------------------------------------------------
 
 
@@ -69,14 +81,8 @@ def test_a_run_that_succeeds_does_not_keep_an_earlier_runs_frames(
     """frames.npy says a run's result could not be written: a later run that writes its
     video removes it."""
     out = tmp_path / "out"
-
-    def full(path, pixels, fps):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(output, "_encode", full)
-        code, _, _ = generate(capsys, tiny_model, out)
-    assert code == 1 and (out / "frames.npy").exists()
+    assert generate_on_a_full_disk(capsys, tiny_model, out, monkeypatch) == 1
+    assert (out / "frames.npy").exists()
     code, _, err = generate(capsys, tiny_model, out)
     assert code == 0, err
     assert listing(out) == {"report.json", "timeline.png", "video.mp4"}
@@ -278,14 +284,7 @@ def test_the_report_says_which_files_were_written_or_why_none_was(
     """report.json is written before the results, so that a failure still leaves it;
     written again after them, it lists the files, or the error and the kept frames."""
     out = tmp_path / "out"
-
-    def full(path, pixels, fps):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(output, "_encode", full)
-        code, _, _ = generate(capsys, tiny_model, out)
-    assert code == 1
+    assert generate_on_a_full_disk(capsys, tiny_model, out, monkeypatch) == 1
     said = json.loads((out / "report.json").read_text())["output"]
     assert "No space left on device" in said["error"] and said["frames_kept"] == "frames.npy"
     assert "files" not in said

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -42,14 +41,4 @@ def call(server: Server, method: str, path: str, **kwargs) -> httpx.Response:
     return asyncio.run(go())
 
 
-def wait_until(predicate, timeout: float = 60, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"not true within {timeout}s")
-
-
-__all__ = ["Limits", "call", "make_server", "wait_until"]
+__all__ = ["Limits", "call", "make_server"]

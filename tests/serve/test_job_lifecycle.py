@@ -12,7 +12,8 @@ from PIL import Image
 import ondeck.serve.server as server_module
 from ondeck.serve.jobs import Job
 
-from .inprocess import Limits, call, make_server, wait_until
+from .helpers import wait_for
+from .inprocess import Limits, call, make_server
 
 VIDEO = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
 
@@ -50,8 +51,8 @@ def test_a_video_deleted_while_its_files_are_written_is_cancelled_and_leaves_no_
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
         release.set()
         job = server.queue.get(job_id)
-        wait_until(lambda: job.done_event.is_set())
-        wait_until(lambda: not server._writing)
+        wait_for(lambda: job.done_event.is_set())
+        wait_for(lambda: not server._writing)
         after = call(server, "GET", f"/v1/videos/{job_id}")
         content = call(server, "GET", f"/v1/videos/{job_id}/content")
     finally:
@@ -113,8 +114,8 @@ def test_a_job_cancelled_while_it_waits_drops_its_decoded_input_image(models, tm
         assert call(server, "DELETE", f"/v1/videos/{job.id}").status_code == 200
         release.set()
         # The device thread reaches the cancelled job and skips it.
-        wait_until(lambda: server.queue.current is None and not server.queue.waiting())
-        wait_until(lambda: not server.queue._waiting)
+        wait_for(lambda: server.queue.current is None and not server.queue.waiting())
+        wait_for(lambda: not server.queue._waiting)
         assert server.queue.get(job.id) is job  # the server still keeps the job
     finally:
         release.set()
