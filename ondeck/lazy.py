@@ -679,9 +679,13 @@ class LazyModule:
                     )
                 object.__setattr__(self, "_ondeck_module", transformed)
             object.__getattribute__(self, "_ondeck_transforms").append(fn)
-            changes = object.__getattribute__(self, "_ondeck_changes")
-            object.__setattr__(self, "_ondeck_changes", changes + 1)
+            self._changed()
         return self
+
+    def _changed(self) -> None:
+        """What a load makes changed (see ``changes``)."""
+        changes = object.__getattribute__(self, "_ondeck_changes")
+        object.__setattr__(self, "_ondeck_changes", changes + 1)
 
     def _apply_or_release(self, fn: Callable[[Any], Any], module: Any) -> Any:
         """``fn(module)`` on the loaded module; where it raises, the module may be left

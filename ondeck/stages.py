@@ -220,7 +220,7 @@ class Pipeline(HostMemory):
             self.policy = make_policy(policy, budget=budget, prefetch=prefetch, device=self.device)
         streaming = getattr(self.policy, "streaming", None)
         if streaming is not None:
-            streaming.tracker = self.tracker  # streamed blocks' waits leave the timed calls
+            streaming.timing.tracker = self.tracker  # blocks' waits leave the timed calls
         if self.policy.loads_up_front:
             self.executor.attach(self.policy.attached(self.snapshot()))
 

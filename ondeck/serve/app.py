@@ -421,11 +421,9 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> dict:
         job = find_job(video_id)
-        if job.finished:
+        if not job.cancel("cancelled"):  # over already: it and its files go
             server.queue.remove(job.id)
             server.outputs.remove(job.id)
-        else:
-            job.cancel("cancelled")
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 
@@ -469,8 +467,7 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     @app.delete("/v1/ondeck/jobs/{job_id}")
     async def cancel_job(job_id: str) -> dict:
         job = find_job(job_id)
-        if not job.finished:
-            job.cancel("cancelled")
+        job.cancel("cancelled")
         return {"id": job.id, "object": "job.cancelled", "cancelled": job.cancelled}
 
     @app.get("/", response_class=HTMLResponse)

@@ -78,6 +78,8 @@ class Job:
     memory_after: dict[str, int | None] | None = None  # measured once the job is over
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
+    # A cancel and the job's start or completion: one or the other, never both.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -92,12 +94,33 @@ class Job:
         # The last percent is for decoding and writing the file.
         return min(99, int(100 * self.step / self.total_steps))
 
-    def cancel(self, why: str = "cancelled") -> None:
-        self.cancelled = True
-        self.cancel_reason = why
-        self.cancel_event.set()
-        if self.status == "queued":
-            self.fail(JobFailed(409, "cancelled", f"the job was {why} before it started"))
+    def cancel(self, why: str = "cancelled") -> bool:
+        """Stop the job at its next step, or before it starts; False once it is over."""
+        with self._lock:
+            if self.finished:
+                return False
+            self.cancelled = True
+            self.cancel_reason = why
+            self.cancel_event.set()
+            if self.status == "queued":
+                self.fail(JobFailed(409, "cancelled", f"the job was {why} before it started"))
+            return True
+
+    def start(self) -> bool:
+        """The job runs now; False when a cancel came first."""
+        with self._lock:
+            if self.cancelled:
+                return False
+            self.status = "in_progress"
+            return True
+
+    def complete_unless_cancelled(self) -> bool:
+        """Completed, unless a cancel came first (then False: the caller fails it)."""
+        with self._lock:
+            if self.cancelled:
+                return False
+            self.complete()
+            return True
 
     def fail(self, error: JobFailed) -> None:
         self.status = "failed"

@@ -182,7 +182,7 @@ class Server:
             pipeline=pipeline,
             policy=policy,
             kind=kind,
-            fps=media.fps or FALLBACK_FPS if kind == "video" else 0.0,
+            fps=(media.fps or FALLBACK_FPS) if kind == "video" else 0.0,
             fps_from=media.fps_from,
         )
         served.path = Path(path)  # type: ignore[attr-defined]
@@ -304,7 +304,8 @@ class Server:
     def _run(self, job: Job, upcoming: list[str]) -> None:
         model = self.models[job.model]
         pipeline = model.pipeline
-        job.status = "in_progress"
+        if not job.start():  # cancelled between the queue and here
+            return
         job.started_at = time.perf_counter()
         lookahead = self.config.lookahead
         try:
@@ -393,16 +394,13 @@ class Server:
     def _write(self, job: Job, report: dict, frames: Any, model: ServedModel) -> None:
         try:
             started = time.perf_counter()
-            if not job.cancel_event.is_set():
-                folder = self.outputs.folder(job.id)
-                job.files = write_job_files(folder, report, frames, kind=model.kind, fps=model.fps)
-                job.write_seconds = time.perf_counter() - started
-            if job.cancel_event.is_set():  # cancelled while its files were written: they go
+            folder = self.outputs.folder(job.id)
+            job.files = write_job_files(folder, report, frames, kind=model.kind, fps=model.fps)
+            job.write_seconds = time.perf_counter() - started
+            if not job.complete_unless_cancelled():  # cancelled while written: they go
                 self.outputs.remove(job.id)
                 job.files = {}
                 job.fail(JobFailed(409, "cancelled", f"the job was {job.cancel_reason} at its end"))
-            else:
-                job.complete()
         except Exception as error:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
             self.outputs.remove(job.id)

@@ -65,6 +65,19 @@ class StreamOptions:
     prepare_host_copies: bool | None = None
 
 
+class Timing:
+    """The pipeline's tracker, once it is attached: its call timer is what a streamer
+    tells each wait for a block's copy to (held apart, so a streamer refers to this and
+    not back to the ``BlockStreaming`` that holds it)."""
+
+    def __init__(self) -> None:
+        self.tracker: Any = None
+
+    def call_timer(self) -> Any:
+        """The pipeline's call timer (``MemoryTracker.call_timer``), if it has one."""
+        return getattr(self.tracker, "call_timer", None)
+
+
 class BlockStreaming:
     """Block streaming for one pipeline's components, driven by the budget policy.
 
@@ -83,8 +96,8 @@ class BlockStreaming:
         # component resident (``planning._waits``); counted by ``count_run``, once a run.
         self.declined_seconds = 0.0
         self._counted_run: int | None = None
-        # The pipeline's tracker, whose call timer the streamers tell their waits to.
-        self.tracker: Any = None
+        # Where the streamers find the pipeline's call timer, to tell their waits to.
+        self.timing = Timing()
 
     def inputs(self, snapshot: Any) -> StreamingInputs:
         """From a pipeline's ``Snapshot``: its device, loaders and block hints."""
@@ -147,10 +160,6 @@ class BlockStreaming:
         elif getattr(plan, "keeps_resident", False):
             self.declined_seconds = 0.0
 
-    def call_timer(self) -> Any:
-        """The pipeline's call timer (``MemoryTracker.call_timer``), if it has one."""
-        return getattr(self.tracker, "call_timer", None)
-
     def _host_room(self, snapshot: Any) -> HostRoom | None:
         room = getattr(snapshot, "host_room_bytes", None)
         if room is None:
@@ -202,7 +211,7 @@ class BlockStreaming:
                         loader.device,
                         keep_host_copies=self.options.keep_host_copies,
                         lists=lists,
-                        timer=self.call_timer,
+                        timer=self.timing.call_timer,
                     )
             except Exception:
                 streamer = None  # the load itself reports what is wrong with the folder

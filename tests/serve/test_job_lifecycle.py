@@ -135,3 +135,17 @@ def test_a_size_the_model_cannot_take_is_refused_before_it_waits(models, tmp_pat
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "size" and "multiple of 16" in error["message"]
+
+
+def test_a_cancel_and_the_jobs_end_are_one_or_the_other():
+    """A cancel once the job is over changes nothing (the route then deletes it); a job
+    cancelled first is not started, nor completed."""
+    done = Job(kind="video", model="m", prompt="p", width=8, height=8)
+    assert done.start() and done.complete_unless_cancelled()
+    assert done.cancel() is False and done.status == "completed" and not done.cancelled
+    late = Job(kind="video", model="m", prompt="p", width=8, height=8)
+    assert late.start() and late.cancel() is True
+    assert late.complete_unless_cancelled() is False and late.status == "in_progress"
+    queued = Job(kind="video", model="m", prompt="p", width=8, height=8)
+    assert queued.cancel() is True and queued.status == "failed"
+    assert queued.start() is False and queued.status == "failed"

@@ -348,3 +348,61 @@ def text_encoder_gguf(base, tmp_path_factory) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _flux_lora_state(model, prefix, ends, seed):
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, layer in model.named_modules():
+        if name.endswith(ends):
+            a = torch.randn(4, layer.in_features, generator=generator) * 0.5
+            b = torch.randn(layer.out_features, 4, generator=generator) * 0.5
+            state[f"{prefix}.{name}.lora_A.weight"] = a
+            state[f"{prefix}.{name}.lora_B.weight"] = b
+    return state
+
+
+@pytest.fixture(scope="session")
+def flux_loras(tmp_path_factory):
+    """A tiny Flux folder; LoRA 'both' (text encoder and transformer), 'other' (same
+    layers, other values) and 'transformer_only'."""
+    from diffusers import FluxPipeline
+    from integrations.tiny_pipelines import build_flux
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("flux-check")
+    build_flux(root / "flux")
+    plain = FluxPipeline.from_pretrained(root / "flux")
+    for folder, seed, parts in (
+        ("both", 1, ("text_encoder", "transformer")),
+        ("other", 2, ("text_encoder", "transformer")),
+        ("transformer_only", 3, ("transformer",)),
+    ):
+        state = {}
+        if "text_encoder" in parts:
+            state.update(
+                _flux_lora_state(plain.text_encoder, "text_encoder", ("q_proj", "v_proj"), seed)
+            )
+        state.update(
+            _flux_lora_state(plain.transformer, "transformer", ("attn.to_q", "attn.to_k"), seed)
+        )
+        (root / folder).mkdir()
+        save_file(state, root / folder / "pytorch_lora_weights.safetensors")
+    return root
+
+
+@pytest.fixture(scope="session")
+def wan_lora(tmp_path_factory):
+    """A tiny Wan folder and a transformer LoRA (Wan's load_lora_weights reads nothing of
+    the deferred transformer, so the recorded call is tried on its meta skeleton)."""
+    from diffusers import WanPipeline
+    from integrations.tiny_pipelines import build_wan
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("wan-check")
+    build_wan(root / "wan")
+    plain = WanPipeline.from_pretrained(root / "wan")
+    state = _flux_lora_state(plain.transformer, "transformer", ("attn1.to_q", "attn1.to_k"), 1)
+    (root / "lora").mkdir()
+    save_file(state, root / "lora" / "pytorch_lora_weights.safetensors")
+    return root

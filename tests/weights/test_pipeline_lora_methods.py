@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from integrations.tiny_pipelines import FAMILIES, build_flux, run
+from integrations.tiny_pipelines import FAMILIES, run
 from references import in_fresh_tensors
 
 import ondeck
@@ -19,35 +18,8 @@ pytest.importorskip("peft")
 FLUX = FAMILIES["flux"]
 
 
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    """A tiny Flux folder and a LoRA file with layers on its text encoder and transformer,
-    in diffusers' key layout."""
-    from diffusers import FluxPipeline
-    from safetensors.torch import save_file
-
-    root = tmp_path_factory.mktemp("flux-lora")
-    build_flux(root / "flux")
-    plain = FluxPipeline.from_pretrained(root / "flux")
-    generator = torch.Generator().manual_seed(1)
-    state = {}
-    for prefix, model, ends in (
-        ("text_encoder", plain.text_encoder, ("q_proj", "v_proj")),
-        ("transformer", plain.transformer, ("attn.to_q", "attn.to_k")),
-    ):
-        for name, layer in model.named_modules():
-            if name.endswith(ends):
-                a = torch.randn(4, layer.in_features, generator=generator) * 0.5
-                b = torch.randn(layer.out_features, 4, generator=generator) * 0.5
-                state[f"{prefix}.{name}.lora_A.weight"] = a
-                state[f"{prefix}.{name}.lora_B.weight"] = b
-    (root / "lora").mkdir()
-    save_file(state, root / "lora" / "pytorch_lora_weights.safetensors")
-    return root
-
-
 def _with_lora(pipe, root):
-    pipe.load_lora_weights(root / "lora", adapter_name="style")
+    pipe.load_lora_weights(root / "both", adapter_name="style")
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -78,23 +50,27 @@ CALLS = {
 
 
 @pytest.mark.parametrize("call", list(CALLS))
-def test_a_pipeline_lora_call_on_a_deferred_text_encoder_outlives_its_reloads(flux, call):
-    plain = _plain(flux)
+def test_a_pipeline_lora_call_on_a_deferred_text_encoder_outlives_its_reloads(flux_loras, call):
+    plain = _plain(flux_loras)
     loaded = run(plain, FLUX)
     CALLS[call](plain)
     expected = run(plain, FLUX)
     assert not np.array_equal(expected, loaded), "the call changes the output"
 
-    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+    pipe = _with_lora(
+        ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
+    )
     CALLS[call](pipe)
     for _ in range(2):  # release: every call loads every component again
         assert np.array_equal(run(pipe, FLUX), expected)
     assert _loads(pipe)["text_encoder"] == 2
 
 
-def test_setting_adapters_asks_no_component_to_load_and_names_a_missing_one(flux):
-    plain = _plain(flux)
-    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+def test_setting_adapters_asks_no_component_to_load_and_names_a_missing_one(flux_loras):
+    plain = _plain(flux_loras)
+    pipe = _with_lora(
+        ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
+    )
     before = _loads(pipe)  # (Flux's load_lora_weights itself reads the transformer's layers)
     assert pipe.get_list_adapters() == plain.get_list_adapters()
     with pytest.raises(ValueError, match=r"Adapter name\(s\) \{'other'\} not in the list"):
@@ -105,17 +81,21 @@ def test_setting_adapters_asks_no_component_to_load_and_names_a_missing_one(flux
     assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
 
 
-def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux):
-    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux_loras):
+    pipe = _with_lora(
+        ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
+    )
     pipe.delete_adapters("style")
     assert pipe.get_list_adapters() == {}
     with pytest.raises(ValueError, match="not in the list of present adapters"):
         pipe.set_adapters("style")
 
 
-def test_a_fuse_on_a_deferred_text_encoder_is_counted_as_diffusers_counts_it(flux):
-    plain = _plain(flux)
-    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux / "flux", policy="release"), flux)
+def test_a_fuse_on_a_deferred_text_encoder_is_counted_as_diffusers_counts_it(flux_loras):
+    plain = _plain(flux_loras)
+    pipe = _with_lora(
+        ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
+    )
     for each in (plain, pipe):
         each.fuse_lora(components=["text_encoder"], lora_scale=0.6)
     assert pipe.fused_loras == plain.fused_loras == {"style"}

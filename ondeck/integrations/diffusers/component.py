@@ -162,6 +162,8 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_make_loader", make_loader)
         setter(self, "_ondeck_settings", {})
         setter(self, "_ondeck_adapters", [])
+        # A textual inversion's rows of the embedding table (``pipeline_lora._AddedRows``).
+        setter(self, "_ondeck_added_rows", None)
         setter(self, "_ondeck_fused_lora", FusedLora())
         # An encoder's answers by their inputs (see ``keep_answers``); None: not kept.
         setter(self, "_ondeck_answers", None)
@@ -300,12 +302,13 @@ class PipelineComponent(LazyModule):
 
             apply.__qualname__ = f"{method} (recorded)"
             mark_recorded(apply, method, args, kwargs)
+            if method in ADAPTER_METHODS:
+                apply.on_skeleton = True
             if method in _ADAPTER_LOADS:
-                proxy.try_on_skeleton(apply)  # a LoRA of other shapes fails now
+                proxy.load_adapter_checked(apply, kwargs.get("adapter_name"))
+                return
             proxy.add_checked_transform(apply)
-            if method in _ADAPTER_LOADS:
-                proxy.record_adapter(kwargs.get("adapter_name"))
-            elif method == "delete_adapters":
+            if method == "delete_adapters":
                 names = args[0] if args else kwargs.get("adapter_names", ())
                 proxy.forget_adapters([names] if isinstance(names, str) else names)
             elif method == "unload_lora":
@@ -335,6 +338,7 @@ class PipelineComponent(LazyModule):
         guarded.__qualname__ = getattr(fn, "__qualname__", repr(fn))
         if hasattr(fn, "recorded_call"):
             guarded.recorded_call = fn.recorded_call
+        guarded.on_skeleton = getattr(fn, "on_skeleton", False)
         if is_adapter_call(guarded):
             self._drop_module_without_adapters()
         self._complete_filling()  # the call may change weights still arriving
@@ -345,8 +349,7 @@ class PipelineComponent(LazyModule):
                 if result is not None and result is not module:
                     object.__setattr__(self, "_ondeck_module", result)
             transforms.append(guarded)
-            changes = object.__getattribute__(self, "_ondeck_changes")
-            object.__setattr__(self, "_ondeck_changes", changes + 1)
+            self._changed()
             object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
 
     def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
@@ -417,19 +420,57 @@ class PipelineComponent(LazyModule):
         loader = object.__getattribute__(self, "_ondeck_loader")
         return isinstance(loader, FolderLoader) and loader.placement is not None
 
-    def try_on_skeleton(self, fn: Callable[[Any], Any]) -> None:
-        """Apply ``fn`` to a weightless copy of this unloaded component (its skeleton, on
-        the meta device), so that a call that cannot apply (a LoRA for other shapes)
-        fails now, as it would on a loaded module, not at a later load. A loaded
-        component applies it for real; one with no skeleton to build is not checked."""
+    def try_on_skeleton(self, fn: Callable[[Any], Any]) -> tuple[set[str], Any] | None:
+        """Apply the adapter calls recorded so far (those marked ``on_skeleton``), then
+        ``fn``, to a weightless copy of this unloaded component (its skeleton, on the
+        meta device): a call that cannot apply (a LoRA for other shapes, an adapter name
+        in use) fails now, as it would on a loaded module, not at a later load. Returns
+        the adapters the copy had before ``fn`` and the copy after it; None where the
+        component is loaded (it applies the call for real) or has no skeleton to build."""
         loader = object.__getattribute__(self, "_ondeck_loader")
         if loaded_module(self) is not None or not isinstance(loader, FolderLoader):
-            return
+            return None
         try:
             module = loader.folder.skeleton(loader.name, loader.dtype).module
         except LoadError:
-            return  # the load itself reports what is wrong with the folder
+            return None  # the load itself reports what is wrong with the folder
+        try:
+            for earlier in object.__getattribute__(self, "_ondeck_transforms"):
+                if getattr(earlier, "on_skeleton", False):
+                    earlier(module)
+        except Exception:
+            return None  # one a weightless copy cannot take (a safe fuse reads values)
+        before = set(getattr(module, "peft_config", None) or {})
         fn(module)
+        return before, module
+
+    def load_adapter_checked(self, fn: Callable[[Any], Any], name: str | None) -> None:
+        """Record ``fn``, a call that loads adapters, once it applied to the skeleton (or
+        to the loaded module), and note the adapters it added there: none where the
+        LoRA holds nothing for this component, and the name diffusers gives an unnamed
+        one. Without a skeleton, ``name`` (None: named as it loads)."""
+        tried = self.try_on_skeleton(fn)
+        self.add_checked_transform(fn)
+        module = loaded_module(self)
+        if tried is not None:
+            before, after = tried
+        elif module is not None:
+            before, after = set(), module  # added for real: what it has now
+        else:
+            self.record_adapter(name)
+            return
+        for added in getattr(after, "peft_config", None) or {}:
+            if added not in before:
+                self.record_adapter(added)
+
+    def added_rows(self, make: Callable[[], Any]) -> Any:
+        """What textual inversions added to this encoder's embedding table, kept with
+        the component (made by ``make`` the first time)."""
+        rows = object.__getattribute__(self, "_ondeck_added_rows")
+        if rows is None:
+            rows = make()
+            object.__setattr__(self, "_ondeck_added_rows", rows)
+        return rows
 
     def record_adapter(self, name: str | None) -> None:
         """Note that a recorded call loads adapter ``name`` into this component (None:
@@ -509,8 +550,7 @@ class PipelineComponent(LazyModule):
             return
         new_loader = make_loader(new_device, new_dtype)
         object.__setattr__(self, "_ondeck_loader", new_loader)
-        changes = object.__getattribute__(self, "_ondeck_changes")
-        object.__setattr__(self, "_ondeck_changes", changes + 1)
+        self._changed()
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
 
 

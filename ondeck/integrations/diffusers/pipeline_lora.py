@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...lazy import loaded_module
 from ...loading.skeleton import library_of
 from .component import PipelineComponent, fresh_copy
 from .fused_lora import mark_recorded
@@ -144,10 +145,12 @@ def _encoder_method(method: str, base: Callable[..., Any]) -> Callable[..., Any]
         for name, proxy in encoders.items():
             arguments = _encoder_arguments(method, name, bound.arguments)
             if arguments is not None:
-                proxy.add_checked_transform(_one_encoder(method, name, proxy, arguments))
-                if method == "fuse_lora":  # diffusers counts what it merged where it saw it
-                    merged = arguments["adapter_names"] or proxy.known_adapters() or ()
-                    self._merged_adapters = self._merged_adapters | set(merged)
+                transform = _one_encoder(method, name, proxy, arguments)
+                tried = _counting_try(proxy, transform) if method == "fuse_lora" else None
+                proxy.add_checked_transform(transform)
+                if method == "fuse_lora":  # counted as diffusers counts it: what merged
+                    merged = tried[1] if tried is not None else loaded_module(proxy)
+                    self._merged_adapters = self._merged_adapters | _merged_in(merged)
             if method == "delete_adapters":
                 names = bound.arguments["adapter_names"]
                 proxy.forget_adapters([names] if isinstance(names, str) else names)
@@ -202,7 +205,31 @@ def _one_encoder(
         return module
 
     apply.__qualname__ = f"pipeline {method} on {name} (recorded)"
+    apply.on_skeleton = True
     return apply
+
+
+def _counting_try(proxy: PipelineComponent, transform: Callable[[Any], Any]) -> Any:
+    """A fuse tried on the encoder's skeleton, to count what it merges; nothing where a
+    weightless copy cannot take it (a safe fuse reads values): the load checks it."""
+    try:
+        return proxy.try_on_skeleton(transform)
+    except Exception:
+        return None
+
+
+def _merged_in(module: Any) -> set[str]:
+    """The adapters merged into ``module``'s LoRA layers (none for None)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if module is None:
+        return set()
+    return {
+        adapter
+        for layer in module.modules()
+        if isinstance(layer, BaseTunerLayer)
+        for adapter in layer.merged_adapters
+    }
 
 
 def _its_own_adapters(module: Any, given: dict[str, Any]) -> dict[str, Any] | None:
@@ -289,9 +316,9 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
         mark_recorded(apply, function.__name__, (), arguments)
-        proxy.try_on_skeleton(apply)  # a LoRA of other shapes fails now, not at a load
-        proxy.add_checked_transform(apply)
-        proxy.record_adapter(arguments.get("adapter_name"))
+        apply.on_skeleton = True
+        # A LoRA of other shapes, or a name in use, fails now, not at a later load.
+        proxy.load_adapter_checked(apply, arguments.get("adapter_name"))
         return None
 
     return load_lora_into
@@ -312,8 +339,7 @@ def _textual_inversion_method(base: Callable[..., Any]) -> Callable[..., Any]:
         tokenizer = bound.arguments.get("tokenizer") or self.__dict__.get("tokenizer")
         if runtime is None or not isinstance(encoder, PipelineComponent) or tokenizer is None:
             return base(self, *args, **kwargs)
-        added = runtime.__dict__.setdefault("_added_rows", {})
-        rows = added.setdefault(id(encoder), _AddedRows(len(tokenizer)))
+        rows = encoder.added_rows(lambda: _AddedRows(len(tokenizer)))
         rows.first = min(rows.first, len(tokenizer))  # new tokens' ids start here
         result = base(self, *args, **kwargs)
         if rows.take(encoder.get_input_embeddings().weight):
