@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from ...errors import BudgetError, LoadError
 from ...lazy import is_out_of_memory
 from ...memory import allocator_counts, format_bytes, free_cached_memory
-from ...tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, tiles_for
+from ...tiles import RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, smallest_tiles, tiles_for
 
 __all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_style"]
 
@@ -44,6 +45,8 @@ CROWDED_RETRIES = 2
 STRIDES = "strides"  # enable_tiling(tile_sample_min_height=..., tile_sample_stride_height=...)
 OVERLAP_FACTORS = "overlap factors"  # enable_tiling(tile_sample_min_height=..., tile_overlap_...)
 SQUARE = "square"  # attributes tile_sample_min_size / tile_latent_min_size
+# The overlap ondeck gives a VAE that takes a factor (see ``TilingStyle.usable``).
+QUARTER = 0.25
 
 
 @dataclass(frozen=True)
@@ -54,34 +57,85 @@ class TilingStyle:
     kind: str | None
     names: tuple[str, ...]  # the attributes the style sets, saved and restored
 
-    def settings(self, tiles: Tiles, scale: int) -> dict[str, Any]:
-        if self.kind == STRIDES:
-            return {
-                "tile_sample_min_height": tiles.height,
-                "tile_sample_min_width": tiles.width,
-                "tile_sample_stride_height": tiles.stride_height,
-                "tile_sample_stride_width": tiles.stride_width,
-            }
-        if self.kind == OVERLAP_FACTORS:
-            return {
-                "tile_sample_min_height": tiles.height,
-                "tile_sample_min_width": tiles.width,
-                "tile_overlap_factor_height": 1 - tiles.stride_height / tiles.height,
-                "tile_overlap_factor_width": 1 - tiles.stride_width / tiles.width,
-            }
-        return {}
+    def usable(
+        self, tiles: Tiles | None, height: int, width: int, scale: int, below: float = 1.0
+    ) -> Tiles | None:
+        """The tiles the VAE really decodes for ``tiles`` (None: whole frames), each of
+        less than ``below`` of the frame; None where no tiles are that small. Strides
+        pass as they are. A VAE that takes an overlap factor, or square tiles, reads its
+        stride back from the factor through ``int()`` and crops each tile to the side
+        less its overlap: both agree, and the tiles add up to the frame, for a quarter's
+        overlap (``QUARTER``) on a side of a multiple of 4 latent pixels."""
+        if tiles is None or self.kind not in (SQUARE, OVERLAP_FACTORS):
+            return tiles if tiles is None or tiles.area < below else None
+        latent = [-(-height // scale), -(-width // scale)]
+        if self.kind == SQUARE:  # smaller than the longer side: else it decodes whole
+            side = min(int(math.sqrt(tiles.area * height * width)) // scale, max(latent) - 1)
+            sides = [max(4, side // 4 * 4)] * 2
+        else:
+            sides = [
+                _quarter_side(tile // scale, lat, cut=tile < length)
+                for tile, length, lat in zip(
+                    (tiles.height, tiles.width), (height, width), latent, strict=True
+                )
+            ]
+        while min(sides) >= 4 and (self.kind != SQUARE or sides[0] < max(latent)):
+            made = _overlapped(sides, latent, (height, width), scale)
+            if made.area < below and made.count > 1:
+                return made
+            if self.kind == SQUARE:
+                sides = [sides[0] - 4] * 2
+                continue
+            # The side its tile covers most of gets smaller (one not cut yet, cut).
+            axis = max((0, 1), key=lambda a: min(sides[a], latent[a]) / latent[a])
+            whole = sides[axis] >= latent[axis]
+            sides[axis] = (latent[axis] - 1) // 4 * 4 if whole else sides[axis] - 4
+        return None
 
     def apply(self, module: Any, tiles: Tiles, scale: int) -> None:
-        """Turn on the VAE's own tiling at ``tiles``'s sizes."""
+        """Turn on the VAE's own tiling at ``tiles``'s sizes (``usable`` ones)."""
         if self.kind == SQUARE:
-            # Two latent pixels at least: the VAE overlaps a quarter of a tile, which
-            # must be a whole latent pixel.
-            side = max(tiles.height, tiles.width, 2 * scale)
-            module.tile_sample_min_size = side
-            module.tile_latent_min_size = side // scale
+            module.tile_sample_min_size = tiles.height
+            module.tile_latent_min_size = tiles.height // scale
+            module.tile_overlap_factor = QUARTER
             module.enable_tiling()
-            return
-        module.enable_tiling(**self.settings(tiles, scale))
+        elif self.kind == OVERLAP_FACTORS:
+            module.enable_tiling(
+                tile_sample_min_height=tiles.height,
+                tile_sample_min_width=tiles.width,
+                tile_overlap_factor_height=QUARTER,
+                tile_overlap_factor_width=QUARTER,
+            )
+        elif self.kind == STRIDES:
+            module.enable_tiling(
+                tile_sample_min_height=tiles.height,
+                tile_sample_min_width=tiles.width,
+                tile_sample_stride_height=tiles.stride_height,
+                tile_sample_stride_width=tiles.stride_width,
+            )
+        else:
+            module.enable_tiling()
+
+
+def _quarter_side(tile: int, latent: int, *, cut: bool) -> int:
+    """A side of a multiple of 4 latent pixels for a ``tile``-pixel-wide (latent) cut,
+    or, for a side not cut, one whose tile, less its overlap, covers all of it."""
+    if not cut:
+        return 4 * -(-latent // 3)  # three quarters of it, the part kept, cover the side
+    return max(4, tile // 4 * 4)
+
+
+def _overlapped(sides: list[int], latent: list[int], frame: tuple[int, int], scale: int) -> Tiles:
+    """Tiles of ``sides`` latent pixels overlapping by a quarter: their count, and one
+    tile's share of the frame."""
+    strides = [side * 3 // 4 for side in sides]
+    count = math.prod(-(-lat // stride) for lat, stride in zip(latent, strides, strict=True))
+    area = math.prod(
+        min(side * scale, length) / length for side, length in zip(sides, frame, strict=True)
+    )
+    return Tiles(
+        sides[0] * scale, sides[1] * scale, strides[0] * scale, strides[1] * scale, count, area
+    )
 
 
 def is_vae(cls: type | None) -> bool:
@@ -106,6 +160,11 @@ def tiling_style(cls: type) -> TilingStyle | None:
             "tile_sample_min_width",
             "tile_sample_stride_height",
             "tile_sample_stride_width",
+            # What some (AutoencoderDC) derive from those in enable_tiling.
+            "tile_latent_min_height",
+            "tile_latent_min_width",
+            "tile_latent_stride_height",
+            "tile_latent_stride_width",
         )
         return TilingStyle(STRIDES, names)
     if {"tile_sample_min_height", "tile_overlap_factor_height"} <= parameters:
@@ -120,7 +179,13 @@ def tiling_style(cls: type) -> TilingStyle | None:
         )
         return TilingStyle(OVERLAP_FACTORS, names)
     if "tile_sample_min_size" in parameters or _sets_attribute(cls, "tile_sample_min_size"):
-        return TilingStyle(SQUARE, ("use_tiling", "tile_sample_min_size", "tile_latent_min_size"))
+        names = (
+            "use_tiling",
+            "tile_sample_min_size",
+            "tile_latent_min_size",
+            "tile_overlap_factor",
+        )
+        return TilingStyle(SQUARE, names)
     if _sets_attribute(cls, "use_tiling"):
         return TilingStyle(None, ("use_tiling",))
     return None
@@ -268,6 +333,23 @@ class FittingDecode:
         dtype = object.__getattribute__(self.proxy, "_ondeck_spec").dtype
         return estimated_need(self.config, shape, dtype.itemsize if dtype is not None else 4)
 
+    def finest_area(self, arguments: dict[str, Any]) -> float | None:
+        """The share of a frame the finest tiles this VAE decodes in take, for the call
+        ``arguments`` size; None where that is not known (no size, sizes of its own)."""
+        height, width = arguments.get("height"), arguments.get("width")
+        if self.style is None or self.style.kind is None:
+            return None
+        if not isinstance(height, int) or not isinstance(width, int):
+            return None
+        scale = spatial_scale(self.config)
+        finest = self.style.usable(smallest_tiles(height, width, scale=scale), height, width, scale)
+        while finest is not None:  # as far as retries go
+            finer = self.style.usable(finest, height, width, scale, below=finest.area)
+            if finer is None:
+                return finest.area
+            finest = finer
+        return 1.0
+
     # -- the call -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -297,7 +379,14 @@ class FittingDecode:
         slices = latents.shape[0] if _slices(module, latents, need, room) else 1
         elements //= slices
         need = need // slices if need is not None else None
-        tiles = tiles_for(height, width, need, room, scale=scale) if self.style else None
+        tiles = None
+        if self.style is not None:
+            planned = tiles_for(height, width, need, room, scale=scale)
+            tiles = self.style.usable(planned, height, width, scale)
+            if planned is not None and tiles is None:  # none smaller: the finest
+                tiles = self.style.usable(
+                    smallest_tiles(height, width, scale=scale), height, width, scale
+                )
         retries, made_room = 0, False
         while True:
             try:
@@ -333,12 +422,16 @@ class FittingDecode:
                     f"{height}x{width} ran out of memory, and this VAE class cannot decode "
                     "in tiles; try a lower resolution or a larger budget"
                 )
-            tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
-            if tiles is None:
+            finer = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
+            finer = finer or smallest_tiles(height, width, scale=scale)
+            finer = self.style.usable(finer, height, width, scale, below=failed_area)
+            if finer is None:
+                split = f"{tiles.count} tiles" if tiles is not None else "whole frames"
                 raise torch.OutOfMemoryError(
                     f"component '{self.name}': decoding {height}x{width} ran out of memory "
-                    f"even in {MAX_TILES_PER_SIDE}x{MAX_TILES_PER_SIDE} tiles"
+                    f"even in {split}, the finest this VAE decodes in"
                 )
+            tiles = finer
         if tiles is not None and latents.is_cuda:
             torch.cuda.empty_cache()  # tiles mean the device is tight
         self.last_tiles, self.last_retries, self.last_slices = tiles, retries, slices

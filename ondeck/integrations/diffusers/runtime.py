@@ -65,8 +65,14 @@ class ComponentTurn(Stage):
         decoder = self._decoder()
         if decoder is None or decoder.style is None:
             return need
-        # The VAE tiles down to what the room holds.
-        return min(need, max(0, int(room * TILE_SAFETY)))
+        # The VAE tiles down to what the room holds, and no finer than it can: a need
+        # measured (an estimate alone never refuses) that its finest tiles do not fit
+        # overflows the plan, refused before any load.
+        fitted = min(need, max(0, int(room * TILE_SAFETY)))
+        if decoder.bytes_per_element is None:
+            return fitted
+        finest = decoder.finest_area(self._ondeck_pipeline._call_arguments)
+        return max(fitted, int(need * finest)) if finest is not None else fitted
 
 
 class _CallRecord:
