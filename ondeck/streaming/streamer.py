@@ -240,21 +240,24 @@ class BlockStreamer:
 
     def destination(self, slot: Any) -> tuple[Any, bool] | None:
         """Where a tensor of a streamed block goes (a host view), and whether it is there
-        already; None for every other tensor (it goes to the device as usual)."""
-        self._loading = True
-        found = self._by_name.get(slot.names[0])
-        if found is None or found[0] not in self._streamed:
-            return None
-        block, tensor = found
-        if block in self._from_files:
-            # Read each pass, never at the load: until the module is armed its tensors
-            # view the ring (then they view the device slots, as every streamed block).
-            return _view(self._file_ring().stand_in(), tensor), True
-        view = _view(self._host.region(block), tensor)
-        filled = block in self._host.filled
-        if not filled:
-            self._reading += tensor.nbytes
-        return view, filled
+        already; None for every other tensor (it goes to the device as usual). Under the
+        lock ``drop_host_copies`` checks and clears under: relief from the host watch's
+        thread either comes before the load takes its regions, or finds it loading."""
+        with self._lock:
+            self._loading = True
+            found = self._by_name.get(slot.names[0])
+            if found is None or found[0] not in self._streamed:
+                return None
+            block, tensor = found
+            if block in self._from_files:
+                # Read each pass, never at the load: until the module is armed its tensors
+                # view the ring (then they view the device slots, as every streamed block).
+                return _view(self._file_ring().stand_in(), tensor), True
+            view = _view(self._host.region(block), tensor)
+            filled = block in self._host.filled
+            if not filled:
+                self._reading += tensor.nbytes
+            return view, filled
 
     def file_source(self, slot: Any, jobs_for: Callable[[Any], list[reads.ReadJob]]) -> None:
         """How the loader reads ``slot``'s tensor from the files into a destination of its

@@ -89,6 +89,44 @@ def test_relieving_host_memory_while_the_streamed_component_loads_keeps_the_fram
         assert np.array_equal(generate(pipe, prompt), reference_frames[prompt]), prompt
 
 
+def test_relief_from_another_thread_waits_while_a_load_takes_its_host_regions(
+    six_block_folder,
+):
+    """The watch's ``drop_host_copies`` checks that no load is in flight and clears
+    under the streamer's lock; a load takes each host region under it too. Else relief
+    that passed its check just before a load began could clear the regions the load had
+    just taken, and the block would be marked filled in a fresh, unwritten region."""
+    import threading
+
+    loader, streamer, sizes, expected = placed_loader(six_block_folder, None, False)
+    streamer.use_layout(layout(sizes, (1, 2, 4)))
+    host = object.__getattribute__(streamer, "_host")
+    real_region = host.region
+    free_meanwhile: list[bool] = []
+
+    def region(block):
+        if not free_meanwhile:
+
+            def try_the_lock():
+                taken = streamer._lock.acquire(timeout=0.1)
+                if taken:
+                    streamer._lock.release()
+                free_meanwhile.append(taken)
+
+            other = threading.Thread(target=try_the_lock)
+            other.start()
+            other.join()
+        return real_region(block)
+
+    host.region = region
+    try:
+        module = loader()
+    finally:
+        host.region = real_region
+    assert free_meanwhile == [False], "another thread could take the lock mid-load"
+    assert_computes(module, expected)
+
+
 # -- loads that fail after the module was armed ---------------------------------------
 
 
