@@ -102,8 +102,11 @@ class HostFacts:
 def cgroup_memory(
     root: str | os.PathLike = "/sys/fs/cgroup", self_cgroup: str | os.PathLike = "/proc/self/cgroup"
 ) -> tuple[int, int] | None:
-    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1; None where
-    there is none, no limit, or nothing can be read."""
+    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1: the tightest of
+    its own and its ancestors' (a limit is often set on a parent: a Slurm job, a systemd
+    slice, a Kubernetes pod), usage less the inactive file pages the kernel reclaims
+    first (the page cache of weights just read). None where there is no limit, or
+    nothing can be read."""
     try:
         lines = Path(self_cgroup).read_text().splitlines()
     except OSError:
@@ -114,27 +117,52 @@ def cgroup_memory(
         if len(parts) != 3:
             continue
         _, controllers, relative = parts
-        relative = relative.lstrip("/")
         if controllers == "":  # v2: one unified hierarchy
-            folder, names = root / relative, ("memory.max", "memory.current")
+            base, v1 = root, False
         elif "memory" in controllers.split(","):
-            folder = root / "memory" / relative
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base, v1 = root / "memory", True
         else:
             continue
-        try:
-            limit_text = (folder / names[0]).read_text().strip()
-            used = int((folder / names[1]).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text == "max":
-            return None
-        try:
-            limit = int(limit_text)
-        except ValueError:
-            return None
-        return None if limit >= _NO_LIMIT else (limit, used)
+        folder, tightest = base / relative.lstrip("/"), None
+        while True:
+            found = _cgroup_level(folder, v1)
+            if found is not None and (
+                tightest is None or found[0] - found[1] < tightest[0] - tightest[1]
+            ):
+                tightest = found
+            if folder == base or base not in folder.parents:
+                return tightest
+            folder = folder.parent
     return None
+
+
+def _cgroup_level(folder: Path, v1: bool) -> tuple[int, int] | None:
+    """(limit, usage less inactive file pages) of one cgroup folder; None without a limit."""
+    names = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        if v1
+        else ("memory.max", "memory.current")
+    )
+    try:
+        limit_text = (folder / names[0]).read_text().strip()
+        used = int((folder / names[1]).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    stat = {}
+    try:
+        for row in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = row.partition(" ")
+            if value.strip().isdigit():
+                stat[key] = int(value)
+    except OSError:
+        pass
+    limit = int(limit_text) if limit_text.isdigit() else None
+    if limit is None or limit >= _NO_LIMIT:  # v1 with hierarchy: the ancestors' limit
+        limit = stat.get("hierarchical_memory_limit") if v1 else None
+    if limit is None or limit >= _NO_LIMIT:
+        return None
+    reclaimable = stat.get("total_inactive_file" if v1 else "inactive_file", 0)
+    return limit, max(0, used - reclaimable)
 
 
 def host_facts(

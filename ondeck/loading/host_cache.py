@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..memory import aligned, is_unified, pinned_host_bytes
+from ..memory import aligned, host_facts, is_unified, pinned_host_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
@@ -26,10 +26,13 @@ GiB = 2**30
 
 
 def default_budget_bytes() -> int:
-    """Half of what the OS says is available, less 4 GiB of headroom; never negative."""
-    import psutil
-
-    return max(0, psutil.virtual_memory().available // 2 - 4 * GiB)
+    """Half of what the OS says is available (or of what a cgroup's limit leaves, where
+    that is less: ``memory.host_facts``), less 4 GiB of headroom; never negative."""
+    facts = host_facts()
+    room = facts.available_bytes
+    if facts.cgroup_limit_bytes is not None and facts.cgroup_used_bytes is not None:
+        room = min(room, facts.cgroup_limit_bytes - facts.cgroup_used_bytes)
+    return max(0, room // 2 - 4 * GiB)
 
 
 # Pinned arenas hold consecutive tensors of one block up to about this many bytes (a

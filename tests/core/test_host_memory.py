@@ -3,11 +3,16 @@ the watch that drops the host cache before it fails a run."""
 
 from __future__ import annotations
 
+import functools
+
+import psutil
 import pytest
 import torch
 
 import ondeck
+from ondeck import memory
 from ondeck.host_watch import HostMemoryError, HostWatch
+from ondeck.loading.host_cache import HostCache
 from ondeck.memory import HOST_RESERVE_MIN_BYTES, cgroup_memory, host_facts
 
 GiB = 2**30
@@ -115,3 +120,110 @@ def test_a_run_over_its_host_budget_stops_between_stages():
         pipe({})
     assert not ondeck.is_loaded(pipe.components["encoder"]), "nothing left resident"
     assert pipe.report()["host_peak_bytes"] == 10 * GiB
+
+
+def _v2(tmp_path, leaf: str, files: dict[str, dict[str, str]]):
+    (tmp_path / "self").write_text(f"0::/{leaf}\n")
+    for relative, contents in files.items():
+        folder = tmp_path / "root" / relative
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in contents.items():
+            (folder / name).write_text(text)
+    return tmp_path / "root", tmp_path / "self"
+
+
+def test_a_limit_on_a_parent_cgroup_is_read(tmp_path):
+    """A job under Slurm, a systemd slice with MemoryMax=, a Kubernetes pod: the limit is
+    set on an ancestor of the process's cgroup and the leaf says ``max``. The tightest
+    of the cgroup and its ancestors is the one the kernel enforces, and the one planned
+    against (it used to be no limit: the machine's available memory)."""
+    root, self_cgroup = _v2(
+        tmp_path,
+        "system.slice/slurmstepd.scope/job_7/step_0/task_0",
+        {
+            "system.slice/slurmstepd.scope/job_7": {
+                "memory.max": f"{8 * GiB}\n",
+                "memory.current": f"{2 * GiB}\n",
+            },
+            "system.slice/slurmstepd.scope/job_7/step_0": {
+                "memory.max": "max\n",
+                "memory.current": f"{2 * GiB}\n",
+            },
+            "system.slice/slurmstepd.scope/job_7/step_0/task_0": {
+                "memory.max": "max\n",
+                "memory.current": f"{2 * GiB}\n",
+            },
+        },
+    )
+    found = cgroup_memory(root, self_cgroup)
+    assert found is not None and found[0] == 8 * GiB, found
+    facts = host_facts(
+        available_bytes=200 * GiB,
+        process_bytes=GiB,
+        cgroup=found,
+    )
+    assert facts.budget_bytes <= 8 * GiB
+
+
+def test_a_limit_on_a_parent_cgroup_v1_is_read(tmp_path):
+    """cgroup v1 with the hierarchy on: the leaf's memory.limit_in_bytes is the
+    "unlimited" value, the parent's is the limit (also in the leaf's memory.stat as
+    ``hierarchical_memory_limit``)."""
+    (tmp_path / "self").write_text("5:memory:/jobs/one/task\n")
+    folder = tmp_path / "root" / "memory" / "jobs" / "one" / "task"
+    folder.mkdir(parents=True)
+    (folder / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (folder / "memory.usage_in_bytes").write_text(f"{GiB}\n")
+    (folder / "memory.stat").write_text(
+        f"cache 0\nrss {GiB}\nhierarchical_memory_limit {8 * GiB}\ntotal_inactive_file 0\n"
+    )
+    parent = folder.parent
+    (parent / "memory.limit_in_bytes").write_text(f"{8 * GiB}\n")
+    (parent / "memory.usage_in_bytes").write_text(f"{GiB}\n")
+    found = cgroup_memory(tmp_path / "root", tmp_path / "self")
+    assert found is not None and found[0] == 8 * GiB, found
+
+
+def test_page_cache_charged_to_the_cgroup_leaves_room(tmp_path, monkeypatch):
+    """After a first load reads the safetensors files, their page cache is charged to the
+    cgroup: memory.current sits near memory.max, though most of it is inactive file
+    pages the kernel reclaims first. Those are not counted as used (as kubelet's working
+    set does not), so the budget does not collapse to the process's RSS."""
+    root, self_cgroup = _v2(
+        tmp_path,
+        "job",
+        {
+            "job": {
+                "memory.max": f"{16 * GiB}\n",
+                "memory.current": f"{15 * GiB}\n",
+                "memory.stat": (
+                    f"anon {GiB}\nfile {14 * GiB}\nactive_file {GiB}\ninactive_file {13 * GiB}\n"
+                ),
+            }
+        },
+    )
+    monkeypatch.setattr(
+        memory, "cgroup_memory", functools.partial(cgroup_memory, root, self_cgroup)
+    )
+    facts = host_facts(available_bytes=200 * GiB, process_bytes=GiB)
+    assert facts.source == "the cgroup's memory limit"
+    # Reclaimable: 13 GiB of inactive file pages; the process could reach ~13 GiB.
+    assert facts.budget_bytes >= 8 * GiB, memory.format_bytes(facts.budget_bytes)
+
+
+def test_a_default_host_cache_fits_the_cgroup(monkeypatch):
+    """`HostCache()` in a container limited to 16 GiB on a 256 GiB machine takes half of
+    what the cgroup leaves, less the headroom, not half of the machine's available
+    memory (124 GiB, past what the kernel allows)."""
+
+    class Memory:
+        available = 256 * GiB
+        total = 256 * GiB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory())
+    monkeypatch.setattr(memory, "cgroup_memory", lambda: (16 * GiB, 2 * GiB))
+    host_budget = memory.host_facts().budget_bytes
+    assert host_budget < 16 * GiB
+    assert HostCache(pin=False).budget_bytes <= host_budget, memory.format_bytes(
+        HostCache(pin=False).budget_bytes
+    )
