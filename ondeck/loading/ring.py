@@ -321,6 +321,15 @@ def _own_file(fd: int, info: TensorInfo, component: str | None):
     return handle
 
 
+def close_own_files() -> None:
+    """Close the calling reading thread's own file objects (the portable path's), as it
+    ends: left to the thread's end, each is a ResourceWarning."""
+    files = getattr(_portable_files, "files", None) or {}
+    _portable_files.files = {}
+    for _, handle in files.values():
+        handle.close()
+
+
 def _read_portable(fd: int, address: int, length: int, offset: int, info, component) -> None:
     handle = _own_file(fd, info, component)
     done = 0

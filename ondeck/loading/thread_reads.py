@@ -64,3 +64,4 @@ def read_chunks(state: ring.ReadState) -> None:
     finally:
         casting.finish_casts(casts, state)
         ring.wait_for(streams, state)
+        ring.close_own_files()

@@ -128,3 +128,19 @@ def test_a_host_without_pread_at_all_loads_the_same_bytes(tmp_path, monkeypatch)
     monkeypatch.delattr(os, "preadv", raising=False)
     monkeypatch.delattr(os, "pread", raising=False)
     assert _same_bytes(_load(path), tensors)
+
+
+def test_the_reading_threads_close_their_own_files(tmp_path, monkeypatch):
+    """Each portable reading thread opens the files it reads; it closes them as it ends,
+    not leaving them to the garbage collector (a ResourceWarning each)."""
+    import gc
+    import warnings
+
+    monkeypatch.setenv("ONDECK_READ_PATH", "portable")
+    path = write_safetensors(tmp_path / "w.safetensors", {"a": torch.randn(1000)})
+    jobs = [ReadJob(info, torch.empty(info.shape, dtype=info.dtype)) for info in read_header(path)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        read_into(jobs, progress=False)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
