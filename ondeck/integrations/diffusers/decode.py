@@ -379,14 +379,7 @@ class FittingDecode:
         slices = latents.shape[0] if _slices(module, latents, need, room) else 1
         elements //= slices
         need = need // slices if need is not None else None
-        tiles = None
-        if self.style is not None:
-            planned = tiles_for(height, width, need, room, scale=scale)
-            tiles = self.style.usable(planned, height, width, scale)
-            if planned is not None and tiles is None:  # none smaller: the finest
-                tiles = self.style.usable(
-                    smallest_tiles(height, width, scale=scale), height, width, scale
-                )
+        tiles = self._first_tiles(height, width, need, room, scale)
         retries, made_room = 0, False
         while True:
             try:
@@ -422,16 +415,7 @@ class FittingDecode:
                     f"{height}x{width} ran out of memory, and this VAE class cannot decode "
                     "in tiles; try a lower resolution or a larger budget"
                 )
-            finer = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
-            finer = finer or smallest_tiles(height, width, scale=scale)
-            finer = self.style.usable(finer, height, width, scale, below=failed_area)
-            if finer is None:
-                split = f"{tiles.count} tiles" if tiles is not None else "whole frames"
-                raise torch.OutOfMemoryError(
-                    f"component '{self.name}': decoding {height}x{width} ran out of memory "
-                    f"even in {split}, the finest this VAE decodes in"
-                )
-            tiles = finer
+            tiles = self._finer_tiles(height, width, tiles, scale)
         if tiles is not None and latents.is_cuda:
             torch.cuda.empty_cache()  # tiles mean the device is tight
         self.last_tiles, self.last_retries, self.last_slices = tiles, retries, slices
@@ -439,6 +423,36 @@ class FittingDecode:
 
     def _module(self) -> Any:
         return self.proxy.materialize()
+
+    def _first_tiles(
+        self, height: int, width: int, need: int | None, room: int | None, scale: int
+    ) -> Tiles | None:
+        """The tiles a decode needing ``need`` in ``room`` starts with (None: whole
+        frames), as the VAE decodes them; the finest it decodes in where none fit."""
+        if self.style is None:
+            return None
+        planned = tiles_for(height, width, need, room, scale=scale)
+        tiles = self.style.usable(planned, height, width, scale)
+        if planned is not None and tiles is None:
+            tiles = self.style.usable(
+                smallest_tiles(height, width, scale=scale), height, width, scale
+            )
+        return tiles
+
+    def _finer_tiles(self, height: int, width: int, failed: Tiles | None, scale: int) -> Tiles:
+        """Tiles smaller than ``failed`` (which ran out of memory), as the VAE decodes
+        them; out of memory where it decodes in none."""
+        area = failed.area if failed is not None else 1.0
+        finer = decode_tiles(height, width, area * RETRY_AREA, scale=scale)
+        finer = finer or smallest_tiles(height, width, scale=scale)
+        finer = self.style.usable(finer, height, width, scale, below=area)
+        if finer is None:
+            split = f"{failed.count} tiles" if failed is not None else "whole frames"
+            raise torch.OutOfMemoryError(
+                f"component '{self.name}': decoding {height}x{width} ran out of memory "
+                f"even in {split}, the finest this VAE decodes in"
+            )
+        return finer
 
     def _crowded(
         self,
