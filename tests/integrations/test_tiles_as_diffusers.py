@@ -17,27 +17,10 @@ MIB = 2**20
 
 
 def _flux_with_an_8x_vae(path):
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
+    from diffusers import AutoencoderKL
 
-    from integrations.tiny_pipelines import _byt5, _clip_encoder, _clip_tokenizer, _t5_encoder
+    from integrations.tiny_pipelines import build_flux
 
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
     torch.manual_seed(2)
     vae = AutoencoderKL(
         sample_size=32,
@@ -54,17 +37,7 @@ def _flux_with_an_8x_vae(path):
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
-    FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae.eval(),
-        text_encoder=_clip_encoder(with_projection=False, seed=3),
-        tokenizer=_clip_tokenizer(),
-        text_encoder_2=_t5_encoder(),
-        tokenizer_2=_byt5(),
-        transformer=transformer.eval(),
-        image_encoder=None,
-        feature_extractor=None,
-    ).save_pretrained(path)
+    build_flux(path, vae=vae.eval())
     return path
 
 

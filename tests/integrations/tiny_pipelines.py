@@ -158,7 +158,8 @@ def build_ltx(path: Path) -> None:
     ).save_pretrained(path)
 
 
-def build_flux(path: Path) -> None:
+def build_flux(path: Path, vae: Any = None) -> None:
+    """A tiny Flux; ``vae`` in place of its VAE (which does not shrink the image)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(0)
@@ -175,7 +176,7 @@ def build_flux(path: Path) -> None:
     )
     FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_image_vae(latent_channels=1),
+        vae=vae if vae is not None else _image_vae(latent_channels=1),
         text_encoder=_clip_encoder(with_projection=False, seed=3),
         tokenizer=_clip_tokenizer(),
         text_encoder_2=_t5_encoder(),
