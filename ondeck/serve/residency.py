@@ -36,6 +36,7 @@ class ServedModel:
     # request's seconds count in, and what its video is written at.
     fps: float = 0.0
     fps_from: str = ""
+    takes_image: bool = False  # an input image (image-to-video, image edits)
 
     def first_use(self) -> dict[str, int]:
         """Each deferred component's first stage index."""

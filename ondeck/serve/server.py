@@ -6,7 +6,6 @@ No HTTP here: ``app.py`` puts an ASGI app in front of a ``Server``.
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import os
 import re
@@ -20,7 +19,7 @@ from typing import Any
 
 from .. import folder_pipelines
 from ..arguments import ArgumentError, check_generate_arguments
-from ..cli.media import FALLBACK_FPS, media_of
+from ..cli.media import media_of
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
 from ..hub import resolve_model
@@ -94,21 +93,6 @@ def _torch_dtype(name: str | None, device: Any) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _kind(pipeline: Any) -> str:
-    """``video`` when the pipeline's call takes a frame count, else ``image``."""
-    if getattr(pipeline, "pipe", None) is None:  # ondeck's own stages: Wan text-to-video
-        return "video"
-    parameters = inspect.signature(type(pipeline.pipe).__call__).parameters
-    return "video" if "num_frames" in parameters else "image"
-
-
-def _takes_image(pipeline: Any) -> bool:
-    inner = getattr(pipeline, "pipe", None)
-    if inner is None:
-        return False
-    return "image" in inspect.signature(type(inner).__call__).parameters
-
-
 class StepProgress:
     """What a pipeline advances once per denoising step: counts the job's steps, stops a
     cancelled job there, and starts the next job's loads at the last step."""
@@ -174,19 +158,18 @@ class Server:
         # Each job's timeline and report are its own: the tracker keeps the last run.
         pipeline.tracker.keep_runs = 1
         pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
-        kind = _kind(pipeline)
-        media = media_of(Path(path))  # the frame rate, as `ondeck generate` reads it
+        media = media_of(Path(path))  # what it makes and takes, as `ondeck generate` reads it
         served = ServedModel(
             name=name,
             source=str(source),
             pipeline=pipeline,
             policy=policy,
-            kind=kind,
-            fps=(media.fps or FALLBACK_FPS) if kind == "video" else 0.0,
+            kind="video" if media.video else "image",
+            fps=media.fps,
             fps_from=media.fps_from,
+            takes_image=media.takes_image,
         )
         served.path = Path(path)  # type: ignore[attr-defined]
-        served.takes_image = _takes_image(pipeline)  # type: ignore[attr-defined]
         return served
 
     # -- lifecycle ------------------------------------------------------------------

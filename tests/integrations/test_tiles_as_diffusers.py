@@ -17,27 +17,9 @@ MIB = 2**20
 
 
 def _flux_with_an_8x_vae(path):
-    from diffusers import AutoencoderKL
+    from integrations.tiny_pipelines import _image_vae, build_flux
 
-    from integrations.tiny_pipelines import build_flux
-
-    torch.manual_seed(2)
-    vae = AutoencoderKL(
-        sample_size=32,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(4, 4, 4, 4),
-        layers_per_block=1,
-        latent_channels=1,
-        norm_num_groups=1,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
-    build_flux(path, vae=vae.eval())
+    build_flux(path, vae=_image_vae(latent_channels=1, levels=4))
     return path
 
 

@@ -90,7 +90,8 @@ def _clip_encoder(with_projection: bool, seed: int):
     return model(config).eval()
 
 
-def _image_vae(latent_channels: int):
+def _image_vae(latent_channels: int, levels: int = 1):
+    """A tiny AutoencoderKL; ``levels`` of it halve the image each (one: no shrinking)."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(2)
@@ -98,7 +99,9 @@ def _image_vae(latent_channels: int):
         sample_size=32,
         in_channels=3,
         out_channels=3,
-        block_out_channels=(4,),
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(4,) * levels,
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=1,

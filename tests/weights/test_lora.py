@@ -202,7 +202,7 @@ def test_a_lora_goes_on_both_experts_of_a_two_transformer_pipeline(two_experts, 
     assert not np.array_equal(first_only, expected), "the second expert computes too"
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
-    assert pipe.transformer.recorded_adapters() == pipe.transformer_2.recorded_adapters() != []
+    assert pipe.transformer.known_adapters() == pipe.transformer_2.known_adapters() != []
 
 
 def test_a_lora_for_other_shapes_is_refused_when_given_not_dropped_later(base, weights, tmp_path):

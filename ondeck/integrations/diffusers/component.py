@@ -309,8 +309,7 @@ class PipelineComponent(LazyModule):
                 return
             proxy.add_checked_transform(apply)
             if method == "delete_adapters":
-                names = args[0] if args else kwargs.get("adapter_names", ())
-                proxy.forget_adapters([names] if isinstance(names, str) else names)
+                proxy.forget_adapters(args[0] if args else kwargs.get("adapter_names", ()))
             elif method == "unload_lora":
                 proxy.forget_adapters(None)
 
@@ -479,15 +478,11 @@ class PipelineComponent(LazyModule):
         if name is None or name not in adapters:
             adapters.append(name)
 
-    def forget_adapters(self, names: Sequence[str] | None) -> None:
-        """Recorded calls delete adapters ``names`` (None: every one)."""
+    def forget_adapters(self, names: str | Sequence[str] | None) -> None:
+        """Recorded calls delete adapters ``names`` (one name, several, None: every one)."""
+        names = [names] if isinstance(names, str) else names
         adapters = object.__getattribute__(self, "_ondeck_adapters")
         adapters[:] = [] if names is None else [a for a in adapters if a not in names]
-
-    def recorded_adapters(self) -> list[str]:
-        """The names of the adapters (LoRAs) loaded into this component by recorded
-        calls, in order; known without loading it."""
-        return [a for a in object.__getattribute__(self, "_ondeck_adapters") if a is not None]
 
     def known_adapters(self) -> list[str] | None:
         """The adapters this component has, without loading it: the loaded module's,

@@ -152,8 +152,7 @@ def _encoder_method(method: str, base: Callable[..., Any]) -> Callable[..., Any]
                     merged = tried[1] if tried is not None else loaded_module(proxy)
                     self._merged_adapters = self._merged_adapters | _merged_in(merged)
             if method == "delete_adapters":
-                names = bound.arguments["adapter_names"]
-                proxy.forget_adapters([names] if isinstance(names, str) else names)
+                proxy.forget_adapters(bound.arguments["adapter_names"])
             elif method == "unload_lora_weights":
                 proxy.forget_adapters(None)
         return result
