@@ -513,15 +513,23 @@ def _set_aside_note(stored: dict[str, int], when: str) -> str:
     )
 
 
-def auto_budget_bytes(device: Any) -> tuple[int, bool]:
+def auto_budget_bytes(device: Any, host_memory: int | None = None) -> tuple[int, bool]:
     """The budget ``auto`` plans against while activations are estimated, and whether
     the device is unified memory.
 
-    ``ondeck.memory.device_facts`` is the one seam that says what the device has.
+    ``ondeck.memory.device_facts`` is the one seam that says what the device has. On
+    unified memory the device's bytes are the host's, so the host budget bounds them too:
+    ``host_memory`` where given, else the machine's and its cgroup's
+    (``memory.host_facts``), less what the process holds already.
     """
     facts = memory.device_facts(device)
     headroom = max(AUTO_HEADROOM_MIN_BYTES, int(facts.total_bytes * AUTO_HEADROOM_FRACTION))
-    return max(0, facts.available_bytes - headroom), facts.unified
+    available = max(0, facts.available_bytes - headroom)
+    if facts.unified:
+        host = memory.host_facts()
+        budget = host.budget_bytes if host_memory is None else host_memory
+        available = min(available, max(0, budget - host.process_bytes))
+    return available, facts.unified
 
 
 def measured_headroom_relief(device: Any) -> int:
@@ -594,7 +602,7 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
     streams its blocks. Not even that fits: ``budget`` all the same, whose first run
     refuses with a ``BudgetError`` before a byte is read (the plan says why).
     """
-    available, unified = auto_budget_bytes(pipeline.device)
+    available, unified = auto_budget_bytes(pipeline.device, pipeline.host_memory)
     where = "unified memory" if unified else str(pipeline.device)
     sizes = pipeline.component_bytes()
     total = sum(size or 0 for size in sizes.values())

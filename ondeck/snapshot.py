@@ -67,6 +67,8 @@ class Snapshot:
     # Host memory streamed blocks' pinned copies and rings may take (the host budget less
     # the process and the host cache's budget); None where unknown.
     host_room_bytes: int | None = None
+    # The host budget the pipeline was given (``host_memory``); None: the machine's.
+    host_memory: int | None = None
     # Whether another run is expected (``Pipeline.more_runs``): without one, nothing is
     # loaded ahead for it.
     more_runs: bool = True

@@ -377,6 +377,7 @@ class Pipeline(HostMemory):
             seconds_per_call=self.tracker.seconds_per_call,
             load_bytes_per_second=self.tracker.load_bytes_per_second,
             host_room_bytes=self.host_room_bytes(),
+            host_memory=self.host_memory,
             more_runs=self.more_runs,
             runs_completed=self.tracker.runs_completed,
         )

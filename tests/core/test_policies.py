@@ -197,7 +197,9 @@ def test_prefetch_loads_the_next_component_off_the_stage_thread():
 def test_auto_chooses_release_when_components_do_not_fit(monkeypatch):
     from ondeck import policy as policy_module
 
-    monkeypatch.setattr(policy_module, "auto_budget_bytes", lambda device: (ONE, False))
+    monkeypatch.setattr(
+        policy_module, "auto_budget_bytes", lambda device, host_memory=None: (ONE, False)
+    )
     pipe = with_sizes(
         ThreeStages({n: CountingLoader(32) for n in ("encoder", "denoiser", "decoder")})
     )
@@ -208,7 +210,9 @@ def test_auto_chooses_release_when_components_do_not_fit(monkeypatch):
 def test_auto_chooses_budget_when_everything_fits(monkeypatch):
     from ondeck import policy as policy_module
 
-    monkeypatch.setattr(policy_module, "auto_budget_bytes", lambda device: (10 * ONE, True))
+    monkeypatch.setattr(
+        policy_module, "auto_budget_bytes", lambda device, host_memory=None: (10 * ONE, True)
+    )
     loaders = {}
     for name in ("encoder", "denoiser", "decoder"):
         loaders[name] = ondeck.LazyModule(

@@ -156,12 +156,51 @@ def test_a_stored_profile_of_the_run_shape_counts_as_measured(monkeypatch, tmp_p
     pipe.close()
 
 
+def fake_host(monkeypatch, available: int, process: int, cgroup=None) -> None:
+    """The machine's readings behind ``memory.host_facts``: available bytes, this
+    process's RSS, and a cgroup's (limit, usage) or none."""
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: available)
+    monkeypatch.setattr(memory, "process_rss_bytes", lambda: process)
+    monkeypatch.setattr(memory, "cgroup_memory", lambda *a, **k: cgroup)
+
+
 def test_unified_memory_keeps_the_larger_reserve(monkeypatch):
     fake_card(monkeypatch, 16 * GIB, unified=True)
+    fake_host(monkeypatch, 64 * GIB, GIB)
     pipe = wan_shaped()
     measure(pipe, MEASURED)
     assert pipe.plan().budget == 16 * GIB - max(GIB, int(0.08 * 16 * GIB))
     assert "once every stage" not in pipe.policy.reason
+
+
+def test_on_unified_memory_auto_plans_within_the_host_budget_given(monkeypatch):
+    """The device's bytes are the host's: ``host_memory`` bounds what ``auto`` plans to
+    hold, less what the process holds already, though the device reports more free."""
+    fake_card(monkeypatch, 64 * GIB, unified=True)
+    fake_host(monkeypatch, 64 * GIB, GIB)
+    assert wan_shaped().plan().budget > 50 * GIB
+    pipe = WanShaped(wan_shaped().components, device="cpu", host_memory=12 * GIB)
+    assert pipe.plan().budget == 11 * GIB
+    assert "streaming" in pipe.policy.reason
+    assert "11.00 GiB unified memory has free" in pipe.policy.reason
+
+
+def test_on_unified_memory_auto_plans_within_the_cgroups_limit(monkeypatch):
+    """Without a host budget given, a cgroup's limit bounds ``auto``'s plan on unified
+    memory, as it bounds the host budget."""
+    fake_card(monkeypatch, 64 * GIB, unified=True)
+    fake_host(monkeypatch, 64 * GIB, GIB, cgroup=(12 * GIB, 2 * GIB))
+    budget = wan_shaped().plan().budget
+    assert budget == memory.host_facts().budget_bytes - GIB
+    assert budget < 10 * GIB
+
+
+def test_a_discrete_card_plans_without_the_host_budget(monkeypatch):
+    """A card's memory is its own: the host budget does not bound the device's plan."""
+    fake_card(monkeypatch, 16 * GIB)
+    fake_host(monkeypatch, 4 * GIB, GIB, cgroup=(4 * GIB, 2 * GIB))
+    pipe = WanShaped(wan_shaped().components, device="cpu", host_memory=2 * GIB)
+    assert pipe.plan().budget == 16 * GIB - max(GIB, int(0.08 * 16 * GIB))
 
 
 @pytest.fixture
