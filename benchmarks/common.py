@@ -214,6 +214,63 @@ class PeakSampler:
         self.peak = max(self.peak, self.read())
 
 
+class StackSampler:
+    """Where the threads' time goes: every thread's Python stack, sampled every few
+    milliseconds while open. ``top()``: the most-sampled (thread, innermost frames) with
+    the seconds they stood for. Threads idle in the standard library's waits are left
+    out. A gap between samples much longer than the interval is time a call held the GIL
+    (a C call that does not let go of it); ``gaps`` keeps where each thread was then."""
+
+    IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "concurrent/futures/thread.py")
+
+    def __init__(self, interval: float = 0.005, depth: int = 4, gap: float = 0.05):
+        self.interval, self.depth, self.gap = interval, depth, gap
+        self.counts: dict[tuple[str, str], int] = {}
+        self.gaps: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _chain(self, frame) -> str | None:
+        parts = []
+        while frame is not None and len(parts) < self.depth:
+            path = frame.f_code.co_filename
+            if not parts and path.endswith(self.IDLE_FILES):
+                return None
+            short = "/".join(Path(path).parts[-2:])
+            parts.append(f"{short}:{frame.f_code.co_name}:{frame.f_lineno}")
+            frame = frame.f_back
+        return " < ".join(parts)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.perf_counter()
+            stacks = {}
+            for ident, frame in sys._current_frames().items():
+                if ident != me and (chain := self._chain(frame)) is not None:
+                    stacks[names.get(ident, str(ident))] = chain
+            for key in stacks.items():
+                self.counts[key] = self.counts.get(key, 0) + 1
+            if now - last > self.gap and len(self.gaps) < 50:
+                self.gaps.append({"seconds": now - last, "stacks": stacks})
+            last = now
+            time.sleep(self.interval)
+
+    def top(self, count: int = 25) -> list[list]:
+        ranked = sorted(self.counts.items(), key=lambda item: -item[1])[:count]
+        return [[thread, round(n * self.interval, 3), chain] for (thread, chain), n in ranked]
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class RssSampler(PeakSampler):
     """Samples RSS every few milliseconds; ``.peak`` is the largest reading."""
 

@@ -34,6 +34,7 @@ plan's read rate).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB,
     PeakSampler,
+    StackSampler,
     decode_report,
     emit,
     folder_bytes,
@@ -389,9 +391,11 @@ def family_child(args) -> None:
         prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
         for run, prompt in enumerate(prompts):
             started = time.perf_counter()
+            stacks = StackSampler() if os.environ.get("ONDECK_BENCH_STACKS") else None
             with (
                 PeakSampler(torch.cuda.memory_reserved) as sampler,
                 warnings.catch_warnings(record=True) as caught,
+                stacks or contextlib.nullcontext(),
             ):
                 warnings.simplefilter("always")
                 images = getattr(
@@ -437,6 +441,8 @@ def family_child(args) -> None:
                     if (seconds := plan.call_transfer_seconds(name)) is not None
                 }
                 row["measured_activation"] = dict(runtime.snapshot().measured_activation)
+            if stacks is not None:
+                row["stacks"], row["gil_gaps"] = stacks.top(), stacks.gaps
             row["warnings"] = [str(w.message)[:500] for w in caught]
             result["runs"].append(row)
             print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr)
