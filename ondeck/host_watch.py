@@ -116,8 +116,14 @@ class HostWatch:
                 self.exceeded = after
 
     def check(self) -> None:
-        """Raise if the process outgrew its budget since the run started (read now too)."""
-        if self.exceeded is None and self._thread is not None:
+        """Raise if the process is over its budget after relief. An excess a sample saw
+        is read again: gone back within the budget (a buffer since freed), the run goes
+        on, and the watch keeps watching."""
+        if self.exceeded is not None:
+            with self._sampling:
+                now = self.read()
+                self.exceeded = now if now > self.budget_bytes else None
+        elif self._thread is not None:
             self.sample()
         if self.exceeded is not None:
             raise HostMemoryError(

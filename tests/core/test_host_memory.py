@@ -89,13 +89,28 @@ def test_the_watch_drops_the_cache_first_and_fails_only_when_that_is_not_enough(
     assert relieved == [1] and watch.exceeded is None
     watch.check()  # under the budget after relieving: the run goes on
 
-    readings = iter([99, 120, 120])  # a run that starts near its budget is as planned
+    readings = iter([99, 120, 120, 120])  # a run that starts near its budget is as planned
     watch = HostWatch(100, lambda: relieved.append(2) or 0, rss=lambda: next(readings))
     watch.sample()
     assert relieved[-1] == 1
     watch.sample()
     assert relieved[-1] == 2 and watch.exceeded == 120
     with pytest.raises(HostMemoryError, match="more than its host budget"):
+        watch.check()
+
+
+def test_an_excess_gone_by_the_check_does_not_stop_the_run():
+    """A sample over the budget after relief, then the buffer is freed: the check reads
+    the process again and the run goes on; an excess that comes back stops it."""
+    readings = iter([99, 120, 120, 90, 130, 130, 130])
+    watch = HostWatch(100, lambda: 0, rss=lambda: next(readings))
+    watch.sample()
+    watch.sample()
+    assert watch.exceeded == 120
+    watch.check()
+    assert watch.exceeded is None
+    watch.sample()
+    with pytest.raises(HostMemoryError, match="holds 130 B"):
         watch.check()
 
 
