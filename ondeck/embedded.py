@@ -210,7 +210,7 @@ def embedded_default(
         _remove_leftovers(root, name)
         try:
             staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=root))
-            staging.chmod(0o777 & ~current_umask())  # mkdtemp's folder is private
+            staging.chmod(0o777 & ~current_umask(staging.parent))  # mkdtemp's folder is private
         except OSError as error:
             raise OutputError(
                 f"cannot write the embedded default under {root} ({error.strerror or error}); "

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,15 +42,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield temporary
         _flush_to_disk(temporary)
         # mkstemp's file is private (0600); the result gets the mode a plain open() gives.
-        os.chmod(temporary, 0o666 & ~current_umask())
+        os.chmod(temporary, 0o666 & ~current_umask(path.parent))
         os.replace(temporary, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
 
 
-def current_umask() -> int:
-    """The process umask, read without setting it (os.umask would, for every thread)."""
+def current_umask(directory: str | os.PathLike | None = None) -> int:
+    """The process umask, read without setting it (os.umask would, for every thread):
+    from /proc where there is one; elsewhere (macOS, BSD) from the mode a file created
+    in ``directory`` (else the temporary folder) gets, the file deleted at once."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -56,7 +60,19 @@ def current_umask() -> int:
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
-    return 0o022
+    return _umask_seen(Path(directory or tempfile.gettempdir()))
+
+
+def _umask_seen(directory: Path) -> int:
+    probe = directory / f".ondeck-umask-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777))
+        return 0o777 & ~stat.S_IMODE(os.stat(probe).st_mode)
+    except OSError:
+        return 0o022
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 def _flush_to_disk(path: Path) -> None:

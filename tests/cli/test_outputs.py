@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 
 import numpy as np
@@ -146,6 +147,28 @@ def test_atomic_path_leaves_the_old_file_and_no_temporary_when_the_write_fails(f
             raise failure
     assert target.read_text() == "old and complete"
     assert listing(tmp_path) == {"report.json"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_without_proc_the_umask_is_seen_on_a_file_made_and_deleted(umask, tmp_path, monkeypatch):
+    """macOS and BSD have no /proc: a written result still gets the mode a plain open()
+    gives, the umask seen on a probe file that is not left behind."""
+    real_open = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    before = os.umask(umask)
+    try:
+        with output.atomic_path(tmp_path / "image.png") as temporary:
+            temporary.write_bytes(b"png")
+    finally:
+        os.umask(before)
+    assert (tmp_path / "image.png").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert listing(tmp_path) == {"image.png"}
 
 
 def test_atomic_path_replaces_the_file_when_the_write_completes(tmp_path):
