@@ -162,6 +162,9 @@ class HostCache:
         with self._lock:
             if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
                 return None
+            evictable = sum(size for k, size in self._sizes.items() if k != keeping)
+            if self._used() - evictable + nbytes > self.budget_bytes:
+                return None  # even evicting every entry would not make room: none goes
             while self._used() + nbytes > self.budget_bytes:
                 evicted = next((k for k in self._entries if k != keeping), None)
                 if evicted is None:

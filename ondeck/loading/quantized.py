@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,7 +207,7 @@ class QuantizedComponentLoader(FolderLoader):
             self._nbytes = _module_bytes(self.template.module)
         if self._nbytes is None:
             if self.method == "gguf":
-                tensors = _gguf_tensors(self.path, self.name)
+                tensors = [t[:4] for t in _gguf_tensors(self.path, self.name)]
                 if self.library == "transformers":  # dequantized as it loads
                     tensors = [(key, True, numel, stored) for key, _, numel, stored in tensors]
             else:
@@ -234,11 +235,12 @@ class QuantizedComponentLoader(FolderLoader):
         if not self.places_blocks:
             return 0
         if self._gguf_upcast is None:
-            quantized = [
-                n for _, is_float, n, _ in _gguf_tensors(self.path, self.name) if not is_float
-            ]
-            cast = 0 if self.dtype == torch.float16 else self.dtype.itemsize
-            self._gguf_upcast = max(quantized, default=0) * (torch.float16.itemsize + cast)
+            copies = [0]
+            for _, plain, numel, _, dequantized in _gguf_tensors(self.path, self.name):
+                if not plain:
+                    cast = 0 if self.dtype == dequantized else self.dtype.itemsize
+                    copies.append(numel * (dequantized.itemsize + cast))
+            self._gguf_upcast = max(copies)
         return self._gguf_upcast
 
     @property
@@ -268,9 +270,12 @@ class QuantizedComponentLoader(FolderLoader):
         started = time.perf_counter()
         try:
             module = self._load()
-        except LoadError:
-            raise
-        except Exception as error:
+        except BaseException as error:
+            # The traceback's frames hold the half-built module and the file's bytes for
+            # as long as the caller keeps the error (an out-of-memory retry would fail).
+            _clear_frames(error)
+            if isinstance(error, LoadError) or not isinstance(error, Exception):
+                raise
             raise self._failed(f"loading it {self.method}-quantized", error) from error
         module.eval()
         files = [self.path] if self.path.is_file() else list(self.folder.weight_files(self.name))
@@ -438,10 +443,10 @@ class QuantizedComponentLoader(FolderLoader):
         """The module's parameters that the GGUF file's tensors, in the model's names
         (diffusers' own single-file conversion, as its load converts them), do not give:
         the load would leave them without weights."""
-        from .single_file import conversion_for
+        from .single_file import MODEL_PREFIX, conversion_for
 
         wanted = [name for name, _ in module.named_parameters()]
-        keys = {key.removeprefix("model.diffusion_model.") for key in checkpoint}
+        keys = {key.removeprefix(MODEL_PREFIX) for key in checkpoint}
         convert = conversion_for(self.cls)
         if not set(wanted) <= keys and convert is not None:
             config = self.cls.load_config(str(self.directory))
@@ -684,6 +689,15 @@ def _move_tensors(module: torch.nn.Module, device: torch.device, skip: set[str])
                 table[attribute] = moved[id(tensor)]
 
 
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the finished frames of ``error``'s traceback and of the errors it came from."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 def _compute_dtype(config: dict) -> torch.dtype:
     settings = config.get("quantization_config") or {}
     named = settings.get("compute_dtype") if isinstance(settings, dict) else None
@@ -703,19 +717,24 @@ def _device_bytes(
     return numel * dtype.itemsize if is_float else stored
 
 
-def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int]]:
-    """``(name, is float, elements, bytes stored)`` of each tensor in the GGUF file's
-    header."""
+def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int, torch.dtype]]:
+    """``(name, plain, elements, bytes stored, dtype dequantized to)`` of each tensor in
+    the GGUF file's header. Plain (F32, F16): diffusers loads it as a float tensor. Every
+    other type, BF16 included, stays bytes that each forward dequantizes: BF16 to float32,
+    the quantized types to float16 (their scales' dtype)."""
     import gguf
 
     reader = _gguf_reader(path, name)
-    floats = {
-        gguf.GGMLQuantizationType.F32,
-        gguf.GGMLQuantizationType.F16,
-        gguf.GGMLQuantizationType.BF16,
-    }
+    types = gguf.GGMLQuantizationType
+    plain = {types.F32, types.F16}
     return [
-        (tensor.name, tensor.tensor_type in floats, int(tensor.n_elements), int(tensor.n_bytes))
+        (
+            tensor.name,
+            tensor.tensor_type in plain,
+            int(tensor.n_elements),
+            int(tensor.n_bytes),
+            torch.float32 if tensor.tensor_type == types.BF16 else torch.float16,
+        )
         for tensor in reader.tensors
     ]
 

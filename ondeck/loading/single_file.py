@@ -53,6 +53,8 @@ __all__ = [
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 _IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 _MARKERS = ("scaled_fp8",)
+# The prefix ComfyUI-style checkpoints give every key of the diffusion model, markers too.
+MODEL_PREFIX = "model.diffusion_model."
 
 
 def single_file_kind(path: str | os.PathLike) -> str:
@@ -431,7 +433,7 @@ class SingleFileFolder(ModelFolder):
         convert = conversion_for(self.component_class(name))
         # A file already in the model's own names is taken as it is (diffusers' rule:
         # convert unless the keys are exactly the model's).
-        own_names = {key.removeprefix("model.diffusion_model.") for key in weights}
+        own_names = {key.removeprefix(MODEL_PREFIX) for key in weights}
         if model_keys is None or model_keys <= own_names or convert is None:
             if convert is None and model_keys is not None and not model_keys <= own_names:
                 cls = self.component_class(name)
@@ -442,12 +444,12 @@ class SingleFileFolder(ModelFolder):
                     path=path,
                 )
             converted = {
-                key.removeprefix("model.diffusion_model."): info for key, info in weights.items()
+                key.removeprefix(MODEL_PREFIX): info for key, info in weights.items()
             }
         else:
             converted = converted_tensors(
                 convert,
-                {**weights, **scales},
+                weights,  # scales follow their weights by file key (``_scale_owners``)
                 component=name,
                 path=path,
                 config=dict(self.config_dict(name)),
@@ -501,7 +503,7 @@ def _split_scales(tensors: Mapping[str, TensorInfo]):
     """The file's weights, and its fp8_scaled scales; markers and input scales dropped."""
     weights, scales = {}, {}
     for key, info in tensors.items():
-        if key in _MARKERS or key.endswith(_IGNORED_SUFFIXES):
+        if key.removeprefix(MODEL_PREFIX) in _MARKERS or key.endswith(_IGNORED_SUFFIXES):
             continue
         (scales if _is_scale_name(key) else weights)[key] = info
     return weights, scales

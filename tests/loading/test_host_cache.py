@@ -202,3 +202,17 @@ def test_pinned_entries_are_held_in_arenas_of_bounded_size():
     names = ["blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.10.a", "norm.weight", "proj.bias"]
     arenas = host_cache_module._arenas([info(name, 64) for name in names], pinned=True)
     assert [sorted(members) for _, members in arenas] == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_a_reservation_that_cannot_fit_evicts_nothing():
+    """While another load holds a reservation, one that cannot fit even with every entry
+    evicted is refused and leaves the entries alone: evicting them would give the refused
+    load nothing, and the next load of an evicted component would read its file again."""
+    cache = HostCache(budget_bytes=100, pin=False)
+    held = cache.reserve("held", [info("t", 10)])
+    cache.commit("held", held)
+    assert cache.reserve("in flight", [info("t", 80)]) is not None  # a load in progress
+
+    assert cache.reserve("too big beside it", [info("t", 30)]) is None
+
+    assert "held" in cache, "an entry was evicted for a reservation that was then refused"

@@ -1,0 +1,97 @@
+"""GGUF files beyond Q8_0: BF16 matrices, and a load that fails part way."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ondeck.errors import LoadError
+
+from .conftest import _is_stored, frames, load, original_name, transformer_file
+from .test_gguf import in_bf16
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def bf16_gguf(gguf_base, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-bf16") / "wan2.1_t2v_tiny-BF16.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
+        name = original_name(key).removeprefix("model.diffusion_model.")
+        array = tensor.to(torch.float32).numpy()
+        if _is_stored(key, tensor):
+            bf16 = gguf.quants.quantize(array, gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(name, bf16, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_bf16_gguf_layers_dequantized_copies_are_covered_by_the_plan(
+    gguf_base, bf16_gguf, monkeypatch
+):
+    """diffusers loads a BF16 GGUF tensor as a GGUFParameter (bytes) and every layer holding
+    one dequantizes it for its forward (to float32, then the compute dtype), as a Q8_0 layer
+    does. The loader's ``upcast_bytes`` (the plan's reserve for those copies) covers
+    them, at float32 for BF16."""
+    from diffusers.quantizers.gguf import utils
+
+    pipe = in_bf16(gguf_base, bf16_gguf)
+    planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
+    copies: list[int] = []
+    dequantize = utils.dequantize_gguf_tensor
+
+    def counted(tensor):
+        weight = dequantize(tensor)
+        if hasattr(tensor, "quant_type"):
+            copies.append(weight.numel() * (weight.element_size() + torch.bfloat16.itemsize))
+        return weight
+
+    monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
+    frames(pipe)
+
+    assert copies, "the BF16 layers dequantize per forward"
+    assert planned >= max(copies), f"the plan reserves {planned} bytes for {max(copies)}"
+
+
+def test_a_gguf_load_that_fails_keeps_no_module_or_file_bytes_alive(
+    gguf_base, gguf_file, monkeypatch
+):
+    """The device runs out of memory while diffusers builds the GGUF transformer (here: at
+    the last moment, once every tensor is in place). The error a caller (or an OOM retry)
+    holds keeps neither the half-built module nor the file's quantized bytes alive."""
+    import diffusers.loaders.single_file_model as single_file_model
+
+    pipe = load(gguf_base, "release", components={"transformer": gguf_file[0]})
+    seen: list[weakref.ref] = []
+    original = single_file_model.load_model_dict_into_meta
+
+    def out_of_memory(model, state_dict, *args, **kwargs):
+        original(model, state_dict, *args, **kwargs)
+        seen.append(weakref.ref(model))
+        seen.extend(weakref.ref(tensor) for tensor in state_dict.values())
+        del model, state_dict, args, kwargs  # this frame keeps nothing
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(single_file_model, "load_model_dict_into_meta", out_of_memory)
+
+    with pytest.raises(LoadError) as caught:
+        pipe.transformer.materialize()
+    gc.collect()
+
+    assert seen
+    alive = [ref() for ref in seen if ref() is not None]
+    assert not alive, (
+        f"the error keeps {len(alive)} objects of the failed load alive "
+        f"({sum(isinstance(a, torch.nn.Module) for a in alive)} module(s))"
+    )
+    del caught
