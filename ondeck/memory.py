@@ -317,30 +317,55 @@ def pinned_host_bytes(nbytes: int) -> Any:
     component held in one buffer takes 16 GiB of host memory. This allocates the bytes
     asked for and registers them with CUDA instead; they are unregistered, then freed,
     once no tensor views them any more. Where registering fails, torch's allocator is
-    used after all.
+    used after all. In two steps (``fresh_host_bytes``, then ``page_locked``), a caller
+    making many regions touches the next one's pages while this one is registered.
     """
-    import weakref
+    return page_locked(fresh_host_bytes(nbytes))
 
+
+@dataclass(frozen=True)
+class FreshHostBytes:
+    """Host memory made and its pages touched, not yet page-locked (``page_locked``)."""
+
+    owner: Any  # the numpy array that owns the memory
+    start: int  # the page-aligned offset of the bytes in ``owner``
+    nbytes: int
+    size: int  # ``nbytes`` rounded up to whole pages
+
+
+def fresh_host_bytes(nbytes: int) -> FreshHostBytes:
+    """``nbytes`` of page-aligned host memory, its pages touched (``_touch_pages``)."""
     import numpy as np
-    import torch
 
     nbytes = int(nbytes)
     size = -(-max(nbytes, 1) // _PAGE) * _PAGE
     owner = np.empty(size + _PAGE, dtype=np.uint8)  # freed when its last view goes
     start = -owner.ctypes.data % _PAGE  # page-aligned, as registering wants
-    pointer = owner.ctypes.data + start
     try:
-        _touch_pages(pointer, size)
-        status = register_host_memory(pointer, size)
+        _touch_pages(owner.ctypes.data + start, size)
+    except Exception:  # no threads to start: registering faults the pages in itself
+        pass
+    return FreshHostBytes(owner, start, nbytes, size)
+
+
+def page_locked(fresh: FreshHostBytes) -> Any:
+    """``fresh`` registered with CUDA, as a uint8 tensor; torch's pinned allocator where
+    registering fails."""
+    import weakref
+
+    import torch
+
+    owner, pointer = fresh.owner, fresh.owner.ctypes.data + fresh.start
+    try:
+        status = register_host_memory(pointer, fresh.size)
     except Exception:
         status = -1
     if status != 0:
         consume_cuda_error()
-        del owner
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(fresh.nbytes, dtype=torch.uint8, pin_memory=True)
     # Runs as the owner is collected, before numpy frees its memory.
     weakref.finalize(owner, _unregister, pointer)
-    return torch.from_numpy(owner[start : start + nbytes])
+    return torch.from_numpy(owner[fresh.start : fresh.start + fresh.nbytes])
 
 
 # Regions at least this large have their pages touched by several threads before they

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..memory import pinned_host_bytes
+from ..memory import FreshHostBytes, fresh_host_bytes, page_locked, pinned_host_bytes
 from .layout import DEFAULT_BANDWIDTH_SOURCE, DEFAULT_HOST_TO_DEVICE_BYTES_PER_SECOND
 
 __all__ = ["HostCopies", "host_to_device_bytes_per_second"]
@@ -70,6 +71,8 @@ class HostCopies:
         # A region being allocated counts from before its pages are touched: the host
         # watch tells the process's own growth from what ondeck holds by these counts.
         self._allocating = 0
+        # The next region ``prepare`` touches the pages of while this one is registered.
+        self._ahead = 0
         # Allocating, and changing which regions exist: a load and ``prepare`` (on its
         # own thread) may ask for regions at once. Each change of the plan or of what is
         # held counts one more generation, which stops a ``prepare`` under way.
@@ -78,7 +81,7 @@ class HostCopies:
 
     @property
     def nbytes(self) -> int:
-        return self._allocated_bytes + self._allocating
+        return self._allocated_bytes + self._allocating + self._ahead
 
     @property
     def _allocated_bytes(self) -> int:
@@ -105,7 +108,9 @@ class HostCopies:
         with self._lock:
             return self._allocate(block)
 
-    def _allocate(self, block: int) -> Any:
+    def _allocate(self, block: int, fresh: FreshHostBytes | None = None) -> Any:
+        """The block's region, allocated now if it has none: page-locking ``fresh`` (its
+        pages touched already) where given and of the block's size."""
         import torch
 
         region = self._regions.get(block)
@@ -113,11 +118,12 @@ class HostCopies:
             nbytes = self._sizes[block]
             self._allocating = nbytes
             try:
-                region = (
-                    pinned_host_bytes(nbytes)
-                    if self.pinned
-                    else torch.empty(nbytes, dtype=torch.uint8)
-                )
+                if not self.pinned:
+                    region = torch.empty(nbytes, dtype=torch.uint8)
+                elif fresh is not None and fresh.nbytes == nbytes:
+                    region = page_locked(fresh)
+                else:
+                    region = pinned_host_bytes(nbytes)
                 self._regions[block] = region
             finally:
                 self._allocating = 0
@@ -126,19 +132,45 @@ class HostCopies:
     def prepare(self, stop: threading.Event) -> int:
         """Allocate the planned regions not allocated yet, ahead of the load that fills
         them: page-locking fresh memory is most of what a first load of streamed blocks
-        waits for. Stops once ``stop`` is set or the plan or the regions change (a
-        re-plan, a release under host pressure, a failed load); returns the bytes it
-        allocated."""
+        waits for. Pinned, the next region's pages are touched on a thread of their own
+        while this one is registered, the two halves of page-locking side by side, and
+        the lock a load waits on is held for the registering alone. Stops once ``stop``
+        is set or the plan or the regions change (a re-plan, a release under host
+        pressure, a failed load); returns the bytes it allocated."""
         with self._lock:
             generation = self._generation
-            missing = [b for b in sorted(self._sizes) if b not in self._regions]
+            missing = [(b, self._sizes[b]) for b in sorted(self._sizes) if b not in self._regions]
+        if not self.pinned or not missing:
+            return self._prepare_each(missing, generation, stop, None)
+        with ThreadPoolExecutor(1, thread_name_prefix="ondeck-touch-ahead") as ahead:
+            return self._prepare_each(missing, generation, stop, ahead)
+
+    def _prepare_each(self, missing, generation, stop, ahead) -> int:
         allocated = 0
-        for block in missing:
-            with self._lock:
-                if stop.is_set() or self._generation != generation:
-                    break
-                if block not in self._regions:
-                    allocated += self._allocate(block).numel()
+        touching = None
+        try:
+            if ahead is not None:
+                self._ahead = missing[0][1]  # counted before its pages are touched
+                touching = ahead.submit(fresh_host_bytes, missing[0][1])
+            for index, (block, _) in enumerate(missing):
+                fresh = touching.result() if touching is not None else None
+                following = missing[index + 1][1] if index + 1 < len(missing) else 0
+                if ahead is not None and following and not stop.is_set():
+                    self._ahead += following
+                    touching = ahead.submit(fresh_host_bytes, following)
+                else:
+                    touching = None
+                with self._lock:
+                    if stop.is_set() or self._generation != generation:
+                        break
+                    if block not in self._regions:
+                        allocated += self._allocate(block, fresh).numel()
+                    if fresh is not None:
+                        self._ahead -= fresh.nbytes
+        finally:
+            if touching is not None:
+                touching.cancel()
+            self._ahead = 0
         return allocated
 
     def drop_unfilled(self) -> None:

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from ondeck.memory import FreshHostBytes
+from ondeck.streaming import host
 from ondeck.streaming.host import HostCopies
 
 from .test_wan_streaming import generate, streaming, wan
@@ -24,9 +26,9 @@ def allocations(monkeypatch) -> list[tuple[int, str]]:
     made: list[tuple[int, str]] = []
     original = HostCopies._allocate
 
-    def watched(self, block):
+    def watched(self, block, *args):
         fresh = block not in self._regions
-        region = original(self, block)
+        region = original(self, block, *args)
         if fresh:
             made.append((region.numel(), threading.current_thread().name))
         return region
@@ -70,8 +72,8 @@ def test_preparing_stops_once_the_regions_change():
     copies.keep_only({0: 64, 1: 64, 2: 64})
     original = copies._allocate
 
-    def then_changed(block):
-        region = original(block)
+    def then_changed(block, *args):
+        region = original(block, *args)
         copies._generation += 1  # as a release under host pressure would, meanwhile
         return region
 
@@ -131,3 +133,34 @@ def test_the_copies_come_in_the_order_the_stages_use_them():
         "controlnet",
     ]
     assert _stage_order(object(), names) == list(names)  # no stages known: as given
+
+
+def test_pinned_copies_touch_the_next_regions_pages_while_this_one_is_registered(monkeypatch):
+    """Page-locking is touching fresh pages, then registering them: the next region's
+    pages are touched on a thread of their own while this one registers, and counted as
+    held from before they are touched (the host watch tells ondeck's bytes by them)."""
+    sizes = {0: 64, 1: 128, 2: 192}
+    copies = HostCopies(pinned=True)
+    copies.keep_only(sizes)
+    started = {nbytes: threading.Event() for nbytes in sizes.values()}
+    touched, counted, overlapped = [], [], []
+
+    def fresh(nbytes):
+        touched.append(threading.current_thread().name)
+        counted.append(copies.nbytes - sum(r.numel() for r in copies._regions.values()))
+        started[nbytes].set()
+        return FreshHostBytes(np.zeros(nbytes, np.uint8), 0, nbytes, nbytes)
+
+    def registered(fresh):
+        following = {64: 128, 128: 192}.get(fresh.nbytes)
+        if following:
+            overlapped.append(started[following].wait(5))
+        return torch.from_numpy(fresh.owner)
+
+    monkeypatch.setattr(host, "fresh_host_bytes", fresh)
+    monkeypatch.setattr(host, "page_locked", registered)
+    assert copies.prepare(threading.Event()) == 384
+    assert overlapped == [True, True], "the next region's pages were touched meanwhile"
+    assert set(touched) == {"ondeck-touch-ahead_0"}
+    assert all(n > 0 for n in counted), "bytes being touched count as ondeck's"
+    assert copies.nbytes == 384 and sorted(copies._regions) == [0, 1, 2]
