@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ArgumentError", "ShapeRule", "check_generate_arguments", "shape_rule"]
+__all__ = [
+    "ArgumentError",
+    "ShapeRule",
+    "check_generate_arguments",
+    "frame_count_argument",
+    "input_image_argument",
+    "shape_rule",
+]
 
 # Far beyond any model's trained shape, and small enough that the latents and the
 # scheduler's tables they imply are allocations a machine can make.
@@ -48,6 +56,32 @@ class ShapeRule:
     width_step: int = 1
     frame_step: int | None = None
     takes_frames: bool = True
+
+
+# Names pipelines give their call's frame count: ``num_frames`` (most), ``video_length``
+# (Latte, TextToVideoZero), ``frames`` (SanaVideo).
+_FRAME_COUNTS = ("num_frames", "video_length", "frames")
+# Names they give the input image: ``image``, else a ControlNet's ``control_image``.
+_INPUT_IMAGES = ("image", "control_image")
+
+
+def frame_count_argument(parameters: Mapping[str, Any]) -> str | None:
+    """The call argument (of ``inspect.signature(...).parameters``) that counts a video's
+    frames; None for a pipeline that makes images. Besides ``num_frames``, a name counts
+    where its default is a whole number (an input called ``frames`` is no count)."""
+    for name in _FRAME_COUNTS:
+        parameter = parameters.get(name)
+        if parameter is None:
+            continue
+        default = getattr(parameter, "default", None)
+        if name == "num_frames" or (isinstance(default, int) and not isinstance(default, bool)):
+            return name
+    return None
+
+
+def input_image_argument(parameters: Mapping[str, Any]) -> str | None:
+    """The call argument that takes the input image, or None."""
+    return next((name for name in _INPUT_IMAGES if name in parameters), None)
 
 
 def check_generate_arguments(

@@ -292,11 +292,24 @@ def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image")
                         raise OSError(f"read back as {check.size}, written as {picture.size}")
     except (OSError, ValueError, TypeError) as error:
         raise OutputError(f"could not write {path}: {_reason(error)}") from error
-    for stale in folder.glob(f"{stem}*.png"):
-        if stale.name not in names and _is_image_name(stale.name, stem):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+    remove_earlier_results(folder, written, stem, video=False)
     return written
+
+
+def remove_earlier_results(
+    folder: Path, results: list[Path], stem: str = "image", *, video: bool = True
+) -> None:
+    """Once ``results`` are written: an earlier run's results in ``folder`` that they do
+    not replace (image-3.png after a run of two images; with ``video``, video.mp4 after
+    images and images after a video) go, so none passes for this run's."""
+    keep = {path.name for path in results}
+    stale = [path for path in folder.glob(f"{stem}*.png") if _is_image_name(path.name, stem)]
+    if video:
+        stale.append(folder / "video.mp4")
+    for path in stale:
+        if path.name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def image_names(count: int, stem: str = "image") -> list[str]:

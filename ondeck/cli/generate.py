@@ -105,7 +105,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     watch = FiniteWatch()
     watch.attach(pipe)
-    extra = {} if image is None else {"image": image}
+    extra = {} if image is None else {media.image_argument or "image": image}
     if args.images is not None and media.takes_count:
         extra["num_images_per_prompt"] = args.images
     frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
@@ -244,6 +244,7 @@ def write_results(
         _record_outcome(report_path, report, {**outcome, "frames_kept": kept.name})
         raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
     (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
+    output.remove_earlier_results(out, results)  # an image beside this video, or the reverse
     _record_outcome(report_path, report, {"files": [path.name for path in results]})
     print(f"ondeck: wrote {_shown([*results, *written])}")
     return 0

@@ -37,12 +37,16 @@ class Media:
     needs_image: bool
     takes_count: bool  # num_images_per_prompt
     default_frames: int | None = None  # the call's own default frame count
+    frames_argument: str | None = None  # the call's name for it (num_frames, video_length)
+    image_argument: str | None = None  # the call's name for the input image
 
 
 def media_of(path: Path) -> Media:
     """For the model folder at ``path``, from its model_index.json and configs alone
     (before anything is built): ondeck's Wan stages are documented by diffusers'
     WanPipeline, any other folder by its pipeline class."""
+    from ..arguments import frame_count_argument, input_image_argument
+    from ..errors import LoadError
     from ..loading import ModelFolder
     from ..pipelines.wan import is_wan_folder
 
@@ -50,18 +54,39 @@ def media_of(path: Path) -> Media:
     index = folder.model_index
     name = "WanPipeline" if is_wan_folder(index) else str(index.get("_class_name"))
     cls = _diffusers_class(name)
-    parameters = _parameters(cls) if cls is not None else {"num_frames": None}
+    if cls is None:
+        raise LoadError(
+            f"{path}: its model_index.json names {name!r}, which is not a diffusers pipeline "
+            f"in diffusers {_diffusers_version()}",
+            path=path,
+        )
+    parameters = _parameters(cls)
     configs = [index] + [_config_of(folder, part) for part in ("transformer", "unet")]
-    video = "num_frames" in parameters
+    frames_argument = frame_count_argument(parameters)
+    video = frames_argument is not None
     fps, source = model_fps(cls, parameters, configs) if video else (0.0, "")
-    takes_image = "image" in parameters and name != "WanPipeline"
+    image_argument = input_image_argument(parameters) if name != "WanPipeline" else None
+    takes_image = image_argument is not None
     needs = takes_image and (
-        parameters["image"].default is inspect.Parameter.empty or bool(_NEEDS_IMAGE.search(name))
+        parameters[image_argument].default is inspect.Parameter.empty
+        or bool(_NEEDS_IMAGE.search(name))
     )
     count = "num_images_per_prompt" in parameters
-    frames = getattr(parameters.get("num_frames"), "default", None)
+    frames = getattr(parameters.get(frames_argument or ""), "default", None)
     frames = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
-    return Media(name, video, fps, source, takes_image, needs, count, frames)
+    return Media(
+        name, video, fps, source, takes_image, needs, count, frames, frames_argument,
+        image_argument,
+    )  # fmt: skip
+
+
+def _diffusers_version() -> str:
+    try:
+        import diffusers
+
+        return diffusers.__version__
+    except ImportError:
+        return "(not installed)"
 
 
 def _config_of(folder: Any, part: str) -> dict | None:
@@ -156,7 +181,7 @@ def check_media_flags(args: Any, media: Media) -> None:
 
 def read_input_image(path_text: str) -> Any:
     """The ``--image`` file as an RGB PIL image, or one line saying why not."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     path = Path(path_text)
     if not path.is_file():
@@ -171,7 +196,9 @@ def read_input_image(path_text: str) -> Any:
                         f"argument --image: {path} is {width}x{height}, more than "
                         f"{MAX_INPUT_PIXELS // 2**20} Mpixels"
                     )
-                return image.convert("RGB")
+                # Upright, as the camera's orientation tag says (a phone's portrait
+                # photo is stored sideways), as diffusers' own load_image turns it.
+                return ImageOps.exif_transpose(image).convert("RGB")
     except UsageError:
         raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning) as error:

@@ -138,9 +138,17 @@ def _lora(text: str) -> tuple[str, float]:
 
 def weight_files(args: argparse.Namespace) -> dict[str, Any]:
     """--transformer, --component and --lora as the pipeline takes them."""
-    components = dict(getattr(args, "component", None) or [])
+    pairs = list(getattr(args, "component", None) or [])
     if getattr(args, "transformer", None):
-        components["transformer"] = args.transformer
+        pairs.append(("transformer", args.transformer))
+    components: dict[str, Any] = {}
+    for name, file in pairs:
+        if name in components:
+            raise UsageError(
+                f"argument --component: {name} is given twice ({components[name]} and "
+                f"{file}; --transformer FILE is --component transformer=FILE)"
+            )
+        components[name] = file
     loras = list(getattr(args, "lora", None) or [])
     return {
         **({"components": components} if components else {}),

@@ -378,6 +378,13 @@ class SingleFileFolder(ModelFolder):
         self._scale_lock = threading.Lock()
         for name, path in paths.items():
             self.library_and_class(name)  # a name the base does not list is refused now
+            if not self.is_model(name):
+                raise LoadError(
+                    f"component '{name}' holds no weights (a scheduler, a tokenizer): a "
+                    f"single file cannot stand in for it ({path})",
+                    component=name,
+                    path=str(path),
+                )
             if not path.is_file():
                 raise LoadError(
                     f"component '{name}': single file {path} does not exist or is not a file",
@@ -443,9 +450,7 @@ class SingleFileFolder(ModelFolder):
                     component=name,
                     path=path,
                 )
-            converted = {
-                key.removeprefix(MODEL_PREFIX): info for key, info in weights.items()
-            }
+            converted = {key.removeprefix(MODEL_PREFIX): info for key, info in weights.items()}
         else:
             converted = converted_tensors(
                 convert,

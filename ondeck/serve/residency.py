@@ -37,6 +37,7 @@ class ServedModel:
     fps: float = 0.0
     fps_from: str = ""
     takes_image: bool = False  # an input image (image-to-video, image edits)
+    image_argument: str = "image"  # the call's name for it (a ControlNet's control_image)
 
     def first_use(self) -> dict[str, int]:
         """Each deferred component's first stage index."""

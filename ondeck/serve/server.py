@@ -168,6 +168,7 @@ class Server:
             fps=media.fps,
             fps_from=media.fps_from,
             takes_image=media.takes_image,
+            image_argument=media.image_argument or "image",
         )
         served.path = Path(path)  # type: ignore[attr-defined]
         return served
@@ -314,7 +315,7 @@ class Server:
                     num_inference_steps=job.steps,
                     seed=job.seed + index,
                     progress=progress,
-                    **_asked_beyond_defaults(job),
+                    **_asked_beyond_defaults(job, model),
                 )
                 for index in range(job.n if job.kind == "image" else 1)
             ]
@@ -532,11 +533,11 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def _asked_beyond_defaults(job: Job) -> dict[str, Any]:
+def _asked_beyond_defaults(job: Job, model: ServedModel) -> dict[str, Any]:
     """Only what the request set: each pipeline keeps its own defaults for the rest."""
     extra: dict[str, Any] = {}
     if job.input_image is not None:
-        extra["image"] = job.input_image
+        extra[model.image_argument] = job.input_image
     if job.guidance is not None:
         extra["guidance_scale"] = job.guidance
     if job.kind == "video":

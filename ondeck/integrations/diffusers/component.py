@@ -12,6 +12,7 @@ import torch
 
 from ...errors import LoadError, OndeckError
 from ...lazy import INTERNAL_ATTRIBUTES, REPLAYED_METHODS, ComponentSpec, LazyModule, loaded_module
+from ...loader import as_loader
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
 from .encodings import EncodingCache
@@ -48,6 +49,13 @@ _CONFIGURING_METHODS = ADAPTER_METHODS | frozenset(
         "disable_cache",
         "enable_xformers_memory_efficient_attention",
         "disable_xformers_memory_efficient_attention",
+        "set_use_memory_efficient_attention_xformers",
+        "set_use_npu_flash_attention",
+        "set_attention_slice",
+        "enable_freeu",
+        "disable_freeu",
+        "enable_gradient_checkpointing",
+        "disable_gradient_checkpointing",
     }
 )
 
@@ -160,7 +168,6 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_runtime", None)
         setter(self, "_ondeck_stand_in", None)
         setter(self, "_ondeck_make_loader", make_loader)
-        setter(self, "_ondeck_settings", {})
         setter(self, "_ondeck_adapters", [])
         # A textual inversion's rows of the embedding table (``pipeline_lora._AddedRows``).
         setter(self, "_ondeck_added_rows", None)
@@ -248,8 +255,13 @@ class PipelineComponent(LazyModule):
             runtime = object.__getattribute__(self, "_ondeck_runtime")
             if runtime is not None:
                 return runtime.fitting_decode(self)  # sized to fit, tiles if need be
-        if attribute in _CONFIGURING_METHODS and hasattr(declared or type(module), attribute):
-            return self._recorded_call(attribute)
+        if attribute in _CONFIGURING_METHODS:
+            if hasattr(declared or type(module), attribute):
+                return self._recorded_call(attribute)
+            if module is None and declared is not None:
+                # A probe such as diffusers' ``hasattr(m, "set_attention_slice")``: the
+                # declared class answers it, and nothing loads.
+                raise AttributeError(attribute)
         if module is None:
             if attribute in REPLAYED_METHODS:
                 return self._deferred_replay(attribute)
@@ -268,20 +280,27 @@ class PipelineComponent(LazyModule):
         if not is_plain_value(value):
             LazyModule.__setattr__(self, attribute, value)
             return
-        # A plain setting (a flag, a size) is kept and set again after every load.
-        settings = object.__getattribute__(self, "_ondeck_settings")
-        first = not settings
-        settings[attribute] = value
-        if first:
-            self.add_checked_transform(_apply_settings(settings))
-        else:
+        # A plain setting (a flag, a size) is kept and set again after every load, in
+        # its place among the recorded calls: settings one after the other share one
+        # transform, a setting after a recorded call starts a new one.
+        transforms = object.__getattribute__(self, "_ondeck_transforms")
+        settings = getattr(transforms[-1], "settings", None) if transforms else None
+        if settings is None:
+            self.add_checked_transform(_apply_settings({attribute: value}))
+            return
+        with object.__getattribute__(self, "_ondeck_lock"):
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:
-                setattr(module, attribute, value)
+                setattr(module, attribute, value)  # a refused setting is not kept
+            settings[attribute] = value
+            self._changed()
 
     def __delattr__(self, attribute: str) -> None:
         self._forget_answers()
         LazyModule.__delattr__(self, attribute)
+        # A deleted setting is not set again at the next load.
+        for fn in object.__getattribute__(self, "_ondeck_transforms"):
+            getattr(fn, "settings", {}).pop(attribute, None)
 
     # -- recorded calls -----------------------------------------------------------------
 
@@ -337,6 +356,8 @@ class PipelineComponent(LazyModule):
         guarded.__qualname__ = getattr(fn, "__qualname__", repr(fn))
         if hasattr(fn, "recorded_call"):
             guarded.recorded_call = fn.recorded_call
+        if hasattr(fn, "settings"):
+            guarded.settings = fn.settings
         guarded.on_skeleton = getattr(fn, "on_skeleton", False)
         if is_adapter_call(guarded):
             self._drop_module_without_adapters()
@@ -528,11 +549,41 @@ class PipelineComponent(LazyModule):
         if move is not None:
             self._complete_filling()
         self._forget_answers()
+        if _resizes(loaded_module(self), dtype):
+            # Cast in place, it would hold other bytes than the plan counts for it: it
+            # goes, and loads again in the new dtype where its turn puts it.
+            self.release()
         with object.__getattribute__(self, "_ondeck_lock"):
             self._retarget_locked(device, dtype)
             module = object.__getattribute__(self, "_ondeck_module")
             if move is not None and module is not None:
                 move(module)
+        if dtype is not None:
+            self._record_cast(dtype)
+
+    def _record_cast(self, dtype: torch.dtype) -> None:
+        """A cast reaches every floating tensor, as ``module.to(dtype)`` does, the layers
+        the model keeps in float32 when loaded in ``dtype`` included: a load in the new
+        dtype keeps them, so the cast is replayed after it (the latest cast alone). Not
+        where the weights are stored narrower (float8, GGUF): their upcast is per layer; nor
+        where the blocks stream."""
+        stored = as_loader(object.__getattribute__(self, "_ondeck_loader")).upcast_bytes
+        if stored or not dtype.is_floating_point:  # float8 or GGUF: upcast per layer
+            return
+        transforms = object.__getattribute__(self, "_ondeck_transforms")
+        with object.__getattribute__(self, "_ondeck_lock"):
+            transforms[:] = [fn for fn in transforms if not hasattr(fn, "cast_to")]
+
+        proxy = self
+
+        def cast(module: Any) -> Any:
+            # Streamed blocks' tensors view the device slots: the load put them in the
+            # dtype, and a cast would copy them out of the slots.
+            return module if proxy._streams_blocks() else module.to(dtype)
+
+        cast.__qualname__ = f"to({dtype}) (recorded)"
+        cast.cast_to = dtype
+        self.add_transform(cast, reads_weights=False)
 
     def _retarget_locked(self, device: Any, dtype: torch.dtype | None) -> None:
         make_loader = object.__getattribute__(self, "_ondeck_make_loader")
@@ -549,6 +600,16 @@ class PipelineComponent(LazyModule):
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
 
 
+def _resizes(module: Any, dtype: torch.dtype | None) -> bool:
+    """Whether casting ``module`` to ``dtype`` changes the bytes it holds."""
+    if module is None or dtype is None or not dtype.is_floating_point:
+        return False
+    return any(
+        tensor.is_floating_point() and tensor.element_size() != dtype.itemsize
+        for tensor in (*module.parameters(), *module.buffers())
+    )
+
+
 def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:
     def apply(module: Any) -> Any:
         for attribute, value in settings.items():
@@ -556,6 +617,7 @@ def _apply_settings(settings: dict[str, Any]) -> Callable[[Any], Any]:
         return module
 
     apply.__qualname__ = "attribute settings (recorded)"
+    apply.settings = settings
     mark_recorded(apply, "setattr", (), {})
     return apply
 

@@ -9,13 +9,13 @@ import inspect
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ... import memory
-from ...arguments import check_generate_arguments, warn_if_cut
+from ...arguments import check_generate_arguments, frame_count_argument, warn_if_cut
 from ...errors import OndeckError
 from ...host_pool import output_host_bytes
 from ...lazy import LazyModule, is_lazy, is_out_of_memory, loader_of
@@ -95,6 +95,28 @@ class _CallRecord:
         return [(name, tuple(self.held[name])) for name in self.first_touch]
 
 
+def _with_untouched(
+    turns: list[tuple[str, tuple[str, ...]]], seeded: Sequence[str], touched: set[str]
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The turns a call showed, with a turn of its own for each component it did not
+    touch (the VAE of a call that returned latents, a second expert a one-step call never
+    reached), where the seeded order puts it: after the turn of the component seeded
+    before it. Placed first, a later call touching it would find its turn passed and load
+    it beside the turn in progress, above the plan's peak."""
+    turns = list(turns)
+    for position, name in enumerate(seeded):
+        if name in touched:
+            continue
+        at = 0
+        for earlier in reversed(seeded[:position]):
+            found = [i for i, (_, holding) in enumerate(turns) if earlier in holding]
+            if found:
+                at = found[0] + 1
+                break
+        turns.insert(at, (name, (name,)))
+    return turns
+
+
 class DiffusersRuntime(Pipeline):
     """ondeck's runtime for one diffusers pipeline: available as ``pipe.ondeck``.
 
@@ -129,6 +151,7 @@ class DiffusersRuntime(Pipeline):
         # seeded turns, placed last, are a guess until a call shows the order.
         self._unlisted = frozenset(order[len(sequence) :]) if sequence else frozenset()
         self._turns: list[tuple[str, tuple[str, ...]]] = [(name, (name,)) for name in order]
+        self._seeded_order = tuple(order)
         self._learned_from: set[str] | None = None
         # Turns passed in a call whose order is not learned yet, under ``release``: their
         # components may be touched again in the same call, so they are freed only when a
@@ -426,10 +449,7 @@ class DiffusersRuntime(Pipeline):
         if self._learned_from is not None and not touched >= self._learned_from:
             return
         self._learned_from = touched
-        # Components no call has touched keep a turn of their own, placed first: no
-        # prefetch looks backwards, so nothing loads them for a turn that never comes.
-        untouched = [(name, (name,)) for name, _ in self._turns if name not in touched]
-        turns = untouched + record.turns()
+        turns = _with_untouched(record.turns(), self._seeded_order, touched)
         if turns != self._turns:
             self._turns = turns
             self._rebuild_stages()
@@ -516,11 +536,12 @@ class DiffusersRuntime(Pipeline):
         import numpy as np
 
         parameters = inspect.signature(type(self.pipe).__call__).parameters
+        frames_argument = frame_count_argument(parameters)  # video_length for Latte
         check_generate_arguments(
             self,
             height=height,
             width=width,
-            num_frames=num_frames if "num_frames" in parameters else None,
+            num_frames=num_frames if frames_argument else None,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             seed=seed,
@@ -532,7 +553,7 @@ class DiffusersRuntime(Pipeline):
             "prompt": prompt,
             "height": height,
             "width": width,
-            "num_frames": num_frames,
+            frames_argument or "num_frames": num_frames,
             "num_inference_steps": num_inference_steps,
             "guidance_scale": guidance_scale,
             "negative_prompt": negative_prompt,
@@ -544,10 +565,11 @@ class DiffusersRuntime(Pipeline):
             arguments["output_type"] = "np"
         bar_config = None
         if progress is not None and "callback_on_step_end" in parameters:
+            given = kwargs.pop("callback_on_step_end", None)
 
             def advance(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
                 progress.update(1)
-                return {}
+                return given(pipe, step, timestep, tensors) if given is not None else {}
 
             arguments["callback_on_step_end"] = advance
             bar_config = dict(getattr(self.pipe, "_progress_bar_config", {}))
