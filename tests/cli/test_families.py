@@ -11,34 +11,10 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from integrations.breadth_pipelines import ALL_FAMILIES
 
 from .helpers import error_lines, listing, run
 
 CPU = ["--device", "cpu", "--steps", "2"]
-
-
-@pytest.fixture(scope="session")
-def family(tmp_path_factory):
-    built: dict[str, Path] = {}
-    root = tmp_path_factory.mktemp("families")
-
-    def folder(name: str) -> Path:
-        if name not in built:
-            ALL_FAMILIES[name].build(root / name)
-            built[name] = root / name
-        return built[name]
-
-    return folder
-
-
-@pytest.fixture
-def input_image(tmp_path) -> Path:
-    from PIL import Image
-
-    path = tmp_path / "input.png"
-    Image.new("RGB", (16, 16), (90, 140, 200)).save(path)
-    return path
 
 
 @pytest.fixture

@@ -19,31 +19,6 @@ SQUARE = [*CPU, "--height", "32", "--width", "32"]
 
 
 @pytest.fixture(scope="session")
-def family(tmp_path_factory):
-    from tests.integrations.breadth_pipelines import ALL_FAMILIES
-
-    built: dict[str, Path] = {}
-    root = tmp_path_factory.mktemp("check_families")
-
-    def folder(name: str) -> Path:
-        if name not in built:
-            ALL_FAMILIES[name].build(root / name)
-            built[name] = root / name
-        return built[name]
-
-    return folder
-
-
-@pytest.fixture
-def input_image(tmp_path) -> Path:
-    from PIL import Image
-
-    path = tmp_path / "input.png"
-    Image.new("RGB", (32, 32), (90, 140, 200)).save(path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def latte(tmp_path_factory) -> Path:
     """A tiny LattePipeline: a text-to-video pipeline whose call counts its frames as
     ``video_length`` (16 by default), not ``num_frames``."""

@@ -286,22 +286,8 @@ def test_a_gguf_layers_dequantized_copies_are_what_the_plan_reserves(
     """Each GGUF layer dequantizes its weight for its forward (half precision, then the
     compute dtype): the loader's ``upcast_bytes``, read from the header before anything
     loads, is the largest of those copies, so the plan's upcast reserve covers them."""
-    import torch
-    from diffusers.quantizers.gguf import utils
-
     pipe = in_bf16(gguf_base, gguf_file[0])
-    planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
-    copies: list[int] = []
-    dequantize = utils.dequantize_gguf_tensor
-
-    def counted(tensor):
-        weight = dequantize(tensor)
-        if hasattr(tensor, "quant_type"):
-            copies.append(weight.numel() * (weight.element_size() + torch.bfloat16.itemsize))
-        return weight
-
-    monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
-    frames(pipe)
+    planned, copies = planned_and_made_upcasts(pipe, monkeypatch)
     assert copies and max(copies) == planned
     assert pipe.ondeck.snapshot().upcast_bytes == {"transformer": planned}  # the plan's
 
@@ -425,3 +411,24 @@ def test_a_gguf_load_that_fails_keeps_nothing_in_the_host_cache(
     monkeypatch.setattr(WanTransformer3DModel, "from_single_file", classmethod(real))
     frames(pipe)
     assert [key for key in cache.keys() if key[0] == "gguf"]
+
+
+def planned_and_made_upcasts(pipe, monkeypatch) -> tuple[int, list[int]]:
+    """The transformer loader's ``upcast_bytes``, and the bytes each GGUF layer's forward
+    made dequantizing its weight and casting it to bfloat16, over one call."""
+    import torch
+    from diffusers.quantizers.gguf import utils
+
+    planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
+    copies: list[int] = []
+    dequantize = utils.dequantize_gguf_tensor
+
+    def counted(tensor):
+        weight = dequantize(tensor)
+        if hasattr(tensor, "quant_type"):
+            copies.append(weight.numel() * (weight.element_size() + torch.bfloat16.itemsize))
+        return weight
+
+    monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
+    frames(pipe)
+    return planned, copies

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from ondeck.errors import LoadError
 
-from .conftest import _is_stored, frames, load, original_name, transformer_file
-from .test_gguf import in_bf16
+from .conftest import _is_stored, load, original_name, transformer_file
+from .test_gguf import in_bf16, planned_and_made_upcasts
 
 gguf = pytest.importorskip("gguf")
 
@@ -43,21 +43,8 @@ def test_a_bf16_gguf_layers_dequantized_copies_are_covered_by_the_plan(
     one dequantizes it for its forward (to float32, then the compute dtype), as a Q8_0 layer
     does. The loader's ``upcast_bytes`` (the plan's reserve for those copies) covers
     them, at float32 for BF16."""
-    from diffusers.quantizers.gguf import utils
-
     pipe = in_bf16(gguf_base, bf16_gguf)
-    planned = object.__getattribute__(pipe.transformer, "_ondeck_loader").upcast_bytes
-    copies: list[int] = []
-    dequantize = utils.dequantize_gguf_tensor
-
-    def counted(tensor):
-        weight = dequantize(tensor)
-        if hasattr(tensor, "quant_type"):
-            copies.append(weight.numel() * (weight.element_size() + torch.bfloat16.itemsize))
-        return weight
-
-    monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
-    frames(pipe)
+    planned, copies = planned_and_made_upcasts(pipe, monkeypatch)
 
     assert copies, "the BF16 layers dequantize per forward"
     assert planned >= max(copies), f"the plan reserves {planned} bytes for {max(copies)}"
