@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -163,13 +164,16 @@ class HostCopies:
                 with self._lock:
                     if stop.is_set() or self._generation != generation:
                         break
+                    if fresh is not None:
+                        self._ahead -= fresh.nbytes  # ``_allocating`` counts it from here
                     if block not in self._regions:
                         allocated += self._allocate(block, fresh).numel()
-                    if fresh is not None:
-                        self._ahead -= fresh.nbytes
+                fresh = None  # a region the load made first: these pages go now
         finally:
-            if touching is not None:
-                touching.cancel()
+            if touching is not None and not touching.cancel():
+                # Its pages are being touched: they stay counted until it is done.
+                with contextlib.suppress(BaseException):
+                    touching.result()
             self._ahead = 0
         return allocated
 

@@ -4,6 +4,7 @@ before the first load that fills them; a change of plan or of what is held stops
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ def test_pinned_copies_touch_the_next_regions_pages_while_this_one_is_registered
     copies = HostCopies(pinned=True)
     copies.keep_only(sizes)
     started = {nbytes: threading.Event() for nbytes in sizes.values()}
-    touched, counted, overlapped = [], [], []
+    touched, counted, overlapped, registering = [], [], [], []
 
     def fresh(nbytes):
         touched.append(threading.current_thread().name)
@@ -155,6 +156,8 @@ def test_pinned_copies_touch_the_next_regions_pages_while_this_one_is_registered
         following = {64: 128, 128: 192}.get(fresh.nbytes)
         if following:
             overlapped.append(started[following].wait(5))
+        held = sum(r.numel() for r in copies._regions.values())
+        registering.append(copies.nbytes - held)
         return torch.from_numpy(fresh.owner)
 
     monkeypatch.setattr(host, "fresh_host_bytes", fresh)
@@ -163,4 +166,47 @@ def test_pinned_copies_touch_the_next_regions_pages_while_this_one_is_registered
     assert overlapped == [True, True], "the next region's pages were touched meanwhile"
     assert set(touched) == {"ondeck-touch-ahead_0"}
     assert all(n > 0 for n in counted), "bytes being touched count as ondeck's"
+    # Each region counts once while it registers, beside the one being touched.
+    assert registering == [64 + 128, 128 + 192, 192]
     assert copies.nbytes == 384 and sorted(copies._regions) == [0, 1, 2]
+
+
+def test_pages_still_being_touched_when_preparing_stops_stay_counted(monkeypatch):
+    """Stopped (a release under host pressure, say) while the next region's pages are
+    being touched, ``prepare`` counts those bytes until the touch is done: the host watch
+    would take them for the process's own growth."""
+    copies = HostCopies(pinned=True)
+    copies.keep_only({0: 64, 1: 128})
+    stop, touching = threading.Event(), threading.Event()
+    seen = []
+
+    class StopsAtTheFirstCheck:
+        """The regions' lock; as ``prepare`` first checks whether to go on, with the next
+        region's touch under way, it is told to stop."""
+
+        def __init__(self):
+            self.lock, self.entered = threading.Lock(), 0
+
+        def __enter__(self):
+            self.entered += 1
+            if self.entered == 2:
+                assert touching.wait(5)
+                stop.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    def fresh(nbytes):
+        if nbytes == 128:
+            touching.set()
+            time.sleep(0.3)  # still touching as the loop stops
+            seen.append(copies.nbytes - sum(r.numel() for r in copies._regions.values()))
+        return FreshHostBytes(np.zeros(nbytes, np.uint8), 0, nbytes, nbytes)
+
+    copies._lock = StopsAtTheFirstCheck()
+    monkeypatch.setattr(host, "fresh_host_bytes", fresh)
+    monkeypatch.setattr(host, "page_locked", lambda fresh: torch.from_numpy(fresh.owner))
+    assert copies.prepare(stop) == 0
+    assert seen and seen[0] >= 128, "the pages being touched were counted"
+    assert copies.nbytes == 0
