@@ -87,7 +87,12 @@ class HostWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.sample()
+            try:
+                self.sample()
+            except Exception:
+                # A reading that failed (a relief racing a re-plan, say) is taken again
+                # next time: a watch that died would leave the run unwatched.
+                continue
 
     def read(self) -> int:
         """One reading of the RSS, noted in the peaks; returns it."""

@@ -221,6 +221,7 @@ class BlockStreaming:
     def apply(self, pipeline: Any, plan: Any) -> None:
         """Give each component's loader the plan's layout (or none) before anything loads,
         and keep the activation bytes the plan reserves for streaming stages."""
+        self._stop_preparing()  # it would page-lock copies this plan drops or resizes
         layouts: Mapping[str, StreamLayout] = plan.streamed
         file_reads = getattr(plan, "file_reads", {})
         self.reserved = dict(plan.reserved_activation_bytes)
@@ -263,9 +264,7 @@ class BlockStreaming:
         transformer's copies are made while the text encoder computes. The load asks for
         any region not allocated yet itself, so nothing waits for this thread, and a
         failure here (no host memory to lock) is left for the load to report."""
-        if self._preparing is not None:
-            self._preparing.stop()
-            self._preparing = None
+        self._stop_preparing()
         wanted = self.options.prepare_host_copies
         if not self.options.keep_host_copies or wanted is False:
             return
@@ -276,6 +275,11 @@ class BlockStreaming:
         ]
         if streamers:
             self._preparing = _Preparing(streamers)
+
+    def _stop_preparing(self) -> None:
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            preparing.stop()
 
     @staticmethod
     def keeps_rings(pipeline: Any, plan: Any) -> bool:
@@ -298,13 +302,13 @@ class BlockStreaming:
         """What each streamed component takes on the device under its layout."""
         return {
             name: streamer.layout.device_bytes
-            for name, streamer in self.streamers.items()
+            for name, streamer in list(self.streamers.items())
             if streamer.layout is not None
         }
 
     def stats(self) -> dict[str, dict[str, Any]]:
         result = {}
-        for name, streamer in self.streamers.items():
+        for name, streamer in list(self.streamers.items()):
             layout = streamer.layout
             result[name] = {
                 "path": streamer.path,
@@ -325,12 +329,15 @@ class BlockStreaming:
         return result
 
     def host_bytes(self) -> int:
-        """Host memory the streamers hold now: pinned copies and rings."""
-        return sum(s.host_bytes + s.ring_bytes for s in self.streamers.values())
+        """Host memory the streamers hold now: pinned copies and rings. Read from the host
+        watch's thread, while ``apply`` may change which streamers there are."""
+        return sum(s.host_bytes + s.ring_bytes for s in list(self.streamers.values()))
 
     def drop_host_copies(self) -> int:
-        """Free host copies of components not loaded now; returns the bytes freed."""
-        return sum(streamer.drop_host_copies() for streamer in self.streamers.values())
+        """Free host copies of components not loaded now; returns the bytes freed. Host
+        copies being prepared stop first: they would page-lock what this frees again."""
+        self._stop_preparing()
+        return sum(streamer.drop_host_copies() for streamer in list(self.streamers.values()))
 
 
 def _stage_order(pipeline: Any, names: Mapping[str, Any]) -> list[str]:

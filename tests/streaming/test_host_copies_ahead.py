@@ -210,3 +210,76 @@ def test_pages_still_being_touched_when_preparing_stops_stay_counted(monkeypatch
     assert copies.prepare(stop) == 0
     assert seen and seen[0] >= 128, "the pages being touched were counted"
     assert copies.nbytes == 0
+
+
+def test_dropping_the_host_copies_stops_their_preparing(six_block_folder, monkeypatch):
+    """Relief under host pressure frees the copies for good: the thread preparing them
+    (about to page-lock the regions the layout keeps planned) stops first."""
+    from ondeck.streaming.streamer import BlockStreamer
+
+    pipe = streaming(six_block_folder, resident=2, prepare_host_copies=True)
+    streaming_ = pipe.policy.streaming
+    original = BlockStreamer.prepare_host_copies
+    go, waiting = threading.Event(), threading.Event()
+
+    def held_back(self, stop):
+        waiting.set()
+        while not (go.is_set() or stop.is_set()):
+            time.sleep(0.01)
+        return original(self, stop)
+
+    monkeypatch.setattr(BlockStreamer, "prepare_host_copies", held_back)
+    streaming_.apply(pipe, pipe.plan())
+    preparing = streaming_._preparing
+    assert waiting.wait(10)
+    streaming_.drop_host_copies()
+    go.set()
+    preparing._thread.join(30)
+    assert streaming_.streamers["transformer"].host_bytes == 0
+    assert streaming_.host_bytes() == 0
+
+
+def test_the_host_watch_reads_the_streamers_while_a_plan_changes_them():
+    """``host_bytes`` and ``drop_host_copies`` run on the host watch's thread while the
+    main thread's ``apply`` adds and removes streamers."""
+    from ondeck.streaming.pipeline import BlockStreaming
+
+    streaming_ = BlockStreaming()
+
+    class Streamer:
+        """As if ``apply`` changed the streamers in the middle of the watch's loop."""
+
+        def __init__(self, name):
+            self.name, self.ring_bytes = name, 0
+
+        @property
+        def host_bytes(self):
+            streaming_.streamers.pop("b", None) or streaming_.streamers.setdefault("b", self)
+            return 8
+
+        def drop_host_copies(self):
+            return self.host_bytes
+
+    streaming_.streamers.update(a=Streamer("a"), b=Streamer("b"))
+    assert streaming_.host_bytes() == 16
+    assert streaming_.drop_host_copies() in (8, 16)
+
+
+def test_the_host_watch_outlives_a_failed_reading():
+    from ondeck.host_watch import HostWatch
+
+    readings = []
+
+    def rss():
+        readings.append(len(readings))
+        if len(readings) == 2:
+            raise RuntimeError("a reading that fails once")
+        return 1
+
+    watch = HostWatch(1 << 30, lambda: 0, interval=0.01, rss=rss)
+    watch.start()
+    deadline = time.monotonic() + 10
+    while len(readings) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    assert len(readings) >= 5, "the watch went on after the failed reading"
