@@ -8,6 +8,7 @@ import binascii
 import io
 import logging
 import secrets
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -489,7 +490,9 @@ async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | No
     kind = request.headers.get("content-type", "")
     image: bytes | None = None
     if kind.startswith("multipart/form-data"):
-        form = await request.form(max_files=1, max_fields=32, max_part_size=limits.image_bytes)
+        # A text field may be the image as a data: URL: base64's 4/3 and its prefix.
+        longest_field = limits.image_bytes * 4 // 3 + 1024
+        form = await request.form(max_files=1, max_fields=32, max_part_size=longest_field)
         data: dict = {}
         for key, value in form.multi_items():
             if hasattr(value, "read"):
@@ -564,20 +567,27 @@ def _data_url(url: str, limits: Any) -> bytes:
 
 
 def _open_image(data: bytes, limits: Any) -> Any:
-    from PIL import Image
+    """The input image, upright as its camera's orientation tag says, in RGB."""
+    from PIL import Image, ImageOps
 
+    too_large = JobFailed(
+        413,
+        "image_too_large",
+        f"the input image has more than {limits.image_pixels} pixels",
+        "input_reference",
+    )
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # counted below
+            image = Image.open(io.BytesIO(data))
         if image.width * image.height > limits.image_pixels:
-            raise JobFailed(
-                413,
-                "image_too_large",
-                f"the input image has more than {limits.image_pixels} pixels",
-                "input_reference",
-            )
+            raise too_large
         image.load()
+        return ImageOps.exif_transpose(image).convert("RGB")
     except JobFailed:
         raise
+    except Image.DecompressionBombError:
+        raise too_large from None
     except Exception:
         raise JobFailed(
             400,
@@ -585,4 +595,3 @@ def _open_image(data: bytes, limits: Any) -> Any:
             "input_reference is not an image ondeck can read",
             "input_reference",
         ) from None
-    return image.convert("RGB")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import folder_pipelines
-from ..arguments import ArgumentError, check_generate_arguments
+from ..arguments import ArgumentError, check_generate_arguments, shape_rule
 from ..cli.media import media_of
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
@@ -155,7 +155,8 @@ class Server:
             host_cache=self.host_cache,
             **({"storage_dtype": self.config.weights} if self.config.weights else {}),
         )
-        # Each job's timeline and report are its own: the tracker keeps the last run.
+        # Each job's timeline and report are its own: the tracker keeps the job's runs
+        # (``_run`` counts them: an image job runs once for each image).
         pipeline.tracker.keep_runs = 1
         pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
         media = media_of(Path(path))  # what it makes and takes, as `ondeck generate` reads it
@@ -211,28 +212,30 @@ class Server:
         return 50 if model.kind == "video" else 30
 
     def frames_for(self, model: ServedModel, seconds: str | None, frames: int | None) -> int:
-        if frames is None:
-            try:
-                duration = float(seconds) if seconds is not None else 4.0
-            except ValueError:
-                raise JobFailed(
-                    400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
-                ) from None
-            longest = self.config.limits.frames / model.fps
-            if not 0 < duration <= longest:
-                raise JobFailed(
-                    400,
-                    "invalid_value",
-                    f"seconds must be more than 0 and at most {longest:g} ({model.name} makes "
-                    f"{model.fps:g} frames a second)",
-                    "seconds",
-                )
-            frames = int(round(duration * model.fps)) + 1
-        geometry = getattr(model.pipeline, "geometry", None)
-        if geometry is not None:  # Wan: 4k+1 frames
-            step = geometry.scale_temporal
-            frames = (frames - 1) // step * step + 1
-        return max(1, frames)
+        """A job's frame count: ``frames`` as asked (``check_shape`` refuses a count the
+        model does not take), else ``seconds`` (4 by default) at the model's frame rate,
+        fitted to the counts its VAE takes (step·k+1 frames)."""
+        if frames is not None:
+            return frames
+        try:
+            duration = float(seconds) if seconds is not None else 4.0
+        except ValueError:
+            raise JobFailed(
+                400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
+            ) from None
+        most = self.config.limits.frames
+        longest = (most - 1) / model.fps
+        if not 0 < duration <= longest:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"seconds must be more than 0 and at most {longest:g} ({model.name} makes "
+                f"{model.fps:g} frames a second)",
+                "seconds",
+            )
+        step = shape_rule(model.pipeline).frame_step or 1
+        intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))
+        return intervals * step + 1
 
     def check_shape(self, model: ServedModel, job: Job) -> None:
         """Refuse, before queueing, a shape the model cannot take: sides that are not a
@@ -306,19 +309,23 @@ class Server:
             progress = StepProgress(job, at_last_step)
             plan = pipeline.plan(model.policy.budget_bytes)
             started = time.perf_counter()
-            outputs = [
-                pipeline.generate(
-                    job.prompt,
-                    negative_prompt=job.negative_prompt,
-                    height=job.height,
-                    width=job.width,
-                    num_inference_steps=job.steps,
-                    seed=job.seed + index,
-                    progress=progress,
-                    **_asked_beyond_defaults(job, model),
+            outputs = []
+            for index in range(job.n if job.kind == "image" else 1):
+                # The report and timeline hold the job's runs, every image's, and none
+                # of an earlier job's.
+                pipeline.tracker.keep_runs = index + 1
+                outputs.append(
+                    pipeline.generate(
+                        job.prompt,
+                        negative_prompt=job.negative_prompt,
+                        height=job.height,
+                        width=job.width,
+                        num_inference_steps=job.steps,
+                        seed=job.seed + index,
+                        progress=progress,
+                        **_asked_beyond_defaults(job, model),
+                    )
                 )
-                for index in range(job.n if job.kind == "image" else 1)
-            ]
             job.run_seconds = time.perf_counter() - started
             frames = outputs if job.kind == "image" else outputs[0]
             self._check_finite(frames)

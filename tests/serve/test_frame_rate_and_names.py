@@ -36,9 +36,9 @@ def test_seconds_count_in_the_models_own_frames_a_second(ltx_server):
     model = ltx_server.models["ltx"]
     # LTX generates for its call's frame_rate argument, 25 by default (Wan's are 16).
     assert (model.fps, model.fps_from) == (25.0, "LTXPipeline's frame_rate argument")
-    assert ltx_server.frames_for(model, "1", None) == 26
+    assert ltx_server.frames_for(model, "2", None) == 49  # 2 s, 4k+1 frames
     assert ltx_server.frames_for(model, None, 9) == 9
-    longest = ltx_server.config.limits.frames / 25
+    longest = (ltx_server.config.limits.frames - 1) / 25
     with pytest.raises(JobFailed, match=f"at most {longest:g} .ltx makes 25 frames a second"):
         ltx_server.frames_for(model, str(longest + 1), None)
 
@@ -61,3 +61,61 @@ def test_a_jobs_images_are_named_as_a_local_runs(tmp_path, count, names):
     files = write_job_files(tmp_path, {}, images, kind="image")
     assert [role for role in files if role != "report"] == [n.removesuffix(".png") for n in names]
     assert sorted(p.name for p in tmp_path.glob("*.png")) == names
+
+
+def test_seconds_fit_the_frame_counts_the_model_takes(ltx_server):
+    """LTX takes 4k+1 frames: a second at 25 frames a second is 25 frames, not the 26
+    its VAE would refuse; the longest duration is the most frames' intervals."""
+    model = ltx_server.models["ltx"]
+    assert ltx_server.frames_for(model, "1", None) == 25
+    assert ltx_server.frames_for(model, "0.01", None) == 5  # one interval at least
+    most = ltx_server.config.limits.frames
+    longest = (most - 1) / 25
+    assert ltx_server.frames_for(model, f"{longest:g}", None) <= most
+    with pytest.raises(JobFailed, match=f"at most {longest:g} "):
+        ltx_server.frames_for(model, f"{longest + 0.1:g}", None)
+
+
+@pytest.mark.parametrize("name", ["ltx", "wan"])
+def test_a_frame_count_the_model_does_not_take_is_refused_not_changed(name, ltx_server, models):
+    """Both take 4k+1 frames (Wan's own stages and a diffusers pipeline): 10 is refused
+    naming the frames, where it once ran as 9 on Wan."""
+    from ondeck.serve.jobs import Job
+
+    server = ltx_server
+    if name == "wan":
+        config = ServeConfig(models={"wan": str(models["wan"])}, device="cpu", budget_bytes=2**30)
+        server = Server(config, say=lambda *_: None)
+    model = server.models[name]
+    assert server.frames_for(model, None, 10) == 10
+    job = Job(id="j", kind="video", model=name, prompt="a fox", width=32, height=32, frames=10)
+    try:
+        with pytest.raises(JobFailed, match="frames") as refused:
+            server.check_shape(model, job)
+    finally:
+        if server is not ltx_server:
+            model.pipeline.close()
+    assert refused.value.param == "frames"
+
+
+def test_an_image_jobs_report_holds_every_images_run(models, tmp_path):
+    from .inprocess import call, make_server
+
+    server = make_server(models, tmp_path, names=("sd3",))
+    try:
+        for n in (2, 3):
+            answer = call(
+                server,
+                "POST",
+                "/v1/images/generations",
+                json={"model": "sd3", "prompt": "a fox", "size": "32x32", "n": n},
+                timeout=120,
+            )
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["data"]) == n
+            report = server.last_report
+            assert sorted({stage["run"] for stage in report["stages"]}) == list(
+                range(report["runs"] - n + 1, report["runs"] + 1)
+            ), "every image's run, and none of the job before"
+    finally:
+        server.stop()
