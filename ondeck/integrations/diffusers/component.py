@@ -177,6 +177,16 @@ class PipelineComponent(LazyModule):
 
     # -- touches ------------------------------------------------------------------------
 
+    @property
+    def ondeck_runtime(self) -> Any:
+        """The runtime of the pipeline this component belongs to (its touches start
+        turns there, its decode is sized there); None once it belongs to none."""
+        return object.__getattribute__(self, "_ondeck_runtime")
+
+    def belong_to(self, runtime: Any) -> None:
+        """Make ``runtime`` the one this component reports to (None: no runtime)."""
+        object.__setattr__(self, "_ondeck_runtime", runtime)
+
     def materialize(self, *, complete: bool = True) -> Any:
         runtime = object.__getattribute__(self, "_ondeck_runtime")
         if runtime is not None:
@@ -253,8 +263,9 @@ class PipelineComponent(LazyModule):
             return getattr(self.materialize(complete=False), attribute)
         if attribute == "decode" and is_vae(declared):
             runtime = object.__getattribute__(self, "_ondeck_runtime")
-            if runtime is not None:
-                return runtime.fitting_decode(self)  # sized to fit, tiles if need be
+            decoder = runtime.fitting_decode(self) if runtime is not None else None
+            if decoder is not None:
+                return decoder  # sized to fit, tiles if need be
         if attribute in _CONFIGURING_METHODS:
             if hasattr(declared or type(module), attribute):
                 return self._recorded_call(attribute)

@@ -4,6 +4,7 @@ execution device and LoRA loading through the runtime."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -37,6 +38,7 @@ def _build_pipeline_class(cls: type) -> type:
     base_call = cls.__call__
     base_to = cls.to
     base_setattr = cls.__setattr__
+    base_components = cls.components
 
     @functools.wraps(base_call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -46,8 +48,11 @@ def _build_pipeline_class(cls: type) -> type:
         return runtime.run(base_call, self, *args, **kwargs)
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        base_setattr(self, name, value)
         runtime = runtime_of(self)
+        if runtime is not None:
+            # A refused assignment changes nothing: checked before diffusers sets it.
+            runtime.check_assignment(name, value)
+        base_setattr(self, name, value)
         if runtime is not None and name in runtime.components:
             runtime.swap(name, value)
         if not is_lazy(value):
@@ -72,6 +77,12 @@ def _build_pipeline_class(cls: type) -> type:
     def _execution_device(self: Any) -> torch.device:
         return _pipeline_execution_device(self)
 
+    @functools.wraps(base_components.fget)
+    def components(self: Any) -> dict[str, Any]:
+        if runtime_of(self) is not None and _asked_by_from_pipe():
+            raise _from_pipe_refused(self)
+        return base_components.fget(self)
+
     def refuse_offload(self: Any, *args: Any, **kwargs: Any) -> None:
         raise OndeckError(
             "this pipeline's components already load when a call first needs them and "
@@ -87,12 +98,33 @@ def _build_pipeline_class(cls: type) -> type:
         "__setattr__": __setattr__,
         "to": to,
         "_execution_device": property(_execution_device),
+        "components": property(components),
         "enable_model_cpu_offload": refuse_offload,
         "enable_sequential_cpu_offload": refuse_offload,
         "enable_group_offload": refuse_offload,
     }
     namespace.update(lora_methods(cls))
     return type(cls.__name__, (cls,), namespace)
+
+
+def _asked_by_from_pipe() -> bool:
+    """Whether ``pipe.components`` is being read by one of diffusers' ``from_pipe``
+    (``DiffusionPipeline``'s and the auto pipelines'), which builds a new pipeline over
+    the components it returns."""
+    caller = sys._getframe(2)  # this function, the property, the reader
+    module = caller.f_globals.get("__name__", "")
+    return caller.f_code.co_name == "from_pipe" and module.startswith("diffusers.")
+
+
+def _from_pipe_refused(pipe: Any) -> OndeckError:
+    return OndeckError(
+        f"from_pipe cannot take this ondeck {type(pipe).__name__}: its components load "
+        "when its calls need them and its runtime (pipe.ondeck) frees them; a pipeline "
+        "built over them would have no runtime, and what it loaded would stay loaded. "
+        "Load the other pipeline with ondeck.diffusers.from_pretrained, from a folder "
+        "whose model_index.json names its class (one host_cache=HostCache(...) given to "
+        "both keeps one host copy of the files they share)"
+    )
 
 
 def _pipeline_placement(args: tuple, kwargs: dict) -> tuple[Any, torch.dtype | None]:

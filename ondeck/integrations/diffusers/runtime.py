@@ -167,8 +167,7 @@ class DiffusersRuntime(Pipeline):
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
         for name, proxy in components.items():
-            if is_vae(proxy.spec.cls):
-                self.decoders[name] = FittingDecode(proxy, self, name)
+            self._add_decoder(name, proxy)
         super().__init__(
             components,
             policy=policy,
@@ -178,7 +177,7 @@ class DiffusersRuntime(Pipeline):
             host_memory=host_memory,
         )
         for proxy in components.values():
-            object.__setattr__(proxy, "_ondeck_runtime", self)
+            proxy.belong_to(self)
 
     # -- stages -------------------------------------------------------------------------
 
@@ -204,9 +203,24 @@ class DiffusersRuntime(Pipeline):
                 return index
         return None
 
-    def fitting_decode(self, proxy: PipelineComponent) -> FittingDecode:
-        """``proxy.decode`` that decodes in tiles when whole frames would not fit."""
-        name = self._name_of(proxy)
+    def _deferred_name(self, proxy: Any) -> str | None:
+        """The name of ``proxy`` among the deferred components, by identity; None for a
+        proxy that is not one of them (one this pipeline replaced)."""
+        for name, value in self.deferred.items():
+            if value is proxy:
+                return name
+        return None
+
+    def _add_decoder(self, name: str, value: Any) -> None:
+        if issubclass(type(value), PipelineComponent) and is_vae(value.spec.cls):
+            self.decoders[name] = FittingDecode(value, self, name)
+
+    def fitting_decode(self, proxy: PipelineComponent) -> FittingDecode | None:
+        """``proxy.decode`` that decodes in tiles when whole frames would not fit; None
+        for a proxy that is not one of this pipeline's deferred components."""
+        name = self._deferred_name(proxy)
+        if name is None:
+            return None
         decoder = self.decoders.get(name)
         if decoder is None or decoder.proxy is not proxy:
             decoder = self.decoders[name] = FittingDecode(proxy, self, name)
@@ -343,8 +357,8 @@ class DiffusersRuntime(Pipeline):
             or self.executor.in_prefetch_thread()
         ):
             return
-        name = self._name_of(proxy)
-        if name not in self.deferred:
+        name = self._deferred_name(proxy)
+        if name is None:
             return
         self._record.touched(name)
         index = self._turn_index(name)
@@ -471,17 +485,45 @@ class DiffusersRuntime(Pipeline):
             self.cancel_prefetch_quietly()
         super()._choose_policy()
 
-    def swap(self, name: str, value: Any) -> None:
-        """``pipe.<name> = value`` after loading: the old proxy is released and the new
-        value takes its turn; a module given ready-made is no longer deferred."""
-        if self.components.get(name) is value:
+    def check_assignment(self, name: str, value: Any) -> None:
+        """``OndeckError`` when ``pipe.<name> = value`` cannot be made: a deferred
+        component replaced while a call runs, or a component of another ondeck pipeline
+        (its runtime plans its loads and releases, and a proxy reports to one runtime)."""
+        if name in self.components and self.components[name] is not value:
+            if self._running_thread is not None:
+                raise OndeckError(f"component '{name}' cannot be replaced while a call runs")
+        if not issubclass(type(value), PipelineComponent):
             return
-        if self._running_thread is not None:
-            raise OndeckError(f"component '{name}' cannot be replaced while a call runs")
+        owner = value.ondeck_runtime
+        if owner is not None and owner is not self:
+            there = owner._deferred_name(value) or name
+            raise OndeckError(
+                f"component '{name}' is a deferred component of another ondeck pipeline "
+                f"(a {type(owner.pipe).__name__}), whose runtime loads and frees it; it "
+                "belongs to one pipeline at a time. Take it out of that pipeline first "
+                f"(assign None or another module to its '{there}'), load each "
+                "pipeline with ondeck.diffusers.from_pretrained (one host_cache="
+                "HostCache(...) given to both keeps one host copy of the files they "
+                "share), or assign a module you loaded yourself (it stays resident)"
+            )
+
+    def swap(self, name: str, value: Any) -> None:
+        """``pipe.<name> = value`` after loading (checked with ``check_assignment``): the
+        old proxy is released and leaves the pipeline (its touches, loads and decodes no
+        longer reach this runtime), and the new value takes its turn; a VAE proxy gets
+        its own fitting decode, and a module given ready-made is no longer deferred."""
+        old = self.components.get(name)
+        if old is value:
+            return
+        self.check_assignment(name, value)
         self.cancel_prefetch_quietly()
-        self.components[name] = value
+        self.components[name] = value  # releases the old proxy and stops observing it
+        self.decoders.pop(name, None)
+        if issubclass(type(old), PipelineComponent) and old.ondeck_runtime is self:
+            old.belong_to(None)
         if issubclass(type(value), PipelineComponent):
-            object.__setattr__(value, "_ondeck_runtime", self)
+            value.belong_to(self)
+            self._add_decoder(name, value)
 
     # -- transforms ---------------------------------------------------------------------
 
