@@ -14,7 +14,6 @@ import contextlib
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,10 @@ from . import commands
 from .finite import FiniteWatch
 from .media import Media, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags
+from .shape import EMBEDDED_SHAPE, Shape, asked_shape, own_shape
 
-EMBEDDED_SHAPE = {"height": 192, "width": 320, "frames": 17, "steps": 6}
-REAL_SHAPE = {"height": 480, "width": 832, "frames": 81, "steps": 50}
 OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy", "image.png")
 EMBEDDED_MODELS = {"text_encoder", "transformer", "vae"}
-
-
-@dataclass
-class Shape:
-    height: int | None
-    width: int | None
-    frames: int | None
-    steps: int
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -150,18 +140,10 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
 
 
 def _shape(args: argparse.Namespace, embedded: bool, media: Media) -> Shape:
-    defaults = EMBEDDED_SHAPE if embedded else REAL_SHAPE
-    # `is None`, not `or`: a 0 is refused by the parser, never replaced by a default.
-    if not media.video:  # an image pipeline's own default size, unless one is given
-        return Shape(args.height, args.width, None, args.steps or defaults["steps"])
-    # A diffusers video pipeline's own frame count (Mochi's 19 = 6k+1), unless given.
-    frames = defaults["frames"] if embedded else (media.default_frames or defaults["frames"])
-    return Shape(
-        defaults["height"] if args.height is None else args.height,
-        defaults["width"] if args.width is None else args.width,
-        frames if args.frames is None else args.frames,
-        defaults["steps"] if args.steps is None else args.steps,
-    )
+    """What the flags give, else the pipeline's own (None where its call computes it);
+    the embedded default's small shape for the embedded default."""
+    own = EMBEDDED_SHAPE if embedded else own_shape(media)
+    return asked_shape(own, args.height, args.width, args.frames, args.steps)
 
 
 def _run_all(

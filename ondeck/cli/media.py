@@ -39,6 +39,11 @@ class Media:
     default_frames: int | None = None  # the call's own default frame count
     frames_argument: str | None = None  # the call's name for it (num_frames, video_length)
     image_argument: str | None = None  # the call's name for the input image
+    # The call's own defaults, where its signature gives a number; None where the call
+    # computes its own (an image pipeline's size from its sample size and VAE scale).
+    default_height: int | None = None
+    default_width: int | None = None
+    default_steps: int | None = None
 
 
 def media_of(path: Path) -> Media:
@@ -72,12 +77,17 @@ def media_of(path: Path) -> Media:
         or bool(_NEEDS_IMAGE.search(name))
     )
     count = "num_images_per_prompt" in parameters
-    frames = getattr(parameters.get(frames_argument or ""), "default", None)
-    frames = frames if isinstance(frames, int) and not isinstance(frames, bool) else None
     return Media(
-        name, video, fps, source, takes_image, needs, count, frames, frames_argument,
-        image_argument,
+        name, video, fps, source, takes_image, needs, count,
+        _whole_default(parameters, frames_argument), frames_argument, image_argument,
+        _whole_default(parameters, "height"), _whole_default(parameters, "width"),
+        _whole_default(parameters, "num_inference_steps"),
     )  # fmt: skip
+
+
+def _whole_default(parameters: dict, name: str | None) -> int | None:
+    default = getattr(parameters.get(name or ""), "default", None)
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
 
 
 def _diffusers_version() -> str:

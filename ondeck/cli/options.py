@@ -54,6 +54,11 @@ def _seed(text: str) -> int:
     return _whole_number(text, 0, 2**64 - 1)
 
 
+def _folder(text: str) -> str:
+    # `--output=~/x`, or an argument no shell expanded, is the folder x in the home folder.
+    return os.path.expanduser(text)
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)
@@ -279,6 +284,7 @@ def add_generate(generate: argparse.ArgumentParser) -> None:
     generate.add_argument(
         "--output",
         default="ondeck-out",
+        type=_folder,
         help="folder for the video or images and the report; one run at a time uses it",
     )
     generate.add_argument(

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .jobs import Job, JobFailed, QueueFull, new_job_id
 from .schemas import ImageRequest, VideoRequest, parse_size
-from .server import Server
+from .server import Server, seconds_of
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +177,23 @@ class _Api:
                 f"a prompt may hold at most {self.limits.prompt_chars} characters",
                 "prompt",
             )
-        width, height = (
-            parse_size(body.size) if body.size else (832, 480) if kind == "video" else (1024, 1024)
-        )
-        if not (0 < width <= self.limits.side and 0 < height <= self.limits.side):
+        own = model.own_shape  # what a local run of the model asks where no flag says
+        width, height = parse_size(body.size) if body.size else (own.width, own.height)
+        if (
+            width is not None
+            and height is not None
+            and not (0 < width <= self.limits.side and 0 < height <= self.limits.side)
+        ):
+            given = "" if body.size else f", {body.model}'s own size: ask for a smaller one"
             raise JobFailed(
                 400,
                 "invalid_value",
-                f"each side must be from 1 to {self.limits.side} pixels, got {width}x{height}",
+                f"each side must be from 1 to {self.limits.side} pixels, got "
+                f"{width}x{height}{given}",
                 "size",
             )
         steps = body.step_count or self.server.default_steps(model)
-        if steps > self.limits.steps:
+        if steps is not None and steps > self.limits.steps:
             raise JobFailed(
                 400, "invalid_value", f"steps must be at most {self.limits.steps}", "steps"
             )
@@ -216,7 +221,7 @@ class _Api:
                     400, "invalid_value", f"frames must be at most {self.limits.frames}", "frames"
                 )
             job.frames = self.server.frames_for(model, body.seconds, body.frames)
-            job.seconds = body.seconds or f"{(job.frames - 1) / model.fps:g}"
+            job.seconds = body.seconds or seconds_of(job.frames, model.fps)
         self.server.check_shape(model, job)
         return job
 
@@ -241,7 +246,8 @@ class _Api:
             "expires_at": None,
             "prompt": job.prompt,
             "seconds": job.seconds,
-            "size": f"{job.width}x{job.height}",
+            # None until a pipeline that computes its own size has made it.
+            "size": f"{job.width}x{job.height}" if job.width and job.height else None,
             "error": error,
             "remixed_from_video_id": None,
         }
@@ -357,7 +363,8 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
         if job.error is not None:
             return failure_response(job.error)
         images = []
-        for role, path in job.files.items():  # in the order written: image-1, image-2 ...
+        # A copy: the timeline route, on another thread, adds to the job's files.
+        for role, path in list(job.files.items()):  # as written: image-1, image-2 ...
             if role.startswith("image"):
                 try:
                     data = Path(path).read_bytes()
@@ -462,7 +469,7 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     @app.get("/v1/ondeck/jobs/{job_id}/image")
     async def job_image(job_id: str) -> Any:
         job = find_job(job_id)  # its first image: image.png, or image-1.png of several
-        first = next((role for role in job.files if role.startswith("image")), "image")
+        first = next((role for role in list(job.files) if role.startswith("image")), "image")
         return content_of(job, first, "image/png")
 
     @app.delete("/v1/ondeck/jobs/{job_id}")

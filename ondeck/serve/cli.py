@@ -253,7 +253,7 @@ def _config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         host_cache_bytes=args.host_cache,
         weights=args.weights,
-        outputs=Path(args.outputs) if args.outputs else None,
+        outputs=Path(args.outputs).expanduser() if args.outputs else None,
         outputs_cap_bytes=args.outputs_cap,
         api_key=api_key,
         steps=args.steps,

@@ -60,6 +60,8 @@ def generate_remote(args: argparse.Namespace) -> int:
 def _generate_remote(args: argparse.Namespace, out: Path) -> int:
     import httpx
 
+    from ..cli.options import UsageError
+
     base = args.server.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
@@ -94,6 +96,8 @@ def _generate_remote(args: argparse.Namespace, out: Path) -> int:
                 raise ServerError("give both --height and --width with --server")
             body["size"] = f"{args.width}x{args.height}"
         if names[name].get("kind") == "image":
+            if args.frames is not None:  # as a local run refuses it
+                raise UsageError(f"argument --frames: {name} makes images, not a video")
             job = _check(http.post("/images/generations", json=body)).json()
             job_id = job["ondeck_job"]
             media = {"image.png": base64.b64decode(job["data"][0]["b64_json"])}

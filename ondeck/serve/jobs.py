@@ -50,8 +50,9 @@ class Job:
     kind: str  # "video" or "image"
     model: str
     prompt: str
-    width: int
-    height: int
+    # None: the pipeline's own, where its call computes it; filled in once it has run.
+    width: int | None
+    height: int | None
     frames: int | None = None
     steps: int | None = None
     guidance: float | None = None
@@ -59,7 +60,7 @@ class Job:
     negative_prompt: str = ""
     n: int = 1
     input_image: Any = None  # a PIL image where the pipeline takes one
-    seconds: str = "1"
+    seconds: str | None = "1"
     id: str = ""
     status: str = "queued"
     step: int = 0

@@ -38,6 +38,9 @@ class ServedModel:
     fps_from: str = ""
     takes_image: bool = False  # an input image (image-to-video, image edits)
     image_argument: str = "image"  # the call's name for it (a ControlNet's control_image)
+    # What a job asks where its request names none: the pipeline's own size, frames and
+    # steps (``cli.shape.own_shape``; None where the call computes one it cannot tell).
+    own_shape: Any = None
 
     def first_use(self) -> dict[str, int]:
         """Each deferred component's first stage index."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..arguments import MAX_SEED
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
@@ -29,9 +31,17 @@ class _Request(BaseModel):
     size: str | None = None
     steps: int | None = Field(default=None, ge=1)
     num_inference_steps: int | None = Field(default=None, ge=1)
-    seed: int = Field(default=0, ge=0, lt=2**63)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     negative_prompt: str = ""
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # OpenAI's clients send null for a field the caller left unset: its default.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @field_validator("size")
     @classmethod

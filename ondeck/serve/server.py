@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import folder_pipelines
-from ..arguments import ArgumentError, check_generate_arguments, shape_rule
+from ..arguments import MAX_SEED, ArgumentError, check_generate_arguments, shape_rule
 from ..cli.media import media_of
+from ..cli.shape import own_shape
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
 from ..hub import resolve_model
@@ -170,6 +171,7 @@ class Server:
             fps_from=media.fps_from,
             takes_image=media.takes_image,
             image_argument=media.image_argument or "image",
+            own_shape=own_shape(media, pipeline),
         )
         served.path = Path(path)  # type: ignore[attr-defined]
         return served
@@ -206,24 +208,30 @@ class Server:
 
     # -- jobs -----------------------------------------------------------------------
 
-    def default_steps(self, model: ServedModel) -> int:
+    def default_steps(self, model: ServedModel) -> int | None:
+        """``--steps``, else the pipeline's own (None: its call computes them)."""
         if self.config.steps is not None:
             return self.config.steps
-        return 50 if model.kind == "video" else 30
+        return model.own_shape.steps
 
-    def frames_for(self, model: ServedModel, seconds: str | None, frames: int | None) -> int:
+    def frames_for(self, model: ServedModel, seconds: str | None, frames: int | None) -> int | None:
         """A job's frame count: ``frames`` as asked (``check_shape`` refuses a count the
-        model does not take), else ``seconds`` (4 by default) at the model's frame rate,
-        fitted to the counts its VAE takes (step·k+1 frames)."""
+        model does not take), else ``seconds`` at the model's frame rate, fitted to the
+        counts its VAE takes (step·k+1 frames), else the pipeline's own count, as a local
+        run makes it, at most the frames limit allows (None: the call computes it)."""
         if frames is not None:
             return frames
+        step = shape_rule(model.pipeline).frame_step or 1
+        most = self.config.limits.frames
+        if seconds is None:
+            own = model.own_shape.frames
+            return own if own is None or own <= most else (most - 1) // step * step + 1
         try:
-            duration = float(seconds) if seconds is not None else 4.0
+            duration = float(seconds)
         except ValueError:
             raise JobFailed(
                 400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
             ) from None
-        most = self.config.limits.frames
         longest = (most - 1) / model.fps
         if not 0 < duration <= longest:
             raise JobFailed(
@@ -233,7 +241,6 @@ class Server:
                 f"{model.fps:g} frames a second)",
                 "seconds",
             )
-        step = shape_rule(model.pipeline).frame_step or 1
         intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))
         return intervals * step + 1
 
@@ -250,7 +257,7 @@ class Server:
             param = "frames" if error.argument == "num_frames" else "size"
             raise JobFailed(400, "invalid_value", str(error), param) from None
         geometry = getattr(model.pipeline, "geometry", None)
-        if geometry is None:
+        if geometry is None or job.height is None or job.width is None:
             return
         for side, value, why in geometry.beyond_positions(job.height, job.width, job.frames or 1):
             param = "frames" if side == "frames" else "size"
@@ -321,7 +328,8 @@ class Server:
                         height=job.height,
                         width=job.width,
                         num_inference_steps=job.steps,
-                        seed=job.seed + index,
+                        # One seed after another, back to 0 past the largest.
+                        seed=(job.seed + index) % (MAX_SEED + 1),
                         progress=progress,
                         **_asked_beyond_defaults(job, model),
                     )
@@ -329,6 +337,7 @@ class Server:
             job.run_seconds = time.perf_counter() - started
             frames = outputs if job.kind == "image" else outputs[0]
             self._check_finite(frames)
+            _fill_shape(job, outputs[0], model.fps)
             if job.cancel_event.is_set():  # cancelled during the decode: nothing is written
                 raise JobCancelled(job.id)
         except Exception as error:
@@ -414,9 +423,10 @@ class Server:
                 return None
             title = f"ondeck serve: {job.model} ({job.id[:12]})"
             folder = Path(job.files["report"]).parent
-            view = timeline_view(report)
-            job.files["timeline"] = str(draw_timeline(folder, view, title=title))
-            return job.files["timeline"]
+            path = str(draw_timeline(folder, timeline_view(report), title=title))
+            # A new dict, never the one a route may be reading on another thread.
+            job.files = {**job.files, "timeline": path}
+            return path
 
     @staticmethod
     def _check_finite(frames: Any) -> None:
@@ -538,6 +548,27 @@ def _is_out_of_memory(error: BaseException) -> bool:
     import torch
 
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def seconds_of(frames: int | None, fps: float) -> str | None:
+    """A video's length as OpenAI's ``seconds`` writes it; None while it is not known."""
+    return None if frames is None else f"{(frames - 1) / fps:g}"
+
+
+def _fill_shape(job: Job, made: Any, fps: float) -> None:
+    """A size or frame count the pipeline computed itself, read from what it made
+    (B×F×H×W×C, an image as one frame)."""
+    import numpy as np
+
+    shape = np.shape(made)
+    if len(shape) != 5:
+        return
+    _, frames, height, width, _ = shape
+    job.height = height if job.height is None else job.height
+    job.width = width if job.width is None else job.width
+    if job.kind == "video" and job.frames is None:
+        job.frames = frames
+        job.seconds = seconds_of(frames, fps)
 
 
 def _asked_beyond_defaults(job: Job, model: ServedModel) -> dict[str, Any]:

@@ -211,3 +211,19 @@ def test_only_the_last_run_of_a_command_expects_no_run_after_it(
     code, _, err = generate(capsys, tiny_model, tmp_path / "out", "--runs", "3")
     assert code == 0, err
     assert seen == [True, True, False]
+
+
+def test_an_output_folder_under_tilde_is_in_the_home_folder(
+    capsys, tiny_model, tmp_path, monkeypatch
+):
+    """`--output=~/x` (or a quoted ~, or one from a program: no shell expands it) is the
+    folder x in the home folder, as MODEL_DIR, --lora and component files expand ~."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    code, _, err = run(capsys, "generate", tiny_model, *FAST, "--output=~/x")
+    assert code == 0, err
+    assert (home / "x" / "report.json").is_file()
+    assert not (cwd / "~").exists()

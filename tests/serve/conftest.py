@@ -6,7 +6,8 @@ pytest.importorskip(
     "fastapi", reason="ondeck serve's extra is not installed: pip install 'ondeck[serve]'"
 )
 
-from .helpers import ServerProcess, build_models  # noqa: E402
+from .helpers import ROOT, LiveServer, ServerProcess, build_models  # noqa: E402
+from .inprocess import make_server  # noqa: E402
 
 # Two tiny Wan models fit together (2 x 505 KiB); the SD3 model (1.53 MiB) fits beside
 # a part of one, never beside a whole one: every switch to or from it evicts.
@@ -27,3 +28,35 @@ def server(models, tmp_path_factory):
     yield process
     code = process.stop()
     assert code == 0, process.output()
+
+
+@pytest.fixture(scope="session")
+def ltx_folder(tmp_path_factory):
+    """A tiny LTX folder: a diffusers video pipeline whose own size (512x704), frame rate
+    (25) and frame count (161) are not Wan's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+    import tiny_pipelines
+
+    folder = tmp_path_factory.mktemp("ltx") / "ltx"
+    tiny_pipelines.build_ltx(folder)
+    return folder
+
+
+@pytest.fixture
+def live_server(models, tmp_path):
+    """Starts a server over the named models, served on a port of this process; with no
+    ``steps``, a request that names none gets the models' own, as `ondeck serve` does
+    without --steps."""
+    started = []
+
+    def start(names=("wan", "sd3"), **config):
+        config.setdefault("steps", None)
+        live = LiveServer(make_server(models, tmp_path, names=names, **config))
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()

@@ -1,4 +1,5 @@
-"""A real ``ondeck serve`` process on a free port, and the tiny model folders it serves."""
+"""A real ``ondeck serve`` process on a free port, a ``Server`` served by uvicorn on a
+thread of the test process, and the tiny model folders they serve."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +122,34 @@ class ServerProcess:
                 self.process.wait()
         self.log.close()
         return self.process.returncode
+
+
+class LiveServer:
+    """A ``Server`` behind its ASGI app, served by uvicorn on a thread of this process:
+    the test reaches into the server (its models, its ``submit``) while a client calls
+    it over HTTP."""
+
+    def __init__(self, server):
+        import uvicorn
+
+        from ondeck.serve.app import create_app
+
+        self.server = server
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(server), host="127.0.0.1", port=self.port, log_level="warning",
+            lifespan="off",
+        )  # fmt: skip
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.uvicorn.started, 30, 0.02)
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.server.stop()
 
 
 def wait_for(predicate, timeout: float = 60, interval: float = 0.05):

@@ -1,10 +1,11 @@
-"""A served video model's frame rate is its own, and a job's files are named as a local
-run's: a request's seconds count in the model's frames, its video plays at that rate,
-and several images are image-1.png ... image-N.png."""
+"""A served video model's frame rate is its own, and so are its size, steps and frame
+count where a request names none; a job's files are named as a local run's: a request's
+seconds count in the model's frames, its video plays at that rate, and several images
+are image-1.png ... image-N.png."""
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,18 +14,14 @@ from ondeck.serve.jobs import JobFailed
 from ondeck.serve.outputs import write_job_files
 from ondeck.serve.server import ServeConfig, Server
 
-from .helpers import ROOT
+from .helpers import wait_for
+from .inprocess import call, make_server
 
 
 @pytest.fixture(scope="module")
-def ltx_server(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-    import tiny_pipelines
-
-    folder = tmp_path_factory.mktemp("ltx") / "ltx"
-    tiny_pipelines.build_ltx(folder)
+def ltx_server(ltx_folder):
     server = Server(
-        ServeConfig(models={"ltx": str(folder)}, device="cpu", budget_bytes=2**30),
+        ServeConfig(models={"ltx": str(ltx_folder)}, device="cpu", budget_bytes=2**30),
         say=lambda *_: None,
     )
     yield server
@@ -41,6 +38,53 @@ def test_seconds_count_in_the_models_own_frames_a_second(ltx_server):
     longest = (ltx_server.config.limits.frames - 1) / 25
     with pytest.raises(JobFailed, match=f"at most {longest:g} .ltx makes 25 frames a second"):
         ltx_server.frames_for(model, str(longest + 1), None)
+
+
+def asked_of(server, monkeypatch, body: dict) -> dict:
+    """The job (width, height, steps, frames) the server would queue for ``body``."""
+    seen = {}
+
+    def record(job):
+        seen.update(width=job.width, height=job.height, steps=job.steps, frames=job.frames)
+        raise JobFailed(400, "recorded", "recorded")
+
+    monkeypatch.setattr(server, "submit", record)
+    response = call(server, "POST", "/v1/videos", json=body)
+    assert seen, response.text
+    return seen
+
+
+def test_a_request_naming_no_shape_gets_the_models_own(ltx_server, monkeypatch):
+    """LTX's own: 704x512, 50 steps and 161 frames (as a local run asks), not Wan's
+    832x480 or 4 seconds for every model."""
+    asked = asked_of(ltx_server, monkeypatch, {"model": "ltx", "prompt": "a fox"})
+    assert asked == {"width": 704, "height": 512, "steps": 50, "frames": 161}
+
+
+def test_the_models_own_frame_count_is_held_to_the_frames_limit(ltx_server, monkeypatch):
+    """Past --max-frames, the most frames the limit allows that LTX's VAE takes (8k+1)."""
+    monkeypatch.setattr(ltx_server.config.limits, "frames", 100)
+    asked = asked_of(ltx_server, monkeypatch, {"model": "ltx", "prompt": "a fox"})
+    assert asked["frames"] == 97
+
+
+def test_a_frame_count_the_pipeline_computes_itself_is_read_from_its_video(ltx_folder, tmp_path):
+    """Where a pipeline's call computes its own frame count (CogVideoX's, from its
+    transformer's config), the job asks none: its frames and seconds are those of the
+    video made, unknown until then. Here LTX, taken for such a pipeline, makes its 161."""
+    server = make_server({"ltx": ltx_folder}, tmp_path, names=("ltx",), budget_bytes=2**30)
+    model = server.models["ltx"]
+    model.own_shape = dataclasses.replace(model.own_shape, frames=None)
+    try:
+        body = {"model": "ltx", "prompt": "a fox", "size": "32x32", "steps": 1}
+        queued = call(server, "POST", "/v1/videos", json=body).json()
+        job = server.queue.get(queued["id"])
+        wait_for(job.done_event.is_set)
+        done = call(server, "GET", f"/v1/videos/{job.id}").json()
+    finally:
+        server.stop()
+    assert queued["seconds"] is None
+    assert (done["status"], job.frames, done["seconds"]) == ("completed", 161, "6.4")
 
 
 def test_a_jobs_video_plays_at_the_models_rate(ltx_server, tmp_path):

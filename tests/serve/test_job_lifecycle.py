@@ -1,10 +1,11 @@
 """A job's life on a Server driven in-process through its ASGI app: a cancel at any
-point before the job completes, cancelled jobs that wait, and a shape refused before it
-waits."""
+point before the job completes, cancelled jobs that wait, a shape refused before it
+waits, and a job's files read while another request adds its timeline."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -149,3 +150,39 @@ def test_a_cancel_and_the_jobs_end_are_one_or_the_other():
     queued = Job(kind="video", model="m", prompt="p", width=8, height=8)
     assert queued.cancel() is True and queued.status == "failed"
     assert queued.start() is False and queued.status == "failed"
+
+
+def test_the_waiting_images_call_answers_while_another_request_draws_the_jobs_timeline(
+    models, tmp_path, monkeypatch
+):
+    """Another client asks for the job's timeline (GET /v1/ondeck/jobs/ID/timeline: the
+    id is in /v1/ondeck/status) just as the waiting call reads its images: the timeline
+    is drawn, on the route's worker thread, between two of those reads, and the waiting
+    call still answers every image."""
+    server = make_server(models, tmp_path, names=("sd3",))
+    read_bytes = Path.read_bytes
+    drawn = []
+
+    def reading(path: Path) -> bytes:
+        data = read_bytes(path)
+        if path.name.startswith("image") and not drawn:
+            job = next(j for j in server.queue.jobs.values() if j.kind == "image")
+            other = threading.Thread(target=lambda: drawn.append(server.timeline(job)))
+            other.start()
+            other.join()
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", reading)
+    try:
+        response = call(
+            server,
+            "POST",
+            "/v1/images/generations",
+            json={"model": "sd3", "prompt": "a fox", "size": "32x32", "n": 2},
+        )
+    finally:
+        monkeypatch.undo()
+        server.stop()
+    assert drawn and drawn[0], "the timeline was not drawn"
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 2
