@@ -387,8 +387,7 @@ class Plan:
     # waits until the runs on this plan have lost its one-time cost (``_waits``).
     resident_gain: float | None = None
     keeps_resident: bool = False  # the plan streams so that every component stays
-    # Per streamed component, its forward passes per call, as the calls so far ran them
-    # (a call's steps, twice with guidance); absent before a call.
+    # Per streamed component, its forward passes per call so far (steps, ×2 with guidance).
     passes_per_call: dict[str, float] = field(default_factory=dict)
     # The host pool beside the device's (None where the plan was made without it).
     host: HostPlan | None = None
@@ -658,9 +657,10 @@ def build_plan(
 
 
 def _waits(planned: Plan, resident: Plan, streaming: StreamingInputs, gain: float) -> bool:
-    """Whether ``planned`` stays although ``resident`` saves ``gain`` seconds a run, until
-    the runs on it have lost what the switch costs once (``Switch.waits``)."""
-    declined, reloaded = streaming.declined_seconds, loaded_per_run(planned)
+    """Whether ``planned`` stays while ``resident`` saves ``gain`` s a run: until the runs
+    on it lose the switch's one-time cost (``Switch.waits``); never once they stay resident."""
+    declined = math.inf if streaming.staying else streaming.declined_seconds
+    reloaded = loaded_per_run(planned)
     once = {  # kept loaded from run to run now, loaded again at the switch to stream
         name: layout.device_bytes
         for name, layout in resident.streamed.items()

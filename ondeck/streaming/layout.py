@@ -248,6 +248,9 @@ class StreamingInputs:
     # Seconds the runs so far lost by not switching to a plan that keeps every
     # component resident, while it waits to repay its one-time cost.
     declined_seconds: float = 0.0
+    # The last run was on such a plan: a new layout of it pays its new copies at once,
+    # where going back to reloading would pay the reloads every run.
+    staying: bool = False
 
     def bandwidth(self) -> tuple[float, str]:
         if self.measure is not None:

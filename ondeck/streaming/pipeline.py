@@ -95,6 +95,7 @@ class BlockStreaming:
         # What the runs so far lost waiting to switch to a plan that keeps every
         # component resident (``planning._waits``); counted by ``count_run``, once a run.
         self.declined_seconds = 0.0
+        self.staying = False  # the last run counted was on such a plan
         self._counted_run: int | None = None
         # Where the streamers find the pipeline's call timer, to tell their waits to.
         self.timing = Timing()
@@ -143,6 +144,7 @@ class BlockStreaming:
             load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
             declined_seconds=self.declined_seconds,
+            staying=self.staying,
         )
 
     def count_run(self, plan: Any, completed: int) -> None:
@@ -151,10 +153,11 @@ class BlockStreaming:
         call that starts again after running out of memory is counted once); the switch
         to staying resident (``Plan.keeps_resident``) starts the count over. A run that
         neither waits nor switches (a cached prompt, timings close to the line) leaves
-        the count as it is."""
+        the count as it is. ``staying``: whether this run keeps every component resident."""
         if completed == self._counted_run:
             return
         self._counted_run = completed
+        self.staying = bool(getattr(plan, "keeps_resident", False))
         if getattr(plan, "resident_gain", None):
             self.declined_seconds += plan.resident_gain
         elif getattr(plan, "keeps_resident", False):

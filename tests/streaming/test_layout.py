@@ -410,6 +410,27 @@ def test_keeping_every_component_resident_waits_until_the_runs_have_lost_its_one
     assert bytes_loaded_per_run(enough) == 0 and enough.resident_gain is None
 
 
+def test_runs_already_staying_resident_keep_to_it_when_its_layout_needs_new_copies():
+    """A switch costing more than the runs lost waits while the runs reload; once they
+    stay resident (the layout since changed, more blocks to copy), the same figures keep
+    the resident plan: back to reloading would cost its reloads every run."""
+    calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
+    slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
+    waiting = _timed_plan_at_16(calls, slow_reads, declined_seconds=0.0)
+    assert bytes_loaded_per_run(waiting) > 0 and waiting.resident_gain > 0
+    staying = _image_plan(
+        {"text_encoder": 2, "text_encoder_3": 2, "transformer": 16},
+        16 * GiB,
+        bytes_per_second=55e9,
+        seconds_per_call=calls,
+        load_bytes_per_second=slow_reads,
+        declined_seconds=0.0,
+        staying=True,
+    )
+    assert bytes_loaded_per_run(staying) == 0 and staying.resident_gain is None
+    assert staying.keeps_resident
+
+
 def test_host_copies_held_already_make_the_switch_to_staying_resident_free():
     calls = {"text_encoder": 0.01, "text_encoder_3": 0.03, "transformer": 0.2}
     slow_reads = dict.fromkeys(IMAGE_SIZES, 30e9)
@@ -440,7 +461,9 @@ def test_the_runs_add_up_what_they_declined_once_each_until_the_switch():
     for completed, gain, keeps, lost in steps:
         streaming.count_run(SimpleNamespace(resident_gain=gain, keeps_resident=keeps), completed)
         assert streaming.declined_seconds == pytest.approx(lost)
-        assert streaming.inputs(_no_components()).declined_seconds == pytest.approx(lost)
+        inputs = streaming.inputs(_no_components())
+        assert inputs.declined_seconds == pytest.approx(lost)
+        assert streaming.staying is keeps and inputs.staying is keeps
 
 
 def _no_components() -> SimpleNamespace:
