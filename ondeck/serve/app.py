@@ -178,13 +178,14 @@ class _Api:
                 "prompt",
             )
         own = model.own_shape  # what a local run of the model asks where no flag says
-        width, height = parse_size(body.size) if body.size else (own.width, own.height)
-        if (
-            width is not None
-            and height is not None
-            and not (0 < width <= self.limits.side and 0 < height <= self.limits.side)
-        ):
-            given = "" if body.size else f", {body.model}'s own size: ask for a smaller one"
+        if body.size:
+            width, height = parse_size(body.size)
+        else:
+            width = own.width if body.width is None else body.width
+            height = own.height if body.height is None else body.height
+        if any(side is not None and not 0 < side <= self.limits.side for side in (width, height)):
+            named = body.size or (body.width is not None and body.height is not None)
+            given = "" if named else f", {body.model}'s own size: ask for a smaller one"
             raise JobFailed(
                 400,
                 "invalid_value",

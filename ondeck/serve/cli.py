@@ -260,6 +260,7 @@ def _config(args: argparse.Namespace) -> Any:
         shutdown_grace_seconds=args.shutdown_grace,
         lookahead=not args.no_lookahead,
         instance=args.instance,
+        embedded="wan-embedded" if "wan-embedded" in models and not args.model else None,
         limits=Limits(
             body_bytes=args.max_body,
             prompt_chars=args.max_prompt,

@@ -21,14 +21,27 @@ class ServerError(OndeckError):
     """The server refused the job or the job failed there."""
 
 
+# The arguments whose refusal names them first ("num_frames: ..."), as flags.
+_ARGUMENT_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--frames"}
+
+
 def _check(response: Any) -> Any:
+    """``response``, or the server's error: a shape the model cannot take as the usage
+    error a local run gives it (the flag named, exit 2), anything else a ``ServerError``."""
+    from ..cli.options import UsageError
+
     if response.status_code < 400:
         return response
     try:
         error = response.json()["error"]
-        message = f"{error.get('message')} ({error.get('code')}, HTTP {response.status_code})"
-    except (ValueError, KeyError, TypeError):
+        text = str(error.get("message"))
+        message = f"{text} ({error.get('code')}, HTTP {response.status_code})"
+    except (ValueError, KeyError, TypeError, AttributeError):
         message = f"HTTP {response.status_code}: {response.text[:200]}"
+    else:
+        argument, _, problem = text.partition(": ")
+        if response.status_code == 400 and argument in _ARGUMENT_FLAGS and problem:
+            raise UsageError(f"argument {_ARGUMENT_FLAGS[argument]}: {problem}")
     raise ServerError(f"the server says: {message}")
 
 
@@ -91,10 +104,10 @@ def _generate_remote(args: argparse.Namespace, out: Path) -> int:
         }
         if args.steps is not None:
             body["steps"] = args.steps
-        if args.height is not None or args.width is not None:
-            if args.height is None or args.width is None:
-                raise ServerError("give both --height and --width with --server")
+        if args.height is not None and args.width is not None:
             body["size"] = f"{args.width}x{args.height}"
+        elif args.height is not None or args.width is not None:  # the other is the model's
+            body.update({"height": args.height, "width": args.width})
         if names[name].get("kind") == "image":
             if args.frames is not None:  # as a local run refuses it
                 raise UsageError(f"argument --frames: {name} makes images, not a video")

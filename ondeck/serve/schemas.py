@@ -29,6 +29,9 @@ class _Request(BaseModel):
     model: str
     prompt: str = Field(min_length=1)
     size: str | None = None
+    # One side alone (ondeck's own fields; ``size`` gives both): the other is the model's.
+    height: int | None = Field(default=None, ge=1)
+    width: int | None = Field(default=None, ge=1)
     steps: int | None = Field(default=None, ge=1)
     num_inference_steps: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
@@ -49,6 +52,12 @@ class _Request(BaseModel):
         if value is not None:
             parse_size(value)
         return value
+
+    @model_validator(mode="after")
+    def _one_size(self) -> _Request:
+        if self.size is not None and (self.height is not None or self.width is not None):
+            raise ValueError("give size, or height and width, not both")
+        return self
 
     @property
     def step_count(self) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 from .. import folder_pipelines
 from ..arguments import MAX_SEED, ArgumentError, check_generate_arguments, shape_rule
 from ..cli.media import media_of
-from ..cli.shape import own_shape
+from ..cli.shape import EMBEDDED_SHAPE, own_shape
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
 from ..hub import resolve_model
@@ -69,6 +69,9 @@ class ServeConfig:
     # Put into every job id: which server, of several behind one balancer, holds a job.
     instance: str | None = None
     limits: Limits = field(default_factory=Limits)
+    # The name of the model served as the embedded default (no model given): a request
+    # naming no shape gets its small one, as `ondeck generate` with no model asks.
+    embedded: str | None = None
 
 
 def models_from_root(root: str | os.PathLike) -> dict[str, str]:
@@ -171,7 +174,9 @@ class Server:
             fps_from=media.fps_from,
             takes_image=media.takes_image,
             image_argument=media.image_argument or "image",
-            own_shape=own_shape(media, pipeline),
+            own_shape=EMBEDDED_SHAPE
+            if name == self.config.embedded
+            else own_shape(media, pipeline),
         )
         served.path = Path(path)  # type: ignore[attr-defined]
         return served
@@ -239,6 +244,14 @@ class Server:
                 "invalid_value",
                 f"seconds must be more than 0 and at most {longest:g} ({model.name} makes "
                 f"{model.fps:g} frames a second)",
+                "seconds",
+            )
+        if (most - 1) // step < 1:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"{model.name}'s shortest video is {step + 1} frames, past this server's "
+                f"limit of {most}: ask for frames, not seconds",
                 "seconds",
             )
         intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))

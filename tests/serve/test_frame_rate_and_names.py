@@ -68,6 +68,39 @@ def test_the_models_own_frame_count_is_held_to_the_frames_limit(ltx_server, monk
     assert asked["frames"] == 97
 
 
+def test_seconds_under_a_limit_shorter_than_the_models_shortest_video_are_refused(
+    ltx_server, monkeypatch
+):
+    """LTX's shortest video is 5 frames (4k+1): under --max-frames 4, seconds (0.1, short
+    enough for the limit) are refused, not made 5 frames past it."""
+    monkeypatch.setattr(ltx_server.config.limits, "frames", 4)
+    model = ltx_server.models["ltx"]
+    with pytest.raises(JobFailed, match="shortest video is 5 frames, past this server's limit"):
+        ltx_server.frames_for(model, "0.1", None)
+
+
+def test_the_embedded_default_is_asked_its_small_shape_as_generate_asks_it(tmp_path, monkeypatch):
+    """Served as the embedded default (``ondeck serve`` with no model), a request naming
+    no shape gets what `ondeck generate` with no model asks: 192x320, 17 frames, 6 steps,
+    not the Wan call's own 480x832 and 81 frames of noise."""
+    from ondeck.cli.shape import EMBEDDED_SHAPE
+    from ondeck.embedded import build_wan_folder
+
+    folder = build_wan_folder(tmp_path / "embedded", preset="tiny")
+    config = dict(names=("wan-embedded",), steps=None, budget_bytes=2**30)
+    server = make_server({"wan-embedded": folder}, tmp_path, embedded="wan-embedded", **config)
+    plain = make_server({"wan-embedded": folder}, tmp_path / "plain", **config)
+    try:
+        asked = asked_of(server, monkeypatch, {"model": "wan-embedded", "prompt": "a fox"})
+        own = plain.models["wan-embedded"].own_shape
+    finally:
+        server.stop()
+        plain.stop()
+    assert asked == {"height": 192, "width": 320, "frames": 17, "steps": 6}
+    assert asked == dataclasses.asdict(EMBEDDED_SHAPE)
+    assert (own.height, own.width, own.frames, own.steps) == (480, 832, 81, 50)
+
+
 def test_a_frame_count_the_pipeline_computes_itself_is_read_from_its_video(ltx_folder, tmp_path):
     """Where a pipeline's call computes its own frame count (CogVideoX's, from its
     transformer's config), the job asks none: its frames and seconds are those of the

@@ -85,6 +85,40 @@ def test_frames_for_an_image_model_is_refused_as_a_local_run_refuses_it(
     assert not (tmp_path / "remote" / "image.png").exists()
 
 
+def test_a_frame_count_the_model_does_not_take_is_refused_as_a_local_run_refuses_it(
+    models, live_server, tmp_path, capsys
+):
+    """Wan takes 4k+1 frames: `--frames 6` is the same usage error (exit 2, the flag
+    named) with --server as locally, not the server's error in other words."""
+    live = live_server(names=("wan",))
+    flags = [*SMALL, "--steps", "1", "--frames", "6"]
+    local, _, local_err = run(
+        capsys, "generate", models["wan"], "--device", "cpu", "--output", tmp_path / "local",
+        *flags,
+    )  # fmt: skip
+    remote, _, remote_err = run(
+        capsys, "generate", "wan", "--server", live.url, "--output", tmp_path / "remote", *flags
+    )
+    assert local == 2, local_err
+    assert remote == local, f"remote exit {remote} ({remote_err.strip()!r}), local exit {local}"
+    assert "argument --frames:" in remote_err and "num_frames" not in remote_err
+
+
+def test_one_side_named_is_asked_with_the_models_own_other_side(
+    models, live_server, tmp_path, capsys, monkeypatch
+):
+    """A local run with only --height keeps the pipeline's own width; with --server the
+    same, not a refusal."""
+    live = live_server(names=("sd3",))
+    local = local_shape(monkeypatch, capsys, models["sd3"], tmp_path, "--height", "32")
+    remote, err = remote_job(live, capsys, tmp_path, "sd3", "--height", "32")
+    assert remote, err
+    pipe = live.server.models["sd3"].pipeline.pipe
+    own = pipe.default_sample_size * pipe.vae_scale_factor
+    assert (local["height"], local["width"]) == (32, None)  # the pipeline computes its own
+    assert (remote["height"], remote["width"]) == (32, own)
+
+
 def test_an_image_models_default_steps_are_the_same_as_a_local_runs(
     models, live_server, tmp_path, capsys, monkeypatch
 ):
