@@ -9,6 +9,7 @@ prompt, the prompt's padded length) is bounded.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ __all__ = [
     "check_generate_arguments",
     "frame_count_argument",
     "input_image_argument",
+    "own_call_sizes",
+    "own_size",
     "shape_rule",
 ]
 
@@ -234,3 +237,61 @@ def warn_if_cut(tokenizer: Any, prompt: str, limit: int, reader: str) -> None:
             "(max_sequence_length); the rest is left out",
             stacklevel=3,
         )
+
+
+def own_call_sizes(pipe: Any) -> dict[str, int]:
+    """The ``height``, ``width`` and ``num_frames`` a diffusers pipeline's call makes when
+    given none: its signature's defaults, else the size it computes (``own_size``). What
+    it computes otherwise (CogVideoX's frame count) is left out."""
+    try:
+        parameters = inspect.signature(type(pipe).__call__).parameters
+    except (TypeError, ValueError):
+        return {}
+    sizes = {
+        name: parameters[name].default
+        for name in ("height", "width", "num_frames")
+        if name in parameters and _is_side(parameters[name].default)
+    }
+    if "height" in parameters and not {"height", "width"} <= sizes.keys():
+        computed = own_size(pipe)
+        if computed is not None:
+            sizes = {"height": computed[0], "width": computed[1], **sizes}
+    return sizes
+
+
+def own_size(pipeline: Any) -> tuple[int, int] | None:
+    """(height, width) a diffusers pipeline's call makes when given none, read as the
+    calls compute it: ``default_height`` and ``default_width`` (Mochi); the sample size
+    times the VAE's scale, the sample size being ``default_sample_size`` (SD3, Flux,
+    SDXL) or the UNet's or transformer's ``sample_size`` (Stable Diffusion 1.x, PixArt);
+    the transformer's ``sample_height`` and ``sample_width`` times the VAE's spatial
+    scale (CogVideoX). None where it has none of these (ondeck's own Wan stages: their
+    call's signature gives the size)."""
+    pipe = getattr(pipeline, "pipe", pipeline)  # ondeck's wrapper holds diffusers' pipeline
+    pair = (getattr(pipe, "default_height", None), getattr(pipe, "default_width", None))
+    if _is_side(pair[0]) and _is_side(pair[1]):
+        return pair
+    scale = getattr(pipe, "vae_scale_factor", None)
+    sample = getattr(pipe, "default_sample_size", None)
+    for part in ("unet", "transformer"):
+        if sample is None:
+            sample = _config_value(pipe, part, "sample_size")
+    sides = tuple(sample) if isinstance(sample, (list, tuple)) else (sample, sample)
+    if _is_side(scale) and len(sides) == 2 and all(_is_side(side) for side in sides):
+        return sides[0] * scale, sides[1] * scale
+    spatial = getattr(pipe, "vae_scale_factor_spatial", None)
+    sides = tuple(_config_value(pipe, "transformer", k) for k in ("sample_height", "sample_width"))
+    if _is_side(spatial) and all(_is_side(side) for side in sides):
+        return sides[0] * spatial, sides[1] * spatial
+    return None
+
+
+def _config_value(pipe: Any, part: str, key: str) -> Any:
+    config = getattr(getattr(pipe, part, None), "config", None)
+    if isinstance(config, dict):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _is_side(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -466,3 +466,34 @@ def test_no_room_is_priced_while_a_load_is_under_way(folders, monkeypatch):
 
     _, ((idle, loading),) = _inside_a_second_decode(folders["wan"], look)
     assert idle is not None and loading is None
+
+
+def test_a_call_naming_no_size_sizes_its_decode_at_the_size_the_call_makes(folders):
+    """``pipe(prompt)``, as diffusers' own examples call it: the decode and the output's
+    host memory are sized at what the call makes (here the tiny SD3's sample size times
+    its VAE's scale), not left unknown until a decode has been measured."""
+    from ondeck.host_pool import output_host_bytes
+
+    family = ALL_FAMILIES["sd3"]
+    pipe = load(folders["sd3"])
+    run(pipe, family, height=None, width=None)
+    own = pipe.default_sample_size * pipe.vae_scale_factor
+    assert {"height": own, "width": own}.items() <= pipe.ondeck._call_arguments.items()
+    assert pipe.ondeck.output_host_bytes() == output_host_bytes(own, own)
+
+
+@pytest.mark.parametrize(
+    "name, sizes",
+    [
+        ("wan", {"height": 480, "width": 832, "num_frames": 81}),  # its call's defaults
+        ("ltx", {"height": 512, "width": 704, "num_frames": 161}),
+        ("flux", {"height": 128, "width": 128}),  # computed: sample size x VAE scale
+    ],
+)
+def test_the_size_a_call_makes_when_given_none_is_read_without_loading(name, sizes, folders):
+    from ondeck.arguments import own_call_sizes
+    from ondeck.lazy import is_loaded
+
+    pipe = load(folders[name])
+    assert own_call_sizes(pipe) == sizes
+    assert not any(is_loaded(proxy) for proxy in pipe.ondeck.deferred.values())

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from ... import memory
-from ...arguments import check_generate_arguments, frame_count_argument, warn_if_cut
+from ...arguments import (
+    check_generate_arguments,
+    frame_count_argument,
+    own_call_sizes,
+    warn_if_cut,
+)
 from ...errors import OndeckError
 from ...host_pool import output_host_bytes
 from ...lazy import LazyModule, is_lazy, is_out_of_memory, loader_of
@@ -164,6 +169,7 @@ class DiffusersRuntime(Pipeline):
         # The arguments of the call in progress, else of the last one: the decode's need
         # before it decodes comes from the frame size they give.
         self._call_arguments: dict[str, Any] = {}
+        self._own_sizes: dict[str, int] | None = None  # read at the first call
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
         for name, proxy in components.items():
@@ -240,7 +246,10 @@ class DiffusersRuntime(Pipeline):
         # Concurrent calls from other threads queue here and run one after another.
         with self._run_lock:
             self._running_thread = me
-            self._call_arguments = _sizes_of(kwargs)
+            # What the call leaves out is what it makes: the decode is sized for it.
+            if self._own_sizes is None:
+                self._own_sizes = own_call_sizes(self.pipe)
+            self._call_arguments = {**self._own_sizes, **_sizes_of(kwargs)}
             self._watch_host()
             try:
                 self._begin_call()
