@@ -173,11 +173,18 @@ def load_loras(
     calls are recorded on the components and applied at every load."""
     names: list[str] = []
     scales: list[float] = []
+    files: list[Path] = []
     for entry in loras:
         file, scale = entry if isinstance(entry, tuple) else (entry, 1.0)
         file = Path(os.fspath(file)).expanduser()
         if not file.is_file():
             raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
+        if not file.name.lower().endswith(".safetensors"):
+            raise LoadError(
+                f"LoRA {file}: a LoRA is a .safetensors file (pickle checkpoints are not "
+                "read: unpickling can run code)",
+                path=str(file),
+            )
         name = f"lora_{len(names)}_{file.stem}"
         # diffusers puts a LoRA on one expert a call: the first, or with
         # load_into_transformer_2 the second.
@@ -197,8 +204,19 @@ def load_loras(
             ) from error
         names.append(name)
         scales.append(float(scale))
-    # diffusers' own, loading nothing: each deferred component records its part.
-    pipe.set_adapters(names, scales)
+        files.append(file)
+    # diffusers' own, loading nothing: each deferred component records its part. It
+    # refuses an adapter no component took: diffusers found no layer of that file here.
+    try:
+        pipe.set_adapters(names, scales)
+    except ValueError as error:
+        unused = [str(f) for n, f in zip(names, files, strict=True) if n in str(error)]
+        raise LoadError(
+            f"LoRA {', '.join(unused or map(str, files))}: no layer of it is one of "
+            f"{type(pipe).__name__}'s (its keys name none of the modules diffusers loads "
+            "LoRAs into here); is it for another model?",
+            path=unused[0] if unused else str(files[0]),
+        ) from None
     return names
 
 

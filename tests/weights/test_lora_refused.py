@@ -1,0 +1,71 @@
+"""LoRA files ondeck refuses, through ``--lora`` and ``loras=``, with one line that names
+the file: a pickle checkpoint, and a LoRA no layer of which belongs to the pipeline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cli.helpers import FAST, run
+from safetensors.torch import load_file, save_file
+
+from ondeck.errors import LoadError
+
+from .conftest import load
+
+pytest.importorskip("peft")
+
+
+def _ondeck_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("ondeck:")]
+
+
+@pytest.fixture
+def lora_for_another_model(tmp_path):
+    """A LoRA of another pipeline's text encoder: no key of it names a layer the Wan
+    pipeline loads LoRAs into, and diffusers takes nothing from it."""
+    path = tmp_path / "sdxl_te_style.safetensors"
+    save_file(
+        {
+            "text_encoder.zzz.lora_down.weight": torch.zeros(4, 8),
+            "text_encoder.zzz.lora_up.weight": torch.zeros(8, 4),
+        },
+        str(path),
+    )
+    return path
+
+
+def test_a_lora_with_no_layer_of_the_pipeline_is_refused_naming_the_file(
+    capsys, base, lora_for_another_model, tmp_path
+):
+    out = tmp_path / "out"
+    code, _, err = run(
+        capsys, "generate", base, "--lora", lora_for_another_model, "--output", out, *FAST
+    )
+    assert code == 1, err
+    (line,) = _ondeck_lines(err)
+    assert str(lora_for_another_model) in line and "no layer of it" in line, line
+    assert "Adapter name" not in line
+    assert not (out / "report.json").exists()
+    with pytest.raises(LoadError, match=r"sdxl_te_style\.safetensors: no layer of it"):
+        load(base, "release", loras=[lora_for_another_model])
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".ckpt"])
+def test_a_pickle_lora_is_refused_before_it_is_unpickled(
+    capsys, base, lora_files, tmp_path, suffix, monkeypatch
+):
+    """As a pickle transformer file is: unpickling can run code."""
+    lora = tmp_path / f"style{suffix}"
+    torch.save(load_file(str(lora_files["diffusers"])), lora)
+    unpickled = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(a) or real_load(*a, **k))
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "generate", base, "--lora", lora, "--output", out, *FAST)
+    assert code == 1, "the pickle LoRA was taken and the run went on"
+    (line,) = _ondeck_lines(err)
+    assert lora.name in line and "pickle" in line
+    assert not (out / "report.json").exists()
+    with pytest.raises(LoadError, match=rf"style\{suffix}: a LoRA is a \.safetensors file"):
+        load(base, "release", loras=[lora])
+    assert not unpickled
