@@ -364,8 +364,7 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
         if job.error is not None:
             return failure_response(job.error)
         images = []
-        # A copy: the timeline route, on another thread, adds to the job's files.
-        for role, path in list(job.files.items()):  # as written: image-1, image-2 ...
+        for role, path in job.files.items():  # in the order written: image-1, image-2 ...
             if role.startswith("image"):
                 try:
                     data = Path(path).read_bytes()
@@ -470,7 +469,7 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
     @app.get("/v1/ondeck/jobs/{job_id}/image")
     async def job_image(job_id: str) -> Any:
         job = find_job(job_id)  # its first image: image.png, or image-1.png of several
-        first = next((role for role in list(job.files) if role.startswith("image")), "image")
+        first = next((role for role in job.files if role.startswith("image")), "image")
         return content_of(job, first, "image/png")
 
     @app.delete("/v1/ondeck/jobs/{job_id}")

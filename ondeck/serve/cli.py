@@ -230,6 +230,7 @@ def _config(args: argparse.Namespace) -> Any:
     from .server import Limits, ServeConfig, models_from_root
 
     models: dict[str, str] = {}
+    embedded = None  # the name of the embedded default, where it is served
     if args.model_root:
         models.update(models_from_root(args.model_root))
     for name, source in args.model:
@@ -244,7 +245,8 @@ def _config(args: argparse.Namespace) -> Any:
             f"ondeck: no --model given; serving the embedded default as 'wan-embedded' "
             f"({path}; random weights: its videos are noise)"
         )
-        models["wan-embedded"] = str(path)
+        embedded = "wan-embedded"
+        models[embedded] = str(path)
     api_key = args.api_key or os.environ.get("ONDECK_API_KEY") or None
     return ServeConfig(
         models=models,
@@ -260,7 +262,7 @@ def _config(args: argparse.Namespace) -> Any:
         shutdown_grace_seconds=args.shutdown_grace,
         lookahead=not args.no_lookahead,
         instance=args.instance,
-        embedded="wan-embedded" if "wan-embedded" in models and not args.model else None,
+        embedded=embedded,
         limits=Limits(
             body_bytes=args.max_body,
             prompt_chars=args.max_prompt,

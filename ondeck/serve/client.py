@@ -21,13 +21,10 @@ class ServerError(OndeckError):
     """The server refused the job or the job failed there."""
 
 
-# The arguments whose refusal names them first ("num_frames: ..."), as flags.
-_ARGUMENT_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--frames"}
-
-
 def _check(response: Any) -> Any:
     """``response``, or the server's error: a shape the model cannot take as the usage
     error a local run gives it (the flag named, exit 2), anything else a ``ServerError``."""
+    from ..cli.commands import FLAGS  # the flag of each argument a refusal names first
     from ..cli.options import UsageError
 
     if response.status_code < 400:
@@ -40,8 +37,8 @@ def _check(response: Any) -> Any:
         message = f"HTTP {response.status_code}: {response.text[:200]}"
     else:
         argument, _, problem = text.partition(": ")
-        if response.status_code == 400 and argument in _ARGUMENT_FLAGS and problem:
-            raise UsageError(f"argument {_ARGUMENT_FLAGS[argument]}: {problem}")
+        if response.status_code == 400 and argument in FLAGS and problem:
+            raise UsageError(f"argument {FLAGS[argument]}: {problem}")
     raise ServerError(f"the server says: {message}")
 
 
