@@ -145,6 +145,8 @@ class _Components(dict):
         if old is not None and is_lazy(old) and old is not value:
             old.release()
             old.remove_observer(self._pipeline)
+        if old is not None and old is not value:
+            self._pipeline.forget_measured(name)
         super().__setitem__(name, self._pipeline._wrap_component(name, value))
         if self._pipeline._stages_built:
             self._pipeline._rebuild_stages()
@@ -267,6 +269,17 @@ class Pipeline(HostMemory):
         self._extra_stages.append(stage)
         self.stages.append(stage)
         self.invalidate_schedule()
+
+    def forget_measured(self, name: str) -> None:
+        """Component ``name`` is being replaced: what the runs measured of it, and of the
+        stages that hold it, was the old one's."""
+        self._measured_bytes.pop(name, None)
+        if not self._stages_built:
+            return
+        for stage in {use.name for use in self.stage_uses() if name in use.components}:
+            self._measured_activation.pop(stage, None)
+            self._retried_stages.pop(stage, None)
+            self._limit_stages.discard(stage)
 
     # -- schedule -----------------------------------------------------------------------
 

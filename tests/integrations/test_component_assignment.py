@@ -114,3 +114,21 @@ def test_a_deferred_component_of_another_pipeline_is_refused_and_both_keep_worki
     peak, planned = pipe1.ondeck.report()["peak_resident_bytes"], pipe1.ondeck.plan().peak_bytes
     assert peak <= planned, f"peak {peak} above the plan's {planned}"
     assert np.array_equal(run(pipe2, FAMILY), references["wan"][0])
+
+
+def test_a_replaced_vae_leaves_no_measurement_behind(folders):
+    """What the runs measured of the old VAE's turn (its decode's activations, room kept
+    after running out of memory) is not planned for the new one, which is sized as a VAE
+    not yet measured is."""
+    pipe = load(folders["wan"], policy="auto")
+    run(pipe, FAMILY)
+    runtime = pipe.ondeck
+    estimated = runtime.snapshot().measured_activation["vae"]
+    # What a GPU run records: the decode's peak, and room kept after it ran out.
+    runtime._measured_activation["vae"] = 64 * estimated
+    runtime._oom_room["vae"] = 32 * estimated
+    assert runtime.snapshot().measured_activation["vae"] == 64 * estimated
+
+    pipe.vae = deferred_vae(folders["wan"])
+
+    assert runtime.snapshot().measured_activation.get("vae", 0) <= estimated

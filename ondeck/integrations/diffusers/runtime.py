@@ -516,6 +516,10 @@ class DiffusersRuntime(Pipeline):
                 "share), or assign a module you loaded yourself (it stays resident)"
             )
 
+    def forget_measured(self, name: str) -> None:
+        super().forget_measured(name)
+        self._oom_room.pop(name, None)  # a turn is named after its component
+
     def swap(self, name: str, value: Any) -> None:
         """``pipe.<name> = value`` after loading (checked with ``check_assignment``): the
         old proxy is released and leaves the pipeline (its touches, loads and decodes no
