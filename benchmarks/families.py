@@ -363,8 +363,10 @@ def family_child(args) -> None:
             timers = component_timers(pipe)
         else:
             options = {"policy": "release"} if args.child.endswith("release") else {}
-            if args.host_cache_gib:
-                options["host_cache"] = HostCache(int(args.host_cache_gib * GiB))
+            if args.host_cache_gib == "auto":
+                options["host_cache"] = HostCache(elastic=True)
+            elif args.host_cache_gib:
+                options["host_cache"] = HostCache(int(float(args.host_cache_gib) * GiB))
             if args.prompt_cache:  # as `ondeck generate` has it
                 options["prompt_cache"] = True
             pipe = ondeck.diffusers.from_pretrained(
@@ -556,9 +558,11 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--host-cache", type=float, help="sd35/hunyuan: each ondeck mode again with a host cache"
+        "--host-cache",
+        help="sd35/hunyuan: each ondeck mode again with a host cache of this many GiB, or "
+        "auto (an elastic one)",
     )
-    parser.add_argument("--host-cache-gib", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--host-cache-gib", help=argparse.SUPPRESS)
     parser.add_argument(
         "--prompt-cache",
         action="store_true",
@@ -643,7 +647,7 @@ def main() -> None:
             row["host_label"] = f"{'cgroup' if in_cgroup else 'flag'} {host_gib:g}G"
             row["host_budget_bytes"] = int(host_gib * GiB)
         if cache:
-            row["host_label"] = f"cache {cache:g}G"
+            row["host_label"] = "cache auto" if cache == "auto" else f"cache {float(cache):g}G"
         rows.append(row)
         runs = ", ".join(f"{r['seconds']:.1f}" for r in row.get("runs", []))
         error = f" ERROR {row['error'][:400]}" if row.get("error") else ""

@@ -65,6 +65,7 @@ class HostMemory:
     device: Any
     deferred: dict[str, Any]
     run_shape: dict[str, Any] | None
+    plan: Any  # the pipeline's: ``plan() -> Plan``
 
     def init_host_memory(self, host_memory: int | None) -> None:
         # The host budget: given, else from the machine and its cgroup (``host_facts``).
@@ -94,7 +95,9 @@ class HostMemory:
         streaming = getattr(self.policy, "streaming", None)
         held = sum(cache.resident_bytes for cache in caches)
         held += streaming.host_bytes() if streaming is not None else 0
-        cache = sum(cache.budget_bytes for cache in caches)
+        # An elastic cache takes what the plan leaves (``fit_host_caches``), not room of
+        # its own.
+        cache = sum(cache.budget_bytes for cache in caches if not cache.elastic)
         return budget_bytes, source, max(0, facts.process_bytes - held), cache
 
     def host_room_bytes(self) -> int:
@@ -102,6 +105,31 @@ class HostMemory:
         budget less the process, its growth during a run and the host cache's budget."""
         budget_bytes, _, process, cache = self.host_pool()
         return budget_bytes - process - self.host_growth().nbytes - cache
+
+    def elastic_cache_bytes(self) -> int | None:
+        """The most the elastic host caches may hold together; None where there are none."""
+        elastic = [cache.cap_bytes for cache in self._host_caches() if cache.elastic]
+        return sum(elastic) if elastic else None
+
+    def fit_host_caches(self, plan: Any = None) -> None:
+        """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
+        the host room once its pinned copies and rings are counted, split evenly where
+        there are several, and tell them which components it keeps on the device through
+        every stage."""
+        elastic = [cache for cache in self._host_caches() if cache.elastic]
+        if not elastic:
+            return
+        plan = self.plan() if plan is None else plan
+        room = self.host_room_bytes() - plan.pinned_host_bytes - plan.ring_bytes
+        stages = [set(resident) for _, resident, _ in plan.stages]
+        always = set.intersection(*stages) if stages else set()
+        kept = [
+            loader.cache_owner
+            for name, proxy in self.deferred.items()
+            if name in always and isinstance(loader := loader_of(proxy), FolderLoader)
+        ]
+        for cache in elastic:
+            cache.fit(room // len(elastic), kept)
 
     def host_growth(self) -> HostGrowth:
         """The reserve for the process's growth during a run: the last watched run's,
@@ -204,6 +232,8 @@ class HostPlan:
     ring_bytes: int = 0
     growth_bytes: int = 0
     growth_source: str = ""
+    # The most the elastic host caches may take, of what is left; None: there are none.
+    elastic_cache_bytes: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -231,6 +261,14 @@ class HostPlan:
                 else ""
             )
             + f"host cache {format_bytes(self.cache_bytes)}"
+            + (
+                "; an elastic host cache takes what is left, up to "
+                + format_bytes(
+                    min(self.elastic_cache_bytes, max(0, self.budget_bytes - self.peak_bytes))
+                )
+                if self.elastic_cache_bytes is not None
+                else ""
+            )
         ]
         if not self.fits():
             lines.append(

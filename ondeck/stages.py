@@ -347,6 +347,7 @@ class Pipeline(HostMemory):
             planned.ring_bytes,
             growth_bytes=growth.nbytes,
             growth_source=growth.source,
+            elastic_cache_bytes=self.elastic_cache_bytes(),
         )
         return planned
 
@@ -510,7 +511,10 @@ class Pipeline(HostMemory):
         self.record_activation(record.stage, nbytes)
 
     def _before_run(self) -> None:
-        self.executor.before_run(self.policy.before_run(self.snapshot()))
+        steps = self.policy.before_run(self.snapshot())
+        # Before the streamed blocks' copies are made: an elastic host cache gives way.
+        self.fit_host_caches(steps.streaming[1] if steps.streaming is not None else None)
+        self.executor.before_run(steps)
 
     def _before_stage(self, index: int, state: Any = None) -> None:
         """Wait for the stage's prefetched components, then act on the policy's steps."""

@@ -114,9 +114,7 @@ def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
 
 def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
     device = resolve_device(args.device)
-    host_cache = None
-    if args.host_cache:
-        host_cache = HostCache(args.host_cache)
+    host_cache = HostCache.from_setting(args.host_cache)
     policy = "budget" if args.budget and args.policy == "auto" else args.policy
     shard = shard_names(args)
     parallel = _parallel(args)

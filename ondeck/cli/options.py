@@ -96,7 +96,11 @@ def _budget(text: str) -> int:
     return _size(text, allow_zero=False)
 
 
-def _host_cache(text: str) -> int:
+def host_cache_argument(text: str) -> int | str:
+    """``--host-cache``: ``auto`` (an elastic cache, ``HostCache(elastic=True)``), or a
+    size (0: none)."""
+    if text.strip().lower() == "auto":
+        return "auto"
     return _size(text, allow_zero=True)
 
 
@@ -194,9 +198,10 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument(
         "--host-cache",
-        type=_host_cache,
-        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off); "
-        "under torchrun the size is per process, and a --shard component keeps only the "
+        type=host_cache_argument,
+        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off), "
+        "or auto: what the plan leaves once the streamed blocks' pinned copies are counted, "
+        "for the components a run loads again; under torchrun the size is per process, and a --shard component keeps only the "
         "rank's own rows",
     )
     parser.add_argument(

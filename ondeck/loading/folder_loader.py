@@ -10,6 +10,7 @@ import torch
 
 from ..errors import LoadError
 from ..loader import DeclaredLoader
+from .host_cache import component_owner
 from .model_folder import ModelFolder
 from .options import LoadOptions
 
@@ -60,6 +61,11 @@ class FolderLoader(DeclaredLoader):
         self.last_placed_read_seconds = 0.0
         self.last_source: str | None = None
         self.last_readers: str | None = None  # "processes" or "threads", for benchmarks
+
+    @property
+    def cache_owner(self) -> tuple[str, str]:
+        """What its host-cache keys start with (``host_cache.component_owner``)."""
+        return component_owner(self.folder.path, self.name)
 
     @property
     def setup_seconds(self) -> float:

@@ -20,7 +20,13 @@ from ..memory import aligned, host_facts, is_unified, pinned_host_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
-__all__ = ["HostCache", "HostCopy", "component_key", "default_budget_bytes"]
+__all__ = [
+    "HostCache",
+    "HostCopy",
+    "component_key",
+    "component_owner",
+    "default_budget_bytes",
+]
 
 GiB = 2**30
 
@@ -95,8 +101,18 @@ class HostCache:
     loads of the same component.
     """
 
-    def __init__(self, budget_bytes: int | None = None, *, pin: bool | None = None):
-        self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
+    def __init__(
+        self, budget_bytes: int | None = None, *, pin: bool | None = None, elastic: bool = False
+    ):
+        # The most it may hold: given, else ``default_budget_bytes``.
+        self.cap_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
+        self.budget_bytes = self.cap_bytes
+        # Elastic: the pipelines using it set its budget to the host room their plans
+        # leave (``fit``): it gives way to the streamed blocks' pinned copies, keeps no
+        # component a plan holds on the device through every stage, and takes no room
+        # from an entry it holds to make room for another.
+        self.elastic = bool(elastic)
+        self._kept_on_device: frozenset[tuple[str, str]] = frozenset()
         # Pinned (the default where CUDA is): a reload is one DMA per tensor. The budget
         # counts the bytes really held, each tensor's alignment included.
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
@@ -107,11 +123,43 @@ class HostCache:
         self.hits = 0
         self.misses = 0
 
+    @classmethod
+    def from_setting(cls, setting: int | str | None) -> HostCache | None:
+        """The cache a ``--host-cache`` setting asks for: ``"auto"`` an elastic one, a
+        size a fixed one of that budget, None or 0 none."""
+        if setting == "auto":
+            return cls(elastic=True)
+        return cls(int(setting)) if setting else None
+
     def __repr__(self) -> str:
         return (
             f"HostCache({len(self._entries)} entries, {self.resident_bytes / GiB:.2f} of "
-            f"{self.budget_bytes / GiB:.2f} GiB, {self.hits} hits, {self.misses} misses)"
+            f"{self.budget_bytes / GiB:.2f} GiB{', elastic' if self.elastic else ''}, "
+            f"{self.hits} hits, {self.misses} misses)"
         )
+
+    def fit(self, room_bytes: int, kept_on_device: Iterable[tuple[str, str]] = ()) -> int:
+        """An elastic cache's budget becomes ``room_bytes`` (at most ``cap_bytes``), the
+        least recently used entries going until it holds no more; ``kept_on_device``:
+        ``(folder, component)`` of components the plan never releases, whose entries go
+        and which it no longer takes. Returns the bytes freed; a fixed cache is left
+        as it is."""
+        if not self.elastic:
+            return 0
+        freed = 0
+        with self._lock:
+            self.budget_bytes = max(0, min(self.cap_bytes, int(room_bytes)))
+            self._kept_on_device = frozenset(kept_on_device)
+            for key in [k for k in self._entries if self._never_reloaded(k)]:
+                self._entries.pop(key)
+                freed += self._sizes.pop(key, 0)
+            while self._entries and self._used() > self.budget_bytes:
+                key, _ = self._entries.popitem(last=False)
+                freed += self._sizes.pop(key, 0)
+        return freed
+
+    def _never_reloaded(self, key: Hashable) -> bool:
+        return isinstance(key, tuple) and tuple(key[:2]) in self._kept_on_device
 
     @staticmethod
     def enabled_for(device: torch.device | str) -> bool:
@@ -150,7 +198,8 @@ class HostCache:
     ) -> dict[str, torch.Tensor] | None:
         """Host buffers to capture ``infos`` into while they load; None if they cannot fit.
 
-        Evicts least recently used entries to make room, but ``keeping``: the entry the
+        Evicts least recently used entries to make room (an elastic cache evicts none, and
+        takes nothing of a component kept on the device), but ``keeping``: the entry the
         new one will replace, whose tensors it keeps (``commit``'s ``replacing``). It
         stays, and counts, until then. Call :meth:`commit` once the buffers are full, or
         :meth:`discard` if the load failed.
@@ -162,7 +211,13 @@ class HostCache:
         with self._lock:
             if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
                 return None
-            evictable = sum(size for k, size in self._sizes.items() if k != keeping)
+            if self.elastic and self._never_reloaded(key):
+                return None
+            # An elastic cache keeps what it holds: in a pipeline's cycle of loads, the
+            # least recently used entry is the one the next load needs.
+            evictable = 0
+            if not self.elastic:
+                evictable = sum(size for k, size in self._sizes.items() if k != keeping)
             if self._used() - evictable + nbytes > self.budget_bytes:
                 return None  # even evicting every entry would not make room: none goes
             while self._used() + nbytes > self.budget_bytes:
@@ -349,7 +404,12 @@ def component_key(folder_path: Path, name: str, tensors: Mapping[str, Any]) -> t
         (*file_key(path), identity.header_sha256 if identity is not None else None)
         for path, identity in sorted(identities.items())
     )
-    return (str(Path(folder_path).resolve()), name, signature)
+    return (*component_owner(folder_path, name), signature)
+
+
+def component_owner(folder_path: Path, name: str) -> tuple[str, str]:
+    """The first two items of a component's keys: its folder, resolved, and its name."""
+    return (str(Path(folder_path).resolve()), name)
 
 
 def file_key(path: str | os.PathLike) -> tuple:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli.options import host_cache_argument
 from ..errors import LoadError, OndeckError
 from ..loading.fp8 import parse_storage_dtype
 from ..memory import format_bytes, parse_bytes
@@ -38,10 +39,6 @@ def _size(text: str, *, allow_zero: bool = False) -> int:
     if nbytes is None or nbytes < 0 or (nbytes == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
     return nbytes
-
-
-def _host_cache(text: str) -> int:
-    return _size(text, allow_zero=True)
 
 
 def _weights(text: str) -> str | dict[str, str]:
@@ -134,8 +131,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--host-cache",
-        type=_host_cache,
-        help="one pinned host cache for released weights of every model (e.g. 40GiB, 0 = off)",
+        type=host_cache_argument,
+        help="one pinned host cache for released weights of every model (e.g. 40GiB, 0 = off, "
+        "or auto: what each plan leaves of the host memory)",
     )
     serve.add_argument(
         "--api-key", help="require Authorization: Bearer KEY (default: $ONDECK_API_KEY)"

@@ -55,7 +55,7 @@ class ServeConfig:
     budget_bytes: int | None = None
     device: str | None = None
     dtype: str | None = None
-    host_cache_bytes: int | None = None
+    host_cache_bytes: int | str | None = None  # "auto": an elastic cache
     weights: Any = None
     outputs: Path | None = None
     outputs_cap_bytes: int = 20 * 2**30
@@ -125,7 +125,7 @@ class Server:
         if budget is None:
             budget, _ = auto_budget_bytes(self.device)
         self.budget_bytes = int(budget)
-        self.host_cache = HostCache(config.host_cache_bytes) if config.host_cache_bytes else None
+        self.host_cache = HostCache.from_setting(config.host_cache_bytes)
         outputs = config.outputs or default_cache_dir() / "serve-outputs"
         self.outputs = OutputStore(outputs, config.outputs_cap_bytes)
         self.started_at = time.time()

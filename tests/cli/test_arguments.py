@@ -9,6 +9,7 @@ import torch
 
 from ondeck import cli
 from ondeck.cli import commands
+from ondeck.loading import HostCache
 
 from .helpers import FAST, error_lines, listing, run
 
@@ -247,3 +248,12 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch, tmp_path):
     code, _, err = run(capsys, "generate", "--output", tmp_path)
     assert code == 130
     assert error_lines(err) == ["ondeck: interrupted"]
+
+
+def test_host_cache_auto_asks_for_an_elastic_cache_on_both_command_lines():
+    parse = cli.build_parser().parse_args
+    for command in (["generate"], ["serve"]):
+        assert HostCache.from_setting(parse([*command, "--host-cache", "auto"]).host_cache).elastic
+        fixed = HostCache.from_setting(parse([*command, "--host-cache", "40GiB"]).host_cache)
+        assert not fixed.elastic and fixed.budget_bytes == 40 * 2**30
+        assert HostCache.from_setting(parse([*command, "--host-cache", "0"]).host_cache) is None
