@@ -66,6 +66,7 @@ class HostMemory:
     deferred: dict[str, Any]
     run_shape: dict[str, Any] | None
     plan: Any  # the pipeline's: ``plan() -> Plan``
+    more_runs: bool
 
     def init_host_memory(self, host_memory: int | None) -> None:
         # The host budget: given, else from the machine and its cgroup (``host_facts``).
@@ -115,7 +116,8 @@ class HostMemory:
         """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
         the host room once its pinned copies and rings are counted, split evenly where
         there are several, and tell them which components it keeps on the device through
-        every stage."""
+        every stage. Before the last run (``more_runs`` False: a one-shot command) they
+        keep what they hold and take nothing more: no later run would reload it."""
         elastic = [cache for cache in self._host_caches() if cache.elastic]
         if not elastic:
             return
@@ -129,7 +131,10 @@ class HostMemory:
             if name in always and isinstance(loader := loader_of(proxy), FolderLoader)
         ]
         for cache in elastic:
-            cache.fit(room // len(elastic), kept)
+            share = room // len(elastic)
+            if not self.more_runs:  # the last run: what it would take, no run reloads
+                share = min(share, cache.resident_bytes)
+            cache.fit(share, kept)
 
     def host_growth(self) -> HostGrowth:
         """The reserve for the process's growth during a run: the last watched run's,

@@ -128,3 +128,24 @@ def test_the_elastic_cache_holds_nothing_of_components_that_stay_loaded(
         frames(everything)
 
     assert not cache.keys()
+
+
+def test_a_last_run_adds_nothing_to_the_elastic_cache(six_block_folder, cache_serves_cpu):
+    """A one-shot command's run (``more_runs`` False) is the last: nothing it would keep
+    is loaded again, so it pins nothing for the cache; what an earlier run kept stays."""
+    budget = budget_keeping(transformer_blocks(six_block_folder), 2)
+    cache = HostCache(2**30, pin=False, elastic=True)
+    pipe = load(six_block_folder, cache, budget)
+    pipe.ondeck.more_runs = False
+    frames(pipe)
+    assert not cache.keys()
+
+    pipe.ondeck.more_runs = True
+    frames(pipe)
+    kept = set(cache.keys())
+    assert kept
+    pipe.ondeck.more_runs = False
+    frames(pipe)
+    assert (
+        set(cache.keys()) == kept and pipe.ondeck.loaders["transformer"].last_source == "host cache"
+    )
