@@ -106,6 +106,9 @@ MODES = {
     # "-cached": the encoders keep their answers, as `ondeck generate`'s do.
     "fp8file-8-cached": Mode(55, 8, files=("fp8",)),
     "folder-8-cached": Mode(55, 8, layout="folder"),
+    # "-elastic": an elastic host cache (`--host-cache auto`).
+    "fp8file-8-elastic": Mode(60, 8, files=("fp8",)),
+    "folder-8-elastic": Mode(60, 8, layout="folder"),
     "gguf-diffusers": Mode(70, files=("gguf",)),
     "gguf-full": Mode(60, files=("gguf",)),
     "gguf-16": Mode(65, 16, files=("gguf",)),
@@ -611,6 +614,10 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["policy"] = "release"
     if mode.endswith("-cached"):
         options["prompt_cache"] = True
+    if mode.endswith("-elastic"):
+        from ondeck.loading import HostCache
+
+        options["host_cache"] = HostCache(elastic=True)
     if mode in ("lora-release", "lorafused-release"):
         options["loras"] = [files["lora"]]
     pipe = ondeck.diffusers.from_pretrained(
