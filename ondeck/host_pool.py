@@ -66,7 +66,11 @@ class HostMemory:
     deferred: dict[str, Any]
     run_shape: dict[str, Any] | None
     plan: Any  # the pipeline's: ``plan() -> Plan``
+    loaded_before: Any  # the pipeline's: ``loaded_before(name) -> bool``
     more_runs: bool
+    # Whether something beside the plan may release components between runs (a server
+    # making room for another model): an elastic host cache then keeps any of them.
+    released_between_runs: bool = False
 
     def init_host_memory(self, host_memory: int | None) -> None:
         # The host budget: given, else from the machine and its cgroup (``host_facts``).
@@ -108,16 +112,24 @@ class HostMemory:
         return budget_bytes - process - self.host_growth().nbytes - cache
 
     def elastic_cache_bytes(self) -> int | None:
-        """The most the elastic host caches may hold together; None where there are none."""
-        elastic = [cache.cap_bytes for cache in self._host_caches() if cache.elastic]
-        return sum(elastic) if elastic else None
+        """The most the elastic host caches may hold together (before a last run, what
+        they hold); None where there are none."""
+        elastic = [cache for cache in self._host_caches() if cache.elastic]
+        if not elastic:
+            return None
+        if not self.more_runs:
+            return sum(cache.held_bytes for cache in elastic)
+        return sum(cache.cap_bytes for cache in elastic)
 
     def fit_host_caches(self, plan: Any = None) -> None:
         """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
         the host room once its pinned copies and rings are counted, split evenly where
-        there are several, and tell them which components it keeps on the device through
-        every stage. Before the last run (``more_runs`` False: a one-shot command) they
-        keep what they hold and take nothing more: no later run would reload it."""
+        there are several. They take nothing of a component no run will load again: one
+        not loaded yet that the plan keeps on the device through every stage (not under
+        ``release``, which frees everything after a run; not where something else may
+        release it between runs: ``released_between_runs``). Before the last run
+        (``more_runs`` False: a one-shot command) they keep what they hold and take
+        nothing more: no later run would reload it."""
         elastic = [cache for cache in self._host_caches() if cache.elastic]
         if not elastic:
             return
@@ -125,16 +137,17 @@ class HostMemory:
         room = self.host_room_bytes() - plan.pinned_host_bytes - plan.ring_bytes
         stages = [set(resident) for _, resident, _ in plan.stages]
         always = set.intersection(*stages) if stages else set()
-        kept = [
+        if plan.policy == "release" or self.released_between_runs:
+            always = set()
+        refused = [
             loader.cache_owner
             for name, proxy in self.deferred.items()
-            if name in always and isinstance(loader := loader_of(proxy), FolderLoader)
+            if name in always
+            and not self.loaded_before(name)
+            and isinstance(loader := loader_of(proxy), FolderLoader)
         ]
         for cache in elastic:
-            share = room // len(elastic)
-            if not self.more_runs:  # the last run: what it would take, no run reloads
-                share = min(share, cache.resident_bytes)
-            cache.fit(share, kept)
+            cache.fit(room // len(elastic), refused, adding=self.more_runs)
 
     def host_growth(self) -> HostGrowth:
         """The reserve for the process's growth during a run: the last watched run's,
@@ -238,7 +251,9 @@ class HostPlan:
     growth_bytes: int = 0
     growth_source: str = ""
     # The most the elastic host caches may take, of what is left; None: there are none.
+    # Before a last run (``elastic_adding`` False) what they hold, which is all they keep.
     elastic_cache_bytes: int | None = None
+    elastic_adding: bool = True
 
     @property
     def peak_bytes(self) -> int:
@@ -253,6 +268,20 @@ class HostPlan:
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
 
+    def _elastic_text(self) -> str:
+        if self.elastic_cache_bytes is None:
+            return ""
+        if not self.elastic_adding:
+            return (
+                f"; an elastic host cache keeps the {format_bytes(self.elastic_cache_bytes)} "
+                "it holds and takes nothing in a last run"
+            )
+        left = max(0, self.budget_bytes - self.peak_bytes)
+        return (
+            "; an elastic host cache takes what is left for the components a later run "
+            f"loads again, up to {format_bytes(min(self.elastic_cache_bytes, left))}"
+        )
+
     def describe(self) -> list[str]:
         lines = [
             f"host: {format_bytes(self.peak_bytes)} predicted of a budget of "
@@ -266,14 +295,7 @@ class HostPlan:
                 else ""
             )
             + f"host cache {format_bytes(self.cache_bytes)}"
-            + (
-                "; an elastic host cache takes what is left, up to "
-                + format_bytes(
-                    min(self.elastic_cache_bytes, max(0, self.budget_bytes - self.peak_bytes))
-                )
-                if self.elastic_cache_bytes is not None
-                else ""
-            )
+            + self._elastic_text()
         ]
         if not self.fits():
             lines.append(

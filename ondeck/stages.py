@@ -270,6 +270,10 @@ class Pipeline(HostMemory):
         self.stages.append(stage)
         self.invalidate_schedule()
 
+    def loaded_before(self, name: str) -> bool:
+        """Whether component ``name`` (this one, not one it replaced) has been loaded."""
+        return name in self._measured_bytes
+
     def forget_measured(self, name: str) -> None:
         """Component ``name`` is being replaced: what the runs measured of it, and of the
         stages that hold it, was the old one's."""
@@ -348,6 +352,7 @@ class Pipeline(HostMemory):
             growth_bytes=growth.nbytes,
             growth_source=growth.source,
             elastic_cache_bytes=self.elastic_cache_bytes(),
+            elastic_adding=self.more_runs,
         )
         return planned
 

@@ -106,13 +106,13 @@ class HostCache:
     ):
         # The most it may hold: given, else ``default_budget_bytes``.
         self.cap_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
-        self.budget_bytes = self.cap_bytes
         # Elastic: the pipelines using it set its budget to the host room their plans
-        # leave (``fit``): it gives way to the streamed blocks' pinned copies, keeps no
-        # component a plan holds on the device through every stage, and takes no room
-        # from an entry it holds to make room for another.
+        # leave (``fit``; nothing until one does): it gives way to the streamed blocks'
+        # pinned copies, takes nothing of a component no run will load again, and takes
+        # no room from an entry it holds to make room for another.
         self.elastic = bool(elastic)
-        self._kept_on_device: frozenset[tuple[str, str]] = frozenset()
+        self.budget_bytes = 0 if self.elastic else self.cap_bytes
+        self._refused: frozenset[tuple[str, str]] = frozenset()
         # Pinned (the default where CUDA is): a reload is one DMA per tensor. The budget
         # counts the bytes really held, each tensor's alignment included.
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
@@ -138,28 +138,36 @@ class HostCache:
             f"{self.hits} hits, {self.misses} misses)"
         )
 
-    def fit(self, room_bytes: int, kept_on_device: Iterable[tuple[str, str]] = ()) -> int:
-        """An elastic cache's budget becomes ``room_bytes`` (at most ``cap_bytes``), the
-        least recently used entries going until it holds no more; ``kept_on_device``:
-        ``(folder, component)`` of components the plan never releases, whose entries go
-        and which it no longer takes. Returns the bytes freed; a fixed cache is left
-        as it is."""
+    def fit(
+        self,
+        room_bytes: int,
+        refused: Iterable[tuple[str, str]] = (),
+        *,
+        adding: bool = True,
+    ) -> int:
+        """An elastic cache's budget becomes ``room_bytes`` (at most ``cap_bytes``; with
+        ``adding`` False no more than it holds and is filling now), the least recently
+        used entries going until it holds no more. ``refused``: ``(folder, component)``
+        of components it takes no new entry of (what it holds of them stays, to serve
+        their next load). Returns the bytes freed; a fixed cache is left as it is."""
         if not self.elastic:
             return 0
         freed = 0
         with self._lock:
-            self.budget_bytes = max(0, min(self.cap_bytes, int(room_bytes)))
-            self._kept_on_device = frozenset(kept_on_device)
-            for key in [k for k in self._entries if self._never_reloaded(k)]:
-                self._entries.pop(key)
-                freed += self._sizes.pop(key, 0)
+            budget = min(self.cap_bytes, int(room_bytes))
+            if not adding:
+                budget = min(budget, self._used())
+            self.budget_bytes = max(0, budget)
+            self._refused = frozenset(refused)
             while self._entries and self._used() > self.budget_bytes:
                 key, _ = self._entries.popitem(last=False)
                 freed += self._sizes.pop(key, 0)
         return freed
 
-    def _never_reloaded(self, key: Hashable) -> bool:
-        return isinstance(key, tuple) and tuple(key[:2]) in self._kept_on_device
+    def _is_refused(self, key: Hashable, owner: tuple[str, str] | None) -> bool:
+        if owner is None and isinstance(key, tuple):
+            owner = tuple(key[:2])
+        return owner in self._refused
 
     @staticmethod
     def enabled_for(device: torch.device | str) -> bool:
@@ -194,12 +202,18 @@ class HostCache:
             return entry
 
     def reserve(
-        self, key: Hashable, infos: Iterable[TensorInfo], *, keeping: Hashable | None = None
+        self,
+        key: Hashable,
+        infos: Iterable[TensorInfo],
+        *,
+        keeping: Hashable | None = None,
+        owner: tuple[str, str] | None = None,
     ) -> dict[str, torch.Tensor] | None:
         """Host buffers to capture ``infos`` into while they load; None if they cannot fit.
 
         Evicts least recently used entries to make room (an elastic cache evicts none, and
-        takes nothing of a component kept on the device), but ``keeping``: the entry the
+        takes nothing of a component ``fit`` refused: ``owner``, its ``(folder,
+        component)``, where the key does not start with them), but ``keeping``: the entry the
         new one will replace, whose tensors it keeps (``commit``'s ``replacing``). It
         stays, and counts, until then. Call :meth:`commit` once the buffers are full, or
         :meth:`discard` if the load failed.
@@ -211,7 +225,7 @@ class HostCache:
         with self._lock:
             if key in self._entries or key in self._pending or nbytes > self.budget_bytes:
                 return None
-            if self.elastic and self._never_reloaded(key):
+            if self.elastic and self._is_refused(key, owner):
                 return None
             # An elastic cache keeps what it holds: in a pipeline's cycle of loads, the
             # least recently used entry is the one the next load needs.

@@ -355,7 +355,7 @@ class QuantizedComponentLoader(FolderLoader):
             TensorInfo(slot.names[0], torch.uint8, (slot.nbytes,), 0, slot.nbytes, str(self.path))
             for slot in loaded.slots
         ]
-        buffers = self.host_cache.reserve(key, infos)
+        buffers = self.host_cache.reserve(key, infos, owner=self.cache_owner)
         if buffers is None:
             return
         try:
@@ -522,7 +522,7 @@ class QuantizedComponentLoader(FolderLoader):
             )
             for name, t in plain.items()
         ]
-        buffers = self.host_cache.reserve(key, infos)
+        buffers = self.host_cache.reserve(key, infos, owner=self.cache_owner)
         if buffers is None:
             return checkpoint, None
         try:

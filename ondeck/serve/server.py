@@ -161,6 +161,8 @@ class Server:
         )
         # Each job's timeline and report are its own: the tracker keeps the job's runs
         # (``_run`` counts them: an image job runs once for each image).
+        # The residency manager releases a model's components to make room for another.
+        pipeline.released_between_runs = True
         pipeline.tracker.keep_runs = 1
         pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
         media = media_of(Path(path))  # what it makes and takes, as `ondeck generate` reads it

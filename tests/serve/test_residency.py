@@ -182,3 +182,29 @@ def test_a_wrong_serve_argument_is_one_line_and_status_2(capsys):
     assert main(["serve", "--model", "no-equals-sign"]) == 2
     error = capsys.readouterr().err
     assert "expected NAME=FOLDER_OR_REPO_ID" in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_model_evicted_for_another_comes_back_from_an_elastic_cache(models, monkeypatch):
+    """``--host-cache auto``: each model fits alone, so its own plan keeps it on the
+    device, yet the server evicts it for the other; its next job loads it from the
+    cache, not the files."""
+    from ondeck.lazy import loader_of
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    config = ServeConfig(
+        models={n: str(models[n]) for n in ("wan", "wan2")},
+        device="cpu",
+        budget_bytes=WAN + 100 * KIB,
+        host_cache_bytes="auto",
+    )
+    server = Server(config, say=lambda *_: None)
+    assert server.host_cache.elastic
+    for name, prompt in (("wan", "a fox"), ("wan2", "a fox"), ("wan", "a cat")):
+        run(server, name, prompt=prompt)  # a new prompt: its text encoder loads again
+
+    evicted = {e.component for e in server.manager.evictions if e.model == "wan"}
+    assert evicted
+    pipeline = server.models["wan"].pipeline
+    sources = {name: loader_of(pipeline.deferred[name]).last_source for name in evicted}
+    assert set(sources.values()) == {"host cache"}, sources

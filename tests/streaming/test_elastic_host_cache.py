@@ -9,8 +9,10 @@ import psutil
 import pytest
 import torch
 
-from ondeck.loading import HostCache, TensorInfo
-from ondeck.policy import BudgetPolicy
+import ondeck
+from ondeck.lazy import loader_of
+from ondeck.loading import ComponentLoader, HostCache, TensorInfo
+from ondeck.policy import BudgetPolicy, EagerPolicy
 from ondeck.streaming import StreamOptions
 
 from .conftest import budget_keeping, transformer_blocks
@@ -31,8 +33,10 @@ def fill(cache: HostCache, key: tuple, nbytes: int) -> bool:
     return True
 
 
-def test_an_elastic_cache_shrinks_to_its_room_and_evicts_nothing_to_take_more():
+def test_an_elastic_cache_takes_the_room_it_is_given_and_evicts_nothing_to_take_more():
     cache = HostCache(1000, pin=False, elastic=True)
+    assert not fill(cache, ("f", "a", 1), 1)  # no room until a plan gives it some
+    cache.fit(1000)
     assert fill(cache, ("f", "a", 1), 300) and fill(cache, ("f", "b", 1), 300)
 
     assert cache.fit(400) == 300  # the least recently used entry goes
@@ -44,9 +48,13 @@ def test_an_elastic_cache_shrinks_to_its_room_and_evicts_nothing_to_take_more():
     assert cache.budget_bytes == 1000
     assert fill(cache, ("f", "c", 1), 200)
 
-    cache.fit(10**9, kept_on_device=[("f", "b")])  # b never reloads: it goes, and stays out
-    assert cache.keys() == [("f", "c", 1)]
+    cache.fit(10**9, refused=[("f", "b")])  # b is not loaded again: no new entry of it
     assert not fill(cache, ("f", "b", 2), 100)
+    assert set(cache.keys()) == {("f", "b", 1), ("f", "c", 1)}  # its entry serves a load
+    assert not cache.reserve(("gguf", "x"), [info(10)], owner=("f", "b"))  # any key
+
+    cache.fit(10**9, adding=False)  # a last run: no more than it holds
+    assert cache.budget_bytes == 500 and not fill(cache, ("f", "d", 1), 1)
 
 
 def test_a_fixed_cache_keeps_its_budget_and_evicts_to_make_room():
@@ -71,12 +79,16 @@ def load(folder, cache, budget, host_memory=None):
         folder,
         dtype=torch.float32,
         device="cpu",
-        policy=BudgetPolicy(budget, streaming=options),
+        policy=BudgetPolicy(budget, streaming=options) if isinstance(budget, int) else budget,
         host_cache=cache,
         host_memory=host_memory,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def streaming_budget(folder) -> int:
+    return budget_keeping(transformer_blocks(folder), 2)
 
 
 def frames(pipe):
@@ -109,25 +121,80 @@ def test_the_elastic_cache_gives_way_to_the_pinned_copies_a_fixed_one_takes(
     assert cache.hits >= 3  # the second run's three loads
     assert pipe.ondeck.loaders["transformer"].last_source == "host cache"
     assert all(np.array_equal(run, expected) for run in runs)
-    assert "an elastic host cache takes what is left, up to" in str(plan)
+    assert "an elastic host cache takes what is left for the components a later run" in str(plan)
 
 
-def test_the_elastic_cache_holds_nothing_of_components_that_stay_loaded(
+def test_the_elastic_cache_takes_nothing_of_components_that_stay_loaded(
     six_block_folder, cache_serves_cpu
 ):
+    """Everything fits: no component is loaded again, so the cache takes none, the
+    eager policy's loads at construction (before any run gives it room) included."""
+    for policy in (BudgetPolicy(2**30), EagerPolicy()):
+        cache = HostCache(2**30, pin=False, elastic=True)
+        pipe = load(six_block_folder, cache, policy)
+        for _ in range(2):
+            frames(pipe)
+        assert not cache.keys()
+
+
+def test_entries_held_serve_a_pipeline_whose_plan_now_keeps_everything(
+    six_block_folder, cache_serves_cpu
+):
+    """A pipeline that keeps everything on the device still loads each component once:
+    what the cache holds of them (from a pipeline that streamed) serves that load."""
     cache = HostCache(2**30, pin=False, elastic=True)
-    streaming = load(
-        six_block_folder, cache, budget_keeping(transformer_blocks(six_block_folder), 2)
-    )
-    frames(streaming)
-    assert cache.keys()  # the guard below can fail
-    streaming.ondeck.close()
+    first = load(six_block_folder, cache, streaming_budget(six_block_folder))
+    frames(first)
+    first.ondeck.close()
+    assert {key[1] for key in cache.keys()} == {"text_encoder", "transformer", "vae"}
 
-    everything = load(six_block_folder, cache, 2**30)
+    pipe = load(six_block_folder, cache, BudgetPolicy(2**30))
+    frames(pipe)
+
+    sources = {name: loader.last_source for name, loader in pipe.ondeck.loaders.items()}
+    assert all(source.startswith("host cache") for source in sources.values()), sources
+
+
+class Touch(ondeck.Stage):
+    def __init__(self, name, *models):
+        super().__init__()
+        self.name, self.models = name, list(models)
+
+    def forward(self, state):
+        for model in self.models:
+            next(model.parameters())
+        return state
+
+
+def stage_pipeline(folder, cache, layout, policy):
+    """An ondeck Pipeline whose stages hold ``layout`` (``[(stage, [components])]``),
+    each component a ComponentLoader of ``folder`` feeding ``cache``."""
+    names = tuple(dict.fromkeys(name for _, held in layout for name in held))
+
+    class Stages(ondeck.Pipeline):
+        lazy_components = names
+
+        def create_stages(self):
+            return [Touch(stage, *(self.components[n] for n in held)) for stage, held in layout]
+
+    loaders = {
+        name: ComponentLoader(folder, name, device="cpu", host_cache=cache, progress=False)
+        for name in names
+    }
+    return Stages(loaders, policy=policy, device="cpu")
+
+
+def test_under_release_a_component_of_every_stage_is_kept_for_the_next_run(
+    six_block_folder, cache_serves_cpu
+):
+    """``release`` frees everything after a run, a component every stage holds too:
+    the next run loads it from the cache."""
+    cache = HostCache(2**30, pin=False, elastic=True)
+    pipe = stage_pipeline(six_block_folder, cache, [("A", ["vae"]), ("B", ["vae"])], "release")
     for _ in range(2):
-        frames(everything)
-
-    assert not cache.keys()
+        pipe({})
+    assert pipe.deferred["vae"].load_count == 2  # loaded again in the second run
+    assert loader_of(pipe.deferred["vae"]).last_source == "host cache"
 
 
 def test_a_last_run_adds_nothing_to_the_elastic_cache(six_block_folder, cache_serves_cpu):
@@ -149,3 +216,32 @@ def test_a_last_run_adds_nothing_to_the_elastic_cache(six_block_folder, cache_se
     assert (
         set(cache.keys()) == kept and pipe.ondeck.loaders["transformer"].last_source == "host cache"
     )
+
+
+def test_a_last_run_keeps_what_the_cache_holds_while_an_early_load_fills_it(
+    six_block_folder, cache_serves_cpu
+):
+    """A load the previous run started for the next (pipelined, it commits later) holds
+    a reservation when the last run's cache is fitted: it counts, so no entry the last
+    run loads again is evicted for it."""
+    cache = HostCache(2**30, pin=False, elastic=True)
+    pipe = load(six_block_folder, cache, streaming_budget(six_block_folder))
+    frames(pipe)
+    held = set(cache.keys())
+    assert held
+    size = min(cache.stats()["held_bytes"] // 2, 64 * 1024)
+    assert cache.reserve(("in", "flight", 1), [info(size)])  # not committed yet
+
+    pipe.ondeck.more_runs = False
+    pipe.ondeck.fit_host_caches()
+
+    assert set(cache.keys()) == held
+
+
+def test_the_plan_of_a_last_run_says_the_cache_takes_nothing(six_block_folder, cache_serves_cpu):
+    cache = HostCache(2**30, pin=False, elastic=True)
+    pipe = load(six_block_folder, cache, streaming_budget(six_block_folder))
+    assert "an elastic host cache takes what is left" in str(pipe.ondeck.plan())
+    pipe.ondeck.more_runs = False
+
+    assert "it holds and takes nothing in a last run" in str(pipe.ondeck.plan())

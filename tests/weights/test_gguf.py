@@ -432,3 +432,26 @@ def planned_and_made_upcasts(pipe, monkeypatch) -> tuple[int, list[int]]:
     monkeypatch.setattr(utils, "dequantize_gguf_tensor", counted)
     frames(pipe)
     return planned, copies
+
+
+def test_an_elastic_cache_takes_no_gguf_component_the_plan_keeps_loaded(
+    gguf_base, gguf_file, monkeypatch
+):
+    """A GGUF entry's key is the file's, not (folder, component): the loader names its
+    component, so the elastic cache takes nothing of a transformer no run reloads."""
+    from ondeck.loading import HostCache
+    from ondeck.policy import BudgetPolicy
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(2**30, pin=False, elastic=True)
+    pipe = load(
+        gguf_base,
+        BudgetPolicy(2**30),
+        components={"transformer": gguf_file[0]},
+        host_cache=cache,
+    )
+    for _ in range(2):
+        frames(pipe)
+    assert all("transformer" in resident for _, resident, _ in pipe.ondeck.plan().stages)
+
+    assert cache.keys() == []
