@@ -124,7 +124,7 @@ class HostMemory:
     def fit_host_caches(self, plan: Any = None) -> None:
         """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
         the host room once its pinned copies and rings are counted, split evenly where
-        there are several. They take nothing of a component no run will load again: one
+        there are several and among the ranks a launcher started on this host. They take nothing of a component no run will load again: one
         not loaded yet that the plan keeps on the device through every stage (not under
         ``release``, which frees everything after a run; not where something else may
         release it between runs: ``released_between_runs``). Before the last run
@@ -135,6 +135,8 @@ class HostMemory:
             return
         plan = self.plan() if plan is None else plan
         room = self.host_room_bytes() - plan.pinned_host_bytes - plan.ring_bytes
+        # Each rank on this host sees the same free memory: their caches share it.
+        room //= memory.local_ranks()
         stages = [set(resident) for _, resident, _ in plan.stages]
         always = set.intersection(*stages) if stages else set()
         if plan.policy == "release" or self.released_between_runs:

@@ -165,6 +165,15 @@ def _cgroup_level(folder: Path, v1: bool) -> tuple[int, int] | None:
     return limit, max(0, used - reclaimable)
 
 
+def local_ranks() -> int:
+    """The processes a launcher started on this host (``LOCAL_WORLD_SIZE``, torchrun's),
+    which share its memory and cores; 1 without one."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def host_facts(
     *,
     available_bytes: int | None = None,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 
 from ..errors import LoadError
+from ..memory import local_ranks
 from . import casting, process_pool, ring
 from .chunks import Chunk, ReadJob, reads_directly
 from .read_worker import FILE_ENDED
@@ -57,11 +58,7 @@ def default_processes() -> int:
     quarters of the cores, at most 12), leaving cores for the thread that issues the copies
     and for building the module; shared among the ranks a launcher started on this host
     (``LOCAL_WORLD_SIZE``), which load at the same time."""
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return max(1, min(12, (os.cpu_count() or 4) * 3 // 4 // ranks))
+    return max(1, min(12, (os.cpu_count() or 4) * 3 // 4 // local_ranks()))
 
 
 def feed(state: ring.ReadState, lease: process_pool.Lease) -> None:

@@ -245,3 +245,20 @@ def test_the_plan_of_a_last_run_says_the_cache_takes_nothing(six_block_folder, c
     pipe.ondeck.more_runs = False
 
     assert "it holds and takes nothing in a last run" in str(pipe.ondeck.plan())
+
+
+def test_ranks_on_one_host_share_the_room_their_elastic_caches_take(
+    six_block_folder, cache_serves_cpu, monkeypatch
+):
+    """Under torchrun every rank sees the host's free memory as its own: each rank's
+    elastic cache takes its share of what the plan leaves."""
+    cache = HostCache(2**40, pin=False, elastic=True)
+    pipe = load(six_block_folder, cache, streaming_budget(six_block_folder))
+    pipe.ondeck.fit_host_caches()
+    alone = cache.budget_bytes
+    assert alone > 2**20
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    pipe.ondeck.fit_host_caches()
+
+    assert cache.budget_bytes == pytest.approx(alone / 4, rel=0.05)
