@@ -115,7 +115,7 @@ def test_the_elastic_cache_gives_way_to_the_pinned_copies_a_fixed_one_takes(
     plan = pipe.ondeck.plan()
 
     assert not plan.file_reads and plan.pinned_host_bytes > 0
-    assert 0 < cache.budget_bytes < 512 * MiB
+    assert 0 < cache.budget_bytes < 768 * MiB  # what is left, not its 1 GiB
     assert cache.stats()["held_bytes"] <= cache.budget_bytes
     assert {key[1] for key in cache.keys()} == {"text_encoder", "transformer", "vae"}
     assert cache.hits >= 3  # the second run's three loads
