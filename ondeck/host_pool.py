@@ -98,7 +98,8 @@ class HostMemory:
             budget_bytes, source = self.host_memory, "given"
         caches = self._host_caches()
         streaming = getattr(self.policy, "streaming", None)
-        held = sum(cache.resident_bytes for cache in caches)
+        # Entries and loads still filling theirs: both are in the process's RSS.
+        held = sum(cache.held_bytes for cache in caches)
         held += streaming.host_bytes() if streaming is not None else 0
         # An elastic cache takes what the plan leaves (``fit_host_caches``), not room of
         # its own.
@@ -111,15 +112,10 @@ class HostMemory:
         budget_bytes, _, process, cache = self.host_pool()
         return budget_bytes - process - self.host_growth().nbytes - cache
 
-    def elastic_cache_bytes(self) -> int | None:
-        """The most the elastic host caches may hold together (before a last run, what
-        they hold); None where there are none."""
+    def elastic_caches(self) -> tuple[tuple[int, ...], int]:
+        """The elastic host caches' caps, and what they hold now (``HostPlan``'s)."""
         elastic = [cache for cache in self._host_caches() if cache.elastic]
-        if not elastic:
-            return None
-        if not self.more_runs:
-            return sum(cache.held_bytes for cache in elastic)
-        return sum(cache.cap_bytes for cache in elastic)
+        return tuple(cache.cap_bytes for cache in elastic), sum(c.held_bytes for c in elastic)
 
     def fit_host_caches(self, plan: Any = None) -> None:
         """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
@@ -252,10 +248,13 @@ class HostPlan:
     ring_bytes: int = 0
     growth_bytes: int = 0
     growth_source: str = ""
-    # The most the elastic host caches may take, of what is left; None: there are none.
-    # Before a last run (``elastic_adding`` False) what they hold, which is all they keep.
-    elastic_cache_bytes: int | None = None
+    # The elastic host caches' caps (none: there are none) and what they hold; before a
+    # last run (``elastic_adding`` False) what they hold is all they keep. What is left
+    # is shared among them and among the ranks on this host (``local_ranks``).
+    elastic_caps: tuple[int, ...] = ()
+    elastic_held: int = 0
     elastic_adding: bool = True
+    local_ranks: int = 1
 
     @property
     def peak_bytes(self) -> int:
@@ -271,17 +270,20 @@ class HostPlan:
         return self.peak_bytes <= self.budget_bytes
 
     def _elastic_text(self) -> str:
-        if self.elastic_cache_bytes is None:
+        if not self.elastic_caps:
             return ""
         if not self.elastic_adding:
             return (
-                f"; an elastic host cache keeps the {format_bytes(self.elastic_cache_bytes)} "
-                "it holds and takes nothing in a last run"
+                f"; an elastic host cache keeps the {format_bytes(self.elastic_held)} it "
+                "holds and takes nothing in a last run"
             )
-        left = max(0, self.budget_bytes - self.peak_bytes)
+        share = max(0, self.budget_bytes - self.peak_bytes) // self.local_ranks
+        share //= len(self.elastic_caps)
+        take = sum(min(cap, share) for cap in self.elastic_caps)
         return (
             "; an elastic host cache takes what is left for the components a later run "
-            f"loads again, up to {format_bytes(min(self.elastic_cache_bytes, left))}"
+            f"loads again, up to {format_bytes(take)}"
+            + (f" (this rank's share of {self.local_ranks})" if self.local_ranks > 1 else "")
         )
 
     def describe(self) -> list[str]:

@@ -27,7 +27,7 @@ from .lazy import (
 )
 from .loader import as_loader
 from .loading.options import DeviceChoice
-from .memory import parse_bytes, resolve_device
+from .memory import local_ranks, parse_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
 from .profiles import default_profiles
@@ -274,13 +274,18 @@ class Pipeline(HostMemory):
         """Whether component ``name`` (this one, not one it replaced) has been loaded."""
         return name in self._measured_bytes
 
+    def stages_holding(self, name: str) -> set[str]:
+        """The names of the stages that hold component ``name`` (none before the stages
+        are built)."""
+        if not self._stages_built:
+            return set()
+        return {use.name for use in self.stage_uses() if name in use.components}
+
     def forget_measured(self, name: str) -> None:
         """Component ``name`` is being replaced: what the runs measured of it, and of the
         stages that hold it, was the old one's."""
         self._measured_bytes.pop(name, None)
-        if not self._stages_built:
-            return
-        for stage in {use.name for use in self.stage_uses() if name in use.components}:
+        for stage in self.stages_holding(name):
             self._measured_activation.pop(stage, None)
             self._retried_stages.pop(stage, None)
             self._limit_stages.discard(stage)
@@ -342,6 +347,7 @@ class Pipeline(HostMemory):
                     planned.passes_per_call[name] = calls.get(name) or stats["passes"] / runs
         budget_bytes, source, process, cache = self.host_pool()
         growth = self.host_growth()
+        caps, held = self.elastic_caches()
         planned.host = HostPlan(
             budget_bytes,
             source,
@@ -351,8 +357,10 @@ class Pipeline(HostMemory):
             planned.ring_bytes,
             growth_bytes=growth.nbytes,
             growth_source=growth.source,
-            elastic_cache_bytes=self.elastic_cache_bytes(),
+            elastic_caps=caps,
+            elastic_held=held,
             elastic_adding=self.more_runs,
+            local_ranks=local_ranks(),
         )
         return planned
 

@@ -132,3 +132,24 @@ def test_a_replaced_vae_leaves_no_measurement_behind(folders):
     pipe.vae = deferred_vae(folders["wan"])
 
     assert runtime.snapshot().measured_activation.get("vae", 0) <= estimated
+
+
+def test_a_replaced_controlnet_leaves_no_room_on_the_turn_that_holds_it(folders):
+    """The unet's turn holds the ControlNet (it runs inside each step): replacing the
+    ControlNet drops that turn's measured activations and the room kept for it after
+    running out of memory, though the turn is named after the unet."""
+    family = ALL_FAMILIES["sd_controlnet"]
+    pipe = load(folders["sd_controlnet"], policy="auto")
+    run(pipe, family)
+    runtime = pipe.ondeck
+    assert "controlnet" in dict(runtime.report()["turns"])["unet"]
+    estimated = runtime.snapshot().measured_activation.get("unet") or 2**20
+    runtime._measured_activation["unet"] = 64 * estimated
+    runtime._oom_room["unet"] = 32 * estimated
+
+    donor = load(folders["sd_controlnet"])
+    controlnet = donor.controlnet
+    donor.controlnet = None
+    pipe.controlnet = controlnet
+
+    assert runtime.snapshot().measured_activation.get("unet", 0) < 32 * estimated

@@ -4,14 +4,16 @@ holds nothing of a component the plan never releases."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
-import psutil
 import pytest
 import torch
 
 import ondeck
 from ondeck.lazy import loader_of
 from ondeck.loading import ComponentLoader, HostCache, TensorInfo
+from ondeck.memory import parse_bytes
 from ondeck.policy import BudgetPolicy, EagerPolicy
 from ondeck.streaming import StreamOptions
 
@@ -103,7 +105,9 @@ def test_the_elastic_cache_gives_way_to_the_pinned_copies_a_fixed_one_takes(
     fixed cache's budget sends the streamed blocks to the files; an elastic one of the
     same size leaves them their copies, and the reloads of the next runs come from it."""
     budget = budget_keeping(transformer_blocks(six_block_folder), 2)
-    host_memory = psutil.Process().memory_info().rss + 512 * MiB
+    # The process as the plan counts it (its RSS may hold memory freed since), and 512 MiB.
+    process = load(six_block_folder, None, budget).ondeck.plan().host.process_bytes
+    host_memory = process + 512 * MiB
 
     fixed = load(six_block_folder, HostCache(2**30, pin=False), budget, host_memory)
     expected = frames(fixed)
@@ -262,3 +266,49 @@ def test_ranks_on_one_host_share_the_room_their_elastic_caches_take(
     pipe.ondeck.fit_host_caches()
 
     assert cache.budget_bytes == pytest.approx(alone / 4, rel=0.05)
+
+
+def rss_pipeline(folder, cache, room: int):
+    """A release pipeline over ``folder`` whose host budget leaves about ``room``."""
+    pipe = stage_pipeline(folder, cache, [("A", ["text_encoder"]), ("B", ["vae"])], "release")
+    pipe.host_memory = pipe.plan().host.process_bytes + room
+    return pipe
+
+
+@pytest.mark.parametrize("more_runs", [True, False])
+def test_a_load_still_filling_the_cache_is_counted_once(
+    six_block_folder, cache_serves_cpu, more_runs
+):
+    """A load still filling its entry (one the previous run started for the next) holds
+    memory the process shows: fitting the cache counts it once, so an entry that fits
+    beside it stays."""
+    cache = HostCache(2**40, pin=False, elastic=True)
+    pipe = rss_pipeline(six_block_folder, cache, 1024 * MiB)
+    pipe.fit_host_caches()
+    assert cache.budget_bytes > 950 * MiB
+    entry = cache.reserve(("f", "kept", 1), [info(600 * MiB)])
+    entry["t"].fill_(1)  # in the process's memory, as a real entry is
+    cache.commit(("f", "kept", 1), entry)
+    filling = cache.reserve(("f", "filling", 1), [info(300 * MiB)])
+    filling["t"].fill_(1)  # its bytes written, not committed yet
+
+    pipe.more_runs = more_runs
+    pipe.fit_host_caches()
+
+    assert ("f", "kept", 1) in cache.keys()
+    cache.discard(("f", "filling", 1))
+
+
+def test_the_plan_says_what_each_ranks_elastic_cache_may_take(
+    six_block_folder, cache_serves_cpu, monkeypatch
+):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cache = HostCache(2**40, pin=False, elastic=True)
+    pipe = rss_pipeline(six_block_folder, cache, 1024 * MiB)
+
+    text = str(pipe.plan())
+    pipe.fit_host_caches()
+
+    said = re.search(r"an elastic host cache takes what is left .*?up to ([\d.]+ \w+)", text)
+    assert said and "this rank's share of 4" in text, text
+    assert parse_bytes(said.group(1)) == pytest.approx(cache.budget_bytes, rel=0.05)

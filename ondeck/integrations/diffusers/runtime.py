@@ -517,8 +517,9 @@ class DiffusersRuntime(Pipeline):
             )
 
     def forget_measured(self, name: str) -> None:
+        for stage in self.stages_holding(name):
+            self._oom_room.pop(stage, None)
         super().forget_measured(name)
-        self._oom_room.pop(name, None)  # a turn is named after its component
 
     def swap(self, name: str, value: Any) -> None:
         """``pipe.<name> = value`` after loading (checked with ``check_assignment``): the
