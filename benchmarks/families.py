@@ -80,6 +80,17 @@ def transfer_floor(row: dict) -> str:
     return f"{nbytes / GiB:.1f}G {seconds * 1000:.0f}ms/pass"
 
 
+def eager_compute(eager: dict) -> dict[str, float]:
+    """Eager's seconds per component, the median of its runs 2+."""
+    names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
+    return {
+        name: median(
+            [sum(s[1] for s in run["stages"] if s[0] == name) for run in eager["runs"][1:]]
+        )
+        for name in names
+    }
+
+
 def floor_ratio(row: dict, eager: dict | None) -> str:
     """Runs 2+ over the floor a run streaming by its plan cannot beat: eager's runs 2+,
     each component's turn taken at the slower of eager's compute for it and the
@@ -90,13 +101,7 @@ def floor_ratio(row: dict, eager: dict | None) -> str:
         return "-"
     if "call_transfer_seconds" not in runs[0]:
         return "-"
-    names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
-    compute = {
-        name: median(
-            [sum(s[1] for s in run["stages"] if s[0] == name) for run in eager["runs"][1:]]
-        )
-        for name in names
-    }
+    compute = eager_compute(eager)
     ratios = []
     for before, run in zip(runs, runs[1:], strict=False):
         floors = {
@@ -120,13 +125,7 @@ def all_bytes_floor_ratio(row: dict, eager: dict | None) -> str:
     if not eager or len(eager.get("runs") or []) < 2 or len(runs) < 2 or seconds <= 0:
         return "-"
     rate = sum(part["bytes_per_pass"] for part in planned.values()) / seconds
-    names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
-    compute = {
-        name: median(
-            [sum(s[1] for s in run["stages"] if s[0] == name) for run in eager["runs"][1:]]
-        )
-        for name in names
-    }
+    compute = eager_compute(eager)
     ratios = []
     for before, run in zip(runs, runs[1:], strict=False):
         moved = dict(before.get("call_transfer_seconds") or {})
