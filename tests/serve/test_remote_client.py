@@ -65,22 +65,29 @@ def remote_job(live, capsys, tmp_path, name, *flags) -> tuple[dict, str]:
     return seen, err
 
 
+def refused_both_ways(models, live_server, name: str, frames: str, tmp_path, capsys) -> str:
+    """``generate NAME --frames FRAMES`` locally and with --server: both a usage error
+    (exit 2); the remote run's stderr."""
+    live = live_server(names=(name,))
+    flags = [*SMALL, "--steps", "1", "--frames", frames]
+    local, _, local_err = run(
+        capsys, "generate", models[name], "--device", "cpu", "--output", tmp_path / "local",
+        *flags,
+    )  # fmt: skip
+    remote, _, remote_err = run(
+        capsys, "generate", name, "--server", live.url, "--output", tmp_path / "remote", *flags
+    )
+    assert local == 2, local_err
+    assert remote == local, f"remote exit {remote} ({remote_err.strip()!r}), local exit {local}"
+    return remote_err
+
+
 def test_frames_for_an_image_model_is_refused_as_a_local_run_refuses_it(
     models, live_server, tmp_path, capsys
 ):
     """`--frames` for an image pipeline is a usage error (exit 2) with --server too, not
     dropped in silence for an image made all the same."""
-    live = live_server(names=("sd3",))
-    flags = [*SMALL, "--steps", "1", "--frames", "5"]
-    local, _, local_err = run(
-        capsys, "generate", models["sd3"], "--device", "cpu", "--output", tmp_path / "local",
-        *flags,
-    )  # fmt: skip
-    remote, _, remote_err = run(
-        capsys, "generate", "sd3", "--server", live.url, "--output", tmp_path / "remote", *flags
-    )
-    assert local == 2, local_err
-    assert remote == local, f"remote exit {remote} ({remote_err.strip()!r}), local exit {local}"
+    remote_err = refused_both_ways(models, live_server, "sd3", "5", tmp_path, capsys)
     assert "argument --frames:" in remote_err and "makes images, not a video" in remote_err
     assert not (tmp_path / "remote" / "image.png").exists()
 
@@ -90,17 +97,7 @@ def test_a_frame_count_the_model_does_not_take_is_refused_as_a_local_run_refuses
 ):
     """Wan takes 4k+1 frames: `--frames 6` is the same usage error (exit 2, the flag
     named) with --server as locally, not the server's error in other words."""
-    live = live_server(names=("wan",))
-    flags = [*SMALL, "--steps", "1", "--frames", "6"]
-    local, _, local_err = run(
-        capsys, "generate", models["wan"], "--device", "cpu", "--output", tmp_path / "local",
-        *flags,
-    )  # fmt: skip
-    remote, _, remote_err = run(
-        capsys, "generate", "wan", "--server", live.url, "--output", tmp_path / "remote", *flags
-    )
-    assert local == 2, local_err
-    assert remote == local, f"remote exit {remote} ({remote_err.strip()!r}), local exit {local}"
+    remote_err = refused_both_ways(models, live_server, "wan", "6", tmp_path, capsys)
     assert "argument --frames:" in remote_err and "num_frames" not in remote_err
 
 
