@@ -19,6 +19,7 @@ __all__ = [
     "HostGrowth",
     "HostMemory",
     "HostPlan",
+    "elastic_share",
     "output_host_bytes",
 ]
 
@@ -114,25 +115,24 @@ class HostMemory:
 
     def elastic_caches(self) -> tuple[tuple[int, ...], int]:
         """The elastic host caches' caps, and what they hold now (``HostPlan``'s)."""
-        elastic = [cache for cache in self._host_caches() if cache.elastic]
+        elastic = self._elastic_caches()
         return tuple(cache.cap_bytes for cache in elastic), sum(c.held_bytes for c in elastic)
 
     def fit_host_caches(self, plan: Any = None) -> None:
         """Give the elastic host caches what ``plan`` (default: the plan now) leaves of
-        the host room once its pinned copies and rings are counted, split evenly where
-        there are several and among the ranks a launcher started on this host. They take nothing of a component no run will load again: one
-        not loaded yet that the plan keeps on the device through every stage (not under
-        ``release``, which frees everything after a run; not where something else may
-        release it between runs: ``released_between_runs``). Before the last run
-        (``more_runs`` False: a one-shot command) they keep what they hold and take
-        nothing more: no later run would reload it."""
-        elastic = [cache for cache in self._host_caches() if cache.elastic]
+        the host room once its pinned copies and rings are counted (``elastic_share``).
+        They take nothing of a component no run will load again: one not loaded yet that
+        the plan keeps on the device through every stage (not under ``release``, which
+        frees each component after its last turn; not where something else may release
+        it between runs: ``released_between_runs``). Before the last run (``more_runs``
+        False: a one-shot command) they keep what they hold and take nothing more: no
+        later run would reload it."""
+        elastic = self._elastic_caches()
         if not elastic:
             return
         plan = self.plan() if plan is None else plan
         room = self.host_room_bytes() - plan.pinned_host_bytes - plan.ring_bytes
-        # Each rank on this host sees the same free memory: their caches share it.
-        room //= memory.local_ranks()
+        share = elastic_share(room, memory.local_ranks(), len(elastic))
         stages = [set(resident) for _, resident, _ in plan.stages]
         always = set.intersection(*stages) if stages else set()
         if plan.policy == "release" or self.released_between_runs:
@@ -145,7 +145,7 @@ class HostMemory:
             and isinstance(loader := loader_of(proxy), FolderLoader)
         ]
         for cache in elastic:
-            cache.fit(room // len(elastic), refused, adding=self.more_runs)
+            cache.fit(share, refused, adding=self.more_runs)
 
     def host_growth(self) -> HostGrowth:
         """The reserve for the process's growth during a run: the last watched run's,
@@ -187,6 +187,9 @@ class HostMemory:
         if streaming is not None:
             held += streaming.host_bytes()
         return held
+
+    def _elastic_caches(self) -> list[Any]:
+        return [cache for cache in self._host_caches() if cache.elastic]
 
     def _host_caches(self) -> list[Any]:
         caches: dict[int, Any] = {}
@@ -234,6 +237,13 @@ class HostMemory:
             self.host_watch.check()
 
 
+def elastic_share(room: int, ranks: int, caches: int) -> int:
+    """What each of ``caches`` elastic host caches may take of ``room`` (the host room a
+    plan leaves): every rank a launcher started on this host sees the same free memory,
+    so the ranks share it, and a rank's caches share its part evenly."""
+    return max(0, room) // ranks // caches
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """The host pool: what the process holds now, the reserve for its growth during a run,
@@ -277,8 +287,8 @@ class HostPlan:
                 f"; an elastic host cache keeps the {format_bytes(self.elastic_held)} it "
                 "holds and takes nothing in a last run"
             )
-        share = max(0, self.budget_bytes - self.peak_bytes) // self.local_ranks
-        share //= len(self.elastic_caps)
+        left = self.budget_bytes - self.peak_bytes
+        share = elastic_share(left, self.local_ranks, len(self.elastic_caps))
         take = sum(min(cap, share) for cap in self.elastic_caps)
         return (
             "; an elastic host cache takes what is left for the components a later run "

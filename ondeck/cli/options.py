@@ -199,10 +199,10 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-cache",
         type=host_cache_argument,
-        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, 0 = off), "
-        "or auto: what the plan leaves once the streamed blocks' pinned copies are counted, "
-        "for the components a run loads again; under torchrun the size is per process, and a --shard component keeps only the "
-        "rank's own rows",
+        help="keep released weights in pinned host memory up to this size (e.g. 40GiB, "
+        "0 = off), or auto: what the plan leaves once the streamed blocks' pinned copies are "
+        "counted, for the components a run loads again; under torchrun the size is per "
+        "process, and a --shard component keeps only the rank's own rows",
     )
     parser.add_argument(
         "--host-memory",
