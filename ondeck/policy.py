@@ -156,12 +156,22 @@ class Policy:
         if self.distrust_stored:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
-        needs = {use.name: stored.get(use.name, measured.get(use.name)) for use in snapshot.uses}
+        bounds = {} if note else self.usable_bounds(snapshot)
+        needs = {
+            use.name: stored.get(use.name, measured.get(use.name, bounds.get(use.name)))
+            for use in snapshot.uses
+        }
         added = self.allocator_reserves(snapshot, needs)
         for _, reserves in added:
             for stage, extra in reserves.items():
                 needs[stage] += extra
         return needs, note, added
+
+    def usable_bounds(self, snapshot: Snapshot) -> dict[str, int]:
+        """Of the stages never measured exactly, those whose bound
+        (``Snapshot.activation_bounds``) a plan counts as their need: none here (a
+        stage not measured is planned as before)."""
+        return {}
 
     def allocator_reserves(
         self, snapshot: Snapshot, needs: Mapping[str, int | None]
@@ -226,6 +236,13 @@ class Policy:
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
+        known = {**snapshot.stored_activation, **snapshot.measured_activation}
+        bounded = {s: b for s, b in self.usable_bounds(snapshot).items() if s not in known}
+        if bounded and not snapshot.stored_note:
+            fitted.append(
+                "counted at most what their peaks, under an earlier one, allow: "
+                + ", ".join(f"'{stage}' {format_bytes(b)}" for stage, b in bounded.items())
+            )
         for purpose, reserves in added:
             if reserves:
                 fitted.append(
@@ -566,6 +583,19 @@ class AutoBudgetPolicy(BudgetPolicy):
     def before_run(self, snapshot: Snapshot) -> Steps:
         self.budget_bytes = self.current_budget(snapshot)
         return super().before_run(snapshot)
+
+    def usable_bounds(self, snapshot: Snapshot) -> dict[str, int]:
+        """Bounds that count as measured: each at most what the first runs keep for the
+        stage, its guessed share of the budget while it streams and the estimate's
+        reserve beyond the measured one. Without the caller's peak counters reset, a
+        stage whose peak stays under an earlier stage's is never measured exactly (an
+        8B transformer streaming on an 8 GiB card, under its text encoders' peak); its
+        bound lets runs plan against ``measured_budget`` instead of guessing for ever."""
+        options = self.streaming.options if self.streaming is not None else None
+        guess = options.unmeasured_activation_fraction if options is not None else 0.0
+        limit = int(self.estimated_budget_bytes * guess)
+        limit += self.measured_budget_bytes - self.estimated_budget_bytes
+        return {stage: b for stage, b in snapshot.activation_bounds.items() if b <= limit}
 
     def allocator_reserves(
         self, snapshot: Snapshot, needs: Mapping[str, int | None]

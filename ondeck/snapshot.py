@@ -42,6 +42,9 @@ class Snapshot:
     stored_activation: Mapping[str, int] = field(default_factory=dict)
     stored_note: str = ""
     measured_activation: Mapping[str, int] = field(default_factory=dict)
+    # Stages never measured exactly, each with the most its activations can be
+    # (``MemoryTracker.activation_bounds``).
+    activation_bounds: Mapping[str, int] = field(default_factory=dict)
     # Stages whose CUDA allocator kept retrying, with how many runs (this process) it did.
     retried_stages: Mapping[str, int] = field(default_factory=dict)
     # Stages during which the CUDA allocator retried at all (and never ran out of
@@ -82,6 +85,7 @@ class Snapshot:
             "streamed_bytes",
             "stored_activation",
             "measured_activation",
+            "activation_bounds",
             "retried_stages",
             "loaders",
             "streamable_blocks",

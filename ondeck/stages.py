@@ -155,12 +155,11 @@ class _Components(dict):
 class Pipeline(HostMemory):
     """A sequence of stages over named components, some of them deferred.
 
-    ``lazy_components`` lists the names that load on demand; ``create_stages``
-    returns the stages, reading components from ``self.components``. ``host_memory`` is
-    the process's host budget (bytes or "32GiB"; default: what the machine and its
-    cgroup leave, less a reserve): the plan shows the host pool against it, and a run
-    that outgrows it drops the host cache, then stops with a ``HostMemoryError`` before
-    the kernel would kill the process.
+    ``lazy_components`` lists the names that load on demand; ``create_stages`` returns
+    the stages, reading components from ``self.components``. ``host_memory`` is the
+    process's host budget (bytes or "32GiB"; default: what the machine and its cgroup
+    leave, less a reserve): the plan shows the host pool against it, and a run that
+    outgrows it drops the host cache, then stops with a ``HostMemoryError`` first.
     """
 
     lazy_components: tuple[str, ...] = ()
@@ -179,9 +178,8 @@ class Pipeline(HostMemory):
     ):
         self.device = resolve_device(device)
         self.init_host_memory(parse_bytes(host_memory))
-        self.tracker = MemoryTracker(
-            device=str(self.device), call_timer=CallTimer.for_device(self.device)
-        )
+        timer = CallTimer.for_device(self.device)
+        self.tracker = MemoryTracker(device=str(self.device), call_timer=timer)
         self.training = False
         # Whether another run is expected after this one: when False, the last stage loads
         # nothing ahead for a next run (a one-shot command's last run).
@@ -214,6 +212,7 @@ class Pipeline(HostMemory):
         self.policy = None
         # Peaks measured under another policy (or device) do not carry over.
         self._measured_activation = {}
+        self.tracker.activation_bounds.clear()
         self._retried_stages = {}
         self._limit_stages = set()
         if policy == "auto" and budget is None:
@@ -275,8 +274,7 @@ class Pipeline(HostMemory):
         return name in self._measured_bytes
 
     def stages_holding(self, name: str) -> set[str]:
-        """The names of the stages that hold component ``name`` (none before the stages
-        are built)."""
+        """The names of the stages holding component ``name`` (none before they are built)."""
         if not self._stages_built:
             return set()
         return {use.name for use in self.stage_uses() if name in use.components}
@@ -287,6 +285,7 @@ class Pipeline(HostMemory):
         self._measured_bytes.pop(name, None)
         for stage in self.stages_holding(name):
             self._measured_activation.pop(stage, None)
+            self.tracker.activation_bounds.pop(stage, None)
             self._retried_stages.pop(stage, None)
             self._limit_stages.discard(stage)
 
@@ -389,6 +388,7 @@ class Pipeline(HostMemory):
             stored_activation=stored,
             stored_note=note,
             measured_activation=self._measured_activation,
+            activation_bounds=self.tracker.activation_bounds,
             retried_stages=self._retried_stages,
             limit_stages=frozenset(self._limit_stages),
             device=self.device,
@@ -515,7 +515,7 @@ class Pipeline(HostMemory):
         ):
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
         if record.activation_bytes is None:
-            return
+            return self.tracker.keep_bound(record, self.stages[index].whole_activations)
         nbytes = self.stages[index].whole_activations(record.activation_bytes)
         if nbytes is None:
             return

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ class StageRecord:
     # Of those, the ones that still found no room: out-of-memory errors (a tiled decode
     # learning its tiles raises and catches them on purpose). None off CUDA.
     allocator_ooms: int | None = None
+    # Where the stage's peak stayed under one reached before it (``activation_bytes``
+    # None): the most its activations can have been, that earlier peak less the fewest
+    # weights resident while it computed. None where measured exactly, or off CUDA.
+    activation_bound_bytes: int | None = None
 
 
 class CallTimer:
@@ -170,6 +175,10 @@ class MemoryTracker:
     # The same less what only a first load under a plan does (page-locking and filling
     # streamed blocks' host copies): what loading it again under the same plan costs.
     reload_bytes_per_second: dict[str, float] = field(default_factory=dict)
+    # Per stage never measured exactly (its peak stayed under an earlier one, as the
+    # caller's peak counters are left alone): the least of its ``activation_bound_bytes``
+    # over the runs, which a plan may count instead of a guess.
+    activation_bounds: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -178,6 +187,7 @@ class MemoryTracker:
         self._exposed: float = 0.0
         self._stage_resident_at_start = 0
         self._compute_resident = 0
+        self._least_resident = 0  # the fewest weights resident since the stage's mark
         # Read where the measured part of a stage begins: the device's peak so far and
         # its bytes allocated then (None off CUDA).
         self._peak_at_mark: int | None = None
@@ -245,6 +255,7 @@ class MemoryTracker:
     def released(self, name: str, nbytes: int) -> None:
         with self._lock:
             self.resident.pop(name, None)
+            self._least_resident = min(self._least_resident, self.resident_bytes)
             self._record("release", name, nbytes)
 
     def waited(self, name: str, seconds: float) -> None:
@@ -359,7 +370,7 @@ class MemoryTracker:
             self._stage_started = time.perf_counter()
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
-            self._compute_resident = self.resident_bytes
+            self._compute_resident = self._least_resident = self.resident_bytes
             self._allocator_counts_at_start = allocator_counts(self.device)
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
@@ -372,7 +383,7 @@ class MemoryTracker:
         """
         with self._lock:
             self._mark(stage_start=False)
-            self._compute_resident = self.resident_bytes
+            self._compute_resident = self._least_resident = self.resident_bytes
 
     def stage_finished(self, stage: str, loading_bytes: int = 0) -> StageRecord:
         """The stage is done. ``loading_bytes``: components still loading in the
@@ -380,8 +391,10 @@ class MemoryTracker:
         with self._lock:
             started = self._stage_started or time.perf_counter()
             compute_peak, overall_peak = self._stage_peak()
-            activation = None
-            peak = None
+            activation = bound = peak = None
+            if compute_peak is None and overall_peak is not None and self._peak_at_mark:
+                # Below the peak reached before the mark: nothing allocated went over it.
+                bound = max(0, self._peak_at_mark - self._least_resident)
             if compute_peak is not None:
                 # Weights resident, or arriving, at any point of the stage are not
                 # activations.
@@ -404,6 +417,7 @@ class MemoryTracker:
                 activation_bytes=activation,
                 allocator_retries=retries,
                 allocator_ooms=ooms,
+                activation_bound_bytes=bound,
             )
             self.stages.append(record)
             self._stage_started = None
@@ -411,6 +425,17 @@ class MemoryTracker:
             self._allocator_counts_at_start = None
             self._record("stage_end", stage, 0)
             return record
+
+    def keep_bound(self, record: StageRecord, whole: Callable[[int], int | None]) -> None:
+        """A stage that completed without running out of memory: its bound, as
+        ``whole`` scales it (``Stage.whole_activations``), joins ``activation_bounds``. A
+        stage that raised or ran out measured nothing its later runs are bound by."""
+        if record.activation_bound_bytes is None or record.allocator_ooms:
+            return
+        bound = whole(record.activation_bound_bytes)
+        if bound is not None:
+            known = self.activation_bounds.get(record.stage)
+            self.activation_bounds[record.stage] = bound if known is None else min(known, bound)
 
     def run_peak_measured_bytes(self, run: int) -> int | None:
         """Peak device bytes allocated during ``run`` (CUDA only; without ``reset_peaks``,

@@ -6,6 +6,7 @@ figures (bytes allocated now, peak since the last reset), so these run without a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -123,6 +124,57 @@ def test_stages_that_raise_the_peak_are_measured_exactly_and_the_others_not_at_a
     assert [r.peak_measured_bytes for r in records] == [5 * GiB, 10 * GiB, None]
     assert [r.activation_bytes for r in records] == [1 * GiB, 2 * GiB, None]
     assert tracker.run_peak_measured_bytes(1) == 10 * GiB
+
+
+def test_a_stage_under_an_earlier_peak_is_bounded_by_it(cuda):
+    """Its activations cannot have gone past the earlier peak less the fewest weights
+    resident while it computed; the least bound over the runs is kept, and a stage
+    measured exactly gets none."""
+    tracker = MemoryTracker(device="cuda:0")
+    encodes = []
+    for run in range(2):
+        tracker.run_started()
+        encodes.append(stage(tracker, cuda, "Encode", 4 * GiB, 1 * GiB))
+        denoise = stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)  # the peak: 10 GiB
+        decode = stage(tracker, cuda, "Decode", (1 + run) * GiB, 3 * GiB)
+        assert decode.activation_bytes is None
+        assert decode.activation_bound_bytes == (9 - run) * GiB
+        for record in (encodes[-1], denoise, decode):  # as the pipeline keeps completed ones
+            tracker.keep_bound(record, lambda nbytes: nbytes)
+    # The first run's encode raised the peak; the second stayed under the denoise's.
+    assert [e.activation_bound_bytes for e in encodes] == [None, 6 * GiB]
+    # The second denoise came back to the peak without raising it: bounded, tightly.
+    assert denoise.activation_bound_bytes == 2 * GiB
+    assert tracker.activation_bounds == {"Encode": 6 * GiB, "Denoise": 2 * GiB, "Decode": 8 * GiB}
+
+
+def test_a_bound_counts_only_the_weights_left_after_a_release(cuda):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)  # the peak: 10 GiB
+    tracker.stage_started("Decode")
+    cuda.allocate(3 * GiB)
+    tracker.loaded("vae", GiB, 0.1)
+    tracker.loaded("transformer", 2 * GiB, 0.1)
+    tracker.compute_started()
+    cuda.free(2 * GiB)
+    tracker.released("transformer", 2 * GiB)  # its bytes may go to activations now
+    cuda.allocate(4 * GiB)
+    cuda.free(4 * GiB)
+    record = tracker.stage_finished("Decode")
+    assert record.activation_bound_bytes == 9 * GiB
+
+
+def test_no_bound_is_kept_from_a_stage_that_ran_out_of_memory_or_measured_nothing(cuda):
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)  # the peak: 10 GiB
+    record = stage(tracker, cuda, "Decode", GiB, 3 * GiB)
+    tracker.keep_bound(record, lambda nbytes: None)  # a decode that did not decode
+    tracker.keep_bound(dataclasses.replace(record, allocator_ooms=1), lambda nbytes: nbytes)
+    assert tracker.activation_bounds == {}
+    tracker.keep_bound(record, lambda nbytes: nbytes // 2)  # as its stage scales it
+    assert tracker.activation_bounds == {"Decode": 4 * GiB + GiB // 2}
 
 
 def test_a_stage_that_begins_at_the_peak_is_measured(cuda):

@@ -148,6 +148,36 @@ def test_a_run_plans_against_the_measured_budget_from_then_on(monkeypatch):
     pipe.close()
 
 
+def test_a_bound_near_the_guess_counts_as_measured(monkeypatch):
+    """A stage whose peak stayed under an earlier one has a bound instead of a
+    measurement; within what the estimate keeps for it, the runs plan against the
+    measured budget with the bound as its need. A larger bound is not used."""
+    fake_card(monkeypatch, 16 * GIB)
+    measured = 16 * GIB - int(0.02 * 16 * GIB)
+    pipe = wan_shaped()
+    measure(pipe, {k: v for k, v in MEASURED.items() if k != "Denoise"})
+    pipe.tracker.activation_bounds["Denoise"] = 2 * GIB
+    plan = pipe.plan()
+    assert plan.budget == measured
+    assert plan.activation_bytes["Denoise"] == 2 * GIB
+    assert "'Denoise' 2.00 GiB" in plan.activation_note
+
+    pipe.tracker.activation_bounds["Denoise"] = 3 * GIB  # past 1.47 GiB guessed + 0.96 relief
+    plan = pipe.plan()
+    assert plan.budget == pipe.policy.estimated_budget_bytes
+    assert plan.activation_bytes["Denoise"] is None
+    measure(pipe, {"Denoise": MEASURED["Denoise"]})  # measured exactly: the bound goes
+    assert pipe.plan().activation_bytes["Denoise"] == MEASURED["Denoise"]
+
+
+def test_a_replaced_component_leaves_no_bound_behind(monkeypatch):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    pipe.tracker.activation_bounds.update(Denoise=GIB, EncodePrompt=GIB)
+    pipe.components["transformer"] = torch.nn.Linear(2, 2)
+    assert pipe.tracker.activation_bounds == {"EncodePrompt": GIB}
+
+
 def test_a_stored_profile_of_the_run_shape_counts_as_measured(monkeypatch, tmp_path):
     fake_card(monkeypatch, 16 * GIB)
     pipe = profiled_wan_shaped(monkeypatch, tmp_path)
