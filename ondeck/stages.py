@@ -503,19 +503,19 @@ class Pipeline(HostMemory):
         stages whose allocator retried at all (``Snapshot.limit_stages``), but for one that
         fits its work to its room (a tiled decode tiles finer after retries of its own)."""
         retries = record.allocator_retries
-        if retries and not record.allocator_ooms and not _works_in_pieces(self.stages[index]):
+        pieces = _works_in_pieces(self.stages[index])
+        if retries and not record.allocator_ooms and not pieces:
             self._limit_stages.add(record.stage)
         # A stage that ran out of memory (a tiled decode finding its tiles) learns from
         # that instead. The counts are the device's: a load running beside the stage
         # (a prefetch, a fill) counts in them too, and shares the stage's room anyway.
-        if (
-            retries is not None
-            and not record.allocator_ooms
-            and retries >= RETRY_RESERVE_MIN_RETRIES
-        ):
+        many = retries is not None and retries >= RETRY_RESERVE_MIN_RETRIES
+        if many and not record.allocator_ooms:
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
         if record.activation_bytes is None:
-            return self.tracker.keep_bound(record, self.stages[index].whole_activations)
+            if not pieces:  # a decode in pieces plans from its own estimate of whole frames
+                self.tracker.keep_bound(record)
+            return
         nbytes = self.stages[index].whole_activations(record.activation_bytes)
         if nbytes is None:
             return

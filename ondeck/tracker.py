@@ -6,7 +6,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +186,9 @@ class MemoryTracker:
         self._exposed: float = 0.0
         self._stage_resident_at_start = 0
         self._compute_resident = 0
-        self._least_resident = 0  # the fewest weights resident since the stage's mark
+        # The fewest weights resident since the stage began computing (its compute mark,
+        # else its first call); None before.
+        self._least_resident: int | None = None
         # Read where the measured part of a stage begins: the device's peak so far and
         # its bytes allocated then (None off CUDA).
         self._peak_at_mark: int | None = None
@@ -255,7 +256,8 @@ class MemoryTracker:
     def released(self, name: str, nbytes: int) -> None:
         with self._lock:
             self.resident.pop(name, None)
-            self._least_resident = min(self._least_resident, self.resident_bytes)
+            if self._least_resident is not None:
+                self._least_resident = min(self._least_resident, self.resident_bytes)
             self._record("release", name, nbytes)
 
     def waited(self, name: str, seconds: float) -> None:
@@ -268,6 +270,8 @@ class MemoryTracker:
         """``name`` was called (one forward pass) in the run under way."""
         with self._lock:
             self._calls[name] = self._calls.get(name, 0) + 1
+            if self._least_resident is None and self._stage_started is not None:
+                self._least_resident = self.resident_bytes  # a turn's compute begins
         if self.call_timer is not None:
             self.call_timer.started(name)
 
@@ -370,7 +374,8 @@ class MemoryTracker:
             self._stage_started = time.perf_counter()
             self._exposed = 0.0
             self._stage_resident_at_start = self.resident_bytes
-            self._compute_resident = self._least_resident = self.resident_bytes
+            self._compute_resident = self.resident_bytes
+            self._least_resident = None
             self._allocator_counts_at_start = allocator_counts(self.device)
             self._mark(stage_start=True)  # compute_started moves it, where it is called
             self._record("stage_start", stage, 0)
@@ -392,9 +397,10 @@ class MemoryTracker:
             started = self._stage_started or time.perf_counter()
             compute_peak, overall_peak = self._stage_peak()
             activation = bound = peak = None
-            if compute_peak is None and overall_peak is not None and self._peak_at_mark:
-                # Below the peak reached before the mark: nothing allocated went over it.
-                bound = max(0, self._peak_at_mark - self._least_resident)
+            least = self._least_resident
+            if compute_peak is None and overall_peak is not None and least is not None:
+                # Below the peak reached before: nothing allocated while computing passed it.
+                bound = max(0, overall_peak - least)
             if compute_peak is not None:
                 # Weights resident, or arriving, at any point of the stage are not
                 # activations.
@@ -422,18 +428,16 @@ class MemoryTracker:
             self.stages.append(record)
             self._stage_started = None
             self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
+            self._least_resident = None
             self._allocator_counts_at_start = None
             self._record("stage_end", stage, 0)
             return record
 
-    def keep_bound(self, record: StageRecord, whole: Callable[[int], int | None]) -> None:
-        """A stage that completed without running out of memory: its bound, as
-        ``whole`` scales it (``Stage.whole_activations``), joins ``activation_bounds``. A
-        stage that raised or ran out measured nothing its later runs are bound by."""
-        if record.activation_bound_bytes is None or record.allocator_ooms:
-            return
-        bound = whole(record.activation_bound_bytes)
-        if bound is not None:
+    def keep_bound(self, record: StageRecord) -> None:
+        """A stage that completed without running out of memory: its bound joins
+        ``activation_bounds``. One that raised or ran out bounds nothing of later runs."""
+        bound = record.activation_bound_bytes
+        if bound is not None and not record.allocator_ooms:
             known = self.activation_bounds.get(record.stage)
             self.activation_bounds[record.stage] = bound if known is None else min(known, bound)
 

@@ -140,7 +140,7 @@ def test_a_stage_under_an_earlier_peak_is_bounded_by_it(cuda):
         assert decode.activation_bytes is None
         assert decode.activation_bound_bytes == (9 - run) * GiB
         for record in (encodes[-1], denoise, decode):  # as the pipeline keeps completed ones
-            tracker.keep_bound(record, lambda nbytes: nbytes)
+            tracker.keep_bound(record)
     # The first run's encode raised the peak; the second stayed under the denoise's.
     assert [e.activation_bound_bytes for e in encodes] == [None, 6 * GiB]
     # The second denoise came back to the peak without raising it: bounded, tightly.
@@ -165,16 +165,32 @@ def test_a_bound_counts_only_the_weights_left_after_a_release(cuda):
     assert record.activation_bound_bytes == 9 * GiB
 
 
-def test_no_bound_is_kept_from_a_stage_that_ran_out_of_memory_or_measured_nothing(cuda):
+def test_a_turn_without_a_compute_mark_is_bounded_from_its_first_call(cuda):
+    """A diffusers turn loads its component inside the stage and marks no compute: the
+    weights in place at its first call are what its activations come on top of."""
+    tracker = MemoryTracker(device="cuda:0")
+    tracker.run_started()
+    stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)  # the peak: 10 GiB
+    tracker.stage_started("transformer")
+    cuda.allocate(7 * GiB)
+    tracker.loaded("transformer", 7 * GiB, 0.1)
+    tracker.called("transformer")
+    cuda.allocate(GiB)
+    cuda.free(GiB)
+    assert tracker.stage_finished("transformer").activation_bound_bytes == 3 * GiB
+    tracker.stage_started("vae")  # nothing called: no bound
+    assert tracker.stage_finished("vae").activation_bound_bytes is None
+
+
+def test_no_bound_is_kept_from_a_stage_that_ran_out_of_memory(cuda):
     tracker = MemoryTracker(device="cuda:0")
     tracker.run_started()
     stage(tracker, cuda, "Denoise", 8 * GiB, 2 * GiB)  # the peak: 10 GiB
     record = stage(tracker, cuda, "Decode", GiB, 3 * GiB)
-    tracker.keep_bound(record, lambda nbytes: None)  # a decode that did not decode
-    tracker.keep_bound(dataclasses.replace(record, allocator_ooms=1), lambda nbytes: nbytes)
+    tracker.keep_bound(dataclasses.replace(record, allocator_ooms=1))
     assert tracker.activation_bounds == {}
-    tracker.keep_bound(record, lambda nbytes: nbytes // 2)  # as its stage scales it
-    assert tracker.activation_bounds == {"Decode": 4 * GiB + GiB // 2}
+    tracker.keep_bound(record)
+    assert tracker.activation_bounds == {"Decode": 9 * GiB}
 
 
 def test_a_stage_that_begins_at_the_peak_is_measured(cuda):

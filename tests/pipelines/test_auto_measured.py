@@ -447,3 +447,16 @@ def test_the_upcast_reserve_goes_where_it_alone_would_make_a_run_refuse(monkeypa
     pipe.policy.before_run(pipe.snapshot())
     assert pipe.policy.skip_retry_reserve
     assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
+
+
+def test_a_decode_that_works_in_pieces_keeps_no_bound(saved_wan_folder, monkeypatch):
+    """A decode sizes its tiles from its own estimate of whole frames; a bound taken for
+    its need would grow them (and a decoder learns from what it is told it measured)."""
+    pipe, _ = tiny_wan(saved_wan_folder, monkeypatch, 0.5)
+    pipe._profile_shape = {"height": 480, "width": 832, "frames": 33}  # as a run sets it
+    for index, stage in enumerate(pipe.stages):
+        record = StageRecord(2, stage.name, 1.0, 0.0, 0, None, None, activation_bound_bytes=GIB)
+        pipe._stage_measured(index, record)
+    names = {stage.name for stage in pipe.stages}
+    assert "Decode" in names
+    assert set(pipe.tracker.activation_bounds) == names - {"Decode"}
