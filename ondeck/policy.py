@@ -585,17 +585,24 @@ class AutoBudgetPolicy(BudgetPolicy):
         return super().before_run(snapshot)
 
     def usable_bounds(self, snapshot: Snapshot) -> dict[str, int]:
-        """Bounds that count as measured: each at most what the first runs keep for the
-        stage, its guessed share of the budget while it streams and the estimate's
-        reserve beyond the measured one. Without the caller's peak counters reset, a
-        stage whose peak stays under an earlier stage's is never measured exactly (an
-        8B transformer streaming on an 8 GiB card, under its text encoders' peak); its
-        bound lets runs plan against ``measured_budget`` instead of guessing for ever."""
+        """Bounds that count as measured: each at most what the estimate keeps for the
+        stage beyond the measured budget's reserve, with its guessed share of the budget
+        where one of its components streams, so that no stage plans with less room than
+        before. Without the caller's peak counters reset, a stage whose peak stays under
+        an earlier stage's is never measured exactly (an 8B transformer streaming on an
+        8 GiB card, under its text encoders' peak); its bound lets runs plan against
+        ``measured_budget`` instead of guessing for ever."""
+        relief = self.measured_budget_bytes - self.estimated_budget_bytes
         options = self.streaming.options if self.streaming is not None else None
         guess = options.unmeasured_activation_fraction if options is not None else 0.0
-        limit = int(self.estimated_budget_bytes * guess)
-        limit += self.measured_budget_bytes - self.estimated_budget_bytes
-        return {stage: b for stage, b in snapshot.activation_bounds.items() if b <= limit}
+        bounds = {}
+        for use in snapshot.uses:
+            bound = snapshot.activation_bounds.get(use.name)
+            streams = set(snapshot.streamed_bytes).intersection(use.components)
+            shared = int(self.estimated_budget_bytes * guess) if streams else 0
+            if bound is not None and bound <= relief + shared:
+                bounds[use.name] = bound
+        return bounds
 
     def allocator_reserves(
         self, snapshot: Snapshot, needs: Mapping[str, int | None]

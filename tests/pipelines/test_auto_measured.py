@@ -148,26 +148,41 @@ def test_a_run_plans_against_the_measured_budget_from_then_on(monkeypatch):
     pipe.close()
 
 
-def test_a_bound_near_the_guess_counts_as_measured(monkeypatch):
+def test_a_bound_within_the_estimates_reserve_counts_as_measured(monkeypatch):
     """A stage whose peak stayed under an earlier one has a bound instead of a
-    measurement; within what the estimate keeps for it, the runs plan against the
-    measured budget with the bound as its need. A larger bound is not used."""
+    measurement; within what the estimate keeps for it beyond the measured budget's
+    reserve (0.96 GiB here), the runs plan against the measured budget with the bound
+    as its need. A larger bound is not used: the stage would plan with less room."""
     fake_card(monkeypatch, 16 * GIB)
     measured = 16 * GIB - int(0.02 * 16 * GIB)
     pipe = wan_shaped()
     measure(pipe, {k: v for k, v in MEASURED.items() if k != "Denoise"})
-    pipe.tracker.activation_bounds["Denoise"] = 2 * GIB
+    pipe.tracker.activation_bounds["Denoise"] = int(0.9 * GIB)
     plan = pipe.plan()
     assert plan.budget == measured
-    assert plan.activation_bytes["Denoise"] == 2 * GIB
-    assert "'Denoise' 2.00 GiB" in plan.activation_note
+    assert plan.activation_bytes["Denoise"] == int(0.9 * GIB)
+    assert "'Denoise' 921.60 MiB" in plan.activation_note
 
-    pipe.tracker.activation_bounds["Denoise"] = 3 * GIB  # past 1.47 GiB guessed + 0.96 relief
+    pipe.tracker.activation_bounds["Denoise"] = 2 * GIB
     plan = pipe.plan()
     assert plan.budget == pipe.policy.estimated_budget_bytes
     assert plan.activation_bytes["Denoise"] is None
     measure(pipe, {"Denoise": MEASURED["Denoise"]})  # measured exactly: the bound goes
     assert pipe.plan().activation_bytes["Denoise"] == MEASURED["Denoise"]
+
+
+def test_a_streaming_stage_may_count_a_bound_up_to_its_guessed_share_too(monkeypatch):
+    """Where the stage's component streams, the first runs keep a tenth of the budget
+    for its activations as well (1.47 GiB here): a bound up to both counts."""
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = wan_shaped()
+    measure(pipe, {k: v for k, v in MEASURED.items() if k != "Denoise"})
+    pipe.tracker.activation_bounds["Denoise"] = 2 * GIB
+    streaming = {"transformer": SIZES["transformer"]}  # as a run streaming it leaves it
+    monkeypatch.setattr(pipe.policy.streaming, "device_bytes", lambda: streaming)
+    assert pipe.plan().activation_bytes["Denoise"] == 2 * GIB
+    pipe.tracker.activation_bounds["Denoise"] = int(2.5 * GIB)  # past 0.96 + 1.47 GiB
+    assert pipe.plan().activation_bytes["Denoise"] is None
 
 
 def test_a_replaced_component_leaves_no_bound_behind(monkeypatch):
