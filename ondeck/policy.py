@@ -145,27 +145,27 @@ class Policy:
         """The largest activation peak measured per stage, with room to spare: from the
         profile of this model and shape when the pipeline knows its shape, else as
         measured in this process; and a note on where they come from."""
-        needs, note, _ = self._needs_and_reserves(_view(source))
+        needs, note, _, _ = self._needs_and_reserves(_view(source))
         return needs, note
 
     def _needs_and_reserves(
         self, snapshot: Snapshot
-    ) -> tuple[dict[str, int | None], str, list[tuple[str, dict[str, int]]]]:
-        """``activation_needs``, and the ``allocator_reserves`` added to them."""
+    ) -> tuple[dict[str, int | None], str, list[tuple[str, dict[str, int]]], dict[str, int]]:
+        """``activation_needs``, the ``allocator_reserves`` added to them, and the
+        stages whose need is their bound (``usable_bounds``)."""
         stored, note = dict(snapshot.stored_activation), snapshot.stored_note
         if self.distrust_stored:
             stored, note = {}, "activations: stored profile set aside, measuring again"
         measured = {} if note else snapshot.measured_activation
-        bounds = {} if note else self.usable_bounds(snapshot)
-        needs = {
-            use.name: stored.get(use.name, measured.get(use.name, bounds.get(use.name)))
-            for use in snapshot.uses
-        }
+        known = {**measured, **stored}
+        bounded = {} if note else self.usable_bounds(snapshot)
+        bounded = {stage: b for stage, b in bounded.items() if stage not in known}
+        needs = {use.name: known.get(use.name, bounded.get(use.name)) for use in snapshot.uses}
         added = self.allocator_reserves(snapshot, needs)
         for _, reserves in added:
             for stage, extra in reserves.items():
                 needs[stage] += extra
-        return needs, note, added
+        return needs, note, added, bounded
 
     def usable_bounds(self, snapshot: Snapshot) -> dict[str, int]:
         """Of the stages never measured exactly, those whose bound
@@ -217,7 +217,7 @@ class Policy:
         that can work in pieces (a tiled decode) is counted at what it will take in the
         room its components leave it."""
         snapshot = _view(source)
-        needs, note, added = self._needs_and_reserves(snapshot)
+        needs, note, added, bounded = self._needs_and_reserves(snapshot)
         estimate: dict[str, int | None] = {}
         fitted: list[str] = []
         nbytes = snapshot.nbytes
@@ -236,9 +236,7 @@ class Policy:
             note = "activations: unknown (no profile yet; run once to measure them)"
         elif not note:
             note = "activations: measured in this process"
-        known = {**snapshot.stored_activation, **snapshot.measured_activation}
-        bounded = {s: b for s, b in self.usable_bounds(snapshot).items() if s not in known}
-        if bounded and not snapshot.stored_note:
+        if bounded:
             fitted.append(
                 "counted at most what their peaks, under an earlier one, allow: "
                 + ", ".join(f"'{stage}' {format_bytes(b)}" for stage, b in bounded.items())
@@ -594,13 +592,14 @@ class AutoBudgetPolicy(BudgetPolicy):
         ``measured_budget`` instead of guessing for ever."""
         relief = self.measured_budget_bytes - self.estimated_budget_bytes
         options = self.streaming.options if self.streaming is not None else None
-        guess = options.unmeasured_activation_fraction if options is not None else 0.0
+        fraction = options.unmeasured_activation_fraction if options is not None else 0.0
+        guess = int(self.estimated_budget_bytes * fraction)
+        streamed = set(snapshot.streamed_bytes)
         bounds = {}
         for use in snapshot.uses:
             bound = snapshot.activation_bounds.get(use.name)
-            streams = set(snapshot.streamed_bytes).intersection(use.components)
-            shared = int(self.estimated_budget_bytes * guess) if streams else 0
-            if bound is not None and bound <= relief + shared:
+            limit = relief + (guess if streamed.intersection(use.components) else 0)
+            if bound is not None and bound <= limit:
                 bounds[use.name] = bound
         return bounds
 

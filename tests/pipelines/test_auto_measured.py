@@ -167,8 +167,11 @@ def test_a_bound_within_the_estimates_reserve_counts_as_measured(monkeypatch):
     plan = pipe.plan()
     assert plan.budget == pipe.policy.estimated_budget_bytes
     assert plan.activation_bytes["Denoise"] is None
+    pipe.tracker.activation_bounds["Denoise"] = int(0.9 * GIB)
     measure(pipe, {"Denoise": MEASURED["Denoise"]})  # measured exactly: the bound goes
-    assert pipe.plan().activation_bytes["Denoise"] == MEASURED["Denoise"]
+    plan = pipe.plan()
+    assert plan.activation_bytes["Denoise"] == MEASURED["Denoise"]
+    assert "at most" not in plan.activation_note
 
 
 def test_a_streaming_stage_may_count_a_bound_up_to_its_guessed_share_too(monkeypatch):
@@ -475,3 +478,17 @@ def test_a_decode_that_works_in_pieces_keeps_no_bound(saved_wan_folder, monkeypa
     names = {stage.name for stage in pipe.stages}
     assert "Decode" in names
     assert set(pipe.tracker.activation_bounds) == names - {"Decode"}
+
+
+def test_a_stored_profile_leaves_bounds_uncounted_and_unmentioned(monkeypatch, tmp_path):
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = profiled_wan_shaped(monkeypatch, tmp_path)
+    pipe._profile_shape = {"width": 8}  # as a run of width 8 sets it
+    pipe.tracker.activation_bounds["Denoise"] = int(0.9 * GIB)
+    plan = pipe.plan()
+    assert plan.activation_bytes["Denoise"] == MEASURED["Denoise"]
+    assert "at most" not in plan.activation_note
+    pipe.policy.distrust_stored = True  # the profile set aside: nothing stands in for it
+    plan = pipe.plan()
+    assert plan.activation_bytes["Denoise"] is None
+    assert "at most" not in plan.activation_note
