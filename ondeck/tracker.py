@@ -201,6 +201,11 @@ class MemoryTracker:
         self._setup_seconds: dict[str, float] = {}
 
     @property
+    def started_at(self) -> float:
+        """The ``time.perf_counter()`` reading that events' ``seconds`` count from."""
+        return self._start
+
+    @property
     def resident_bytes(self) -> int:
         return sum(self.resident.values())
 

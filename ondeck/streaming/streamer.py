@@ -150,6 +150,9 @@ class BlockStreamer:
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
+        # Set by a release: an event the copies it left in flight end with. The host
+        # copies they read from are not freed or changed before it (``_await_copies``).
+        self._copies_pending: Any = None
         # From a load's first destination to its finish or abort: the host copies it
         # reads into (and arms the module on) must not be dropped meanwhile.
         self._loading = False
@@ -188,6 +191,7 @@ class BlockStreamer:
                     f"component '{self.component}' is loaded; release it before changing "
                     "which blocks stream"
                 )
+            self._await_copies()
             self.layout = layout
             self.file_reads = file_reads
             self._streamed = frozenset(layout.streamed)
@@ -202,6 +206,11 @@ class BlockStreamer:
                     if b not in self._from_files
                 }
             )
+
+    def _await_copies(self) -> None:
+        pending, self._copies_pending = self._copies_pending, None
+        if pending is not None:
+            pending.synchronize()
 
     def prepare_host_copies(self, stop: threading.Event) -> int:
         """Allocate the host copies the layout plans, before the load that fills them
@@ -227,6 +236,7 @@ class BlockStreamer:
         with self._lock:
             if self._armed is not None or self._loading:
                 return 0
+            self._await_copies()
             ring_bytes = self._kept_ring_bytes
             self._ring_memory = []
             return self._host.clear() + ring_bytes
@@ -316,7 +326,7 @@ class BlockStreamer:
         """The load succeeded: arm the module for streaming."""
         with self._lock:
             if self._armed is not None:
-                self._armed.detach()
+                self._copies_pending = self._armed.detach()
             self._armed = _Armed(self, module)
             self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
@@ -337,11 +347,12 @@ class BlockStreamer:
         with self._lock:
             armed, self._armed = self._armed, None
             if armed is not None:
-                armed.detach()
+                self._copies_pending = armed.detach()
             # The ring's few pinned buffers stay with the host copies, for the next load,
             # where the host plan holds them.
             self._close_ring(keep_memory=self.keep_host_copies and self.keep_ring)
             if not self.keep_host_copies:
+                self._await_copies()
                 self._host.clear()
 
     # -- used by the armed module ----------------------------------------------------------
@@ -433,6 +444,13 @@ class _DeviceCopies:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def retire(self, buffers: Sequence[Any]) -> Any:
+        """``buffers`` are about to be freed: the allocator hands their memory out again
+        only once the copies issued so far have ended. Returns an event they end with."""
+        for buffer in buffers:
+            buffer.record_stream(self.stream)
+        return self.copied()
+
 
 class _ImmediateCopies:
     """The host stands in for the device (tests): copies happen at once, events are None."""
@@ -457,6 +475,9 @@ class _ImmediateCopies:
 
     def synchronize(self) -> None:
         pass
+
+    def retire(self, buffers: Sequence[Any]) -> None:
+        return None
 
 
 class _Slot:
@@ -690,12 +711,17 @@ class _Armed:
             else:
                 owner._buffers[attribute] = value
 
-    def detach(self) -> None:
-        """Remove hooks and slots; streamed tensors become meta placeholders."""
+    def detach(self) -> Any:
+        """Remove hooks and slots; streamed tensors become meta placeholders. Returns an
+        event the copies still in flight end with (None where copies are immediate)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.copies.synchronize()  # a prefetch may still be writing into a slot
+        # A prefetch may still be copying into a slot: the slots' memory is handed out
+        # again only after it ends, and the host copies it reads from stay until then
+        # (``BlockStreamer._await_copies``). The host does not wait here, so the next
+        # stage's work is queued while the device finishes this one's.
+        pending = self.copies.retire([slot.buffer for slot in self.slots])
         self.ring = None  # the streamer closes it (``unload``)
         for block in self.targets:
             self._put(block, self.streamer.placeholders(block))
@@ -707,3 +733,4 @@ class _Armed:
         self.targets.clear()
         self.sources.clear()
         self.module = None
+        return pending

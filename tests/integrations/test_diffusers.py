@@ -251,6 +251,67 @@ def test_encoders_used_again_stay_until_their_last_use(folders, references):
     assert released_after_encoding == {"text_encoder", "text_encoder_2", "text_encoder_3"}
 
 
+def noise_drawn_with(pipe, monkeypatch) -> list[set[str]]:
+    """What is resident each time SD3 draws its noise (on the host, between its encoders
+    and its loop), one entry per call."""
+    from diffusers import StableDiffusion3Pipeline
+
+    seen: list[set[str]] = []
+    original = StableDiffusion3Pipeline.prepare_latents
+
+    def prepare_latents(self, *args, **kwargs):
+        if self is pipe:  # not a plain pipeline's call
+            seen.append(resident(pipe))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StableDiffusion3Pipeline, "prepare_latents", prepare_latents)
+    return seen
+
+
+def test_the_next_turn_starts_when_the_turn_before_made_its_last_call(
+    folders, references, monkeypatch
+):
+    """Once a call has shown how often each encoder is called, the transformer's turn
+    starts as the last encoder call returns: loaded before the pipeline draws its noise
+    (which waits for the device), the encoders already gone."""
+    pipe = load(folders["sd3"], policy="release")
+    seen = noise_drawn_with(pipe, monkeypatch)
+    counts = []
+    for call in range(3):
+        before = loads(pipe)
+        output = run(pipe, FAMILIES["sd3"])
+        counts.append({name: n - before[name] for name, n in loads(pipe).items()})
+        assert np.array_equal(output, references["sd3"][min(call, 1)]), f"call {call + 1}"
+    assert "transformer" not in seen[0]
+    assert seen[1] == seen[2] == {"transformer"}
+    assert counts[1] == counts[2] == dict.fromkeys(pipe.ondeck.deferred, 1)
+
+
+def test_a_call_with_more_encoder_calls_than_the_last_loads_the_encoder_again(folders, monkeypatch):
+    """The first call without guidance encodes no negative prompt; the next one with
+    guidance calls each encoder twice: the turn started after the first of those calls
+    is the wrong guess, the encoder loads again for its second, and the output is what
+    diffusers gives. The call after that has learned."""
+    from diffusers import StableDiffusion3Pipeline
+
+    plain = in_fresh_tensors(StableDiffusion3Pipeline.from_pretrained(folders["sd3"]))
+    plain.set_progress_bar_config(disable=True)
+    expected = [run(plain, FAMILIES["sd3"], guidance_scale=1.0), run(plain, FAMILIES["sd3"])]
+    pipe = load(folders["sd3"], policy="release")
+    seen = noise_drawn_with(pipe, monkeypatch)
+    outputs, counts = [], []
+    for guidance in (1.0, 1.0, 5.0, 5.0):
+        before = loads(pipe)
+        outputs.append(run(pipe, FAMILIES["sd3"], guidance_scale=guidance))
+        counts.append({name: n - before[name] for name, n in loads(pipe).items()})
+    assert np.array_equal(outputs[1], expected[0])
+    assert np.array_equal(outputs[2], expected[1])
+    assert np.array_equal(outputs[3], expected[1])
+    assert counts[2]["text_encoder_3"] == 2, "the guess was wrong once: loaded again"
+    assert counts[3] == dict.fromkeys(pipe.ondeck.deferred, 1)
+    assert seen[3] == {"transformer"}
+
+
 def test_plan_report_and_policy_reason(folders):
     pipe = load(folders["wan"], policy="release")
     plan = pipe.ondeck.plan()

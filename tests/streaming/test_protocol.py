@@ -46,6 +46,18 @@ class LateCopies:
             destination.copy_(source)
         self.queue.clear()
 
+    def retire(self, buffers) -> object:
+        """The copies queued so far stay queued: the returned event runs them."""
+        return _Pending(self)
+
+
+class _Pending:
+    def __init__(self, copies: LateCopies):
+        self.copies = copies
+
+    def synchronize(self) -> None:
+        self.copies.synchronize()
+
 
 @pytest.fixture
 def late_copies(monkeypatch):
@@ -132,3 +144,39 @@ def test_released_streamed_tensors_are_meta_placeholders_made_once(six_block_fol
     second = dict(second_module.blocks[block].named_parameters())
     assert list(second) == weights
     assert all(second[name] is first[name] for name in weights)  # shared, nothing held
+
+
+def released_with_copies_in_flight(folder, **options):
+    """A pass of a streamed transformer, then its release, with late copies: the pass's
+    last blocks leave the next pass's first copies queued."""
+    pipe = streaming(folder, resident=2, **options)
+    pipe.policy.streaming.apply(pipe, pipe.plan())
+    module = pipe.components["transformer"].materialize()
+    blocks = pipe.policy.streaming.streamers["transformer"]
+    copies = blocks._armed.copies
+    with torch.no_grad():
+        module(**inputs(0))
+    assert copies.queue, "the pass left no copy in flight: nothing below is tested"
+    pipe.release_all()
+    return blocks, copies
+
+
+def test_a_release_does_not_wait_for_the_copies_it_leaves_in_flight(six_block_folder, late_copies):
+    """The host goes on to queue the next stage's work while the device finishes this
+    one's: the slots' memory waits for the copies instead (``record_stream``)."""
+    blocks, copies = released_with_copies_in_flight(six_block_folder)
+    assert copies.queue
+    assert not blocks.armed
+
+
+def test_host_copies_are_freed_or_changed_only_after_the_copies_reading_them(
+    six_block_folder, late_copies
+):
+    blocks, copies = released_with_copies_in_flight(six_block_folder)
+    assert blocks.drop_host_copies() > 0
+    assert not copies.queue
+    blocks, copies = released_with_copies_in_flight(six_block_folder)
+    blocks.use_layout(blocks.layout)
+    assert not copies.queue
+    blocks, copies = released_with_copies_in_flight(six_block_folder, keep_host_copies=False)
+    assert not copies.queue  # the release freed the host copies: it waited for them first

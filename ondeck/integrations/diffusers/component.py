@@ -226,15 +226,19 @@ class PipelineComponent(LazyModule):
         if answers is not None and not self._has_adapters():
             key = answers.key(args, kwargs)
         if key is None:
-            return LazyModule.__call__(self, *args, **kwargs)
-        found = answers.get(key)
-        if found is not None:
-            return found
-        generation = answers.generation
-        result = LazyModule.__call__(self, *args, **kwargs)
-        module = object.__getattribute__(self, "_ondeck_module")
-        if module is not None and not module.training:  # dropout would make it random
-            answers.put(key, result, generation)
+            result = LazyModule.__call__(self, *args, **kwargs)
+        else:
+            found = answers.get(key)
+            if found is not None:
+                return found
+            generation = answers.generation
+            result = LazyModule.__call__(self, *args, **kwargs)
+            module = object.__getattribute__(self, "_ondeck_module")
+            if module is not None and not module.training:  # dropout would make it random
+                answers.put(key, result, generation)
+        runtime = object.__getattribute__(self, "_ondeck_runtime")
+        if runtime is not None:
+            runtime.call_ended(self)  # may start the next turn, releasing this component
         return result
 
     # -- attribute access ---------------------------------------------------------------

@@ -86,6 +86,10 @@ class _CallRecord:
     def __init__(self) -> None:
         self.first_touch: list[str] = []
         self.held: dict[str, list[str]] = {}
+        self.called: set[str] = set()
+        # Components used other than by a call (a method, an attribute) after their first
+        # call: their turns do not end at their last call.
+        self.used_beyond_calls: set[str] = set()
 
     def touched(self, name: str) -> None:
         if name not in self.held:
@@ -164,6 +168,9 @@ class DiffusersRuntime(Pipeline):
         self._held_back: list[int] = []
         self._record: _CallRecord | None = None
         self._acting = 0
+        self._in_calls = 0  # calls of components under way (``component_called``)
+        # The last complete call's components used beyond their calls (``_CallRecord``).
+        self._used_beyond_calls: frozenset[str] = frozenset()
         # Each VAE's decode, sized to fit (see ``fitting_decode``).
         self.decoders: dict[str, FittingDecode] = {}
         # The arguments of the call in progress, else of the last one: the decode's need
@@ -352,6 +359,7 @@ class DiffusersRuntime(Pipeline):
     def _begin_call(self) -> None:
         self.stage_uses()
         self._current_index = None
+        self._in_calls = 0
         with self._deciding():
             self._before_run()
         self.tracker.run_started()
@@ -370,6 +378,8 @@ class DiffusersRuntime(Pipeline):
         if name is None:
             return
         self._record.touched(name)
+        if not self._in_calls and name in self._record.called:
+            self._record.used_beyond_calls.add(name)
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
@@ -381,6 +391,53 @@ class DiffusersRuntime(Pipeline):
             return
         with self._deciding():
             self._advance_to(index)
+
+    def component_called(self, proxy: LazyModule) -> None:
+        super().component_called(proxy)
+        if self._record is not None and threading.get_ident() == self._running_thread:
+            self._in_calls += 1
+            self._record.called.add(self._deferred_name(proxy))
+
+    def call_ended(self, proxy: PipelineComponent) -> None:
+        """A call of ``proxy`` returned (its answer kept, where answers are): where it was
+        the last call its turn makes in a run, the next turn starts now instead of at its
+        component's first touch."""
+        if self._in_calls and threading.get_ident() == self._running_thread:
+            self._in_calls -= 1
+        if self._turn_done(proxy):
+            index = self._current_index + 1
+            with self._deciding():
+                self._advance_to(index)
+                for component in self.stages[index].components:
+                    component.materialize(complete=False)  # as its first touch would
+
+    def _turn_done(self, proxy: PipelineComponent) -> bool:
+        """Whether the turn in progress has made its last call of the run: the order is
+        learned, each component the turn holds is called (not only used through methods)
+        and has made as many calls as in the last run, and a turn follows. A pipeline
+        waits for the device between its encoders and its loop (it draws the noise on
+        the host and copies it over), so a turn started at the first touch loads while
+        the device idles; started here, its load overlaps the device finishing this
+        call. A run that calls more often than the last one loads the component again
+        for the extra call, as any use after its turn does, and teaches the next run."""
+        index = self._current_index
+        if (
+            index is None
+            or self._record is None
+            or self._acting
+            or self._learned_from is None
+            or index + 1 >= len(self.stages)
+            or threading.get_ident() != self._running_thread
+            or self.executor.in_prefetch_thread()
+        ):
+            return False
+        held = [self._deferred_name(component) for component in self.stages[index].components]
+        if self._deferred_name(proxy) not in held or self._used_beyond_calls & set(held):
+            return False
+        calls, expected = self.tracker.calls_so_far(), self.tracker.calls_per_run
+        return all(expected.get(name, 0) > 0 for name in held) and all(
+            calls.get(name, 0) >= expected[name] for name in held
+        )
 
     def _advance_to(self, index: int) -> None:
         self.check_host_memory()
@@ -448,6 +505,8 @@ class DiffusersRuntime(Pipeline):
                 super()._after_stage(index, failed=False, keep=ahead)
             self._after_run()
         self.tracker.run_finished()
+        if self._record is not None:
+            self._used_beyond_calls = frozenset(self._record.used_beyond_calls)
         self._learn(self._record)
 
     def _abort_call(self) -> None:
