@@ -287,6 +287,29 @@ def test_the_next_turn_starts_when_the_turn_before_made_its_last_call(
     assert counts[1] == counts[2] == dict.fromkeys(pipe.ondeck.deferred, 1)
 
 
+def test_a_turn_used_between_its_calls_still_ends_with_its_last_call(folders, references):
+    """Wan enters the transformer's ``cache_context`` before each call: uses between calls
+    leave the turn to end with the last call, so the VAE is in by the last step's
+    scheduler update."""
+    pipe = load(folders["wan"], policy="release")
+    seen: list[set[str]] = []
+    step = pipe.scheduler.step
+
+    def stepping(*args, **kwargs):
+        seen.append(resident(pipe))
+        return step(*args, **kwargs)
+
+    pipe.scheduler.step = stepping
+    outputs, last = [], []
+    for _ in range(2):
+        seen.clear()
+        outputs.append(run(pipe, FAMILIES["wan"]))
+        last.append(seen[-1])
+    assert "vae" not in last[0], "the first call learns: its turns start at first touch"
+    assert last[1] == {"vae"}, "the last call returned: the decode's turn has begun"
+    assert all(np.array_equal(o, e) for o, e in zip(outputs, references["wan"], strict=True))
+
+
 def test_a_call_with_more_encoder_calls_than_the_last_loads_the_encoder_again(folders, monkeypatch):
     """The first call without guidance encodes no negative prompt; the next one with
     guidance calls each encoder twice: the turn started after the first of those calls

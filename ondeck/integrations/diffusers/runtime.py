@@ -86,10 +86,12 @@ class _CallRecord:
     def __init__(self) -> None:
         self.first_touch: list[str] = []
         self.held: dict[str, list[str]] = {}
-        self.called: set[str] = set()
-        # Components used other than by a call (a method, an attribute) after their first
-        # call: their turns do not end at their last call.
-        self.used_beyond_calls: set[str] = set()
+        # Per component called, whether its last use was a call or something else (a
+        # method, an attribute): one used after its last call keeps its turn past it.
+        self.last_use: dict[str, str] = {}
+
+    def used_after_last_call(self) -> frozenset[str]:
+        return frozenset(name for name, use in self.last_use.items() if use != "call")
 
     def touched(self, name: str) -> None:
         if name not in self.held:
@@ -169,8 +171,8 @@ class DiffusersRuntime(Pipeline):
         self._record: _CallRecord | None = None
         self._acting = 0
         self._in_calls = 0  # calls of components under way (``component_called``)
-        # The last complete call's components used beyond their calls (``_CallRecord``).
-        self._used_beyond_calls: frozenset[str] = frozenset()
+        # The last call's components used after their last call (``_CallRecord``).
+        self._used_after_last_call: frozenset[str] = frozenset()
         # Each VAE's decode, sized to fit (see ``fitting_decode``).
         self.decoders: dict[str, FittingDecode] = {}
         # The arguments of the call in progress, else of the last one: the decode's need
@@ -378,8 +380,8 @@ class DiffusersRuntime(Pipeline):
         if name is None:
             return
         self._record.touched(name)
-        if not self._in_calls and name in self._record.called:
-            self._record.used_beyond_calls.add(name)
+        if not self._in_calls and name in self._record.last_use:
+            self._record.last_use[name] = "touch"
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
@@ -396,7 +398,7 @@ class DiffusersRuntime(Pipeline):
         super().component_called(proxy)
         if self._record is not None and threading.get_ident() == self._running_thread:
             self._in_calls += 1
-            self._record.called.add(self._deferred_name(proxy))
+            self._record.last_use[self._deferred_name(proxy)] = "call"
 
     def call_ended(self, proxy: PipelineComponent) -> None:
         """A call of ``proxy`` returned (its answer kept, where answers are): where it was
@@ -413,8 +415,9 @@ class DiffusersRuntime(Pipeline):
 
     def _turn_done(self, proxy: PipelineComponent) -> bool:
         """Whether the turn in progress has made its last call of the run: the order is
-        learned, each component the turn holds is called (not only used through methods)
-        and has made as many calls as in the last run, and a turn follows. A pipeline
+        learned, each component the turn holds is called (not only used through methods),
+        was not used after its last call in the last run, and has made as many calls as
+        then, and a turn follows. A pipeline
         waits for the device between its encoders and its loop (it draws the noise on
         the host and copies it over), so a turn started at the first touch loads while
         the device idles; started here, its load overlaps the device finishing this
@@ -432,7 +435,7 @@ class DiffusersRuntime(Pipeline):
         ):
             return False
         held = [self._deferred_name(component) for component in self.stages[index].components]
-        if self._deferred_name(proxy) not in held or self._used_beyond_calls & set(held):
+        if self._deferred_name(proxy) not in held or self._used_after_last_call & set(held):
             return False
         calls, expected = self.tracker.calls_so_far(), self.tracker.calls_per_run
         return all(expected.get(name, 0) > 0 for name in held) and all(
@@ -506,7 +509,7 @@ class DiffusersRuntime(Pipeline):
             self._after_run()
         self.tracker.run_finished()
         if self._record is not None:
-            self._used_beyond_calls = frozenset(self._record.used_beyond_calls)
+            self._used_after_last_call = self._record.used_after_last_call()
         self._learn(self._record)
 
     def _abort_call(self) -> None:
