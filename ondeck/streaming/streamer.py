@@ -445,10 +445,12 @@ class _DeviceCopies:
         self.stream.synchronize()
 
     def retire(self, buffers: Sequence[Any]) -> Any:
-        """``buffers`` are about to be freed: the allocator hands their memory out again
-        only once the copies issued so far have ended. Returns an event they end with."""
-        for buffer in buffers:
-            buffer.record_stream(self.stream)
+        """``buffers`` (allocated on ``allocation_stream``) are about to be freed: that
+        stream waits, on the device, for the copies issued so far, so whatever it is
+        given their memory for next runs after them. The allocator may hand the memory
+        out at once (a deferred free would leave the next component's load short of room
+        at the card's limit). Returns an event the copies end with."""
+        self.allocation_stream.wait_stream(self.stream)
         return self.copied()
 
 
@@ -717,8 +719,8 @@ class _Armed:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        # A prefetch may still be copying into a slot: the slots' memory is handed out
-        # again only after it ends, and the host copies it reads from stay until then
+        # A prefetch may still be copying into a slot: whatever the slots' memory goes
+        # to next runs after it ends, and the host copies it reads from stay until then
         # (``BlockStreamer._await_copies``). The host does not wait here, so the next
         # stage's work is queued while the device finishes this one's.
         pending = self.copies.retire([slot.buffer for slot in self.slots])

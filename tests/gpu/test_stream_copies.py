@@ -166,3 +166,46 @@ def test_a_streamed_components_timed_call_leaves_out_the_device_waiting_for_copi
         assert pipe.tracker.seconds_per_call["transformer"] < one_copy
     finally:
         pipe.release_all()
+
+
+def released_with_late_copies(folder, monkeypatch) -> list[torch.Tensor]:
+    """Every copy held back by a kernel spinning on the copy stream, one pass, then the
+    release, which leaves the next pass's first copies queued; then tensors of the slots'
+    size made at once, on the computing stream (the slots' memory is the allocator's
+    best fit for them), each filled with 7. Returns them once the device is done."""
+    from .conftest import BUSY_CYCLES
+
+    original = streamer._DeviceCopies.copy
+
+    def slow_copy(self, destination, source, *, after, done):
+        with torch.cuda.stream(self.stream):
+            keep_stream_busy(BUSY_CYCLES // 4)
+        original(self, destination, source, after=after, done=done)
+
+    monkeypatch.setattr(streamer._DeviceCopies, "copy", slow_copy)
+    pipe, plan = streaming_pipe(folder)
+    pipe.policy.streaming.apply(pipe, plan)
+    module = pipe.components["transformer"].materialize()
+    slot_bytes = plan.streamed["transformer"].slot_bytes
+    with torch.no_grad():
+        module(**inputs())
+    pipe.release_all()
+    fills = [torch.full((slot_bytes // 4,), 7.0, device="cuda") for _ in range(SLOTS)]
+    torch.cuda.synchronize()
+    return fills
+
+
+def test_memory_a_release_hands_back_is_written_after_the_copies_left_in_flight(
+    six_blocks, monkeypatch
+):
+    """The release does not wait on the host for its copies in flight: whatever the
+    slots' memory goes to next is ordered after them on the device."""
+    fills = released_with_late_copies(six_blocks, monkeypatch)
+    assert all(bool((fill == 7.0).all()) for fill in fills)
+
+
+def test_without_that_order_the_late_copies_overwrite_the_new_tensors(six_blocks, monkeypatch):
+    """Proof that the test above can fail: the release orders nothing."""
+    monkeypatch.setattr(streamer._DeviceCopies, "retire", lambda self, buffers: self.copied())
+    fills = released_with_late_copies(six_blocks, monkeypatch)
+    assert not all(bool((fill == 7.0).all()) for fill in fills)

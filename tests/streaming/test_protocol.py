@@ -163,7 +163,7 @@ def released_with_copies_in_flight(folder, **options):
 
 def test_a_release_does_not_wait_for_the_copies_it_leaves_in_flight(six_block_folder, late_copies):
     """The host goes on to queue the next stage's work while the device finishes this
-    one's: the slots' memory waits for the copies instead (``record_stream``)."""
+    one's: the device orders the slots' next use after the copies instead."""
     blocks, copies = released_with_copies_in_flight(six_block_folder)
     assert copies.queue
     assert not blocks.armed
