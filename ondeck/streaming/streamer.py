@@ -150,9 +150,9 @@ class BlockStreamer:
         self._placeholders: dict[int, list[Any]] = {}
         self._host = HostCopies(pinned=self.device.type == "cuda")
         self._armed: _Armed | None = None
-        # Set by a release: an event the copies it left in flight end with. The host
-        # copies they read from are not freed or changed before it (``_await_copies``).
-        self._copies_pending: Any = None
+        # Set by each release: events the copies it left in flight end with. The host
+        # copies they read from are not freed or changed before them (``_await_copies``).
+        self._copies_pending: list[Any] = []
         # From a load's first destination to its finish or abort: the host copies it
         # reads into (and arms the module on) must not be dropped meanwhile.
         self._loading = False
@@ -208,9 +208,10 @@ class BlockStreamer:
             )
 
     def _await_copies(self) -> None:
-        pending, self._copies_pending = self._copies_pending, None
-        if pending is not None:
-            pending.synchronize()
+        pending, self._copies_pending = self._copies_pending, []
+        for event in pending:
+            if event is not None:
+                event.synchronize()
 
     def prepare_host_copies(self, stop: threading.Event) -> int:
         """Allocate the host copies the layout plans, before the load that fills them
@@ -326,7 +327,7 @@ class BlockStreamer:
         """The load succeeded: arm the module for streaming."""
         with self._lock:
             if self._armed is not None:
-                self._copies_pending = self._armed.detach()
+                self._copies_pending.append(self._armed.detach())
             self._armed = _Armed(self, module)
             self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
@@ -347,7 +348,7 @@ class BlockStreamer:
         with self._lock:
             armed, self._armed = self._armed, None
             if armed is not None:
-                self._copies_pending = armed.detach()
+                self._copies_pending.append(armed.detach())
             # The ring's few pinned buffers stay with the host copies, for the next load,
             # where the host plan holds them.
             self._close_ring(keep_memory=self.keep_host_copies and self.keep_ring)

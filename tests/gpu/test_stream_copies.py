@@ -187,11 +187,17 @@ def released_with_late_copies(folder, monkeypatch) -> list[torch.Tensor]:
     pipe.policy.streaming.apply(pipe, plan)
     module = pipe.components["transformer"].materialize()
     slot_bytes = plan.streamed["transformer"].slot_bytes
+    slots = {
+        slot.buffer.data_ptr()
+        for slot in pipe.policy.streaming.streamers["transformer"]._armed.slots
+    }
     with torch.no_grad():
         module(**inputs())
     pipe.release_all()
     fills = [torch.full((slot_bytes // 4,), 7.0, device="cuda") for _ in range(SLOTS)]
     torch.cuda.synchronize()
+    if not slots & {fill.data_ptr() for fill in fills}:
+        pytest.skip("the allocator gave the new tensors other memory than the slots'")
     return fills
 
 

@@ -310,29 +310,45 @@ def test_a_turn_used_between_its_calls_still_ends_with_its_last_call(folders, re
     assert all(np.array_equal(o, e) for o, e in zip(outputs, references["wan"], strict=True))
 
 
-def test_a_call_with_more_encoder_calls_than_the_last_loads_the_encoder_again(folders, monkeypatch):
-    """The first call without guidance encodes no negative prompt; the next one with
-    guidance calls each encoder twice: the turn started after the first of those calls
-    is the wrong guess, the encoder loads again for its second, and the output is what
-    diffusers gives. The call after that has learned."""
+def test_a_call_unlike_the_last_ends_no_turn_early(folders, monkeypatch):
+    """Guidance switched on calls each encoder twice where the last call called it once,
+    and more steps call the transformer more often: a call whose settings differ from the
+    last one's starts each turn at its first touch, so nothing loads twice, and the next
+    call of its kind ends its turns early again."""
     from diffusers import StableDiffusion3Pipeline
 
     plain = in_fresh_tensors(StableDiffusion3Pipeline.from_pretrained(folders["sd3"]))
     plain.set_progress_bar_config(disable=True)
-    expected = [run(plain, FAMILIES["sd3"], guidance_scale=1.0), run(plain, FAMILIES["sd3"])]
+    settings = [
+        dict(guidance_scale=1.0),
+        dict(guidance_scale=1.0),
+        dict(guidance_scale=5.0),
+        dict(guidance_scale=5.0),
+        dict(guidance_scale=5.0, num_inference_steps=3),
+    ]
     pipe = load(folders["sd3"], policy="release")
     seen = noise_drawn_with(pipe, monkeypatch)
-    outputs, counts = [], []
-    for guidance in (1.0, 1.0, 5.0, 5.0):
+    for call, setting in enumerate(settings):
         before = loads(pipe)
-        outputs.append(run(pipe, FAMILIES["sd3"], guidance_scale=guidance))
-        counts.append({name: n - before[name] for name, n in loads(pipe).items()})
-    assert np.array_equal(outputs[1], expected[0])
-    assert np.array_equal(outputs[2], expected[1])
-    assert np.array_equal(outputs[3], expected[1])
-    assert counts[2]["text_encoder_3"] == 2, "the guess was wrong once: loaded again"
-    assert counts[3] == dict.fromkeys(pipe.ondeck.deferred, 1)
-    assert seen[3] == {"transformer"}
+        output = run(pipe, FAMILIES["sd3"], **setting)
+        assert np.array_equal(output, run(plain, FAMILIES["sd3"], **setting)), f"call {call + 1}"
+        counts = {name: n - before[name] for name, n in loads(pipe).items()}
+        # (A call with guidance after one without loads the CLIP encoders twice: the
+        # turns it learned from did not hold them for the negative prompt.)
+        assert counts["text_encoder_3"] == counts["transformer"] == counts["vae"] == 1, (
+            f"call {call + 1}: {counts}"
+        )
+    assert [("transformer" in resident) for resident in seen] == [False, True, False, True, False]
+
+
+def test_a_turn_the_last_call_did_not_reach_is_not_started_early(folders):
+    """Calls returning latents never touch the VAE: the transformer's last call starts
+    no decode's turn for them."""
+    pipe = load(folders["sd3"], policy="release")
+    run(pipe, FAMILIES["sd3"])
+    for _ in range(2):
+        run(pipe, FAMILIES["sd3"], output_type="latent")
+    assert loads(pipe)["vae"] == 1
 
 
 def test_plan_report_and_policy_reason(folders):

@@ -103,3 +103,42 @@ def test_out_of_memory_under_release_is_raised_at_once(folder, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         frames(pipe)
     assert len(calls) == 1
+
+
+def test_a_retry_after_a_learned_call_counts_only_its_own_calls(folder, monkeypatch):
+    """The attempt that ran out of memory made calls of its own: the call run again from
+    its start must not count them, or its turns would end early, after fewer calls than
+    it makes, and load components again."""
+    expected = frames(open_pipe(folder, policy="release"))
+    card_where_the_transformer_just_fits(monkeypatch, folder)
+    pipe = open_pipe(folder)
+    frames(pipe)  # learns the order and how often each component is called
+    learned = dict(pipe.ondeck.tracker.calls_per_run)
+    loads = {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
+    from diffusers import WanTransformer3DModel
+
+    forward = WanTransformer3DModel.forward
+    failed: list[int] = []
+
+    def failing_late(module, *args, **kwargs):
+        if not failed and pipe.ondeck.tracker.calls_so_far().get("transformer") == 2:
+            failed.append(1)  # the transformer's second call of this run
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(WanTransformer3DModel, "forward", failing_late)
+    under_way: list[int] = []  # calls of components under way at each scheduler step
+    step = pipe.scheduler.step
+
+    def stepping(*args, **kwargs):
+        under_way.append(pipe.ondeck._in_calls)
+        return step(*args, **kwargs)
+
+    pipe.scheduler.step = stepping
+    with pytest.warns(UserWarning, match="transformer ran out of memory"):
+        got = frames(pipe)
+    assert failed and np.array_equal(got, expected)
+    assert under_way and set(under_way) == {0}, "the failed call is not under way any more"
+    assert pipe.ondeck.tracker.calls_per_run == learned
+    after = {name: proxy.load_count - loads[name] for name, proxy in pipe.ondeck.deferred.items()}
+    assert after["text_encoder"] <= 2 and after["transformer"] <= 2, after

@@ -303,3 +303,20 @@ def test_a_textual_inversion_outlives_the_text_encoders_reloads(sd_controlnet_fo
     assert np.allclose(
         run(ours, family, prompt="a fox"), run(plain, family, prompt="a fox"), atol=1e-5
     )
+
+
+def test_answers_kept_count_as_calls_where_a_turn_ends_with_its_last_call(folders, references):
+    """A negative prompt answered from before is still a call of its encoder: the turn
+    that ends with it ends the same whether it was answered or computed, so a new negative
+    prompt after a kept one loads no encoder twice."""
+    pipe = load(folders["sd3"])
+    prompts = [("a fox", ""), ("a cat", ""), ("a dog", "blurry"), ("a cow", "blurry")]
+    for call, (prompt, negative) in enumerate(prompts, start=1):
+        before = {name: proxy.load_count for name, proxy in pipe.ondeck.deferred.items()}
+        run(pipe, ALL_FAMILIES["sd3"], prompt=prompt, negative_prompt=negative)
+        loads = {
+            name: proxy.load_count - before[name] for name, proxy in pipe.ondeck.deferred.items()
+        }
+        # (After a kept negative prompt, a new one loads the CLIP encoders twice: the
+        # turns learned from the call before did not hold them for it.)
+        assert loads["text_encoder_3"] == loads["transformer"] == 1, f"call {call}: {loads}"

@@ -230,6 +230,9 @@ class PipelineComponent(LazyModule):
         else:
             found = answers.get(key)
             if found is not None:
+                runtime = object.__getattribute__(self, "_ondeck_runtime")
+                if runtime is not None:
+                    runtime.call_ended(self, computed=False)
                 return found
             generation = answers.generation
             result = LazyModule.__call__(self, *args, **kwargs)

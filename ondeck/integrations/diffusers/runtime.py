@@ -31,6 +31,7 @@ from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
+from .turns import CallRecord, TurnEnds, call_signature
 
 # A call whose component ran out of memory runs again at most this many times, each
 # keeping twice the room for that turn's activations, the first a tenth of the budget.
@@ -78,32 +79,6 @@ class ComponentTurn(Stage):
             return fitted
         finest = decoder.finest_area(self._ondeck_pipeline._call_arguments)
         return max(fitted, int(need * finest)) if finest is not None else fitted
-
-
-class _CallRecord:
-    """What one call did: components in first-touch order, and what each turn touched."""
-
-    def __init__(self) -> None:
-        self.first_touch: list[str] = []
-        self.held: dict[str, list[str]] = {}
-        # Per component called, whether its last use was a call or something else (a
-        # method, an attribute): one used after its last call keeps its turn past it.
-        self.last_use: dict[str, str] = {}
-
-    def used_after_last_call(self) -> frozenset[str]:
-        return frozenset(name for name, use in self.last_use.items() if use != "call")
-
-    def touched(self, name: str) -> None:
-        if name not in self.held:
-            self.first_touch.append(name)
-            self.held[name] = [name]
-            return
-        turn = self.held[self.first_touch[-1]]
-        if name not in turn:
-            turn.append(name)
-
-    def turns(self) -> list[tuple[str, tuple[str, ...]]]:
-        return [(name, tuple(self.held[name])) for name in self.first_touch]
 
 
 def _with_untouched(
@@ -168,11 +143,11 @@ class DiffusersRuntime(Pipeline):
         # components may be touched again in the same call, so they are freed only when a
         # load needs the room, or when the call ends (see ``_hold_back``).
         self._held_back: list[int] = []
-        self._record: _CallRecord | None = None
+        self._record: CallRecord | None = None
         self._acting = 0
         self._in_calls = 0  # calls of components under way (``component_called``)
-        # The last call's components used after their last call (``_CallRecord``).
-        self._used_after_last_call: frozenset[str] = frozenset()
+        self._turn_ends = TurnEnds()  # learned from the last complete call
+        self._signature: tuple = ()  # ``call_signature`` of the call in progress
         # Each VAE's decode, sized to fit (see ``fitting_decode``).
         self.decoders: dict[str, FittingDecode] = {}
         # The arguments of the call in progress, else of the last one: the decode's need
@@ -259,6 +234,7 @@ class DiffusersRuntime(Pipeline):
             if self._own_sizes is None:
                 self._own_sizes = own_call_sizes(self.pipe)
             self._call_arguments = {**self._own_sizes, **_sizes_of(kwargs)}
+            self._signature = call_signature(args, kwargs)
             self._watch_host()
             try:
                 self._begin_call()
@@ -286,7 +262,8 @@ class DiffusersRuntime(Pipeline):
                 if attempt == OOM_RETRIES or not self._more_room_after(error, failed):
                     raise
             restore_generators(states)
-            self._record, self._current_index = _CallRecord(), None
+            self._record, self._current_index, self._in_calls = CallRecord(), None, 0
+            self.tracker.restore_calls({})  # the attempt that failed counts for nothing
             with self._deciding():
                 self._before_run()
         raise AssertionError("unreachable")  # the last attempt returns or raises
@@ -365,7 +342,7 @@ class DiffusersRuntime(Pipeline):
         with self._deciding():
             self._before_run()
         self.tracker.run_started()
-        self._record = _CallRecord()
+        self._record = CallRecord()
 
     def component_touched(self, proxy: PipelineComponent) -> None:
         """A call used ``proxy``: start its turn if that turn lies ahead."""
@@ -380,8 +357,8 @@ class DiffusersRuntime(Pipeline):
         if name is None:
             return
         self._record.touched(name)
-        if not self._in_calls and name in self._record.last_use:
-            self._record.last_use[name] = "touch"
+        if not self._in_calls:
+            self._record.used(name)
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
@@ -398,49 +375,47 @@ class DiffusersRuntime(Pipeline):
         super().component_called(proxy)
         if self._record is not None and threading.get_ident() == self._running_thread:
             self._in_calls += 1
-            self._record.last_use[self._deferred_name(proxy)] = "call"
+            self._record.calling(self._deferred_name(proxy))
 
-    def call_ended(self, proxy: PipelineComponent) -> None:
-        """A call of ``proxy`` returned (its answer kept, where answers are): where it was
-        the last call its turn makes in a run, the next turn starts now instead of at its
+    def call_ended(self, proxy: PipelineComponent, *, computed: bool = True) -> None:
+        """A call of ``proxy`` returned (its answer kept, where answers are), or was
+        answered from what it answered before (``computed`` False): where it was the last
+        call its turn makes in a run, the next turn starts now instead of at its
         component's first touch."""
-        if self._in_calls and threading.get_ident() == self._running_thread:
+        if self._record is None or threading.get_ident() != self._running_thread:
+            return
+        if computed and self._in_calls:
             self._in_calls -= 1
+        self._record.called(self._deferred_name(proxy))
         if self._turn_done(proxy):
             index = self._current_index + 1
             with self._deciding():
                 self._advance_to(index)
-                for component in self.stages[index].components:
-                    component.materialize(complete=False)  # as its first touch would
+                # As its first touch would: the turn's own component, not those it holds.
+                self.components[self.stages[index].name].materialize(complete=False)
 
     def _turn_done(self, proxy: PipelineComponent) -> bool:
-        """Whether the turn in progress has made its last call of the run: the order is
-        learned, each component the turn holds is called (not only used through methods),
-        was not used after its last call in the last run, and has made as many calls as
-        then, and a turn follows. A pipeline
-        waits for the device between its encoders and its loop (it draws the noise on
-        the host and copies it over), so a turn started at the first touch loads while
-        the device idles; started here, its load overlaps the device finishing this
-        call. A run that calls more often than the last one loads the component again
-        for the extra call, as any use after its turn does, and teaches the next run."""
+        """Whether the turn in progress has made its last call of the run, by what the
+        last complete call showed (``TurnEnds``), with no call under way and a turn to
+        follow. A guess that proves wrong (a call calls more often than the last one of
+        its kind) loads the component again for the extra call, as any use after its
+        turn does."""
         index = self._current_index
         if (
             index is None
             or self._record is None
             or self._acting
+            or self._in_calls
             or self._learned_from is None
             or index + 1 >= len(self.stages)
-            or threading.get_ident() != self._running_thread
             or self.executor.in_prefetch_thread()
         ):
             return False
         held = [self._deferred_name(component) for component in self.stages[index].components]
-        if self._deferred_name(proxy) not in held or self._used_after_last_call & set(held):
+        if self._deferred_name(proxy) not in held:
             return False
-        calls, expected = self.tracker.calls_so_far(), self.tracker.calls_per_run
-        return all(expected.get(name, 0) > 0 for name in held) and all(
-            calls.get(name, 0) >= expected[name] for name in held
-        )
+        following = self.stages[index + 1].name
+        return self._turn_ends.ends(self._record, self._signature, held, following)
 
     def _advance_to(self, index: int) -> None:
         self.check_host_memory()
@@ -509,7 +484,7 @@ class DiffusersRuntime(Pipeline):
             self._after_run()
         self.tracker.run_finished()
         if self._record is not None:
-            self._used_after_last_call = self._record.used_after_last_call()
+            self._turn_ends.learn(self._record, self._signature)
         self._learn(self._record)
 
     def _abort_call(self) -> None:
@@ -522,7 +497,7 @@ class DiffusersRuntime(Pipeline):
             finally:
                 self._release_deferred_quietly()
 
-    def _learn(self, record: _CallRecord | None) -> None:
+    def _learn(self, record: CallRecord | None) -> None:
         """Take the turns a complete call showed as the model for the next calls.
 
         A call that skipped components (prompt embeddings passed in, say) teaches

@@ -1,0 +1,118 @@
+"""What a diffusers call did, turn by turn, and when a turn may end with its last call.
+
+A turn starts when its component is first touched. Once a call has shown how often each
+component is called, the next call can end a turn as its last call returns, so the next
+component loads while the device still finishes this one (a pipeline waits for the
+device between its encoders and its loop, drawing its noise on the host). That is a
+guess from the last call; ``TurnEnds`` makes it only where a wrong guess is unlikely:
+the same kind of call (``call_signature``), components called as often as then, none
+used after its last call then, and the next turn's component touched then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CallRecord", "TurnEnds", "call_signature"]
+
+
+class CallRecord:
+    """What one call did: components in first-touch order, and what each turn touched."""
+
+    def __init__(self) -> None:
+        self.first_touch: list[str] = []
+        self.held: dict[str, list[str]] = {}
+        # Per component called: its calls, an answer kept from an earlier call included,
+        # and whether its last use was a call or something else (a method, an
+        # attribute): one used after its last call keeps its turn past it.
+        self.calls: dict[str, int] = {}
+        self.last_use: dict[str, str] = {}
+
+    def touched(self, name: str) -> None:
+        if name not in self.held:
+            self.first_touch.append(name)
+            self.held[name] = [name]
+            return
+        turn = self.held[self.first_touch[-1]]
+        if name not in turn:
+            turn.append(name)
+
+    def used(self, name: str) -> None:
+        """``name`` was used other than by a call: after a call of it, that counts."""
+        if name in self.last_use:
+            self.last_use[name] = "other"
+
+    def calling(self, name: str) -> None:
+        self.last_use[name] = "call"
+
+    def called(self, name: str) -> None:
+        """A call of ``name`` returned (or was answered from what it answered before)."""
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.last_use[name] = "call"
+
+    def used_after_last_call(self) -> frozenset[str]:
+        return frozenset(name for name, use in self.last_use.items() if use != "call")
+
+    def turns(self) -> list[tuple[str, tuple[str, ...]]]:
+        return [(name, tuple(self.held[name])) for name in self.first_touch]
+
+
+def call_signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """What in a call's arguments may change how often it calls each component: numbers,
+    flags, settings and sizes, not the text of its prompts, the values of its tensors or
+    which generator it draws from. Two calls alike here call alike in every pipeline the
+    tests run; a call unlike the last ends no turn early."""
+
+    def shape(value: Any, text: bool) -> Any:
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        if isinstance(value, str):
+            return "text" if text else value
+        if isinstance(value, (list, tuple)):
+            if not text and all(isinstance(item, (bool, int, float)) for item in value):
+                return tuple(value)
+            return (type(value).__name__, len(value))
+        size = getattr(value, "shape", None)
+        if size is None:
+            size = getattr(value, "size", None)  # an image's (width, height)
+            size = size if isinstance(size, tuple) else None
+        if size is not None:
+            return (type(value).__name__, tuple(size))
+        return type(value).__name__
+
+    return (
+        tuple(shape(value, True) for value in args),
+        tuple((name, shape(value, "prompt" in name)) for name, value in sorted(kwargs.items())),
+    )
+
+
+class TurnEnds:
+    """From the last complete call: when a turn of this one may end with its last call."""
+
+    def __init__(self) -> None:
+        self.signature: tuple | None = None
+        self.calls: dict[str, int] = {}
+        self.touched: frozenset[str] = frozenset()
+        self.used_after_last_call: frozenset[str] = frozenset()
+
+    def learn(self, record: CallRecord, signature: tuple) -> None:
+        self.signature = signature
+        self.calls = dict(record.calls)
+        self.touched = frozenset(record.first_touch)
+        # A component this call did not call keeps what an earlier call showed of it.
+        kept = self.used_after_last_call - set(record.last_use)
+        self.used_after_last_call = kept | record.used_after_last_call()
+
+    def forget(self) -> None:
+        self.__init__()
+
+    def ends(self, record: CallRecord, signature: tuple, held: list[str], following: str) -> bool:
+        """Whether the turn holding ``held`` has made its last call, the next one being
+        ``following``'s."""
+        return (
+            signature == self.signature
+            and following in self.touched
+            and not self.used_after_last_call & set(held)
+            and all(self.calls.get(name, 0) > 0 for name in held)
+            and all(record.calls.get(name, 0) >= self.calls[name] for name in held)
+        )
