@@ -223,10 +223,14 @@ class StackSampler:
 
     IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "concurrent/futures/thread.py")
 
-    def __init__(self, interval: float = 0.005, depth: int = 4, gap: float = 0.05):
+    def __init__(
+        self, interval: float = 0.005, depth: int = 4, gap: float = 0.05, timed: bool = False
+    ):
         self.interval, self.depth, self.gap = interval, depth, gap
         self.counts: dict[tuple[str, str], int] = {}
         self.gaps: list[dict] = []
+        # ``timed``: every sample too, as (perf_counter reading, thread, frames).
+        self.samples: list[tuple[float, str, str]] | None = [] if timed else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -253,6 +257,8 @@ class StackSampler:
                     stacks[names.get(ident, str(ident))] = chain
             for key in stacks.items():
                 self.counts[key] = self.counts.get(key, 0) + 1
+                if self.samples is not None:
+                    self.samples.append((now, *key))
             if now - last > self.gap and len(self.gaps) < 50:
                 self.gaps.append({"seconds": now - last, "stacks": stacks})
             last = now

@@ -559,6 +559,14 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
         )
 
 
+def ready_family_folder(family: str, folder: str | None) -> Path:
+    """The sd35 or hunyuan folder (built where missing), its files in the page cache."""
+    build = build_sd35_folder if family == "sd35" else build_hunyuan_folder
+    path = build(Path(folder or f"/tmp/{family}"))
+    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    return path
+
+
 def family_command(
     family: str,
     folder: Path,
@@ -613,13 +621,11 @@ def main() -> None:
         folder = args.folder or os.environ.get("WAN14B_FOLDER", "/tmp/wan14b-saved")
         path, sizes = ready_wan14b_folder(Path(folder))
     else:
-        build = build_sd35_folder if args.family == "sd35" else build_hunyuan_folder
-        path = build(Path(args.folder or f"/tmp/{args.family}"))
+        path = ready_family_folder(args.family, args.folder)
         sizes = folder_bytes(path)
         print(
             f"folder {path}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in sizes.items() if v)
         )
-        warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
     rows: list[dict] = []
 
     def write() -> None:

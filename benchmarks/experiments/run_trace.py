@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,52 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, out_dir, run_child, warm_libraries, warm_page_cache  # noqa: E402
-from families import CALLS, PROMPTS, build_hunyuan_folder, build_sd35_folder  # noqa: E402
+from common import StackSampler, emit, out_dir, run_child, warm_libraries  # noqa: E402
+from families import CALLS, PROMPTS, ready_family_folder  # noqa: E402
 
 GiB = 1 << 30
 GAP_US = 300
-IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "concurrent/futures/thread.py")
-
-
-class TimedStacks:
-    """Every thread's innermost frames, sampled every ``interval`` seconds with the
-    ``perf_counter`` reading of the sample."""
-
-    def __init__(self, interval: float = 0.002, depth: int = 4):
-        self.interval, self.depth = interval, depth
-        self.samples: list[tuple[float, str, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _chain(self, frame) -> str | None:
-        parts = []
-        while frame is not None and len(parts) < self.depth:
-            path = frame.f_code.co_filename
-            if not parts and path.endswith(IDLE_FILES):
-                return None
-            short = "/".join(Path(path).parts[-2:])
-            parts.append(f"{short}:{frame.f_code.co_name}:{frame.f_lineno}")
-            frame = frame.f_back
-        return " < ".join(parts)
-
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self._stop.is_set():
-            names = {t.ident: t.name for t in threading.enumerate()}
-            now = time.perf_counter()
-            for ident, frame in sys._current_frames().items():
-                if ident != me and (chain := self._chain(frame)) is not None:
-                    self.samples.append((now, names.get(ident, str(ident)), chain))
-            time.sleep(self.interval)
-
-    def __enter__(self) -> TimedStacks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def child(args) -> None:
@@ -102,7 +60,7 @@ def child(args) -> None:
         if last:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-            stacks = TimedStacks().__enter__()
+            stacks = StackSampler(interval=0.002, timed=True).__enter__()
         torch.cuda.synchronize()
         started = time.perf_counter()
         torch.cuda._sleep(1000)  # the spin kernel: its start is ``started`` on the device
@@ -261,9 +219,7 @@ def main() -> None:
         child(args)
         return
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    build = build_sd35_folder if args.family == "sd35" else build_hunyuan_folder
-    folder = build(Path(args.folder or f"/tmp/{args.family}"))
-    warm_page_cache(sorted(str(p) for p in folder.glob("*/*.safetensors")))
+    folder = ready_family_folder(args.family, args.folder)
     warm_libraries()
     command = [__file__, "--child", "--family", args.family, "--folder", str(folder)]
     command += ["--runs", str(args.runs), "--steps", str(args.steps)]

@@ -19,7 +19,7 @@ from ondeck.pipelines.wan import WanTextToVideo
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions, streamer
 
-from .conftest import keep_stream_busy
+from .conftest import BUSY_CYCLES, keep_stream_busy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,6 +89,18 @@ def run_slowly_and_compare(folder) -> tuple[torch.Tensor, torch.Tensor]:
         pipe.release_all()
 
 
+def hold_copies_back(monkeypatch) -> None:
+    """Every block's copy waits behind a kernel spinning on the copy stream."""
+    original = streamer._DeviceCopies.copy
+
+    def slow_copy(self, destination, source, *, after, done):
+        with torch.cuda.stream(self.stream):
+            keep_stream_busy(BUSY_CYCLES // 4)
+        original(self, destination, source, after=after, done=done)
+
+    monkeypatch.setattr(streamer._DeviceCopies, "copy", slow_copy)
+
+
 def test_a_slot_is_rewritten_only_after_the_block_that_read_it_computed(six_blocks):
     ours, theirs = run_slowly_and_compare(six_blocks)
     # Close, not equal: the same weights at other addresses may meet other kernels; a
@@ -135,16 +147,7 @@ def test_a_streamed_components_timed_call_leaves_out_the_device_waiting_for_copi
     """Every block's copy is held back by a kernel spinning on the copy stream, so the
     computing stream waits at each streamed block for tens of milliseconds. The timed
     call is what is left: the transformer's own compute, a small part of those waits."""
-    from .conftest import BUSY_CYCLES
-
-    original = streamer._DeviceCopies.copy
-
-    def slow_copy(self, destination, source, *, after, done):
-        with torch.cuda.stream(self.stream):
-            keep_stream_busy(BUSY_CYCLES // 4)
-        original(self, destination, source, after=after, done=done)
-
-    monkeypatch.setattr(streamer._DeviceCopies, "copy", slow_copy)
+    hold_copies_back(monkeypatch)
     pipe, _ = streaming_pipe(six_blocks)
     try:
         pipe.generate(
@@ -173,16 +176,7 @@ def released_with_late_copies(folder, monkeypatch) -> list[torch.Tensor]:
     release, which leaves the next pass's first copies queued; then tensors of the slots'
     size made at once, on the computing stream (the slots' memory is the allocator's
     best fit for them), each filled with 7. Returns them once the device is done."""
-    from .conftest import BUSY_CYCLES
-
-    original = streamer._DeviceCopies.copy
-
-    def slow_copy(self, destination, source, *, after, done):
-        with torch.cuda.stream(self.stream):
-            keep_stream_busy(BUSY_CYCLES // 4)
-        original(self, destination, source, after=after, done=done)
-
-    monkeypatch.setattr(streamer._DeviceCopies, "copy", slow_copy)
+    hold_copies_back(monkeypatch)
     pipe, plan = streaming_pipe(folder)
     pipe.policy.streaming.apply(pipe, plan)
     module = pipe.components["transformer"].materialize()
