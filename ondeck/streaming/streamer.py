@@ -207,11 +207,17 @@ class BlockStreamer:
                 }
             )
 
+    def _left_in_flight(self, event: Any) -> None:
+        """A release left copies in flight that end with ``event`` (None: none); those
+        that have ended since earlier releases are forgotten."""
+        self._copies_pending = [e for e in self._copies_pending if not e.query()]
+        if event is not None:
+            self._copies_pending.append(event)
+
     def _await_copies(self) -> None:
         pending, self._copies_pending = self._copies_pending, []
         for event in pending:
-            if event is not None:
-                event.synchronize()
+            event.synchronize()
 
     def prepare_host_copies(self, stop: threading.Event) -> int:
         """Allocate the host copies the layout plans, before the load that fills them
@@ -327,7 +333,7 @@ class BlockStreamer:
         """The load succeeded: arm the module for streaming."""
         with self._lock:
             if self._armed is not None:
-                self._copies_pending.append(self._armed.detach())
+                self._left_in_flight(self._armed.detach())
             self._armed = _Armed(self, module)
             self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
@@ -348,7 +354,7 @@ class BlockStreamer:
         with self._lock:
             armed, self._armed = self._armed, None
             if armed is not None:
-                self._copies_pending.append(armed.detach())
+                self._left_in_flight(armed.detach())
             # The ring's few pinned buffers stay with the host copies, for the next load,
             # where the host plan holds them.
             self._close_ring(keep_memory=self.keep_host_copies and self.keep_ring)

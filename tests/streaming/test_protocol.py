@@ -58,6 +58,10 @@ class _Pending:
     def synchronize(self) -> None:
         self.copies.synchronize()
 
+    def query(self) -> bool:
+        """Whether the copies have ended: none has while any is queued."""
+        return not self.copies.queue
+
 
 @pytest.fixture
 def late_copies(monkeypatch):

@@ -103,9 +103,6 @@ class TurnEnds:
         kept = self.used_after_last_call - set(record.last_use)
         self.used_after_last_call = kept | record.used_after_last_call()
 
-    def forget(self) -> None:
-        self.__init__()
-
     def ends(self, record: CallRecord, signature: tuple, held: list[str], following: str) -> bool:
         """Whether the turn holding ``held`` has made its last call, the next one being
         ``following``'s."""
