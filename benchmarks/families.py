@@ -559,6 +559,11 @@ def print_host_table(rows: list[dict], eager_later: float | None) -> None:
         )
 
 
+def family_steps(family: str) -> int:
+    """The denoising steps a family's runs take where none are given."""
+    return 4 if family == "hunyuan" else 8
+
+
 def ready_family_folder(family: str, folder: str | None) -> Path:
     """The sd35 or hunyuan folder (built where missing), its files in the page cache."""
     build = build_sd35_folder if family == "sd35" else build_hunyuan_folder
@@ -611,7 +616,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 4 if args.family == "hunyuan" else 8
+        args.steps = family_steps(args.family)
     if args.child:
         family_child(args)
         return

@@ -28,14 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, out_dir, run_child, union_of, warm_page_cache, write_document  # noqa: E402
+from common import emit, out_dir, run_child, union_of, write_document  # noqa: E402
 from families import (  # noqa: E402
     CALLS,
     PROMPTS,
-    build_hunyuan_folder,
-    build_sd35_folder,
     eager_pipeline,
+    family_steps,
     load_events,
+    ready_family_folder,
 )
 
 GAP_US = 1000
@@ -226,7 +226,7 @@ def child(args) -> None:
             calls.wrap(cls, method, entry[1])
             getattr(cls, method).timed = True
     result: dict = {"mode": args.child, "runs": []}
-    steps = 4 if args.family == "hunyuan" else 8
+    steps = family_steps(args.family)
     for run in range(args.runs):
         traced = run == args.runs - 1 and args.trace
         profiler = None
@@ -288,9 +288,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    build = build_sd35_folder if args.family == "sd35" else build_hunyuan_folder
-    path = build(Path(args.folder))
-    warm_page_cache(sorted(str(p) for p in path.glob("*/*.safetensors")))
+    path = ready_family_folder(args.family, args.folder)
     rows = []
     for mode in args.modes.split(","):
         command = [__file__, "--family", args.family, "--folder", str(path)]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import StackSampler, emit, out_dir, run_child, warm_libraries  # noqa: E402
-from families import CALLS, PROMPTS, ready_family_folder  # noqa: E402
+from families import CALLS, PROMPTS, family_steps, ready_family_folder  # noqa: E402
 
 GiB = 1 << 30
 GAP_US = 300
@@ -129,14 +129,14 @@ def analyse(trace: dict, run: dict) -> dict:
         span = ((e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
         if e["cat"] == "kernel" and "spin" not in e["name"].lower():
             stream = e.get("args", {}).get("stream")
-            kernels.append((*span, stream, e["name"]))
+            kernels.append((*span, stream))
             streams[stream] += e["dur"]
         elif e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]:
             copies.append((*span, e.get("args", {}).get("bytes", 0)))
     compute = streams.most_common(1)[0][0] if streams else None
     lane = sorted((k for k in kernels if k[2] == compute), key=lambda k: k[0])
     busy = []  # the compute stream's busy spans, merged
-    for lo, hi, _, _ in lane:
+    for lo, hi, _ in lane:
         if busy and lo <= busy[-1][1]:
             busy[-1] = (busy[-1][0], max(busy[-1][1], hi))
         else:
@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 4 if args.family == "hunyuan" else 8
+        args.steps = family_steps(args.family)
     if args.child:
         child(args)
         return

@@ -451,8 +451,8 @@ class _DeviceCopies:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def retire(self, buffers: Sequence[Any]) -> Any:
-        """``buffers`` (allocated on ``allocation_stream``) are about to be freed: that
+    def retire(self) -> Any:
+        """The slots (allocated on ``allocation_stream``) are about to be freed: that
         stream waits, on the device, for the copies issued so far, so whatever it is
         given their memory for next runs after them. The allocator may hand the memory
         out at once (a deferred free would leave the next component's load short of room
@@ -485,7 +485,7 @@ class _ImmediateCopies:
     def synchronize(self) -> None:
         pass
 
-    def retire(self, buffers: Sequence[Any]) -> None:
+    def retire(self) -> None:
         return None
 
 
@@ -730,7 +730,7 @@ class _Armed:
         # to next runs after it ends, and the host copies it reads from stay until then
         # (``BlockStreamer._await_copies``). The host does not wait here, so the next
         # stage's work is queued while the device finishes this one's.
-        pending = self.copies.retire([slot.buffer for slot in self.slots])
+        pending = self.copies.retire()
         self.ring = None  # the streamer closes it (``unload``)
         for block in self.targets:
             self._put(block, self.streamer.placeholders(block))

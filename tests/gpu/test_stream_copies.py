@@ -206,6 +206,6 @@ def test_memory_a_release_hands_back_is_written_after_the_copies_left_in_flight(
 
 def test_without_that_order_the_late_copies_overwrite_the_new_tensors(six_blocks, monkeypatch):
     """Proof that the test above can fail: the release orders nothing."""
-    monkeypatch.setattr(streamer._DeviceCopies, "retire", lambda self, buffers: self.copied())
+    monkeypatch.setattr(streamer._DeviceCopies, "retire", lambda self: self.copied())
     fills = released_with_late_copies(six_blocks, monkeypatch)
     assert not all(bool((fill == 7.0).all()) for fill in fills)

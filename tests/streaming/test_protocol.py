@@ -46,7 +46,7 @@ class LateCopies:
             destination.copy_(source)
         self.queue.clear()
 
-    def retire(self, buffers) -> object:
+    def retire(self) -> object:
         """The copies queued so far stay queued: the returned event runs them."""
         return _Pending(self)
 

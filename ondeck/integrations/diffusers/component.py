@@ -222,6 +222,7 @@ class PipelineComponent(LazyModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         answers = object.__getattribute__(self, "_ondeck_answers")
+        runtime = object.__getattribute__(self, "_ondeck_runtime")
         key = None
         if answers is not None and not self._has_adapters():
             key = answers.key(args, kwargs)
@@ -230,7 +231,6 @@ class PipelineComponent(LazyModule):
         else:
             found = answers.get(key)
             if found is not None:
-                runtime = object.__getattribute__(self, "_ondeck_runtime")
                 if runtime is not None:
                     runtime.call_ended(self, computed=False)
                 return found
@@ -239,7 +239,6 @@ class PipelineComponent(LazyModule):
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None and not module.training:  # dropout would make it random
                 answers.put(key, result, generation)
-        runtime = object.__getattribute__(self, "_ondeck_runtime")
         if runtime is not None:
             runtime.call_ended(self)  # may start the next turn, releasing this component
         return result

@@ -357,8 +357,7 @@ class DiffusersRuntime(Pipeline):
         if name is None:
             return
         self._record.touched(name)
-        if not self._in_calls:
-            self._record.used(name)
+        self._record.used(name)  # a call's own touch is followed by its end (``called``)
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
@@ -375,7 +374,6 @@ class DiffusersRuntime(Pipeline):
         super().component_called(proxy)
         if self._record is not None and threading.get_ident() == self._running_thread:
             self._in_calls += 1
-            self._record.calling(self._deferred_name(proxy))
 
     def call_ended(self, proxy: PipelineComponent, *, computed: bool = True) -> None:
         """A call of ``proxy`` returned (its answer kept, where answers are), or was
@@ -386,17 +384,18 @@ class DiffusersRuntime(Pipeline):
             return
         if computed and self._in_calls:
             self._in_calls -= 1
-        self._record.called(self._deferred_name(proxy))
-        if self._turn_done(proxy):
+        name = self._deferred_name(proxy)
+        self._record.called(name)
+        if self._turn_done(name):
             index = self._current_index + 1
             with self._deciding():
                 self._advance_to(index)
                 # As its first touch would: the turn's own component, not those it holds.
                 self.components[self.stages[index].name].materialize(complete=False)
 
-    def _turn_done(self, proxy: PipelineComponent) -> bool:
-        """Whether the turn in progress has made its last call of the run, by what the
-        last complete call showed (``TurnEnds``), with no call under way and a turn to
+    def _turn_done(self, name: str | None) -> bool:
+        """Whether the call of ``name`` that just ended was the last the turn in progress
+        makes in the run, by what the last complete call showed (``TurnEnds``), with no call under way and a turn to
         follow. A guess that proves wrong (a call calls more often than the last one of
         its kind) loads the component again for the extra call, as any use after its
         turn does."""
@@ -412,7 +411,7 @@ class DiffusersRuntime(Pipeline):
         ):
             return False
         held = [self._deferred_name(component) for component in self.stages[index].components]
-        if self._deferred_name(proxy) not in held:
+        if name not in held:
             return False
         following = self.stages[index + 1].name
         return self._turn_ends.ends(self._record, self._signature, held, following)

@@ -42,9 +42,6 @@ class CallRecord:
         if name in self.last_use:
             self.last_use[name] = "other"
 
-    def calling(self, name: str) -> None:
-        self.last_use[name] = "call"
-
     def called(self, name: str) -> None:
         """A call of ``name`` returned (or was answered from what it answered before)."""
         self.calls[name] = self.calls.get(name, 0) + 1
