@@ -81,11 +81,15 @@ def transfer_floor(row: dict) -> str:
 
 
 def eager_compute(eager: dict) -> dict[str, float]:
-    """Eager's seconds per component, the median of its runs 2+."""
-    names = {stage[0] for run in eager["runs"] for stage in run["stages"]}
+    """Eager's seconds per component, the median of its runs 2+ (none where its runs
+    kept no stages: Wan's modes run in a script of their own)."""
+    names = {stage[0] for run in eager["runs"] for stage in run.get("stages") or ()}
     return {
         name: median(
-            [sum(s[1] for s in run["stages"] if s[0] == name) for run in eager["runs"][1:]]
+            [
+                sum(s[1] for s in run.get("stages") or () if s[0] == name)
+                for run in eager["runs"][1:]
+            ]
         )
         for name in names
     }
@@ -102,6 +106,8 @@ def floor_ratio(row: dict, eager: dict | None) -> str:
     if "call_transfer_seconds" not in runs[0]:
         return "-"
     compute = eager_compute(eager)
+    if not compute:
+        return "-"
     ratios = []
     for before, run in zip(runs, runs[1:], strict=False):
         floors = {
@@ -126,6 +132,8 @@ def all_bytes_floor_ratio(row: dict, eager: dict | None) -> str:
         return "-"
     rate = sum(part["bytes_per_pass"] for part in planned.values()) / seconds
     compute = eager_compute(eager)
+    if not compute:
+        return "-"
     ratios = []
     for before, run in zip(runs, runs[1:], strict=False):
         moved = dict(before.get("call_transfer_seconds") or {})
