@@ -2,8 +2,7 @@
 
 The one place that changes what is resident: a policy returns ``Steps``, the
 executor acts on them. It owns every thread it starts (a prefetch pool, the next
-run's early load, the first-use warm-up its first load starts beside it) and joins them
-on ``close()``; the pipeline closes it. Those threads
+run's early load) and joins them on ``close()``; the pipeline closes it. Those threads
 load onto the pipeline's CUDA device as the current one: a new thread's current device
 is the first GPU, whatever the thread that started it set (``torch.cuda.set_device``
 holds per thread), and whatever uses the current device there (FSDP2 shards onto it)
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 
-from .first_use import start_warm_up
 from .lazy import wait_filled
 from .memory import free_cached_memory
 from .profiles import default_profiles
@@ -43,8 +41,6 @@ class Executor:
         self._next_run_names: tuple[str, ...] = ()
         self._next_run_error: BaseException | None = None
         self._local = threading.local()
-        self._warm_up: threading.Thread | None = None
-        self._warm_up_asked = False
 
     # -- what the policy decided ----------------------------------------------------
 
@@ -110,7 +106,6 @@ class Executor:
     def _load(self, names: Iterable[str], *, complete: bool) -> None:
         deferred = self.pipeline.deferred
         for name in names:
-            self._start_warm_up()
             if complete:
                 deferred[name].materialize()
             else:
@@ -118,24 +113,7 @@ class Executor:
 
     # -- prefetch threads -----------------------------------------------------------
 
-    def _start_warm_up(self) -> None:
-        """The first load onto a CUDA device starts the process's first-use warm-up
-        beside it (``ondeck.first_use``; ``ONDECK_WARM_UP`` chooses what, or nothing)."""
-        if self._warm_up_asked:
-            return
-        self._warm_up_asked = True
-        device = getattr(self.pipeline, "device", None)
-        if device is None or device.type != "cuda":
-            return
-        dtypes = [
-            proxy.spec.dtype
-            for proxy in self.pipeline.deferred.values()
-            if isinstance(proxy.spec.dtype, torch.dtype)
-        ]
-        self._warm_up = start_warm_up(device, dtypes)
-
     def _start_prefetch(self, name: str) -> None:
-        self._start_warm_up()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-prefetch")
         proxy = self.pipeline.deferred[name]
@@ -252,9 +230,6 @@ class Executor:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        warm_up, self._warm_up = self._warm_up, None
-        if warm_up is not None:
-            warm_up.join()
 
     # -- measurements ---------------------------------------------------------------
 
