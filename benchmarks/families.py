@@ -16,9 +16,9 @@ Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 4
 Prints, last, a table: completed or not, the policy auto chose, runs 2+ (the median of
 run 2 and later; runs 2-3 by default) / eager, run 1 / eager's run 1, runs 2+ / the
 floor (``floor_ratio``), runs 2+ / the floor counting the resident parts loaded again
-each run too (``all_bytes_floor_ratio``, "/all"), peak reserved (sampled), host peak RSS, how the last run decoded and
-the plan's transfer floor per pass where blocks stream (bytes streamed over the measured
-host-to-device rate). Writes families.json to $OUT.
+each run too (``all_bytes_floor_ratio``, "/all"), peak reserved (sampled), host peak
+RSS, how the last run decoded and the plan's transfer floor per pass where blocks stream
+(bytes streamed over the measured host-to-device rate). Writes families.json to $OUT.
 
 ``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
 host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a

@@ -48,3 +48,16 @@ def test_the_all_bytes_floor_counts_what_each_run_loads_again(families):
     # over its 1.4 s of compute by 0.1, and 1.7 s with its reload, over it by 0.3.
     assert families.floor_ratio(ondeck, eager) == f"{3.0 / 1.7:.3f}"
     assert families.all_bytes_floor_ratio(ondeck, eager) == f"{3.0 / 1.9:.3f}"
+
+
+def test_rows_whose_eager_runs_kept_no_stages_have_no_floors(families):
+    """Wan's modes keep no stages: its table shows no floor rather than failing."""
+    eager = {"runs": [{"seconds": 9.6}] * 3}
+    ondeck = {
+        "planned_streaming": {
+            "transformer": {"bytes_per_pass": 10 * GB, "predicted_seconds_per_pass": 0.2}
+        },
+        "runs": [run(10.3, loads=[("transformer", 6 * GB)])] * 3,
+    }
+    assert families.floor_ratio(ondeck, eager) == "-"
+    assert families.all_bytes_floor_ratio(ondeck, eager) == "-"

@@ -395,10 +395,10 @@ class DiffusersRuntime(Pipeline):
 
     def _turn_done(self, name: str | None) -> bool:
         """Whether the call of ``name`` that just ended was the last the turn in progress
-        makes in the run, by what the last complete call showed (``TurnEnds``), with no call under way and a turn to
-        follow. A guess that proves wrong (a call calls more often than the last one of
-        its kind) loads the component again for the extra call, as any use after its
-        turn does."""
+        makes in the run, by what the last complete call showed (``TurnEnds``), with no
+        call under way and a turn to follow. A guess that proves wrong (a call calls more
+        often than the last one of its kind) loads the component again for the extra
+        call, as any use after its turn does."""
         index = self._current_index
         if (
             index is None
