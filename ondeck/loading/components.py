@@ -50,8 +50,11 @@ class ComponentLoader(FolderLoader):
     a destination of its shape and dtype, casts included), for tensors it reads from the
     files itself. Block streaming keeps streamed blocks in host memory this way, or reads
     them from the files each pass (``ondeck.streaming``). A pipelined load with a
-    placement reads the placement's tensors first, then fills the device-resident blocks
-    behind the compute.
+    placement first asks its ``fill_later()``, where it has one and no other placement's
+    host-cache entry holds the tensors: the placement then fills its own tensors after
+    ``finish`` (block streaming, behind the first pass). Otherwise it reads the
+    placement's tensors first; either way it fills the device-resident blocks behind the
+    compute.
 
     ``storage_dtype`` (e.g. ``"fp8"``): keep the layers diffusers' layerwise casting
     would cast in that dtype, cast chunk by chunk as they are read, and upcast each to
@@ -186,6 +189,10 @@ class ComponentLoader(FolderLoader):
         try:
             sources = match_tensors(template, tensors, self.name, self.folder.directory(self.name))
             key, raw, other = self._cached(tensors, placement)
+            if other is None and hasattr(placement, "fill_later"):
+                # Its host copies filled behind the compute, block by block, rather than
+                # before it (copies from another placement's entry are made here still).
+                placement.fill_later()
             on_device: list[int] = []  # the sources read into device tensors, as jobs
             allocating = time.perf_counter()
             jobs, values, placed = _allocate(

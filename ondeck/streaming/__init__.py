@@ -22,8 +22,9 @@ from .layout import (
     plan_streaming,
     stream_layout,
 )
+from .packing import describe_blocks
 from .pipeline import BlockStreaming, StreamOptions
-from .streamer import BlockStreamer, StreamStats, describe_blocks, find_block_lists, find_blocks
+from .streamer import BlockStreamer, StreamStats, find_block_lists, find_blocks
 
 __all__ = [
     "BlockSizes",

@@ -33,7 +33,8 @@ from .layout import (
     StreamingInputs,
     StreamLayout,
 )
-from .streamer import BlockStreamer, describe_blocks, find_block_lists
+from .packing import describe_blocks
+from .streamer import BlockStreamer, find_block_lists
 
 __all__ = ["BlockStreaming", "StreamOptions"]
 

@@ -25,9 +25,11 @@ from ..loading.blocks import BlockLists, find_block_lists, find_blocks
 from .file_reads import FileReads
 from .file_ring import FileRing
 from .host import HostCopies
-from .layout import BlockSizes, StreamLayout, packed_offsets
+from .host_fill import HostFill
+from .layout import BlockSizes, StreamLayout
+from .packing import PackedTensor, packed_view
 
-__all__ = ["BlockStreamer", "StreamStats", "describe_blocks", "find_block_lists", "find_blocks"]
+__all__ = ["BlockStreamer", "StreamStats", "find_block_lists", "find_blocks"]
 
 
 @dataclass
@@ -38,60 +40,6 @@ class StreamStats:
     host_bytes_read: int = 0  # read from files into host copies
     file_bytes_read: int = 0  # read from the files each pass (blocks without a host copy)
     file_read_seconds: float = 0.0  # the time those reads took
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """One tensor of a block: where it sits in the block's packed buffer."""
-
-    names: tuple[str, ...]  # full names in the component; several when tied
-    offset: int
-    nbytes: int
-    dtype: Any
-    shape: tuple[int, ...]
-    is_parameter: bool
-    requires_grad: bool
-    wrap: Any = None  # makes a view into the module's tensor (a GGUF parameter); None: plain
-
-
-def describe_blocks(
-    skeleton: Any, lists: BlockLists | str
-) -> tuple[BlockSizes, tuple[tuple[_Tensor, ...], ...]]:
-    """Bytes per block and each block's packed tensor layout, from a meta skeleton.
-
-    ``lists``: the component's lists of blocks (a path names one), numbered jointly."""
-    if isinstance(lists, str):
-        lists = BlockLists((lists,), (len(skeleton.module.get_submodule(lists)),))
-    count = lists.block_count
-    members: list[list[Any]] = [[] for _ in range(count)]
-    for slot in skeleton.slots:
-        index = lists.index(slot.names)
-        if index is not None:
-            members[index].append(slot)
-    tensors, block_bytes, packed = [], [], []
-    for slots in members:
-        offsets, end = packed_offsets([slot.nbytes for slot in slots])
-        tensors.append(
-            tuple(
-                _Tensor(
-                    tuple(slot.names),
-                    offset,
-                    slot.nbytes,
-                    slot.dtype,
-                    tuple(slot.shape),
-                    slot.is_parameter,
-                    slot.requires_grad,
-                    slot.wrap,
-                )
-                for slot, offset in zip(slots, offsets, strict=True)
-            )
-        )
-        block_bytes.append(sum(slot.nbytes for slot in slots))
-        packed.append(end)
-    other = skeleton.nbytes - sum(block_bytes)
-    list_counts = lists.counts if len(lists.counts) > 1 else ()
-    sizes = BlockSizes(str(lists), tuple(block_bytes), tuple(packed), other, list_counts)
-    return sizes, tuple(tensors)
 
 
 class BlockStreamer:
@@ -107,7 +55,7 @@ class BlockStreamer:
         self,
         component: str,
         sizes: BlockSizes,
-        tensors: tuple[tuple[_Tensor, ...], ...],
+        tensors: tuple[tuple[PackedTensor, ...], ...],
         device: Any,
         *,
         keep_host_copies: bool = True,
@@ -157,6 +105,13 @@ class BlockStreamer:
         # reads into (and arms the module on) must not be dropped meanwhile.
         self._loading = False
         self._reading = 0
+        # ``fill_later``: the next load leaves the streamed blocks' unfilled host copies
+        # to a ``HostFill`` started once the module is armed. ``_deferred``: the blocks
+        # that load left; ``_stand_in``: memory their tensors view until the arming.
+        self._fill_later = False
+        self._deferred: set[int] = set()
+        self._stand_in: Any = None
+        self._host_fill: HostFill | None = None
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -255,6 +210,14 @@ class BlockStreamer:
         """Distinguishes host-cache entries of differently placed loads of one component."""
         return ("streamed blocks", self.path, self.layout.streamed if self.layout else ())
 
+    def fill_later(self) -> None:
+        """Let the next load hand the module over before the streamed blocks' host copies
+        hold their weights: once it is armed, a thread fills them in the order they stream
+        (``HostFill``), and each block's first copy to the device waits for its own. For a
+        pipelined load, whose compute starts while the rest arrives."""
+        with self._lock:
+            self._fill_later = True
+
     def destination(self, slot: Any) -> tuple[Any, bool] | None:
         """Where a tensor of a streamed block goes (a host view), and whether it is there
         already; None for every other tensor (it goes to the device as usual). Under the
@@ -269,9 +232,13 @@ class BlockStreamer:
             if block in self._from_files:
                 # Read each pass, never at the load: until the module is armed its tensors
                 # view the ring (then they view the device slots, as every streamed block).
-                return _view(self._file_ring().stand_in(), tensor), True
-            view = _view(self._host.region(block), tensor)
+                return packed_view(self._file_ring().stand_in(), tensor), True
             filled = block in self._host.filled
+            if self._fill_later and not filled:
+                # Filled after the arming; never computed on before (as above).
+                self._deferred.add(block)
+                return packed_view(self._stand_in_memory(), tensor), True
+            view = packed_view(self._host.region(block), tensor)
             if not filled:
                 self._reading += tensor.nbytes
             return view, filled
@@ -280,7 +247,7 @@ class BlockStreamer:
         """How the loader reads ``slot``'s tensor from the files into a destination of its
         shape and dtype: kept for the blocks read from the files each pass."""
         found = self._by_name.get(slot.names[0])
-        if found is not None and found[0] in self._from_files:
+        if found is not None and (found[0] in self._from_files or found[0] in self._deferred):
             self._file_sources.setdefault(found[0], {})[slot.names[0]] = jobs_for
 
     def read_block(self, block: int, buffer: Any) -> int:
@@ -289,9 +256,51 @@ class BlockStreamer:
         jobs = [
             job
             for tensor in self._tensors[block]
-            for job in sources[tensor.names[0]](_view(buffer, tensor))
+            for job in sources[tensor.names[0]](packed_view(buffer, tensor))
         ]
         return reads.read_into(jobs, progress=False, component=self.component).nbytes
+
+    def _stand_in_memory(self) -> Any:
+        import torch
+
+        if self._stand_in is None:
+            # Never written or read: its pages are not touched, so it takes no memory.
+            nbytes = max(self.sizes.packed_bytes[b] for b in self._streamed)
+            self._stand_in = torch.empty(nbytes, dtype=torch.uint8)
+        return self._stand_in
+
+    def _fill_block(self, block: int) -> None:
+        """Read one deferred block into its host copy (``HostFill``'s thread)."""
+        nbytes = self.read_block(block, self._host.region(block))
+        self._host.filled.add(block)
+        self.stats.host_bytes_read += nbytes
+
+    def region_ready(self, block: int) -> bool:
+        """Whether the block's host copy holds its weights (its fill may be under way)."""
+        if block not in self._deferred:
+            return True
+        fill = self._host_fill
+        return fill is not None and fill.ready(block)
+
+    def filled_region(self, block: int) -> Any:
+        """The block's host copy, once it holds its weights."""
+        fill = self._host_fill
+        if fill is not None and block in self._deferred:
+            fill.wait(block)
+        return self._host.region(block)
+
+    def _end_fill(self, *, stop: bool) -> None:
+        """Wait for the host copies' filling to end (never under the lock: it waits for
+        the filling's thread); ``stop``: after the block in flight, leaving the blocks it
+        did not reach unfilled."""
+        fill, self._host_fill = self._host_fill, None
+        if fill is not None:
+            fill.stop() if stop else fill.join()
+        with self._lock:
+            self._deferred.clear()
+            self._file_sources = {
+                b: sources for b, sources in self._file_sources.items() if b in self._from_files
+            }
 
     def _file_ring(self) -> FileRing:
         if self._ring is None:
@@ -334,23 +343,32 @@ class BlockStreamer:
         with self._lock:
             if self._armed is not None:
                 self._left_in_flight(self._armed.detach())
+            self._fill_later, self._stand_in = False, None
             self._armed = _Armed(self, module)
+            deferred = [b for b in self.layout.streamed if b in self._deferred]
+            if deferred:
+                self._host_fill = HostFill(self.component, deferred, self._fill_block)
             self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
-            self._host.filled.update(self._streamed - self._from_files)
+            self._host.filled.update(self._streamed - self._from_files - self._deferred)
             self.stats.host_bytes_read += self._reading
             self._reading = 0
 
     def abort(self) -> None:
         """The load failed: forget host regions it left half filled."""
+        self._end_fill(stop=True)
         with self._lock:
             self._loading = False
             self._reading = 0
+            self._fill_later, self._stand_in = False, None
+            self._deferred.clear()
             self._host.drop_unfilled()
             self._close_ring()
 
     def unload(self, module: Any) -> None:
-        """The component is being released: slots and hooks go; host copies stay if kept."""
+        """The component is being released: slots and hooks go; host copies stay if kept
+        (a filling still under way ends first)."""
+        self._end_fill(stop=not self.keep_host_copies)
         with self._lock:
             armed, self._armed = self._armed, None
             if armed is not None:
@@ -394,14 +412,8 @@ class BlockStreamer:
             self._placeholders[block] = made
         return made
 
-    def block_tensors(self, block: int) -> tuple[_Tensor, ...]:
+    def block_tensors(self, block: int) -> tuple[PackedTensor, ...]:
         return self._tensors[block]
-
-
-def _view(buffer: Any, tensor: _Tensor) -> Any:
-    return (
-        buffer[tensor.offset : tensor.offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-    )
 
 
 class _DeviceCopies:
@@ -528,10 +540,11 @@ class _Armed:
         blocks = streamer.lists.modules(module)
         self.targets: dict[int, list[tuple[Any, str, bool]]] = {}
         self.from_files = streamer.from_files
+        # A block whose host copy is still being filled gets its source at its first copy.
         self.sources = {
             block: streamer.host_region(block)
             for block in self.order
-            if block not in self.from_files
+            if block not in self.from_files and streamer.region_ready(block)
         }
         self.ring = streamer.ring() if self.from_files else None
         if self.ring is not None:
@@ -664,6 +677,8 @@ class _Armed:
                 continue
             if upcoming in self.from_files and not self.ring.ready(upcoming):
                 return
+            if upcoming not in self.sources and not self.streamer.region_ready(upcoming):
+                return  # its host copy is still being filled: as for the files' reads
             slot = self._free_slot()
             if slot is None:
                 return
@@ -672,6 +687,8 @@ class _Armed:
     def _issue(self, block: int, slot: _Slot) -> None:
         nbytes = self.nbytes[block]
         source = self.sources.get(block)
+        if source is None and block not in self.from_files:
+            source = self.sources[block] = self.streamer.filled_region(block)
         if source is None:  # read from the files: its bytes come through the ring
             source = self.ring.take(block)  # raises what a read raised: the slot stays as it was
             slot.block, slot.used = block, False
@@ -698,7 +715,7 @@ class _Armed:
         values = []
         with torch.inference_mode(False):
             for tensor in self.streamer.block_tensors(block):
-                view = _view(slot.buffer, tensor)
+                view = packed_view(slot.buffer, tensor)
                 if tensor.wrap is not None:
                     view = tensor.wrap(view)
                 elif tensor.is_parameter:

@@ -50,3 +50,19 @@ def transformer_blocks(folder: Path):
 def budget_keeping(sizes, resident: int, slots: int = 2) -> int:
     """The budget under which exactly ``resident`` blocks fit beside the slots."""
     return sizes.other_bytes + resident * max(sizes.block_bytes) + slots * max(sizes.packed_bytes)
+
+
+@pytest.fixture
+def file_reads(monkeypatch) -> list[str]:
+    """Names of the tensors read from the files, in order."""
+    from ondeck.loading import reads
+
+    names: list[str] = []
+    real = reads.read_into
+
+    def read_into(jobs, **kwargs):
+        names.extend(job.info.name for job in jobs)
+        return real(jobs, **kwargs)
+
+    monkeypatch.setattr(reads, "read_into", read_into)
+    return names

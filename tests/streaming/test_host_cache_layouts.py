@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ondeck.loading import ComponentLoader, HostCache, reads
+from ondeck.loading import ComponentLoader, HostCache
 from ondeck.streaming import BlockStreamer, StreamLayout, describe_blocks, find_blocks
 
 from .test_protocol import inputs
@@ -20,20 +20,6 @@ def cache(monkeypatch):
     """A host cache that serves CPU loads (it refuses them otherwise), so its path runs."""
     monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
     return HostCache(budget_bytes=2**30, pin=False)
-
-
-@pytest.fixture
-def file_reads(monkeypatch) -> list[str]:
-    """Names of the tensors read from the files, in order."""
-    names: list[str] = []
-    real = reads.read_into
-
-    def read_into(jobs, **kwargs):
-        names.extend(job.info.name for job in jobs)
-        return real(jobs, **kwargs)
-
-    monkeypatch.setattr(reads, "read_into", read_into)
-    return names
 
 
 def layout(sizes, streamed: tuple[int, ...]) -> StreamLayout:
