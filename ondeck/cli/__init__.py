@@ -154,6 +154,14 @@ def console() -> int:
     return code
 
 
+def _no_progress_monitor() -> None:
+    """No tqdm monitor thread: a command's bars do not need it, and a Ctrl-C that lands
+    while it starts makes tqdm print a warning beside the interrupt's one line."""
+    from tqdm import std
+
+    std.tqdm.monitor_interval = 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Errors are one line on stderr: status 2 for a wrong argument,
     1 for any other failure, 130 for Ctrl-C; ``--debug`` or ``ONDECK_DEBUG=1`` shows
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     finished = False
     try:
         args = build_parser().parse_args(arguments)
+        _no_progress_monitor()
         with _warnings_as_lines(debug):
             code = _runner(args.command)(args)
         finished = True
