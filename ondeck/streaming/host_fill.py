@@ -59,12 +59,6 @@ class HostFill:
             self._stopping = True
             self._condition.notify_all()
 
-    @property
-    def done(self) -> bool:
-        """Every block is filled."""
-        with self._condition:
-            return len(self._done) == len(self.blocks)
-
     def ready(self, block: int) -> bool:
         with self._condition:
             return block in self._done

@@ -294,8 +294,10 @@ class BlockStreamer:
         the filling's thread); ``stop``: after the block in flight, leaving the blocks it
         did not reach unfilled."""
         fill, self._host_fill = self._host_fill, None
-        if fill is not None:
-            fill.stop() if stop else fill.join()
+        if fill is not None and stop:
+            fill.stop()
+        elif fill is not None:
+            fill.join()
         with self._lock:
             self._deferred.clear()
             self._file_sources = {
@@ -345,14 +347,14 @@ class BlockStreamer:
                 self._left_in_flight(self._armed.detach())
             self._fill_later, self._stand_in = False, None
             self._armed = _Armed(self, module)
-            deferred = [b for b in self.layout.streamed if b in self._deferred]
-            if deferred:
-                self._host_fill = HostFill(self.component, deferred, self._fill_block)
             self._loading = False
             # Blocks read from the files each pass have no host copy to fill.
             self._host.filled.update(self._streamed - self._from_files - self._deferred)
             self.stats.host_bytes_read += self._reading
             self._reading = 0
+            deferred = [b for b in self.layout.streamed if b in self._deferred]
+            if deferred:  # started last: its thread adds to the counts above
+                self._host_fill = HostFill(self.component, deferred, self._fill_block)
 
     def abort(self) -> None:
         """The load failed: forget host regions it left half filled."""
@@ -361,7 +363,6 @@ class BlockStreamer:
             self._loading = False
             self._reading = 0
             self._fill_later, self._stand_in = False, None
-            self._deferred.clear()
             self._host.drop_unfilled()
             self._close_ring()
 
