@@ -19,6 +19,9 @@ floor (``floor_ratio``), runs 2+ / the floor counting the resident parts loaded 
 each run too (``all_bytes_floor_ratio``, "/all"), peak reserved (sampled), host peak
 RSS, how the last run decoded and the plan's transfer floor per pass where blocks stream
 (bytes streamed over the measured host-to-device rate). Writes families.json to $OUT.
+Each process keeps activation profiles in a fresh folder, so its run 1 is a first-ever
+run; ``--profiles DIR`` shares DIR between processes and calls, so a run 1 plans with the
+peaks an earlier process measured at its shape, as a later ``ondeck generate`` does.
 
 ``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
 host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a
@@ -40,6 +43,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -609,6 +613,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--host-memory", default="", help="host budgets in GiB, e.g. 32,16")
     parser.add_argument("--cgroup", default="", help="host budgets in GiB as a cgroup's memory.max")
+    parser.add_argument(
+        "--profiles",
+        help="a folder every ondeck process keeps its activation profiles in (ONDECK_CACHE): "
+        "run 1 plans with the peaks an earlier process measured at the same shape; "
+        "default: a fresh folder per process, so run 1 is a first-ever run",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -693,8 +703,10 @@ def main() -> None:
                 )
                 print(f"cgroup {host_gib:g} GiB: not made here ({error})")
                 continue
+        profiles = args.profiles or tempfile.mkdtemp(prefix="ondeck-bench-cache-")
+        os.environ["ONDECK_CACHE"] = profiles
         row = run_child(command, timeout=args.timeout, cgroup=cgroup)
-        row.update(mode=mode, card=card)
+        row.update(mode=mode, card=card, profiles="kept" if args.profiles else "fresh")
         if host_gib:
             row["host_label"] = f"{'cgroup' if in_cgroup else 'flag'} {host_gib:g}G"
             row["host_budget_bytes"] = int(host_gib * GiB)

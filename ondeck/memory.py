@@ -71,6 +71,17 @@ def resolve_device(device: Any = None) -> Any:
     return device
 
 
+def device_name(device: Any) -> str:
+    """The device's model name for a CUDA device ("NVIDIA H100 80GB HBM3"), else its type:
+    what measured activation profiles are kept apart by."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
 def host_available_bytes() -> int:
     import psutil
 

@@ -156,9 +156,10 @@ class Policy:
         stored, note = dict(snapshot.stored_activation), snapshot.stored_note
         if self.distrust_stored:
             stored, note = {}, "activations: stored profile set aside, measuring again"
-        measured = {} if note else snapshot.measured_activation
+        alone = bool(note) and not snapshot.measured_beside_stored
+        measured = {} if alone else snapshot.measured_activation
         known = {**measured, **stored}
-        bounded = {} if note else self.usable_bounds(snapshot)
+        bounded = {} if alone else self.usable_bounds(snapshot)
         bounded = {stage: b for stage, b in bounded.items() if stage not in known}
         needs = {use.name: known.get(use.name, bounded.get(use.name)) for use in snapshot.uses}
         added = self.allocator_reserves(snapshot, needs)

@@ -24,7 +24,7 @@ from .embedded import default_cache_dir
 from .errors import OndeckError
 from .memory import format_bytes
 
-__all__ = ["ActivationProfiles", "default_profiles", "PROFILE_FILE_NAME"]
+__all__ = ["ActivationProfiles", "default_profiles", "plausible_shape", "PROFILE_FILE_NAME"]
 
 PROFILE_FILE_NAME = "activation-profiles.json"
 FORMAT = "ondeck-activation-profiles"
@@ -63,7 +63,7 @@ def _plausible_bytes(value: Any) -> bool:
     )
 
 
-def _plausible_shape(shape: dict[str, Any]) -> bool:
+def plausible_shape(shape: dict[str, Any]) -> bool:
     """Every value a key of ``shape`` may hold: a side, frame count or batch within what
     a run accepts (an absurd one would be extrapolated from), a device name, a flag."""
     for key, value in shape.items():
@@ -101,7 +101,7 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
             if not isinstance(shape, dict) or not isinstance(stages, dict):
                 dropped += 1
                 continue
-            if not _plausible_shape(shape):
+            if not plausible_shape(shape):
                 dropped += 1
                 continue
             if _shape_key(shape) != key:

@@ -42,6 +42,10 @@ class Snapshot:
     stored_activation: Mapping[str, int] = field(default_factory=dict)
     stored_note: str = ""
     measured_activation: Mapping[str, int] = field(default_factory=dict)
+    # Whether the peaks this process measured stand beside the stored ones (each fills
+    # what the other lacks, a stored one counting where both hold a stage), rather than
+    # the stored profile alone counting once a pipeline looks one up.
+    measured_beside_stored: bool = False
     # Stages never measured exactly, each with the most its activations can be
     # (``MemoryTracker.activation_bounds``).
     activation_bounds: Mapping[str, int] = field(default_factory=dict)

@@ -34,7 +34,7 @@ from ..loading import (
 from ..loading.options import DeviceChoice, StorageChoice
 from ..loading.quantized import quantization_method
 from ..loading.sharded import ShardedComponentLoader, check_shard
-from ..memory import resolve_device
+from ..memory import device_name, resolve_device
 from ..parallel import ContextParallel, resolve_parallel
 from ..policy import Policy
 from ..recency import LeastRecentlyUsed
@@ -448,7 +448,7 @@ class WanTextToVideo(Pipeline):
             "width": state["width"],
             "frames": state["num_frames"],
             "guidance": state["guidance_scale"] > 1.0,
-            "device": _device_name(self.device),
+            "device": device_name(self.device),
             # Each rank's activations are its slice's: a different profile per degree.
             **({"context_parallel": self.parallel.degree} if self.parallel is not None else {}),
         }
@@ -533,12 +533,6 @@ class WanTextToVideo(Pipeline):
             "progress": progress,
         }
         return self(state)["frames"]
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(device)
-    return device.type
 
 
 def is_wan_folder(model_index: dict) -> bool:

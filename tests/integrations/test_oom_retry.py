@@ -142,3 +142,26 @@ def test_a_retry_after_a_learned_call_counts_only_its_own_calls(folder, monkeypa
     assert pipe.ondeck.tracker.calls_per_run == learned
     after = {name: proxy.load_count - loads[name] for name, proxy in pipe.ondeck.deferred.items()}
     assert after["text_encoder"] <= 2 and after["transformer"] <= 2, after
+
+
+def test_a_stored_peak_that_proves_too_small_is_run_again_with_more_room(
+    folder, monkeypatch, tmp_path
+):
+    """A peak an earlier process stored for this call (a smaller card's, an older
+    version's) counts at least the room kept once the turn runs out of memory."""
+    from ondeck.profiles import ActivationProfiles
+
+    store = ActivationProfiles(tmp_path / "profiles.json")
+    monkeypatch.setattr("ondeck.profiles._default", store)
+    measured = open_pipe(folder, policy="release")
+    expected = frames(measured)
+    store.record(measured.ondeck.profile_model, measured.ondeck.run_shape, "transformer", 1)
+    card_where_the_transformer_just_fits(monkeypatch, folder)
+    pipe = open_pipe(folder)
+    running_out(monkeypatch, times=1)
+
+    with pytest.warns(UserWarning, match="transformer ran out of memory"):
+        got = frames(pipe)
+
+    assert np.array_equal(got, expected)
+    assert "transformer" in pipe.ondeck.plan().streamed

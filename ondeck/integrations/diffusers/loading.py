@@ -35,6 +35,7 @@ from ...loading.skeleton import SkeletonBuildError, is_model_container, library_
 from ...memory import resolve_device
 from ...parallel import ContextParallel, resolve_parallel, split_sequences
 from ...policy import Policy
+from .call_shape import profile_identity
 from .component import PipelineComponent, is_plain_value
 from .encodings import caches_answers
 from .pipeline_class import ondeck_pipeline_class
@@ -118,17 +119,39 @@ def from_pretrained(
     if parallel is not None:
         split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
+    identity = _identity(type(pipe), path, dtype, stored, components, loras, parallel, kwargs)
     options = dict(policy=policy, budget=budget, prefetch=prefetch, host_memory=host_memory)
-    containers = tuple(found.containers)
-    pipe.ondeck = DiffusersRuntime(
-        pipe, found.deferred, device=device, containers=containers, **options
-    )
+    options.update(device=device, containers=tuple(found.containers), profile_model=identity)
+    pipe.ondeck = DiffusersRuntime(pipe, found.deferred, **options)
     pipe.ondeck.parallel = parallel
     if prompt_cache:
         keep_encoders_answers(found.deferred)
     if loras:
         load_loras(pipe, loras)
     return pipe
+
+
+def _identity(
+    pipeline_class: type,
+    path: Path,
+    dtype: Any,
+    stored: Mapping[str, Any],
+    components: Mapping[str, Any] | None,
+    loras: Sequence[Any],
+    parallel: ContextParallel | None,
+    given: Mapping[str, Any],
+) -> str:
+    """The model the pipeline's activation profiles are stored under (``call_shape``)."""
+    return profile_identity(
+        pipeline_class,
+        path,
+        dtype,
+        storage=stored,
+        components=components,
+        given=[name for name, value in given.items() if isinstance(value, torch.nn.Module)],
+        loras=loras,
+        parallel_degree=parallel.degree if parallel is not None else None,
+    )
 
 
 def _opened(

@@ -29,6 +29,7 @@ from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
+from .call_shape import call_profile_shape, call_sizes
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
 from .turns import CallRecord, TurnEnds, call_signature
@@ -121,8 +122,12 @@ class DiffusersRuntime(Pipeline):
         prefetch: bool = True,
         containers: tuple[str, ...] = (),
         host_memory: int | str | None = None,
+        profile_model: str | None = None,
     ):
         self.pipe = pipe
+        # The model its activation profiles are stored under (``call_shape``); None
+        # stores and looks up none.
+        self.profile_model = profile_model
         # Pipeline attributes that hold deferred models without being one themselves
         # (a MultiControlNetModel): hidden from diffusers code that would walk them.
         self.containers = containers
@@ -233,8 +238,12 @@ class DiffusersRuntime(Pipeline):
             # What the call leaves out is what it makes: the decode is sized for it.
             if self._own_sizes is None:
                 self._own_sizes = own_call_sizes(self.pipe)
-            self._call_arguments = {**self._own_sizes, **_sizes_of(kwargs)}
+            self._call_arguments = {**self._own_sizes, **call_sizes(kwargs)}
             self._signature = call_signature(args, kwargs)
+            if self.profile_model is not None:
+                self._profile_shape = call_profile_shape(
+                    args, kwargs, self._call_arguments, self.device
+                )
             self._watch_host()
             try:
                 self._begin_call()
@@ -277,7 +286,11 @@ class DiffusersRuntime(Pipeline):
             return False
         stage = self.stages[index].name
         before = self.plan()
-        known = self.snapshot().measured_activation.get(stage) or 0
+        snapshot = self.snapshot()
+        known = max(
+            snapshot.measured_activation.get(stage) or 0,
+            snapshot.stored_activation.get(stage) or 0,
+        )
         self._oom_room[stage] = max(2 * known, int(budget * OOM_FIRST_ROOM_FRACTION))
         if isinstance(self.policy, AutoBudgetPolicy):
             # What ran out was planned with the first run's reserve: keep it.
@@ -296,23 +309,29 @@ class DiffusersRuntime(Pipeline):
         """The pipeline's snapshot, with each VAE's decode need where none is measured:
         from the call's frame size, so the plan holds room for it (or for its tiles)
         before the first decode, and prefetches beside it only what fits. A turn that ran
-        out of memory counts at least the room kept for it since."""
+        out of memory counts at least the room kept for it since. Peaks stored for the
+        call's shape (``call_shape``) count beside those measured in this process."""
         snapshot = super().snapshot(**options)
-        known = snapshot.measured_activation
+        known, stored = snapshot.measured_activation, snapshot.stored_activation
         expected = {
             stage: room for stage, room in self._oom_room.items() if room > (known.get(stage) or 0)
         }
         for name, decoder in self.decoders.items():
-            if name in known or self._turn_index(name) is None:
+            if name in known or name in stored or self._turn_index(name) is None:
                 continue
             if decoder.style is None and decoder.bytes_per_element is None:
                 continue  # an estimate alone never refuses a VAE that cannot tile
             need = decoder.expected_need(self._call_arguments)
             if need:
                 expected[name] = max(need, expected.get(name, 0))
-        if not expected:
-            return snapshot
-        return dataclasses.replace(snapshot, measured_activation={**known, **expected})
+        # The room kept since a turn ran out of memory is a floor for a stored peak too.
+        floored = {stage: max(n, self._oom_room.get(stage, 0)) for stage, n in stored.items()}
+        return dataclasses.replace(
+            snapshot,
+            measured_activation={**known, **expected},
+            stored_activation=floored,
+            measured_beside_stored=True,
+        )
 
     def output_host_bytes(self) -> int:
         """The call's decoded output in host memory, from the frame size, frames and
@@ -513,6 +532,22 @@ class DiffusersRuntime(Pipeline):
             self._turns = turns
             self._rebuild_stages()
 
+    def set_plan_shape(
+        self, *, height: int | None = None, width: int | None = None, frames: int | None = None
+    ) -> None:
+        """The call ``plan()`` plans for before one is made (``ondeck plan``): the
+        pipeline's own sizes but those given (frames only for a video pipeline). Its
+        activations are the nearest stored call's of this model, scaled to its size."""
+        sizes = dict(own_call_sizes(self.pipe))
+        parameters = inspect.signature(type(self.pipe).__call__).parameters
+        given = {"height": height, "width": width}
+        if frame_count_argument(parameters):
+            given["num_frames"] = frames
+        sizes.update({key: value for key, value in given.items() if value})
+        self._call_arguments = sizes
+        if self.profile_model is not None:
+            self._profile_shape = call_profile_shape((), {}, sizes, self.device)
+
     # -- what the call is about to see --------------------------------------------------
 
     def place(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
@@ -567,6 +602,7 @@ class DiffusersRuntime(Pipeline):
             return
         self.check_assignment(name, value)
         self.cancel_prefetch_quietly()
+        self.profile_model = None  # the peaks stored under its name were the old one's
         self.components[name] = value  # releases the old proxy and stops observing it
         self.decoders.pop(name, None)
         if issubclass(type(old), PipelineComponent) and old.ondeck_runtime is self:
@@ -698,15 +734,6 @@ class DiffusersRuntime(Pipeline):
 # Keyword arguments of the call that the one check bounds, as it does the named ones.
 _CHECKED_KEYWORDS = ("num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
 
-# The call arguments that size a decode; nothing else of a call is kept past it.
-_SIZE_ARGUMENTS = (
-    "height",
-    "width",
-    "num_frames",
-    "num_videos_per_prompt",
-    "num_images_per_prompt",
-)
-
 
 def warn_if_truncated(pipe: Any, prompt: Any, parameters: Any, arguments: dict) -> None:
     """``warn_if_cut`` with the tokenizer of the pipeline's ``max_sequence_length``: its
@@ -750,17 +777,3 @@ def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, t
 def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
     for generator, state in states:
         generator.set_state(state)
-
-
-def _sizes_of(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The plain numbers of ``arguments`` that size the decode, and the prompt count: a
-    tensor passed to the call (prompt embeddings, an image) is never held after it."""
-    sizes = {
-        key: arguments[key]
-        for key in _SIZE_ARGUMENTS
-        if isinstance(arguments.get(key), int) and not isinstance(arguments.get(key), bool)
-    }
-    prompt = arguments.get("prompt")
-    if isinstance(prompt, list) and all(isinstance(item, str) for item in prompt):
-        sizes["prompt"] = [""] * len(prompt)
-    return sizes

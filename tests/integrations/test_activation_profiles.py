@@ -1,0 +1,152 @@
+"""Activation peaks on the diffusers path are stored per model and call shape, so the
+first call of a later process plans with what an earlier one measured. On the CPU, whose
+device has no peak to measure, each finished turn is handed what a CUDA run would
+measure (as in ``tests/core/test_profiles.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from streaming.conftest import build_six_block_folder
+
+import ondeck.diffusers
+from ondeck.integrations.diffusers.call_shape import call_profile_shape, profile_identity
+from ondeck.profiles import ActivationProfiles
+
+CALL = dict(prompt="a fox", height=16, width=16, num_frames=5, num_inference_steps=2)
+MEASURED = {"text_encoder": 3_000, "transformer": 7_000, "vae": 5_000}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_six_block_folder(tmp_path_factory.mktemp("profiles") / "wan")
+
+
+@pytest.fixture
+def store(monkeypatch, tmp_path):
+    """A fresh profile file; ``store.reopen()`` reads it as a new process would."""
+
+    class Store:
+        path = tmp_path / "profiles.json"
+
+        def reopen(self) -> ActivationProfiles:
+            profiles = ActivationProfiles(self.path)
+            monkeypatch.setattr("ondeck.profiles._default", profiles)
+            return profiles
+
+    store = Store()
+    store.reopen()
+    return store
+
+
+def open_pipe(monkeypatch, folder, **options):
+    """The folder through ``from_pretrained``; each finished turn measures ``MEASURED``,
+    and the activation needs each call's first plan starts from are kept in ``needs``."""
+    pipe = ondeck.diffusers.from_pretrained(
+        folder, dtype=torch.float32, device="cpu", progress=False, **options
+    )
+    pipe.set_progress_bar_config(disable=True)
+    runtime = pipe.ondeck
+    measured = runtime._stage_measured
+
+    def with_activations(index, record):
+        nbytes = MEASURED.get(record.stage)
+        measured(index, dataclasses.replace(record, activation_bytes=nbytes))
+
+    monkeypatch.setattr(runtime, "_stage_measured", with_activations)
+    runtime.needs = []
+    before_run = runtime._before_run
+
+    def noting_needs():
+        runtime.needs.append(runtime.policy.activation_needs(runtime.snapshot()))
+        before_run()
+
+    monkeypatch.setattr(runtime, "_before_run", noting_needs)
+    return pipe
+
+
+def run(pipe, seed: int = 0, **overrides):
+    arguments = {**CALL, "generator": torch.Generator().manual_seed(seed), **overrides}
+    return pipe(**arguments, output_type="np").frames[0]
+
+
+def test_a_later_process_plans_its_first_call_with_the_peaks_measured(monkeypatch, folder, store):
+    first = open_pipe(monkeypatch, folder)
+    expected = run(first)
+    needs, note = first.ondeck.needs[0]
+    assert "unknown" in note and needs["transformer"] is None
+    entries = store.reopen().entries()
+    assert len(entries) == 1 and entries[0][2] == MEASURED
+    model, _, _ = entries[0]
+    assert model.startswith("WanPipeline:") and str(folder.resolve()) in model
+
+    later = open_pipe(monkeypatch, folder)  # a new process, the same file
+    frames = run(later)
+    needs, note = later.ondeck.needs[0]
+    assert note == "activations: measured at this shape"
+    assert {stage: needs[stage] for stage in MEASURED} == MEASURED
+    assert frames.tobytes() == expected.tobytes()
+
+
+def test_another_frame_size_is_stored_apart_and_scaled_until_measured(monkeypatch, folder, store):
+    run(open_pipe(monkeypatch, folder))
+    later = open_pipe(monkeypatch, folder)
+    run(later, height=32, width=32)
+    _, note = later.ondeck.needs[0]
+    assert note.startswith("activations: extrapolated from")
+    assert len(store.reopen().entries()) == 2
+
+
+def test_a_replaced_component_neither_uses_nor_stores_peaks(monkeypatch, folder, store):
+    run(open_pipe(monkeypatch, folder))
+    later = open_pipe(monkeypatch, folder)
+    from diffusers import AutoencoderKLWan
+
+    later.vae = AutoencoderKLWan.from_pretrained(folder / "vae")  # passed in ready-made
+    run(later)
+    needs, note = later.ondeck.needs[0]
+    assert "measured at this shape" not in note and needs["transformer"] is None
+    assert len(store.reopen().entries()) == 1
+
+
+def test_the_call_shape_ignores_steps_and_seeds_but_not_sizes_or_settings():
+    def shape(**changes):
+        arguments = {**CALL, "generator": torch.Generator(), "output_type": "np", **changes}
+        sizes = {k: arguments[k] for k in ("height", "width", "num_frames")}
+        return call_profile_shape((), arguments, sizes, "cpu")
+
+    base = shape()
+    assert base["height"] == 16 and base["frames"] == 5 and base["batch"] == 1
+    assert shape(num_inference_steps=50, generator=torch.Generator().manual_seed(3)) == base
+    assert shape(prompt="another prompt", output_type="pil") == base
+    assert shape(guidance_scale=1.0)["call"] != base["call"]
+    assert shape(max_sequence_length=512)["call"] != base["call"]
+    assert shape(height=32) != base
+    assert call_profile_shape((), CALL, {"height": 10**6}, "cpu") is None  # no plausible side
+
+
+def test_the_identity_names_what_changes_the_components():
+    class Pipe:
+        pass
+
+    plain = profile_identity(Pipe, "/m", torch.bfloat16)
+    assert plain == profile_identity(Pipe, "/m/../m", torch.bfloat16)
+    assert plain != profile_identity(Pipe, "/m", torch.float16)
+    assert plain != profile_identity(Pipe, "/m", torch.bfloat16, storage={"transformer": "fp8"})
+    assert plain != profile_identity(Pipe, "/m", torch.bfloat16, components={"vae": "/v.st"})
+    assert plain != profile_identity(Pipe, "/m", torch.bfloat16, parallel_degree=2)
+    by_name = profile_identity(Pipe, "/m", {"vae": torch.float32, "default": torch.bfloat16})
+    assert by_name == profile_identity(
+        Pipe, "/m", {"default": torch.bfloat16, "vae": torch.float32}
+    )
+
+
+def test_a_plan_before_any_call_scales_the_nearest_stored_call(monkeypatch, folder, store):
+    run(open_pipe(monkeypatch, folder))
+    later = open_pipe(monkeypatch, folder).ondeck
+    assert "activations: unknown" in str(later.plan())
+    later.set_plan_shape(height=32, width=32, frames=5)
+    note = str(later.plan())
+    assert "extrapolated from" in note and "height=16" in note and "(x4.00" in note
