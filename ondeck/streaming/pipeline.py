@@ -329,6 +329,8 @@ class BlockStreaming:
                 "ring_bytes": streamer.ring_bytes,
                 "file_bytes_read": streamer.stats.file_bytes_read,
                 "file_read_seconds": streamer.stats.file_read_seconds,
+                "host_fill_seconds": streamer.stats.host_fill_seconds,
+                "host_fill_wait_seconds": streamer.stats.host_fill_wait_seconds,
             }
         return result
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ class StreamStats:
     host_bytes_read: int = 0  # read from files into host copies
     file_bytes_read: int = 0  # read from the files each pass (blocks without a host copy)
     file_read_seconds: float = 0.0  # the time those reads took
+    host_fill_seconds: float = 0.0  # filling host copies behind a first pass (``HostFill``)
+    host_fill_wait_seconds: float = 0.0  # the time passes waited for those fills
 
 
 class BlockStreamer:
@@ -271,9 +274,11 @@ class BlockStreamer:
 
     def _fill_block(self, block: int) -> None:
         """Read one deferred block into its host copy (``HostFill``'s thread)."""
+        started = time.perf_counter()
         nbytes = self.read_block(block, self._host.region(block))
         self._host.filled.add(block)
         self.stats.host_bytes_read += nbytes
+        self.stats.host_fill_seconds += time.perf_counter() - started
 
     def region_ready(self, block: int) -> bool:
         """Whether the block's host copy holds its weights (its fill may be under way)."""
@@ -285,8 +290,10 @@ class BlockStreamer:
     def filled_region(self, block: int) -> Any:
         """The block's host copy, once it holds its weights."""
         fill = self._host_fill
-        if fill is not None and block in self._deferred:
+        if fill is not None and block in self._deferred and not fill.ready(block):
+            started = time.perf_counter()
             fill.wait(block)
+            self.stats.host_fill_wait_seconds += time.perf_counter() - started
         return self._host.region(block)
 
     def _end_fill(self, *, stop: bool) -> None:

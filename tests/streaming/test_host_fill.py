@@ -56,6 +56,8 @@ def test_the_module_is_handed_over_before_the_host_copies_are_filled(six_block_f
     threading.Timer(0.2, gated.set).start()
     torch.testing.assert_close(forward(module, filling), expected, rtol=0, atol=0)
     assert all(streamer.region_ready(block) for block in STREAMED)
+    # The pass waited about as long as the gate held the last fill, which took as long.
+    assert 0.1 < streamer.stats.host_fill_wait_seconds < streamer.stats.host_fill_seconds
     loader.unload(module)
 
 
