@@ -488,6 +488,9 @@ def family_child(args) -> None:
                     if (seconds := plan.call_transfer_seconds(name)) is not None
                 }
                 row["measured_activation"] = dict(runtime.snapshot().measured_activation)
+                streaming = getattr(runtime.policy, "streaming", None)
+                if streaming is not None:
+                    row["streaming"] = streaming.stats()
             if stacks is not None:
                 row["stacks"], row["gil_gaps"] = stacks.top(), stacks.gaps
             row["warnings"] = [str(w.message)[:500] for w in caught]
