@@ -112,3 +112,21 @@ def test_plan_shows_the_host_pool_against_host_memory(cache, tiny_model, capsys)
     assert "of a budget of 64.00 GiB (given)" in out
     code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu")
     assert code == 0 and "host:" in out and "(given)" not in out
+
+
+def test_plan_on_a_diffusers_folder_scales_a_stored_call(cache, family, capsys):
+    """`ondeck plan` on a folder the diffusers path runs: the activations of the nearest
+    call stored for that model, scaled to the size asked for."""
+    import torch
+
+    from ondeck import folder_pipelines
+
+    folder = family("flux")
+    runtime = folder_pipelines.pipeline_for_folder(folder, device="cpu", dtype=torch.float32)
+    stored = {"height": 8, "width": 8, "batch": 1, "call": "0", "device": "cpu"}
+    ActivationProfiles(cache / "activation-profiles.json").record(
+        runtime.profile_model, stored, "transformer", 1 << 20
+    )
+    code, out, _ = run(capsys, "plan", folder, "--device", "cpu", "--height", "16", "--width", "16")
+    assert code == 0
+    assert "activations: extrapolated from batch=1,call=0,device=cpu,height=8,width=8 (x4.00" in out
