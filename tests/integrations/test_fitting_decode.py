@@ -497,3 +497,29 @@ def test_the_size_a_call_makes_when_given_none_is_read_without_loading(name, siz
     pipe = load(folders[name])
     assert own_call_sizes(pipe) == sizes
     assert not any(is_loaded(proxy) for proxy in pipe.ondeck.deferred.values())
+
+
+def test_a_first_decode_tiles_from_the_need_an_earlier_process_stored(
+    folders, monkeypatch, tmp_path
+):
+    """A process's first decode, before it measures anything, tiles from the whole-frame
+    need stored for the call's shape, where the config's estimate decodes whole frames
+    (and on a card, would run out of memory first)."""
+    from ondeck.profiles import ActivationProfiles
+
+    store = ActivationProfiles(tmp_path / "profiles.json")
+    monkeypatch.setattr("ondeck.profiles._default", store)
+    room = 1 << 20
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: room)
+    estimated = load(folders["flux"])
+    run(estimated, ALL_FAMILIES["flux"])
+    assert estimated.ondeck.decoders["vae"].last_tiles is None, "the estimate fits the room"
+
+    store.record(estimated.ondeck.profile_model, estimated.ondeck.run_shape, "vae", 8 * room)
+    later = load(folders["flux"])
+    output = run(later, ALL_FAMILIES["flux"])
+
+    decoder = later.ondeck.decoders["vae"]
+    assert decoder.last_tiles is not None and decoder.last_tiles.count > 1
+    assert decoder.last_retries == 0
+    assert np.array_equal(output, plain_tiled("flux", folders["flux"], decoder.last_tiles))

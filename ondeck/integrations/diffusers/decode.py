@@ -518,9 +518,23 @@ class FittingDecode:
         return self.seconds_per_pixel
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
+        """Whole frames' need: as measured in this process, else as an earlier one stored
+        it for the call's shape (``_stored_need``), else estimated from the config."""
         if self.bytes_per_element is not None:
             return int(self.bytes_per_element * elements)
+        stored = self._stored_need()
+        if stored is not None:
+            return stored
         return estimated_need(self.config, tuple(latents.shape), latents.element_size())
+
+    def _stored_need(self) -> int | None:
+        """The whole-frame need stored in the activation profile of the call's shape
+        (measured by an earlier process, or scaled from a stored call of another size):
+        the first decode of a process tiles from it, as later ones tile from what they
+        measure. It never refuses a decode (``_refuse_if_it_cannot_fit``)."""
+        stored, _ = self.runtime.activation_profile()
+        need = stored.get(self.name)
+        return need if isinstance(need, int) and need > 0 else None
 
     def _refuse_if_it_cannot_fit(self, need: int | None, height: int, width: int) -> None:
         """A VAE that cannot tile, whose whole frames, as measured, cannot fit even with
