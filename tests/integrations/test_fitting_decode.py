@@ -191,6 +191,9 @@ def test_what_running_out_proved_is_not_forgotten_by_a_later_measurement(folders
     decoder.measured(1)  # a measurement far below what running out proved
     arguments = {"height": 32, "width": 32, "num_frames": 5}
     assert decoder.expected_need(arguments) >= int(proven * decoder.last_elements)
+    # Nor does what a later run stores for later processes (its decode did not retry).
+    decoder.last_retries = 0
+    assert decoder.whole_activations(1) >= int(proven * decoder.last_elements)
 
 
 def test_a_batch_that_does_not_fit_at_once_decodes_an_image_at_a_time(folders, monkeypatch):

@@ -296,13 +296,15 @@ class FittingDecode:
     # -- what the runtime asks ------------------------------------------------------------
 
     def whole_activations(self, measured: int) -> int | None:
-        """A tiled decode measured one tile: whole frames take about that over its area."""
+        """A tiled decode measured one tile: whole frames take about that over its area,
+        and at least what running out of memory proved they take (a tile's measurement
+        understates whole frames; what is stored for later processes must not)."""
         if self.last_retries:
             return None
         measured *= self.last_slices  # one image at a time: the batch takes that each
         if self.last_tiles is not None:
-            return int(measured / self.last_tiles.area)
-        return measured
+            measured = int(measured / self.last_tiles.area)
+        return max(measured, int(self.proven_bytes_per_element * (self.last_elements or 0)))
 
     def measured(self, nbytes: int) -> None:
         """The turn's measured peak for whole frames, kept per output element."""
