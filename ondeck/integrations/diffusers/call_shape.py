@@ -20,7 +20,7 @@ from ...memory import device_name
 from ...profiles import plausible_shape
 from .turns import call_signature
 
-__all__ = ["call_profile_shape", "call_sizes", "profile_identity"]
+__all__ = ["call_batch", "call_profile_shape", "call_sizes", "profile_identity"]
 
 # Arguments that never change a component's activations: how many steps, the noise's
 # source, what the output is returned as, what runs between steps.
@@ -62,6 +62,17 @@ def call_sizes(arguments: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and all(isinstance(item, str) for item in prompt):
         sizes["prompt"] = [""] * len(prompt)
     return sizes
+
+
+def call_batch(sizes: Mapping[str, Any]) -> int:
+    """The outputs a call makes, from its arguments or their ``call_sizes``: its prompts
+    (one where it gives no list of them) times the outputs per prompt it asks for."""
+    prompt = sizes.get("prompt")
+    batch = len(prompt) if isinstance(prompt, list) and prompt else 1
+    for argument in _PER_PROMPT:
+        value = sizes.get(argument)
+        batch *= value if isinstance(value, int) and value > 0 else 1
+    return batch
 
 
 def profile_identity(
@@ -114,11 +125,7 @@ def call_profile_shape(
         value = sizes.get(argument)
         if isinstance(value, int) and not isinstance(value, bool):
             shape[key] = value
-    batch = len(sizes.get("prompt") or [""])
-    for argument in _PER_PROMPT:
-        value = sizes.get(argument)
-        batch *= value if isinstance(value, int) and value > 0 else 1
-    shape["batch"] = batch
+    shape["batch"] = call_batch(sizes)
     settings = call_signature(args, {k: v for k, v in kwargs.items() if k not in _UNSIZED})
     shape["call"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
     shape["device"] = device_name(device)

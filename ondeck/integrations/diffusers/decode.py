@@ -22,6 +22,7 @@ from ...errors import BudgetError, LoadError
 from ...lazy import is_out_of_memory
 from ...memory import allocator_counts, format_bytes, free_cached_memory
 from ...tiles import RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, smallest_tiles, tiles_for
+from .call_shape import call_batch
 
 __all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_style"]
 
@@ -321,11 +322,7 @@ class FittingDecode:
             return self.last_need
         frames = arguments.get("num_frames")
         frames = frames if isinstance(frames, int) and frames > 0 else None
-        prompt = arguments.get("prompt")
-        batch = len(prompt) if isinstance(prompt, list) and prompt else 1
-        for key in ("num_videos_per_prompt", "num_images_per_prompt"):
-            if isinstance(arguments.get(key), int) and arguments[key] > 0:
-                batch *= arguments[key]
+        batch = call_batch(arguments)
         elements = output_elements(batch, height, width, frames)
         if self.bytes_per_element is not None:
             return int(self.bytes_per_element * elements)

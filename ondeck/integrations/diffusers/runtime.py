@@ -29,7 +29,7 @@ from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
 from ...tiles import TILE_SAFETY
-from .call_shape import call_profile_shape, call_sizes
+from .call_shape import call_batch, call_profile_shape, call_sizes
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
 from .turns import CallRecord, TurnEnds, call_signature
@@ -236,9 +236,7 @@ class DiffusersRuntime(Pipeline):
         with self._run_lock:
             self._running_thread = me
             # What the call leaves out is what it makes: the decode is sized for it.
-            if self._own_sizes is None:
-                self._own_sizes = own_call_sizes(self.pipe)
-            self._call_arguments = {**self._own_sizes, **call_sizes(kwargs)}
+            self._call_arguments = {**self._own_call_sizes(), **call_sizes(kwargs)}
             self._signature = call_signature(args, kwargs)
             if self.profile_model is not None:
                 self._profile_shape = call_profile_shape(
@@ -340,10 +338,7 @@ class DiffusersRuntime(Pipeline):
         height, width = arguments.get("height"), arguments.get("width")
         if not (isinstance(height, int) and isinstance(width, int)):
             return super().output_host_bytes()
-        batch = len(arguments.get("prompt") or [""])
-        for key in ("num_videos_per_prompt", "num_images_per_prompt"):
-            batch *= max(1, arguments.get(key, 1))
-        return output_host_bytes(height, width, arguments.get("num_frames"), batch)
+        return output_host_bytes(height, width, arguments.get("num_frames"), call_batch(arguments))
 
     @contextlib.contextmanager
     def _deciding(self) -> Iterator[None]:
@@ -532,13 +527,19 @@ class DiffusersRuntime(Pipeline):
             self._turns = turns
             self._rebuild_stages()
 
+    def _own_call_sizes(self) -> dict[str, int]:
+        """The sizes the pipeline's call makes where it is given none (read once)."""
+        if self._own_sizes is None:
+            self._own_sizes = own_call_sizes(self.pipe)
+        return self._own_sizes
+
     def set_plan_shape(
         self, *, height: int | None = None, width: int | None = None, frames: int | None = None
     ) -> None:
         """The call ``plan()`` plans for before one is made (``ondeck plan``): the
         pipeline's own sizes but those given (frames only for a video pipeline). Its
         activations are the nearest stored call's of this model, scaled to its size."""
-        sizes = dict(own_call_sizes(self.pipe))
+        sizes = dict(self._own_call_sizes())
         parameters = inspect.signature(type(self.pipe).__call__).parameters
         given = {"height": height, "width": width}
         if frame_count_argument(parameters):
