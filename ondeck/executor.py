@@ -23,7 +23,7 @@ import torch
 
 from .lazy import wait_filled
 from .memory import free_cached_memory
-from .profiles import default_profiles
+from .profiles import AllocatorEvidence, default_profiles
 from .snapshot import Steps
 
 __all__ = ["Executor"]
@@ -233,6 +233,31 @@ class Executor:
 
     # -- measurements ---------------------------------------------------------------
 
-    def write_profile(self, model: str, shape: dict[str, Any], stage: str, nbytes: int) -> None:
-        """Store a measured activation peak for ``model`` at ``shape``."""
-        default_profiles().record(model, shape, stage, nbytes)
+    def write_profile(
+        self, stage: str, nbytes: int | None = None, *, retried_runs: int = 0, limit: bool = False
+    ) -> None:
+        """Store what ``stage`` showed in the profile of the pipeline's model at the run's
+        shape: its activation peak (``nbytes``), else what its allocator did."""
+        model, shape = self.pipeline.profile_model, self.pipeline.run_shape
+        if model is None or shape is None:
+            return
+        if nbytes is not None:
+            default_profiles().record(model, shape, stage, nbytes)
+        else:
+            default_profiles().record_allocator(model, shape, stage, retried_runs, limit)
+
+    def activation_profile(self) -> tuple[dict[str, int], str]:
+        """Per-stage activation bytes stored for the model at the run's shape, and a note
+        on where they come from."""
+        model, shape = self.pipeline.profile_model, self.pipeline.run_shape
+        if model is None or shape is None:
+            return {}, ""
+        return default_profiles().lookup(model, shape)
+
+    def allocator_evidence(self) -> AllocatorEvidence:
+        """What the allocator showed of the model's stages at the run's shape, in any
+        process (none where the pipeline has no profile)."""
+        model, shape = self.pipeline.profile_model, self.pipeline.run_shape
+        if model is None or shape is None:
+            return AllocatorEvidence()
+        return default_profiles().allocator_evidence(model, shape)

@@ -2,7 +2,10 @@
 
 A budget must leave room for activations, which only a run can measure. A stage that
 finishes records its peak here (in the user's cache folder), so later runs and
-``ondeck plan`` know it before loading anything. What is stored can refine a plan, never
+``ondeck plan`` know it before loading anything. Beside each peak is what the CUDA
+allocator showed of the stage on that device (``AllocatorEvidence``): a stage that ran at
+the device's limit keeps the reserve it earned there in the next process too, rather
+than running out of memory once to earn it again. What is stored can refine a plan, never
 make a correct command fail: a stage that raised records nothing, a damaged or foreign
 file is ignored with one warning, implausible values are dropped, and the budget policy
 measures again rather than obey a stored value that would make it refuse.
@@ -15,7 +18,8 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,13 @@ from .embedded import default_cache_dir
 from .errors import OndeckError
 from .memory import format_bytes
 
-__all__ = ["ActivationProfiles", "default_profiles", "plausible_shape", "PROFILE_FILE_NAME"]
+__all__ = [
+    "ActivationProfiles",
+    "AllocatorEvidence",
+    "default_profiles",
+    "plausible_shape",
+    "PROFILE_FILE_NAME",
+]
 
 PROFILE_FILE_NAME = "activation-profiles.json"
 FORMAT = "ondeck-activation-profiles"
@@ -34,6 +44,9 @@ MAX_PLAUSIBLE_BYTES = 1 << 50
 # A profile entry is about 200 bytes; 16 MB holds 80,000 of them and is read on every
 # command, so a larger file is not parsed at all.
 MAX_PROFILE_FILE_BYTES = 16_000_000
+# Runs of a stage whose allocator kept retrying that a profile remembers: no policy
+# counts more (``policy.RETRY_RESERVE_MAX_STEPS`` is below it).
+MAX_RETRIED_RUNS = 8
 # What a shape's numbers may be: the sides and frames generate() accepts, a batch.
 SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": MAX_BATCH}
 MAX_SHAPE_NUMBER = 1 << 20
@@ -80,6 +93,39 @@ def plausible_shape(shape: dict[str, Any]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class AllocatorEvidence:
+    """What the CUDA allocator showed of a model's stages at one shape on one device, in
+    any process: ``retried_runs``, per stage, the runs in which it kept retrying
+    (``Snapshot.retried_stages``); ``limit``, the stages that reached the device's limit
+    (``Snapshot.limit_stages``)."""
+
+    retried_runs: dict[str, int] = field(default_factory=dict)
+    limit: frozenset[str] = frozenset()
+
+    def beside(self, retried_runs: Mapping[str, int]) -> dict[str, int]:
+        """Per stage, the larger of the runs stored and ``retried_runs`` (this process)."""
+        merged = dict(self.retried_runs)
+        for stage, runs in retried_runs.items():
+            merged[stage] = max(runs, merged.get(stage, 0))
+        return merged
+
+
+def _valid_allocator(value: Any) -> dict[str, dict[str, Any]]:
+    """The well-formed allocator evidence of an entry (none where it is damaged)."""
+    if not isinstance(value, dict):
+        return {}
+    kept = {}
+    for stage, facts in value.items():
+        if not isinstance(facts, dict):
+            continue
+        runs, limit = facts.get("retried_runs", 0), facts.get("limit", False)
+        if isinstance(runs, int) and not isinstance(runs, bool) and 0 <= runs <= MAX_RETRIED_RUNS:
+            if isinstance(limit, bool) and (runs or limit):
+                kept[stage] = {"retried_runs": runs, "limit": limit}
+    return kept
+
+
 def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
     """The well-formed entries of a profile document, and how many were dropped."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
@@ -109,8 +155,11 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
                 continue
             kept = {stage: n for stage, n in stages.items() if _plausible_bytes(n)}
             dropped += len(stages) - len(kept)
-            if kept:
+            allocator = _valid_allocator(entry.get("allocator"))
+            if kept or allocator:
                 valid.setdefault(model, {})[key] = {"shape": shape, "stages": kept}
+                if allocator:
+                    valid[model][key]["allocator"] = allocator
     return valid, dropped
 
 
@@ -182,6 +231,35 @@ class ActivationProfiles:
             entry["stages"][stage] = int(nbytes)
             self._write({(model, _shape_key(shape), stage)})
 
+    def record_allocator(
+        self, model: str, shape: dict[str, Any], stage: str, retried_runs: int, limit: bool
+    ) -> None:
+        """Store what the allocator showed of a stage; stored evidence only grows (the
+        most runs retried, a limit once reached), as the reserves it earns do."""
+        runs = min(max(0, int(retried_runs)), MAX_RETRIED_RUNS)
+        if not runs and not limit:
+            return
+        with self._lock:
+            entry = self._data.setdefault(model, {}).setdefault(
+                _shape_key(shape), {"shape": dict(shape), "stages": {}}
+            )
+            facts = entry.setdefault("allocator", {}).get(stage, {})
+            merged = _merged_facts(facts, {"retried_runs": runs, "limit": bool(limit)})
+            if merged == facts:
+                return
+            entry["allocator"][stage] = merged
+            self._write(set())
+
+    def allocator_evidence(self, model: str, shape: dict[str, Any]) -> AllocatorEvidence:
+        """What the allocator showed of ``model``'s stages at exactly ``shape``."""
+        with self._lock:
+            entry = self._data.get(model, {}).get(_shape_key(shape)) or {}
+            facts = entry.get("allocator") or {}
+            return AllocatorEvidence(
+                retried_runs={s: f["retried_runs"] for s, f in facts.items() if f["retried_runs"]},
+                limit=frozenset(s for s, f in facts.items() if f["limit"]),
+            )
+
     def forget(self, model: str, shape: dict[str, Any], stages: Any) -> None:
         """Drop stored peaks that proved wrong (re-measured on the next run)."""
         with self._lock:
@@ -247,6 +325,7 @@ class ActivationProfiles:
                         for stage, nbytes in entry["stages"].items():
                             if (model, key, stage) in changed or stage not in target["stages"]:
                                 target["stages"][stage] = nbytes
+                        _merge_allocator(target, entry.get("allocator") or {})
                 self._data = merged
                 document = {"format": FORMAT, "version": VERSION, "models": merged}
                 partial.write_text(json.dumps(document, indent=1))
@@ -279,6 +358,20 @@ class ActivationProfiles:
                 f"(x{ratio:.2f}, largest stage {format_bytes(peak)})"
             )
             return scaled, note
+
+
+def _merged_facts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "retried_runs": max(old.get("retried_runs", 0), new.get("retried_runs", 0)),
+        "limit": bool(old.get("limit")) or bool(new.get("limit")),
+    }
+
+
+def _merge_allocator(target: dict[str, Any], facts: dict[str, dict[str, Any]]) -> None:
+    """Fold ``facts`` into ``target``'s allocator evidence (each only grows)."""
+    for stage, new in facts.items():
+        merged = target.setdefault("allocator", {})
+        merged[stage] = _merged_facts(merged.get(stage, {}), new)
 
 
 _default: ActivationProfiles | None = None

@@ -30,7 +30,6 @@ from .loading.options import DeviceChoice
 from .memory import local_ranks, parse_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
-from .profiles import default_profiles
 from .snapshot import Snapshot
 from .tracker import CallTimer, MemoryTracker, StageRecord
 
@@ -374,6 +373,7 @@ class Pipeline(HostMemory):
         """
         uses = self.stage_uses()
         stored, note = self.activation_profile()
+        evidence = self.executor.allocator_evidence()
         streaming = getattr(self.policy, "streaming", None)
         deferred = self.deferred
         loaders = {name: loader_of(proxy) for name, proxy in deferred.items()}
@@ -389,8 +389,8 @@ class Pipeline(HostMemory):
             stored_note=note,
             measured_activation=self._measured_activation,
             activation_bounds=self.tracker.activation_bounds,
-            retried_stages=self._retried_stages,
-            limit_stages=frozenset(self._limit_stages),
+            retried_stages=evidence.beside(self._retried_stages),
+            limit_stages=evidence.limit | self._limit_stages,
             device=self.device,
             fit_activations=tuple(stage.fit_activations for stage in self.stages),
             needs_components=needs_components,
@@ -431,9 +431,7 @@ class Pipeline(HostMemory):
 
     def activation_profile(self) -> tuple[dict[str, int], str]:
         """Per-stage activation bytes measured earlier for this model and shape."""
-        if self.profile_model is None or self._profile_shape is None:
-            return {}, ""
-        return default_profiles().lookup(self.profile_model, self._profile_shape)
+        return self.executor.activation_profile()
 
     def activation_need(self, stage: str) -> int | None:
         """The largest activation peak measured for ``stage`` at this shape, if any."""
@@ -491,17 +489,15 @@ class Pipeline(HostMemory):
         )
 
     def record_activation(self, stage: str, nbytes: int) -> None:
-        if self.profile_model is None or self._profile_shape is None:
-            return
-        self.executor.write_profile(self.profile_model, self._profile_shape, stage, nbytes)
+        self.executor.write_profile(stage, nbytes)
 
     def _stage_measured(self, index: int, record: StageRecord) -> None:
         """Keep the largest activation peak measured per stage (device bytes), and store
         it in the profile of this model and shape. Count the runs in which the stage's
-        allocator kept retrying (``policy.RETRY_RESERVE_MIN_RETRIES``) without running
-        out of memory, in this process only: the plan gives it more reserve. Note the
-        stages whose allocator retried at all (``Snapshot.limit_stages``), but for one that
-        fits its work to its room (a tiled decode tiles finer after retries of its own)."""
+        allocator kept retrying (``policy.RETRY_RESERVE_MIN_RETRIES``) without running out
+        of memory (the plan gives it more reserve), and the stages whose allocator retried
+        at all (``Snapshot.limit_stages``) but for one that fits its work to its room (a
+        tiled decode); the profile keeps both for later processes (``AllocatorEvidence``)."""
         retries = record.allocator_retries
         pieces = _works_in_pieces(self.stages[index])
         if retries and not record.allocator_ooms and not pieces:
@@ -512,6 +508,8 @@ class Pipeline(HostMemory):
         many = retries is not None and retries >= RETRY_RESERVE_MIN_RETRIES
         if many and not record.allocator_ooms:
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
+        runs, limit = self._retried_stages.get(record.stage, 0), record.stage in self._limit_stages
+        self.executor.write_profile(record.stage, retried_runs=runs, limit=limit)
         if record.activation_bytes is None:
             if not pieces:  # a decode in pieces plans from its own estimate of whole frames
                 self.tracker.keep_bound(record)

@@ -23,6 +23,30 @@ def test_recorded_peaks_survive_a_new_process_newest_first(tmp_path):
     assert note == "activations: measured at this shape"
 
 
+def test_what_the_allocator_showed_only_grows_and_survives_a_new_process(tmp_path):
+    path = tmp_path / "profiles.json"
+    first, second = ActivationProfiles(path), ActivationProfiles(path)
+    first.record("wan", SHAPE, "Denoise", 1000)
+    first.record_allocator("wan", SHAPE, "Denoise", 2, False)
+    # Another process, which read the file before, adds a limit and fewer runs.
+    second.record_allocator("wan", SHAPE, "Denoise", 1, True)
+    second.record_allocator("wan", SHAPE, "Decode", 0, False)  # nothing shown: not stored
+    evidence = ActivationProfiles(path).allocator_evidence("wan", SHAPE)
+    assert evidence.retried_runs == {"Denoise": 2} and evidence.limit == {"Denoise"}
+    assert evidence.beside({"Denoise": 1, "Encode": 3}) == {"Denoise": 2, "Encode": 3}
+    # Only at that exact shape; the peaks beside it are kept as they were.
+    assert not ActivationProfiles(path).allocator_evidence("wan", {**SHAPE, "frames": 66}).limit
+    assert ActivationProfiles(path).lookup("wan", SHAPE)[0] == {"Denoise": 1000}
+    document = json.loads(path.read_text())
+    entry = document["models"]["wan"]["frames=33,height=480,width=832"]
+    entry["allocator"] = {"Denoise": {"retried_runs": "many", "limit": True}, "Decode": [1]}
+    path.write_text(json.dumps(document))
+    # Damaged evidence is dropped, the peaks kept.
+    reread = ActivationProfiles(path)
+    assert reread.allocator_evidence("wan", SHAPE).limit == frozenset()
+    assert reread.lookup("wan", SHAPE)[0] == {"Denoise": 1000}
+
+
 def test_other_shapes_are_extrapolated_and_say_so(tmp_path):
     profiles = ActivationProfiles(tmp_path / "profiles.json")
     profiles.record("wan", SHAPE, "Decode", 1000)

@@ -15,6 +15,7 @@ import torch
 import ondeck
 from ondeck import memory
 from ondeck import policy as policy_module
+from ondeck import profiles as profiles_module
 from ondeck.lazy import loader_of
 from ondeck.memory import format_bytes
 from ondeck.pipelines.wan import Decode, WanTextToVideo
@@ -426,6 +427,44 @@ def test_the_retry_reserve_goes_before_a_stored_profile_that_fits_without_it(mon
     assert pipe.policy.skip_retry_reserve and not pipe.policy.distrust_stored
     assert pipe.policy.activation_needs(pipe)[0]["Denoise"] == MEASURED["Denoise"]
     pipe.close()
+
+
+def test_a_later_process_plans_with_the_reserves_a_stage_earned_at_the_devices_limit(
+    monkeypatch, tmp_path
+):
+    """The profile keeps what the allocator showed beside the peaks: a pipeline built
+    later (another process) plans its first run with the reserves an earlier one's
+    stage earned, rather than running out of memory to earn them again."""
+    from ondeck.profiles import ActivationProfiles
+
+    fake_card(monkeypatch, 16 * GIB)
+    small = {**MEASURED, "Denoise": int(0.2 * GIB)}
+    first = profiled_wan_shaped(monkeypatch, tmp_path)
+    first._profile_shape = {"width": 8}
+    measure(first, small)
+    retried(first, "Denoise", 40, activation=small["Denoise"])
+    relief = first.policy.measured_budget_bytes - first.policy.estimated_budget_bytes
+    step = policy_module.RETRY_RESERVE_STEP_BYTES
+    earned = first.policy.activation_needs(first)[0]["Denoise"]
+    assert earned == small["Denoise"] + relief + step
+    first.close()
+    # A new process: the file read afresh, the peaks stored as measured.
+    store = ActivationProfiles(tmp_path / "profiles.json")
+    monkeypatch.setattr(profiles_module, "_default", store)
+    assert store.allocator_evidence("wan-shaped", {"width": 8}).retried_runs == {"Denoise": 1}
+    for stage, nbytes in small.items():
+        store.record("wan-shaped", {"width": 8}, stage, nbytes)
+    later = type(first)(wan_shaped().components, device="cpu")
+    later._profile_shape = {"width": 8}
+    assert later.snapshot().limit_stages == {"Denoise"}
+    assert later.policy.activation_needs(later)[0]["Denoise"] == earned
+    plan = later.plan()
+    assert "'Denoise' +512.00 MiB" in plan.activation_note
+    assert f"reached the device's limit: 'Denoise' +{format_bytes(relief)}" in plan.activation_note
+    # Another shape has no evidence of its own.
+    later._profile_shape = {"width": 16}
+    assert not later.snapshot().limit_stages and not later.snapshot().retried_stages
+    later.close()
 
 
 def test_stages_computing_from_stored_layers_plan_with_room_for_their_upcast_copies(
