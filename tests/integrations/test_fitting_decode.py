@@ -526,3 +526,8 @@ def test_a_first_decode_tiles_from_the_need_an_earlier_process_stored(
     assert decoder.last_tiles is not None and decoder.last_tiles.count > 1
     assert decoder.last_retries == 0
     assert np.array_equal(output, plain_tiled("flux", folders["flux"], decoder.last_tiles))
+    # A tile's measurement understates whole frames: what this process stores in place of
+    # the stored need, and what its next call plans from, stay at least that need.
+    assert decoder.whole_activations(1) >= 8 * room
+    decoder.measured(1)
+    assert decoder.expected_need(later.ondeck._call_arguments) >= 8 * room

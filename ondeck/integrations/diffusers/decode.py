@@ -518,10 +518,16 @@ class FittingDecode:
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
         """Whole frames' need: as measured in this process, else as an earlier one stored
-        it for the call's shape (``_stored_need``), else estimated from the config."""
-        if self.bytes_per_element is not None:
-            return int(self.bytes_per_element * elements)
+        it for the call's shape (``_stored_need``), else estimated from the config. What
+        is stored counts as proven: it is at least what running out of memory proved
+        there, and this process's tiles (which understate whole frames) must neither
+        plan below it nor store less in its place."""
         stored = self._stored_need()
+        if stored is not None and elements:
+            proven = stored / elements
+            self.proven_bytes_per_element = max(self.proven_bytes_per_element, proven)
+        if self.bytes_per_element is not None:
+            return int(max(self.bytes_per_element, self.proven_bytes_per_element) * elements)
         if stored is not None:
             return stored
         return estimated_need(self.config, tuple(latents.shape), latents.element_size())
