@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import warmup
 from ..arguments import check_generate_arguments, warn_if_cut
 from ..distributed import device_mesh, init
 from ..lazy import is_lazy
@@ -409,7 +408,6 @@ class WanTextToVideo(Pipeline):
         if parallel is not None:
             parallel.join()
         device = resolve_device(device)
-        warmup.start(device, dtype)  # the libraries start while the pipeline is built
         mesh = device_mesh(device) if shard else None
         if parallel is not None:
             spec = folder.spec("transformer")

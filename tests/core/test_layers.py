@@ -131,7 +131,6 @@ FLOORS: dict[str, int] = {
     "ondeck.loader": 0,
     "ondeck.tiles": 0,
     "ondeck.recency": 0,
-    "ondeck.warmup": 0,
     # 1: the proxy, and the record of what was resident when
     "ondeck.lazy": 1,
     "ondeck.tracker": 1,

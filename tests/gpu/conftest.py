@@ -59,16 +59,3 @@ BUSY_CYCLES = 200_000_000
 def keep_stream_busy(cycles: int = BUSY_CYCLES) -> None:
     """Queue a kernel that spins on the current stream: what is queued after it waits."""
     torch.cuda._sleep(cycles)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def libraries_started():
-    """Start the CUDA libraries once, before any test measures the device's memory: a
-    pipeline's set-up starts them in the background (``ondeck.warmup``), which would
-    otherwise allocate beside a test's figures."""
-    from ondeck import warmup
-
-    if torch.cuda.is_available():
-        warmup.start("cuda", torch.bfloat16)
-        warmup.wait()
-    yield

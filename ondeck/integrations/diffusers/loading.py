@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ... import distributed, warmup
+from ... import distributed
 from ...errors import LoadError
 from ...hub import resolve_model
 from ...lazy import is_lazy
@@ -113,8 +113,7 @@ def from_pretrained(
     stored = _stored(folder, storage_dtype, skip=kwargs)
     shard = _shard_names(folder, shard, stored, brought=bool(components or loras), skip=kwargs)
     parallel = _join_ranks(shard, resolve_parallel(parallel))
-    device = resolve_device(device)  # after joining the ranks: that selects this one's GPU
-    warmup.start(device, dtype)  # the libraries start while the pipeline is built
+    device = resolve_device(device)
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs, shard=shard)
     if parallel is not None:
