@@ -22,6 +22,8 @@ RSS, how the last run decoded and the plan's transfer floor per pass where block
 Each process keeps activation profiles in a fresh folder, so its run 1 is a first-ever
 run; ``--profiles DIR`` shares DIR between processes and calls, so a run 1 plans with the
 peaks an earlier process measured at its shape, as a later ``ondeck generate`` does.
+Each sd35/hunyuan run records the seconds Python's garbage collector took in it (``gc``);
+``ONDECK_BENCH_GC_FREEZE=1`` collects and freezes what the set-up left (``gc.freeze``).
 
 ``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
 host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a
@@ -386,6 +388,41 @@ def load_events(tracker, run: int) -> list[list]:
     ]
 
 
+class GcTimer:
+    """Seconds Python's cyclic garbage collector held the interpreter, per run, and how
+    many of its passes were full ones (the oldest generation), through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = self.full_seconds = 0.0
+        self.passes = self.full_passes = 0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        self.seconds += seconds
+        self.passes += 1
+        if info.get("generation") == 2:
+            self.full_seconds += seconds
+            self.full_passes += 1
+
+    def take(self) -> dict:
+        taken = {
+            "seconds": round(self.seconds, 4),
+            "passes": self.passes,
+            "full_seconds": round(self.full_seconds, 4),
+            "full_passes": self.full_passes,
+        }
+        self.seconds = self.full_seconds = 0.0
+        self.passes = self.full_passes = 0
+        return taken
+
+
 def family_child(args) -> None:
     """One mode of an sd35 or hunyuan family, in this process: prints its RESULT line."""
     import torch
@@ -433,7 +470,13 @@ def family_child(args) -> None:
                     for name, layout in plan.streamed.items()
                 }
         pipe.set_progress_bar_config(disable=True)
+        if os.environ.get("ONDECK_BENCH_GC_FREEZE") == "1":
+            import gc
+
+            gc.collect()
+            gc.freeze()  # what is alive after the set-up is never scanned again
         result["setup_seconds"] = time.perf_counter() - started
+        collector = GcTimer()
         # A new prompt each run; past three they come round again.
         prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
         for run, prompt in enumerate(prompts):
@@ -461,6 +504,7 @@ def family_child(args) -> None:
                 "sampled_peak_reserved_bytes": sampler.peak,
                 "rss_bytes": rss_bytes(),
                 "output_mean": float(images.mean()),
+                "gc": collector.take(),
             }
             if runtime is None:
                 row["stages"] = [[name, timer.take()] for name, timer in timers.items()]

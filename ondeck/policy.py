@@ -564,7 +564,11 @@ def measured_headroom_relief(device: Any) -> int:
 
 class AutoBudgetPolicy(BudgetPolicy):
     """``budget`` as ``auto`` chose it: each run plans against ``measured_budget`` once
-    every stage's activations are measured (``plan.planning_budget``), else ``budget``."""
+    every stage's activations are measured (``plan.planning_budget``), else ``budget``.
+    A process's first run keeps ``budget`` even where a stored profile measured every
+    stage: what its first calls allocate beside the stages' peaks (the libraries'
+    workspaces, the allocator's first segments) is in no stored peak, and running out of
+    memory there runs the whole call again."""
 
     def __init__(self, budget: int, *, measured_budget: int, prefetch: bool = True):
         super().__init__(budget, prefetch=prefetch)
@@ -572,10 +576,13 @@ class AutoBudgetPolicy(BudgetPolicy):
         self.measured_budget_bytes = max(measured_budget, self.budget_bytes)
 
     def current_budget(self, source: Any) -> int:
-        needs, _ = self.activation_needs(_view(source))
-        return self._budget_for(needs)
+        snapshot = _view(source)
+        needs, _ = self.activation_needs(snapshot)
+        return self._budget_for(needs, snapshot)
 
-    def _budget_for(self, needs: Mapping[str, int | None]) -> int:
+    def _budget_for(self, needs: Mapping[str, int | None], snapshot: Snapshot) -> int:
+        if not snapshot.runs_completed:
+            return self.estimated_budget_bytes
         return planning_budget(
             needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
         )
@@ -617,7 +624,8 @@ class AutoBudgetPolicy(BudgetPolicy):
         (``skip_limit_reserve``), before the other reserves."""
         reserves = super().allocator_reserves(snapshot, needs)
         relief = self.measured_budget_bytes - self.estimated_budget_bytes
-        if self._budget_for(needs) > self.estimated_budget_bytes and not self.skip_limit_reserve:
+        measured = self._budget_for(needs, snapshot) > self.estimated_budget_bytes
+        if measured and not self.skip_limit_reserve:
             kept = {
                 stage: relief for stage in snapshot.limit_stages if needs.get(stage) is not None
             }
