@@ -17,7 +17,7 @@ from typing import Any
 from ..cli.options import host_cache_argument
 from ..errors import LoadError, OndeckError
 from ..loading.fp8 import parse_storage_dtype
-from ..memory import format_bytes, parse_bytes
+from ..memory import format_bytes, freeze_what_lives, parse_bytes
 
 THREE_LINES = """\
 start:
@@ -297,6 +297,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     app = create_app(server)
+    freeze_what_lives()  # the models live as long as the server: no job rescans them
 
     class Uvicorn(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -213,6 +213,35 @@ def test_only_the_last_run_of_a_command_expects_no_run_after_it(
     assert seen == [True, True, False]
 
 
+@pytest.mark.parametrize("runs", [1, 2])
+def test_several_runs_freeze_what_the_build_left_out_of_later_collections(
+    capsys, tiny_model, tmp_path, monkeypatch, runs
+):
+    """`--runs 2`: the command owns its process, so what lives once the pipeline is built
+    is kept out of the garbage collector's later passes (``gc.freeze``); one run has no
+    later pass to spare and freezes nothing."""
+    import gc
+
+    from ondeck.stages import Pipeline
+
+    frozen = []
+    run_once = Pipeline._run
+
+    def noting(self, state):
+        frozen.append(gc.get_freeze_count())
+        return run_once(self, state)
+
+    monkeypatch.setattr(Pipeline, "_run", noting)
+    gc.unfreeze()
+    try:
+        code, _, err = generate(capsys, tiny_model, tmp_path / "out", "--runs", str(runs))
+    finally:
+        gc.unfreeze()  # this test process's objects go back to the collector
+    assert code == 0, err
+    assert len(frozen) == runs
+    assert all(count > 10_000 for count in frozen) if runs > 1 else frozen == [0]
+
+
 def test_an_output_folder_under_tilde_is_in_the_home_folder(
     capsys, tiny_model, tmp_path, monkeypatch
 ):

@@ -146,6 +146,29 @@ def test_serve_plan_prints_the_plan_for_the_set_and_exits(models, capsys):
     assert switch_lines(models, 1800 * KIB)[0] in printed
 
 
+def test_serve_freezes_what_it_built_before_it_listens(models, monkeypatch, capsys):
+    """The server owns its process and its models live as long as it: what is alive once
+    they are built is kept out of the garbage collector's later passes, which otherwise
+    rescan it during some job."""
+    import gc
+
+    import uvicorn
+
+    from ondeck.cli import main
+
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        code = main(
+            ["serve", "--model", f"wan={models['wan']}", "--device", "cpu", "--budget", "1800KiB"]
+        )
+    finally:
+        gc.unfreeze()  # this test process's objects go back to the collector
+    assert code == 0, capsys.readouterr().err
+    assert len(frozen) == 1 and frozen[0] > 10_000
+
+
 def switch_lines(models, budget: int) -> list[str]:
     """The plan's switch lines as a server of the two models states them."""
     plan = served(models, budget, names=("wan", "sd3")).manager.plan()
