@@ -16,3 +16,16 @@ import tempfile  # noqa: E402
 if "ONDECK_CACHE" not in os.environ:
     os.environ["ONDECK_CACHE"] = tempfile.mkdtemp(prefix="ondeck-test-cache-")
     atexit.register(shutil.rmtree, os.environ["ONDECK_CACHE"], ignore_errors=True)
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def collector_unfrozen():
+    """A command run in the test process (`ondeck generate --runs 2`, `ondeck serve`)
+    freezes what lives out of garbage collection, as it does in a process of its own: the
+    next test finds the collector as the test process had it."""
+    yield
+    gc.unfreeze()
