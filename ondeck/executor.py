@@ -234,17 +234,18 @@ class Executor:
     # -- measurements ---------------------------------------------------------------
 
     def write_profile(
-        self, stage: str, nbytes: int | None = None, *, retried_runs: int = 0, limit: bool = False
+        self, stage: str, nbytes: int | None = None, *, retried: bool = False, limit: bool = False
     ) -> None:
         """Store what ``stage`` showed in the profile of the pipeline's model at the run's
-        shape: its activation peak (``nbytes``), else what its allocator did."""
+        shape: its activation peak (``nbytes``), else what its allocator did in this run
+        (``ActivationProfiles.record_allocator``)."""
         model, shape = self.pipeline.profile_model, self.pipeline.run_shape
         if model is None or shape is None:
             return
         if nbytes is not None:
             default_profiles().record(model, shape, stage, nbytes)
         else:
-            default_profiles().record_allocator(model, shape, stage, retried_runs, limit)
+            default_profiles().record_allocator(model, shape, stage, retried=retried, limit=limit)
 
     def activation_profile(self) -> tuple[dict[str, int], str]:
         """Per-stage activation bytes stored for the model at the run's shape, and a note

@@ -700,7 +700,8 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
         budget.reason = f"auto chose 'budget' with prefetch: {per_run}"
     if relief:
         budget.reason += (
-            f"; once every stage's activations are measured, runs plan against "
+            f"; once every stage's activations are measured, runs after the process's "
+            f"first plan against "
             f"{format_bytes(budget.measured_budget_bytes)} (a reserve of "
             f"max({format_bytes(AUTO_MEASURED_HEADROOM_MIN_BYTES)}, "
             f"{AUTO_MEASURED_HEADROOM_FRACTION:.0%}) instead of "

@@ -31,12 +31,15 @@ from .memory import format_bytes
 __all__ = [
     "ActivationProfiles",
     "AllocatorEvidence",
+    "MEASURED_AT_SHAPE",
     "default_profiles",
     "plausible_shape",
     "PROFILE_FILE_NAME",
 ]
 
 PROFILE_FILE_NAME = "activation-profiles.json"
+# ``lookup``'s note where what it returns was stored for exactly the shape asked for.
+MEASURED_AT_SHAPE = "activations: measured at this shape"
 FORMAT = "ondeck-activation-profiles"
 VERSION = 2
 # No stage of any model on any device takes a pebibyte: a larger value is damage.
@@ -155,7 +158,11 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
                 continue
             kept = {stage: n for stage, n in stages.items() if _plausible_bytes(n)}
             dropped += len(stages) - len(kept)
-            allocator = _valid_allocator(entry.get("allocator"))
+            raw = entry.get("allocator")
+            allocator = _valid_allocator(raw)
+            dropped += (len(raw) if isinstance(raw, dict) else int(raw is not None)) - len(
+                allocator
+            )
             if kept or allocator:
                 valid.setdefault(model, {})[key] = {"shape": shape, "stages": kept}
                 if allocator:
@@ -232,18 +239,19 @@ class ActivationProfiles:
             self._write({(model, _shape_key(shape), stage)})
 
     def record_allocator(
-        self, model: str, shape: dict[str, Any], stage: str, retried_runs: int, limit: bool
+        self, model: str, shape: dict[str, Any], stage: str, *, retried: bool, limit: bool
     ) -> None:
-        """Store what the allocator showed of a stage; stored evidence only grows (the
-        most runs retried, a limit once reached), as the reserves it earns do."""
-        runs = min(max(0, int(retried_runs)), MAX_RETRIED_RUNS)
-        if not runs and not limit:
+        """Store what the allocator showed of a stage in one run at ``shape``: a run more
+        in which it kept retrying (``retried``), and whether it reached the device's
+        limit. Stored evidence only grows, as the reserves it earns do."""
+        if not retried and not limit:
             return
         with self._lock:
             entry = self._data.setdefault(model, {}).setdefault(
                 _shape_key(shape), {"shape": dict(shape), "stages": {}}
             )
             facts = entry.setdefault("allocator", {}).get(stage, {})
+            runs = min(facts.get("retried_runs", 0) + int(retried), MAX_RETRIED_RUNS)
             merged = _merged_facts(facts, {"retried_runs": runs, "limit": bool(limit)})
             if merged == facts:
                 return
@@ -253,12 +261,7 @@ class ActivationProfiles:
     def allocator_evidence(self, model: str, shape: dict[str, Any]) -> AllocatorEvidence:
         """What the allocator showed of ``model``'s stages at exactly ``shape``."""
         with self._lock:
-            entry = self._data.get(model, {}).get(_shape_key(shape)) or {}
-            facts = entry.get("allocator") or {}
-            return AllocatorEvidence(
-                retried_runs={s: f["retried_runs"] for s, f in facts.items() if f["retried_runs"]},
-                limit=frozenset(s for s, f in facts.items() if f["limit"]),
-            )
+            return _evidence(self._data.get(model, {}).get(_shape_key(shape)) or {})
 
     def forget(self, model: str, shape: dict[str, Any], stages: Any) -> None:
         """Drop stored peaks that proved wrong (re-measured on the next run)."""
@@ -270,12 +273,23 @@ class ActivationProfiles:
                 entry["stages"].pop(stage, None)
 
     def entries(self) -> list[tuple[str, str, dict[str, int]]]:
-        """(model, shape key, {stage: bytes}) for everything stored."""
+        """(model, shape key, {stage: bytes}) for every stored peak."""
         with self._lock:
             return [
                 (model, key, dict(entry["stages"]))
                 for model, shapes in self._data.items()
                 for key, entry in shapes.items()
+                if entry["stages"]
+            ]
+
+    def allocator_entries(self) -> list[tuple[str, str, AllocatorEvidence]]:
+        """(model, shape key, evidence) for every shape with allocator evidence."""
+        with self._lock:
+            return [
+                (model, key, _evidence(entry))
+                for model, shapes in self._data.items()
+                for key, entry in shapes.items()
+                if entry.get("allocator")
             ]
 
     def clear(self) -> bool:
@@ -342,7 +356,7 @@ class ActivationProfiles:
             shapes = {k: e for k, e in self._data.get(model, {}).items() if e["stages"]}
             exact = shapes.get(_shape_key(shape))
             if exact:
-                return dict(exact["stages"]), "activations: measured at this shape"
+                return dict(exact["stages"]), MEASURED_AT_SHAPE
             if not shapes:
                 return {}, "activations: unknown (no profile yet; run once to measure them)"
             # Scale the nearest larger (else largest) measured shape by its element count.
@@ -358,6 +372,14 @@ class ActivationProfiles:
                 f"(x{ratio:.2f}, largest stage {format_bytes(peak)})"
             )
             return scaled, note
+
+
+def _evidence(entry: dict[str, Any]) -> AllocatorEvidence:
+    facts = entry.get("allocator") or {}
+    return AllocatorEvidence(
+        retried_runs={s: f["retried_runs"] for s, f in facts.items() if f["retried_runs"]},
+        limit=frozenset(s for s, f in facts.items() if f["limit"]),
+    )
 
 
 def _merged_facts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

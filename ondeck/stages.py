@@ -500,16 +500,17 @@ class Pipeline(HostMemory):
         tiled decode); the profile keeps both for later processes (``AllocatorEvidence``)."""
         retries = record.allocator_retries
         pieces = _works_in_pieces(self.stages[index])
-        if retries and not record.allocator_ooms and not pieces:
+        limit = bool(retries) and not record.allocator_ooms and not pieces
+        if limit:
             self._limit_stages.add(record.stage)
         # A stage that ran out of memory (a tiled decode finding its tiles) learns from
         # that instead. The counts are the device's: a load running beside the stage
         # (a prefetch, a fill) counts in them too, and shares the stage's room anyway.
         many = retries is not None and retries >= RETRY_RESERVE_MIN_RETRIES
-        if many and not record.allocator_ooms:
+        retried = many and not record.allocator_ooms
+        if retried:
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
-        runs, limit = self._retried_stages.get(record.stage, 0), record.stage in self._limit_stages
-        self.executor.write_profile(record.stage, retried_runs=runs, limit=limit)
+        self.executor.write_profile(record.stage, retried=retried, limit=limit)  # this shape's
         if record.activation_bytes is None:
             if not pieces:  # a decode in pieces plans from its own estimate of whole frames
                 self.tracker.keep_bound(record)

@@ -332,11 +332,17 @@ def profiles(args: argparse.Namespace) -> int:
         removed = ActivationProfiles(path).clear()
         print(f"ondeck: {'deleted' if removed else 'no profiles at'} {path}")
         return 0
-    stored = ActivationProfiles(path).entries()
+    store = ActivationProfiles(path)
     print(f"ondeck: activation profiles in {path}" + ("" if path.exists() else " (none yet)"))
-    for model, shape, stages in stored:
+    for model, shape, stages in store.entries():
         measured = ", ".join(f"{stage} {format_bytes(n)}" for stage, n in stages.items())
         print(f"  {model}  {shape}: {measured}")
+    for model, shape, evidence in store.allocator_entries():
+        shown = [
+            f"{stage} kept retrying in {n} run(s)" for stage, n in evidence.retried_runs.items()
+        ]
+        shown += [f"{stage} reached the device's limit" for stage in sorted(evidence.limit)]
+        print(f"  {model}  {shape}: allocator: {', '.join(shown)}")
     return 0
 
 

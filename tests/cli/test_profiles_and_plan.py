@@ -44,6 +44,22 @@ def test_a_generate_then_profiles_lists_what_it_measured_or_nothing(cache, tiny_
     assert code == 0 and "activation profiles in" in out
 
 
+def test_profiles_lists_the_allocators_evidence_beside_the_peaks(cache, capsys):
+    store = ActivationProfiles(cache / "activation-profiles.json")
+    store.record("m", {"width": 8}, "denoise", 3 << 20)
+    store.record_allocator("m", {"width": 8}, "denoise", retried=True, limit=True)
+    store.record_allocator("m", {"width": 16}, "decode", retried=False, limit=True)
+    code, out, _ = run(capsys, "profiles")
+    assert code == 0
+    lines = [line.strip() for line in out.splitlines()[1:]]
+    assert lines == [
+        "m  width=8: denoise 3.00 MiB",
+        "m  width=8: allocator: denoise kept retrying in 1 run(s), denoise reached the "
+        "device's limit",
+        "m  width=16: allocator: decode reached the device's limit",
+    ]
+
+
 def test_plan_says_what_auto_chose_and_why(cache, tiny_model, capsys):
     code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu")
     assert code == 0

@@ -27,12 +27,16 @@ def test_what_the_allocator_showed_only_grows_and_survives_a_new_process(tmp_pat
     path = tmp_path / "profiles.json"
     first, second = ActivationProfiles(path), ActivationProfiles(path)
     first.record("wan", SHAPE, "Denoise", 1000)
-    first.record_allocator("wan", SHAPE, "Denoise", 2, False)
+    for _ in range(2):  # two runs that kept retrying
+        first.record_allocator("wan", SHAPE, "Denoise", retried=True, limit=False)
     # Another process, which read the file before, adds a limit and fewer runs.
-    second.record_allocator("wan", SHAPE, "Denoise", 1, True)
-    second.record_allocator("wan", SHAPE, "Decode", 0, False)  # nothing shown: not stored
+    second.record_allocator("wan", SHAPE, "Denoise", retried=True, limit=True)
+    second.record_allocator("wan", SHAPE, "Decode", retried=False, limit=False)  # not stored
     evidence = ActivationProfiles(path).allocator_evidence("wan", SHAPE)
     assert evidence.retried_runs == {"Denoise": 2} and evidence.limit == {"Denoise"}
+    third = ActivationProfiles(path)  # a process after both: one run more
+    third.record_allocator("wan", SHAPE, "Denoise", retried=True, limit=False)
+    assert ActivationProfiles(path).allocator_evidence("wan", SHAPE).retried_runs["Denoise"] == 3
     assert evidence.beside({"Denoise": 1, "Encode": 3}) == {"Denoise": 2, "Encode": 3}
     # Only at that exact shape; the peaks beside it are kept as they were.
     assert not ActivationProfiles(path).allocator_evidence("wan", {**SHAPE, "frames": 66}).limit
@@ -41,8 +45,9 @@ def test_what_the_allocator_showed_only_grows_and_survives_a_new_process(tmp_pat
     entry = document["models"]["wan"]["frames=33,height=480,width=832"]
     entry["allocator"] = {"Denoise": {"retried_runs": "many", "limit": True}, "Decode": [1]}
     path.write_text(json.dumps(document))
-    # Damaged evidence is dropped, the peaks kept.
-    reread = ActivationProfiles(path)
+    # Damaged evidence is dropped with the warning damaged entries give, the peaks kept.
+    with pytest.warns(UserWarning, match="ignored 2 damaged"):
+        reread = ActivationProfiles(path)
     assert reread.allocator_evidence("wan", SHAPE).limit == frozenset()
     assert reread.lookup("wan", SHAPE)[0] == {"Denoise": 1000}
 

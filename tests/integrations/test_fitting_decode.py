@@ -528,6 +528,16 @@ def test_a_first_decode_tiles_from_the_need_an_earlier_process_stored(
     assert np.array_equal(output, plain_tiled("flux", folders["flux"], decoder.last_tiles))
     # A tile's measurement understates whole frames: what this process stores in place of
     # the stored need, and what its next call plans from, stay at least that need.
-    assert decoder.whole_activations(1) >= 8 * room
-    decoder.measured(1)
+    decoder.measured(decoder.whole_activations(1))
+    assert decoder.bytes_per_element * decoder.last_elements >= 8 * room
     assert decoder.expected_need(later.ondeck._call_arguments) >= 8 * room
+    # A whole-frame measurement is exact: it replaces a stored need, smaller or not.
+    decoder.last_tiles = None
+    assert decoder.whole_activations(1) == 1
+    decoder.measured(1)
+    assert decoder.expected_need(later.ondeck._call_arguments) < room
+    # A need scaled from another shape is no floor: it only sizes a first decode.
+    scaled = load(folders["flux"])
+    run(scaled, ALL_FAMILIES["flux"], height=16)
+    assert scaled.ondeck.activation_profile()[0].get("vae")  # scaled from the stored one
+    assert scaled.ondeck.decoders["vae"].stored_bytes_per_element == 0.0

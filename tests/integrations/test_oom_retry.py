@@ -81,6 +81,15 @@ def test_a_turn_out_of_memory_runs_the_call_again_streaming(folder, monkeypatch)
     assert len(calls) > 1
     # The next call plans with the room kept: no error, the same frames.
     assert np.array_equal(frames(pipe), expected)
+    # A first run plans against the estimate's reserve: running out there says nothing
+    # about the measured one. After a completed run it does, and later runs keep the
+    # estimate's reserve.
+    policy = pipe.ondeck.policy
+    assert policy.measured_budget_bytes > policy.estimated_budget_bytes
+    running_out(monkeypatch, times=1)
+    with pytest.warns(UserWarning, match="transformer ran out of memory"):
+        assert np.array_equal(frames(pipe), expected)
+    assert policy.measured_budget_bytes == policy.estimated_budget_bytes
 
 
 def test_out_of_memory_that_more_room_does_not_cure_is_raised_with_nothing_loaded(

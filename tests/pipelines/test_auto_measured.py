@@ -477,9 +477,16 @@ def test_a_later_process_plans_with_the_reserves_a_stage_earned_at_the_devices_l
     plan = later.plan()
     assert plan.budget == later.policy.measured_budget_bytes
     assert f"reached the device's limit: 'Denoise' +{format_bytes(relief)}" in plan.activation_note
-    # Another shape has no evidence of its own.
+    # Another shape has no evidence of its own, and a clean run there stores none, even
+    # where the process's own runs of the first shape retried.
     later._profile_shape = {"width": 16}
     assert not later.snapshot().limit_stages and not later.snapshot().retried_stages
+    retried(later, "Denoise", 40, activation=small["Denoise"])
+    later._profile_shape = {"width": 32}
+    retried(later, "Denoise", 0, activation=small["Denoise"])
+    assert store.allocator_evidence("wan-shaped", {"width": 16}).retried_runs == {"Denoise": 1}
+    evidence = store.allocator_evidence("wan-shaped", {"width": 32})
+    assert not evidence.retried_runs and not evidence.limit
     later.close()
 
 

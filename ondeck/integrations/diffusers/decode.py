@@ -21,6 +21,7 @@ import torch
 from ...errors import BudgetError, LoadError
 from ...lazy import is_out_of_memory
 from ...memory import allocator_counts, format_bytes, free_cached_memory
+from ...profiles import MEASURED_AT_SHAPE
 from ...tiles import RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles, smallest_tiles, tiles_for
 from .call_shape import call_batch
 
@@ -276,6 +277,10 @@ class FittingDecode:
         # What running out of memory proved whole frames take at least, per element: a
         # later measurement (of tiles, which understate whole frames) never goes below.
         self.proven_bytes_per_element = 0.0
+        # Whole frames' bytes per output element an earlier process stored for exactly
+        # the call's shape: a floor over what this process's tiles measure (which
+        # understate whole frames), never over a whole-frame measurement, never a refusal.
+        self.stored_bytes_per_element = 0.0
         # Whether a decode fitted only by the allocator retrying (``_crowded``): from then
         # on a decode that does not fit tiles within its room, keeping what the policy
         # keeps (freeing it would reload it in the next run, every run), unless the
@@ -303,9 +308,11 @@ class FittingDecode:
         if self.last_retries:
             return None
         measured *= self.last_slices  # one image at a time: the batch takes that each
+        floor = self.proven_bytes_per_element
         if self.last_tiles is not None:
             measured = int(measured / self.last_tiles.area)
-        return max(measured, int(self.proven_bytes_per_element * (self.last_elements or 0)))
+            floor = max(floor, self.stored_bytes_per_element)
+        return max(measured, int(floor * (self.last_elements or 0)))
 
     def measured(self, nbytes: int) -> None:
         """The turn's measured peak for whole frames, kept per output element."""
@@ -518,28 +525,31 @@ class FittingDecode:
 
     def _need(self, latents: torch.Tensor, elements: int) -> int | None:
         """Whole frames' need: as measured in this process, else as an earlier one stored
-        it for the call's shape (``_stored_need``), else estimated from the config. What
-        is stored counts as proven: it is at least what running out of memory proved
-        there, and this process's tiles (which understate whole frames) must neither
-        plan below it nor store less in its place."""
-        stored = self._stored_need()
-        if stored is not None and elements:
-            proven = stored / elements
-            self.proven_bytes_per_element = max(self.proven_bytes_per_element, proven)
+        it for the call's shape (``_stored_need``), else estimated from the config. A
+        need stored for exactly this shape is at least what running out of memory proved
+        there: what this process's tiles measure, which understates whole frames, is held
+        above it (``whole_activations``), so that neither this process's next decode nor
+        the profile it stores goes below it; a whole-frame measurement replaces it."""
+        stored, exact = self._stored_need()
+        if stored is not None and exact and elements:
+            self.stored_bytes_per_element = stored / elements
         if self.bytes_per_element is not None:
-            return int(max(self.bytes_per_element, self.proven_bytes_per_element) * elements)
+            return int(self.bytes_per_element * elements)
         if stored is not None:
             return stored
         return estimated_need(self.config, tuple(latents.shape), latents.element_size())
 
-    def _stored_need(self) -> int | None:
+    def _stored_need(self) -> tuple[int | None, bool]:
         """The whole-frame need stored in the activation profile of the call's shape
         (measured by an earlier process, or scaled from a stored call of another size):
         the first decode of a process tiles from it, as later ones tile from what they
-        measure. It never refuses a decode (``_refuse_if_it_cannot_fit``)."""
-        stored, _ = self.runtime.activation_profile()
+        measure. It never refuses a decode (``_refuse_if_it_cannot_fit``). With whether it
+        was stored for exactly this shape (not scaled from another)."""
+        stored, note = self.runtime.activation_profile()
         need = stored.get(self.name)
-        return need if isinstance(need, int) and need > 0 else None
+        if not isinstance(need, int) or need <= 0:
+            return None, False
+        return need, note == MEASURED_AT_SHAPE
 
     def _refuse_if_it_cannot_fit(self, need: int | None, height: int, width: int) -> None:
         """A VAE that cannot tile, whose whole frames, as measured, cannot fit even with

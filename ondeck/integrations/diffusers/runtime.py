@@ -290,8 +290,9 @@ class DiffusersRuntime(Pipeline):
             snapshot.stored_activation.get(stage) or 0,
         )
         self._oom_room[stage] = max(2 * known, int(budget * OOM_FIRST_ROOM_FRACTION))
-        if isinstance(self.policy, AutoBudgetPolicy):
-            # What ran out was planned with the first run's reserve: keep it.
+        if isinstance(self.policy, AutoBudgetPolicy) and snapshot.runs_completed:
+            # What ran out was planned against the measured budget (a process's first run
+            # never is): later runs keep the first run's reserve.
             self.policy.measured_budget_bytes = self.policy.estimated_budget_bytes
         after = self.plan()
         if after.streamed == before.streamed and after.stages == before.stages:
