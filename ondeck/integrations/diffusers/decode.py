@@ -531,8 +531,8 @@ class FittingDecode:
         above it (``whole_activations``), so that neither this process's next decode nor
         the profile it stores goes below it; a whole-frame measurement replaces it."""
         stored, exact = self._stored_need()
-        if stored is not None and exact and elements:
-            self.stored_bytes_per_element = stored / elements
+        exact = exact and stored is not None and elements > 0
+        self.stored_bytes_per_element = stored / elements if exact else 0.0  # this call's
         if self.bytes_per_element is not None:
             return int(self.bytes_per_element * elements)
         if stored is not None:
