@@ -44,9 +44,9 @@ AUTO_MEASURED_HEADROOM_MIN_BYTES = 256 << 20
 # A stage during which the CUDA allocator kept freeing its cache and trying again (at
 # least RETRY_RESERVE_MIN_RETRIES times in a run, and never out of memory) ran at the
 # allocator's limit, each retry waiting for the device: its later runs plan with this
-# much more reserve for each run that did so, up to
-# RETRY_RESERVE_MAX_STEPS runs. The activation profiles keep the runs for later
-# processes (``profiles.AllocatorEvidence``), never the reserve's bytes.
+# much more reserve for each run that did so, up to RETRY_RESERVE_MAX_STEPS runs. The
+# activation profiles keep the runs for later processes (``profiles.AllocatorEvidence``),
+# never the reserve's bytes.
 RETRY_RESERVE_STEP_BYTES = 512 << 20
 RETRY_RESERVE_MAX_STEPS = 2
 RETRY_RESERVE_MIN_RETRIES = 8

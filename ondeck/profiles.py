@@ -160,9 +160,8 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
             dropped += len(stages) - len(kept)
             raw = entry.get("allocator")
             allocator = _valid_allocator(raw)
-            dropped += (len(raw) if isinstance(raw, dict) else int(raw is not None)) - len(
-                allocator
-            )
+            given = len(raw) if isinstance(raw, dict) else int(raw is not None)
+            dropped += given - len(allocator)
             if kept or allocator:
                 valid.setdefault(model, {})[key] = {"shape": shape, "stages": kept}
                 if allocator:
