@@ -576,16 +576,33 @@ class AutoBudgetPolicy(BudgetPolicy):
         self.measured_budget_bytes = max(measured_budget, self.budget_bytes)
 
     def current_budget(self, source: Any) -> int:
+        """The budget the next run plans against (``_budget_for``). Where the first run's
+        reserve alone would make the run refuse, or set its stored profile aside, the
+        first run plans against the measured budget instead: a run that may have to
+        start again beats one refused, or one guessing what is stored."""
         snapshot = _view(source)
         needs, _ = self.activation_needs(snapshot)
-        return self._budget_for(needs, snapshot)
+        budget = self._budget_for(needs, snapshot)
+        measured = self._measured_for(needs)
+        if budget < measured and not self._plans_within(snapshot, budget):
+            if self._plans_within(snapshot, measured):
+                return measured
+        return budget
+
+    def _measured_for(self, needs: Mapping[str, int | None]) -> int:
+        return planning_budget(
+            needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
+        )
 
     def _budget_for(self, needs: Mapping[str, int | None], snapshot: Snapshot) -> int:
         if not snapshot.runs_completed:
             return self.estimated_budget_bytes
-        return planning_budget(
-            needs, estimated=self.estimated_budget_bytes, measured=self.measured_budget_bytes
-        )
+        return self._measured_for(needs)
+
+    def _plans_within(self, snapshot: Snapshot, budget: int) -> bool:
+        """Whether the plan against ``budget`` fits with what is stored counted."""
+        plan = super().plan_for(snapshot, budget)
+        return plan.overflow() is None and not plan.profile_set_aside
 
     def before_run(self, snapshot: Snapshot) -> Steps:
         self.budget_bytes = self.current_budget(snapshot)

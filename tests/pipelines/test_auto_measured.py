@@ -213,6 +213,22 @@ def test_a_stored_profile_of_the_run_shape_counts_as_measured(monkeypatch, tmp_p
     pipe.close()
 
 
+def test_a_first_run_plans_against_the_measured_budget_where_its_reserve_alone_would_not_fit(
+    monkeypatch, tmp_path
+):
+    """On a 16 GiB card the fp8 transformer (13.58 GiB) and its stored 1.6 GiB fit only
+    the measured budget: the first run's larger reserve would set the profile aside (and
+    guess), so that run plans against the measured budget, with what is stored."""
+    fake_card(monkeypatch, 16 * GIB)
+    pipe = profiled_wan_shaped(monkeypatch, tmp_path)
+    pipe._profile_shape = {"width": 8}
+    assert pipe.policy.current_budget(pipe.snapshot()) == pipe.policy.measured_budget_bytes
+    plan = pipe.plan()
+    assert plan.fits() and not plan.profile_set_aside
+    assert plan.activation_bytes["Denoise"] == MEASURED["Denoise"]
+    pipe.close()
+
+
 def fake_host(monkeypatch, available: int, process: int, cgroup=None) -> None:
     """The machine's readings behind ``memory.host_facts``: available bytes, this
     process's RSS, and a cgroup's (limit, usage) or none."""
