@@ -25,7 +25,7 @@ def test_sigterm_finishes_the_running_job_fails_the_waiting_and_exits_0(models, 
     try:
         with server.client() as http:
             body = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
-            running = http.post("/v1/videos", json={**body, "steps": 30}).json()["id"]
+            running = http.post("/v1/videos", json={**body, "steps": 120}).json()["id"]
             waiting = http.post("/v1/videos", json=body).json()["id"]
             wait_for(lambda: http.get(f"/v1/ondeck/jobs/{running}").json()["step"] >= 1)
             server.process.terminate()
