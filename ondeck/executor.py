@@ -233,32 +233,34 @@ class Executor:
 
     # -- measurements ---------------------------------------------------------------
 
-    def write_profile(
-        self, stage: str, nbytes: int | None = None, *, retried: bool = False, limit: bool = False
-    ) -> None:
-        """Store what ``stage`` showed in the profile of the pipeline's model at the run's
-        shape: its activation peak (``nbytes``), else what its allocator did in this run
-        (``ActivationProfiles.record_allocator``)."""
+    def _profile_key(self) -> tuple[str, dict[str, Any]] | None:
+        """The model and run shape the pipeline's profile is kept under; None where it
+        keeps none (no model named, no shape known yet)."""
         model, shape = self.pipeline.profile_model, self.pipeline.run_shape
-        if model is None or shape is None:
-            return
-        if nbytes is not None:
-            default_profiles().record(model, shape, stage, nbytes)
-        else:
-            default_profiles().record_allocator(model, shape, stage, retried=retried, limit=limit)
+        return None if model is None or shape is None else (model, shape)
+
+    def write_profile(self, stage: str, nbytes: int) -> None:
+        """Store ``stage``'s activation peak in the profile of the pipeline's model at the
+        run's shape."""
+        if (key := self._profile_key()) is not None:
+            default_profiles().record(*key, stage, nbytes)
+
+    def write_allocator(self, stage: str, *, retried: bool, limit: bool) -> None:
+        """Store what ``stage``'s allocator did in this run beside its peak
+        (``ActivationProfiles.record_allocator``)."""
+        if (key := self._profile_key()) is not None:
+            default_profiles().record_allocator(*key, stage, retried=retried, limit=limit)
 
     def activation_profile(self) -> tuple[dict[str, int], str]:
         """Per-stage activation bytes stored for the model at the run's shape, and a note
         on where they come from."""
-        model, shape = self.pipeline.profile_model, self.pipeline.run_shape
-        if model is None or shape is None:
-            return {}, ""
-        return default_profiles().lookup(model, shape)
+        key = self._profile_key()
+        return default_profiles().lookup(*key) if key is not None else ({}, "")
 
     def allocator_evidence(self) -> AllocatorEvidence:
         """What the allocator showed of the model's stages at the run's shape, in any
         process (none where the pipeline has no profile)."""
-        model, shape = self.pipeline.profile_model, self.pipeline.run_shape
-        if model is None or shape is None:
-            return AllocatorEvidence()
-        return default_profiles().allocator_evidence(model, shape)
+        key = self._profile_key()
+        return (
+            default_profiles().allocator_evidence(*key) if key is not None else AllocatorEvidence()
+        )

@@ -510,7 +510,7 @@ class Pipeline(HostMemory):
         retried = many and not record.allocator_ooms
         if retried:
             self._retried_stages[record.stage] = self._retried_stages.get(record.stage, 0) + 1
-        self.executor.write_profile(record.stage, retried=retried, limit=limit)  # this shape's
+        self.executor.write_allocator(record.stage, retried=retried, limit=limit)  # this shape's
         if record.activation_bytes is None:
             if not pieces:  # a decode in pieces plans from its own estimate of whole frames
                 self.tracker.keep_bound(record)
