@@ -40,14 +40,18 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def freeze_what_lives() -> None:
+def freeze_what_lives(*, collect: bool = True) -> None:
     """For a command that owns its process, once its pipelines are built and before its
-    runs: collect once, then keep every object alive now out of later collections
-    (``gc.freeze``). Otherwise a full pass of Python's garbage collector scans the imports
-    and the pipelines' skeletons again during a later run (0.28-0.37 s of a 2.6-3.2 s
-    SD3.5-shaped run at 8 GiB, BENCHMARKS.md); frozen, a pass scans only what the runs
-    made. Never from the library: a caller's garbage would be kept for ever."""
-    gc.collect()
+    runs: collect once (unless ``collect`` is false), then keep every object alive now out
+    of later collections (``gc.freeze``). Otherwise a full pass of Python's garbage
+    collector scans the imports and the pipelines' skeletons again during a run: 0.28-0.37
+    s of a 2.6-3.2 s SD3.5-shaped run at 8 GiB, and two passes, 1.26 s, of a
+    HunyuanVideo-shaped process's first run (BENCHMARKS.md); frozen, a pass scans only
+    what the runs made. A process that ends after one run skips the collection, which
+    would cost it the pass it saves. Never from the library: a caller's garbage would be
+    kept for ever."""
+    if collect:
+        gc.collect()
     gc.freeze()
 
 

@@ -156,8 +156,9 @@ def _run_all(
 
     timings: list[float] = []
     frames = None
-    if args.runs > 1:
-        freeze_what_lives()  # the pipeline outlives every run: no later run rescans it
+    # The pipeline outlives every run: no run rescans it. One run ends the process, and
+    # what setting up left for the collector can wait for that.
+    freeze_what_lives(collect=args.runs > 1)
     for run in range(args.runs):
         watch.reset()
         pipe.more_runs = run + 1 < args.runs  # nothing is loaded ahead after the last

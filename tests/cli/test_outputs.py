@@ -214,24 +214,30 @@ def test_only_the_last_run_of_a_command_expects_no_run_after_it(
 
 
 @pytest.mark.parametrize("runs", [1, 2])
-def test_several_runs_freeze_what_the_build_left_out_of_later_collections(
+def test_the_command_freezes_what_the_build_left_out_of_its_runs_collections(
     capsys, tiny_model, tmp_path, monkeypatch, runs
 ):
-    """`--runs 2`: the command owns its process, so what lives once the pipeline is built
-    is kept out of the garbage collector's later passes (``gc.freeze``); one run has no
-    later pass to spare and freezes nothing."""
+    """The command owns its process, so what lives once the pipeline is built is kept out
+    of the garbage collector's passes during its runs (``gc.freeze``). Several runs
+    collect first; one run, which ends the process, does not spend a full pass on it."""
     import gc
 
     from ondeck.stages import Pipeline
 
-    frozen = []
-    run_once = Pipeline._run
+    frozen, collected = [], []
+    run_once, collect = Pipeline._run, gc.collect
 
     def noting(self, state):
         frozen.append(gc.get_freeze_count())
         return run_once(self, state)
 
+    def counting(*args, **kwargs):
+        if not frozen:  # before the first run
+            collected.append(args)
+        return collect(*args, **kwargs)
+
     monkeypatch.setattr(Pipeline, "_run", noting)
+    monkeypatch.setattr(gc, "collect", counting)
     gc.unfreeze()
     try:
         code, _, err = generate(capsys, tiny_model, tmp_path / "out", "--runs", str(runs))
@@ -239,7 +245,8 @@ def test_several_runs_freeze_what_the_build_left_out_of_later_collections(
         gc.unfreeze()  # this test process's objects go back to the collector
     assert code == 0, err
     assert len(frozen) == runs
-    assert all(count > 10_000 for count in frozen) if runs > 1 else frozen == [0]
+    assert all(count > 10_000 for count in frozen)
+    assert bool(collected) == (runs > 1)
 
 
 def test_an_output_folder_under_tilde_is_in_the_home_folder(

@@ -126,6 +126,22 @@ def test_the_decode_need_is_in_the_plan_before_the_first_call(folders):
     assert bigger == 4 * need, "the need grows with the frame's area"
 
 
+def test_a_vae_that_decodes_in_chunks_of_frames_is_counted_a_chunk_at_a_time(folders):
+    """HunyuanVideo's VAE decodes 16 frames and the one overlapping the next chunk at
+    once, whole or tiled; Wan's a latent frame (four frames) at a time. A first decode's
+    estimate counts what each holds: counted as Wan's, HunyuanVideo's 33 frames would
+    be a quarter of their need and run out of memory before it tiled."""
+    sizes = {"height": 32, "width": 32}
+    chunked = load(folders["hunyuan_video"], "budget", budget="1GiB").ondeck.decoders["vae"]
+    framewise = load(folders["wan"], "budget", budget="1GiB").ondeck.decoders["vae"]
+    assert (chunked.in_flight, framewise.in_flight) == (17, 4)
+    short, long = (chunked.expected_need({**sizes, "num_frames": n}) for n in (5, 33))
+    assert long == short * 17 // 5, "up to a chunk, the need grows with the frames"
+    assert chunked.expected_need({**sizes, "num_frames": 65}) == long, "a chunk at most"
+    five, many = (framewise.expected_need({**sizes, "num_frames": n}) for n in (5, 33))
+    assert five == many, "a frame-by-frame VAE holds four frames however long the video"
+
+
 def test_entering_a_cache_context_does_not_wait_for_a_pipelined_load(folders, monkeypatch):
     from ondeck.integrations.diffusers import PipelineComponent
 

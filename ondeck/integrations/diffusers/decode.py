@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ __all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_s
 # below it costs one attempt that runs out of memory.
 ESTIMATE_BYTES_PER_ELEMENT_CHANNEL = 4
 # Frames of output a video VAE holds at once while decoding (it decodes latent frame
-# by latent frame with a cache of the previous ones).
+# by latent frame with a cache of the previous ones). A VAE that decodes in chunks of
+# frames of its own (``use_framewise_decoding``, HunyuanVideo's) holds a chunk and the
+# frame it overlaps the next by: see ``frames_in_flight``.
 FRAMES_IN_FLIGHT = 4
 
 # A decode during which the caching allocator gave back its cache and retried this many
@@ -194,10 +197,26 @@ def tiling_style(cls: type) -> TilingStyle | None:
 
 
 def _sets_attribute(cls: type, name: str) -> bool:
+    return f"self.{name} =" in _init_source(cls)
+
+
+def _init_source(cls: type) -> str:
     try:
-        return f"self.{name} =" in inspect.getsource(cls.__init__)
+        return inspect.getsource(cls.__init__)
     except (OSError, TypeError):
-        return False
+        return ""
+
+
+def frames_in_flight(cls: type | None) -> int:
+    """Output frames a video VAE of class ``cls`` holds at once while decoding: a chunk
+    of ``tile_sample_min_num_frames`` and the frame it overlaps the next by, where its
+    constructor turns chunked decoding on (``use_framewise_decoding = True``), for
+    whole frames and tiles alike; else ``FRAMES_IN_FLIGHT``."""
+    source = _init_source(cls) if cls is not None else ""
+    chunk = re.search(r"self\.tile_sample_min_num_frames = (\d+)\b", source)
+    if chunk is None or "self.use_framewise_decoding = True" not in source:
+        return FRAMES_IN_FLIGHT
+    return int(chunk.group(1)) + 1
 
 
 def spatial_scale(config: Any) -> int:
@@ -232,18 +251,28 @@ def output_frames(latent_frames: int) -> int:
     return 1 + 4 * (latent_frames - 1)
 
 
-def output_elements(batch: int, height: int, width: int, frames: int | None) -> int:
+def output_elements(
+    batch: int, height: int, width: int, frames: int | None, in_flight: int = FRAMES_IN_FLIGHT
+) -> int:
     """Output pixels a decode holds at once: every image of the batch, and of a video
-    (``frames``) the frames in flight; what a decode's need is counted per."""
-    return batch * height * width * (min(FRAMES_IN_FLIGHT, frames) if frames else 1)
+    (``frames``) the frames in flight (``frames_in_flight``); what a decode's need is
+    counted per."""
+    return batch * height * width * (min(in_flight, frames) if frames else 1)
 
 
-def estimated_need(config: Any, latent_shape: tuple[int, ...], element_bytes: int) -> int:
-    """Device bytes a whole-frame decode of ``latent_shape`` takes, from the config alone."""
+def estimated_need(
+    config: Any,
+    latent_shape: tuple[int, ...],
+    element_bytes: int,
+    in_flight: int = FRAMES_IN_FLIGHT,
+) -> int:
+    """Device bytes a whole-frame decode of ``latent_shape`` takes, from the config alone
+    (and the frames the VAE's class holds at once, ``frames_in_flight``)."""
     scale = spatial_scale(config)
     batch = latent_shape[0] if latent_shape else 1
     frames = output_frames(latent_shape[2]) if len(latent_shape) == 5 else None
-    elements = output_elements(batch, latent_shape[-2] * scale, latent_shape[-1] * scale, frames)
+    height, width = latent_shape[-2] * scale, latent_shape[-1] * scale
+    elements = output_elements(batch, height, width, frames, in_flight)
     channels = _widest_channels(config)
     return elements * channels * element_bytes * ESTIMATE_BYTES_PER_ELEMENT_CHANNEL
 
@@ -263,6 +292,7 @@ class FittingDecode:
         self.name = name
         spec = object.__getattribute__(proxy, "_ondeck_spec")
         self.style = tiling_style(spec.cls) if spec.cls is not None else None
+        self.in_flight = frames_in_flight(spec.cls)
         self.config = spec.config or {}
         self.last_tiles: Tiles | None = None
         self.last_retries = 0
@@ -330,14 +360,15 @@ class FittingDecode:
         frames = arguments.get("num_frames")
         frames = frames if isinstance(frames, int) and frames > 0 else None
         batch = call_batch(arguments)
-        elements = output_elements(batch, height, width, frames)
+        elements = output_elements(batch, height, width, frames, self.in_flight)
         if self.bytes_per_element is not None:
             return int(self.bytes_per_element * elements)
         scale = spatial_scale(self.config)
         side = (max(1, height // scale), max(1, width // scale))
         shape = (batch, 1, (frames - 1) // 4 + 1, *side) if frames else (batch, 1, *side)
         dtype = object.__getattribute__(self.proxy, "_ondeck_spec").dtype
-        return estimated_need(self.config, shape, dtype.itemsize if dtype is not None else 4)
+        itemsize = dtype.itemsize if dtype is not None else 4
+        return estimated_need(self.config, shape, itemsize, self.in_flight)
 
     def finest_area(self, arguments: dict[str, Any]) -> float | None:
         """The share of a frame the finest tiles this VAE decodes in take, for the call
@@ -365,7 +396,7 @@ class FittingDecode:
         scale = spatial_scale(self.config)
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         frames = output_frames(latents.shape[2]) if latents.dim() == 5 else None
-        elements = output_elements(latents.shape[0], height, width, frames)
+        elements = output_elements(latents.shape[0], height, width, frames, self.in_flight)
         self.last_elements = elements
         need = self._need(latents, elements)
         self.last_need = need
@@ -537,7 +568,8 @@ class FittingDecode:
             return int(self.bytes_per_element * elements)
         if stored is not None:
             return stored
-        return estimated_need(self.config, tuple(latents.shape), latents.element_size())
+        shape = tuple(latents.shape)
+        return estimated_need(self.config, shape, latents.element_size(), self.in_flight)
 
     def _stored_need(self) -> tuple[int | None, bool]:
         """The whole-frame need stored in the activation profile of the call's shape
