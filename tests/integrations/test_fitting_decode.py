@@ -190,6 +190,47 @@ def test_a_measured_need_is_counted_as_the_call_that_follows_counts_it(folders):
     assert decoder.expected_need(arguments) == 123_456
 
 
+def test_a_tiled_measurement_beside_a_load_lowers_no_need(folders, monkeypatch):
+    """Weights that arrived beside a decode (the next call's first components, loaded
+    ahead) are counted as weights whole, though they may have come after its peak: the
+    measurement is then a lower bound, and the need the decode was sized by stands."""
+    monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: 1)
+    pipe = load(folders["wan"])
+    run(pipe, ALL_FAMILIES["wan"])
+    decoder = pipe.ondeck.decoders["vae"]
+    assert decoder.last_tiles is not None and decoder.last_need > 0
+    decoder.loaded_beside = False
+    alone = decoder.whole_activations(1)
+    assert alone < decoder.last_need, "a tile's few bytes measured alone are believed"
+    decoder.loaded_beside = True
+    assert decoder.whole_activations(1) == decoder.last_need
+    assert decoder.whole_activations(10 * decoder.last_need) > decoder.last_need
+
+
+def test_each_turn_is_measured_from_the_weights_its_step_left(folders):
+    """A turn's activations are measured from once its step released the last turn's
+    components and loaded its own ahead (``compute_started``): counted as weights, the
+    released ones would hide as much of the turn's peak (a decode after a 5 GiB streamed
+    transformer measured 42 MB)."""
+    pipe = load(folders["wan"])
+    tracker, seen = pipe.ondeck.tracker, []
+    started = tracker.compute_started
+
+    def noting():
+        seen.append(
+            (pipe.ondeck.stages[pipe.ondeck._current_index].name, set(pipe.ondeck.resident()))
+        )
+        started()
+
+    run(pipe, ALL_FAMILIES["wan"])  # the first call holds passed turns back: it learns
+    tracker.compute_started = noting
+    run(pipe, ALL_FAMILIES["wan"])
+    turns = [name for name, _ in seen]
+    assert turns == pipe.ondeck.order, "each turn's compute starts once"
+    for (name, resident), earlier in zip(seen[1:], turns, strict=False):
+        assert earlier not in resident, f"{earlier} is released before {name} computes"
+
+
 def test_what_running_out_proved_is_not_forgotten_by_a_later_measurement(folders, monkeypatch):
     """A decode that ran out of memory in a room proved whole frames need more than that
     room; a later tiled decode's measurement, which understates whole frames, must not

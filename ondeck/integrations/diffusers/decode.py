@@ -311,6 +311,10 @@ class FittingDecode:
         # the call's shape: a floor over what this process's tiles measure (which
         # understate whole frames), never over a whole-frame measurement, never a refusal.
         self.stored_bytes_per_element = 0.0
+        # Whether weights arrived beside the last decode (the next call's first
+        # components, loaded ahead) and were counted as weights whole though they may have
+        # come after its peak: its measurement is a lower bound, which lowers nothing.
+        self.loaded_beside = False
         # Whether a decode fitted only by the allocator retrying (``_crowded``): from then
         # on a decode that does not fit tiles within its room, keeping what the policy
         # keeps (freeing it would reload it in the next run, every run), unless the
@@ -334,7 +338,9 @@ class FittingDecode:
     def whole_activations(self, measured: int) -> int | None:
         """A tiled decode measured one tile: whole frames take about that over its area,
         and at least what running out of memory proved they take (a tile's measurement
-        understates whole frames; what is stored for later processes must not)."""
+        understates whole frames; what is stored for later processes must not). A
+        measurement beside a load (``loaded_beside``) is at least the need the decode
+        was sized by: it may have counted weights that came after its peak."""
         if self.last_retries:
             return None
         measured *= self.last_slices  # one image at a time: the batch takes that each
@@ -342,7 +348,8 @@ class FittingDecode:
         if self.last_tiles is not None:
             measured = int(measured / self.last_tiles.area)
             floor = max(floor, self.stored_bytes_per_element)
-        return max(measured, int(floor * (self.last_elements or 0)))
+        whole = max(measured, int(floor * (self.last_elements or 0)))
+        return max(whole, self.last_need or 0) if self.loaded_beside else whole
 
     def measured(self, nbytes: int) -> None:
         """The turn's measured peak for whole frames, kept per output element."""

@@ -161,6 +161,7 @@ class DiffusersRuntime(Pipeline):
         self._own_sizes: dict[str, int] | None = None  # read at the first call
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
+        self._resident_at_compute: set[str] = set()  # as the turn in progress computes
         for name, proxy in components.items():
             self._add_decoder(name, proxy)
         super().__init__(
@@ -443,9 +444,19 @@ class DiffusersRuntime(Pipeline):
         self._current_index = index
         self.tracker.stage_started(self.stages[index].name)
         self._before_stage(index)
+        # The turn's activations are measured from here, against the weights resident
+        # now: what the step before it released (the last turn's components) is not.
+        self.tracker.compute_started()
+        self._resident_at_compute = set(self.resident())
 
     def _finish_turn(self, index: int) -> None:
-        record = self.tracker.stage_finished(self.stages[index].name, self._loading_bytes())
+        loading = self._loading_bytes()
+        record = self.tracker.stage_finished(self.stages[index].name, loading)
+        decoder = self.decoders.get(self.stages[index].name)
+        if decoder is not None:  # another turn's components arrived beside the decode
+            own = {self._deferred_name(c) for c in self.stages[index].components}
+            arrived = set(self.resident()) - self._resident_at_compute - own
+            decoder.loaded_beside = bool(loading or arrived)
         self._stage_measured(index, record)
         self._after_stage(index, failed=False)
 
