@@ -60,7 +60,8 @@ def test_reset_peaks_measures_each_stage_at_the_cost_of_the_callers_figure(tiny_
     assert records and all(s.activation_bytes is not None for s in records)
 
 
-def test_a_stage_that_raises_the_device_peak_is_measured_without_resets(tiny_folder):
+def test_a_stage_that_raises_the_device_peak_is_measured_without_resets(tiny_folder, monkeypatch):
+    monkeypatch.delenv("ONDECK_RESET_PEAKS", raising=False)
     pipe = wan(tiny_folder)
     settle()
     torch.cuda.reset_peak_memory_stats()  # the caller's choice: the run starts the figure
