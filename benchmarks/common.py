@@ -152,6 +152,12 @@ def reload_arm_loader(folder, name: str, arm: str):
 
 
 def warm_page_cache(paths) -> None:
+    """Read ``paths`` into the page cache, once what was written is on disk: a folder
+    just built holds tens of GB of dirty pages whose writeback may still run during the
+    first timed process, which no user's downloaded files have. The first process after
+    a build spent 3.9-6.6 s in Wan's first encoder turn, the next first-ever process 1.1 s
+    (BENCHMARKS.md)."""
+    os.sync()
     for path in paths:
         with open(path, "rb") as handle:
             while handle.read(64 << 20):

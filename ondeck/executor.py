@@ -251,6 +251,16 @@ class Executor:
         if (key := self._profile_key()) is not None:
             default_profiles().record_allocator(*key, stage, retried=retried, limit=limit)
 
+    def write_turns(self, turns: list[tuple[str, tuple[str, ...]]]) -> None:
+        """Store the turns a complete call showed (``ActivationProfiles.record_turns``)."""
+        if (key := self._profile_key()) is not None:
+            default_profiles().record_turns(*key, turns)
+
+    def stored_turns(self) -> list[tuple[str, tuple[str, ...]]] | None:
+        """The turns a call at the run's shape showed in any process; None where none."""
+        key = self._profile_key()
+        return default_profiles().stored_turns(*key) if key is not None else None
+
     def activation_profile(self) -> tuple[dict[str, int], str]:
         """Per-stage activation bytes stored for the model at the run's shape, and a note
         on where they come from."""

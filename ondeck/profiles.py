@@ -5,7 +5,10 @@ finishes records its peak here (in the user's cache folder), so later runs and
 ``ondeck plan`` know it before loading anything. Beside each peak is what the CUDA
 allocator showed of the stage on that device (``AllocatorEvidence``): a stage that ran at
 the device's limit keeps the reserve it earned there in the next process too, rather
-than running out of memory once to earn it again. What is stored can refine a plan, never
+than running out of memory once to earn it again. Beside them, where a pipeline learns
+its turns from a call (the diffusers path), the turns that call showed: a later
+process's first call plans with the components each turn holds, rather than as if each
+were done once its turn passed. What is stored can refine a plan, never
 make a correct command fail: a stage that raised records nothing, a damaged or foreign
 file is ignored with one warning, implausible values are dropped, and the budget policy
 measures again rather than obey a stored value that would make it refuse.
@@ -53,6 +56,8 @@ MAX_RETRIED_RUNS = 8
 # What a shape's numbers may be: the sides and frames generate() accepts, a batch.
 SHAPE_BOUNDS = {"height": MAX_SIDE, "width": MAX_SIDE, "frames": MAX_FRAMES, "batch": MAX_BATCH}
 MAX_SHAPE_NUMBER = 1 << 20
+# No pipeline has more components: more turns than this is damage.
+MAX_TURNS = 64
 
 try:
     import fcntl
@@ -129,6 +134,25 @@ def _valid_allocator(value: Any) -> dict[str, dict[str, Any]]:
     return kept
 
 
+def _valid_turns(value: Any) -> list[list[Any]] | None:
+    """The turns of an entry, ``[[name, [held, ...]], ...]``; None where absent or
+    damaged (not that shape, a name twice, too many)."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_TURNS:
+        return None
+    turns = []
+    for turn in value:
+        if not isinstance(turn, list) or len(turn) != 2:
+            return None
+        name, held = turn
+        if not isinstance(name, str) or not isinstance(held, list) or len(held) > MAX_TURNS:
+            return None
+        if not all(isinstance(other, str) for other in held):
+            return None
+        turns.append([name, list(held)])
+    names = [name for name, _ in turns]
+    return turns if len(set(names)) == len(names) else None
+
+
 def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
     """The well-formed entries of a profile document, and how many were dropped."""
     if not isinstance(document, dict) or document.get("format") != FORMAT:
@@ -162,10 +186,14 @@ def _valid_models(document: Any) -> tuple[dict[str, dict[str, dict[str, Any]]], 
             allocator = _valid_allocator(raw)
             given = len(raw) if isinstance(raw, dict) else int(raw is not None)
             dropped += given - len(allocator)
-            if kept or allocator:
+            turns = _valid_turns(entry.get("turns"))
+            dropped += int(turns is None and entry.get("turns") is not None)
+            if kept or allocator or turns:
                 valid.setdefault(model, {})[key] = {"shape": shape, "stages": kept}
                 if allocator:
                     valid[model][key]["allocator"] = allocator
+                if turns:
+                    valid[model][key]["turns"] = turns
     return valid, dropped
 
 
@@ -257,6 +285,33 @@ class ActivationProfiles:
             entry["allocator"][stage] = merged
             self._write(set())
 
+    def record_turns(
+        self, model: str, shape: dict[str, Any], turns: list[tuple[str, tuple[str, ...]]]
+    ) -> None:
+        """Store the turns a complete call at ``shape`` showed: per turn, its name and the
+        components it holds. The newest replaces the old."""
+        value = _valid_turns([[name, list(held)] for name, held in turns])
+        if value is None:
+            return
+        with self._lock:
+            entry = self._data.setdefault(model, {}).setdefault(
+                _shape_key(shape), {"shape": dict(shape), "stages": {}}
+            )
+            if entry.get("turns") == value:
+                return
+            entry["turns"] = value
+            self._write(set(), turns={(model, _shape_key(shape))})
+
+    def stored_turns(
+        self, model: str, shape: dict[str, Any]
+    ) -> list[tuple[str, tuple[str, ...]]] | None:
+        """The turns a call of ``model`` at exactly ``shape`` showed; None where none is
+        stored."""
+        with self._lock:
+            entry = self._data.get(model, {}).get(_shape_key(shape)) or {}
+            turns = entry.get("turns")
+            return [(name, tuple(held)) for name, held in turns] if turns else None
+
     def allocator_evidence(self, model: str, shape: dict[str, Any]) -> AllocatorEvidence:
         """What the allocator showed of ``model``'s stages at exactly ``shape``."""
         with self._lock:
@@ -321,7 +376,9 @@ class ActivationProfiles:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def _write(self, changed: set[tuple[str, str, str]]) -> None:
+    def _write(
+        self, changed: set[tuple[str, str, str]], turns: set[tuple[str, str]] = frozenset()
+    ) -> None:
         if self.path is None:
             return
         partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
@@ -339,6 +396,8 @@ class ActivationProfiles:
                             if (model, key, stage) in changed or stage not in target["stages"]:
                                 target["stages"][stage] = nbytes
                         _merge_allocator(target, entry.get("allocator") or {})
+                        if entry.get("turns") and ((model, key) in turns or "turns" not in target):
+                            target["turns"] = entry["turns"]
                 self._data = merged
                 document = {"format": FORMAT, "version": VERSION, "models": merged}
                 partial.write_text(json.dumps(document, indent=1))

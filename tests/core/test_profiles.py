@@ -52,6 +52,32 @@ def test_what_the_allocator_showed_only_grows_and_survives_a_new_process(tmp_pat
     assert reread.lookup("wan", SHAPE)[0] == {"Denoise": 1000}
 
 
+def test_the_turns_a_call_showed_survive_a_new_process_newest_first(tmp_path):
+    path = tmp_path / "profiles.json"
+    turns = [("Encode", ("Encode",)), ("Again", ("Again", "Encode")), ("Denoise", ("Denoise",))]
+    first, second = ActivationProfiles(path), ActivationProfiles(path)
+    first.record("wan", SHAPE, "Denoise", 1000)
+    first.record_turns("wan", SHAPE, turns)
+    assert ActivationProfiles(path).stored_turns("wan", SHAPE) == turns
+    assert ActivationProfiles(path).stored_turns("wan", {**SHAPE, "frames": 66}) is None
+    # Another process, which read the file before, writes a peak: the turns stay.
+    second.record("wan", SHAPE, "Encode", 2000)
+    assert ActivationProfiles(path).stored_turns("wan", SHAPE) == turns
+    newer = [("Encode", ("Encode",)), ("Denoise", ("Denoise",)), ("Again", ("Again",))]
+    second.record_turns("wan", SHAPE, newer)
+    assert ActivationProfiles(path).stored_turns("wan", SHAPE) == newer
+    assert ActivationProfiles(path).lookup("wan", SHAPE)[0] == {"Denoise": 1000, "Encode": 2000}
+    # Damaged turns are dropped with the warning damaged entries give, the peaks kept.
+    document = json.loads(path.read_text())
+    entry = document["models"]["wan"]["frames=33,height=480,width=832"]
+    entry["turns"] = [["Encode", ["Encode"]], ["Encode", ["Encode"]]]  # a name twice
+    path.write_text(json.dumps(document))
+    with pytest.warns(UserWarning, match="ignored 1 damaged"):
+        reread = ActivationProfiles(path)
+    assert reread.stored_turns("wan", SHAPE) is None
+    assert reread.lookup("wan", SHAPE)[0] == {"Denoise": 1000, "Encode": 2000}
+
+
 def test_other_shapes_are_extrapolated_and_say_so(tmp_path):
     profiles = ActivationProfiles(tmp_path / "profiles.json")
     profiles.record("wan", SHAPE, "Decode", 1000)

@@ -150,3 +150,56 @@ def test_a_plan_before_any_call_scales_the_nearest_stored_call(monkeypatch, fold
     later.set_plan_shape(height=32, width=32, frames=5)
     note = str(later.plan())
     assert "extrapolated from" in note and "height=16" in note and "(x4.00" in note
+
+
+def test_a_later_process_plans_its_first_call_with_the_turns_an_earlier_one_showed(
+    folders, store, monkeypatch
+):
+    """SD3's call encodes the negative prompt after the prompt: its CLIP encoders are
+    used again in T5's turn, which holds all three. A process's first call has not seen
+    that yet; planned as if each encoder were done once its turn passed, a T5 sized for
+    the room alone ran out of memory when the CLIP encoders came back beside it (SD3.5
+    at 8 GiB). A later process starts with the turns the earlier one stored."""
+    from .breadth_pipelines import ALL_FAMILIES
+    from .tiny_pipelines import run
+
+    def open_sd3():
+        pipe = ondeck.diffusers.from_pretrained(folders["sd3"], device="cpu", progress=False)
+        pipe.set_progress_bar_config(disable=True)
+        planned = []
+        before_run = pipe.ondeck._before_run
+        monkeypatch.setattr(
+            pipe.ondeck,
+            "_before_run",
+            lambda: (planned.append(list(pipe.ondeck._turns)), before_run()),
+        )
+        return pipe, planned
+
+    first, planned_first = open_sd3()
+    run(first, ALL_FAMILIES["sd3"])
+    shown = list(first.ondeck._turns)
+    assert planned_first[0] != shown, "a first call plans each turn alone"
+    assert dict(shown)["text_encoder_3"] == ("text_encoder_3", "text_encoder", "text_encoder_2")
+    store.reopen()
+    later, planned_later = open_sd3()
+    run(later, ALL_FAMILIES["sd3"])
+    assert planned_later[0] == shown
+
+
+def test_stored_turns_that_do_not_fit_the_pipeline_are_not_used():
+    """Turns stored for a folder whose components changed since, or damaged so that a
+    turn holds no component of its own, leave the pipeline's own turns."""
+    from ondeck.integrations.diffusers.turns import usable_turns
+
+    components = ("text_encoder", "transformer", "vae")
+    good = [
+        ("text_encoder", ("text_encoder",)),
+        ("transformer", ("transformer",)),
+        ("vae", ("vae", "text_encoder")),
+    ]
+    assert usable_turns(good, components) == good
+    assert usable_turns(None, components) is None
+    assert usable_turns(good[:2], components) is None, "a component without a turn"
+    assert usable_turns([*good, ("controlnet", ("controlnet",))], components) is None
+    assert usable_turns([good[0], ("transformer", ("vae",)), good[2]], components) is None
+    assert usable_turns([good[0], good[1], ("vae", ("vae", "unet"))], components) is None

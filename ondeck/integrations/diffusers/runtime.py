@@ -32,7 +32,7 @@ from ...tiles import TILE_SAFETY
 from .call_shape import call_batch, call_profile_shape, call_sizes
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
-from .turns import CallRecord, TurnEnds, call_signature
+from .turns import CallRecord, TurnEnds, call_signature, usable_turns
 
 # A call whose component ran out of memory runs again at most this many times, each
 # keeping twice the room for that turn's activations, the first a tenth of the budget.
@@ -352,6 +352,11 @@ class DiffusersRuntime(Pipeline):
             self._acting -= 1
 
     def _begin_call(self) -> None:
+        if self._learned_from is None:  # the turns a call at this shape showed before
+            turns = usable_turns(self.executor.stored_turns(), self._seeded_order)
+            if turns is not None and turns != self._turns:
+                self._turns = turns
+                self._rebuild_stages()
         self.stage_uses()
         self._current_index = None
         self._in_calls = 0
@@ -535,6 +540,7 @@ class DiffusersRuntime(Pipeline):
             return
         self._learned_from = touched
         turns = _with_untouched(record.turns(), self._seeded_order, touched)
+        self.executor.write_turns(turns)  # a later process's first call plans with them
         if turns != self._turns:
             self._turns = turns
             self._rebuild_stages()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CallRecord", "TurnEnds", "call_signature"]
+__all__ = ["CallRecord", "TurnEnds", "call_signature", "usable_turns"]
 
 
 class CallRecord:
@@ -110,3 +110,20 @@ class TurnEnds:
             and all(self.calls.get(name, 0) > 0 for name in held)
             and all(record.calls.get(name, 0) >= self.calls[name] for name in held)
         )
+
+
+def usable_turns(
+    stored: list[tuple[str, tuple[str, ...]]] | None, components: tuple[str, ...]
+) -> list[tuple[str, tuple[str, ...]]] | None:
+    """Turns an earlier process's call showed (``ActivationProfiles.stored_turns``), where
+    they fit this pipeline: a turn for each of its ``components`` and no other, each
+    holding only its components and its own. None where they do not (a folder whose
+    components changed since)."""
+    if not stored:
+        return None
+    names = [name for name, _ in stored]
+    if sorted(names) != sorted(components):
+        return None
+    if any(name not in held or not set(held) <= set(components) for name, held in stored):
+        return None
+    return [(name, tuple(held)) for name, held in stored]
