@@ -203,3 +203,42 @@ def test_stored_turns_that_do_not_fit_the_pipeline_are_not_used():
     assert usable_turns([*good, ("controlnet", ("controlnet",))], components) is None
     assert usable_turns([good[0], ("transformer", ("vae",)), good[2]], components) is None
     assert usable_turns([good[0], good[1], ("vae", ("vae", "unet"))], components) is None
+
+
+def test_stored_turns_that_would_refuse_a_command_that_fits_without_them_are_not_used(
+    folders, store, monkeypatch
+):
+    """Stored turns are a plan's refinement: where planning with them would refuse the
+    call (every component held in the transformer's turn, on a budget that fits each
+    turn alone), the first call plans each turn alone, as before, and runs."""
+    from .breadth_pipelines import ALL_FAMILIES
+    from .tiny_pipelines import run
+
+    def open_sd3():
+        pipe = ondeck.diffusers.from_pretrained(
+            folders["sd3"], device="cpu", policy="budget", budget="1450KiB", progress=False
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    first = open_sd3()
+    run(first, ALL_FAMILIES["sd3"])
+    runtime = first.ondeck
+    everything = tuple(runtime.order)
+    crowded = [(n, everything if n == "transformer" else (n,)) for n in runtime.order]
+    ActivationProfiles(store.path).record_turns(runtime.profile_model, runtime.run_shape, crowded)
+    store.reopen()
+    later = open_sd3()
+    later.ondeck._turns = crowded
+    later.ondeck._rebuild_stages()
+    assert later.ondeck.plan().overflow() is not None, "with them the plan would refuse"
+    later = open_sd3()
+    planned = []
+    before_run = later.ondeck._before_run
+    monkeypatch.setattr(
+        later.ondeck,
+        "_before_run",
+        lambda: (planned.append(list(later.ondeck._turns)), before_run())[1],
+    )
+    run(later, ALL_FAMILIES["sd3"])
+    assert planned[0] != crowded

@@ -190,29 +190,84 @@ def test_a_measured_need_is_counted_as_the_call_that_follows_counts_it(folders):
     assert decoder.expected_need(arguments) == 123_456
 
 
-def test_a_tiled_measurement_beside_a_load_lowers_no_need(folders, monkeypatch):
+def test_a_tiled_measurement_beside_a_load_keeps_the_need_within_what_it_bounds(
+    folders, monkeypatch
+):
     """Weights that arrived beside a decode (the next call's first components, loaded
     ahead) are counted as weights whole, though they may have come after its peak: the
-    measurement is then a lower bound, and the need the decode was sized by stands."""
+    need lies between the measurement and that plus their bytes. The need the decode was
+    sized by stands where it lies within; outside, the nearer bound replaces it."""
     monkeypatch.setattr(DiffusersRuntime, "activation_room", lambda self: 1)
     pipe = load(folders["wan"])
     run(pipe, ALL_FAMILIES["wan"])
     decoder = pipe.ondeck.decoders["vae"]
-    assert decoder.last_tiles is not None and decoder.last_need > 0
-    decoder.loaded_beside = False
-    alone = decoder.whole_activations(1)
-    assert alone < decoder.last_need, "a tile's few bytes measured alone are believed"
-    decoder.loaded_beside = True
-    assert decoder.whole_activations(1) == decoder.last_need
-    assert decoder.whole_activations(10 * decoder.last_need) > decoder.last_need
+    tiles, need = decoder.last_tiles, decoder.last_need
+    assert tiles is not None and need > 0
+    decoder.loaded_beside_bytes = 0
+    assert decoder.whole_activations(1) < need, "a tile's few bytes measured alone are believed"
+    decoder.loaded_beside_bytes = need  # whole frames: up to need / area more
+    assert decoder.whole_activations(1) == need
+    assert decoder.whole_activations(10 * need) > need, "a measurement above it raises it"
+    decoder.loaded_beside_bytes = 1  # the need is above what the measurement bounds
+    assert decoder.whole_activations(1) == int(2 / tiles.area) < need
+
+
+@pytest.mark.parametrize("leaves", [False, True])
+def test_a_decode_counts_the_bytes_of_other_components_that_arrived_beside_it(
+    folders, monkeypatch, leaves
+):
+    """Another turn's component loaded while the VAE decodes (and released again before
+    the turn ends, where ``leaves``) counts its bytes beside the decode; none, none."""
+    from ondeck.integrations.diffusers.decode import FittingDecode
+
+    pipe = load(folders["wan"])
+    decode, beside = FittingDecode._decode, []
+
+    def with_a_load_beside(self, *args, **kwargs):
+        if beside:
+            with pipe.ondeck._deciding():  # a load of the policy's, not a touch
+                pipe.text_encoder.materialize()
+                if leaves:
+                    pipe.ondeck.executor.release(["text_encoder"])
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(FittingDecode, "_decode", with_a_load_beside)
+    run(pipe, ALL_FAMILIES["wan"])
+    decoder = pipe.ondeck.decoders["vae"]
+    assert decoder.decoded and decoder.loaded_beside_bytes == 0, "nothing loaded beside it"
+    beside.append(True)
+    run(pipe, ALL_FAMILIES["wan"])
+    assert decoder.loaded_beside_bytes == pipe.ondeck.component_bytes()["text_encoder"]
+
+
+def test_a_vae_turn_that_only_encodes_is_not_counted_as_a_decode(folders, monkeypatch):
+    """Image to video: the VAE's own turn encodes the image, and the decode comes in a
+    later turn that holds the VAE. What the encoding turn measured is its own, not a
+    decode's: the decode does not scale it to whole frames and size itself by it."""
+    import dataclasses
+
+    pipe = load(folders["wan_i2v"])
+    runtime = pipe.ondeck
+    measured = runtime._stage_measured
+    monkeypatch.setattr(
+        runtime,
+        "_stage_measured",
+        lambda index, record: measured(index, dataclasses.replace(record, activation_bytes=1000)),
+    )
+    run(pipe, ALL_FAMILIES["wan_i2v"])  # learns the turns: its own decoded in the VAE's
+    assert dict(runtime._turns)["transformer"] == ("transformer", "vae"), "it decodes there"
+    decoder = runtime.decoders["vae"]
+    decoder.bytes_per_element = None
+    run(pipe, ALL_FAMILIES["wan_i2v"])
+    assert decoder.bytes_per_element is None, "no decode measured in the turn"
 
 
 def test_each_turn_is_measured_from_the_weights_its_step_left(folders):
     """A turn's activations are measured from once its step released the last turn's
     components and loaded its own ahead (``compute_started``): counted as weights, the
     released ones would hide as much of the turn's peak (a decode after a 5 GiB streamed
-    transformer measured 42 MB)."""
-    pipe = load(folders["wan"])
+    transformer measured 42 MB). Under a budget each turn's step releases the last."""
+    pipe = load(folders["wan"], "budget", budget="400KiB")
     tracker, seen = pipe.ondeck.tracker, []
     started = tracker.compute_started
 
@@ -222,7 +277,6 @@ def test_each_turn_is_measured_from_the_weights_its_step_left(folders):
         )
         started()
 
-    run(pipe, ALL_FAMILIES["wan"])  # the first call holds passed turns back: it learns
     tracker.compute_started = noting
     run(pipe, ALL_FAMILIES["wan"])
     turns = [name for name, _ in seen]

@@ -59,7 +59,6 @@ def test_the_next_calls_text_encoders_load_during_the_last_turn_and_stay(
         assert np.array_equal(run(pipe, ALL_FAMILIES[family]), expected), f"call {call}"
         encoders = text_encoders(pipe)
         assert set(pipe.ondeck.resident()) == set(encoders), f"after call {call}"
-        assert pipe.ondeck.decoders["vae"].loaded_beside, "they arrived beside the decode"
     # The second call's encoders were loaded by the first call's last turn: the second
     # call loaded each once, after its transformer, for the third call.
     second = loads(pipe, 2)
@@ -89,13 +88,3 @@ def test_only_the_encoders_that_keep_the_peak_load_early(folders, references, mo
     assert nbytes[second] > 0
     assert np.array_equal(run(pipe, ALL_FAMILIES["sd3"]), references["sd3"][0])
     assert set(pipe.ondeck.resident()) == {first}
-
-
-def test_a_decode_with_nothing_loading_beside_it_is_measured_alone(folders, monkeypatch):
-    """The last turn's activations leave no room for an encoder: none loads beside the
-    decode, whose measurement is its own."""
-    with_activations(monkeypatch, lambda snapshot: 2**50)
-    pipe = open_release(folders["sd3"])
-    run(pipe, ALL_FAMILIES["sd3"])
-    assert set(pipe.ondeck.resident()) == set()
-    assert pipe.ondeck.decoders["vae"].loaded_beside is False

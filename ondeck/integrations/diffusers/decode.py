@@ -311,10 +311,13 @@ class FittingDecode:
         # the call's shape: a floor over what this process's tiles measure (which
         # understate whole frames), never over a whole-frame measurement, never a refusal.
         self.stored_bytes_per_element = 0.0
-        # Whether weights arrived beside the last decode (the next call's first
-        # components, loaded ahead) and were counted as weights whole though they may have
-        # come after its peak: its measurement is a lower bound, which lowers nothing.
-        self.loaded_beside = False
+        # Whether the turn in progress (or the last) decoded: a VAE turn that only
+        # encodes (image to video) is measured as it is, not as a decode.
+        self.decoded = False
+        # Bytes of other turns' components that arrived beside the last decode (the next
+        # call's, loaded ahead), counted as weights though they may have come after its
+        # peak: its need lies between its measurement and that plus these.
+        self.loaded_beside_bytes = 0
         # Whether a decode fitted only by the allocator retrying (``_crowded``): from then
         # on a decode that does not fit tiles within its room, keeping what the policy
         # keeps (freeing it would reload it in the next run, every run), unless the
@@ -338,18 +341,22 @@ class FittingDecode:
     def whole_activations(self, measured: int) -> int | None:
         """A tiled decode measured one tile: whole frames take about that over its area,
         and at least what running out of memory proved they take (a tile's measurement
-        understates whole frames; what is stored for later processes must not). A
-        measurement beside a load (``loaded_beside``) is at least the need the decode
-        was sized by: it may have counted weights that came after its peak."""
+        understates whole frames; what is stored for later processes must not). Measured
+        beside loads (``loaded_beside_bytes``), the need lies between the measurement and
+        that plus their bytes: the need the decode was sized by, brought within."""
         if self.last_retries:
             return None
-        measured *= self.last_slices  # one image at a time: the batch takes that each
+        slices, area = self.last_slices, 1.0  # one image at a time: the batch takes that each
         floor = self.proven_bytes_per_element
         if self.last_tiles is not None:
-            measured = int(measured / self.last_tiles.area)
+            area = self.last_tiles.area
             floor = max(floor, self.stored_bytes_per_element)
-        whole = max(measured, int(floor * (self.last_elements or 0)))
-        return max(whole, self.last_need or 0) if self.loaded_beside else whole
+        lower = int(measured * slices / area)
+        whole = max(lower, int(floor * (self.last_elements or 0)))
+        if not self.loaded_beside_bytes:
+            return whole
+        upper = int((measured + self.loaded_beside_bytes) * slices / area)
+        return max(whole, min(upper, self.last_need or 0))
 
     def measured(self, nbytes: int) -> None:
         """The turn's measured peak for whole frames, kept per output element."""
@@ -409,6 +416,7 @@ class FittingDecode:
         self.last_need = need
         self._refuse_if_it_cannot_fit(need, height, width)
         module = self._module()
+        self.decoded = True  # in the turn its touch began, if it began one
         if getattr(module, "use_tiling", False):
             self.last_tiles, self.last_retries, self.last_slices = None, 0, 1
             return module.decode(*args, **kwargs)  # tiling the caller chose

@@ -9,7 +9,7 @@ import inspect
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from ...tiles import TILE_SAFETY
 from .call_shape import call_batch, call_profile_shape, call_sizes
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
-from .turns import CallRecord, TurnEnds, call_signature, usable_turns
+from .turns import CallRecord, TurnEnds, call_signature, usable_turns, with_untouched
 
 # A call whose component ran out of memory runs again at most this many times, each
 # keeping twice the room for that turn's activations, the first a tenth of the budget.
@@ -61,7 +61,7 @@ class ComponentTurn(Stage):
 
     def whole_activations(self, measured: int) -> int | None:
         decoder = self._decoder()
-        if decoder is None:
+        if decoder is None or not decoder.decoded:  # a turn that only encodes: as measured
             return measured
         whole = decoder.whole_activations(measured)
         if whole is not None:
@@ -80,28 +80,6 @@ class ComponentTurn(Stage):
             return fitted
         finest = decoder.finest_area(self._ondeck_pipeline._call_arguments)
         return max(fitted, int(need * finest)) if finest is not None else fitted
-
-
-def _with_untouched(
-    turns: list[tuple[str, tuple[str, ...]]], seeded: Sequence[str], touched: set[str]
-) -> list[tuple[str, tuple[str, ...]]]:
-    """The turns a call showed, with a turn of its own for each component it did not
-    touch (the VAE of a call that returned latents, a second expert a one-step call never
-    reached), where the seeded order puts it: after the turn of the component seeded
-    before it. Placed first, a later call touching it would find its turn passed and load
-    it beside the turn in progress, above the plan's peak."""
-    turns = list(turns)
-    for position, name in enumerate(seeded):
-        if name in touched:
-            continue
-        at = 0
-        for earlier in reversed(seeded[:position]):
-            found = [i for i, (_, holding) in enumerate(turns) if earlier in holding]
-            if found:
-                at = found[0] + 1
-                break
-        turns.insert(at, (name, (name,)))
-    return turns
 
 
 class DiffusersRuntime(Pipeline):
@@ -161,7 +139,7 @@ class DiffusersRuntime(Pipeline):
         self._own_sizes: dict[str, int] | None = None  # read at the first call
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
-        self._resident_at_compute: set[str] = set()  # as the turn in progress computes
+        self._events_at_compute = 0  # the tracker's events when the turn began computing
         for name, proxy in components.items():
             self._add_decoder(name, proxy)
         super().__init__(
@@ -353,10 +331,7 @@ class DiffusersRuntime(Pipeline):
 
     def _begin_call(self) -> None:
         if self._learned_from is None:  # the turns a call at this shape showed before
-            turns = usable_turns(self.executor.stored_turns(), self._seeded_order)
-            if turns is not None and turns != self._turns:
-                self._turns = turns
-                self._rebuild_stages()
+            self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
         self.stage_uses()
         self._current_index = None
         self._in_calls = 0
@@ -364,6 +339,17 @@ class DiffusersRuntime(Pipeline):
             self._before_run()
         self.tracker.run_started()
         self._record = CallRecord()
+
+    def _adopt_turns(self, turns: list[tuple[str, tuple[str, ...]]] | None) -> None:
+        """Plan with ``turns`` (an earlier process's call showed them) where the plan fits
+        with them: a command that fits as each turn alone is never refused for them."""
+        if turns is None or turns == self._turns:
+            return
+        seeded, self._turns = self._turns, turns
+        self._rebuild_stages()
+        if self.plan().overflow() is not None:
+            self._turns = seeded
+            self._rebuild_stages()
 
     def component_touched(self, proxy: PipelineComponent) -> None:
         """A call used ``proxy``: start its turn if that turn lies ahead."""
@@ -452,18 +438,25 @@ class DiffusersRuntime(Pipeline):
         # The turn's activations are measured from here, against the weights resident
         # now: what the step before it released (the last turn's components) is not.
         self.tracker.compute_started()
-        self._resident_at_compute = set(self.resident())
+        self._events_at_compute = len(self.tracker.events)
+        if (decoder := self.decoders.get(self.stages[index].name)) is not None:
+            decoder.decoded = False
 
     def _finish_turn(self, index: int) -> None:
         loading = self._loading_bytes()
         record = self.tracker.stage_finished(self.stages[index].name, loading)
-        decoder = self.decoders.get(self.stages[index].name)
-        if decoder is not None:  # another turn's components arrived beside the decode
-            own = {self._deferred_name(c) for c in self.stages[index].components}
-            arrived = set(self.resident()) - self._resident_at_compute - own
-            decoder.loaded_beside = bool(loading or arrived)
+        if (decoder := self.decoders.get(self.stages[index].name)) is not None:
+            decoder.loaded_beside_bytes = loading + self._loaded_beside(index)
         self._stage_measured(index, record)
         self._after_stage(index, failed=False)
+
+    def _loaded_beside(self, index: int) -> int:
+        """Bytes of other turns' components that arrived while turn ``index`` computed
+        (the next call's, loaded ahead), those released again before it ended included:
+        counted as weights, they may have come after its peak."""
+        own = {self._deferred_name(component) for component in self.stages[index].components}
+        events = self.tracker.events[self._events_at_compute :]
+        return sum(e.nbytes for e in events if e.kind == "load" and e.name not in own)
 
     def _hold_back(self) -> bool:
         """Whether passed turns keep their components for now: under ``release``, while
@@ -539,7 +532,7 @@ class DiffusersRuntime(Pipeline):
         if self._learned_from is not None and not touched >= self._learned_from:
             return
         self._learned_from = touched
-        turns = _with_untouched(record.turns(), self._seeded_order, touched)
+        turns = with_untouched(record.turns(), self._seeded_order, touched)
         self.executor.write_turns(turns)  # a later process's first call plans with them
         if turns != self._turns:
             self._turns = turns

@@ -11,9 +11,10 @@ used after its last call then, and the next turn's component touched then.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CallRecord", "TurnEnds", "call_signature", "usable_turns"]
+__all__ = ["CallRecord", "TurnEnds", "call_signature", "usable_turns", "with_untouched"]
 
 
 class CallRecord:
@@ -127,3 +128,25 @@ def usable_turns(
     if any(name not in held or not set(held) <= set(components) for name, held in stored):
         return None
     return [(name, tuple(held)) for name, held in stored]
+
+
+def with_untouched(
+    turns: list[tuple[str, tuple[str, ...]]], seeded: Sequence[str], touched: set[str]
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The turns a call showed, with a turn of its own for each component it did not
+    touch (the VAE of a call that returned latents, a second expert a one-step call never
+    reached), where the seeded order puts it: after the turn of the component seeded
+    before it. Placed first, a later call touching it would find its turn passed and load
+    it beside the turn in progress, above the plan's peak."""
+    turns = list(turns)
+    for position, name in enumerate(seeded):
+        if name in touched:
+            continue
+        at = 0
+        for earlier in reversed(seeded[:position]):
+            found = [i for i, (_, holding) in enumerate(turns) if earlier in holding]
+            if found:
+                at = found[0] + 1
+                break
+        turns.insert(at, (name, (name,)))
+    return turns
