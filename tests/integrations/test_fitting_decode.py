@@ -260,6 +260,9 @@ def test_a_vae_turn_that_only_encodes_is_not_counted_as_a_decode(folders, monkey
     decoder.bytes_per_element = None
     run(pipe, ALL_FAMILIES["wan_i2v"])
     assert decoder.bytes_per_element is None, "no decode measured in the turn"
+    # Nor does the peak stored for the VAE's turn, an encode's, size a decode.
+    assert runtime.activation_profile()[0]["vae"] == 1000
+    assert decoder.last_need > 1000
 
 
 def test_each_turn_is_measured_from_the_weights_its_step_left(folders):

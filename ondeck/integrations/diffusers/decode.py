@@ -592,6 +592,8 @@ class FittingDecode:
         the first decode of a process tiles from it, as later ones tile from what they
         measure. It never refuses a decode (``_refuse_if_it_cannot_fit``). With whether it
         was stored for exactly this shape (not scaled from another)."""
+        if self.runtime.held_by_another_turn(self.name):
+            return None, False  # the peak stored for its turn is an encode's, not a decode's
         stored, note = self.runtime.activation_profile()
         need = stored.get(self.name)
         if not isinstance(need, int) or need <= 0:

@@ -171,6 +171,11 @@ class DiffusersRuntime(Pipeline):
         """The components' turns, in the order a call starts them."""
         return [name for name, _ in self._turns]
 
+    def held_by_another_turn(self, name: str) -> bool:
+        """Whether a turn not ``name``'s holds component ``name`` (an image-to-video VAE,
+        whose turn encodes and whose decode runs in the transformer's)."""
+        return any(name in held for turn, held in self._turns if turn != name)
+
     def _turn_index(self, name: str) -> int | None:
         for index, stage in enumerate(self.stages):
             if stage.name == name:
