@@ -346,6 +346,17 @@ class ActivationProfiles:
                 if entry.get("allocator")
             ]
 
+    def turn_entries(self) -> list[tuple[str, str, list[tuple[str, tuple[str, ...]]]]]:
+        """(model, shape key, turns) for every shape whose call showed a turn holding more
+        than its own component."""
+        with self._lock:
+            return [
+                (model, key, [(name, tuple(held)) for name, held in entry["turns"]])
+                for model, shapes in self._data.items()
+                for key, entry in shapes.items()
+                if any(len(held) > 1 for _, held in entry.get("turns") or ())
+            ]
+
     def clear(self) -> bool:
         """Delete every stored profile (the file too); True when there was a file.
         ``OndeckError`` when something is there that cannot be deleted."""

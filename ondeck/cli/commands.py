@@ -343,6 +343,13 @@ def profiles(args: argparse.Namespace) -> int:
         ]
         shown += [f"{stage} reached the device's limit" for stage in sorted(evidence.limit)]
         print(f"  {model}  {shape}: allocator: {', '.join(shown)}")
+    for model, shape, turns in store.turn_entries():
+        shown = [
+            f"{name}'s turn holds {', '.join(h for h in held if h != name)}"
+            for name, held in turns
+            if len(held) > 1
+        ]
+        print(f"  {model}  {shape}: turns: {'; '.join(shown)}")
     return 0
 
 

@@ -44,11 +44,14 @@ def test_a_generate_then_profiles_lists_what_it_measured_or_nothing(cache, tiny_
     assert code == 0 and "activation profiles in" in out
 
 
-def test_profiles_lists_the_allocators_evidence_beside_the_peaks(cache, capsys):
+def test_profiles_lists_the_allocators_evidence_and_the_turns_beside_the_peaks(cache, capsys):
     store = ActivationProfiles(cache / "activation-profiles.json")
     store.record("m", {"width": 8}, "denoise", 3 << 20)
     store.record_allocator("m", {"width": 8}, "denoise", retried=True, limit=True)
     store.record_allocator("m", {"width": 16}, "decode", retried=False, limit=True)
+    alone = [("encode", ("encode",)), ("denoise", ("denoise",))]
+    store.record_turns("m", {"width": 16}, alone)  # nothing to say
+    store.record_turns("m", {"width": 8}, [("encode", ("encode",)), ("t5", ("t5", "encode"))])
     code, out, _ = run(capsys, "profiles")
     assert code == 0
     lines = [line.strip() for line in out.splitlines()[1:]]
@@ -57,6 +60,7 @@ def test_profiles_lists_the_allocators_evidence_beside_the_peaks(cache, capsys):
         "m  width=8: allocator: denoise kept retrying in 1 run(s), denoise reached the "
         "device's limit",
         "m  width=16: allocator: decode reached the device's limit",
+        "m  width=8: turns: t5's turn holds encode",
     ]
 
 
