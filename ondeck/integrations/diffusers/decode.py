@@ -30,9 +30,11 @@ __all__ = ["FittingDecode", "TilingStyle", "estimated_need", "is_vae", "tiling_s
 
 # Device bytes a decode takes, before any is measured, per output element (pixel of one
 # frame in flight) per channel of the VAE's widest level: the feature map, the
-# convolution's output and the temporaries beside them. Errs low: an estimate above the
-# need tiles a decode that would have fitted, and tiles change the pixels a little; one
-# below it costs one attempt that runs out of memory.
+# convolution's output and the temporaries beside them. Meant to err low: an estimate
+# above the need tiles a decode that would have fitted, and tiles change the pixels a
+# little; one below it costs one attempt that runs out of memory. HunyuanVideo's VAE,
+# counted a chunk of 17 frames at a time, measured 22.5 GiB against 26.4 estimated
+# (480x848, 33 frames): its first decode tiles a little finer than it needs to.
 ESTIMATE_BYTES_PER_ELEMENT_CHANNEL = 4
 # Frames of output a video VAE holds at once while decoding (it decodes latent frame
 # by latent frame with a cache of the previous ones). A VAE that decodes in chunks of
