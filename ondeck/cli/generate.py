@@ -90,6 +90,9 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")
     pipe.more_runs = args.runs > 1  # the plan shown is the first run's
+    plan_shape = getattr(pipe, "set_plan_shape", None)
+    if plan_shape is not None:  # at the call's size: its decode and stored activations
+        plan_shape(height=shape.height, width=shape.width, frames=shape.frames)
     plan = pipe.plan()
     say(plan)
     if split is not None:

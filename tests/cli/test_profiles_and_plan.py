@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from integrations.breadth_pipelines import ALL_FAMILIES
+
 from ondeck.memory import parse_bytes
 from ondeck.profiles import ActivationProfiles
 
@@ -150,3 +152,17 @@ def test_plan_on_a_diffusers_folder_scales_a_stored_call(cache, family, capsys):
     code, out, _ = run(capsys, "plan", folder, "--device", "cpu", "--height", "16", "--width", "16")
     assert code == 0
     assert "activations: extrapolated from batch=1,call=0,device=cpu,height=8,width=8 (x4.00" in out
+
+
+def test_the_plan_generate_shows_is_at_the_calls_size(capsys, tmp_path):
+    """`generate` prints the plan of the call it makes: the VAE's decode need and the
+    decoded output's host bytes at the size asked for, not unknown."""
+    folder = tmp_path / "flux"
+    ALL_FAMILIES["flux"].build(folder)
+    size = ["--height", "64", "--width", "64", "--steps", "2"]
+    code, out, err = run(capsys, "generate", folder, "--device", "cpu", *size, "--output", tmp_path)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.startswith("  vae ")]
+    stage = next(row for row in rows if len(row) > 3)  # the stages table's, not the sizes'
+    assert stage[3] != "unknown", stage
+    assert "the decoded output 0 B" not in out and "the decoded output" in out
