@@ -254,14 +254,19 @@ class ActivationProfiles:
             self._warn(problem)
         return models
 
+    def _entry(self, model: str, shape: dict[str, Any]) -> dict[str, Any]:
+        """The entry of ``model`` at ``shape``, made empty where there is none (under the
+        lock)."""
+        return self._data.setdefault(model, {}).setdefault(
+            _shape_key(shape), {"shape": dict(shape), "stages": {}}
+        )
+
     def record(self, model: str, shape: dict[str, Any], stage: str, nbytes: int) -> None:
         """Store a finished stage's peak; the newest measurement replaces the old one."""
         if not _plausible_bytes(nbytes):
             return
         with self._lock:
-            entry = self._data.setdefault(model, {}).setdefault(
-                _shape_key(shape), {"shape": dict(shape), "stages": {}}
-            )
+            entry = self._entry(model, shape)
             entry["stages"][stage] = int(nbytes)
             self._write({(model, _shape_key(shape), stage)})
 
@@ -274,9 +279,7 @@ class ActivationProfiles:
         if not retried and not limit:
             return
         with self._lock:
-            entry = self._data.setdefault(model, {}).setdefault(
-                _shape_key(shape), {"shape": dict(shape), "stages": {}}
-            )
+            entry = self._entry(model, shape)
             facts = entry.setdefault("allocator", {}).get(stage, {})
             runs = min(facts.get("retried_runs", 0) + int(retried), MAX_RETRIED_RUNS)
             merged = _merged_facts(facts, {"retried_runs": runs, "limit": bool(limit)})
@@ -294,9 +297,7 @@ class ActivationProfiles:
         if value is None:
             return
         with self._lock:
-            entry = self._data.setdefault(model, {}).setdefault(
-                _shape_key(shape), {"shape": dict(shape), "stages": {}}
-            )
+            entry = self._entry(model, shape)
             if entry.get("turns") == value:
                 return
             entry["turns"] = value
