@@ -7,6 +7,9 @@ sequence). ``profile_identity`` names the model; ``call_profile_shape`` keys one
 its sizes and a digest of its other settings. A stage that finishes stores its peak
 under both (``ondeck.profiles``), so the first call of a later process plans with
 measured peaks instead of a guess, as every call after the first does.
+
+Before any call of a model is measured, ``token_activations`` estimates what a
+transformer's pass takes from the tokens the call's latents make.
 """
 
 from __future__ import annotations
@@ -16,11 +19,26 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...arguments import shape_rule
 from ...memory import device_name
 from ...profiles import plausible_shape
 from .turns import call_signature
 
-__all__ = ["call_batch", "call_profile_shape", "call_sizes", "profile_identity"]
+__all__ = [
+    "call_batch",
+    "call_profile_shape",
+    "call_sizes",
+    "profile_identity",
+    "token_activations",
+]
+
+# What a transformer's pass holds beside its weights, in elements of its compute dtype
+# per token and per unit of its feed-forward width: the widest intermediate of a block
+# and what stays beside it. Measured at 480x832 (and 480x848), 33 frames, on the
+# Wan 2.1 14B-shaped transformer (14,040 tokens, width 13,824: 1.67 GB, 4.3) and the
+# HunyuanVideo-shaped one (14,310 tokens, width 12,288: 1.66 GB, 4.7); taken a little
+# above both, since too little room runs the allocator at the card's limit.
+ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH = 4.8
 
 # Arguments that never change a component's activations: how many steps, the noise's
 # source, what the output is returned as, what runs between steps.
@@ -130,3 +148,39 @@ def call_profile_shape(
     shape["call"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
     shape["device"] = device_name(device)
     return shape if plausible_shape(shape) else None
+
+
+def token_activations(
+    pipe: Any, config: Any, sizes: Mapping[str, Any], element_bytes: int
+) -> int | None:
+    """Device bytes a transformer (``config``) of ``pipe`` takes beside its weights in a
+    pass over the call ``sizes`` asks for: its tokens (the latents' sides over the VAE's
+    scale times the patch, ``shape_rule``; the latent frames) times its feed-forward
+    width (``ffn_dim``, else ``mlp_ratio`` (4) times its heads' width), times
+    ``ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH`` elements. None where the call's size, the
+    pipeline's scales or the width are not known: a UNet, a text encoder, a VAE."""
+    get = config.get if isinstance(config, Mapping) else None
+    height, width = sizes.get("height"), sizes.get("width")
+    if get is None or not (isinstance(height, int) and isinstance(width, int)):
+        return None
+    ffn = get("ffn_dim")
+    if not isinstance(ffn, int):
+        heads, head_width = get("num_attention_heads"), get("attention_head_dim")
+        if (
+            not (isinstance(heads, int) and isinstance(head_width, int))
+            or "patch_size" not in config
+        ):
+            return None
+        ratio = get("mlp_ratio")
+        ffn = int((ratio if isinstance(ratio, (int, float)) else 4.0) * heads * head_width)
+    rule = shape_rule(pipe)
+    if rule.height_step <= 1 or rule.width_step <= 1:
+        return None  # no scale known: the pixels would be counted as tokens
+    tokens = (height // rule.height_step) * (width // rule.width_step)
+    frames = sizes.get("num_frames")
+    if rule.takes_frames and isinstance(frames, int) and frames > 0:
+        if rule.frame_step is None:
+            return None  # a pipeline taking any count: its latent frames are not known here
+        tokens *= (frames - 1) // rule.frame_step + 1
+    elements = tokens * call_batch(sizes) * ffn * ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
+    return int(elements * element_bytes)

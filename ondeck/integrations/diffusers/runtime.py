@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,7 +18,6 @@ from ...arguments import (
     check_generate_arguments,
     frame_count_argument,
     own_call_sizes,
-    warn_if_cut,
 )
 from ...errors import OndeckError
 from ...host_pool import output_host_bytes
@@ -28,8 +26,16 @@ from ...loading.options import DeviceChoice
 from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
+from ...streaming.layout import UNMEASURED_ACTIVATION_FRACTION
 from ...tiles import TILE_SAFETY
-from .call_shape import call_batch, call_profile_shape, call_sizes
+from .call_shape import call_batch, call_profile_shape, call_sizes, token_activations
+from .calls import (
+    CHECKED_KEYWORDS,
+    check_prompt_cleaning,
+    generator_states,
+    restore_generators,
+    warn_if_truncated,
+)
 from .component import PipelineComponent
 from .decode import FittingDecode, is_vae
 from .turns import CallRecord, TurnEnds, call_signature, usable_turns, with_untouched
@@ -140,6 +146,7 @@ class DiffusersRuntime(Pipeline):
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
         self._events_at_compute = 0  # the tracker's events when the turn began computing
+        self._by_tokens = True  # whether turns never measured count ``token_activations``
         for name, proxy in components.items():
             self._add_decoder(name, proxy)
         super().__init__(
@@ -307,6 +314,8 @@ class DiffusersRuntime(Pipeline):
             need = decoder.expected_need(self._call_arguments)
             if need:
                 expected[name] = max(need, expected.get(name, 0))
+        for stage, need in self._token_needs(snapshot).items():
+            expected[stage] = max(need, expected.get(stage, 0))
         # The room kept since a turn ran out of memory is a floor for a stored peak too.
         floored = {stage: max(n, self._oom_room.get(stage, 0)) for stage, n in stored.items()}
         return dataclasses.replace(
@@ -315,6 +324,38 @@ class DiffusersRuntime(Pipeline):
             stored_activation=floored,
             measured_beside_stored=True,
         )
+
+    def _token_needs(self, snapshot: Any) -> dict[str, int]:
+        """In a process's first run, per turn holding a transformer and not measured nor
+        stored, the activations its tokens make (``token_activations``) where they exceed
+        the share of the budget such a turn keeps otherwise (an image model's seldom do; a
+        video's can be twice that on a small card, and its first steps would run at the
+        card's limit). Later runs plan from what the first measured."""
+        budget = getattr(self.policy, "budget_bytes", None)
+        if not self._by_tokens or budget is None or snapshot.runs_completed:
+            return {}
+        known = {**snapshot.stored_activation, **snapshot.measured_activation}
+        needs: dict[str, int] = {}
+        for name, proxy in self.deferred.items():
+            spec = proxy.spec
+            size = spec.dtype.itemsize if isinstance(spec.dtype, torch.dtype) else 4
+            need = token_activations(self.pipe, spec.config, self._call_arguments, max(2, size))
+            if need is None or need <= budget * UNMEASURED_ACTIVATION_FRACTION:
+                continue
+            for stage in self.stages_holding(name) - known.keys():
+                needs[stage] = max(need, needs.get(stage, 0))
+        return needs
+
+    def plan(self, budget: int | str | None = None) -> Any:
+        """``Pipeline.plan``; where turns counted by their tokens (``_token_needs``) alone
+        make it overflow the policy's budget, they count as never measured from now on:
+        an estimate alone never refuses a call."""
+        plan = super().plan(budget)
+        if budget is None and self._by_tokens and plan.overflow() is not None:
+            if self._token_needs(super().snapshot()):
+                self._by_tokens = False
+                plan = super().plan()
+        return plan
 
     def output_host_bytes(self) -> int:
         """The call's decoded output in host memory, from the frame size, frames and
@@ -338,6 +379,8 @@ class DiffusersRuntime(Pipeline):
         if self._learned_from is None:  # the turns a call at this shape showed before
             self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
         self.stage_uses()
+        if self._by_tokens and self._token_needs(super().snapshot()):
+            self.plan()  # drops the estimates where they alone would refuse the call
         self._current_index = None
         self._in_calls = 0
         with self._deciding():
@@ -690,9 +733,9 @@ class DiffusersRuntime(Pipeline):
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             seed=seed,
-            **{key: kwargs[key] for key in _CHECKED_KEYWORDS if key in kwargs},
+            **{key: kwargs[key] for key in CHECKED_KEYWORDS if key in kwargs},
         )
-        _check_prompt_cleaning(type(self.pipe))
+        check_prompt_cleaning(type(self.pipe))
         warn_if_truncated(self.pipe, prompt, parameters, kwargs)
         wanted = {
             "prompt": prompt,
@@ -746,51 +789,3 @@ class DiffusersRuntime(Pipeline):
 
     def __repr__(self) -> str:
         return f"<ondeck runtime of {type(self.pipe).__name__}: policy {self.policy.name}>"
-
-
-# Keyword arguments of the call that the one check bounds, as it does the named ones.
-_CHECKED_KEYWORDS = ("num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
-
-
-def warn_if_truncated(pipe: Any, prompt: Any, parameters: Any, arguments: dict) -> None:
-    """``warn_if_cut`` with the tokenizer of the pipeline's ``max_sequence_length``: its
-    T5 or Llama one (CLIP's 77 are left to diffusers, which says so itself)."""
-    if not isinstance(prompt, str) or "max_sequence_length" not in parameters:
-        return
-    limit = arguments.get("max_sequence_length", parameters["max_sequence_length"].default)
-    if not isinstance(limit, int):
-        return
-    for name in ("tokenizer_3", "tokenizer_2", "tokenizer"):
-        tokenizer = getattr(pipe, name, None)
-        if tokenizer is not None and getattr(tokenizer, "model_max_length", 0) > 77:
-            warn_if_cut(tokenizer, prompt, limit, type(pipe).__name__)
-            return
-
-
-def _check_prompt_cleaning(pipeline_class: type) -> None:
-    """``OndeckError`` before anything loads when the pipeline cleans its prompt with
-    ftfy and ftfy is not installed: some diffusers pipelines (Wan's image-to-video, VACE,
-    SkyReels-V2) call ``ftfy.fix_text`` whether or not it is there, and the call failed
-    with ``NameError: name 'ftfy' is not defined``."""
-    module = sys.modules.get(pipeline_class.__module__)
-    code = getattr(getattr(module, "basic_clean", None), "__code__", None)
-    if code is None or "ftfy" not in code.co_names or hasattr(module, "ftfy"):
-        return
-    if "is_ftfy_available" in code.co_names:
-        return  # it asks first (Wan's text-to-video): no ftfy, no cleaning
-    raise OndeckError(
-        f"{pipeline_class.__name__} cleans each prompt with the ftfy package (diffusers "
-        "calls ftfy.fix_text), which is not installed here: pip install ftfy"
-    )
-
-
-def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """Each ``torch.Generator`` the call was given, with its state now."""
-    given = arguments.get("generator")
-    generators = given if isinstance(given, (list, tuple)) else [given]
-    return [(g, g.get_state()) for g in generators if isinstance(g, torch.Generator)]
-
-
-def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
-    for generator, state in states:
-        generator.set_state(state)

@@ -1,0 +1,152 @@
+"""A process's first call of a transformer that streams: the room kept for its
+activations comes from the tokens the call makes, where that is more than the share of
+the budget a turn never measured keeps otherwise; an estimate alone never refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from references import in_fresh_tensors
+
+from ondeck.arguments import shape_rule
+from ondeck.integrations.diffusers import call_shape
+from ondeck.integrations.diffusers.call_shape import token_activations
+from ondeck.policy import BudgetPolicy
+from ondeck.streaming import StreamOptions
+
+from .conftest import budget_keeping, transformer_blocks
+from .test_diffusers_streaming import SHAPE, frames
+
+WAN_14B = {"ffn_dim": 13824, "num_attention_heads": 40, "attention_head_dim": 128}
+HUNYUAN = {"num_attention_heads": 24, "attention_head_dim": 128, "mlp_ratio": 4.0, "patch_size": 2}
+
+
+class VideoPipe:
+    """What a video pipeline shows of its shape: its VAE's scales, its transformer's
+    patch, and its call's default frame count (81: frames come as 4k+1)."""
+
+    vae_scale_factor_spatial = 8
+    vae_scale_factor_temporal = 4
+    transformer = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2)))
+
+    def __call__(self, prompt=None, height=480, width=832, num_frames=81):
+        raise NotImplementedError
+
+
+class ImagePipe:
+    vae_scale_factor = 8
+    transformer = SimpleNamespace(config=SimpleNamespace(patch_size=2))
+
+    def __call__(self, prompt=None, height=1024, width=1024, num_images_per_prompt=1):
+        raise NotImplementedError
+
+
+def test_tokens_come_from_the_latents_sides_and_frames_times_the_feed_forward_width():
+    factor = call_shape.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
+    wan = token_activations(VideoPipe(), WAN_14B, dict(height=480, width=832, num_frames=33), 2)
+    assert wan == int(30 * 52 * 9 * 13824 * factor * 2)  # 480/16, 832/16, (33-1)/4+1
+    # No ffn_dim: mlp_ratio times the heads' width (HunyuanVideo), 4 where it has none.
+    hunyuan = token_activations(VideoPipe(), HUNYUAN, dict(height=480, width=848, num_frames=33), 2)
+    assert hunyuan == int(30 * 53 * 9 * 4 * 24 * 128 * factor * 2)
+    mmdit = {"num_attention_heads": 38, "attention_head_dim": 64, "patch_size": 2}
+    sizes = dict(height=1024, width=1024, num_images_per_prompt=2)
+    assert token_activations(ImagePipe(), mmdit, sizes, 2) == int(
+        2 * 64 * 64 * 4 * 38 * 64 * factor * 2
+    )
+
+
+@pytest.mark.parametrize(
+    "config, sizes",
+    [
+        ({"d_ff": 10240, "d_model": 4096}, dict(height=480, width=832)),  # a text encoder
+        ({"attention_head_dim": 8, "block_out_channels": [320]}, dict(height=64, width=64)),
+        (WAN_14B, dict(num_frames=33)),  # no frame size
+        (None, dict(height=480, width=832)),
+    ],
+    ids=["text-encoder", "unet", "no-size", "no-config"],
+)
+def test_no_estimate_where_the_tokens_or_the_width_are_not_known(config, sizes):
+    assert token_activations(VideoPipe(), config, sizes, 2) is None
+
+
+def test_no_estimate_where_the_pipeline_gives_no_scale_or_takes_any_frame_count():
+    class NoScale:
+        def __call__(self, prompt=None, height=480, width=832):
+            raise NotImplementedError
+
+    class AnyCount(VideoPipe):
+        def __call__(self, prompt=None, height=480, width=832, num_frames=88):
+            raise NotImplementedError
+
+    sizes = dict(height=480, width=832, num_frames=33)
+    assert shape_rule(NoScale()).height_step == 1
+    assert token_activations(NoScale(), WAN_14B, sizes, 2) is None
+    assert shape_rule(AnyCount()).frame_step is None
+    assert token_activations(AnyCount(), WAN_14B, sizes, 2) is None
+
+
+def _budgeted(folder):
+    import ondeck.diffusers
+
+    budget = budget_keeping(transformer_blocks(folder), 3)
+    options = StreamOptions(unified=False)  # a turn never measured keeps 10% of the budget
+    pipe = ondeck.diffusers.from_pretrained(
+        folder, dtype=torch.float32, device="cpu", policy=BudgetPolicy(budget, streaming=options)
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pipe.ondeck.set_plan_shape(
+        height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"]
+    )
+    return pipe, budget
+
+
+def _estimate_at(pipe, monkeypatch, nbytes: int) -> int:
+    """Make the estimate of the call SHAPE asks for ``nbytes`` (the tiny transformer's
+    tokens make a few kilobytes): the elements per token and width it takes."""
+    spec = pipe.ondeck.deferred["transformer"].spec
+    one = (
+        token_activations(pipe, spec.config, SHAPE, 4)
+        / call_shape.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
+    )
+    monkeypatch.setattr(call_shape, "ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH", nbytes / one)
+    return token_activations(pipe, spec.config, SHAPE, 4)
+
+
+def test_the_first_call_keeps_room_for_its_tokens_and_later_calls_plan_from_measurements(
+    six_block_folder, monkeypatch
+):
+    pipe, budget = _budgeted(six_block_folder)
+    guessed = pipe.ondeck.plan()
+    assert guessed.reserved_activation_bytes.get("transformer") == int(budget * 0.1)
+    need = _estimate_at(pipe, monkeypatch, int(budget * 0.3))
+    plan = pipe.ondeck.plan()
+    assert plan.activation_bytes["transformer"] == need
+    assert plan.overflow() is None
+    kept = len(plan.streamed["transformer"].resident)
+    assert kept < len(guessed.streamed["transformer"].resident)  # fewer blocks beside it
+    # Below the share a turn never measured keeps, the share counts, as before.
+    _estimate_at(pipe, monkeypatch, int(budget * 0.05))
+    assert pipe.ondeck.plan().activation_bytes["transformer"] != int(budget * 0.05)
+    _estimate_at(pipe, monkeypatch, int(budget * 0.3))
+    frames(pipe)
+    assert len(pipe.ondeck.policy.streaming.stats()["transformer"]["resident_blocks"]) == kept
+    assert pipe.ondeck.plan().activation_bytes["transformer"] != need  # measured from now on
+    pipe.ondeck.forget_measured("transformer")  # nor does the estimate count where none is
+    assert pipe.ondeck.plan().activation_bytes["transformer"] is None
+
+
+def test_an_estimate_alone_never_refuses_a_call(six_block_folder, monkeypatch):
+    from diffusers import WanPipeline
+
+    plain = WanPipeline.from_pretrained(six_block_folder, dtype=torch.float32)
+    expected = frames(in_fresh_tensors(plain))
+    pipe, budget = _budgeted(six_block_folder)
+    _estimate_at(pipe, monkeypatch, 2 * budget)
+    assert np.array_equal(frames(pipe), expected)  # no plan asked for before the call
+    pipe, budget = _budgeted(six_block_folder)
+    plan = pipe.ondeck.plan()
+    assert plan.overflow() is None
+    assert plan.activation_bytes["transformer"] is None  # never measured, as before
