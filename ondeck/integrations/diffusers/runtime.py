@@ -147,6 +147,7 @@ class DiffusersRuntime(Pipeline):
         self._oom_room: dict[str, int] = {}
         self._events_at_compute = 0  # the tracker's events when the turn began computing
         self._by_tokens = True  # whether turns never measured count ``token_activations``
+        self._sized_by_tokens: set[str] = set()  # turns a run planned so
         for name, proxy in components.items():
             self._add_decoder(name, proxy)
         super().__init__(
@@ -323,6 +324,7 @@ class DiffusersRuntime(Pipeline):
             measured_activation={**known, **expected},
             stored_activation=floored,
             measured_beside_stored=True,
+            limit_stages=snapshot.limit_stages | self._sized_by_tokens,
         )
 
     def _token_needs(self, snapshot: Any) -> dict[str, int]:
@@ -381,6 +383,12 @@ class DiffusersRuntime(Pipeline):
         self.stage_uses()
         if self._by_tokens and self._token_needs(super().snapshot()):
             self.plan()  # drops the estimates where they alone would refuse the call
+        for stage in self._token_needs(super().snapshot()):
+            # Later runs, and processes, keep the first run's reserve for it, as for a turn
+            # whose allocator reached the card's limit, which its first run no longer
+            # shows: against the measured budget, Wan's made the allocator retry 422 times.
+            self._sized_by_tokens.add(stage)
+            self.executor.write_allocator(stage, retried=False, limit=True)
         self._current_index = None
         self._in_calls = 0
         with self._deciding():
