@@ -150,3 +150,25 @@ def test_an_estimate_alone_never_refuses_a_call(six_block_folder, monkeypatch):
     plan = pipe.ondeck.plan()
     assert plan.overflow() is None
     assert plan.activation_bytes["transformer"] is None  # never measured, as before
+
+
+def test_a_turn_planned_by_its_tokens_keeps_the_first_runs_reserve_in_later_runs(
+    six_block_folder, monkeypatch, tmp_path
+):
+    """Its first run no longer reaches the card's limit, which is what kept that reserve:
+    later runs, and a later process's, keep it as for a turn whose allocator did."""
+    from ondeck.profiles import ActivationProfiles
+
+    monkeypatch.setattr("ondeck.profiles._default", ActivationProfiles(tmp_path / "p.json"))
+    pipe, budget = _budgeted(six_block_folder)
+    _estimate_at(pipe, monkeypatch, int(budget * 0.3))
+    assert "transformer" not in pipe.ondeck.snapshot().limit_stages
+    frames(pipe)
+    assert "transformer" in pipe.ondeck.snapshot().limit_stages
+    later = ActivationProfiles(tmp_path / "p.json")  # as a later process reads it
+    [(model, _, evidence)] = later.allocator_entries()
+    assert model == pipe.ondeck.profile_model and evidence.limit == {"transformer"}
+    unstored, _ = _budgeted(six_block_folder)
+    unstored.ondeck.profile_model = None  # nothing stored nor looked up: this process alone
+    frames(unstored)
+    assert "transformer" in unstored.ondeck.snapshot().limit_stages
