@@ -124,6 +124,7 @@ def test_the_first_call_keeps_room_for_its_tokens_and_later_calls_plan_from_meas
     need = _estimate_at(pipe, monkeypatch, int(budget * 0.3))
     plan = pipe.ondeck.plan()
     assert plan.activation_bytes["transformer"] == need
+    assert "estimated from the call's tokens: 'transformer'" in str(plan)
     assert plan.overflow() is None
     kept = len(plan.streamed["transformer"].resident)
     assert kept < len(guessed.streamed["transformer"].resident)  # fewer blocks beside it

@@ -328,11 +328,10 @@ class DiffusersRuntime(Pipeline):
         )
 
     def _token_needs(self, snapshot: Any) -> dict[str, int]:
-        """In a process's first run, per turn holding a transformer and not measured nor
-        stored, the activations its tokens make (``token_activations``) where they exceed
-        the share of the budget such a turn keeps otherwise (an image model's seldom do; a
-        video's can be twice that on a small card, and its first steps would run at the
-        card's limit). Later runs plan from what the first measured."""
+        """In a process's first run, per turn holding a transformer and neither measured
+        nor stored, the activations its tokens make (``token_activations``) where more
+        than the share of the budget such a turn keeps otherwise (a video's can be twice
+        that on a small card). Later runs plan from what the first measured."""
         budget = getattr(self.policy, "budget_bytes", None)
         if not self._by_tokens or budget is None or snapshot.runs_completed:
             return {}
@@ -349,14 +348,17 @@ class DiffusersRuntime(Pipeline):
         return needs
 
     def plan(self, budget: int | str | None = None) -> Any:
-        """``Pipeline.plan``; where turns counted by their tokens (``_token_needs``) alone
-        make it overflow the policy's budget, they count as never measured from now on:
-        an estimate alone never refuses a call."""
+        """``Pipeline.plan``, its note naming the turns counted by their tokens
+        (``_token_needs``); where they alone make it overflow the policy's budget, they
+        count as never measured from now on: an estimate alone never refuses a call."""
         plan = super().plan(budget)
         if budget is None and self._by_tokens and plan.overflow() is not None:
             if self._token_needs(super().snapshot()):
                 self._by_tokens = False
                 plan = super().plan()
+        if counted := self._token_needs(super().snapshot()):
+            named = ", ".join(f"'{stage}' {format_bytes(n)}" for stage, n in counted.items())
+            plan.activation_note += f"\nestimated from the call's tokens: {named}"
         return plan
 
     def output_host_bytes(self) -> int:
@@ -384,9 +386,8 @@ class DiffusersRuntime(Pipeline):
         if self._by_tokens and self._token_needs(super().snapshot()):
             self.plan()  # drops the estimates where they alone would refuse the call
         for stage in self._token_needs(super().snapshot()):
-            # Later runs, and processes, keep the first run's reserve for it, as for a turn
-            # whose allocator reached the card's limit, which its first run no longer
-            # shows: against the measured budget, Wan's made the allocator retry 422 times.
+            # Later runs and processes keep the first run's reserve for it, as for a turn
+            # whose allocator reached the card's limit (which it no longer shows).
             self._sized_by_tokens.add(stage)
             self.executor.write_allocator(stage, retried=False, limit=True)
         self._current_index = None
