@@ -40,6 +40,7 @@ from ..policy import Policy
 from ..recency import LeastRecentlyUsed
 from ..stages import Pipeline, Stage
 from ..tiles import decode_tiles
+from ..token_room import CountsTokens, TokenRoom, feed_forward_width, token_bytes
 from .wan_decode import Decode, host_frames
 
 if TYPE_CHECKING:
@@ -323,7 +324,7 @@ def _model_loaders(
     return loaders
 
 
-class WanTextToVideo(Pipeline):
+class WanTextToVideo(CountsTokens, Pipeline):
     """Wan 2.1 text-to-video with its text encoder, transformer and VAE on demand."""
 
     lazy_components = ("text_encoder", "transformer", "vae")
@@ -351,6 +352,7 @@ class WanTextToVideo(Pipeline):
         self.vae_tiling = vae_tiling
         # Context parallelism (``ondeck.parallel``), started; None runs on one rank's own.
         self.parallel = parallel
+        self.token_room = TokenRoom()  # Denoise's room before it is measured, by tokens
         super().__init__(components, **pipeline_options)
         if self.parallel is not None:
             transformer = self.components["transformer"]
@@ -460,6 +462,20 @@ class WanTextToVideo(Pipeline):
         height, width, frames = self.geometry.snap(height or 480, width or 832, frames or 81)
         state = {"height": height, "width": width, "num_frames": frames, "guidance_scale": 5.0}
         self._profile_shape = self.profile_shape(state)
+
+    def _token_estimates(self) -> dict[str, int | None]:
+        """Denoise's transformer, for the run's shape (``CountsTokens``)."""
+        shape = self.run_shape
+        transformer = self.components["transformer"]
+        width = feed_forward_width(getattr(transformer, "config", None))
+        if shape is None or width is None:
+            return {}
+        tokens = self.geometry.tokens(shape["height"], shape["width"], shape["frames"])
+        if self.parallel is not None:  # each rank computes its slice
+            tokens = -(-tokens // self.parallel.degree)
+        dtype = transformer.spec.dtype if is_lazy(transformer) else transformer.dtype
+        size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+        return {"transformer": token_bytes(tokens, width, size)}
 
     @property
     def geometry(self) -> WanGeometry:

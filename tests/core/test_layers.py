@@ -147,6 +147,7 @@ FLOORS: dict[str, int] = {
     "ondeck.executor": 3,
     "ondeck.host_watch": 3,
     "ondeck.host_pool": 3,
+    "ondeck.token_room": 3,
     # 4: stages and pipelines
     "ondeck.stages": 4,
     # 5: concrete pipelines and the diffusers integration

@@ -11,8 +11,8 @@ import pytest
 import torch
 from references import in_fresh_tensors
 
+from ondeck import token_room
 from ondeck.arguments import shape_rule
-from ondeck.integrations.diffusers import call_shape
 from ondeck.integrations.diffusers.call_shape import token_activations
 from ondeck.policy import BudgetPolicy
 from ondeck.streaming import StreamOptions
@@ -45,7 +45,7 @@ class ImagePipe:
 
 
 def test_tokens_come_from_the_latents_sides_and_frames_times_the_feed_forward_width():
-    factor = call_shape.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
+    factor = token_room.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
     wan = token_activations(VideoPipe(), WAN_14B, dict(height=480, width=832, num_frames=33), 2)
     assert wan == int(30 * 52 * 9 * 13824 * factor * 2)  # 480/16, 832/16, (33-1)/4+1
     # No ffn_dim: mlp_ratio times the heads' width (HunyuanVideo), 4 where it has none.
@@ -109,9 +109,9 @@ def _estimate_at(pipe, monkeypatch, nbytes: int) -> int:
     spec = pipe.ondeck.deferred["transformer"].spec
     one = (
         token_activations(pipe, spec.config, SHAPE, 4)
-        / call_shape.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
+        / token_room.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
     )
-    monkeypatch.setattr(call_shape, "ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH", nbytes / one)
+    monkeypatch.setattr(token_room, "ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH", nbytes / one)
     return token_activations(pipe, spec.config, SHAPE, 4)
 
 
@@ -173,3 +173,57 @@ def test_a_turn_planned_by_its_tokens_keeps_the_first_runs_reserve_in_later_runs
     unstored.ondeck.profile_model = None  # nothing stored nor looked up: this process alone
     frames(unstored)
     assert "transformer" in unstored.ondeck.snapshot().limit_stages
+
+
+def _wan_budgeted(folder, monkeypatch, fraction_of_budget: float):
+    """ondeck's own Wan stages under the same budget, with Denoise's estimate for SHAPE
+    made ``fraction_of_budget`` of it."""
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    budget = budget_keeping(transformer_blocks(folder), 3)
+    policy = BudgetPolicy(budget, streaming=StreamOptions(unified=False))
+    pipe = WanTextToVideo.from_folder(
+        folder, policy=policy, dtype=torch.float32, device="cpu", progress=False
+    )
+    pipe.set_plan_shape(height=SHAPE["height"], width=SHAPE["width"], frames=SHAPE["num_frames"])
+    tokens = pipe.geometry.tokens(SHAPE["height"], SHAPE["width"], SHAPE["num_frames"])
+    one = tokens * pipe.components["transformer"].config["ffn_dim"] * 4
+    monkeypatch.setattr(
+        token_room, "ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH", budget * fraction_of_budget / one
+    )
+    return pipe, budget
+
+
+def _wan_frames(pipe):
+    return pipe.generate("a fox", negative_prompt="blurry", seed=7, **SHAPE)
+
+
+def test_wan_stages_denoise_keeps_room_for_its_tokens_in_the_first_run(
+    six_block_folder, monkeypatch
+):
+    pipe, budget = _wan_budgeted(six_block_folder, monkeypatch, 0.05)
+    guessed = pipe.plan()  # below the share a stage never measured keeps: as before
+    assert guessed.reserved_activation_bytes.get("Denoise") == int(budget * 0.1)
+    pipe, budget = _wan_budgeted(six_block_folder, monkeypatch, 0.3)
+    plan = pipe.plan()
+    assert plan.activation_bytes["Denoise"] == pytest.approx(budget * 0.3, rel=1e-6)
+    assert "estimated from the call's tokens: 'Denoise'" in str(plan)
+    kept = len(plan.streamed["transformer"].resident)
+    assert kept < len(guessed.streamed["transformer"].resident)
+    _wan_frames(pipe)
+    assert len(pipe.policy.streaming.stats()["transformer"]["resident_blocks"]) == kept
+    assert "Denoise" in pipe.snapshot().limit_stages  # later runs keep the first's reserve
+
+
+def test_wan_stages_run_where_the_estimate_alone_would_refuse(six_block_folder, monkeypatch):
+    from ondeck.pipelines.wan import WanTextToVideo
+
+    reference = WanTextToVideo.from_folder(
+        six_block_folder, policy="release", dtype=torch.float32, device="cpu", progress=False
+    )
+    expected = _wan_frames(reference)
+    pipe, _ = _wan_budgeted(six_block_folder, monkeypatch, 2.0)
+    assert np.array_equal(_wan_frames(pipe), expected)  # no plan asked for before the run
+    pipe, _ = _wan_budgeted(six_block_folder, monkeypatch, 2.0)
+    plan = pipe.plan()
+    assert plan.overflow() is None and plan.activation_bytes["Denoise"] is None

@@ -22,6 +22,7 @@ from typing import Any
 from ...arguments import shape_rule
 from ...memory import device_name
 from ...profiles import plausible_shape
+from ...token_room import feed_forward_width, token_bytes
 from .turns import call_signature
 
 __all__ = [
@@ -31,14 +32,6 @@ __all__ = [
     "profile_identity",
     "token_activations",
 ]
-
-# What a transformer's pass holds beside its weights, in elements of its compute dtype
-# per token and per unit of its feed-forward width: the widest intermediate of a block
-# and what stays beside it. Measured at 480x832 (and 480x848), 33 frames, on the
-# Wan 2.1 14B-shaped transformer (14,040 tokens, width 13,824: 1.67 GB, 4.3) and the
-# HunyuanVideo-shaped one (14,310 tokens, width 12,288: 1.66 GB, 4.7); taken a little
-# above both, since too little room runs the allocator at the card's limit.
-ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH = 4.8
 
 # Arguments that never change a component's activations: how many steps, the noise's
 # source, what the output is returned as, what runs between steps.
@@ -154,33 +147,21 @@ def token_activations(
     pipe: Any, config: Any, sizes: Mapping[str, Any], element_bytes: int
 ) -> int | None:
     """Device bytes a transformer (``config``) of ``pipe`` takes beside its weights in a
-    pass over the call ``sizes`` asks for: its tokens (the latents' sides over the VAE's
-    scale times the patch, ``shape_rule``; the latent frames) times its feed-forward
-    width (``ffn_dim``, else ``mlp_ratio`` (4) times its heads' width), times
-    ``ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH`` elements. None where the call's size, the
+    pass over the call ``sizes`` asks for (``token_room.token_bytes``): its tokens (the
+    latents' sides over the VAE's scale times the patch, ``shape_rule``; the latent
+    frames; the batch) and its feed-forward width. None where the call's size, the
     pipeline's scales or the width are not known: a UNet, a text encoder, a VAE."""
-    get = config.get if isinstance(config, Mapping) else None
-    height, width = sizes.get("height"), sizes.get("width")
-    if get is None or not (isinstance(height, int) and isinstance(width, int)):
+    width = feed_forward_width(config)
+    height, side = sizes.get("height"), sizes.get("width")
+    if width is None or not (isinstance(height, int) and isinstance(side, int)):
         return None
-    ffn = get("ffn_dim")
-    if not isinstance(ffn, int):
-        heads, head_width = get("num_attention_heads"), get("attention_head_dim")
-        if (
-            not (isinstance(heads, int) and isinstance(head_width, int))
-            or "patch_size" not in config
-        ):
-            return None
-        ratio = get("mlp_ratio")
-        ffn = int((ratio if isinstance(ratio, (int, float)) else 4.0) * heads * head_width)
     rule = shape_rule(pipe)
     if rule.height_step <= 1 or rule.width_step <= 1:
         return None  # no scale known: the pixels would be counted as tokens
-    tokens = (height // rule.height_step) * (width // rule.width_step)
+    tokens = (height // rule.height_step) * (side // rule.width_step)
     frames = sizes.get("num_frames")
     if rule.takes_frames and isinstance(frames, int) and frames > 0:
         if rule.frame_step is None:
             return None  # a pipeline taking any count: its latent frames are not known here
         tokens *= (frames - 1) // rule.frame_step + 1
-    elements = tokens * call_batch(sizes) * ffn * ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
-    return int(elements * element_bytes)
+    return token_bytes(tokens * call_batch(sizes), width, element_bytes)

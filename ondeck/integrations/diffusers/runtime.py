@@ -26,8 +26,8 @@ from ...loading.options import DeviceChoice
 from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
-from ...streaming.layout import UNMEASURED_ACTIVATION_FRACTION
 from ...tiles import TILE_SAFETY
+from ...token_room import CountsTokens, TokenRoom
 from .call_shape import call_batch, call_profile_shape, call_sizes, token_activations
 from .calls import (
     CHECKED_KEYWORDS,
@@ -88,7 +88,7 @@ class ComponentTurn(Stage):
         return max(fitted, int(need * finest)) if finest is not None else fitted
 
 
-class DiffusersRuntime(Pipeline):
+class DiffusersRuntime(CountsTokens, Pipeline):
     """ondeck's runtime for one diffusers pipeline: available as ``pipe.ondeck``.
 
     Each component's turn is a stage; ``plan()``, ``report()``, ``tracker``,
@@ -146,8 +146,7 @@ class DiffusersRuntime(Pipeline):
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
         self._events_at_compute = 0  # the tracker's events when the turn began computing
-        self._by_tokens = True  # whether turns never measured count ``token_activations``
-        self._sized_by_tokens: set[str] = set()  # turns a run planned so
+        self.token_room = TokenRoom()  # turns never measured, counted by their tokens
         for name, proxy in components.items():
             self._add_decoder(name, proxy)
         super().__init__(
@@ -315,8 +314,6 @@ class DiffusersRuntime(Pipeline):
             need = decoder.expected_need(self._call_arguments)
             if need:
                 expected[name] = max(need, expected.get(name, 0))
-        for stage, need in self._token_needs(snapshot).items():
-            expected[stage] = max(need, expected.get(stage, 0))
         # The room kept since a turn ran out of memory is a floor for a stored peak too.
         floored = {stage: max(n, self._oom_room.get(stage, 0)) for stage, n in stored.items()}
         return dataclasses.replace(
@@ -324,42 +321,16 @@ class DiffusersRuntime(Pipeline):
             measured_activation={**known, **expected},
             stored_activation=floored,
             measured_beside_stored=True,
-            limit_stages=snapshot.limit_stages | self._sized_by_tokens,
         )
 
-    def _token_needs(self, snapshot: Any) -> dict[str, int]:
-        """In a process's first run, per turn holding a transformer and neither measured
-        nor stored, the activations its tokens make (``token_activations``) where more
-        than the share of the budget such a turn keeps otherwise (a video's can be twice
-        that on a small card). Later runs plan from what the first measured."""
-        budget = getattr(self.policy, "budget_bytes", None)
-        if not self._by_tokens or budget is None or snapshot.runs_completed:
-            return {}
-        known = {**snapshot.stored_activation, **snapshot.measured_activation}
-        needs: dict[str, int] = {}
+    def _token_estimates(self) -> dict[str, int | None]:
+        """Each transformer's ``token_activations`` for the call (``CountsTokens``)."""
+        estimates = {}
         for name, proxy in self.deferred.items():
             spec = proxy.spec
             size = spec.dtype.itemsize if isinstance(spec.dtype, torch.dtype) else 4
-            need = token_activations(self.pipe, spec.config, self._call_arguments, max(2, size))
-            if need is None or need <= budget * UNMEASURED_ACTIVATION_FRACTION:
-                continue
-            for stage in self.stages_holding(name) - known.keys():
-                needs[stage] = max(need, needs.get(stage, 0))
-        return needs
-
-    def plan(self, budget: int | str | None = None) -> Any:
-        """``Pipeline.plan``, its note naming the turns counted by their tokens
-        (``_token_needs``); where they alone make it overflow the policy's budget, they
-        count as never measured from now on: an estimate alone never refuses a call."""
-        plan = super().plan(budget)
-        if budget is None and self._by_tokens and plan.overflow() is not None:
-            if self._token_needs(super().snapshot()):
-                self._by_tokens = False
-                plan = super().plan()
-        if counted := self._token_needs(super().snapshot()):
-            named = ", ".join(f"'{stage}' {format_bytes(n)}" for stage, n in counted.items())
-            plan.activation_note += f"\nestimated from the call's tokens: {named}"
-        return plan
+            estimates[name] = token_activations(self.pipe, spec.config, self._call_arguments, size)
+        return estimates
 
     def output_host_bytes(self) -> int:
         """The call's decoded output in host memory, from the frame size, frames and
@@ -383,13 +354,6 @@ class DiffusersRuntime(Pipeline):
         if self._learned_from is None:  # the turns a call at this shape showed before
             self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
         self.stage_uses()
-        if self._by_tokens and self._token_needs(super().snapshot()):
-            self.plan()  # drops the estimates where they alone would refuse the call
-        for stage in self._token_needs(super().snapshot()):
-            # Later runs and processes keep the first run's reserve for it, as for a turn
-            # whose allocator reached the card's limit (which it no longer shows).
-            self._sized_by_tokens.add(stage)
-            self.executor.write_allocator(stage, retried=False, limit=True)
         self._current_index = None
         self._in_calls = 0
         with self._deciding():
