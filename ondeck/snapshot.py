@@ -69,7 +69,8 @@ class Snapshot:
     calls_per_run: Mapping[str, int] = field(default_factory=dict)
     # Per component, its quickest call's device seconds in that run; empty off CUDA.
     seconds_per_call: Mapping[str, float] = field(default_factory=dict)
-    # Per component loaded in that run, the rate its load reached.
+    # Per component loaded in that run, the rate its load reached, where it is not the
+    # process's first run's alone (``MemoryTracker.later_load_bytes_per_second``).
     load_bytes_per_second: Mapping[str, float] = field(default_factory=dict)
     # Host memory streamed blocks' pinned copies and rings may take (the host budget less
     # the process and the host cache's budget); None where unknown.

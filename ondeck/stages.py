@@ -402,7 +402,7 @@ class Pipeline(HostMemory):
             },
             calls_per_run=self.tracker.calls_per_run,
             seconds_per_call=self.tracker.seconds_per_call,
-            load_bytes_per_second=self.tracker.load_bytes_per_second,
+            load_bytes_per_second=self.tracker.later_load_bytes_per_second,
             host_room_bytes=self.host_room_bytes(),
             host_memory=self.host_memory,
             more_runs=self.more_runs,

@@ -13,8 +13,11 @@ the card's limit: that first run no longer shows it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .memory import format_bytes
@@ -35,6 +38,9 @@ __all__ = [
 # HunyuanVideo-shaped one (14,310 tokens, width 12,288: 1.66 GB, 4.7); taken a little
 # above both, since too little room runs the allocator at the card's limit.
 ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH = 4.8
+# Pipelines that batch the guided and unguided passes (SD3, CogVideoX, LTX) take twice
+# what the call's batch counts: the estimate is low for them, and the share of the
+# budget kept anyway (at least a tenth) covers them at the usual image sizes.
 
 
 def feed_forward_width(config: Any) -> int | None:
@@ -59,55 +65,76 @@ def token_bytes(tokens: int, width: int, element_bytes: int) -> int:
 
 
 class TokenRoom:
-    """A pipeline's estimates by tokens: whether they still count, and the turns a run
-    planned by them."""
+    """A pipeline's estimates by tokens: whether they count in the run in progress, and
+    the stages a run planned by them."""
 
     def __init__(self) -> None:
-        self.counting = True  # False once they alone made a plan overflow
-        self.sized: set[str] = set()  # turns a run planned by them: they keep the reserve
+        # False while they alone would make the plan overflow: set as each run starts,
+        # and for the moment a plan is made without them.
+        self.counting = True
+        self.sized: set[str] = set()  # stages a run planned by them: they keep the reserve
+        self._lock = threading.Lock()
 
     def needs(
-        self, pipeline: Any, snapshot: Any, per_component: Mapping[str, int | None]
+        self,
+        pipeline: Any,
+        snapshot: Any,
+        estimates: Callable[[], Mapping[str, int | None]],
     ) -> dict[str, int]:
-        """Per stage holding a component of ``per_component`` (its estimate for the call),
-        neither measured nor stored, that estimate where it is more than the share of the
-        budget such a stage keeps otherwise; only in a process's first run, under a
-        budget (``pipeline.policy.budget_bytes``)."""
-        budget = getattr(pipeline.policy, "budget_bytes", None)
+        """Per stage holding a component ``estimates()`` gives an estimate for, neither
+        measured nor stored, that estimate where it is more than the share of the budget
+        such a stage keeps otherwise (the streaming options' share, at least a tenth);
+        only in a process's first run, under a budget (``pipeline.policy``'s)."""
+        policy = pipeline.policy
+        budget = getattr(policy, "budget_bytes", None)
         if not self.counting or budget is None or snapshot.runs_completed:
             return {}
+        options = getattr(getattr(policy, "streaming", None), "options", None)
+        share = getattr(options, "unmeasured_activation_fraction", 0.0)
+        floor = budget * max(share, UNMEASURED_ACTIVATION_FRACTION)
         known = {**snapshot.stored_activation, **snapshot.measured_activation}
         needs: dict[str, int] = {}
-        for name, need in per_component.items():
-            if need is None or need <= budget * UNMEASURED_ACTIVATION_FRACTION:
+        for name, need in estimates().items():
+            if need is None or need <= floor:
                 continue
             for stage in pipeline.stages_holding(name) - known.keys():
                 needs[stage] = max(need, needs.get(stage, 0))
         return needs
 
     def plan(self, plan: Callable[[], Any], needs: Callable[[], dict[str, int]]) -> Any:
-        """``plan()``, or where it overflows with ``needs()`` counted, ``plan()`` again
-        without them from now on; its note names the stages they count for."""
+        """``plan()``, or where it overflows with ``needs()`` counted, ``plan()`` without
+        them (an estimate alone never refuses); its note names the stages they count for."""
         planned = plan()
-        if self.counting and planned.overflow() is not None and needs():
-            self.counting = False
-            planned = plan()
-        if counted := needs():
+        counted = needs()
+        if counted and planned.overflow() is not None:
+            with self._without():
+                return plan()
+        if counted:
             named = ", ".join(f"'{stage}' {format_bytes(n)}" for stage, n in counted.items())
             planned.activation_note += f"\nestimated from the call's tokens: {named}"
         return planned
 
+    @contextlib.contextmanager
+    def _without(self) -> Iterator[None]:
+        with self._lock:
+            counting, self.counting = self.counting, False
+            try:
+                yield
+            finally:
+                self.counting = counting
+
     def run_starts(
         self, plan: Callable[[], Any], needs: Callable[[], dict[str, int]], executor: Any
     ) -> None:
-        """Before a run's steps: where ``needs()`` count, plan once (``plan``, which drops
-        them where they alone would refuse the run); the stages they still count for keep
-        the first run's reserve in later runs, and in later processes (stored as the
-        allocator's evidence)."""
-        if not needs():
+        """Before a run's steps: the estimates count in it unless they alone make its plan
+        (``plan()``) overflow; the stages they count for keep the first run's reserve in
+        later runs, and in later processes (stored as the allocator's evidence)."""
+        self.counting = True
+        counted = needs()
+        if counted and plan().overflow() is not None:
+            self.counting = False
             return
-        self.plan(plan, needs)
-        for stage in needs():
+        for stage in counted:
             self.sized.add(stage)
             executor.write_allocator(stage, retried=False, limit=True)
 
@@ -123,28 +150,32 @@ class CountsTokens:
         return {}
 
     def _needs_now(self) -> dict[str, int]:
-        return self.token_room.needs(self, super().snapshot(), self._token_estimates())
+        return self.token_room.needs(self, super().snapshot(), self._token_estimates)
 
     def snapshot(self, **options: Any) -> Any:
         """The pipeline's snapshot, with the stages counted by their tokens measured as
         that, and those a run planned so kept at the first run's reserve."""
         snapshot = super().snapshot(**options)
-        needs = self.token_room.needs(self, snapshot, self._token_estimates())
-        if not needs and not self.token_room.sized:
+        needs = self.token_room.needs(self, snapshot, self._token_estimates)
+        sized = frozenset(self.token_room.sized)
+        if not needs and not sized:
             return snapshot
         return dataclasses.replace(
             snapshot,
             measured_activation={**snapshot.measured_activation, **needs},
             measured_beside_stored=snapshot.measured_beside_stored or bool(needs),
-            limit_stages=snapshot.limit_stages | self.token_room.sized,
+            limit_stages=snapshot.limit_stages | sized,
         )
 
     def plan(self, budget: int | str | None = None) -> Any:
-        """The plan; under the policy's own budget, by ``TokenRoom.plan``."""
-        if budget is not None:
-            return super().plan(budget)
-        return self.token_room.plan(super().plan, self._needs_now)
+        """The plan, by ``TokenRoom.plan``."""
+        return self.token_room.plan(functools.partial(super().plan, budget), self._needs_now)
+
+    def forget_measured(self, name: str) -> None:
+        """A component replaced: the stages holding it no longer keep the reserve."""
+        self.token_room.sized -= self.stages_holding(name)
+        super().forget_measured(name)
 
     def _before_run(self) -> None:
-        self.token_room.run_starts(self.plan, self._needs_now, self.executor)
+        self.token_room.run_starts(super().plan, self._needs_now, self.executor)
         super()._before_run()

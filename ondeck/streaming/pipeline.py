@@ -142,15 +142,11 @@ class BlockStreaming:
             previous=previous,
             calls={name: calls for name, calls in snapshot.calls_per_run.items() if calls > 0},
             seconds_per_call=dict(snapshot.seconds_per_call),
-            # What reloading costs, from the runs after a process's first: the first's
-            # loads read files for the first time, page-lock host copies beside them,
-            # and where stored peaks let the next load start early, share the reads.
-            # Taken as reloading's cost, they made an SD3.5-shaped pipeline at 8 GiB
-            # switch to staying resident (3.5 s a run reloading, it said): 4.1 s a run
-            # where reloading took 2.6.
-            load_bytes_per_second=(
-                dict(snapshot.load_bytes_per_second) if snapshot.runs_completed > 1 else {}
-            ),
+            # What reloading costs: the rates of the runs after a process's first
+            # (``MemoryTracker.later_load_bytes_per_second``). Its first run's, taken as
+            # that, made an SD3.5-shaped pipeline at 8 GiB switch to staying resident
+            # (3.5 s a run reloading, it said): 4.1 s a run where reloading took 2.6.
+            load_bytes_per_second=dict(snapshot.load_bytes_per_second),
             host=self._host_room(snapshot),
             declined_seconds=self.declined_seconds,
             staying=self.staying,

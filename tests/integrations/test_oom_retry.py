@@ -174,3 +174,18 @@ def test_a_stored_peak_that_proves_too_small_is_run_again_with_more_room(
 
     assert np.array_equal(got, expected)
     assert "transformer" in pipe.ondeck.plan().streamed
+
+
+def test_out_of_memory_whose_room_no_plan_holds_is_raised_as_it_is(folder, monkeypatch):
+    """Where the room kept for the turn's activations would make the next attempt's plan
+    refuse, the call is not run again: the out-of-memory error stands, not a refusal."""
+    from ondeck.integrations.diffusers import runtime
+
+    card_where_the_transformer_just_fits(monkeypatch, folder)
+    pipe = open_pipe(folder)
+    monkeypatch.setattr(runtime, "OOM_FIRST_ROOM_FRACTION", 5.0)  # five budgets' room
+    calls = running_out(monkeypatch, times=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        frames(pipe)
+    assert len(calls) == 1
+    assert pipe.ondeck.tracker.resident == {}

@@ -171,6 +171,9 @@ def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(
     assert tracker.load_bytes_per_second["transformer"] == pytest.approx(
         load.nbytes / load.duration_seconds
     )
+    # The first run's rates do not price reloading for a plan.
+    assert tracker.later_load_bytes_per_second == {}
+    assert pipe.ondeck.snapshot().load_bytes_per_second == {}
     pipe.transformer.release()
     frames(pipe)
     assert pipe.transformer.load_count == 2
@@ -179,6 +182,10 @@ def test_the_loader_tells_what_its_first_streamed_load_spent_on_the_host_copies(
     assert tracker.reload_bytes_per_second["transformer"] == pytest.approx(
         load.nbytes / load.duration_seconds
     )
+    later = tracker.later_load_bytes_per_second
+    assert later["transformer"] == tracker.load_bytes_per_second["transformer"]
+    loaded_again = {e.name for e in tracker.events if e.run == 2 and e.kind in ("load", "fill")}
+    assert set(later) == loaded_again  # a rate left from the first run alone stays out
 
 
 def test_a_streamed_components_timed_call_leaves_out_its_waits_for_copies(

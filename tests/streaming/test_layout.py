@@ -476,7 +476,6 @@ def _no_components() -> SimpleNamespace:
         seconds_per_call={},
         load_bytes_per_second={},
         host_room_bytes=None,
-        runs_completed=0,
     )
 
 

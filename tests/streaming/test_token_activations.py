@@ -130,7 +130,9 @@ def test_the_first_call_keeps_room_for_its_tokens_and_later_calls_plan_from_meas
     assert kept < len(guessed.streamed["transformer"].resident)  # fewer blocks beside it
     # Below the share a turn never measured keeps, the share counts, as before.
     _estimate_at(pipe, monkeypatch, int(budget * 0.05))
-    assert pipe.ondeck.plan().activation_bytes["transformer"] != int(budget * 0.05)
+    below = pipe.ondeck.plan()
+    assert below.activation_bytes["transformer"] is None
+    assert below.reserved_activation_bytes["transformer"] == int(budget * 0.1)
     _estimate_at(pipe, monkeypatch, int(budget * 0.3))
     frames(pipe)
     assert len(pipe.ondeck.policy.streaming.stats()["transformer"]["resident_blocks"]) == kept
@@ -151,6 +153,10 @@ def test_an_estimate_alone_never_refuses_a_call(six_block_folder, monkeypatch):
     plan = pipe.ondeck.plan()
     assert plan.overflow() is None
     assert plan.activation_bytes["transformer"] is None  # never measured, as before
+    assert pipe.ondeck.plan(budget).overflow() is None  # the budget given, as the policy's
+    # Planning without it changed nothing for later: where it fits, it counts again.
+    need = _estimate_at(pipe, monkeypatch, int(budget * 0.3))
+    assert pipe.ondeck.plan().activation_bytes["transformer"] == need
 
 
 def test_a_turn_planned_by_its_tokens_keeps_the_first_runs_reserve_in_later_runs(

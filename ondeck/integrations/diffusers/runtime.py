@@ -288,6 +288,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         after = self.plan()
         if after.streamed == before.streamed and after.stages == before.stages:
             return False
+        if after.overflow() is not None:  # the next attempt would refuse: this error stands
+            return False
         warnings.warn(
             f"{stage} ran out of memory; running the call again keeping "
             f"{format_bytes(self._oom_room[stage])} for its activations",
