@@ -69,11 +69,10 @@ class TokenRoom:
     the stages a run planned by them."""
 
     def __init__(self) -> None:
-        # False while they alone would make the plan overflow: set as each run starts,
-        # and for the moment a plan is made without them.
+        # False while they alone would make the run's plan overflow: set as it starts.
         self.counting = True
         self.sized: set[str] = set()  # stages a run planned by them: they keep the reserve
-        self._lock = threading.Lock()
+        self._planning = threading.local()  # ``without``: a plan made without them
 
     def needs(
         self,
@@ -87,7 +86,9 @@ class TokenRoom:
         only in a process's first run, under a budget (``pipeline.policy``'s)."""
         policy = pipeline.policy
         budget = getattr(policy, "budget_bytes", None)
-        if not self.counting or budget is None or snapshot.runs_completed:
+        if not self.counting or getattr(self._planning, "without", False):
+            return {}
+        if budget is None or snapshot.runs_completed:
             return {}
         options = getattr(getattr(policy, "streaming", None), "options", None)
         share = getattr(options, "unmeasured_activation_fraction", 0.0)
@@ -116,12 +117,12 @@ class TokenRoom:
 
     @contextlib.contextmanager
     def _without(self) -> Iterator[None]:
-        with self._lock:
-            counting, self.counting = self.counting, False
-            try:
-                yield
-            finally:
-                self.counting = counting
+        """This thread's plans leave the estimates out; a run in another goes on as it is."""
+        self._planning.without = True
+        try:
+            yield
+        finally:
+            self._planning.without = False
 
     def run_starts(
         self, plan: Callable[[], Any], needs: Callable[[], dict[str, int]], executor: Any

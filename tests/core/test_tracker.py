@@ -374,3 +374,24 @@ def test_a_reload_rate_leaves_out_what_only_a_first_load_under_a_plan_does():
     tracker.run_finished()
     assert tracker.reload_bytes_per_second["encoder"] == pytest.approx(8_000)
     assert tracker.reload_bytes_per_second["vae"] == pytest.approx(4_000)
+
+
+def test_load_rates_price_reloading_once_a_later_run_has_loaded_the_component():
+    """A process's first run reads files for the first time and page-locks beside its
+    loads: its rates stay out of ``later_load_bytes_per_second``, also for a component
+    the second run did not load (its rate is still the first run's)."""
+    tracker = MemoryTracker(device="cpu")
+    tracker.run_started()
+    tracker.loaded("text_encoder", GiB, 1.0)
+    tracker.loaded("transformer", 2 * GiB, 1.0)
+    tracker.run_finished()
+    assert tracker.load_bytes_per_second == {"text_encoder": GiB, "transformer": 2 * GiB}
+    assert tracker.later_load_bytes_per_second == {}
+    tracker.run_started()
+    tracker.loaded("transformer", 2 * GiB, 0.5)  # the text encoder stayed resident
+    tracker.run_finished()
+    assert tracker.later_load_bytes_per_second == {"transformer": 4 * GiB}
+    tracker.run_started()
+    tracker.loaded("text_encoder", GiB, 0.25)
+    tracker.run_finished()
+    assert tracker.later_load_bytes_per_second == {"text_encoder": 4 * GiB, "transformer": 4 * GiB}

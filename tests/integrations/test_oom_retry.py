@@ -184,8 +184,12 @@ def test_out_of_memory_whose_room_no_plan_holds_is_raised_as_it_is(folder, monke
     card_where_the_transformer_just_fits(monkeypatch, folder)
     pipe = open_pipe(folder)
     monkeypatch.setattr(runtime, "OOM_FIRST_ROOM_FRACTION", 5.0)  # five budgets' room
+    expected = frames(open_pipe(folder, policy="release"))
     calls = running_out(monkeypatch, times=1)
     with pytest.raises(torch.OutOfMemoryError):
         frames(pipe)
     assert len(calls) == 1
     assert pipe.ondeck.tracker.resident == {}
+    # Nor does the room it would have kept stay: the next call plans and runs as before.
+    assert pipe.ondeck.plan().overflow() is None
+    assert np.array_equal(frames(pipe), expected)

@@ -88,11 +88,12 @@ def test_no_estimate_where_the_pipeline_gives_no_scale_or_takes_any_frame_count(
     assert token_activations(AnyCount(), WAN_14B, sizes, 2) is None
 
 
-def _budgeted(folder):
+def _budgeted(folder, share: float = 0.1):
     import ondeck.diffusers
 
     budget = budget_keeping(transformer_blocks(folder), 3)
-    options = StreamOptions(unified=False)  # a turn never measured keeps 10% of the budget
+    # A turn never measured keeps ``share`` of the budget (10% by default).
+    options = StreamOptions(unified=False, unmeasured_activation_fraction=share)
     pipe = ondeck.diffusers.from_pretrained(
         folder, dtype=torch.float32, device="cpu", policy=BudgetPolicy(budget, streaming=options)
     )
@@ -179,6 +180,8 @@ def test_a_turn_planned_by_its_tokens_keeps_the_first_runs_reserve_in_later_runs
     unstored.ondeck.profile_model = None  # nothing stored nor looked up: this process alone
     frames(unstored)
     assert "transformer" in unstored.ondeck.snapshot().limit_stages
+    unstored.ondeck.forget_measured("transformer")  # replaced: the reserve was the old one's
+    assert "transformer" not in unstored.ondeck.snapshot().limit_stages
 
 
 def _wan_budgeted(folder, monkeypatch, fraction_of_budget: float):
@@ -233,3 +236,13 @@ def test_wan_stages_run_where_the_estimate_alone_would_refuse(six_block_folder, 
     pipe, _ = _wan_budgeted(six_block_folder, monkeypatch, 2.0)
     plan = pipe.plan()
     assert plan.overflow() is None and plan.activation_bytes["Denoise"] is None
+
+
+def test_a_larger_share_kept_for_turns_never_measured_is_never_cut_by_an_estimate(
+    six_block_folder, monkeypatch
+):
+    pipe, budget = _budgeted(six_block_folder, share=0.4)
+    _estimate_at(pipe, monkeypatch, int(budget * 0.3))
+    plan = pipe.ondeck.plan()
+    assert plan.activation_bytes["transformer"] is None
+    assert plan.reserved_activation_bytes["transformer"] == int(budget * 0.4)

@@ -280,6 +280,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             snapshot.measured_activation.get(stage) or 0,
             snapshot.stored_activation.get(stage) or 0,
         )
+        kept = self._oom_room.get(stage)
         self._oom_room[stage] = max(2 * known, int(budget * OOM_FIRST_ROOM_FRACTION))
         if isinstance(self.policy, AutoBudgetPolicy) and snapshot.runs_completed:
             # What ran out was planned against the measured budget (a process's first run
@@ -288,7 +289,10 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         after = self.plan()
         if after.streamed == before.streamed and after.stages == before.stages:
             return False
-        if after.overflow() is not None:  # the next attempt would refuse: this error stands
+        if after.overflow() is not None:  # the next attempt would refuse: this error stands,
+            self._oom_room.pop(stage)  # and no later call plans with that room
+            if kept is not None:
+                self._oom_room[stage] = kept
             return False
         warnings.warn(
             f"{stage} ran out of memory; running the call again keeping "
