@@ -242,3 +242,28 @@ def test_stored_turns_that_would_refuse_a_command_that_fits_without_them_are_not
     )
     run(later, ALL_FAMILIES["sd3"])
     assert planned[0] != crowded
+
+
+def test_the_plan_of_a_call_before_it_runs_has_the_turns_stored_for_a_call_like_it(folders, store):
+    """``ondeck generate`` prints the plan of its very call (``plan_call``): a later
+    process's shows T5's turn holding both CLIP encoders, as its first run plans, where
+    a plan at the call's size alone shows one turn per component."""
+    options = dict(negative_prompt="blurry", height=32, width=32, num_inference_steps=2)
+
+    def open_sd3():
+        pipe = ondeck.diffusers.from_pretrained(folders["sd3"], device="cpu", progress=False)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe.ondeck
+
+    first = open_sd3()
+    first.generate("a fox", seed=0, **options)
+    store.reopen()
+    later = open_sd3()
+    later.set_plan_shape(height=32, width=32)
+    by_size = {use.name: use.components for use in later.plan().uses}
+    assert by_size["text_encoder_3"] == ("text_encoder_3",)
+    planned = later.plan_call("a heron", seed=1, **options)  # another prompt, another seed
+    turns = {use.name: use.components for use in planned.uses}
+    assert set(turns["text_encoder_3"]) == {"text_encoder_3", "text_encoder", "text_encoder_2"}
+    later.generate("a heron", seed=1, **options)
+    assert {use.name: use.components for use in later.plan().uses} == turns

@@ -716,20 +716,16 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         )
         check_prompt_cleaning(type(self.pipe))
         warn_if_truncated(self.pipe, prompt, parameters, kwargs)
-        wanted = {
-            "prompt": prompt,
-            "height": height,
-            "width": width,
-            frames_argument or "num_frames": num_frames,
-            "num_inference_steps": num_inference_steps,
-            "guidance_scale": guidance_scale,
-            "negative_prompt": negative_prompt,
-        }
-        arguments = {k: v for k, v in wanted.items() if v is not None and k in parameters}
-        if seed is not None:
-            arguments["generator"] = torch.Generator("cpu").manual_seed(seed)
-        if "output_type" in parameters:
-            arguments["output_type"] = "np"
+        arguments = self._generate_arguments(
+            prompt,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            negative_prompt=negative_prompt,
+        )
         bar_config = None
         if progress is not None and "callback_on_step_end" in parameters:
             given = kwargs.pop("callback_on_step_end", None)
@@ -752,6 +748,37 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             return frames
         images = np.asarray(output.images)
         return images[:, None] if images.ndim == 4 else images
+
+    def _generate_arguments(self, prompt: str, *, seed: int | None, **given: Any) -> dict:
+        """The pipeline's call arguments for ``generate``'s (those it takes, the frame
+        count under its own name, a CPU generator for ``seed``, numpy output)."""
+        parameters = inspect.signature(type(self.pipe).__call__).parameters
+        frames_argument = frame_count_argument(parameters)  # video_length for Latte
+        given[frames_argument or "num_frames"] = given.pop("num_frames", None)
+        wanted = {"prompt": prompt, **given}
+        arguments = {k: v for k, v in wanted.items() if v is not None and k in parameters}
+        if seed is not None:
+            arguments["generator"] = torch.Generator("cpu").manual_seed(seed)
+        if "output_type" in parameters:
+            arguments["output_type"] = "np"
+        return arguments
+
+    def plan_call(self, prompt: str, *, seed: int | None = None, **options: Any) -> Any:
+        """The plan of ``generate(prompt, **options)`` before it runs (``ondeck generate``
+        prints it): at the call's size, with the activations and the turns stored for a
+        call like it (an earlier process's call showed them), as its first run plans."""
+        options.pop("progress", None)
+        known = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+        named = {key: options.pop(key, None) for key in (*known, "negative_prompt")}
+        arguments = {**self._generate_arguments(prompt, seed=seed, **named), **options}
+        self._call_arguments = {**self._own_call_sizes(), **call_sizes(arguments)}
+        if self.profile_model is not None:
+            self._profile_shape = call_profile_shape(  # the pipeline's call takes it first
+                (self.pipe,), arguments, self._call_arguments, self.device
+            )
+        if self._learned_from is None:
+            self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
+        return self.plan()
 
     # -- reporting ----------------------------------------------------------------------
 
