@@ -59,9 +59,11 @@ def feed_forward_width(config: Any) -> int | None:
     return int((ratio if isinstance(ratio, (int, float)) else 4.0) * heads * width)
 
 
-def token_bytes(tokens: int, width: int, element_bytes: int) -> int:
-    """Device bytes a pass over ``tokens`` of a transformer ``width`` wide takes."""
-    return int(tokens * width * ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH * max(2, element_bytes))
+def token_bytes(tokens: int, width: int, dtype: Any) -> int:
+    """Device bytes a pass over ``tokens`` of a transformer ``width`` wide takes, computing
+    in ``dtype`` (float32 where unknown; stored fp8 weights compute in at least 2 bytes)."""
+    element_bytes = max(2, getattr(dtype, "itemsize", None) or 4)
+    return int(tokens * width * ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH * element_bytes)
 
 
 class TokenRoom:

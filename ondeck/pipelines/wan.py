@@ -474,8 +474,7 @@ class WanTextToVideo(CountsTokens, Pipeline):
         if self.parallel is not None:  # each rank computes its slice
             tokens = -(-tokens // self.parallel.degree)
         dtype = transformer.spec.dtype if is_lazy(transformer) else transformer.dtype
-        size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
-        return {"transformer": token_bytes(tokens, width, size)}
+        return {"transformer": token_bytes(tokens, width, dtype)}
 
     @property
     def geometry(self) -> WanGeometry:

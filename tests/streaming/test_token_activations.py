@@ -46,14 +46,18 @@ class ImagePipe:
 
 def test_tokens_come_from_the_latents_sides_and_frames_times_the_feed_forward_width():
     factor = token_room.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
-    wan = token_activations(VideoPipe(), WAN_14B, dict(height=480, width=832, num_frames=33), 2)
+    wan = token_activations(
+        VideoPipe(), WAN_14B, dict(height=480, width=832, num_frames=33), torch.bfloat16
+    )
     assert wan == int(30 * 52 * 9 * 13824 * factor * 2)  # 480/16, 832/16, (33-1)/4+1
     # No ffn_dim: mlp_ratio times the heads' width (HunyuanVideo), 4 where it has none.
-    hunyuan = token_activations(VideoPipe(), HUNYUAN, dict(height=480, width=848, num_frames=33), 2)
+    hunyuan = token_activations(
+        VideoPipe(), HUNYUAN, dict(height=480, width=848, num_frames=33), torch.bfloat16
+    )
     assert hunyuan == int(30 * 53 * 9 * 4 * 24 * 128 * factor * 2)
     mmdit = {"num_attention_heads": 38, "attention_head_dim": 64, "patch_size": 2}
     sizes = dict(height=1024, width=1024, num_images_per_prompt=2)
-    assert token_activations(ImagePipe(), mmdit, sizes, 2) == int(
+    assert token_activations(ImagePipe(), mmdit, sizes, torch.bfloat16) == int(
         2 * 64 * 64 * 4 * 38 * 64 * factor * 2
     )
 
@@ -69,7 +73,7 @@ def test_tokens_come_from_the_latents_sides_and_frames_times_the_feed_forward_wi
     ids=["text-encoder", "unet", "no-size", "no-config"],
 )
 def test_no_estimate_where_the_tokens_or_the_width_are_not_known(config, sizes):
-    assert token_activations(VideoPipe(), config, sizes, 2) is None
+    assert token_activations(VideoPipe(), config, sizes, torch.bfloat16) is None
 
 
 def test_no_estimate_where_the_pipeline_gives_no_scale_or_takes_any_frame_count():
@@ -83,9 +87,9 @@ def test_no_estimate_where_the_pipeline_gives_no_scale_or_takes_any_frame_count(
 
     sizes = dict(height=480, width=832, num_frames=33)
     assert shape_rule(NoScale()).height_step == 1
-    assert token_activations(NoScale(), WAN_14B, sizes, 2) is None
+    assert token_activations(NoScale(), WAN_14B, sizes, torch.bfloat16) is None
     assert shape_rule(AnyCount()).frame_step is None
-    assert token_activations(AnyCount(), WAN_14B, sizes, 2) is None
+    assert token_activations(AnyCount(), WAN_14B, sizes, torch.bfloat16) is None
 
 
 def _budgeted(folder, share: float = 0.1):
@@ -109,11 +113,11 @@ def _estimate_at(pipe, monkeypatch, nbytes: int) -> int:
     tokens make a few kilobytes): the elements per token and width it takes."""
     spec = pipe.ondeck.deferred["transformer"].spec
     one = (
-        token_activations(pipe, spec.config, SHAPE, 4)
+        token_activations(pipe, spec.config, SHAPE, torch.float32)
         / token_room.ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH
     )
     monkeypatch.setattr(token_room, "ACTIVATION_ELEMENTS_PER_TOKEN_WIDTH", nbytes / one)
-    return token_activations(pipe, spec.config, SHAPE, 4)
+    return token_activations(pipe, spec.config, SHAPE, torch.float32)
 
 
 def test_the_first_call_keeps_room_for_its_tokens_and_later_calls_plan_from_measurements(

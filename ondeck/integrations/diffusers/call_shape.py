@@ -143,11 +143,9 @@ def call_profile_shape(
     return shape if plausible_shape(shape) else None
 
 
-def token_activations(
-    pipe: Any, config: Any, sizes: Mapping[str, Any], element_bytes: int
-) -> int | None:
-    """Device bytes a transformer (``config``) of ``pipe`` takes beside its weights in a
-    pass over the call ``sizes`` asks for (``token_room.token_bytes``): its tokens (the
+def token_activations(pipe: Any, config: Any, sizes: Mapping[str, Any], dtype: Any) -> int | None:
+    """Device bytes a transformer (``config``, computing in ``dtype``) of ``pipe`` takes
+    beside its weights in a pass over the call ``sizes`` asks for (``token_room.token_bytes``): its tokens (the
     latents' sides over the VAE's scale times the patch, ``shape_rule``; the latent
     frames; the batch) and its feed-forward width. None where the call's size, the
     pipeline's scales or the width are not known: a UNet, a text encoder, a VAE."""
@@ -164,4 +162,4 @@ def token_activations(
         if rule.frame_step is None:
             return None  # a pipeline taking any count: its latent frames are not known here
         tokens *= (frames - 1) // rule.frame_step + 1
-    return token_bytes(tokens * call_batch(sizes), width, element_bytes)
+    return token_bytes(tokens * call_batch(sizes), width, dtype)

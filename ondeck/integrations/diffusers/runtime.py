@@ -226,13 +226,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         # Concurrent calls from other threads queue here and run one after another.
         with self._run_lock:
             self._running_thread = me
-            # What the call leaves out is what it makes: the decode is sized for it.
-            self._call_arguments = {**self._own_call_sizes(), **call_sizes(kwargs)}
+            self._take_call(args, kwargs)
             self._signature = call_signature(args, kwargs)
-            if self.profile_model is not None:
-                self._profile_shape = call_profile_shape(
-                    args, kwargs, self._call_arguments, self.device
-                )
             self._watch_host()
             try:
                 self._begin_call()
@@ -244,6 +239,20 @@ class DiffusersRuntime(CountsTokens, Pipeline):
                 self._record = None
                 self._current_index = None
                 self._running_thread = None
+
+    def _take_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Plan for the call ``args``/``kwargs`` from now on: its sizes (what it leaves
+        out is what it makes: the decode is sized for it) and its profile's shape."""
+        self._call_arguments = {**self._own_call_sizes(), **call_sizes(kwargs)}
+        if self.profile_model is not None:
+            self._profile_shape = call_profile_shape(
+                args, kwargs, self._call_arguments, self.device
+            )
+
+    def _adopt_stored_turns(self) -> None:
+        """Until a call shows the order, the turns stored for one like it (``_adopt_turns``)."""
+        if self._learned_from is None:
+            self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
 
     def _call_making_room(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The call, run again from its start when a component's turn ran out of memory
@@ -334,8 +343,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         estimates = {}
         for name, proxy in self.deferred.items():
             spec = proxy.spec
-            size = spec.dtype.itemsize if isinstance(spec.dtype, torch.dtype) else 4
-            estimates[name] = token_activations(self.pipe, spec.config, self._call_arguments, size)
+            arguments = self._call_arguments
+            estimates[name] = token_activations(self.pipe, spec.config, arguments, spec.dtype)
         return estimates
 
     def output_host_bytes(self) -> int:
@@ -357,8 +366,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             self._acting -= 1
 
     def _begin_call(self) -> None:
-        if self._learned_from is None:  # the turns a call at this shape showed before
-            self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
+        self._adopt_stored_turns()
         self.stage_uses()
         self._current_index = None
         self._in_calls = 0
@@ -771,13 +779,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         known = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
         named = {key: options.pop(key, None) for key in (*known, "negative_prompt")}
         arguments = {**self._generate_arguments(prompt, seed=seed, **named), **options}
-        self._call_arguments = {**self._own_call_sizes(), **call_sizes(arguments)}
-        if self.profile_model is not None:
-            self._profile_shape = call_profile_shape(  # the pipeline's call takes it first
-                (self.pipe,), arguments, self._call_arguments, self.device
-            )
-        if self._learned_from is None:
-            self._adopt_turns(usable_turns(self.executor.stored_turns(), self._seeded_order))
+        self._take_call((self.pipe,), arguments)  # the pipeline's call is given it first
+        self._adopt_stored_turns()
         return self.plan()
 
     # -- reporting ----------------------------------------------------------------------
