@@ -481,7 +481,9 @@ def family_child(args) -> None:
         prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
         for run, prompt in enumerate(prompts):
             started = time.perf_counter()
-            stacks = StackSampler() if os.environ.get("ONDECK_BENCH_STACKS") else None
+            # ONDECK_BENCH_STACKS=N: sample the threads' stacks, N frames deep (at least 4).
+            depth = os.environ.get("ONDECK_BENCH_STACKS")
+            stacks = StackSampler(depth=max(4, int(depth)), timed=True) if depth else None
             with (
                 PeakSampler(torch.cuda.memory_reserved) as sampler,
                 warnings.catch_warnings(record=True) as caught,
@@ -536,7 +538,10 @@ def family_child(args) -> None:
                 if streaming is not None:
                     row["streaming"] = streaming.stats()
             if stacks is not None:
-                row["stacks"], row["gil_gaps"] = stacks.top(), stacks.gaps
+                row["stacks"], row["gil_gaps"] = stacks.top(60), stacks.gaps
+                row["stack_samples"] = [
+                    (round(at - started, 4), thread, chain) for at, thread, chain in stacks.samples
+                ]
             row["warnings"] = [str(w.message)[:500] for w in caught]
             result["runs"].append(row)
             print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr)

@@ -13,7 +13,14 @@ from ..errors import LoadError
 from ..lazy import is_out_of_memory
 from ..memory import free_cached_memory
 from ..stages import Stage
-from ..tiles import MAX_TILES_PER_SIDE, RETRY_AREA, TILE_SAFETY, Tiles, decode_tiles
+from ..tiles import (
+    MAX_TILES_PER_SIDE,
+    RETRY_AREA,
+    TILE_SAFETY,
+    Tiles,
+    decode_tiles,
+    estimated_need,
+)
 from .split_decode import decoder_margin, plan_slab, split_decode
 
 if TYPE_CHECKING:
@@ -40,9 +47,10 @@ def host_frames(video: torch.Tensor) -> Any:
 class Decode(Stage):
     """Latents to frames with the VAE.
 
-    When the activations a whole-frame decode needs (measured at this shape) do not fit
-    the room the budget or the device leaves, the VAE decodes in overlapping tiles sized
-    to fit; a whole-frame decode that runs out of memory is retried in tiles. ``tiling``
+    When the activations a whole-frame decode needs (measured at this shape, else
+    estimated from the VAE's config, as the diffusers integration estimates them) do not
+    fit the room the budget or the device leaves, the VAE decodes in overlapping tiles
+    sized to fit; a whole-frame decode that runs out of memory is retried in tiles. ``tiling``
     False always decodes whole frames, True as needed (the default).
     """
 
@@ -123,9 +131,17 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         return pipeline.make_room() if pipeline is not None else False
 
-    def _need(self) -> int | None:
+    def _need(self, latent_shape: tuple[int, ...] | None = None) -> int | None:
+        """Whole frames' need: measured (or stored) at this shape, else, given the
+        latents' shape, estimated from the VAE's config: a first decode at the device's
+        limit tiles at once instead of running out of memory first."""
         pipeline = self._ondeck_pipeline
-        return pipeline.activation_need(self.name) if pipeline is not None else None
+        if pipeline is None:
+            return None
+        need = pipeline.activation_need(self.name)
+        if need is None and latent_shape is not None:
+            need = estimated_need(self.vae.config, latent_shape, self.vae.dtype.itemsize)
+        return need
 
     def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
         """Tiles for a decode whose whole frames take ``need`` bytes when ``room`` is left;
@@ -195,7 +211,7 @@ class Decode(Stage):
                 latents.shape[-2] * scale,
                 latents.shape[-1] * scale,
                 tuple(latents.shape[2:]),
-                self._need(),
+                self._need(tuple(latents.shape)),
                 self._room(),
             )
             is None
@@ -218,11 +234,12 @@ class Decode(Stage):
         scale = self.geometry.scale_spatial
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         latent_shape = tuple(latents.shape[2:])
-        need, room = self._need(), self._room()
+        need, room = self._need(tuple(latents.shape)), self._room()
         tiles = self._planned_tiles(height, width, latent_shape, need, room)
         retries = 0
         made_room = False
-        object.__setattr__(self, "_need_at_least", need)
+        # What running out of memory proves starts from what was measured, not estimated.
+        object.__setattr__(self, "_need_at_least", self._need())
         while True:
             try:
                 video = self._decode(latents, tiles)

@@ -10,6 +10,7 @@ import torch
 
 from ondeck.embedded import build_wan_folder
 from ondeck.pipelines.wan import Decode, WanTextToVideo, decode_tiles
+from ondeck.tiles import estimated_need
 
 SHAPE = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
 
@@ -146,6 +147,28 @@ def test_whole_frame_decode_out_of_memory_is_retried_in_tiles(
     assert close(frames, whole_frames) < 0.05
     # The VAE is left as it was found: whole frames by default.
     assert pipe.components["vae"].use_tiling is False
+
+
+def test_a_first_decode_tiles_by_the_vaes_config_instead_of_running_out_first(
+    wan_folder, whole_frames, profiles, monkeypatch
+):
+    """No decode measured or stored yet: whole frames' need is estimated from the VAE's
+    config (as the diffusers integration estimates it), so a decode with too little
+    room tiles at once instead of first running out of memory in whole frames."""
+    attempts = whole_frames_run_out_of_memory(monkeypatch)
+    pipe = wan(wan_folder, "budget", budget="1500KiB")
+    stage = decode_stage(pipe)
+    latent_shape = (1, 16, 2, SHAPE["height"] // 8, SHAPE["width"] // 8)
+    estimate = estimated_need(pipe.components["vae"].config, latent_shape, 4)
+    assert estimate > pipe.policy.budget_bytes  # whole frames cannot fit
+    frames = pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [True]  # in tiles from the first attempt
+    assert stage.last_retries == 0 and stage.last_tiles is not None
+    assert close(frames, whole_frames) < 0.05
+    # With room for the estimate, whole frames are tried first, as before.
+    attempts.clear()
+    wan(wan_folder, "budget", budget="1GiB").generate("a fox", seed=3, **SHAPE)
+    assert attempts[0] is False
 
 
 def test_tiles_stride_whole_latent_pixels_of_a_16x_vae():
