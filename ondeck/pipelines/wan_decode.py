@@ -237,7 +237,7 @@ class Decode(Stage):
         need, room = self._need(tuple(latents.shape)), self._room()
         tiles = self._planned_tiles(height, width, latent_shape, need, room)
         retries = 0
-        made_room = False
+        made_room = cured = False  # cured: the same tiles tried again once room was made
         # What running out of memory proves starts from what was measured, not estimated.
         object.__setattr__(self, "_need_at_least", self._need())
         while True:
@@ -263,8 +263,9 @@ class Decode(Stage):
                 # the same tiles again.
                 made_room = True
                 if self._make_room():
-                    room = self._room()
+                    room, cured = self._room(), True
                     continue
+            cured = False
             free_cached_memory()
             # Then the fewest tiles at most RETRY_AREA of the area that ran out.
             tiles = decode_tiles(height, width, failed_area * RETRY_AREA, scale=scale)
@@ -277,6 +278,11 @@ class Decode(Stage):
             # Tiles mean the device is tight: the tiles' blocks go back to the device
             # rather than stay cached, split to sizes the next stages do not ask for.
             torch.cuda.empty_cache()
+        if cured and tiles is not None:
+            # What the policy kept crowded these tiles, not the decode's need: the attempt
+            # that ran out proves nothing of it, and the next run sizes its tiles as this
+            # one did (no finer ones from the room this attempt had).
+            object.__setattr__(self, "_need_at_least", self._need())
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
         object.__setattr__(self, "_decoded", True)

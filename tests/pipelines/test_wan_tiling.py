@@ -171,6 +171,39 @@ def test_a_first_decode_tiles_by_the_vaes_config_instead_of_running_out_first(
     assert attempts[0] is False
 
 
+def test_tiles_that_fit_once_room_is_made_are_planned_again_no_finer(
+    wan_folder, whole_frames, profiles, monkeypatch
+):
+    """A first decode in estimated tiles runs out of memory only because of what the
+    policy kept beside it: once that goes the same tiles fit. The attempt that ran out
+    stores no need, so the next run sizes its tiles as the first did, not finer ones
+    from the failed attempt's room."""
+    from diffusers import AutoencoderKLWan
+
+    from ondeck.lazy import is_loaded
+
+    pipe = wan(wan_folder, "budget", budget="1500KiB")
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        others = [n for n in ("text_encoder", "transformer") if is_loaded(pipe.deferred[n])]
+        attempts.append((self.use_tiling, bool(others)))
+        if others and not attempts[:-1]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    decode_measures(pipe, monkeypatch, 123)  # the failed attempt's peak: not a need
+    pipe.generate("a fox", seed=3, **SHAPE)
+    stage = decode_stage(pipe)
+    assert attempts == [(True, True), (True, False)] and stage.last_retries == 1
+    first = stage.last_tiles
+    assert pipe.activation_need(stage.name) is None  # a crowded attempt proves no need
+    pipe.generate("a fox", seed=4, **SHAPE)
+    assert stage.last_retries == 0 and stage.last_tiles.area >= first.area
+
+
 def test_tiles_stride_whole_latent_pixels_of_a_16x_vae():
     from types import SimpleNamespace
 
