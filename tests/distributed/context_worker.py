@@ -94,6 +94,7 @@ def main(folder: str, six_block_folder: str, out: Path) -> None:
         dtype=torch.float32,
         device="cpu",
         progress=False,
+        vae_tiling=False,  # whole frames, as the one-process reference decodes them
     )
     tokens = []
     pipe.components["transformer"].add_transform(sequence_spy(tokens))
