@@ -278,11 +278,13 @@ class Decode(Stage):
             # Tiles mean the device is tight: the tiles' blocks go back to the device
             # rather than stay cached, split to sizes the next stages do not ask for.
             torch.cuda.empty_cache()
-        if cured and tiles is not None:
-            # What the policy kept crowded these tiles, not the decode's need: the attempt
-            # that ran out proves nothing of it, and the next run sizes its tiles as this
-            # one did (no finer ones from the room this attempt had).
-            object.__setattr__(self, "_need_at_least", self._need())
+        if cured and tiles is not None and room is not None:
+            # What the policy kept crowded these tiles, not the decode's need: they fitted
+            # the room made. Stored is the need that plans there these tiles, or the
+            # coarser ones a retry from whole frames tries (what a first decode without
+            # the estimate stored), not finer ones from the room the failed attempt had.
+            fitted = int(TILE_SAFETY * max(room, 0) / max(tiles.area, RETRY_AREA))
+            object.__setattr__(self, "_need_at_least", max(fitted, self._need() or 0))
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
         object.__setattr__(self, "_decoded", True)
