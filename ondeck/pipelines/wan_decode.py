@@ -131,17 +131,18 @@ class Decode(Stage):
         pipeline = self._ondeck_pipeline
         return pipeline.make_room() if pipeline is not None else False
 
-    def _need(self, latent_shape: tuple[int, ...] | None = None) -> int | None:
-        """Whole frames' need: measured (or stored) at this shape, else, given the
-        latents' shape, estimated from the VAE's config: a first decode at the device's
-        limit tiles at once instead of running out of memory first."""
+    def _need(self) -> int | None:
+        """Whole frames' need as measured (or stored) at this shape, if it is."""
         pipeline = self._ondeck_pipeline
-        if pipeline is None:
-            return None
-        need = pipeline.activation_need(self.name)
-        if need is None and latent_shape is not None:
-            need = estimated_need(self.vae.config, latent_shape, self.vae.dtype.itemsize)
-        return need
+        return pipeline.activation_need(self.name) if pipeline is not None else None
+
+    def _need_or_estimate(self, known: int | None, latent_shape: tuple[int, ...]) -> int | None:
+        """``known`` (``_need``), else whole frames' need for ``latent_shape`` estimated
+        from the VAE's config: a first decode at the device's limit tiles at once instead
+        of running out of memory first."""
+        if known is not None or self._ondeck_pipeline is None:
+            return known
+        return estimated_need(self.vae.config, latent_shape, self.vae.dtype.itemsize)
 
     def _tiles(self, height: int, width: int, need: int | None, room: int | None) -> Tiles | None:
         """Tiles for a decode whose whole frames take ``need`` bytes when ``room`` is left;
@@ -211,7 +212,7 @@ class Decode(Stage):
                 latents.shape[-2] * scale,
                 latents.shape[-1] * scale,
                 tuple(latents.shape[2:]),
-                self._need(tuple(latents.shape)),
+                self._need_or_estimate(self._need(), tuple(latents.shape)),
                 self._room(),
             )
             is None
@@ -234,12 +235,13 @@ class Decode(Stage):
         scale = self.geometry.scale_spatial
         height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
         latent_shape = tuple(latents.shape[2:])
-        need, room = self._need(tuple(latents.shape)), self._room()
+        known, room = self._need(), self._room()
+        need = self._need_or_estimate(known, tuple(latents.shape))
         tiles = self._planned_tiles(height, width, latent_shape, need, room)
         retries = 0
         made_room = cured = False  # cured: the same tiles tried again once room was made
         # What running out of memory proves starts from what was measured, not estimated.
-        object.__setattr__(self, "_need_at_least", self._need())
+        object.__setattr__(self, "_need_at_least", known)
         while True:
             try:
                 video = self._decode(latents, tiles)
@@ -284,7 +286,7 @@ class Decode(Stage):
             # coarser ones a retry from whole frames tries (what a first decode without
             # the estimate stored), not finer ones from the room the failed attempt had.
             fitted = int(TILE_SAFETY * max(room, 0) / max(tiles.area, RETRY_AREA))
-            object.__setattr__(self, "_need_at_least", max(fitted, self._need() or 0))
+            object.__setattr__(self, "_need_at_least", max(fitted, known or 0))
         object.__setattr__(self, "last_tiles", tiles)  # not a schedule change
         object.__setattr__(self, "last_retries", retries)
         object.__setattr__(self, "_decoded", True)
