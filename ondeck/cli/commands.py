@@ -28,7 +28,9 @@ from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..profiles import ActivationProfiles, profiles_path
 from ..serve.residency import ServedModel, plan_models
+from .media import Media, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags, weight_files
+from .shape import EMBEDDED_SHAPE, Shape, asked_shape, own_shape
 
 # The command-line flag of each ``generate()`` argument, for the check's messages.
 FLAGS = {
@@ -203,24 +205,85 @@ def context_split(pipe: Any, height: int, width: int, frames: int) -> dict[str, 
     )
 
 
+def call_shape(args: argparse.Namespace, media: Media, *, embedded: bool = False) -> Shape:
+    """What the flags give, else the pipeline's own (None where its call computes it);
+    the embedded default's small shape for the embedded default."""
+    own = EMBEDDED_SHAPE if embedded else own_shape(media)
+    return asked_shape(own, args.height, args.width, args.frames, args.steps)
+
+
+def check_call(args: argparse.Namespace, pipe: Any, shape: Shape, media: Media) -> None:
+    """The call the flags make suits the model (``check_shape``), before anything loads."""
+    check_shape(
+        pipe,
+        shape.height,
+        shape.width,
+        shape.frames,
+        num_inference_steps=shape.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+        num_images_per_prompt=args.images if media.takes_count else None,
+    )
+
+
+def call_extra(args: argparse.Namespace, media: Media, image: Any) -> dict[str, Any]:
+    """The call's arguments beyond ``call_options``: the input image under the name the
+    pipeline takes it by, and the image count where it makes several."""
+    extra = {} if image is None else {media.image_argument or "image": image}
+    if args.images is not None and media.takes_count:
+        extra["num_images_per_prompt"] = args.images
+    return extra
+
+
+def call_options(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    """``generate``'s options for each run of the command, but its progress bar."""
+    return dict(
+        negative_prompt=args.negative_prompt,
+        height=shape.height,
+        width=shape.width,
+        num_frames=shape.frames,
+        num_inference_steps=shape.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+    )
+
+
+def first_plan(args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict) -> Any:
+    """The plan the first run of the flags' call will take: of the very call on the
+    diffusers path (its size, and the activations, allocator evidence and turns stored for
+    a call like it), else at its size."""
+    plan_call = getattr(pipe, "plan_call", None)
+    if plan_call is not None:
+        return plan_call(args.prompt, **call_options(args, shape), **extra)
+    plan_shape = getattr(pipe, "set_plan_shape", None)
+    if plan_shape is not None:  # at the call's size: its decode and stored activations
+        plan_shape(height=shape.height, width=shape.width, frames=shape.frames)
+    return pipe.plan()
+
+
 def plan(args: argparse.Namespace) -> int:
+    """The plan ``generate`` with the same flags would print before its first run."""
     check_policy_flags(args)
+    check_text("--prompt", args.prompt)
+    check_text("--negative-prompt", args.negative_prompt)
     check_device(args.device)
     if args.more_models:
         return _plan_set(args)
     path = resolve_model(args.model_dir)
+    media = media_of(path)
+    check_media_flags(args, media, image_needed=False)  # a plan can be made without it
+    image = read_input_image(args.image) if args.image is not None else None
     pipe = build_pipeline(args, path)
-    check_shape(pipe, args.height, args.width, args.frames)
-    budget = args.budget or None
-    shape = getattr(pipe, "set_plan_shape", None)
-    if shape is not None:
-        shape(height=args.height, width=args.width, frames=args.frames)
-    if budget is None:
+    # The sizes given are checked; the pipeline's own are planned as they are.
+    check_call(args, pipe, Shape(args.height, args.width, args.frames, args.steps), media)
+    shape = call_shape(args, media)
+    if args.budget is None:
         print(f"ondeck: {pipe.policy.reason}")
-    result = pipe.plan(budget)
+    extra = call_extra(args, media, image)
+    result = first_plan(args, pipe, shape, extra)
     print(result)
-    if budget is not None:
-        _print_storage_choices(args, path, pipe, result, budget)
+    if args.budget is not None:
+        _print_storage_choices(args, path, pipe, result, (shape, extra))
     return 0 if result.fits() else 1
 
 
@@ -242,13 +305,14 @@ def _plan_set(args: argparse.Namespace) -> int:
 
 
 def _print_storage_choices(
-    args: argparse.Namespace, path: Path, pipe: Any, result: Any, budget: int
+    args: argparse.Namespace, path: Path, pipe: Any, result: Any, call: tuple[Shape, dict]
 ) -> None:
-    """What fits ``budget`` with weights as they compute and with fp8 storage."""
+    """What fits ``--budget`` with weights as they compute and with fp8 storage, for the
+    flags' ``call`` (its shape and extra arguments)."""
     import copy
 
     computed = str(dtype_for(args.dtype, resolve_device(args.device))).removeprefix("torch.")
-    print(f"what fits {format_bytes(budget)}, by how the weights are stored:")
+    print(f"what fits {format_bytes(args.budget)}, by how the weights are stored:")
     for weights in (None, "fp8"):
         label = computed if weights is None else f"fp8 ({_stored_names(pipe, weights)})"
         if weights == args.weights:
@@ -258,10 +322,7 @@ def _print_storage_choices(
         other.weights = weights
         try:
             choice = build_pipeline(other, path)
-            shape = getattr(choice, "set_plan_shape", None)
-            if shape is not None:
-                shape(height=args.height, width=args.width, frames=args.frames)
-            summary = choice.plan(budget).fit_summary()
+            summary = first_plan(other, choice, *call).fit_summary()
             label = computed if weights is None else f"fp8 ({_stored_names(choice, weights)})"
         except OndeckError as error:
             summary = f"cannot: {first_line(error)}"

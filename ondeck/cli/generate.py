@@ -28,7 +28,7 @@ from . import commands
 from .finite import FiniteWatch
 from .media import Media, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags
-from .shape import EMBEDDED_SHAPE, Shape, asked_shape, own_shape
+from .shape import Shape
 
 OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy", "image.png")
 EMBEDDED_MODELS = {"text_encoder", "transformer", "vae"}
@@ -76,24 +76,13 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     media = media_of(path)
     check_media_flags(args, media)  # before the pipeline is built: nothing loads
     pipe = commands.build_pipeline(args, path)
-    shape = _shape(args, embedded, media)
-    commands.check_shape(
-        pipe,
-        shape.height,
-        shape.width,
-        shape.frames,
-        num_inference_steps=shape.steps,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-        num_images_per_prompt=args.images if media.takes_count else None,
-    )
+    shape = commands.call_shape(args, media, embedded=embedded)
+    commands.check_call(args, pipe, shape, media)
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")
     pipe.more_runs = args.runs > 1  # the plan shown is the first run's
-    extra = {} if image is None else {media.image_argument or "image": image}
-    if args.images is not None and media.takes_count:
-        extra["num_images_per_prompt"] = args.images
-    plan = _first_plan(args, pipe, shape, extra)
+    extra = commands.call_extra(args, media, image)
+    plan = commands.first_plan(args, pipe, shape, extra)
     say(plan)
     if split is not None:
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
@@ -140,38 +129,6 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     return code
 
 
-def _shape(args: argparse.Namespace, embedded: bool, media: Media) -> Shape:
-    """What the flags give, else the pipeline's own (None where its call computes it);
-    the embedded default's small shape for the embedded default."""
-    own = EMBEDDED_SHAPE if embedded else own_shape(media)
-    return asked_shape(own, args.height, args.width, args.frames, args.steps)
-
-
-def _first_plan(args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict) -> Any:
-    """The plan the first run will take: of the very call on the diffusers path (its
-    size, and the activations and turns stored for a call like it), else at its size."""
-    plan_call = getattr(pipe, "plan_call", None)
-    if plan_call is not None:
-        return plan_call(args.prompt, **_call_options(args, shape), **extra)
-    plan_shape = getattr(pipe, "set_plan_shape", None)
-    if plan_shape is not None:  # at the call's size: its decode and stored activations
-        plan_shape(height=shape.height, width=shape.width, frames=shape.frames)
-    return pipe.plan()
-
-
-def _call_options(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
-    """``generate``'s options for each run of the command, but its progress bar."""
-    return dict(
-        negative_prompt=args.negative_prompt,
-        height=shape.height,
-        width=shape.width,
-        num_frames=shape.frames,
-        num_inference_steps=shape.steps,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-    )
-
-
 def _run_all(
     args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict, watch: FiniteWatch, main: bool
 ) -> tuple[Any, list[float], str | None]:
@@ -193,7 +150,7 @@ def _run_all(
         with tqdm(total=shape.steps, desc=label, unit="step", disable=quiet) as bar:
             frames = pipe.generate(
                 args.prompt,
-                **_call_options(args, shape),
+                **commands.call_options(args, shape),
                 progress=bar,
                 # Only rank 0 writes the video; the others decode only when sharing the VAE.
                 output_type="np" if main or "vae" in commands.shard_names(args) else "latent",

@@ -171,21 +171,24 @@ def _diffusers_class(name: str) -> type | None:
         return None
 
 
-def check_media_flags(args: Any, media: Media) -> None:
-    """Flags that do not fit what the pipeline makes or takes: one line each, exit 2."""
+def check_media_flags(args: Any, media: Media, *, image_needed: bool = True) -> None:
+    """Flags that do not fit what the pipeline makes or takes: one line each, exit 2.
+    ``image_needed``: a pipeline that needs an input image and has none is refused too
+    (``ondeck plan`` plans the call without one; it has no ``--fps`` either)."""
     name = media.pipeline_class
     if media.video:
         if args.images is not None:
             raise UsageError(f"argument --images: {name} makes a video, not images")
     else:
-        for flag, value in (("--fps", args.fps), ("--frames", args.frames)):
+        fps = getattr(args, "fps", None)
+        for flag, value in (("--fps", fps), ("--frames", args.frames)):
             if value is not None:
                 raise UsageError(f"argument {flag}: {name} makes images, not a video")
         if args.images is not None and args.images > 1 and not media.takes_count:
             raise UsageError(f"argument --images: {name} makes one image per prompt")
     if args.image is not None and not media.takes_image:
         raise UsageError(f"argument --image: {name} takes no input image")
-    if args.image is None and media.needs_image:
+    if args.image is None and media.needs_image and image_needed:
         raise UsageError(f"{name} needs an input image: give it with --image PATH")
 
 

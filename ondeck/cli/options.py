@@ -171,6 +171,27 @@ def _add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=_positive, help="Wan: 4k+1 (e.g. 17, 33, 81)")
 
 
+def _add_call(parser: argparse.ArgumentParser) -> None:
+    """The flags that make ``generate``'s call: its prompt, size and settings."""
+    parser.add_argument("--prompt", default="a red fox running through fresh snow at dawn")
+    parser.add_argument("--negative-prompt", default="")
+    _add_shape(parser)
+    parser.add_argument("--steps", type=_positive)
+    parser.add_argument("--guidance", type=_finite, default=5.0)
+    parser.add_argument("--seed", type=_seed, default=0)
+    parser.add_argument(
+        "--image",
+        metavar="PATH",
+        help="the input image of an image-to-video or image-edit pipeline (PNG, JPEG, ...)",
+    )
+    parser.add_argument(
+        "--images",
+        type=_positive,
+        metavar="N",
+        help="images per prompt, for an image pipeline: image-1.png ... image-N.png",
+    )
+
+
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="auto", choices=["auto", "eager", "release", "budget"])
     parser.add_argument(
@@ -261,27 +282,11 @@ def add_generate(generate: argparse.ArgumentParser) -> None:
         nargs="?",
         help="diffusers-format folder or Hub repo id (owner/name); default: embedded",
     )
-    generate.add_argument("--prompt", default="a red fox running through fresh snow at dawn")
-    generate.add_argument("--negative-prompt", default="")
-    _add_shape(generate)
-    generate.add_argument("--steps", type=_positive)
-    generate.add_argument("--guidance", type=_finite, default=5.0)
-    generate.add_argument("--seed", type=_seed, default=0)
-    generate.add_argument(
-        "--image",
-        metavar="PATH",
-        help="the input image of an image-to-video or image-edit pipeline (PNG, JPEG, ...)",
-    )
+    _add_call(generate)
     generate.add_argument(
         "--fps",
         type=_fps,
         help="frames per second of video.mp4 (default: the model's, from its pipeline)",
-    )
-    generate.add_argument(
-        "--images",
-        type=_positive,
-        metavar="N",
-        help="images per prompt, for an image pipeline: image-1.png ... image-N.png",
     )
     generate.add_argument(
         "--runs", type=_positive, default=1, help="generate this many times in a row"
@@ -327,7 +332,7 @@ def add_plan(plan: argparse.ArgumentParser) -> None:
         help="more models, planned as a set under one --budget (as `ondeck serve` holds "
         "them): what stays resident and what each switch loads",
     )
-    _add_shape(plan)
+    _add_call(plan)  # the call generate would make with the same flags
     _add_runtime(plan)
 
 

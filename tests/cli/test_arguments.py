@@ -199,7 +199,7 @@ def test_a_shape_the_model_cannot_take_is_refused_before_loading(
     assert code == 2
     assert error_lines(err) == [f"ondeck: error: argument {message}"]
     assert built and built[0].tracker.bytes_loaded == 0
-    code, _, err = run(capsys, "plan", tiny_model, "--device", "cpu", *argv)
+    code, _, err = run(capsys, "plan", tiny_model, *flat)  # the same flags, the same check
     assert code == 2 and message in err
 
 

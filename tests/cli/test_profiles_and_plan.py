@@ -166,3 +166,29 @@ def test_the_plan_generate_shows_is_at_the_calls_size(capsys, tmp_path):
     stage = next(row for row in rows if len(row) > 3)  # the stages table's, not the sizes'
     assert stage[3] != "unknown", stage
     assert "the decoded output 0 B" not in out and "the decoded output" in out
+
+
+def test_plan_shows_the_plan_generate_would_print_with_the_same_flags(cache, family, capsys):
+    """`ondeck plan` plans the call `generate` makes with the same flags, so it finds what
+    an earlier `generate` stored for that call: SD3's T5 turn holding both CLIP encoders,
+    as the next `generate` plans it, where a plan at the size alone shows one turn each."""
+    folder = family("sd3")
+    call = ["--device", "cpu", "--height", "32", "--width", "32", "--policy", "release"]
+
+    def stages(out: str) -> list[str]:
+        lines = out.splitlines()
+        start = lines.index("stages:") + 2
+        return [line.split(None, 1)[0] + " " + line.rsplit("  ", 1)[-1] for line in lines[start:]
+                if line.startswith("  ")]  # fmt: skip
+
+    steps = ["--steps", "2", "--output", cache.parent / "out"]
+    assert run(capsys, "generate", folder, *call, *steps)[0] == 0
+    code, planned, _ = run(capsys, "plan", folder, *call, "--prompt", "a heron")
+    assert code == 0
+    assert "text_encoder_3 text_encoder, text_encoder_2, text_encoder_3" in stages(planned)
+    code, generated, _ = run(capsys, "generate", folder, *call, *steps)
+    assert code == 0
+    assert stages(planned) == stages(generated)
+    # Another call (a guidance that changes what the pipeline calls) stored nothing.
+    code, other, _ = run(capsys, "plan", folder, *call, "--guidance", "1")
+    assert "text_encoder_3 text_encoder_3" in stages(other)
