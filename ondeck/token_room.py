@@ -104,17 +104,27 @@ class TokenRoom:
                 needs[stage] = max(need, needs.get(stage, 0))
         return needs
 
-    def plan(self, plan: Callable[[], Any], needs: Callable[[], dict[str, int]]) -> Any:
+    def plan(
+        self,
+        plan: Callable[[], Any],
+        needs: Callable[[], dict[str, int]],
+        counts: Callable[[], Mapping[str, int | None]],
+    ) -> Any:
         """``plan()``, or where it overflows with ``needs()`` counted, ``plan()`` without
-        them (an estimate alone never refuses); its note names the stages they count for."""
+        them (an estimate alone never refuses). Its note names the stages the plan counts
+        them for: those whose activations in the snapshot it planned by (``counts()``)
+        are the estimate, not a room kept since the stage ran out of memory."""
         planned = plan()
         counted = needs()
         if counted and planned.overflow() is not None:
             with self._without():
                 return plan()
         if counted:
-            named = ", ".join(f"'{stage}' {format_bytes(n)}" for stage, n in counted.items())
-            planned.activation_note += f"\nestimated from the call's tokens: {named}"
+            known = counts()
+            shown = {stage: n for stage, n in counted.items() if known.get(stage) == n}
+            named = ", ".join(f"'{stage}' {format_bytes(n)}" for stage, n in shown.items())
+            if named:
+                planned.activation_note += f"\nestimated from the call's tokens: {named}"
         return planned
 
     @contextlib.contextmanager
@@ -172,7 +182,11 @@ class CountsTokens:
 
     def plan(self, budget: int | str | None = None) -> Any:
         """The plan, by ``TokenRoom.plan``."""
-        return self.token_room.plan(functools.partial(super().plan, budget), self._needs_now)
+        return self.token_room.plan(
+            functools.partial(super().plan, budget),
+            self._needs_now,
+            lambda: self.snapshot().measured_activation,
+        )
 
     def forget_measured(self, name: str) -> None:
         """A component replaced: the stages holding it no longer keep the reserve."""

@@ -146,6 +146,20 @@ def test_the_first_call_keeps_room_for_its_tokens_and_later_calls_plan_from_meas
     assert pipe.ondeck.plan().activation_bytes["transformer"] is None
 
 
+def test_the_plan_names_the_estimate_only_where_it_is_what_the_turn_counts(
+    six_block_folder, monkeypatch
+):
+    """A turn that ran out of memory keeps more room than its tokens make: the plan
+    counts that room, and its note no longer says the turn was estimated from them."""
+    pipe, budget = _budgeted(six_block_folder)
+    need = _estimate_at(pipe, monkeypatch, int(budget * 0.2))
+    assert "estimated from the call's tokens: 'transformer'" in str(pipe.ondeck.plan())
+    pipe.ondeck._oom_room["transformer"] = int(budget * 0.3)  # as after running out once
+    plan = pipe.ondeck.plan()
+    assert plan.activation_bytes["transformer"] > need
+    assert "estimated from the call's tokens" not in str(plan)
+
+
 def test_an_estimate_alone_never_refuses_a_call(six_block_folder, monkeypatch):
     from diffusers import WanPipeline
 
