@@ -14,6 +14,7 @@ from dataclasses import dataclass
 __all__ = [
     "FRAMES_IN_FLIGHT",
     "MAX_TILES_PER_SIDE",
+    "MIN_TILE_STRIDE_LATENTS",
     "RETRY_AREA",
     "TILE_OVERLAP",
     "TILE_SAFETY",
@@ -35,6 +36,10 @@ TILE_SAFETY = 0.85
 TILE_OVERLAP = 64
 MAX_TILES_PER_SIDE = 8
 RETRY_AREA = 0.7
+# The fewest latent pixels a tile advances by along a side it splits: a side shorter
+# than twice this is not split. A tile one latent pixel wide gives the VAE's attention a
+# sequence of one, which CUDA's fused attention kernels refuse.
+MIN_TILE_STRIDE_LATENTS = 2
 
 
 # Device bytes a decode takes, before any is measured, per output element (pixel of one
@@ -74,8 +79,8 @@ def decode_tiles(height: int, width: int, fraction: float, *, scale: int = 8) ->
     # Fewest tiles first; among as many, the squarest.
     splits = sorted(
         (rows * cols, abs(height / rows - width / cols), rows, cols)
-        for rows in range(1, MAX_TILES_PER_SIDE + 1)
-        for cols in range(1, MAX_TILES_PER_SIDE + 1)
+        for rows in range(1, _most_pieces(height, scale) + 1)
+        for cols in range(1, _most_pieces(width, scale) + 1)
         if rows * cols > 1
     )
     for count, _, rows, cols in splits:
@@ -85,6 +90,12 @@ def decode_tiles(height: int, width: int, fraction: float, *, scale: int = 8) ->
         if area <= fraction:
             return Tiles(tile_height, tile_width, stride_height, stride_width, count, area)
     return None
+
+
+def _most_pieces(length: int, scale: int) -> int:
+    """The most tiles a side of ``length`` pixels is split into (``MAX_TILES_PER_SIDE``,
+    each at least ``MIN_TILE_STRIDE_LATENTS`` latent pixels)."""
+    return min(MAX_TILES_PER_SIDE, max(1, length // (MIN_TILE_STRIDE_LATENTS * scale)))
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -113,8 +124,7 @@ def tiles_for(
 def smallest_tiles(height: int, width: int, *, scale: int = 8) -> Tiles | None:
     """The most tiles ``decode_tiles`` makes of a frame: a need far above the room
     still tries them (running out of memory there says no tiling fits)."""
-    rows = min(MAX_TILES_PER_SIDE, max(1, height // (2 * scale)))
-    cols = min(MAX_TILES_PER_SIDE, max(1, width // (2 * scale)))
+    rows, cols = _most_pieces(height, scale), _most_pieces(width, scale)
     if rows * cols <= 1:
         return None
     stride_height, tile_height = _tile_side(height, rows, scale)

@@ -10,7 +10,7 @@ import torch
 
 from ondeck.embedded import build_wan_folder
 from ondeck.pipelines.wan import Decode, WanTextToVideo, decode_tiles
-from ondeck.tiles import estimated_need
+from ondeck.tiles import estimated_need, smallest_tiles, tiles_for
 
 SHAPE = dict(height=64, width=64, num_frames=5, num_inference_steps=2)
 
@@ -70,6 +70,17 @@ def test_fewest_tiles_first_split_along_the_longer_side():
     assert tiles.count == 2
     assert tiles.height == 480 and tiles.width < 832
     assert decode_tiles(480, 832, 1e-4) is None
+
+
+def test_no_tile_advances_by_less_than_two_latent_pixels():
+    """A side of 16 pixels (two latent pixels) is not split, whatever the room: a tile one
+    latent pixel wide gives the VAE's attention a sequence of one, which CUDA's fused
+    attention refuses ("query is not correctly aligned")."""
+    assert decode_tiles(16, 16, 0.3) is None  # four tiles of 8x8 would be a quarter
+    assert smallest_tiles(16, 16) is None
+    assert tiles_for(16, 16, need=10**9, room=1) is None  # whole frames, then
+    split = decode_tiles(16, 64, 0.4)
+    assert (split.height, split.stride_width, split.count) == (16, 16, 4)
 
 
 @pytest.fixture(scope="module")
