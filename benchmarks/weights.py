@@ -18,7 +18,9 @@ of its own (clean peaks), ``--runs`` prompts each, 480x832, 33 frames, 4 steps:
   folder, and with ``components={"transformer": the bf16 original-key file}``.
 - ``folder-24``, ``file-24``, ``folder-8``, ``file-8``: the same under the automatic
   policy on a card emulated at 24 and 8 GiB (``set_per_process_memory_fraction``).
-- ``fp8file-release``, ``fp8file-8``: the float8 file (stored fp8, computed in bf16).
+- ``fp8file-release``, ``fp8file-8``: the float8 file (stored fp8, computed in bf16);
+  ``fp8file-8-torchcast`` with each layer upcast by torch's conversion
+  (``ONDECK_TRITON_UPCAST=0``), not ondeck's kernel.
 - ``reload``: the transformer loaded from the page cache, from the bf16 file and from the
   float8 file in turns: file GB/s and seconds per load.
 - ``gguf-full``, ``gguf-16``, ``gguf-8``: the Q8_0 file through ondeck (auto);
@@ -103,6 +105,8 @@ MODES = {
     "reload": Mode(25, layout="file", files=("fp8",)),
     "fp8file-release": Mode(42, files=("fp8",)),
     "fp8file-8": Mode(55, 8, files=("fp8",)),
+    # "-torchcast": each layer upcast by torch's conversion, not ondeck's Triton kernel.
+    "fp8file-8-torchcast": Mode(55, 8, files=("fp8",)),
     # "-cached": the encoders keep their answers, as `ondeck generate`'s do.
     "fp8file-8-cached": Mode(55, 8, files=("fp8",)),
     "folder-8-cached": Mode(55, 8, layout="folder"),
@@ -614,6 +618,8 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["policy"] = "release"
     if mode.endswith("-cached"):
         options["prompt_cache"] = True
+    if mode.endswith("-torchcast"):
+        os.environ["ONDECK_TRITON_UPCAST"] = "0"
     if mode.endswith("-elastic"):
         from ondeck.loading import HostCache
 
@@ -937,6 +943,7 @@ def summarise(rows: dict) -> dict:
         if bf16_seconds and fp8_seconds
         else None,
         "fp8file_8_vs_eager": ratio(rows, "fp8file-8", "eager"),
+        "fp8file_8_torchcast_vs_eager": ratio(rows, "fp8file-8-torchcast", "eager"),
         "gguf_vs_eager": {m: ratio(rows, m, "eager") for m in ("gguf-full", "gguf-16", "gguf-8")},
         "gguf_vs_diffusers_gguf": {
             m: ratio(rows, m, "gguf-diffusers") for m in ("gguf-full", "gguf-16", "gguf-8")

@@ -307,7 +307,7 @@ class ComponentLoader(FolderLoader):
         after it starts computing: the hooks put upcast copies beside them, never cast
         in place."""
         skeleton = template.fresh()
-        self._upcast_for_compute(skeleton.module, template, in_place=False)
+        self._upcast_for_compute(skeleton.module, template)
         return skeleton
 
     def _group_filler(
@@ -443,7 +443,7 @@ class ComponentLoader(FolderLoader):
                 build()
             module = built.pop("module")
             _finish(module, self.name)
-            self._upcast_for_compute(module, template, in_place=placement is None)
+            self._upcast_for_compute(module, template)
             if placement is not None:
                 placement.finish(module)
         except BaseException as error:
@@ -454,9 +454,7 @@ class ComponentLoader(FolderLoader):
         self.last_load_seconds = time.perf_counter() - started
         return module
 
-    def _upcast_for_compute(
-        self, module: torch.nn.Module, template: Skeleton, *, in_place: bool
-    ) -> None:
+    def _upcast_for_compute(self, module: torch.nn.Module, template: Skeleton) -> None:
         """Hook the layers kept in the storage dtype to compute in ``dtype``, and the
         weights of an fp8_scaled file to compute scaled."""
         scales = (
@@ -473,9 +471,6 @@ class ComponentLoader(FolderLoader):
                 self.storage_dtype,
                 self.dtype,
                 [layer for layer in layers if layer not in scaled],
-                # diffusers' own hook would store every layer it casts (a float8 file's
-                # wider layers stay as wide), and scaled layers get a hook of their own.
-                in_place=in_place and not self._as_saved and not scales,
                 kept=kept,
             )
         if scales:

@@ -36,6 +36,7 @@ from ..errors import LoadError
 from .options import StorageChoice
 from .quantized import describe_method, package_installed, package_name, quantization_method
 from .safetensors_format import TensorInfo
+from .upcast import upcast
 
 __all__ = [
     "FLOAT8_DTYPES",
@@ -409,31 +410,27 @@ def upcast_for_compute(
     compute: torch.dtype,
     layers: Iterable[str],
     *,
-    in_place: bool = True,
     kept: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
-    """Hook the stored layers so each computes in ``compute`` and stays in ``storage``.
-
-    ``in_place``: diffusers' own hook, which casts a layer's tensors in place around its
-    forward. Otherwise (block streaming binds a streamed block's tensors to views of its
-    device slots, and an in-place cast would leave them private copies) a variant of it
-    that puts upcast copies beside the stored tensors for the forward and puts the
-    stored ones back after. Either way the layers compute on the same values.
+    """Hook the stored layers so each computes in ``compute`` and stays in ``storage``:
+    a variant of diffusers' layerwise casting hook that puts upcast copies beside the
+    stored tensors for the forward (``ondeck.loading.upcast``) and puts the stored ones
+    back after. Diffusers' own hook casts a layer's tensors in place and back down after
+    its forward, twice the bytes through the device's memory; it would also leave a
+    streamed block's tensors private copies of its device slots. Either way the layers
+    compute on the same values.
     ``kept``: the module's ``kept_layers``, when the caller knows them already (a loader
     finds them once, on its skeleton: the walk costs a T5 load tens of milliseconds).
     """
     from diffusers.hooks import HookRegistry
 
     layers = tuple(layers)
-    if in_place:
-        _apply_casting(module, library, storage, compute, kept)
-    else:
-        for name in layers:
-            layer = module.get_submodule(name)
-            registry = HookRegistry.check_if_exists_or_initialize(layer)
-            registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
-        if not (library == "diffusers" and hasattr(module, "enable_layerwise_casting")):
-            _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
+    for name in layers:
+        layer = module.get_submodule(name)
+        registry = HookRegistry.check_if_exists_or_initialize(layer)
+        registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
+    if not (library == "diffusers" and hasattr(module, "enable_layerwise_casting")):
+        _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
     for name in layers:
         layer = module.get_submodule(name)
         _answer_adapter_dtype(layer, compute)
@@ -520,7 +517,7 @@ def _scaling_hook_class() -> type:
                     if tensor is None:
                         tensor, table = module._buffers[name], module._buffers
                     stored.append((table, name, tensor))
-                    table[name] = tensor.to(self.compute_dtype) * scale
+                    table[name] = upcast(tensor, self.compute_dtype) * scale
                 others = [
                     (table, name, tensor)
                     for table in (module._parameters, module._buffers)
@@ -532,7 +529,7 @@ def _scaling_hook_class() -> type:
                 ]
                 for table, name, tensor in others:
                     stored.append((table, name, tensor))
-                    table[name] = tensor.to(self.compute_dtype)
+                    table[name] = upcast(tensor, self.compute_dtype)
                 return self.fn_ref.original_forward(*args, **kwargs)
             finally:
                 for table, name, tensor in reversed(stored):
@@ -662,7 +659,7 @@ def _swap_in(
             for name, tensor in table.items():
                 if tensor is not None and tensor.dtype == storage:
                     stored.append((table, name, tensor))
-                    table[name] = tensor.to(compute)
+                    table[name] = upcast(tensor, compute)
 
 
 @functools.cache

@@ -170,7 +170,7 @@ def test_an_embedding_subclass_with_its_own_forward_is_upcast_whole(wan_bf16):
     assert not fp8._gathers_rows(layer)
     assert fp8._gathers_rows(torch.nn.Embedding(8, 4))
     holder = torch.nn.Sequential(layer).to(torch.bfloat16)
-    fp8.upcast_for_compute(holder, "torch", FP8, torch.bfloat16, ["0"], in_place=False)
+    fp8.upcast_for_compute(holder, "torch", FP8, torch.bfloat16, ["0"])
     ids = torch.tensor([1, 3])
     with torch.no_grad():
         assert same_bits(holder(ids), layer.weight.to(torch.bfloat16)[ids] * 2)

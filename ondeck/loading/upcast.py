@@ -1,0 +1,88 @@
+"""A float8 tensor upcast to its compute dtype for one forward, at the device's rate.
+
+Every value of ``float8_e4m3fn`` and ``float8_e5m2`` is exact in bfloat16 and float16,
+so any correct conversion gives the same values; what differs is the rate. torch's own
+``tensor.to(dtype)`` converts float8 at 0.94 TB/s of bytes read and written on an H100,
+under a third of its memory's rate, and a layer's upcast sits in front of its product on
+the compute stream. On CUDA, where Triton runs, :func:`upcast` converts with the device's
+own float8 instructions in one pass over the bytes instead (2.7 TB/s there;
+``benchmarks/experiments/upcast_overlap.py``). Anywhere else (the CPU, mps, no Triton, a
+device below compute capability 8.9, a non-contiguous tensor, other dtypes) it is
+``tensor.to(dtype)``.
+
+``ONDECK_TRITON_UPCAST=0`` turns the kernel off (torch's conversion everywhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+# Below this many elements torch's conversion is as quick as a kernel launch through
+# Triton's Python launcher.
+_SMALLEST = 1 << 16
+_BLOCK = 4096
+
+_FLOAT8 = tuple(
+    dtype
+    for dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if dtype is not None
+)
+_WIDE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, the same values, through the Triton kernel where it applies."""
+    if not _kernel_applies(tensor, dtype):
+        return tensor.to(dtype)
+    kernel = _kernel()
+    if kernel is None:
+        return tensor.to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+    count = tensor.numel()
+    with torch.cuda.device(tensor.device):
+        kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
+    return out
+
+
+def triton_blocks(count: int) -> int:
+    return -(-count // _BLOCK)
+
+
+def _kernel_applies(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (
+        tensor.is_cuda
+        and tensor.dtype in _FLOAT8
+        and dtype in _WIDE
+        and tensor.numel() >= _SMALLEST
+        and tensor.is_contiguous()
+        and enabled()
+        and torch.cuda.get_device_capability(tensor.device) >= (8, 9)
+    )
+
+
+def enabled() -> bool:
+    return os.environ.get("ONDECK_TRITON_UPCAST", "1") != "0"
+
+
+@functools.cache
+def _kernel() -> Callable | None:
+    """The Triton kernel, or None where Triton is missing. (Devices below compute
+    capability 8.9, with no float8 conversion, are left to torch before this.)"""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def widen(source, out, count, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < count
+        values = tl.load(source + offsets, mask=inside)
+        tl.store(out + offsets, values.to(out.dtype.element_ty), mask=inside)
+
+    return widen

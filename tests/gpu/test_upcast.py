@@ -1,0 +1,90 @@
+"""The Triton upcast of float8 weights: torch's conversion bit for bit, every value, and
+the kernel the stored layers' hooks use for their forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ondeck.loading import fp8, upcast
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def kernel_runs() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9) and upcast._kernel() is not None
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits where a value is a number; NaN where the other is NaN (its payload
+    may differ)."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    width = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a[~nan].view(width), b[~nan].view(width))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the kernel's launches."""
+    if not kernel_runs():
+        pytest.skip("no Triton, or a device without float8 conversion")
+    launches = []
+    kernel = upcast._kernel()
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(upcast, "_kernel", lambda: Counting())
+    return launches
+
+
+@pytest.mark.parametrize("storage", FLOAT8)
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_float8_value_upcasts_to_torchs_bits(counted, storage, compute):
+    every = torch.arange(256, dtype=torch.uint8, device="cuda").view(storage)
+    # Enough elements for the kernel, and a count that ends inside a block.
+    rows = upcast._SMALLEST // 7 + 11
+    stored = every.repeat(rows * 7 // 256 + 1)[: rows * 7].reshape(rows, 7)
+    assert stored.numel() % upcast._BLOCK
+    widened = upcast.upcast(stored, compute)
+    assert counted, "the kernel did not run"
+    assert widened.dtype == compute and widened.shape == stored.shape
+    assert same_values(widened, stored.to(compute))
+
+
+def test_where_the_kernel_does_not_apply_torch_converts(counted, monkeypatch):
+    big = torch.randn(512, 512, device="cuda").to(torch.float8_e4m3fn)
+    cases = [
+        big[:, :256],  # not contiguous
+        big[:8],  # too few elements
+        big.cpu(),
+    ]
+    for stored in cases:
+        assert same_values(upcast.upcast(stored, torch.bfloat16), stored.to(torch.bfloat16))
+    monkeypatch.setenv("ONDECK_TRITON_UPCAST", "0")
+    assert same_values(upcast.upcast(big, torch.bfloat16), big.to(torch.bfloat16))
+    assert not counted
+
+
+def test_a_stored_layer_computes_with_the_kernels_upcast(counted):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16)
+    reference = torch.nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16)
+    layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    reference.weight.data = layer.weight.data.to(torch.bfloat16)
+    reference.bias.data = layer.bias.data.clone()
+    holder = torch.nn.Sequential(layer)
+    fp8.upcast_for_compute(holder, "diffusers", torch.float8_e4m3fn, torch.bfloat16, ["0"])
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(holder(x), reference(x))
+    assert counted, "the layer's hook did not use the kernel"
+    assert layer.weight.dtype == torch.float8_e4m3fn
