@@ -13,7 +13,7 @@ import torch
 
 from ..errors import LoadError
 from ..lazy import ComponentSpec, free_module_storages, free_storage
-from . import fp8, reads
+from . import fp8, reads, upcast
 from .blocks import find_blocks
 from .folder_loader import FolderLoader, open_folder
 from .host_cache import HostCache, component_key
@@ -165,6 +165,8 @@ class ComponentLoader(FolderLoader):
         """Load, returning once the module can start computing: the module, and the
         filling still bringing its blocks in (None when everything is in place)."""
         started = time.perf_counter()
+        if self.storage_dtype is not None:
+            upcast.prepare(self.device, self.storage_dtype, self.dtype)  # beside the load
         tensors = self.folder.tensors(self.name)
         template = self.template
         blocks = self._pipelined_blocks(template)

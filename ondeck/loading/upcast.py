@@ -10,6 +10,10 @@ own float8 instructions in one pass over the bytes instead (2.7 TB/s there;
 device below compute capability 8.9, a non-contiguous tensor, other dtypes) it is
 ``tensor.to(dtype)``.
 
+The kernel is compiled (or loaded from Triton's cache) the first time it runs: a load of
+a stored component starts that on a thread of its own (:func:`prepare`), so the first
+forward does not wait for it. Where it cannot be built (Triton without the compiler it
+needs, say), a warning says so once and torch converts from then on.
 ``ONDECK_TRITON_UPCAST=0`` turns the kernel off (torch's conversion everywhere).
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -33,6 +39,10 @@ _FLOAT8 = tuple(
 )
 _WIDE = (torch.bfloat16, torch.float16, torch.float32)
 
+_lock = threading.Lock()
+_prepared: set[tuple] = set()  # (device index, storage, compute) a preparation started for
+_state = {"ran": False, "failed": False}  # the kernel has run once; it could not be built
+
 
 def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor.to(dtype)``, the same values, through the Triton kernel where it applies."""
@@ -43,9 +53,63 @@ def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return tensor.to(dtype)
     out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
     count = tensor.numel()
-    with torch.cuda.device(tensor.device):
-        kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
+    if _state["ran"]:
+        with torch.cuda.device(tensor.device):
+            kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
+        return out
+    try:
+        with torch.cuda.device(tensor.device):
+            kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
+    except Exception as error:  # Triton's compiler or launcher, not the conversion
+        _give_up(error)
+        return tensor.to(dtype)
+    _state["ran"] = True
     return out
+
+
+def prepare(device: torch.device | str, storage: torch.dtype, compute: torch.dtype) -> None:
+    """Build the kernel for a load that will compute ``storage`` tensors in ``compute``
+    on ``device``, on a thread of its own, once per process and dtypes; nothing where
+    the kernel would not apply."""
+    device = torch.device(device)
+    if device.type != "cuda" or storage not in _FLOAT8 or compute not in _WIDE:
+        return
+    if not enabled() or _state["failed"] or not torch.cuda.is_available():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, storage, compute)
+    with _lock:
+        if key in _prepared:
+            return
+        _prepared.add(key)
+    threading.Thread(
+        target=_warm, args=(index, storage, compute), name="ondeck-upcast-build", daemon=True
+    ).start()
+
+
+def _warm(index: int, storage: torch.dtype, compute: torch.dtype) -> None:
+    device = torch.device("cuda", index)
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return
+    try:
+        sample = torch.zeros(_SMALLEST, dtype=torch.uint8, device=device).view(storage)
+        upcast(sample, compute)
+    except torch.OutOfMemoryError:
+        pass  # no room for the sample now: the first forward builds the kernel instead
+
+
+def _give_up(error: Exception) -> None:
+    with _lock:
+        if _state["failed"]:
+            return
+        _state["failed"] = True
+    warnings.warn(
+        f"ondeck: the Triton kernel that upcasts float8 weights could not be built "
+        f"({type(error).__name__}: {error}); torch's conversion is used instead, slower. "
+        "ONDECK_TRITON_UPCAST=0 leaves Triton out.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def triton_blocks(count: int) -> int:
@@ -60,6 +124,7 @@ def _kernel_applies(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
         and tensor.numel() >= _SMALLEST
         and tensor.is_contiguous()
         and enabled()
+        and not _state["failed"]
         and torch.cuda.get_device_capability(tensor.device) >= (8, 9)
     )
 
@@ -78,7 +143,9 @@ def _kernel() -> Callable | None:
     except ImportError:
         return None
 
-    @triton.jit
+    # One build for every count: an integer argument is otherwise specialized on
+    # whether it divides by 16.
+    @triton.jit(do_not_specialize=["count"])
     def widen(source, out, count, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < count

@@ -20,6 +20,12 @@ def kernel_runs() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9) and upcast._kernel() is not None
 
 
+def builders() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "ondeck-upcast-build"]
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bits where a value is a number; NaN where the other is NaN (its payload
     may differ)."""
@@ -35,6 +41,8 @@ def counted(monkeypatch):
     """Counts the kernel's launches."""
     if not kernel_runs():
         pytest.skip("no Triton, or a device without float8 conversion")
+    for thread in builders():  # an earlier load's, which would count here
+        thread.join(timeout=120)
     launches = []
     kernel = upcast._kernel()
 
@@ -88,3 +96,40 @@ def test_a_stored_layer_computes_with_the_kernels_upcast(counted):
     assert torch.equal(holder(x), reference(x))
     assert counted, "the layer's hook did not use the kernel"
     assert layer.weight.dtype == torch.float8_e4m3fn
+
+
+def test_a_stored_load_builds_the_kernel_on_a_thread_of_its_own(counted, monkeypatch):
+    monkeypatch.setattr(upcast, "_prepared", set())
+    upcast.prepare("cuda", torch.float8_e5m2, torch.float16)
+    upcast.prepare("cuda", torch.float8_e5m2, torch.float16)  # once per dtypes
+    started = builders()
+    assert len(started) <= 1
+    for thread in started:
+        thread.join(timeout=120)
+    assert len(counted) == 1, "the preparation did not run the kernel"
+    upcast.prepare("cpu", torch.float8_e5m2, torch.float16)
+    assert len(counted) == 1
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_torch_converts(monkeypatch):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("a device without float8 conversion never tries the kernel")
+    tries = []
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tries.append(grid)
+                raise RuntimeError("no C compiler for Triton's launcher")
+
+            return launch
+
+    monkeypatch.setattr(upcast, "_kernel", lambda: Unbuildable())
+    monkeypatch.setattr(upcast, "_state", {"ran": False, "failed": False})
+    stored = torch.randn(512, 512, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        first = upcast.upcast(stored, torch.bfloat16)
+    again = upcast.upcast(stored, torch.bfloat16)
+    assert len(tries) == 1
+    for widened in (first, again):
+        assert same_values(widened, stored.to(torch.bfloat16))
