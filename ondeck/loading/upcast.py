@@ -10,9 +10,10 @@ own float8 instructions in one pass over the bytes instead (2.7 TB/s there;
 device below compute capability 8.9, a non-contiguous tensor, other dtypes) it is
 ``tensor.to(dtype)``.
 
-The kernel is compiled (or loaded from Triton's cache) the first time it runs: a load of
-a stored component starts that on a thread of its own (:func:`prepare`), so the first
-forward does not wait for it. Where it cannot be built (Triton without the compiler it
+The kernel is compiled (or loaded from Triton's cache) the first time it runs for a pair
+of dtypes: a load of a stored component starts that on a thread of its own
+(:func:`prepare`), and a first forward that comes while it is under way waits for it
+rather than building a second. Where it cannot be built (Triton without the compiler it
 needs, say), a warning says so once and torch converts from then on.
 ``ONDECK_TRITON_UPCAST=0`` turns the kernel off (torch's conversion everywhere).
 """
@@ -38,33 +39,51 @@ _FLOAT8 = tuple(
     if dtype is not None
 )
 _WIDE = (torch.bfloat16, torch.float16, torch.float32)
+# What the kernel converts: every pair but float8_e5m2 to bfloat16, where Triton 3.6's
+# conversion on an H100 gave other values than torch's (tests/gpu/test_upcast.py).
+_PAIRS = {
+    (storage, compute)
+    for storage in _FLOAT8
+    for compute in _WIDE
+    if (storage, compute) != (getattr(torch, "float8_e5m2", None), torch.bfloat16)
+}
 
 _lock = threading.Lock()
+_build_lock = threading.Lock()
 _prepared: set[tuple] = set()  # (device index, storage, compute) a preparation started for
-_state = {"ran": False, "failed": False}  # the kernel has run once; it could not be built
+_built: set[tuple] = set()  # (device index, storage, compute) the kernel has run for
+_state = {"failed": False}  # the kernel could not be built
 
 
 def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor.to(dtype)``, the same values, through the Triton kernel where it applies."""
     if not _kernel_applies(tensor, dtype):
         return tensor.to(dtype)
-    kernel = _kernel()
-    if kernel is None:
-        return tensor.to(dtype)
-    out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
-    count = tensor.numel()
-    if _state["ran"]:
-        with torch.cuda.device(tensor.device):
-            kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
+    key = (tensor.device.index, tensor.dtype, dtype)
+    if key in _built:
+        out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        _launch(_kernel(), tensor, out)
         return out
-    try:
-        with torch.cuda.device(tensor.device):
-            kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
-    except Exception as error:  # Triton's compiler or launcher, not the conversion
-        _give_up(error)
-        return tensor.to(dtype)
-    _state["ran"] = True
+    # The first launch builds the kernel; one waits for a build under way (a load's
+    # preparation) rather than making its own.
+    with _build_lock:
+        kernel = None if _state["failed"] else _kernel()
+        if kernel is None:
+            return tensor.to(dtype)
+        out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+        try:
+            _launch(kernel, tensor, out)
+        except Exception as error:  # Triton's compiler or launcher, not the conversion
+            _give_up(error)
+            return tensor.to(dtype)
+        _built.add(key)
     return out
+
+
+def _launch(kernel: Callable, tensor: torch.Tensor, out: torch.Tensor) -> None:
+    count = tensor.numel()
+    with torch.cuda.device(tensor.device):
+        kernel[(triton_blocks(count),)](tensor, out, count, BLOCK=_BLOCK)
 
 
 def prepare(device: torch.device | str, storage: torch.dtype, compute: torch.dtype) -> None:
@@ -72,7 +91,7 @@ def prepare(device: torch.device | str, storage: torch.dtype, compute: torch.dty
     on ``device``, on a thread of its own, once per process and dtypes; nothing where
     the kernel would not apply."""
     device = torch.device(device)
-    if device.type != "cuda" or storage not in _FLOAT8 or compute not in _WIDE:
+    if device.type != "cuda" or (storage, compute) not in _PAIRS:
         return
     if not enabled() or _state["failed"] or not torch.cuda.is_available():
         return
@@ -119,8 +138,7 @@ def triton_blocks(count: int) -> int:
 def _kernel_applies(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return (
         tensor.is_cuda
-        and tensor.dtype in _FLOAT8
-        and dtype in _WIDE
+        and (tensor.dtype, dtype) in _PAIRS
         and tensor.numel() >= _SMALLEST
         and tensor.is_contiguous()
         and enabled()

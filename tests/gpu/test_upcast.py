@@ -64,7 +64,10 @@ def test_every_float8_value_upcasts_to_torchs_bits(counted, storage, compute):
     stored = every.repeat(rows * 7 // 256 + 1)[: rows * 7].reshape(rows, 7)
     assert stored.numel() % upcast._BLOCK
     widened = upcast.upcast(stored, compute)
-    assert counted, "the kernel did not run"
+    if (storage, compute) == (torch.float8_e5m2, torch.bfloat16):
+        assert not counted, "float8_e5m2 to bfloat16 is torch's to convert"
+    else:
+        assert counted, "the kernel did not run"
     assert widened.dtype == compute and widened.shape == stored.shape
     assert same_values(widened, stored.to(compute))
 
@@ -109,27 +112,3 @@ def test_a_stored_load_builds_the_kernel_on_a_thread_of_its_own(counted, monkeyp
     assert len(counted) == 1, "the preparation did not run the kernel"
     upcast.prepare("cpu", torch.float8_e5m2, torch.float16)
     assert len(counted) == 1
-
-
-def test_a_kernel_that_cannot_be_built_warns_once_and_torch_converts(monkeypatch):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("a device without float8 conversion never tries the kernel")
-    tries = []
-
-    class Unbuildable:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                tries.append(grid)
-                raise RuntimeError("no C compiler for Triton's launcher")
-
-            return launch
-
-    monkeypatch.setattr(upcast, "_kernel", lambda: Unbuildable())
-    monkeypatch.setattr(upcast, "_state", {"ran": False, "failed": False})
-    stored = torch.randn(512, 512, device="cuda").to(torch.float8_e4m3fn)
-    with pytest.warns(RuntimeWarning, match="could not be built"):
-        first = upcast.upcast(stored, torch.bfloat16)
-    again = upcast.upcast(stored, torch.bfloat16)
-    assert len(tries) == 1
-    for widened in (first, again):
-        assert same_values(widened, stored.to(torch.bfloat16))
