@@ -46,6 +46,13 @@ class Slab:
     stop: int
     per_rank: int  # the largest own part: the gathers' padded size
 
+    @property
+    def share(self) -> float:
+        """The part of a frame's decode this slab makes: its span over the frame's, along
+        the split side (all but the attention is per pixel, and the attention's whole
+        frame at latent size is small beside the upsampled activations)."""
+        return (self.stop - self.start) / self.length
+
 
 def decoder_margin(vae: Any) -> int | None:
     """Latent pixels a decoded pixel depends on beyond its own, after the attention;

@@ -4,6 +4,7 @@ one rank or split over several; and the frames handed to the host as diffusers'
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,7 +94,7 @@ class Decode(Stage):
             return int(measured / self.last_tiles.area)
         slab = self.last_split
         if slab is not None:
-            return int(measured * slab.length / (slab.stop - slab.start))
+            return int(measured / slab.share)
         return measured
 
     def fit_activations(self, need: int, room: int) -> int:
@@ -192,9 +193,9 @@ class Decode(Stage):
 
     def _forward_split(self, state: dict, wants_frames: bool) -> dict:
         """Under context parallelism: every rank decodes a slab of the frames when all of
-        them can (whole frames fit each, the frame is wide enough to be worth it), and
-        the video is gathered on every rank. Otherwise each rank that wants frames
-        decodes them alone. Collective: every rank agrees first."""
+        them can (its slab's share of whole frames' need fits its room, the frame is wide
+        enough to be worth it), and the video is gathered on every rank. Otherwise each
+        rank that wants frames decodes them alone. Collective: every rank agrees first."""
         latents = state["latents"]
         scale = self.geometry.scale_spatial
         margin = decoder_margin(self.vae)
@@ -207,16 +208,15 @@ class Decode(Stage):
                 distributed.world_size(),
                 margin,
             )
-        fits = slab is not None and (
-            self._planned_tiles(
-                latents.shape[-2] * scale,
-                latents.shape[-1] * scale,
-                tuple(latents.shape[2:]),
-                self._need_or_estimate(self._need(), tuple(latents.shape)),
-                self._room(),
+        fits = False
+        if slab is not None:
+            need = self._need_or_estimate(self._need(), tuple(latents.shape))
+            height, width = latents.shape[-2] * scale, latents.shape[-1] * scale
+            slab_need = None if need is None else math.ceil(need * slab.share)
+            tiles = self._planned_tiles(
+                height, width, tuple(latents.shape[2:]), slab_need, self._room()
             )
-            is None
-        )
+            fits = tiles is None
         video = None
         if all(distributed.gather_all(fits)):
             video = split_decode(self.vae, self._unscaled(latents), slab)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,35 @@ def test_a_frame_too_narrow_for_its_margins_is_not_split():
     assert (length / 2 + 14) / length <= MAX_SLAB_SHARE
     assert plan_slab(4, length, 0, 2, 14) is not None
     assert plan_slab(4, 30, 0, 2, 14) is None
+
+
+@pytest.mark.parametrize("room_share, splits", [(0.9, True), (0.3, False)])
+def test_a_rank_splits_where_its_slab_fits_though_whole_frames_do_not(
+    wan_folder, monkeypatch, room_share, splits
+):
+    """Whole frames take more than a rank's room; its slab takes its share of them."""
+    from ondeck import distributed
+    from ondeck.pipelines import wan_decode
+
+    pipe = WanTextToVideo.from_folder(
+        wan_folder, device="cpu", dtype=torch.float32, policy="release", progress=False
+    )
+    decode = pipe.stages[-1]
+    latents = torch.zeros(1, decode.vae.config.z_dim, 2, 4, 40)
+    slab = plan_slab(4, 40, 0, 2, decoder_margin(decode.vae))
+    need = 10_000
+    room = int(need * room_share)
+    assert room < need and (math.ceil(need * slab.share) <= room) == splits
+    split = []
+    kind = type(decode)
+    monkeypatch.setattr(kind, "_need", lambda self: need)
+    monkeypatch.setattr(kind, "_room", lambda self: room)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "gather_all", lambda value: [value, True])
+    monkeypatch.setattr(wan_decode, "split_decode", lambda vae, x, s: split.append(s))
+    decode._forward_split({"latents": latents, "output_type": "latent"}, wants_frames=False)
+    assert split == ([slab] if splits else [])
 
 
 def test_the_wan_decoder_margin_counts_its_convolutions():
