@@ -56,8 +56,9 @@ _state = {"failed": False}  # the kernel could not be built
 
 
 def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)``, the same values, through the Triton kernel where it applies."""
-    if not _kernel_applies(tensor, dtype):
+    """``tensor.to(dtype)``, the same values, through the Triton kernel where it applies.
+    Under ``torch.compile`` it is ``tensor.to(dtype)``, which the compiler fuses itself."""
+    if torch.compiler.is_compiling() or not _kernel_applies(tensor, dtype):
         return tensor.to(dtype)
     key = (tensor.device.index, tensor.dtype, dtype)
     if key in _built:
@@ -108,7 +109,7 @@ def prepare(device: torch.device | str, storage: torch.dtype, compute: torch.dty
 
 def _warm(index: int, storage: torch.dtype, compute: torch.dtype) -> None:
     device = torch.device("cuda", index)
-    if torch.cuda.get_device_capability(device) < (8, 9):
+    if not _converts_float8(index):
         return
     try:
         sample = torch.zeros(_SMALLEST, dtype=torch.uint8, device=device).view(storage)
@@ -143,8 +144,14 @@ def _kernel_applies(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
         and tensor.is_contiguous()
         and enabled()
         and not _state["failed"]
-        and torch.cuda.get_device_capability(tensor.device) >= (8, 9)
+        and _converts_float8(tensor.device.index)
     )
+
+
+@functools.cache
+def _converts_float8(index: int) -> bool:
+    """Whether CUDA device ``index`` has float8 conversion (compute capability 8.9 on)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def enabled() -> bool:

@@ -112,3 +112,9 @@ def test_a_stored_load_builds_the_kernel_on_a_thread_of_its_own(counted, monkeyp
     assert len(counted) == 1, "the preparation did not run the kernel"
     upcast.prepare("cpu", torch.float8_e5m2, torch.float16)
     assert len(counted) == 1
+
+
+def test_under_compile_the_upcast_is_torchs_and_the_graph_whole():
+    stored = torch.randn(512, 512, device="cuda").to(torch.float8_e4m3fn)
+    compiled = torch.compile(lambda w: upcast.upcast(w, torch.bfloat16) * 2, fullgraph=True)
+    assert same_values(compiled(stored), stored.to(torch.bfloat16) * 2)
