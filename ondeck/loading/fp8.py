@@ -259,7 +259,7 @@ def _apply_casting(
         compute,
         skip_modules_pattern=_skip_patterns(module, DEFAULT_SKIP_MODULES_PATTERN),
     )
-    _hook_kept_layers(module, storage, compute, in_place=True, kept=kept)
+    _hook_kept_layers(module, storage, compute, stores=True, kept=kept)
 
 
 def _skip_patterns(module: torch.nn.Module, defaults: Iterable[str]) -> tuple[str, ...]:
@@ -322,10 +322,10 @@ def _hook_kept_layers(
     storage: torch.dtype,
     compute: torch.dtype,
     *,
-    in_place: bool,
+    stores: bool,
     kept: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
-    """Hook the holders of ``kept_layers``: T5's ``DenseReluDense`` casts its hidden
+    """Hook the holders of ``kept_layers`` (``stores``: see ``KeptLayersCastingHook``): T5's ``DenseReluDense`` casts its hidden
     states to ``self.wo.weight.dtype`` before calling ``wo``, so ``wo`` must show the
     compute dtype for the holder's whole forward, not only its own."""
     from diffusers.hooks import HookRegistry
@@ -335,7 +335,7 @@ def _hook_kept_layers(
     for holder, children in kept.items():
         target = module.get_submodule(holder) if holder else module
         registry = HookRegistry.check_if_exists_or_initialize(target)
-        hook = _holder_hook_class()(storage, compute, children, in_place=in_place)
+        hook = _holder_hook_class()(storage, compute, children, stores=stores)
         registry.register_hook(hook, _HOLDER_HOOK_NAME)
 
 
@@ -430,7 +430,7 @@ def upcast_for_compute(
         registry = HookRegistry.check_if_exists_or_initialize(layer)
         registry.register_hook(_swapping_hook(storage, compute), _HOOK_NAME)
     if not (library == "diffusers" and hasattr(module, "enable_layerwise_casting")):
-        _hook_kept_layers(module, storage, compute, in_place=False, kept=kept)
+        _hook_kept_layers(module, storage, compute, stores=False, kept=kept)
     for name in layers:
         layer = module.get_submodule(name)
         _answer_adapter_dtype(layer, compute)
@@ -667,36 +667,29 @@ def _holder_hook_class() -> type:
     from diffusers.hooks import ModelHook
 
     class KeptLayersCastingHook(ModelHook):
-        """Upcasts stored child layers for the holder's whole forward: in place (as
-        diffusers' hook does) or, with ``in_place=False``, as copies beside the stored
-        tensors (streamed and pipelined loads, see ``upcast_for_compute``)."""
+        """Upcasts stored child layers for the holder's whole forward, as copies beside
+        the stored tensors (see ``upcast_for_compute``). ``stores``: registering the hook
+        casts the children to the storage dtype itself, as diffusers' own casting does
+        (``stored_tensors`` runs that choice on a probe to find what is stored)."""
 
         _is_stateful = False
 
-        def __init__(self, storage, compute, children: tuple[str, ...], *, in_place: bool):
+        def __init__(self, storage, compute, children: tuple[str, ...], *, stores: bool):
             super().__init__()
             self.storage_dtype, self.compute_dtype = storage, compute
-            self.children, self.in_place = children, in_place
+            self.children, self.stores = children, stores
 
         def _layers(self, module: torch.nn.Module) -> list[torch.nn.Module]:
             return [module.get_submodule(child) for child in self.children]
 
         def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-            if self.in_place:
+            if self.stores:
                 for layer in self._layers(module):
                     layer.to(dtype=self.storage_dtype)
             return module
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             layers = self._layers(module)
-            if self.in_place:
-                for layer in layers:
-                    layer.to(dtype=self.compute_dtype)
-                try:
-                    return self.fn_ref.original_forward(*args, **kwargs)
-                finally:
-                    for layer in layers:
-                        layer.to(dtype=self.storage_dtype)
             stored: list = []
             try:
                 _swap_in(layers, self.storage_dtype, self.compute_dtype, stored)

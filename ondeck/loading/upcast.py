@@ -119,10 +119,8 @@ def _warm(index: int, storage: torch.dtype, compute: torch.dtype) -> None:
 
 
 def _give_up(error: Exception) -> None:
-    with _lock:
-        if _state["failed"]:
-            return
-        _state["failed"] = True
+    """Called under ``_build_lock``, by the first build that failed."""
+    _state["failed"] = True
     warnings.warn(
         f"ondeck: the Triton kernel that upcasts float8 weights could not be built "
         f"({type(error).__name__}: {error}); torch's conversion is used instead, slower. "

@@ -17,7 +17,8 @@ FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def kernel_runs() -> bool:
-    return torch.cuda.get_device_capability() >= (8, 9) and upcast._kernel() is not None
+    index = torch.cuda.current_device()
+    return upcast._converts_float8(index) and upcast._kernel() is not None
 
 
 def builders() -> list:
