@@ -53,7 +53,7 @@ NAMED = {
 
 
 def card_label(card: str) -> str:
-    return "full H200" if card == "full" else f"{card} GiB"
+    return "full card" if card == "full" else f"{card} GiB"
 
 
 def chosen_policy(row: dict) -> str:
