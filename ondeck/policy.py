@@ -18,15 +18,14 @@ from .errors import BudgetError
 from .memory import format_bytes, parse_bytes
 from .planning import (
     Plan,
-    budget_step,
     build_plan,
     bytes_loaded_per_run,
-    choose_evictions,
     planning_budget,
     release_residency,
 )
 from .profiles import profiles_path
 from .snapshot import NOTHING, Snapshot, Steps
+from .stage_steps import budget_step, choose_evictions
 from .streaming import BlockStreaming, StreamingInputs, StreamOptions
 
 __all__ = ["Policy", "EagerPolicy", "ReleasePolicy", "BudgetPolicy", "Steps", "make_policy"]

@@ -142,6 +142,7 @@ FLOORS: dict[str, int] = {
     "ondeck.parallel": 2,
     # 3: pure plans and decisions, and the one executor that acts on them
     "ondeck.planning": 3,
+    "ondeck.stage_steps": 3,
     "ondeck.snapshot": 3,
     "ondeck.policy": 3,
     "ondeck.executor": 3,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import ondeck
-from ondeck.planning import StageUse, budget_step, release_schedule, simulate
+from ondeck.planning import StageUse, release_schedule, simulate
+from ondeck.stage_steps import budget_step
 
 from .helpers import CountingLoader, ProfiledThreeStages, ThreeStages, state, use_profiles
 
