@@ -16,7 +16,8 @@ Wan 2.1 14B-shaped (``WanPipeline.save_pretrained``'s folder, random weights), 4
 Prints, last, a table: completed or not, the policy auto chose, runs 2+ (the median of
 run 2 and later; runs 2-3 by default) / eager, run 1 / eager's run 1, runs 2+ / the
 floor (``floor_ratio``), runs 2+ / the floor counting the resident parts loaded again
-each run too (``all_bytes_floor_ratio``, "/all"), peak reserved (sampled), host peak
+each run too (``all_bytes_floor_ratio``, "/all"), the garbage collector's full passes in
+runs 2+ (``collector_seconds``, "gc 2+"), peak reserved (sampled), host peak
 RSS, how the last run decoded and the plan's transfer floor per pass where blocks stream
 (bytes streamed over the measured host-to-device rate). Writes families.json to $OUT.
 Each process keeps activation profiles in a fresh folder, so its run 1 is a first-ever
@@ -153,6 +154,16 @@ def all_bytes_floor_ratio(row: dict, eager: dict | None) -> str:
         )
         ratios.append(run["seconds"] / (later_seconds(eager) + extra))
     return f"{median(ratios):.3f}"
+
+
+def collector_seconds(row: dict) -> str:
+    """Seconds of the garbage collector's full passes in runs 2+ (each a scan of every
+    object the process holds, 0.2-0.4 s where one lands): where a run's time went that
+    is neither the device's nor ondeck's loads."""
+    runs = (row.get("runs") or [])[1:]
+    if not runs or any("gc" not in run for run in runs):
+        return "-"
+    return f"{sum(run['gc'].get('full_seconds', 0.0) for run in runs):.2f}"
 
 
 def decoded(row: dict) -> str:
@@ -782,7 +793,7 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'families.json'}")
     print(
         f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2+':>8} {'/eager':>7} "
-        f"{'last/eager':>10} {'run 1/eager 1':>13} {'/floor':>7} {'/all':>6} {'reserved':>9} "
+        f"{'last/eager':>10} {'run 1/eager 1':>13} {'/floor':>7} {'/all':>6} {'gc 2+':>6} {'reserved':>9} "
         f"{'RSS':>7} "
         f"{'decode':<18} transfer floor"
     )
@@ -800,6 +811,7 @@ def main() -> None:
             f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {last:>10} {first:>13} "
             f"{floor_ratio(row, eager) if row is not eager else '-':>7} "
             f"{all_bytes_floor_ratio(row, eager) if row is not eager else '-':>6} "
+            f"{collector_seconds(row):>6} "
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>6.1f}G "
             f"{decoded(row):<18} {transfer_floor(row)}"
         )

@@ -61,3 +61,11 @@ def test_rows_whose_eager_runs_kept_no_stages_have_no_floors(families):
     }
     assert families.floor_ratio(ondeck, eager) == "-"
     assert families.all_bytes_floor_ratio(ondeck, eager) == "-"
+
+
+def test_the_collectors_full_passes_after_run_1_are_summed(families):
+    passes = [{"full_seconds": 0.9}, {"full_seconds": 0.32}, {"full_seconds": 0.0}]
+    row = {"runs": [{"seconds": 2.0, "gc": gc} for gc in passes]}
+    assert families.collector_seconds(row) == "0.32"  # run 1's pass is not counted
+    del row["runs"][2]["gc"]  # a run that did not record it: nothing to say
+    assert families.collector_seconds(row) == "-"
