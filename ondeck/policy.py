@@ -2,8 +2,8 @@
 
 A policy decides from a ``Snapshot`` of the pipeline and answers with ``Steps``; the
 executor (``executor.py``) carries them out. Decisions about budgets come from the
-pure functions in ``planning.py``, the same ones the plan simulates, so the plan predicts
-what the run does.
+pure functions in ``stage_steps.py``, the same ones ``planning.py`` simulates, so the plan
+predicts what the run does.
 """
 
 from __future__ import annotations

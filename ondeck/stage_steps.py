@@ -47,6 +47,7 @@ def next_use_distance(component: str, uses: Sequence[StageUse], index: int) -> f
 
 
 def total_bytes(names: Iterable[str], nbytes: Mapping[str, int]) -> int:
+    """The bytes of ``names``, each counted once."""
     return sum(nbytes[name] for name in set(names))
 
 
