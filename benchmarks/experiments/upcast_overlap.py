@@ -60,11 +60,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out.transpose(1, 2).reshape(q.shape[0], DIM)
 
 
+def torch_cast(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to(torch.bfloat16)
+
+
+def kernel_cast(weight: torch.Tensor) -> torch.Tensor:
+    return upcast(weight, torch.bfloat16)
+
+
 class Upcaster:
     """Gives each layer's weight in bf16: cast now, or (``ahead``) the one cast while the
     layer before computed."""
 
-    def __init__(self, ahead: bool, cast=lambda w: w.to(torch.bfloat16)):
+    def __init__(self, ahead: bool, cast=torch_cast):
         self.ahead, self.cast = ahead, cast
         self.side = torch.cuda.Stream()
         self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
@@ -112,8 +120,8 @@ def run_arm(arm: str, blocks: dict[str, list[list[torch.Tensor]]], passes: int) 
             return block[index]
     else:
         chosen = blocks["fp8"]
-        cast = (lambda w: upcast(w, torch.bfloat16)) if arm == "fp8-kernel" else None
-        weight = Upcaster(ahead=arm == "fp8-ahead", **({"cast": cast} if cast else {})).weight
+        cast = kernel_cast if arm == "fp8-kernel" else torch_cast
+        weight = Upcaster(ahead=arm == "fp8-ahead", cast=cast).weight
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(passes):
@@ -174,7 +182,7 @@ def cast_rates(fp8: list[list[torch.Tensor]], repeats: int) -> dict[str, float]:
     of the blocks, by torch and by the kernel; the two give the same bits (checked)."""
     weights = [w for block in fp8 for w in block]
     moved = sum(w.numel() * 3 for w in weights)
-    casts = {"torch": lambda w: w.to(torch.bfloat16), "kernel": lambda w: upcast(w, torch.bfloat16)}
+    casts = {"torch": torch_cast, "kernel": kernel_cast}
     for w in weights[:2]:
         if not torch.equal(
             casts["torch"](w).view(torch.int16), casts["kernel"](w).view(torch.int16)

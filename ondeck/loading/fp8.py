@@ -236,15 +236,10 @@ def stored_tensors(
 
 
 def _apply_casting(
-    module: torch.nn.Module,
-    library: str,
-    storage: torch.dtype,
-    compute: torch.dtype,
-    kept: Mapping[str, tuple[str, ...]] | None = None,
+    module: torch.nn.Module, library: str, storage: torch.dtype, compute: torch.dtype
 ) -> None:
     """diffusers' layerwise casting, chosen as diffusers chooses it for its own models;
-    for other models, also the layers they keep in float32 (``_hook_kept_layers``;
-    ``kept``: their ``kept_layers``, when already known)."""
+    for other models, also the layers they keep in float32 (``_hook_kept_layers``)."""
     if library == "diffusers" and hasattr(module, "enable_layerwise_casting"):
         module.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
         return
@@ -259,7 +254,7 @@ def _apply_casting(
         compute,
         skip_modules_pattern=_skip_patterns(module, DEFAULT_SKIP_MODULES_PATTERN),
     )
-    _hook_kept_layers(module, storage, compute, stores=True, kept=kept)
+    _hook_kept_layers(module, storage, compute, stores=True)
 
 
 def _skip_patterns(module: torch.nn.Module, defaults: Iterable[str]) -> tuple[str, ...]:
@@ -325,9 +320,10 @@ def _hook_kept_layers(
     stores: bool,
     kept: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
-    """Hook the holders of ``kept_layers`` (``stores``: see ``KeptLayersCastingHook``): T5's ``DenseReluDense`` casts its hidden
-    states to ``self.wo.weight.dtype`` before calling ``wo``, so ``wo`` must show the
-    compute dtype for the holder's whole forward, not only its own."""
+    """Hook the holders of ``kept_layers`` (``stores``: see ``KeptLayersCastingHook``):
+    T5's ``DenseReluDense`` casts its hidden states to ``self.wo.weight.dtype`` before
+    calling ``wo``, so ``wo`` must show the compute dtype for the holder's whole forward,
+    not only its own."""
     from diffusers.hooks import HookRegistry
 
     if kept is None:
