@@ -160,13 +160,24 @@ class _Api:
             )
         if model.kind != kind:
             route = "/v1/images/generations" if model.kind == "image" else "/v1/videos"
+            article = "an" if model.kind == "image" else "a"
             raise JobFailed(
-                400, "invalid_value", f"{name!r} is an {model.kind} model; use {route}", "model"
+                400,
+                "invalid_value",
+                f"{name!r} is {article} {model.kind} model; use {route}",
+                "model",
             )
         return model
 
     def job_from(self, body: ImageRequest | VideoRequest, kind: str) -> Job:
         model = self.served_model(body.model, kind)
+        if kind == "image" and model.needs_image:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"{body.model!r} needs an input image, which this route takes none of",
+                "model",
+            )
         if (
             len(body.prompt) > self.limits.prompt_chars
             or len(body.negative_prompt) > self.limits.prompt_chars
@@ -222,7 +233,9 @@ class _Api:
                     400, "invalid_value", f"frames must be at most {self.limits.frames}", "frames"
                 )
             job.frames = self.server.frames_for(model, body.seconds, body.frames)
-            job.seconds = body.seconds or seconds_of(job.frames, model.fps)
+            # The length of the video it makes, not the request's words: the frames asked
+            # for, or the seconds fitted to the frame counts the model takes.
+            job.seconds = seconds_of(job.frames, model.fps)
         self.server.check_shape(model, job)
         return job
 
@@ -262,10 +275,14 @@ class _Api:
         summary["files"] = sorted(job.files)
         return summary
 
-    def find_job(self, video_id: str) -> Job:
-        job = self.server.queue.get(video_id)
-        if job is None:
-            raise JobFailed(404, "video_not_found", f"no job {video_id!r} here", "video_id")
+    def find_job(self, job_id: str, kind: str | None = None) -> Job:
+        """The job ``job_id``; with ``kind``, only a job of that kind (the videos API's
+        routes find no image job)."""
+        job = self.server.queue.get(job_id)
+        if job is None or (kind is not None and job.kind != kind):
+            what = f"{kind} job" if kind else "job"
+            param = f"{kind}_id" if kind else "job_id"
+            raise JobFailed(404, f"{kind or 'job'}_not_found", f"no {what} {job_id!r} here", param)
         return job
 
     def content_of(self, job: Job, role: str, media_type: str) -> Any:
@@ -279,7 +296,9 @@ class _Api:
                 f"the job is {job.status} ({job.progress}%); its {role} is not ready",
             )
         path = job.files.get(role)
-        if path is None or not Path(path).is_file():
+        if path is None:
+            raise JobFailed(404, "no_content", f"the job {job.id!r} made no {role}")
+        if not Path(path).is_file():
             raise JobFailed(
                 404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
             )
@@ -360,6 +379,10 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
             if await request.is_disconnected():
                 job.cancel("abandoned by its client")
                 return Response(status_code=499)
+            if server.grace_over.is_set():  # stopped, at its next step: answered now
+                return failure_response(
+                    JobFailed(503, "server_shutdown", "the server shut down before the job ended")
+                )
             await asyncio.sleep(0.05)
         if job.error is not None:
             return failure_response(job.error)
@@ -393,12 +416,20 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
     async def create_video(request: Request) -> dict:
         data, image = await _video_fields(request, limits)
         body = VideoRequest.model_validate(data)
+        model = api.served_model(body.model, "video")
+        if image is not None and not model.takes_image:
+            raise JobFailed(
+                400, "invalid_value", f"{body.model!r} takes no input image", "input_reference"
+            )
+        if image is None and model.needs_image:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"{body.model!r} makes a video from an image: give it as input_reference",
+                "input_reference",
+            )
         job = job_from(body, "video")
         if image is not None:
-            if not server.models[body.model].takes_image:
-                raise JobFailed(
-                    400, "invalid_value", f"{body.model!r} takes no input image", "input_reference"
-                )
             job.input_image = _open_image(image, limits)
         return video_object(submit(job))
 
@@ -415,20 +446,20 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(video_id: str) -> JSONResponse:
-        job = find_job(video_id)
+        job = find_job(video_id, "video")
         # openai-python's poll() waits this long between its reads.
         return JSONResponse(video_object(job), headers={"openai-poll-after-ms": "200"})
 
     @app.get("/v1/videos/{video_id}/content")
     async def video_content(video_id: str, variant: str = "video") -> Any:
-        job = find_job(video_id)
+        job = find_job(video_id, "video")
         if variant != "video":
             raise JobFailed(400, "invalid_value", "only the video variant is served", "variant")
         return content_of(job, "video", "video/mp4")
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> dict:
-        job = find_job(video_id)
+        job = find_job(video_id, "video")
         if not job.cancel("cancelled"):  # over already: it and its files go
             server.queue.remove(job.id)
             server.outputs.remove(job.id)

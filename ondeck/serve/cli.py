@@ -306,6 +306,10 @@ def serve(args: argparse.Namespace) -> int:
             server.begin_shutdown()
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)  # exits where the address is taken
+            print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
+
     uv = Uvicorn(
         uvicorn.Config(
             app,
@@ -323,7 +327,6 @@ def serve(args: argparse.Namespace) -> int:
     previous = {
         s: signal.signal(s, lambda number, _: received.append(number)) for s in STOP_SIGNALS
     }
-    print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
     try:
         uv.run()
     finally:

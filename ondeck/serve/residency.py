@@ -37,6 +37,7 @@ class ServedModel:
     fps: float = 0.0
     fps_from: str = ""
     takes_image: bool = False  # an input image (image-to-video, image edits)
+    needs_image: bool = False  # a call without one fails (image-to-video)
     image_argument: str = "image"  # the call's name for it (a ControlNet's control_image)
     # What a job asks where its request names none: the pipeline's own size, frames and
     # steps (``cli.shape.own_shape``; None where the call computes one it cannot tell).

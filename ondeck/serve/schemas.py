@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..arguments import MAX_SEED
 
-SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")  # ASCII digits: \d takes any script's
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -36,7 +36,7 @@ class _Request(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     negative_prompt: str = ""
-    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -139,6 +139,10 @@ class Server:
         self._writing: set[str] = set()
         self._drawing = threading.Lock()
         self._grace_timer: threading.Timer | None = None
+        # Set when the running job's grace is over: a caller waiting on it is answered
+        # then, not when the job reaches its next step (which may come after the HTTP
+        # server has stopped waiting for its answer).
+        self.grace_over = threading.Event()
         self.last_report: dict[str, Any] | None = None
         self.last_job_id: str | None = None
         self.jobs_run = 0
@@ -175,6 +179,7 @@ class Server:
             fps=media.fps,
             fps_from=media.fps_from,
             takes_image=media.takes_image,
+            needs_image=media.needs_image,
             image_argument=media.image_argument or "image",
             own_shape=EMBEDDED_SHAPE
             if name == self.config.embedded
@@ -195,10 +200,13 @@ class Server:
             return
         self.queue.close()
         current = self.queue.current
-        self._grace_timer = threading.Timer(
-            self.config.shutdown_grace_seconds,
-            lambda: current.cancel("stopped by shutdown") if current is not None else None,
-        )
+
+        def grace_over() -> None:
+            if current is not None:
+                current.cancel("stopped by shutdown")
+            self.grace_over.set()
+
+        self._grace_timer = threading.Timer(self.config.shutdown_grace_seconds, grace_over)
         self._grace_timer.daemon = True
         self._grace_timer.start()
 
