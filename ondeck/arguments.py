@@ -151,6 +151,10 @@ def check_generate_arguments(
         names = {"height": "height", "width": "width", "frames": "num_frames"}
         for side, value, why in beyond(height, width, num_frames):
             raise ArgumentError(names[side], f"{value} is too large for this model: {why}")
+    for name, value in (("height", height), ("width", width)):
+        most = _embedded_positions_side(pipeline)
+        if most is not None and value is not None and value > most[0]:
+            raise ArgumentError(name, f"{value} is too large for this model: {most[1]}")
 
 
 def _whole(name: str, value: Any, low: int, high: int) -> None:
@@ -205,6 +209,27 @@ def _diffusers_rule(pipe: Any) -> ShapeRule:
             temporal = None
     step = spatial * patch
     return ShapeRule(step, step, temporal if temporal and temporal > 1 else None, takes_frames)
+
+
+def _embedded_positions_side(pipeline: Any) -> tuple[int, str] | None:
+    """The longest side in pixels an SD3-style transformer has learned positions for
+    (its ``pos_embed_max_size`` patches a side), and why; None where there is no such
+    limit. diffusers' forward would refuse a longer side once every component loaded."""
+    pipe = getattr(pipeline, "pipe", pipeline)
+    model = getattr(pipe, "transformer", None)
+    config = getattr(model, "config", None)
+    positions = getattr(config, "pos_embed_max_size", None) if config is not None else None
+    # AuraFlow's pos_embed_max_size counts a whole grid's positions, not a side's.
+    class_name = str(getattr(config, "_class_name", "") or type(model).__name__)
+    spatial = _first_int(pipe, ("vae_scale_factor",))
+    if not isinstance(positions, int) or not class_name.startswith("SD3") or spatial is None:
+        return None
+    patch = _transformer_patch(pipe)
+    most = positions * patch * spatial
+    return most, (
+        f"more than the transformer's {positions} positions a side (its pos_embed_max_size) "
+        f"of {patch * spatial}-pixel patches; at most {most}"
+    )
 
 
 def _first_int(pipe: Any, names: tuple[str, ...]) -> int | None:

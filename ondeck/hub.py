@@ -20,6 +20,15 @@ def looks_like_repo_id(source: str | os.PathLike) -> bool:
     return bool(_REPO_ID.fullmatch(text)) and ".." not in text and not text.endswith(".")
 
 
+def model_label(source: str | os.PathLike) -> str:
+    """What a model is called in plans and titles: a folder's name, or a repo id as typed
+    (its cached snapshot's folder is a commit hash)."""
+    text = os.fspath(source).rstrip("/") or os.fspath(source)
+    if not Path(text).expanduser().is_dir() and looks_like_repo_id(text):
+        return text
+    return Path(text).expanduser().name or text
+
+
 def resolve_model(source: str | os.PathLike) -> Path:
     """The local folder for ``source``: itself when it is a folder, else a Hub snapshot.
 

@@ -307,7 +307,8 @@ def remove_earlier_results(
     if video:
         stale.append(folder / "video.mp4")
     for path in stale:
-        if path.name not in keep:
+        # A folder of such a name is not a result (nothing here writes one): it stays.
+        if path.name not in keep and not path.is_dir():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

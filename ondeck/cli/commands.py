@@ -13,7 +13,7 @@ from .. import distributed, folder_pipelines
 from .. import embedded as embedded_module
 from ..arguments import ArgumentError, check_generate_arguments
 from ..errors import OndeckError
-from ..hub import resolve_model
+from ..hub import model_label, resolve_model
 from ..lazy import loader_of
 from ..loading import (
     FolderLoader,
@@ -121,6 +121,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
     shard = shard_names(args)
     parallel = _parallel(args)
     check_shard_names(shard, path, tuple(getattr(args, "library", None) or ()))
+    check_weight_names(args, path, tuple(getattr(args, "library", None) or ()))
     pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
@@ -153,6 +154,40 @@ def check_shard_names(shard: tuple[str, ...], path: Path, libraries: tuple[str, 
         raise UsageError(
             f"--shard: cannot shard {unknown}; {path.name}'s models are {', '.join(models)}"
         )
+
+
+def check_weight_names(args: argparse.Namespace, path: Path, libraries: tuple[str, ...]) -> None:
+    """Each name of ``--weights NAME=...`` and ``--component NAME=FILE`` one of the
+    folder's models, from model_index.json alone: a scheduler or a typo is the flag's
+    error, not a failed load."""
+    weights = getattr(args, "weights", None)
+    named = [
+        ("--weights", sorted(weights) if isinstance(weights, dict) else []),
+        ("--component", [name for name, _ in getattr(args, "component", None) or ()]),
+    ]
+    if not any(names for _, names in named):
+        return
+    folder = ModelFolder.open(path, libraries=libraries)
+    models = shardable_models(folder)
+    for flag, names in named:
+        wrong = [name for name in names if name not in models and _resolves(folder, name)]
+        if wrong:
+            raise UsageError(
+                f"argument {flag}: {', '.join(wrong)} is not a model of {path.name} "
+                f"(its models: {', '.join(models) or 'none'})"
+            )
+
+
+def _resolves(folder: Any, name: str) -> bool:
+    """Whether model_index.json names ``name`` with a class that resolves, or not at all;
+    a listed class that does not resolve is the loader's to explain."""
+    if name not in folder.component_names:
+        return True
+    try:
+        folder.component_class(name)
+    except OndeckError:
+        return False
+    return True
 
 
 def shard_names(args: argparse.Namespace) -> tuple[str, ...]:
@@ -232,6 +267,11 @@ def call_extra(args: argparse.Namespace, media: Media, image: Any) -> dict[str, 
     extra = {} if image is None else {media.image_argument or "image": image}
     if args.images is not None and media.takes_count:
         extra["num_images_per_prompt"] = args.images
+    if media.takes_max_area and (args.height is not None or args.width is not None):
+        # The size asked for, not a megapixel of the input image's shape.
+        shape = call_shape(args, media)
+        if shape.height is not None and shape.width is not None:
+            extra["max_area"] = shape.height * shape.width
     return extra
 
 
@@ -291,12 +331,15 @@ def _plan_set(args: argparse.Namespace) -> int:
     """Several models under one budget, as the server's residency manager plans them."""
     if args.budget is None:
         raise UsageError("argument --budget: a plan for several models needs their one budget")
+    sources = [os.fspath(source) for source in (args.model_dir, *args.more_models)]
+    names = [model_label(source) for source in sources]
+    if len(set(names)) < len(names):  # two folders of one name: each as typed
+        names = [source.rstrip("/") or source for source in sources]
+    if len(set(names)) < len(names):
+        raise UsageError("a model is named twice: plan each once")
     models: dict[str, ServedModel] = {}
-    for source in (args.model_dir, *args.more_models):
+    for name, source in zip(names, sources, strict=True):
         path = resolve_model(source)
-        name = path.name
-        if name in models:
-            raise UsageError(f"two models named {name!r}: plan folders of different names")
         pipeline = build_pipeline(args, path)
         models[name] = ServedModel(name, str(path), pipeline, pipeline.policy, kind="")
     result = plan_models(models, args.budget)

@@ -21,6 +21,7 @@ from typing import Any
 # where tests replace them.
 from .. import distributed, output
 from ..arguments import MAX_BATCH
+from ..hub import model_label
 from ..memory import format_bytes, freeze_what_lives
 from ..output import OutputError, atomic_path, check_writable_folder, write_frames, write_json
 from ..parallel import describe_split
@@ -42,6 +43,8 @@ def generate(args: argparse.Namespace) -> int:
     main = distributed.is_main()
     if main:  # before any work: a run that cannot write its result is not started
         images = min(args.images or 1, MAX_BATCH)  # a count past it is refused later
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"argument --output: {out} is a file; give a folder")
         check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(images)))
     holding = output.holding_folder(out) if main else contextlib.nullcontext()
     with holding:
@@ -119,7 +122,8 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     if joined:
         _print_ranks(report["ranks"])
     fps = args.fps or media.fps
-    title = f"ondeck {pipe.policy.name}: {path.name}"
+    shown = path.name if args.model_dir is None else model_label(args.model_dir)
+    title = f"ondeck {pipe.policy.name}: {shown}"
     code = write_results(out, report, pipe, frames, media, fps, title=title, bad_stage=bad_stage)
     if embedded and code == 0:
         print(
@@ -207,19 +211,23 @@ def write_results(
         raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
     (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
     output.remove_earlier_results(out, results)  # an image beside this video, or the reverse
-    _record_outcome(report_path, report, {"files": [path.name for path in results]})
+    if not _record_outcome(report_path, report, {"files": [path.name for path in results]}):
+        written.remove(report_path)  # the first one stays, listing no files: not this run's
     print(f"ondeck: wrote {_shown([*results, *written])}")
     return 0
 
 
-def _record_outcome(path: Path, report: dict, outcome: dict) -> None:
-    """report.json again, its ``output`` saying what became of the results. Where that
-    write fails, the first report.json stays (it lists no files) and a warning says so."""
+def _record_outcome(path: Path, report: dict, outcome: dict) -> bool:
+    """report.json again, its ``output`` saying what became of the results; whether it
+    was written. Where that write fails, the first report.json stays (it lists no files)
+    and a warning says so."""
     report.setdefault("output", {}).update(outcome)
     try:
         write_json(path, report)
     except OutputError as error:
         warnings.warn(f"{error}; it does not say what was written", RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _shown(paths: list[Path]) -> str:

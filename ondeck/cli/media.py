@@ -44,6 +44,9 @@ class Media:
     default_height: int | None = None
     default_width: int | None = None
     default_steps: int | None = None
+    # The call caps the output's area and sets its size from it (Flux Kontext's
+    # ``max_area``, a megapixel by default, which overrides a size asked for).
+    takes_max_area: bool = False
 
 
 def media_of(path: Path) -> Media:
@@ -81,7 +84,7 @@ def media_of(path: Path) -> Media:
         name, video, fps, source, takes_image, needs, count,
         _whole_default(parameters, frames_argument), frames_argument, image_argument,
         _whole_default(parameters, "height"), _whole_default(parameters, "width"),
-        _whole_default(parameters, "num_inference_steps"),
+        _whole_default(parameters, "num_inference_steps"), "max_area" in parameters,
     )  # fmt: skip
 
 
@@ -196,9 +199,9 @@ def read_input_image(path_text: str) -> Any:
     """The ``--image`` file as an RGB PIL image, or one line saying why not."""
     from PIL import Image, ImageOps
 
-    path = Path(path_text)
+    path = Path(path_text).expanduser()  # `--image=~/cat.png`: the shell leaves ~ alone
     if not path.is_file():
-        raise UsageError(f"argument --image: {path} is not a file")
+        raise UsageError(f"argument --image: {path_text} is not a file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -115,8 +115,10 @@ def test_an_output_that_is_a_file_is_refused_before_generating(capsys, nothing_m
     existing = tmp_path / "results"
     existing.write_text("keep me")
     code, _, err = run(capsys, "generate", "--output", existing)
-    assert code == 1
-    assert error_lines(err) == [f"ondeck: error: {existing} exists and is not a folder"]
+    assert code == 2  # a wrong argument
+    assert error_lines(err) == [
+        f"ondeck: error: argument --output: {existing} is a file; give a folder"
+    ]
     assert existing.read_text() == "keep me"
 
 

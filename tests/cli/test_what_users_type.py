@@ -1,0 +1,134 @@
+"""Paths and names as users type them: ``--image=~/cat.png`` (the shell leaves that ~
+alone), two models of one folder name in one plan, a repo id named as typed, a folder
+where an earlier run's image would be, and a size asked of Flux Kontext, whose call
+would otherwise make a megapixel."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ondeck.cli.commands import call_extra
+from ondeck.cli.media import media_of, read_input_image
+from ondeck.hub import model_label
+from ondeck.output import remove_earlier_results
+
+from .helpers import run
+
+
+def test_an_input_image_path_with_a_tilde_is_the_home_folders(input_image, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(input_image.parent))
+    image = read_input_image(f"~/{input_image.name}")
+    assert image.size == (16, 16)
+
+
+def test_a_folder_named_as_an_earlier_image_is_left_and_the_earlier_images_go(tmp_path):
+    (tmp_path / "image-5.png").mkdir()
+    (tmp_path / "image-3.png").write_bytes(b"an earlier run's")
+    written = [tmp_path / "image-1.png", tmp_path / "image-2.png"]
+    for path in written:
+        path.write_bytes(b"this run's")
+    remove_earlier_results(tmp_path, written)
+    assert (tmp_path / "image-5.png").is_dir()
+    assert not (tmp_path / "image-3.png").exists()
+    assert all(path.is_file() for path in written)
+
+
+def test_a_model_is_labelled_by_its_folders_name_or_its_repo_id_as_typed(tmp_path):
+    (tmp_path / "flux").mkdir()
+    assert model_label(tmp_path / "flux") == "flux"
+    assert model_label(f"{tmp_path / 'flux'}/") == "flux"
+    assert model_label("black-forest-labs/FLUX.1-dev") == "black-forest-labs/FLUX.1-dev"
+
+
+def test_a_plan_of_two_folders_of_one_name_names_each_as_typed(
+    family, tmp_path, capsys, monkeypatch
+):
+    for parent, name in (("one", "flux"), ("two", "sd3")):
+        (tmp_path / parent).mkdir()
+        (tmp_path / parent / "model").symlink_to(family(name), target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(
+        capsys, "plan", "one/model", "two/model/", "--device", "cpu", "--budget", "1GiB"
+    )
+    assert code == 0, err
+    assert "one/model" in out and "two/model" in out
+    code, _, err = run(
+        capsys, "plan", "one/model", "one/model", "--device", "cpu", "--budget", "1GiB"
+    )
+    assert code == 2 and "named twice" in err
+
+
+def test_a_size_asked_of_flux_kontext_is_its_output_area(family):
+    media = media_of(family("flux_kontext"))
+    assert media.takes_max_area
+    args = argparse.Namespace(height=64, width=96, frames=None, steps=2, images=None)
+    assert call_extra(args, media, image=None)["max_area"] == 64 * 96
+    args = argparse.Namespace(height=None, width=None, frames=None, steps=2, images=None)
+    assert "max_area" not in call_extra(args, media, image=None)  # the pipeline's own
+
+
+def test_a_side_past_sd3s_learned_positions_is_refused_before_anything_loads(family, capsys):
+    folder = family("sd3")
+    transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    most = (
+        transformer["pos_embed_max_size"]
+        * transformer["patch_size"]
+        * 2 ** (len(vae["block_out_channels"]) - 1)
+    )
+    step = transformer["patch_size"] * 2 ** (len(vae["block_out_channels"]) - 1)
+    width = most + step
+    code, out, err = run(
+        capsys, "generate", folder, "--prompt", "a fox", "--width", width, "--height", step,
+        "--device", "cpu", "--steps", "2", "--output", folder.parent / "sd3-wide",
+    )  # fmt: skip
+    assert code == 2, err
+    assert "pos_embed_max_size" in err and f"at most {most}" in err
+    assert not (folder.parent / "sd3-wide" / "report.json").exists()  # refused before a run
+
+
+def test_a_report_whose_last_write_fails_is_not_said_to_be_written(
+    family, tmp_path, capsys, monkeypatch
+):
+    import ondeck.cli.generate as generate
+    from ondeck.output import OutputError
+
+    writes = []
+
+    def write_json(path, value):
+        writes.append(path)
+        if len(writes) > 1:  # the report's second write, with the files: the disk is full
+            raise OutputError(f"could not write {path}: No space left on device")
+        return real(path, value)
+
+    real = generate.write_json
+    monkeypatch.setattr(generate, "write_json", write_json)
+    out = tmp_path / "out"
+    code, stdout, err = run(
+        capsys, "generate", family("flux"), "--device", "cpu", "--steps", "2",
+        "--height", "8", "--width", "8", "--output", out,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "does not say what was written" in err
+    wrote = next(line for line in stdout.splitlines() if line.startswith("ondeck: wrote"))
+    assert str(out / "image.png") in wrote and "report.json" not in wrote
+    assert "files" not in json.loads((out / "report.json").read_text())["output"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--weights", "bogus=fp8"), ("--weights", "scheduler=fp8"), ("--component", "scheduler=x")],
+)
+def test_a_weights_flag_naming_no_model_is_the_flags_error(family, tmp_path, capsys, flag, value):
+    (tmp_path / "x").write_bytes(b"")
+    code, _, err = run(
+        capsys, "generate", family("flux"), "--device", "cpu", "--steps", "2",
+        "--height", "8", "--width", "8", flag, value.replace("=x", f"={tmp_path / 'x'}"),
+        "--output", tmp_path / "out",
+    )  # fmt: skip
+    assert code == 2, err
+    assert f"argument {flag}: {value.split('=')[0]} is not a model" in err
+    assert "transformer" in err  # the models it has
