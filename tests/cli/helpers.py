@@ -8,6 +8,8 @@ from ondeck.cli import main
 
 # Small enough that a whole `generate` on the tiny preset takes a second or two.
 FAST = ["--device", "cpu", "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+# The same for an image pipeline of the breadth families (tiny Flux and SD3).
+IMAGE_ARGS = ["--device", "cpu", "--steps", "2", "--height", "8", "--width", "8"]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from .helpers import FAST, error_lines, listing, run
+from .helpers import FAST, IMAGE_ARGS, error_lines, listing, run
 
 CPU = ["--device", "cpu", "--steps", "2"]
 SQUARE = [*CPU, "--height", "32", "--width", "32"]
@@ -161,10 +161,7 @@ def test_transformer_and_component_transformer_together_are_refused(capsys, tiny
 
 def test_a_video_run_after_an_image_run_leaves_no_image_of_it(capsys, family, tiny_model, tmp_path):
     out = tmp_path / "out"
-    code, _, err = run(
-        capsys, "generate", family("flux"), "--device", "cpu", "--steps", "2",
-        "--height", "8", "--width", "8", "--output", out,
-    )  # fmt: skip
+    code, _, err = run(capsys, "generate", family("flux"), *IMAGE_ARGS, "--output", out)
     assert code == 0, err
     code, _, err = run(capsys, "generate", tiny_model, *FAST, "--output", out)
     assert code == 0, err

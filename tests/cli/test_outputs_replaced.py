@@ -20,9 +20,7 @@ from integrations.breadth_pipelines import ALL_FAMILIES
 
 from ondeck import output
 
-from .helpers import FAST, error_lines, listing, run
-
-IMAGE_ARGS = ["--device", "cpu", "--steps", "2", "--height", "8", "--width", "8"]
+from .helpers import FAST, IMAGE_ARGS, error_lines, listing, run
 
 
 @pytest.fixture(scope="module")

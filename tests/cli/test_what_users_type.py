@@ -15,7 +15,7 @@ from ondeck.cli.media import media_of, read_input_image
 from ondeck.hub import model_label
 from ondeck.output import remove_earlier_results
 
-from .helpers import run
+from .helpers import IMAGE_ARGS, run
 
 
 def test_an_input_image_path_with_a_tilde_is_the_home_folders(input_image, tmp_path, monkeypatch):
@@ -107,10 +107,7 @@ def test_a_report_whose_last_write_fails_is_not_said_to_be_written(
     real = generate.write_json
     monkeypatch.setattr(generate, "write_json", write_json)
     out = tmp_path / "out"
-    code, stdout, err = run(
-        capsys, "generate", family("flux"), "--device", "cpu", "--steps", "2",
-        "--height", "8", "--width", "8", "--output", out,
-    )  # fmt: skip
+    code, stdout, err = run(capsys, "generate", family("flux"), *IMAGE_ARGS, "--output", out)
     assert code == 0, err
     assert "does not say what was written" in err
     wrote = next(line for line in stdout.splitlines() if line.startswith("ondeck: wrote"))
@@ -125,8 +122,8 @@ def test_a_report_whose_last_write_fails_is_not_said_to_be_written(
 def test_a_weights_flag_naming_no_model_is_the_flags_error(family, tmp_path, capsys, flag, value):
     (tmp_path / "x").write_bytes(b"")
     code, _, err = run(
-        capsys, "generate", family("flux"), "--device", "cpu", "--steps", "2",
-        "--height", "8", "--width", "8", flag, value.replace("=x", f"={tmp_path / 'x'}"),
+        capsys, "generate", family("flux"), *IMAGE_ARGS,
+        flag, value.replace("=x", f"={tmp_path / 'x'}"),
         "--output", tmp_path / "out",
     )  # fmt: skip
     assert code == 2, err
