@@ -276,16 +276,19 @@ def call_extra(args: argparse.Namespace, media: Media, image: Any) -> dict[str, 
 
 
 def call_options(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
-    """``generate``'s options for each run of the command, but its progress bar."""
-    return dict(
+    """``generate``'s options for each run of the command, but its progress bar; no
+    ``--guidance``: the pipeline's own guidance_scale."""
+    options = dict(
         negative_prompt=args.negative_prompt,
         height=shape.height,
         width=shape.width,
         num_frames=shape.frames,
         num_inference_steps=shape.steps,
-        guidance_scale=args.guidance,
         seed=args.seed,
     )
+    if args.guidance is not None:
+        options["guidance_scale"] = args.guidance
+    return options
 
 
 def first_plan(args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict) -> Any:

@@ -177,7 +177,9 @@ def _add_call(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--negative-prompt", default="")
     _add_shape(parser)
     parser.add_argument("--steps", type=_positive)
-    parser.add_argument("--guidance", type=_finite, default=5.0)
+    parser.add_argument(
+        "--guidance", type=_finite, help="guidance_scale (default: the pipeline's own)"
+    )
     parser.add_argument("--seed", type=_seed, default=0)
     parser.add_argument(
         "--image",

@@ -21,7 +21,7 @@ from ..memory import format_bytes, freeze_what_lives, parse_bytes
 
 THREE_LINES = """\
 start:
-  pip install 'ondeck[serve]'
+  pip install -e '.[serve]'    (in a clone of ondeck)
   ondeck serve --model wan=Wan-AI/Wan2.1-T2V-14B-Diffusers --budget 24GiB
   open http://127.0.0.1:8000/  (or point any OpenAI client at http://127.0.0.1:8000/v1)
 """
@@ -278,7 +278,8 @@ def serve(args: argparse.Namespace) -> int:
         from .server import Server
     except ImportError as error:
         raise OndeckError(
-            f"ondeck serve needs its extra: pip install 'ondeck[serve]' ({error.name} is missing)"
+            f"ondeck serve needs its extra: pip install -e '.[serve]' in the clone ({error.name} "
+            "is missing)"
         ) from None
     config = _config(args)
     server = Server(config)

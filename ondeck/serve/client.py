@@ -48,8 +48,17 @@ def _write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
-# What a local run offers that a server's job does not take.
-LOCAL_ONLY = {"--images": "images", "--fps": "fps", "--image": "image"}
+# What a local run offers that a server's job does not take: the server loads its
+# models as it was started, so the flags that choose weights, memory and devices are
+# refused rather than dropped.
+LOCAL_ONLY = {
+    "--images": "images", "--fps": "fps", "--image": "image", "--lora": "lora",
+    "--transformer": "transformer", "--component": "component", "--weights": "weights",
+    "--budget": "budget", "--device": "device", "--dtype": "dtype",
+    "--host-cache": "host_cache", "--host-memory": "host_memory", "--shard": "shard",
+    "--context-parallel": "context_parallel", "--parallel": "parallel",
+    "--library": "library", "--no-prefetch": "no_prefetch",
+}  # fmt: skip
 
 
 def generate_remote(args: argparse.Namespace) -> int:
@@ -57,8 +66,13 @@ def generate_remote(args: argparse.Namespace) -> int:
     output folder held meanwhile."""
     from ..cli.options import UsageError
 
-    given = [flag for flag, name in LOCAL_ONLY.items() if getattr(args, name, None) is not None]
+    given = [
+        flag
+        for flag, name in LOCAL_ONLY.items()
+        if getattr(args, name, None) not in (None, [], False)
+    ]
     given += ["--runs"] if getattr(args, "runs", 1) != 1 else []
+    given += ["--policy"] if getattr(args, "policy", "auto") != "auto" else []
     if given:
         raise UsageError(f"{', '.join(given)} cannot be used with --server; run locally instead")
     out = Path(args.output)
@@ -97,10 +111,11 @@ def _generate_remote(args: argparse.Namespace, out: Path) -> int:
             "prompt": args.prompt,
             "negative_prompt": args.negative_prompt,
             "seed": args.seed,
-            "guidance_scale": args.guidance,
         }
         if args.steps is not None:
             body["steps"] = args.steps
+        if args.guidance is not None:  # else the model's own, as a local run takes it
+            body["guidance_scale"] = args.guidance
         if args.height is not None and args.width is not None:
             body["size"] = f"{args.width}x{args.height}"
         elif args.height is not None or args.width is not None:  # the other is the model's

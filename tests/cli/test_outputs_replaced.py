@@ -236,11 +236,17 @@ def test_generate_server_with_several_images_writes_them_or_refuses_the_flag(
     """Flags for local runs are refused with --server (exit 2, one line naming them),
     not dropped: one image.png for --images 3 would be a silent wrong answer."""
     out = tmp_path / "out"
-    for flags in (["--images", "3"], ["--fps", "8"], ["--runs", "2"]):
+    local = (
+        ["--images", "3"], ["--fps", "8"], ["--runs", "2"], ["--lora", "style.safetensors"],
+        ["--transformer", "t.safetensors"], ["--weights", "fp8"], ["--budget", "8GiB"],
+        ["--policy", "release"], ["--device", "cpu"], ["--dtype", "fp16"],
+        ["--host-cache", "4GiB"], ["--no-prefetch"], ["--library", "x"],
+    )  # fmt: skip
+    for flags in local:  # the server loads its models as it was started
         code, _, err = run(
             capsys, "generate", "img", "--server", "http://fake", *flags, "--output", out
         )
-        assert code == 2 and flags[0] in err, (flags, err)
+        assert code == 2 and f"{flags[0]} cannot be used with --server" in err, (flags, err)
     assert not out.exists() and fake_server == []  # refused before anything is asked
 
 

@@ -129,3 +129,16 @@ def test_a_weights_flag_naming_no_model_is_the_flags_error(family, tmp_path, cap
     assert code == 2, err
     assert f"argument {flag}: {value.split('=')[0]} is not a model" in err
     assert "transformer" in err  # the models it has
+
+
+def test_without_guidance_the_pipeline_runs_at_its_own(family, tmp_path, capsys):
+    """SD3's own guidance_scale is 7.0: no --guidance makes what --guidance 7 makes, and
+    not what another value makes."""
+    made = {}
+    for name, flags in (("own", []), ("seven", ["--guidance", "7"]), ("five", ["--guidance", "5"])):
+        out = tmp_path / name
+        code, _, err = run(capsys, "generate", family("sd3"), *IMAGE_ARGS, *flags, "--output", out)
+        assert code == 0, err
+        made[name] = (out / "image.png").read_bytes()
+    assert made["own"] == made["seven"]
+    assert made["own"] != made["five"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip(
-    "fastapi", reason="ondeck serve's extra is not installed: pip install 'ondeck[serve]'"
+    "fastapi", reason="ondeck serve's extra is not installed: pip install -e '.[serve]'"
 )
 
 from .helpers import ROOT, LiveServer, ServerProcess, build_models  # noqa: E402
