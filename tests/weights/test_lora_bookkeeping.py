@@ -80,3 +80,46 @@ def test_an_adapter_name_in_use_is_refused_when_given(wan_lora):
     pipe.load_lora_weights(wan_lora / "lora", adapter_name="s")
     with pytest.raises(ValueError, match="already in use"):
         pipe.load_lora_weights(wan_lora / "lora", adapter_name="s")
+
+
+@pytest.mark.parametrize("lora", ["both", "transformer_only"])
+def test_loading_a_flux_lora_loads_no_component(flux_loras, lora):
+    """Flux's load_lora_weights reads the transformer's layer shapes first (to widen a
+    layer for a Control LoRA): a deferred transformer answers from its skeleton, so the
+    call loads nothing, and the first call still gives diffusers' output."""
+    import numpy as np
+    import torch
+
+    plain, pipe = _plain_and_ours(flux_loras)
+    for each in (plain, pipe):
+        each.load_lora_weights(flux_loras / lora, adapter_name="s")
+        each.set_progress_bar_config(disable=True)
+    assert pipe.ondeck.tracker.resident == {}
+    assert all(proxy.load_count == 0 for proxy in pipe.ondeck.deferred.values())
+    call = dict(prompt="a fox", num_inference_steps=2, height=8, width=8, output_type="np")
+    made = [
+        each(**call, generator=torch.Generator().manual_seed(0)).images for each in (plain, pipe)
+    ]
+    np.testing.assert_allclose(made[1], made[0], atol=1e-6)
+
+
+def test_a_loras_replay_waits_for_another_threads_adapter_call(flux_loras):
+    """peft adds an adapter's layers with torch's parameter registration patched for the
+    whole process, so two adapter calls at once (one replayed on the prefetch thread)
+    break each other: a replay at a load waits while another adapter call runs."""
+    import threading
+
+    from ondeck.integrations.diffusers.component import ADAPTER_CALLS
+
+    _, pipe = _plain_and_ours(flux_loras)
+    pipe.load_lora_weights(flux_loras / "both", adapter_name="s")
+    loaded = threading.Event()
+    load = threading.Thread(
+        target=lambda: (pipe.ondeck.deferred["transformer"].materialize(), loaded.set())
+    )
+    with ADAPTER_CALLS:  # another thread's adapter call, under way
+        load.start()
+        assert not loaded.wait(2), "the replay ran beside another adapter call"
+    load.join(30)
+    assert loaded.is_set()
+    assert "s" in pipe.transformer.peft_config

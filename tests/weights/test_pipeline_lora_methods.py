@@ -100,3 +100,25 @@ def test_a_fuse_on_a_deferred_text_encoder_is_counted_as_diffusers_counts_it(flu
         each.fuse_lora(components=["text_encoder"], lora_scale=0.6)
     assert pipe.fused_loras == plain.fused_loras == {"style"}
     assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
+
+
+@pytest.mark.parametrize(
+    "policy", [dict(policy="release"), dict(policy="budget", budget="600KiB", prefetch=False)]
+)
+def test_a_lora_scale_given_to_a_call_holds_across_the_encoders_turns(flux_loras, policy):
+    """joint_attention_kwargs={"scale": s}: diffusers scales the text encoder's LoRA
+    layers, encodes with CLIP and T5, then scales them back. A CLIP released during T5's
+    turn and loaded again must neither compute at scale 1 nor be divided by s after its
+    fresh load (which would carry 1/s into the calls after)."""
+    import torch
+
+    plain = _plain(flux_loras)
+    pipe = _with_lora(ondeck.diffusers.from_pretrained(flux_loras / "flux", **policy), flux_loras)
+    call = dict(prompt="a fox", num_inference_steps=2, height=8, width=8, output_type="np")
+    scaled = dict(joint_attention_kwargs={"scale": 0.3})
+    for given in ({}, scaled, {}, scaled, {}):
+        made = [
+            each(**call, **given, generator=torch.Generator().manual_seed(0)).images
+            for each in (plain, pipe)
+        ]
+        np.testing.assert_allclose(made[1], made[0], atol=1e-5, err_msg=str(given))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +62,10 @@ _CONFIGURING_METHODS = ADAPTER_METHODS | frozenset(
 )
 
 _ADAPTER_LOADS = frozenset({"load_lora_adapter", "load_adapter"})
+# One adapter call at a time in the process: peft adds an adapter's layers with torch's
+# parameter registration patched for every thread (``init_empty_weights``), so a LoRA
+# replayed on the prefetch thread would turn another thread's load of one into a failure.
+ADAPTER_CALLS = threading.RLock()
 # What diffusers and peft read to find a model's adapters: a module a fused LoRA's recipe
 # made has none, so asking makes the next load replay the recorded calls in full.
 _ADAPTER_STATE = frozenset(
@@ -112,6 +118,39 @@ def _device_probes() -> frozenset:
         except (ImportError, AttributeError):
             continue
     return frozenset(function.__code__ for function in functions)
+
+
+@functools.cache
+def _lora_scalings() -> dict:
+    """The code of diffusers' ``scale_lora_layers`` and ``unscale_lora_layers``, which a
+    pipeline calls on its text encoders around encoding a prompt at a LoRA scale."""
+    try:
+        from diffusers.utils import peft_utils
+    except ImportError:
+        return {}
+    return {
+        peft_utils.scale_lora_layers.__code__: "scale",
+        peft_utils.unscale_lora_layers.__code__: "unscale",
+    }
+
+
+def _asked_by_lora_scaling() -> tuple[str, Any] | None:
+    """("scale" or "unscale", its weight) when one of ``_lora_scalings`` reads the
+    attribute; None otherwise."""
+    caller = sys._getframe(2)  # this function, PipelineComponent.__getattr__, the asker
+    kind = _lora_scalings().get(caller.f_code)
+    return None if kind is None else (kind, caller.f_locals.get("weight"))
+
+
+def _one_adapter_call_at_a_time(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn`` (an adapter call, its marks kept) holding ``ADAPTER_CALLS``."""
+
+    @functools.wraps(fn)
+    def one_at_a_time(module: Any) -> Any:
+        with ADAPTER_CALLS:
+            return fn(module)
+
+    return one_at_a_time
 
 
 def _asked_by_device_probe() -> bool:
@@ -174,6 +213,7 @@ class PipelineComponent(LazyModule):
         setter(self, "_ondeck_fused_lora", FusedLora())
         # An encoder's answers by their inputs (see ``keep_answers``); None: not kept.
         setter(self, "_ondeck_answers", None)
+        setter(self, "_ondeck_lora_scale", None)  # (transform, modules scaled) while held
 
     # -- touches ------------------------------------------------------------------------
 
@@ -214,6 +254,36 @@ class PipelineComponent(LazyModule):
         answers = object.__getattribute__(self, "_ondeck_answers")
         if answers is not None:
             answers.clear()
+
+    def _hold_lora_scale(self, kind: str, weight: Any) -> None:
+        """diffusers' ``scale_lora_layers`` (``kind`` "scale") or ``unscale_lora_layers``
+        on this component. The scale is held as a transform until it is taken back: a
+        component released and loaded again in between (another encoder's turn) computes
+        at it, and only the modules it scaled are scaled back, never a fresh load."""
+        from diffusers.utils.peft_utils import scale_lora_layers, unscale_lora_layers
+
+        transforms = object.__getattribute__(self, "_ondeck_transforms")
+        with object.__getattribute__(self, "_ondeck_lock"):
+            held = object.__getattribute__(self, "_ondeck_lora_scale")
+            object.__setattr__(self, "_ondeck_lora_scale", None)
+            if held is not None and held[0] in transforms:
+                transforms.remove(held[0])
+                self._changed()
+            if kind == "unscale":
+                module = object.__getattribute__(self, "_ondeck_module")
+                if held is not None and module is not None and module in held[1]:
+                    unscale_lora_layers(module, weight)
+                return
+        scaled: weakref.WeakSet = weakref.WeakSet()
+
+        def scale(module: Any) -> Any:
+            scale_lora_layers(module, weight)
+            scaled.add(module)
+            return module
+
+        scale.__qualname__ = f"LoRA scale {weight} (held until scaled back)"
+        self.add_transform(scale, reads_weights=False)  # its layers' scale, no weight
+        object.__setattr__(self, "_ondeck_lora_scale", (transforms[-1], scaled))
 
     def _has_adapters(self) -> bool:
         module = object.__getattribute__(self, "_ondeck_module")
@@ -259,6 +329,10 @@ class PipelineComponent(LazyModule):
         if attribute in _MODULE_WALKS:
             if module is None and _asked_by_device_probe():
                 return lambda: iter((self,))  # no offload hooks to find: nothing loads
+            scaling = _asked_by_lora_scaling()
+            if scaling is not None:
+                self._hold_lora_scale(*scaling)
+                return lambda: iter(())  # done here, on every load while it is held
         else:
             self._forget_answers()
         if attribute in _ADAPTER_STATE:
@@ -361,6 +435,8 @@ class PipelineComponent(LazyModule):
         """
         transforms = object.__getattribute__(self, "_ondeck_transforms")
         self._forget_answers()
+        if getattr(fn, "on_skeleton", False):
+            fn = _one_adapter_call_at_a_time(fn)
 
         def guarded(module: Any) -> Any:
             try:
@@ -471,14 +547,15 @@ class PipelineComponent(LazyModule):
             module = loader.folder.skeleton(loader.name, loader.dtype).module
         except LoadError:
             return None  # the load itself reports what is wrong with the folder
-        try:
-            for earlier in object.__getattribute__(self, "_ondeck_transforms"):
-                if getattr(earlier, "on_skeleton", False):
-                    earlier(module)
-        except Exception:
-            return None  # one a weightless copy cannot take (a safe fuse reads values)
-        before = set(getattr(module, "peft_config", None) or {})
-        fn(module)
+        with ADAPTER_CALLS:
+            try:
+                for earlier in object.__getattribute__(self, "_ondeck_transforms"):
+                    if getattr(earlier, "on_skeleton", False):
+                        earlier(module)
+            except Exception:
+                return None  # one a weightless copy cannot take (a safe fuse reads values)
+            before = set(getattr(module, "peft_config", None) or {})
+            fn(module)
         return before, module
 
     def load_adapter_checked(self, fn: Callable[[Any], Any], name: str | None) -> None:

@@ -81,6 +81,10 @@ def lora_methods(cls: type) -> dict[str, Any]:
         base = getattr(cls, method, None)
         if base is not None:
             namespace[method] = _textual_inversion_method(base)
+    for attribute in _SHAPE_PROBES:
+        static = inspect.getattr_static(cls, attribute, None)
+        if isinstance(static, classmethod):
+            namespace[attribute] = classmethod(_probe_on_skeleton(static.__func__))
     for attribute in dir(cls):
         if attribute.startswith("load_lora_into_"):
             static = inspect.getattr_static(cls, attribute)
@@ -321,6 +325,45 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return load_lora_into
+
+
+# What Flux's load_lora_weights reads of the transformer before it loads the LoRA into
+# it: its modules' shapes, to widen a layer a Control LoRA is larger than.
+_SHAPE_PROBES = ("_maybe_expand_transformer_param_shape_or_error_", "_maybe_expand_lora_state_dict")
+
+
+def _probe_on_skeleton(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap one of ``_SHAPE_PROBES``: aimed at an unloaded transformer, it reads the
+    transformer's skeleton (with the adapters recorded so far) instead of loading it. A
+    LoRA that would widen a layer, which changes the module itself, loads it as before."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def probe(cls: type, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(cls, *args, **kwargs)
+        proxy = bound.arguments.get("transformer")
+        if not issubclass(type(proxy), PipelineComponent) or loaded_module(proxy) is not None:
+            return function(cls, *args, **kwargs)
+        tried = proxy.try_on_skeleton(lambda module: None)
+        if tried is None:
+            return function(cls, *args, **kwargs)
+        arguments = dict(bound.arguments, transformer=tried[1])
+        given = arguments.get("lora_state_dict")
+        if isinstance(given, dict):
+            arguments["lora_state_dict"] = dict(given)  # widened entries would be on meta
+        call = inspect.BoundArguments(signature, arguments)
+        answer = function(*call.args, **call.kwargs)
+        if answer is True or (isinstance(answer, dict) and _changed(answer, given)):
+            return function(cls, *args, **kwargs)  # a layer to widen: on the real module
+        return given if isinstance(answer, dict) else answer
+
+    return probe
+
+
+def _changed(answer: dict, given: dict) -> bool:
+    """Whether a probe gave back other entries than it was given (tensors compared by
+    identity: a widened one is new)."""
+    return answer.keys() != given.keys() or any(answer[k] is not v for k, v in given.items())
 
 
 def _textual_inversion_method(base: Callable[..., Any]) -> Callable[..., Any]:
