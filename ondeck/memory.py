@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, (int, float)):
+        if isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"a size is a finite number of bytes; got {value!r}")
         return int(value)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     if not match or match.group(2).lower() not in _UNITS:

@@ -737,13 +737,17 @@ def make_policy(
     budget is ``budget``; without one, the pipeline chooses (``choose_auto``)."""
     if isinstance(policy, Policy):
         return policy
-    budget = parse_bytes(budget)
+    given, budget = budget, parse_bytes(budget)
+    if budget is not None and budget <= 0:
+        raise ValueError(f"a budget holds at least one byte; got {given!r}")
     if policy == "auto":
         if budget is None:
             raise ValueError("auto without a budget is chosen by choose_auto(pipeline)")
         chosen: Policy = BudgetPolicy(budget, prefetch=prefetch)
         chosen.reason = "auto chose 'budget': a budget was given"
         return chosen
+    if policy in ("eager", "release") and budget is not None:
+        raise ValueError(f"policy {policy!r} does not use a budget; give 'budget' or 'auto'")
     if policy == "eager":
         return EagerPolicy()
     if policy == "release":
