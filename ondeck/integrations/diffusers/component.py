@@ -283,7 +283,8 @@ class PipelineComponent(LazyModule):
 
         scale.__qualname__ = f"LoRA scale {weight} (held until scaled back)"
         self.add_transform(scale, reads_weights=False)  # its layers' scale, no weight
-        object.__setattr__(self, "_ondeck_lora_scale", (transforms[-1], scaled))
+        added = next(t for t in reversed(transforms) if getattr(t, "fn", t) is scale)
+        object.__setattr__(self, "_ondeck_lora_scale", (added, scaled))
 
     def _has_adapters(self) -> bool:
         module = object.__getattribute__(self, "_ondeck_module")
