@@ -114,6 +114,11 @@ def from_pretrained(
     shard = _shard_names(folder, shard, stored, brought=bool(components or loras), skip=kwargs)
     parallel = _join_ranks(shard, resolve_parallel(parallel))
     device = resolve_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} asked for, but CUDA is not available here (torch "
+            f"{torch.__version__}); use device='cpu'"
+        )
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs, shard=shard)
     if parallel is not None:
