@@ -53,6 +53,17 @@ _HUB_OPTIONS = (
 )
 
 
+def _usable_device(device: DeviceChoice) -> torch.device:
+    """The device asked for; a ``ValueError`` for CUDA where torch has none."""
+    device = resolve_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} asked for, but CUDA is not available here (torch "
+            f"{torch.__version__}); use device='cpu'"
+        )
+    return device
+
+
 def from_pretrained(
     path: str | os.PathLike,
     torch_dtype: torch.dtype | dict[str, torch.dtype] | None = None,
@@ -113,12 +124,7 @@ def from_pretrained(
     stored = _stored(folder, storage_dtype, skip=kwargs)
     shard = _shard_names(folder, shard, stored, brought=bool(components or loras), skip=kwargs)
     parallel = _join_ranks(shard, resolve_parallel(parallel))
-    device = resolve_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device {str(device)!r} asked for, but CUDA is not available here (torch "
-            f"{torch.__version__}); use device='cpu'"
-        )
+    device = _usable_device(device)
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs, shard=shard)
     if parallel is not None:
