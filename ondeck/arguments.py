@@ -151,8 +151,8 @@ def check_generate_arguments(
         names = {"height": "height", "width": "width", "frames": "num_frames"}
         for side, value, why in beyond(height, width, num_frames):
             raise ArgumentError(names[side], f"{value} is too large for this model: {why}")
+    most = _embedded_positions_side(pipeline)
     for name, value in (("height", height), ("width", width)):
-        most = _embedded_positions_side(pipeline)
         if most is not None and value is not None and value > most[0]:
             raise ArgumentError(name, f"{value} is too large for this model: {most[1]}")
 
