@@ -23,7 +23,7 @@ from .planning import (
     planning_budget,
     release_residency,
 )
-from .profiles import profiles_path
+from .profiles import NO_PROFILE, profiles_path
 from .snapshot import NOTHING, Snapshot, Steps
 from .stage_steps import budget_step, choose_evictions
 from .streaming import BlockStreaming, StreamingInputs, StreamOptions
@@ -233,8 +233,8 @@ class Policy:
                         f"'{use.name}' works in pieces to fit: "
                         f"{format_bytes(estimate[use.name])} of activations, not {format_bytes(need)}"
                     )
-        if all(value is None for value in estimate.values()):
-            note = "activations: unknown (no profile yet; run once to measure them)"
+        if all(value is None for value in estimate.values()) or note == NO_PROFILE:
+            note = _unknown_activations(snapshot.device)
         elif not note:
             note = "activations: measured in this process"
         if bounded:
@@ -655,6 +655,15 @@ class AutoBudgetPolicy(BudgetPolicy):
         )
 
 
+def _unknown_activations(device: Any) -> str:
+    """The plan's note where no stage's activations are known: a CUDA run measures them,
+    a run elsewhere has no peak counter to measure them with."""
+    where = getattr(device, "type", None) if device is not None else None
+    if where is not None and where != "cuda":
+        return f"activations: unknown (not measured on {where})"
+    return NO_PROFILE
+
+
 def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
     """The policy ``auto`` runs with: never one whose plan does not fit the device.
 
@@ -665,7 +674,9 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
     refuses with a ``BudgetError`` before a byte is read (the plan says why).
     """
     available, unified = auto_budget_bytes(pipeline.device, pipeline.host_memory)
-    where = "unified memory" if unified else str(pipeline.device)
+    where = str(pipeline.device)
+    if unified:
+        where = "the host" if getattr(pipeline.device, "type", None) == "cpu" else "unified memory"
     sizes = pipeline.component_bytes()
     total = sum(size or 0 for size in sizes.values())
     if None in sizes.values():

@@ -43,6 +43,7 @@ __all__ = [
 PROFILE_FILE_NAME = "activation-profiles.json"
 # ``lookup``'s note where what it returns was stored for exactly the shape asked for.
 MEASURED_AT_SHAPE = "activations: measured at this shape"
+NO_PROFILE = "activations: unknown (no profile yet; run once to measure them)"
 FORMAT = "ondeck-activation-profiles"
 VERSION = 2
 # No stage of any model on any device takes a pebibyte: a larger value is damage.
@@ -428,7 +429,7 @@ class ActivationProfiles:
             if exact:
                 return dict(exact["stages"]), MEASURED_AT_SHAPE
             if not shapes:
-                return {}, "activations: unknown (no profile yet; run once to measure them)"
+                return {}, NO_PROFILE
             # Scale the nearest larger (else largest) measured shape by its element count.
             target = _elements(shape)
             candidates = sorted(shapes.values(), key=lambda e: _elements(e["shape"]))

@@ -70,6 +70,15 @@ def test_plan_says_what_auto_chose_and_why(cache, tiny_model, capsys):
     code, out, _ = run(capsys, "plan", tiny_model, "--device", "cpu")
     assert code == 0
     assert out.splitlines()[0].startswith("ondeck: auto chose 'budget'")
+    assert "the host has free" in out.splitlines()[0]  # the CPU is the host
+
+
+def test_a_plan_on_the_cpu_does_not_promise_a_measurement(cache, family, capsys):
+    """Nothing measures activations on the CPU: the plan of a folder with no profile
+    stored says so, instead of asking for a run that would measure nothing."""
+    code, out, _ = run(capsys, "plan", family("flux"), "--device", "cpu")
+    assert code == 0
+    assert "activations: unknown (not measured on cpu)" in out and "run once" not in out
 
 
 def test_library_trusts_an_installed_package(cache, tiny_model, tmp_path, capsys):

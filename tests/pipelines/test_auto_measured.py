@@ -255,7 +255,16 @@ def test_on_unified_memory_auto_plans_within_the_host_budget_given(monkeypatch):
     pipe = WanShaped(wan_shaped().components, device="cpu", host_memory=12 * GIB)
     assert pipe.plan().budget == 11 * GIB
     assert "streaming" in pipe.policy.reason
-    assert "11.00 GiB unified memory has free" in pipe.policy.reason
+    assert "11.00 GiB the host has free" in pipe.policy.reason
+
+
+def test_a_plan_on_the_cpu_says_its_activations_go_unmeasured(monkeypatch):
+    """No peak counter measures activations on the CPU: the plan does not promise that a
+    run will."""
+    fake_host(monkeypatch, 64 * GIB, GIB)
+    text = str(wan_shaped().plan())
+    assert "activations: unknown (not measured on cpu)" in text
+    assert "run once" not in text
 
 
 def test_on_unified_memory_auto_plans_within_the_cgroups_limit(monkeypatch):
