@@ -6,7 +6,8 @@ import copy
 import threading
 import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -438,30 +439,32 @@ class Pipeline(HostMemory):
         needs, _ = self.policy.activation_needs(self.snapshot())
         return needs.get(stage)
 
-    def make_room(self) -> bool:
+    def make_room(self, keep: Iterable[str] = ()) -> bool:
         """Out of memory inside the running stage: free what the policy lets go (a
-        prefetch, components kept for later stages); whether anything was freed. For a
-        stage that handles running out of memory itself, such as a decode that tiles,
-        before it works in smaller pieces."""
+        prefetch, components kept for later stages) but ``keep``, the components the
+        caller is computing with; whether anything was freed. For a stage that handles
+        running out of memory itself, such as a decode that tiles, before it works in
+        smaller pieces."""
         index = self._current_index
         if index is None:
             return False
-        return self._recover_from_oom(index)
+        return self._recover_from_oom(index, keep=frozenset(keep))
 
-    def room_to_make(self) -> tuple[int, float] | None:
-        """What ``make_room`` would free now, in bytes, and the seconds loading it again
-        under the same plan takes (``MemoryTracker.reload_bytes_per_second``); None where
-        it would free nothing, a rate is not known, or a load is under way."""
+    def room_to_make(self, keep: Iterable[str] = ()) -> tuple[int, float] | None:
+        """What ``make_room(keep)`` would free now, in bytes, and the seconds loading it
+        again under the same plan takes (``MemoryTracker.reload_bytes_per_second``); None
+        where it would free nothing, a rate is not known, or a load is under way."""
         index = self._current_index
         if index is None or self._loading_bytes():
             # A load under way: making room would wait for it, then free it too.
             return None
         steps = self.policy.recover_from_oom(self.snapshot(), index)
-        if steps is None or not steps.release:
+        released = [name for name in steps.release if name not in keep] if steps else []
+        if not released:
             return None
         rates = self.tracker.reload_bytes_per_second
         freed, seconds = 0, 0.0
-        for name in steps.release:
+        for name in released:
             nbytes = self.tracker.resident.get(name, 0)
             if nbytes and not rates.get(name):
                 return None
@@ -614,12 +617,18 @@ class Pipeline(HostMemory):
         self.tracker.compute_started()  # measure the retry, not the attempt that failed
         return stage.forward(copy.copy(given)), True
 
-    def _recover_from_oom(self, index: int) -> bool:
-        """Out of memory inside a stage: free what the policy lets go; whether to retry."""
+    def _recover_from_oom(self, index: int, keep: frozenset[str] = frozenset()) -> bool:
+        """Out of memory inside a stage: free what the policy lets go but ``keep``;
+        whether to retry."""
         self.executor.cancel_prefetch()
         steps = self.policy.recover_from_oom(self.snapshot(), index)
         if steps is None:
             return False
+        if keep:
+            released = tuple(name for name in steps.release if name not in keep)
+            if not released:
+                return False
+            steps = replace(steps, release=released)
         self.executor.recover(steps)
         return True
 

@@ -267,3 +267,36 @@ def test_the_plan_of_a_call_before_it_runs_has_the_turns_stored_for_a_call_like_
     assert set(turns["text_encoder_3"]) == {"text_encoder_3", "text_encoder", "text_encoder_2"}
     later.generate("a heron", seed=1, **options)
     assert {use.name: use.components for use in later.plan().uses} == turns
+
+
+def test_turns_stored_in_another_order_never_free_the_vae_while_it_decodes(folders, store):
+    """Stored turns the call does not follow leave the VAE's call outside its turn; a
+    decode that makes room must still keep the VAE it computes with. Freeing it there
+    released its storage under the running convolution (a crash, not an error)."""
+    from .breadth_pipelines import ALL_FAMILIES
+    from .tiny_pipelines import run
+
+    def open_flux():
+        pipe = ondeck.diffusers.from_pretrained(
+            folders["flux"], device="cpu", policy="budget", budget="700KiB", progress=False
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    first = open_flux()
+    size = dict(height=32, width=32)  # a decode that needs more room than is left
+    expected = run(first, ALL_FAMILIES["flux"], **size)
+    runtime = first.ondeck
+    shown = store.reopen().stored_turns(runtime.profile_model, runtime.run_shape)
+    assert shown and shown[-1][0] == "vae"
+    ActivationProfiles(store.path).record_turns(
+        runtime.profile_model, runtime.run_shape, list(reversed(shown))
+    )
+    store.reopen()
+    later = open_flux()
+    made_room = []
+    make_room = later.ondeck.make_room
+    later.ondeck.make_room = lambda keep=(): made_room.append(tuple(keep)) or make_room(keep)
+    frames = run(later, ALL_FAMILIES["flux"], **size)
+    assert ("vae",) in made_room, "the decode made room with the VAE's turn passed"
+    assert frames.tobytes() == expected.tobytes()

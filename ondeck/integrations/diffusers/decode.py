@@ -366,7 +366,7 @@ class FittingDecode:
         if need is not None and room is not None and need > room:
             tiles_within = self.crowded and self.style is not None
             if not tiles_within or self._room_pays(module, latents, need, room, scale):
-                if self.runtime.make_room():
+                if self.runtime.make_room(keep=(self.name,)):
                     room = self.runtime.activation_room()
         # A batch that does not fit at once decodes an image at a time, then in tiles if
         # one image does not fit either.
@@ -399,7 +399,7 @@ class FittingDecode:
                 self.bytes_per_element = max(self.bytes_per_element or 0, at_least)
             if not made_room:
                 made_room = True
-                if self.runtime.make_room():
+                if self.runtime.make_room(keep=(self.name,)):
                     room = self.runtime.activation_room()
                     continue
             free_cached_memory()
@@ -488,7 +488,7 @@ class FittingDecode:
         again under the same plan (``room_to_make``). Unknown either way: no (a crowded
         decode tiles within its room)."""
         per_pixel = self._seconds_per_pixel()
-        made = self.runtime.room_to_make()
+        made = self.runtime.room_to_make(keep=(self.name,))
         if per_pixel is None or made is None:
             return False
         freed, reload_seconds = made
