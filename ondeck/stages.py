@@ -446,31 +446,19 @@ class Pipeline(HostMemory):
         running out of memory itself, such as a decode that tiles, before it works in
         smaller pieces."""
         index = self._current_index
-        if index is None:
-            return False
-        return self._recover_from_oom(index, keep=frozenset(keep))
+        return index is not None and self._recover_from_oom(index, keep=frozenset(keep))
 
     def room_to_make(self, keep: Iterable[str] = ()) -> tuple[int, float] | None:
         """What ``make_room(keep)`` would free now, in bytes, and the seconds loading it
-        again under the same plan takes (``MemoryTracker.reload_bytes_per_second``); None
-        where it would free nothing, a rate is not known, or a load is under way."""
+        again under the same plan takes (``MemoryTracker.reload_cost``); None where it
+        would free nothing, a rate is not known, or a load is under way."""
         index = self._current_index
         if index is None or self._loading_bytes():
             # A load under way: making room would wait for it, then free it too.
             return None
         steps = self.policy.recover_from_oom(self.snapshot(), index)
         released = [name for name in steps.release if name not in keep] if steps else []
-        if not released:
-            return None
-        rates = self.tracker.reload_bytes_per_second
-        freed, seconds = 0, 0.0
-        for name in released:
-            nbytes = self.tracker.resident.get(name, 0)
-            if nbytes and not rates.get(name):
-                return None
-            freed += nbytes
-            seconds += nbytes / rates[name] if nbytes else 0.0
-        return (freed, seconds) if freed else None
+        return self.tracker.reload_cost(released) if released else None
 
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget

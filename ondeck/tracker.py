@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,19 @@ class MemoryTracker:
                 setup = self._setup_seconds.get(name, 0.0)
                 again = seconds - setup if 0 < setup < seconds else seconds
                 self.reload_bytes_per_second[name] = nbytes / again
+
+    def reload_cost(self, names: Iterable[str]) -> tuple[int, float] | None:
+        """The bytes of ``names`` resident now and the seconds loading them again takes
+        at their measured reload rates; None where a rate is unknown or nothing is held."""
+        freed, seconds = 0, 0.0
+        for name in names:
+            nbytes = self.resident.get(name, 0)
+            rate = self.reload_bytes_per_second.get(name)
+            if nbytes and not rate:
+                return None
+            freed += nbytes
+            seconds += nbytes / rate if nbytes else 0.0
+        return (freed, seconds) if freed else None
 
     def run_started(self) -> None:
         """A run begins; events and stage records of older runs than ``keep_runs`` go.

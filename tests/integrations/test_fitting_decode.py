@@ -77,7 +77,9 @@ def test_running_out_once_frees_what_the_policy_kept_and_decodes_whole(
     made_room = []
     original = DiffusersRuntime.make_room
     monkeypatch.setattr(
-        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+        DiffusersRuntime,
+        "make_room",
+        lambda self, keep=(): made_room.append(1) or original(self, keep),
     )
     transform, count = _running_out(1)
     pipe.ondeck.add_transform("vae", transform)
@@ -358,7 +360,9 @@ def test_a_decode_that_fitted_only_by_the_allocator_retrying_tiles_the_next_time
     made_room = []
     original = DiffusersRuntime.make_room
     monkeypatch.setattr(
-        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+        DiffusersRuntime,
+        "make_room",
+        lambda self, keep=(): made_room.append(1) or original(self, keep),
     )
     second = run(pipe, ALL_FAMILIES[family])
     tiles = decoder.last_tiles
@@ -399,11 +403,15 @@ def test_a_crowded_decode_frees_what_is_kept_where_its_tiles_cost_more_than_a_re
     decoder = _crowded(pipe, "wan", monkeypatch)
     decoder.seconds_per_pixel = 1e-3
     decoder._timing = None
-    monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, reload_seconds))
+    monkeypatch.setattr(
+        DiffusersRuntime, "room_to_make", lambda self, keep=(): (2**40, reload_seconds)
+    )
     made_room = []
     original = DiffusersRuntime.make_room
     monkeypatch.setattr(
-        DiffusersRuntime, "make_room", lambda self: made_room.append(1) or original(self)
+        DiffusersRuntime,
+        "make_room",
+        lambda self, keep=(): made_room.append(1) or original(self, keep),
     )
     run(pipe, ALL_FAMILIES["wan"])
     assert made_room == ([1] if frees else [])
@@ -415,9 +423,9 @@ def test_without_a_timed_decode_or_a_known_reload_a_crowded_decode_tiles_within(
     pipe = load(folders["wan"], policy=BudgetPolicy(2**40))
     decoder = _crowded(pipe, "wan", monkeypatch)
     assert decoder._seconds_per_pixel() is None, "a crowded decode's time is not kept"
-    monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self: (2**40, 0.0))
+    monkeypatch.setattr(DiffusersRuntime, "room_to_make", lambda self, keep=(): (2**40, 0.0))
     made_room = []
-    monkeypatch.setattr(DiffusersRuntime, "make_room", lambda self: made_room.append(1))
+    monkeypatch.setattr(DiffusersRuntime, "make_room", lambda self, keep=(): made_room.append(1))
     run(pipe, ALL_FAMILIES["wan"])
     assert made_room == []
     assert decoder.last_tiles is not None
@@ -523,7 +531,7 @@ class _Runtime:
     def __init__(self, made):
         self.made = made
 
-    def room_to_make(self):
+    def room_to_make(self, keep=()):
         return self.made
 
 
