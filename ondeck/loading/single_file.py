@@ -436,13 +436,15 @@ class SingleFileFolder(ModelFolder):
         path = str(self.files[name])
         header = self.headers(name)[0]
         weights, scales = _split_scales(header.tensors)
-        model_keys = self._model_keys(name)
+        slots = self._model_slots(name)
         convert = conversion_for(self.component_class(name))
         # A file already in the model's own names is taken as it is (diffusers' rule:
-        # convert unless the keys are exactly the model's).
+        # convert unless the keys are exactly the model's). A tied weight is the model's
+        # under any of its names (T5's ``shared.weight`` for ``encoder.embed_tokens``).
         own_names = {key.removeprefix(MODEL_PREFIX) for key in weights}
-        if model_keys is None or model_keys <= own_names or convert is None:
-            if convert is None and model_keys is not None and not model_keys <= own_names:
+        own = slots is None or all(any(n in own_names for n in names) for names in slots)
+        if own or convert is None:
+            if not own:
                 cls = self.component_class(name)
                 raise LoadError(
                     f"component '{name}' from {path}: its keys are not {cls.__name__}'s, and "
@@ -462,8 +464,9 @@ class SingleFileFolder(ModelFolder):
         self._scale_keys[name] = _scale_owners(converted, scales, header.tensors, name, path)
         return {key: info for key, info in converted.items() if not _is_scale_name(key)}
 
-    def _model_keys(self, name: str) -> set[str] | None:
-        """The names of the model's tensors, from a build on the meta device."""
+    def _model_slots(self, name: str) -> list[list[str]] | None:
+        """The names of each of the model's tensors (several where weights are tied),
+        from a build on the meta device."""
         from .skeleton import build_skeleton
 
         try:
@@ -477,7 +480,7 @@ class SingleFileFolder(ModelFolder):
             )
         except LoadError:
             return None
-        return {slot_name for slot in skeleton.slots for slot_name in slot.names}
+        return [list(slot.names) for slot in skeleton.slots]
 
     def _read_scales(self, name: str) -> dict[str, torch.Tensor]:
         from .chunks import ReadJob

@@ -484,11 +484,13 @@ def match_tensors(
             component=component,
         )
     extra_names = {name for names in skeleton.extra_buffers.values() for name in names}
+    tied = {name for slot, _ in sources for name in slot.names}  # a tied weight's other names
     unexpected = [
         key
         for key in tensors
         if key not in used
         and key not in extra_names
+        and key not in tied
         and not any(re.search(pattern, key) for pattern in skeleton.ignored_unexpected)
     ]
     if unexpected:

@@ -100,6 +100,23 @@ def test_a_file_in_diffusers_names_is_taken_as_it_is(base, reference, tmp_path):
     assert np.array_equal(frames(pipe), reference)
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["shared-only", "both-names"])
+def test_a_t5_file_with_a_tied_embedding_is_the_models_own(base, reference, tmp_path, alias):
+    """UMT5/T5 files hold the tied embedding once, as ``shared.weight`` (transformers'
+    ``save_pretrained`` and the files people download), or under both its names: either
+    is the encoder's, taken as it is."""
+    weights = load_file(str(next((base / "text_encoder").glob("*.safetensors"))))
+    assert "shared.weight" in weights and "encoder.embed_tokens.weight" not in weights
+    if alias:
+        weights["encoder.embed_tokens.weight"] = weights["shared.weight"].clone()
+    copy = tmp_path / "umt5.safetensors"
+    save_file(weights, str(copy))
+
+    pipe = load(base, "release", components={"text_encoder": copy})
+
+    assert np.array_equal(frames(pipe), reference)
+
+
 def test_a_file_of_another_model_is_refused_before_anything_loads(base, tmp_path):
     wrong = tmp_path / "other.safetensors"
     save_file({"model.diffusion_model.blocks.0.self_attn.q.weight": torch.zeros(3, 3)}, str(wrong))
