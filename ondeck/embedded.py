@@ -251,13 +251,36 @@ def _problem(folder: Path) -> str | None:
     for component in ("text_encoder", "transformer", "vae"):
         if not any((folder / component).glob("*.safetensors")):
             return f"is incomplete (no weights in {component}/)"
+    return _damage(folder, marker.get("files"))
+
+
+def _damage(folder: Path, files: Any) -> str | None:
+    """Which file the build wrote differs now (its size, or a JSON file that no longer
+    parses): a damaged cache is rebuilt, not loaded into an error every run."""
+    if not isinstance(files, dict) or not files:
+        return "is from an older ondeck"  # built before its files were listed
+    for relative, size in files.items():
+        path = folder / str(relative)
+        try:
+            if path.stat().st_size != size:
+                return f"is damaged ({relative} has changed size)"
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+        except (OSError, ValueError, TypeError):
+            return f"is damaged ({relative} is missing or unreadable)"
     return None
 
 
 def _write_marker(folder: Path, preset: str) -> None:
-    """The marker, written last and atomically: its presence means the rest is there."""
+    """The marker, written last and atomically: its presence means the rest is there,
+    and it lists every file the build wrote with its size."""
+    files = {
+        path.relative_to(folder).as_posix(): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MARKER
+    }
     document = {"preset": preset, "seed": 0, "vivid": True, "version": EMBEDDED_VERSION}
-    write_json(folder / MARKER, document)
+    write_json(folder / MARKER, {**document, "files": files})
 
 
 def _remove_leftovers(root: Path, name: str) -> None:

@@ -44,6 +44,17 @@ def test_two_first_runs_at_once_build_it_once_and_leave_nothing_stray(tmp_path):
     assert embedded_default(tmp_path, preset="tiny") == (tmp_path / TINY, False)
 
 
+def _truncate(path):
+    """Half the file, as an interrupted copy or a full disk leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garble(path):
+    """The same number of bytes, no longer JSON."""
+    path.write_bytes(b"{" + b" " * (path.stat().st_size - 1))
+
+
 @pytest.fixture
 def built(tmp_path):
     path, was_built = embedded_default(tmp_path, preset="tiny")
@@ -64,8 +75,28 @@ def built(tmp_path):
             lambda f: (f / MARKER).write_text(json.dumps({"preset": "tiny", "seed": 0})),
             "is from an older ondeck",
         ),
+        (
+            lambda f: _truncate(next((f / "transformer").glob("*.safetensors"))),
+            "is damaged (transformer/diffusion_pytorch_model.safetensors has changed size)",
+        ),
+        (
+            lambda f: _garble(f / "vae" / "config.json"),
+            "is damaged (vae/config.json is missing or unreadable)",
+        ),
+        (
+            lambda f: (f / "scheduler" / "scheduler_config.json").unlink(),
+            "is incomplete (scheduler/scheduler_config.json is missing)",
+        ),
     ],
-    ids=["no-tokenizer", "no-marker", "no-vae-weights", "older-version"],
+    ids=[
+        "no-tokenizer",
+        "no-marker",
+        "no-vae-weights",
+        "older-version",
+        "truncated-weights",
+        "broken-config",
+        "no-scheduler",
+    ],
 )
 def test_a_half_built_or_old_cache_is_rebuilt_with_one_line(damage, reason, built, tmp_path):
     damage(built)
