@@ -37,6 +37,9 @@ def is_the_command() -> bool:
 _interrupts = 0
 _deferring = 0
 _after_deferring: object = None
+# The last interrupting signal: the status is 128 + its number (130 for Ctrl-C, 143 for
+# SIGTERM, what ``timeout``, ``docker stop`` and systemd send).
+_signal_number = int(signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -77,9 +80,13 @@ def exits_on_interrupt() -> Iterator[None]:
 
 def raise_interrupts() -> None:
     """From here on Ctrl-C raises ``KeyboardInterrupt`` (noted too): called first in the
-    command's handler, so that no interrupt lands between the imports and that handler."""
+    command's handler, so that no interrupt lands between the imports and that handler.
+    SIGTERM, where nothing else handles it, does the same: a run it stops removes its
+    temporary files as one Ctrl-C stops does, and ends with status 143."""
     if signal.getsignal(signal.SIGINT) is _note_interrupt and _deferring == 0:
         signal.signal(signal.SIGINT, _note_and_raise_interrupt)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _note_and_raise_interrupt)
         if _interrupts:
             raise KeyboardInterrupt
 
@@ -102,8 +109,9 @@ def _watching() -> bool:
 
 
 def _note_interrupt(signum: int, frame: object) -> None:
-    global _interrupts
+    global _interrupts, _signal_number
     _interrupts += 1
+    _signal_number = int(signum)
 
 
 def _note_and_raise_interrupt(signum: int, frame: object) -> None:
@@ -157,7 +165,7 @@ def _flush() -> None:
 
 
 def exit_interrupted() -> NoReturn:
-    """End the process with status 130, now.
+    """End the process with status 130 (143 after SIGTERM), now.
 
     Not through ``SystemExit``: an interrupt that passed through code the interpreter ran
     for an extension (pybind11's ``exec``, which torch's import uses) marks it as never
@@ -166,4 +174,28 @@ def exit_interrupted() -> NoReturn:
     name, already renamed into place or removed.
     """
     _flush()
-    os._exit(130)
+    os._exit(128 + _signal_number)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the end of the block (renames that replace a set of
+    files together), then are delivered to the handlers they would have met. Only the
+    main thread receives signals; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = {}
+    for number in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(number)
+        if handler not in (signal.SIG_IGN, None):
+            held[number] = handler
+            signal.signal(number, lambda received, _: caught.append(received))
+    try:
+        yield
+    finally:
+        for number, handler in held.items():
+            signal.signal(number, handler)
+        for number in caught:
+            signal.raise_signal(number)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OndeckError
+from .interrupt import interrupts_held
 
 
 class OutputError(OndeckError):
@@ -281,7 +282,8 @@ def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image")
     written = [folder / name for name in names]
     path = written[0]
     try:
-        with contextlib.ExitStack() as renames:  # all renamed into place as it closes
+        # All renamed into place as it closes, with no interrupt between two renames.
+        with interrupts_held(), contextlib.ExitStack() as renames:
             for path, image in zip(written, pixels, strict=True):
                 temporary = renames.enter_context(atomic_path(path))
                 picture = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
@@ -377,8 +379,11 @@ def holding_folder(folder: str | os.PathLike) -> Iterator[Path]:
             break
         os.close(descriptor)
     try:
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, str(os.getpid()).encode())
+        try:
+            os.ftruncate(descriptor, 0)
+            os.write(descriptor, str(os.getpid()).encode())
+        except OSError as error:  # a full disk, say
+            raise OutputError(f"cannot write to {lock_path}: {error.strerror or error}") from error
         yield folder
     finally:
         with contextlib.suppress(OSError):

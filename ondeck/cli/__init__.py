@@ -134,6 +134,8 @@ def console() -> int:
         raise_interrupts()
         for name, value in PROCESS_DEFAULTS.items():
             os.environ.setdefault(name, value)
+        if not debug:  # read as transformers is imported, which comes later
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         code = main()
         if interrupted() and code != 130:  # a library swallowed the KeyboardInterrupt
             print(INTERRUPTED, file=sys.stderr)

@@ -29,9 +29,14 @@ def interruptible(command: list[str], environment: dict) -> subprocess.Popen:
     )
 
 
+@pytest.mark.parametrize(
+    ("stop", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"]
+)
 def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_results(
-    tiny_model, tmp_path
+    tiny_model, tmp_path, stop, status
 ):
+    """SIGTERM (``timeout``, ``docker stop``, systemd) stops a run as Ctrl-C does: one
+    line, the previous results kept, no temporary file or lock left, status 143."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "video.mp4").write_bytes(b"previous complete video")
@@ -46,15 +51,15 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
         for line in process.stdout:  # the plan is printed just before the run starts
             if line.startswith("predicted component peak"):
                 break
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         _, err = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 130
+    assert process.returncode == status
     assert [line for line in err.splitlines() if line.strip()] == ["ondeck: interrupted"]
     assert (out / "video.mp4").read_bytes() == b"previous complete video"
-    assert listing(out) == {"video.mp4", "report.json"}
+    assert sorted(path.name for path in out.iterdir()) == ["report.json", "video.mp4"]
 
 
 # Loaded at start-up (sitecustomize), it sends the process SIGINT as torch starts to be

@@ -136,6 +136,51 @@ def test_a_full_disk_at_the_second_image_keeps_the_previous_set_whole(
     assert {name: (out / name).read_bytes() for name in previous} == previous
 
 
+def test_an_interrupt_between_the_renames_of_a_set_waits_for_the_last(tmp_path, monkeypatch):
+    """Ctrl-C landing as the first image of a set is renamed into place is delivered
+    once every image is: the folder holds the new set whole, never one new image beside
+    the old others."""
+    import os
+    import signal
+
+    import numpy as np
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("image-1.png", "image-2.png", "image-3.png"):
+        (out / name).write_bytes(b"previous " + name.encode())
+    real = os.replace
+    renamed = []
+
+    def replace(source, destination):
+        real(source, destination)
+        renamed.append(os.path.basename(destination))
+        if len(renamed) == 1:
+            signal.raise_signal(signal.SIGINT)  # the default handler: KeyboardInterrupt
+
+    monkeypatch.setattr(output.os, "replace", replace)
+    images = np.full((3, 4, 4, 3), 200, dtype=np.uint8)
+    with pytest.raises(KeyboardInterrupt):
+        output.write_images(out, images)
+    assert sorted(renamed) == ["image-1.png", "image-2.png", "image-3.png"]
+    assert not any((out / name).read_bytes().startswith(b"previous") for name in renamed)
+
+
+def test_a_full_disk_as_the_folders_lock_is_written_names_the_lock(tmp_path, monkeypatch):
+    import os
+
+    def full(descriptor, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output.os, "write", full)
+    with pytest.raises(output.OutputError) as caught, output.holding_folder(tmp_path):
+        pass
+    assert str(caught.value) == (
+        f"cannot write to {tmp_path / '.ondeck-run.lock'}: No space left on device"
+    )
+    assert os.listdir(tmp_path) == [], "the lock is removed"
+
+
 def test_a_folder_in_place_of_a_numbered_image_is_refused_before_the_run(capsys, flux, tmp_path):
     """A folder where one of the --images N files goes is refused before any work, as
     one named image.png is."""

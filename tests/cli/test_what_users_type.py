@@ -142,3 +142,32 @@ def test_without_guidance_the_pipeline_runs_at_its_own(family, tmp_path, capsys)
         made[name] = (out / "image.png").read_bytes()
     assert made["own"] == made["seven"]
     assert made["own"] != made["five"]
+
+
+def test_a_quiet_plan_prints_nothing_of_the_libraries_own(tmp_path):
+    """``ONDECK_PROGRESS=0``: no diffusers bar for the components it lists, and no
+    transformers note on a package it falls back from (torchvision, absent here): the
+    command's stderr is empty when nothing is wrong."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from integrations.breadth_pipelines import ALL_FAMILIES
+
+    folder = tmp_path / "flux"
+    ALL_FAMILIES["flux"].build(folder)
+    root = Path(__file__).resolve().parents[2]
+    environment = {**os.environ, "PYTHONPATH": str(root), "ONDECK_PROGRESS": "0"}
+    environment["ONDECK_CACHE"] = str(tmp_path / "cache")
+    environment.pop("TRANSFORMERS_VERBOSITY", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ondeck", "plan", str(folder), "--device", "cpu"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("ondeck: auto chose")

@@ -315,15 +315,19 @@ def _shard_names(
 
 
 def _require_models(folder: ModelFolder, skip: Mapping[str, Any]) -> None:
-    """Refuse an untrusted library before diffusers imports it, and a model without
+    """Refuse an untrusted library before diffusers imports it, a model without
     readable safetensors weights now rather than when a call first needs it (a gguf
-    component's loader looks for its file). ``skip``: components passed in."""
+    component's loader looks for its file), and a scheduler without its config (diffusers
+    would name the model's folder, not the component). ``skip``: components passed in."""
     for name in folder.component_names:
         if name in skip:
             continue
-        if issubclass(folder.component_class(name), torch.nn.Module):
+        cls = folder.component_class(name)
+        if issubclass(cls, torch.nn.Module):
             if quantization_method(folder, name) != "gguf":
                 folder.require_weights(name)
+        elif isinstance(getattr(cls, "config_name", None), str):
+            folder.config_path(name)  # a scheduler's config, named here when it is missing
 
 
 @dataclass
