@@ -192,7 +192,13 @@ def _diffusers_rule(pipe: Any) -> ShapeRule:
         return ShapeRule()
     takes_frames = "num_frames" in parameters
     spatial = _first_int(
-        pipe, ("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor")
+        pipe,
+        (
+            "vae_scale_factor_spatial",
+            "vae_spatial_compression_ratio",
+            "vae_spatial_scale_factor",  # Mochi
+            "vae_scale_factor",
+        ),
     )
     if spatial is None:
         return ShapeRule(takes_frames=takes_frames)
@@ -201,7 +207,14 @@ def _diffusers_rule(pipe: Any) -> ShapeRule:
     patch = 2 if hasattr(type(pipe), "_pack_latents") else _transformer_patch(pipe)
     temporal = None
     if takes_frames:
-        temporal = _first_int(pipe, ("vae_scale_factor_temporal", "vae_temporal_compression_ratio"))
+        temporal = _first_int(
+            pipe,
+            (
+                "vae_scale_factor_temporal",
+                "vae_temporal_compression_ratio",
+                "vae_temporal_scale_factor",
+            ),
+        )
         # Frames k·t+1 only where the pipeline's own default count is one (Wan 81, LTX
         # 161): Allegro's 88 shows a pipeline that takes any count.
         default = parameters["num_frames"].default

@@ -317,6 +317,7 @@ def first_plan(args: argparse.Namespace, pipe: Any, shape: Shape, extra: dict) -
 def plan(args: argparse.Namespace) -> int:
     """The plan ``generate`` with the same flags would print before its first run."""
     check_policy_flags(args)
+    weight_files(args)  # each file there, before a base is downloaded
     check_text("--prompt", args.prompt)
     check_text("--negative-prompt", args.negative_prompt)
     check_device(args.device)

@@ -28,7 +28,7 @@ from ..parallel import describe_split
 from . import commands
 from .finite import FiniteWatch
 from .media import Media, check_media_flags, media_of, read_input_image
-from .options import UsageError, check_policy_flags
+from .options import UsageError, check_policy_flags, weight_files
 from .shape import Shape
 
 OUTPUT_NAMES = ("report.json", "timeline.png", "video.mp4", "frames.npy", "image.png")
@@ -53,6 +53,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace) -> None:
     check_policy_flags(args)
+    weight_files(args)  # each file there, before a base is downloaded or built
     commands.check_text("--prompt", args.prompt)
     commands.check_text("--negative-prompt", args.negative_prompt)
     commands.check_device(args.device)

@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from ..errors import LoadError, OndeckError
@@ -131,6 +132,14 @@ def _component_file(text: str) -> tuple[str, str]:
     return name, file
 
 
+def _require_file(flag: str, file: str) -> None:
+    path = Path(os.path.expanduser(file))
+    if not path.exists():
+        raise UsageError(f"argument {flag}: {file} does not exist")
+    if not path.is_file():
+        raise UsageError(f"argument {flag}: {file} is not a file")
+
+
 def _lora(text: str) -> tuple[str, float]:
     """FILE or FILE:SCALE. A whole text that names a file is a file (a ':' in its name);
     one whose part before the last ':' names a file has a scale, which must be a number."""
@@ -146,19 +155,23 @@ def _lora(text: str) -> tuple[str, float]:
 
 
 def weight_files(args: argparse.Namespace) -> dict[str, Any]:
-    """--transformer, --component and --lora as the pipeline takes them."""
-    pairs = list(getattr(args, "component", None) or [])
+    """--transformer, --component and --lora as the pipeline takes them; a file that is
+    not there is the flag's error, found before anything is built or downloaded."""
+    given = [("--component", name, file) for name, file in getattr(args, "component", None) or []]
     if getattr(args, "transformer", None):
-        pairs.append(("transformer", args.transformer))
+        given.append(("--transformer", "transformer", args.transformer))
     components: dict[str, Any] = {}
-    for name, file in pairs:
+    for flag, name, file in given:
         if name in components:
             raise UsageError(
                 f"argument --component: {name} is given twice ({components[name]} and "
                 f"{file}; --transformer FILE is --component transformer=FILE)"
             )
+        _require_file(flag, file)
         components[name] = file
     loras = list(getattr(args, "lora", None) or [])
+    for file, _ in loras:
+        _require_file("--lora", file)
     return {
         **({"components": components} if components else {}),
         **({"loras": loras} if loras else {}),

@@ -150,6 +150,25 @@ def test_an_allegro_like_pipeline_takes_any_frame_count():
         check_generate_arguments(Runtime(), num_frames=8)
 
 
+def test_mochis_frames_are_6k_plus_1():
+    """Mochi names its VAE's frame ratio ``vae_temporal_scale_factor``; 8 frames would
+    decode as 7 while the report said 8."""
+
+    class Mochi:
+        vae_temporal_scale_factor = 6
+        vae_spatial_scale_factor = 8
+
+        def __call__(self, prompt=None, num_frames: int = 19):
+            pass
+
+    class Runtime:
+        pipe = Mochi()
+
+    check_generate_arguments(Runtime(), num_frames=13)
+    with pytest.raises(ArgumentError, match="num_frames: must be 6k\\+1"):
+        check_generate_arguments(Runtime(), num_frames=8)
+
+
 @pytest.mark.parametrize("policy", ["eager", "release"])
 @pytest.mark.parametrize("command", ["generate", "plan"])
 def test_a_budget_with_a_policy_that_ignores_it_is_refused(

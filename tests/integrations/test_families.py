@@ -62,3 +62,45 @@ def test_budget_and_eager_match_diffusers(family, folders, references):
     assert resident(pipe) == set(pipe.ondeck.deferred), "eager loads everything up front"
     assert np.array_equal(run(pipe, ALL_FAMILIES[family]), references[family][0])
     assert set(load_counts(pipe).values()) == {1}
+
+
+@pytest.mark.parametrize("family", ["flux_kontext", "wan_i2v"])
+def test_a_vae_encoding_the_input_keeps_the_budget_where_one_large_component_fits(
+    family, folders, references
+):
+    """An image-edit or image-to-video call uses its VAE before the transformer (the
+    input image) and after it (the decode). Under a budget that holds the transformer and
+    little beside, every call keeps to it and gives diffusers' output: before, the first
+    call's VAE jumped to its decode's turn, the transformer loaded outside any turn
+    beside every encoder, and the second call was refused."""
+    sizes = ondeck.plan(folders[family], policy="release").component_bytes
+    budget = max(sizes.values()) + min(sizes.values()) // 2
+    pipe = ondeck.diffusers.from_pretrained(
+        folders[family], device="cpu", policy="budget", budget=budget, progress=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    for call, expected in enumerate(references[family], start=1):
+        assert np.array_equal(run(pipe, ALL_FAMILIES[family]), expected), f"call {call}"
+        report = pipe.ondeck.report()  # its peak covers every call so far
+        assert report["peak_resident_bytes"] <= budget, f"call {call}"
+        assert "transformer" in [stage["stage"] for stage in report["stages"]], f"call {call}"
+
+
+@pytest.mark.parametrize("negative", [None, ""])
+def test_no_negative_prompt_is_the_pipelines_own_default(negative, folders, monkeypatch):
+    """``generate`` with no negative prompt, or an empty one (the command line's and the
+    server's default), calls the pipeline without one: QwenImage's "" would turn on its
+    true classifier-free guidance, twice the transformer's calls and another image."""
+    pipe = load(folders["qwenimage"], "release")
+    seen = []
+    call = pipe.ondeck.run
+    monkeypatch.setattr(pipe.ondeck, "run", lambda f, *a, **k: seen.append(k) or call(f, *a, **k))
+    pipe.ondeck.generate(
+        "a fox",
+        negative_prompt=negative,
+        height=32,
+        width=32,
+        num_inference_steps=1,
+        max_sequence_length=16,
+    )
+    assert len(seen) == 1 and "negative_prompt" not in seen[0]

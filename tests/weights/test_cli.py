@@ -126,3 +126,36 @@ def test_a_lora_scale_that_is_not_a_number_is_a_usage_error(capsys, base, tmp_pa
         assert code == 2, err
         (line,) = error_lines(err)
         assert "the scale after ':'" in line and scale in line
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--transformer", "{missing}", "--transformer"),
+        ("--component", "text_encoder={missing}", "--component"),
+        ("--lora", "{missing}", "--lora"),
+        ("--lora", "{missing}:0.5", "--lora"),
+        ("--transformer", "{folder}", "--transformer"),
+    ],
+)
+def test_a_weight_file_that_is_not_there_is_the_flags_error(
+    capsys, base, tmp_path, monkeypatch, command, flag, value, named
+):
+    """A path typed wrong is a wrong argument (status 2), found before a base is built or
+    downloaded, not a failed load after it."""
+    from cli.helpers import error_lines
+
+    from ondeck.cli import commands
+
+    monkeypatch.setattr(commands, "resolve_model", lambda *a: pytest.fail("resolved the base"))
+    missing, folder = tmp_path / "absent.safetensors", tmp_path
+    given = value.format(missing=missing, folder=folder)
+    argv = [command, base, flag, given, "--device", "cpu"]
+    if command == "generate":
+        argv += ["--output", tmp_path / "out"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    (line,) = error_lines(err)
+    assert line.startswith(f"ondeck: error: argument {named}: ")
+    assert line.endswith("does not exist" if "absent" in given else "is not a file")

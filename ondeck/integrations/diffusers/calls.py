@@ -14,11 +14,17 @@ from ...errors import OndeckError
 
 __all__ = [
     "CHECKED_KEYWORDS",
+    "INPUT_ARGUMENTS",
+    "call_with_progress",
     "check_prompt_cleaning",
+    "frames_of",
     "generator_states",
     "restore_generators",
     "warn_if_truncated",
 ]
+
+# A call's inputs a VAE encodes before the denoising loop (image-to-video, edits, img2img).
+INPUT_ARGUMENTS = ("image", "video", "control_image")
 
 # Keyword arguments of the call that the one check bounds, as it does the named ones.
 CHECKED_KEYWORDS = ("num_images_per_prompt", "num_videos_per_prompt", "max_sequence_length")
@@ -66,3 +72,41 @@ def generator_states(arguments: dict[str, Any]) -> list[tuple[torch.Generator, t
 def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
     for generator, state in states:
         generator.set_state(state)
+
+
+def call_with_progress(
+    pipe: Any, arguments: dict, parameters: Any, progress: Any, given: dict
+) -> Any:
+    """``pipe(**arguments, **given)`` with ``progress`` (a tqdm bar) advanced once per
+    denoising step through the call's step callback (the caller's own still called), and
+    the pipeline's own bar off meanwhile."""
+    arguments = dict(arguments)
+    given = dict(given)
+    bar_config = None
+    if progress is not None and "callback_on_step_end" in parameters:
+        callback = given.pop("callback_on_step_end", None)
+
+        def advance(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+            progress.update(1)
+            return callback(pipe, step, timestep, tensors) if callback is not None else {}
+
+        arguments["callback_on_step_end"] = advance
+        bar_config = dict(getattr(pipe, "_progress_bar_config", {}))
+        pipe.set_progress_bar_config(**{**bar_config, "disable": True})
+    arguments.update(given)
+    try:
+        return pipe(**arguments)
+    finally:
+        if bar_config is not None:
+            pipe._progress_bar_config = bar_config
+
+
+def frames_of(output: Any) -> Any:
+    """A call's ``frames``; images as one-frame videos (B×1×H×W×C)."""
+    import numpy as np
+
+    frames = getattr(output, "frames", None)
+    if frames is not None:
+        return frames
+    images = np.asarray(output.images)
+    return images[:, None] if images.ndim == 4 else images

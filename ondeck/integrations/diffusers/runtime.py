@@ -31,7 +31,10 @@ from ...token_room import CountsTokens, TokenRoom
 from .call_shape import call_batch, call_profile_shape, call_sizes, token_activations
 from .calls import (
     CHECKED_KEYWORDS,
+    INPUT_ARGUMENTS,
+    call_with_progress,
     check_prompt_cleaning,
+    frames_of,
     generator_states,
     restore_generators,
     warn_if_truncated,
@@ -142,6 +145,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         # The arguments of the call in progress, else of the last one: the decode's need
         # before it decodes comes from the frame size they give.
         self._call_arguments: dict[str, Any] = {}
+        self._input_given = False  # it has an input its VAE encodes (``INPUT_ARGUMENTS``)
         self._own_sizes: dict[str, int] | None = None  # read at the first call
         # Room kept for a turn's activations since it ran out of memory (a floor).
         self._oom_room: dict[str, int] = {}
@@ -244,6 +248,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         """Plan for the call ``args``/``kwargs`` from now on: its sizes (what it leaves
         out is what it makes: the decode is sized for it) and its profile's shape."""
         self._call_arguments = {**self._own_call_sizes(), **call_sizes(kwargs)}
+        self._input_given = any(kwargs.get(key) is not None for key in INPUT_ARGUMENTS)
         if self.profile_model is not None:
             self._profile_shape = call_profile_shape(
                 args, kwargs, self._call_arguments, self.device
@@ -403,11 +408,15 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         index = self._turn_index(name)
         if index is None or (self._current_index is not None and index <= self._current_index):
             return  # used again after its turn: it loads if it has to, and goes later
-        if self._learned_from is None and name in self._unlisted:
-            # Before the order is learned, a component outside the sequence joins the turn
-            # in progress rather than jumping to its guessed turn: jumping would pass the
-            # turns of components the call is still using (the UNet a ControlNet works
-            # beside) and free them, to load them again moments later.
+        if self._learned_from is None and (
+            name in self._unlisted
+            or (name in self.decoders and self._input_given and self._passes_untouched(index))
+        ):
+            # Before the order is learned, a component outside the sequence, or a VAE
+            # encoding the call's input, joins the turn in progress rather than jumping to
+            # its guessed turn: that would pass the turns of components the call still
+            # uses (the UNet a ControlNet works beside; the transformer after the VAE's
+            # encode), which would load again moments later, or outside any turn.
             return
         with self._deciding():
             self._advance_to(index)
@@ -434,6 +443,11 @@ class DiffusersRuntime(CountsTokens, Pipeline):
                 self._advance_to(index)
                 # As its first touch would: the turn's own component, not those it holds.
                 self.components[self.stages[index].name].materialize(complete=False)
+
+    def _passes_untouched(self, index: int) -> bool:
+        """Whether starting turn ``index`` now passes a turn this call has not touched."""
+        start = 0 if self._current_index is None else self._current_index + 1
+        return any(stage.name not in self._record.held for stage in self.stages[start:index])
 
     def _turn_done(self, name: str | None) -> bool:
         """Whether the call of ``name`` that just ended was the last the turn in progress
@@ -566,12 +580,18 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         touched = set(record.first_touch)
         if self._learned_from is not None and not touched >= self._learned_from:
             return
-        self._learned_from = touched
         turns = with_untouched(record.turns(), self._seeded_order, touched)
-        self.executor.write_turns(turns)  # a later process's first call plans with them
         if turns != self._turns:
-            self._turns = turns
+            seeded, self._turns = self._turns, turns
             self._rebuild_stages()
+            if self.plan().overflow() is not None:
+                # Held in one turn (an input's VAE in the transformer's) they do not fit
+                # where each turn alone did: the next call plans as this one did.
+                self._turns = seeded
+                self._rebuild_stages()
+                return
+        self._learned_from = touched
+        self.executor.write_turns(turns)  # a later process's first call plans with them
 
     def _own_call_sizes(self) -> dict[str, int]:
         """The sizes the pipeline's call makes where it is given none (read once)."""
@@ -708,8 +728,6 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         patch, frames not k·t+1 where the pipeline counts them so, a guidance that is not
         finite) raises ``ValueError`` naming it, the same check as the command line's.
         """
-        import numpy as np
-
         parameters = inspect.signature(type(self.pipe).__call__).parameters
         frames_argument = frame_count_argument(parameters)  # video_length for Latte
         check_generate_arguments(
@@ -734,35 +752,17 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             seed=seed,
             negative_prompt=negative_prompt,
         )
-        bar_config = None
-        if progress is not None and "callback_on_step_end" in parameters:
-            given = kwargs.pop("callback_on_step_end", None)
-
-            def advance(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
-                progress.update(1)
-                return given(pipe, step, timestep, tensors) if given is not None else {}
-
-            arguments["callback_on_step_end"] = advance
-            bar_config = dict(getattr(self.pipe, "_progress_bar_config", {}))
-            self.pipe.set_progress_bar_config(**{**bar_config, "disable": True})
-        arguments.update(kwargs)
-        try:
-            output = self.pipe(**arguments)
-        finally:
-            if bar_config is not None:
-                self.pipe._progress_bar_config = bar_config
-        frames = getattr(output, "frames", None)
-        if frames is not None:
-            return frames
-        images = np.asarray(output.images)
-        return images[:, None] if images.ndim == 4 else images
+        return frames_of(call_with_progress(self.pipe, arguments, parameters, progress, kwargs))
 
     def _generate_arguments(self, prompt: str, *, seed: int | None, **given: Any) -> dict:
         """The pipeline's call arguments for ``generate``'s (those it takes, the frame
-        count under its own name, a CPU generator for ``seed``, numpy output)."""
+        count under its own name, a CPU generator for ``seed``, numpy output). An empty
+        negative prompt is none: the pipeline's own default (QwenImage's "" would turn
+        on its true classifier-free guidance)."""
         parameters = inspect.signature(type(self.pipe).__call__).parameters
         frames_argument = frame_count_argument(parameters)  # video_length for Latte
         given[frames_argument or "num_frames"] = given.pop("num_frames", None)
+        given["negative_prompt"] = given.get("negative_prompt") or None
         wanted = {"prompt": prompt, **given}
         arguments = {k: v for k, v in wanted.items() if v is not None and k in parameters}
         if seed is not None:
