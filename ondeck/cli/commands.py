@@ -275,6 +275,8 @@ def call_extra(args: argparse.Namespace, media: Media, image: Any) -> dict[str, 
     """The call's arguments beyond ``call_options``: the input image under the name the
     pipeline takes it by, and the image count where it makes several."""
     extra = {} if image is None else {media.image_argument or "image": image}
+    if getattr(args, "true_cfg", None) is not None:  # a pipeline that takes it: checked
+        extra["true_cfg_scale"] = args.true_cfg
     if args.images is not None and media.takes_count:
         extra["num_images_per_prompt"] = args.images
     if media.takes_max_area and (args.height is not None or args.width is not None):

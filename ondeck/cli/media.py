@@ -47,6 +47,11 @@ class Media:
     # The call caps the output's area and sets its size from it (Flux Kontext's
     # ``max_area``, a megapixel by default, which overrides a size asked for).
     takes_max_area: bool = False
+    # The call's ``true_cfg_scale`` default (Flux's 1.0: a negative prompt unused), None
+    # where it takes none; and whether the transformer embeds guidance (False: a Flux
+    # built without it, as FLUX.1 [schnell], ignores ``guidance_scale``), None unknown.
+    true_cfg_default: float | None = None
+    guidance_embedded: bool | None = None
 
 
 def media_of(path: Path) -> Media:
@@ -85,7 +90,18 @@ def media_of(path: Path) -> Media:
         _whole_default(parameters, frames_argument), frames_argument, image_argument,
         _whole_default(parameters, "height"), _whole_default(parameters, "width"),
         _whole_default(parameters, "num_inference_steps"), "max_area" in parameters,
+        _number_default(parameters, "true_cfg_scale"), _guidance_embedded(configs[1]),
     )  # fmt: skip
+
+
+def _number_default(parameters: dict, name: str) -> float | None:
+    default = getattr(parameters.get(name), "default", None)
+    return float(default) if _is_rate(default) or default == 0 else None
+
+
+def _guidance_embedded(config: Any) -> bool | None:
+    value = _get(config, "guidance_embeds")
+    return value if isinstance(value, bool) else None
 
 
 def _whole_default(parameters: dict, name: str | None) -> int | None:
@@ -193,6 +209,29 @@ def check_media_flags(args: Any, media: Media, *, image_needed: bool = True) -> 
         raise UsageError(f"argument --image: {name} takes no input image")
     if args.image is None and media.needs_image and image_needed:
         raise UsageError(f"{name} needs an input image: give it with --image PATH")
+    true_cfg = getattr(args, "true_cfg", None)
+    if true_cfg is not None and media.true_cfg_default is None:
+        raise UsageError(f"argument --true-cfg: {name} has no true_cfg_scale")
+    _warn_of_unused(args, media, true_cfg)
+
+
+def _warn_of_unused(args: Any, media: Media, true_cfg: float | None) -> None:
+    """A flag the pipeline would ignore, said in one line rather than left to change
+    nothing unnoticed."""
+    name = media.pipeline_class
+    cfg = true_cfg if true_cfg is not None else media.true_cfg_default
+    if args.negative_prompt and cfg is not None and cfg <= 1:
+        warnings.warn(
+            f"{name} uses a negative prompt only with true classifier-free guidance "
+            "(true_cfg_scale above 1; try --true-cfg 4): --negative-prompt changes nothing",
+            stacklevel=3,
+        )
+    if getattr(args, "guidance", None) is not None and media.guidance_embedded is False:
+        warnings.warn(
+            f"{name}: this transformer has no guidance embedding (guidance_embeds is false, "
+            "as in FLUX.1 [schnell]): --guidance changes nothing",
+            stacklevel=3,
+        )
 
 
 def read_input_image(path_text: str) -> Any:

@@ -193,6 +193,13 @@ def _add_call(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--guidance", type=_finite, help="guidance_scale (default: the pipeline's own)"
     )
+    parser.add_argument(
+        "--true-cfg",
+        type=_finite,
+        metavar="SCALE",
+        help="true_cfg_scale of a pipeline that takes one (Flux, Flux Kontext, QwenImage, "
+        "HunyuanVideo): above 1 runs the negative prompt too (default: the pipeline's own)",
+    )
     parser.add_argument("--seed", type=_seed, default=0)
     parser.add_argument(
         "--image",

@@ -57,7 +57,7 @@ LOCAL_ONLY = {
     "--budget": "budget", "--device": "device", "--dtype": "dtype",
     "--host-cache": "host_cache", "--host-memory": "host_memory", "--shard": "shard",
     "--context-parallel": "context_parallel", "--parallel": "parallel",
-    "--library": "library", "--no-prefetch": "no_prefetch",
+    "--library": "library", "--no-prefetch": "no_prefetch", "--true-cfg": "true_cfg",
 }  # fmt: skip
 
 

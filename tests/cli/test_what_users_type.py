@@ -171,3 +171,42 @@ def test_a_quiet_plan_prints_nothing_of_the_libraries_own(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.startswith("ondeck: auto chose")
+
+
+@pytest.fixture(scope="module")
+def flux_and_sd3(tmp_path_factory):
+    from integrations.breadth_pipelines import ALL_FAMILIES
+
+    root = tmp_path_factory.mktemp("true-cfg")
+    for name in ("flux", "sd3"):
+        ALL_FAMILIES[name].build(root / name)
+    return root / "flux", root / "sd3"
+
+
+def _flags(**given):
+    defaults = dict(images=None, frames=None, fps=None, image=None, negative_prompt="")
+    return argparse.Namespace(**{**defaults, "guidance": None, "true_cfg": None, **given})
+
+
+def test_flags_flux_would_ignore_are_said_and_true_cfg_reaches_it(flux_and_sd3):
+    """Flux runs a negative prompt only with true CFG, and a transformer without a
+    guidance embedding (FLUX.1 [schnell]; this tiny one) ignores guidance_scale: each
+    says so in one warning. ``--true-cfg`` passes true_cfg_scale; a pipeline without
+    one refuses it."""
+    from ondeck.cli.media import check_media_flags
+
+    flux, sd3 = flux_and_sd3
+    media = media_of(flux)
+    assert (media.true_cfg_default, media.guidance_embedded) == (1.0, False)
+    with pytest.warns(UserWarning, match="--negative-prompt changes nothing"):
+        check_media_flags(_flags(negative_prompt="blurry"), media)
+    with pytest.warns(UserWarning, match="--guidance changes nothing"):
+        check_media_flags(_flags(guidance=2.0), media)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_media_flags(_flags(negative_prompt="blurry", true_cfg=4.0), media)
+    assert call_extra(_flags(true_cfg=4.0), media, None)["true_cfg_scale"] == 4.0
+    with pytest.raises(Exception, match="argument --true-cfg: StableDiffusion3Pipeline has no"):
+        check_media_flags(_flags(true_cfg=4.0), media_of(sd3))
