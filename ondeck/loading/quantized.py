@@ -200,6 +200,8 @@ class QuantizedComponentLoader(FolderLoader):
     @property
     def spec(self) -> ComponentSpec:
         config: Any = self.config
+        if self._nbytes is None and self.method == "gguf" and self.library == "diffusers":
+            _refuse_unsupported_types(_gguf_reader(self.path, self.name), self.path, self.name)
         if self._nbytes is None and self.places_blocks:
             # The module diffusers builds from the header, tensor for tensor: the file's
             # names may be the original repository's, which the float32-kept modules'
@@ -584,7 +586,7 @@ def _read_gguf(
     reload). A type diffusers cannot dequantize is refused before anything is read, and
     so is a file that is not the one ``status`` (taken before its header is read) saw."""
     import gguf
-    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFParameter
+    from diffusers.quantizers.gguf.utils import GGUFParameter
 
     from . import reads
     from .chunks import ReadJob
@@ -593,15 +595,10 @@ def _read_gguf(
     identity = FileIdentity.of(path.stat() if status is None else status, b"")
     jobs = []
     checkpoint: dict[str, torch.Tensor] = {}
-    for tensor in _gguf_reader(path, name).tensors:
+    reader = _gguf_reader(path, name)
+    _refuse_unsupported_types(reader, path, name)
+    for tensor in reader.tensors:
         quant_type = None if tensor.tensor_type in plain else tensor.tensor_type
-        if quant_type is not None and quant_type not in SUPPORTED_GGUF_QUANT_TYPES:
-            raise LoadError(
-                f"component '{name}': {path}: tensor {tensor.name!r} is quantized as "
-                f"{tensor.tensor_type.name}, which diffusers cannot dequantize",
-                component=name,
-                path=str(path),
-            )
         shape = tuple(int(size) for size in tensor.data.shape)  # the header's, not read
         destination = torch.empty(shape, dtype=_torch_dtype(tensor.data.dtype))
         start = int(tensor.data_offset)
@@ -737,6 +734,23 @@ def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int, torc
         )
         for tensor in reader.tensors
     ]
+
+
+def _refuse_unsupported_types(reader: Any, path: Path, name: str) -> None:
+    """A tensor quantized in a type diffusers cannot dequantize (MXFP4, say), refused
+    from the header: a plan or a first call says so before anything is read."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in plain and tensor.tensor_type not in SUPPORTED_GGUF_QUANT_TYPES:
+            raise LoadError(
+                f"component '{name}': {path}: tensor {tensor.name!r} is quantized as "
+                f"{tensor.tensor_type.name}, which diffusers cannot dequantize",
+                component=name,
+                path=str(path),
+            )
 
 
 def _gguf_reader(path: Path, name: str) -> Any:

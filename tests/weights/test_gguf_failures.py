@@ -82,3 +82,32 @@ def test_a_gguf_load_that_fails_keeps_no_module_or_file_bytes_alive(
         f"({sum(isinstance(a, torch.nn.Module) for a in alive)} module(s))"
     )
     del caught
+
+
+def test_a_type_diffusers_cannot_dequantize_is_refused_by_the_plan(
+    gguf_base, tmp_path, monkeypatch
+):
+    """An MXFP4 tensor is named from the header, when the pipeline is made or planned:
+    before, the plan said "fits" and the first call failed after its text encoder ran."""
+    from ondeck.loading import reads as reader
+
+    path = tmp_path / "wan-MXFP4.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    quantized = False
+    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
+        name = original_name(key).removeprefix("model.diffusion_model.")
+        array = tensor.to(torch.float32).numpy()
+        if not quantized and _is_stored(key, tensor):
+            kind = gguf.GGMLQuantizationType.MXFP4
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            quantized = True
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("read weights"))
+
+    with pytest.raises(LoadError, match=r"component 'transformer': .*is quantized as MXFP4"):
+        load(gguf_base, components={"transformer": path}).ondeck.plan()
