@@ -155,6 +155,34 @@ def check_generate_arguments(
     for name, value in (("height", height), ("width", width)):
         if most is not None and value is not None and value > most[0]:
             raise ArgumentError(name, f"{value} is too large for this model: {most[1]}")
+    given = {"height": height, "width": width, "num_frames": num_frames}
+    for name, most, why in _rotary_limits(pipeline) if geometry is None else ():
+        if given[name] is not None and given[name] > most:
+            raise ArgumentError(name, f"{given[name]} is too large for this model: {why}")
+
+
+def _rotary_limits(pipeline: Any) -> list[tuple[str, int, str]]:
+    """``(argument, most, why)`` per side of a diffusers pipeline whose transformer has
+    a fixed count of rotary positions per axis (Wan's ``rope_max_seq_len``, every Wan
+    family): a side past it fails diffusers' forward once every component loaded."""
+    pipe = getattr(pipeline, "pipe", pipeline)
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    limit = getattr(config, "rope_max_seq_len", None) if config is not None else None
+    patch = getattr(config, "patch_size", None) if config is not None else None
+    spatial = _first_int(pipe, ("vae_scale_factor_spatial",))
+    temporal = _first_int(pipe, ("vae_scale_factor_temporal",))
+    if not isinstance(limit, int) or not isinstance(patch, (list, tuple)) or len(patch) != 3:
+        return []
+    if spatial is None or temporal is None:
+        return []
+    time_patch, height_patch, width_patch = (int(size) for size in patch)
+    why = f"more patches than the transformer's {limit} rotary positions (its rope_max_seq_len)"
+    sides = [
+        ("height", limit * height_patch * spatial),
+        ("width", limit * width_patch * spatial),
+        ("num_frames", (limit * time_patch - 1) * temporal + 1),
+    ]
+    return [(name, most, f"{why}; at most {most}") for name, most in sides]
 
 
 def _whole(name: str, value: Any, low: int, high: int) -> None:

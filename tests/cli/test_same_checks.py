@@ -169,6 +169,39 @@ def test_mochis_frames_are_6k_plus_1():
         check_generate_arguments(Runtime(), num_frames=8)
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"width": 528}, "width: 528 is too large for this model: more patches than the "
+         "transformer's 32 rotary positions (its rope_max_seq_len); at most 512"),
+        ({"num_frames": 129}, "num_frames: 129 is too large for this model"),
+    ],
+)  # fmt: skip
+def test_a_wan_family_on_the_diffusers_path_is_held_to_its_rotary_positions(given, message):
+    """Wan 2.2, Wan image-to-video and the other Wan families run on the diffusers path:
+    a side past the transformer's rotary positions is refused before anything loads, as
+    on ondeck's Wan stages, not by a shape error after every component loaded."""
+    from types import SimpleNamespace
+
+    class Wan22:
+        vae_scale_factor_spatial = 8
+        vae_scale_factor_temporal = 4
+        transformer = SimpleNamespace(
+            config=SimpleNamespace(rope_max_seq_len=32, patch_size=(1, 2, 2))
+        )
+
+        def __call__(self, prompt=None, num_frames: int = 81):
+            pass
+
+    class Runtime:
+        pipe = Wan22()
+
+    check_generate_arguments(Runtime(), width=512, num_frames=125)
+    with pytest.raises(ArgumentError) as caught:
+        check_generate_arguments(Runtime(), **given)
+    assert str(caught.value).startswith(message)
+
+
 @pytest.mark.parametrize("policy", ["eager", "release"])
 @pytest.mark.parametrize("command", ["generate", "plan"])
 def test_a_budget_with_a_policy_that_ignores_it_is_refused(
