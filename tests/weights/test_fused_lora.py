@@ -496,3 +496,23 @@ def test_deltas_added_in_a_forward_under_autocast_are_those_of_a_merge_outside_i
     for layer in layers:
         weights = [m.get_submodule(layer.path).weight for m in (outside, inside)]
         assert torch.equal(*weights), layer.path
+
+
+@pytest.mark.parametrize("policy", ["eager", "release"])
+def test_fusing_into_weights_kept_in_float8_is_refused_and_the_lora_stays_unfused(
+    base, lora_files, policy
+):
+    """torch cannot add a LoRA to float8 weights in their dtype: one clear refusal (it was
+    torch's "Promotion for Float8 Types is not supported"), and the calls after it give
+    the unfused LoRA's frames."""
+    from ondeck.errors import OndeckError
+
+    pipe = load(base, policy, storage_dtype="fp8")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    unfused = frames(pipe)
+    with pytest.raises(
+        OndeckError, match=r"keeps its weights in torch\.float8_e4m3fn, and fuse_lora"
+    ):
+        pipe.fuse_lora(lora_scale=0.5)
+        frames(pipe)  # under release the fuse applies at the next load
+    assert np.array_equal(frames(pipe), unfused)

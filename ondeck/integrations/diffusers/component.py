@@ -521,7 +521,16 @@ class PipelineComponent(LazyModule):
     def refuse_fusing_streamed(self, method: str) -> None:
         """A fused LoRA changes the weights in place; the blocks that stream are brought
         in from their host copies before every pass, which hold the weights before it,
-        so the fusion would silently be lost for those blocks."""
+        so the fusion would silently be lost for those blocks. Weights kept in float8
+        cannot take the sum in their own dtype (torch has no float8 arithmetic)."""
+        loader = object.__getattribute__(self, "_ondeck_loader")
+        stored = getattr(loader, "storage_dtype", None)
+        if isinstance(stored, torch.dtype) and stored.itemsize == 1:
+            raise OndeckError(
+                f"component '{self._ondeck_name}' keeps its weights in {stored}, and "
+                f"{method} would add the LoRA to them in that dtype, which torch cannot do; "
+                "keep the LoRA unfused (set_adapters)"
+            )
         if self._streams_blocks():
             raise OndeckError(
                 f"component '{self._ondeck_name}' streams its blocks, and {method} would "
