@@ -524,8 +524,8 @@ class PipelineComponent(LazyModule):
         so the fusion would silently be lost for those blocks. Weights kept in float8
         cannot take the sum in their own dtype (torch has no float8 arithmetic)."""
         loader = object.__getattribute__(self, "_ondeck_loader")
-        stored = getattr(loader, "storage_dtype", None)
-        if isinstance(stored, torch.dtype) and stored.itemsize == 1:
+        stored = loader.storage_dtype if isinstance(loader, FolderLoader) else None
+        if stored is not None and stored.itemsize == 1:
             raise OndeckError(
                 f"component '{self._ondeck_name}' keeps its weights in {stored}, and "
                 f"{method} would add the LoRA to them in that dtype, which torch cannot do; "
