@@ -238,3 +238,17 @@ def test_a_lora_for_other_shapes_is_refused_when_given_not_dropped_later(base, w
         pipe.load_lora_weights(str(path), adapter_name="wider")
     assert pipe.ondeck.deferred["transformer"].load_count == 0
     assert np.array_equal(frames(pipe), reference_frames(base))  # nothing of it was kept
+
+
+def test_the_plan_counts_a_loras_layers_before_anything_loads(base, lora_files):
+    """A LoRA's layers are bytes a load holds: the plan counts them from the skeleton it
+    was tried on, before the component ever loads (a rank-128 LoRA on a 14B transformer
+    is hundreds of MB the plan would otherwise leave out)."""
+
+    without = load(base, "release").ondeck.plan().component_bytes["transformer"]
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    planned = pipe.ondeck.plan().component_bytes["transformer"]
+    assert not ondeck.is_loaded(pipe.transformer)
+    frames(pipe)
+    assert planned == pipe.ondeck.report()["component_bytes"]["transformer"] > without

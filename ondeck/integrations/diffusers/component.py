@@ -214,6 +214,8 @@ class PipelineComponent(LazyModule):
         # An encoder's answers by their inputs (see ``keep_answers``); None: not kept.
         setter(self, "_ondeck_answers", None)
         setter(self, "_ondeck_lora_scale", None)  # (transform, modules scaled) while held
+        # The bytes of the adapters' layers a load adds, counted in the spec's nbytes.
+        setter(self, "_ondeck_adapter_bytes", 0)
 
     # -- touches ------------------------------------------------------------------------
 
@@ -586,6 +588,23 @@ class PipelineComponent(LazyModule):
         for added in getattr(after, "peft_config", None) or {}:
             if added not in before:
                 self.record_adapter(added)
+        self._count_adapter_bytes(after)
+
+    def _count_adapter_bytes(self, module: Any) -> None:
+        """The plan counts the adapters' layers as a load will hold them: ``module`` (the
+        skeleton after every adapter load so far, or the loaded module) holds them all."""
+        adapters = sum(
+            tensor.numel() * tensor.element_size()
+            for name, tensor in module.named_parameters()
+            if ".lora_" in name
+        )
+        spec = object.__getattribute__(self, "_ondeck_spec")
+        counted = object.__getattribute__(self, "_ondeck_adapter_bytes")
+        if spec.nbytes is not None and adapters != counted:
+            object.__setattr__(
+                self, "_ondeck_spec", spec.with_updates(nbytes=spec.nbytes - counted + adapters)
+            )
+            object.__setattr__(self, "_ondeck_adapter_bytes", adapters)
 
     def added_rows(self, make: Callable[[], Any]) -> Any:
         """What textual inversions added to this encoder's embedding table, kept with
@@ -702,6 +721,7 @@ class PipelineComponent(LazyModule):
         object.__setattr__(self, "_ondeck_loader", new_loader)
         self._changed()
         object.__setattr__(self, "_ondeck_spec", new_loader.spec)
+        object.__setattr__(self, "_ondeck_adapter_bytes", 0)  # counted again at a load
 
 
 def _resizes(module: Any, dtype: torch.dtype | None) -> bool:
