@@ -409,26 +409,31 @@ def inspect(args: argparse.Namespace) -> int:
     if files:
         folder = SingleFileFolder(folder, files)
     print(f"{folder.path}: {folder.pipeline_class_name}")
-    total = 0
+    rows: list[tuple[str, str, str, int | None, str]] = []  # name, class, dtype, bytes, note
     for name in folder.component_names:
         if name in files:
             cls, dtype, nbytes = _single_file_facts(folder, name)
-            total += nbytes
-            print(
-                f"  {name:<16} {cls.__name__:<28} {dtype:<16} {format_bytes(nbytes):>12}"
-                f"  from {files[name]}"
-            )
+            rows.append((name, cls.__name__, dtype, nbytes, f"  from {files[name]}"))
         elif folder.is_model(name):
             spec = folder.spec(name)
-            total += spec.nbytes or 0
-            print(
-                f"  {name:<16} {spec.cls.__name__:<28} {str(spec.dtype):<16} "
-                f"{format_bytes(spec.nbytes):>12}"
-            )
+            dtype = str(spec.dtype).removeprefix("torch.")
+            rows.append((name, spec.cls.__name__, dtype, spec.nbytes or 0, ""))
         else:
             library, class_name = folder.model_index[name]
-            print(f"  {name:<16} {class_name:<28} ({library}, no weights)")
-    print(f"  {'sum':<16} {'':<28} {'':<16} {format_bytes(total):>12}")
+            rows.append((name, class_name, f"({library}, no weights)", None, ""))
+    # Columns as wide as their longest entry (HunyuanVideoTransformer3DModel, say).
+    named = max([16, *(len(row[0]) for row in rows)])
+    classes = max([28, *(len(row[1]) for row in rows)])
+    weighed = [row for row in rows if row[3] is not None]
+    dtypes = max([16, *(len(row[2]) for row in weighed)])
+    for name, class_name, dtype, nbytes, note in rows:
+        if nbytes is None:
+            print(f"  {name:<{named}} {class_name:<{classes}} {dtype}")
+        else:
+            size = format_bytes(nbytes)
+            print(f"  {name:<{named}} {class_name:<{classes}} {dtype:<{dtypes}} {size:>12}{note}")
+    total = format_bytes(sum(row[3] or 0 for row in rows))
+    print(f"  {'sum':<{named}} {'':<{classes}} {'':<{dtypes}} {total:>12}")
     return 0
 
 

@@ -210,3 +210,19 @@ def test_flags_flux_would_ignore_are_said_and_true_cfg_reaches_it(flux_and_sd3):
     assert call_extra(_flags(true_cfg=4.0), media, None)["true_cfg_scale"] == 4.0
     with pytest.raises(Exception, match="argument --true-cfg: StableDiffusion3Pipeline has no"):
         check_media_flags(_flags(true_cfg=4.0), media_of(sd3))
+
+
+def test_inspect_keeps_its_columns_for_long_class_names(capsys, tmp_path):
+    """HunyuanVideoTransformer3DModel is longer than the class column was: the columns
+    widen to it, and every dtype is written one way (``float32``, as a single file's
+    ``float8_e4m3fn``)."""
+    from integrations.breadth_pipelines import ALL_FAMILIES
+
+    folder = tmp_path / "hunyuan"
+    ALL_FAMILIES["hunyuan_video"].build(folder)
+    code, out, _ = run(capsys, "inspect", folder)
+    assert code == 0
+    weighed = [line for line in out.splitlines()[1:] if line.rstrip().endswith("iB")]
+    assert len(weighed) == 5, out  # four models and the sum
+    assert len({len(line.rstrip()) for line in weighed}) == 1, out  # sizes right-aligned
+    assert "torch." not in out and "HunyuanVideoTransformer3DModel " in out
