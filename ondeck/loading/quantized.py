@@ -759,9 +759,10 @@ def _gguf_reader(path: Path, name: str) -> Any:
     try:
         return gguf.GGUFReader(str(path))
     except Exception as error:
+        size = path.stat().st_size if path.exists() else 0
         raise LoadError(
-            f"component '{name}': {path} is not a readable GGUF file "
-            f"({type(error).__name__}: {error})",
+            f"component '{name}': {path} is not a readable GGUF file: a truncated "
+            f"download, or not GGUF ({size} bytes; {type(error).__name__}: {error})",
             component=name,
             path=str(path),
         ) from error

@@ -226,3 +226,17 @@ def test_inspect_keeps_its_columns_for_long_class_names(capsys, tmp_path):
     assert len(weighed) == 5, out  # four models and the sum
     assert len({len(line.rstrip()) for line in weighed}) == 1, out  # sizes right-aligned
     assert "torch." not in out and "HunyuanVideoTransformer3DModel " in out
+
+
+def test_a_folder_whose_model_index_names_no_class_says_so(capsys, tmp_path):
+    from integrations.breadth_pipelines import ALL_FAMILIES
+
+    folder = tmp_path / "flux"
+    ALL_FAMILIES["flux"].build(folder)
+    index = folder / "model_index.json"
+    document = json.loads(index.read_text())
+    del document["_class_name"]
+    index.write_text(json.dumps(document))
+    code, _, err = run(capsys, "plan", folder, "--device", "cpu")
+    assert code == 1
+    assert "its model_index.json has no _class_name" in err and "'None'" not in err

@@ -33,3 +33,14 @@ def test_a_scheduler_folder_without_its_config_is_named(flux_copy):
         LoadError, match=r"component 'scheduler': .*scheduler/scheduler_config.json is missing"
     ):
         ondeck.diffusers.from_pretrained(flux_copy, device="cpu", progress=False)
+
+
+def test_a_model_index_without_its_class_says_so(flux_copy):
+    import json
+
+    index = flux_copy / "model_index.json"
+    document = json.loads(index.read_text())
+    del document["_class_name"]
+    index.write_text(json.dumps(document))
+    with pytest.raises(LoadError, match=r"model_index.json has no _class_name"):
+        ondeck.diffusers.from_pretrained(flux_copy, device="cpu", progress=False)

@@ -419,6 +419,11 @@ def _pipeline_class(diffusers: Any, folder: Any) -> type:
             "pipeline; ondeck runs diffusers' own pipeline classes only",
             path=str(folder.path / "model_index.json"),
         )
+    if name is None:
+        raise LoadError(
+            f"{folder.path / 'model_index.json'} has no _class_name (the pipeline class to run)",
+            path=str(folder.path / "model_index.json"),
+        )
     found = getattr(diffusers, name, None) if name else None
     if not isinstance(found, type) or not issubclass(found, diffusers.DiffusionPipeline):
         raise LoadError(
