@@ -69,3 +69,21 @@ def test_a_pickle_lora_is_refused_before_it_is_unpickled(
     with pytest.raises(LoadError, match=rf"style\{suffix}: a LoRA is a \.safetensors file"):
         load(base, "release", loras=[lora])
     assert not unpickled
+
+
+def test_a_kohya_named_lora_of_no_known_layout_says_its_keys_are_not_one(base, tmp_path):
+    """``lora_unet_`` names diffusers takes for musubi-tuner's Wan layout, without the
+    ``blocks_N`` it indexes: its conversion fails with a bare IndexError, which the
+    refusal explains."""
+    path = tmp_path / "other_kohya.safetensors"
+    save_file(
+        {
+            "lora_unet_double_layers_0_attn.lora_down.weight": torch.zeros(4, 8),
+            "lora_unet_double_layers_0_attn.lora_up.weight": torch.zeros(8, 4),
+        },
+        str(path),
+    )
+    with pytest.raises(
+        LoadError, match=r"other_kohya\.safetensors: .*IndexError.*not a LoRA layout"
+    ):
+        load(base, "release", loras=[path])

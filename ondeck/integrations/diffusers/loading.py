@@ -231,9 +231,16 @@ def load_loras(
         except Exception as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             more = f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else ""
+            # diffusers' key conversions index into the names they expect: such an error
+            # there means a layout they took for one they know, which it is not.
+            layout = (
+                "; its keys are not a LoRA layout diffusers converts for this pipeline"
+                if isinstance(error, (IndexError, KeyError))
+                else ""
+            )
             raise LoadError(
                 f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
-                f"{type(error).__name__}: {' '.join(lines[:2])}{more}",
+                f"{type(error).__name__}: {' '.join(lines[:2])}{more}{layout}",
                 path=str(file),
             ) from error
         names.append(name)
