@@ -17,16 +17,16 @@ from .test_gguf import in_bf16, planned_and_made_upcasts
 gguf = pytest.importorskip("gguf")
 
 
-@pytest.fixture(scope="module")
-def bf16_gguf(gguf_base, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf-bf16") / "wan2.1_t2v_tiny-BF16.gguf"
+def _transformer_gguf(base, path, kind, *, quantized: int | None = None):
+    """The base's transformer as a GGUF file, its stored layers in ``kind`` (the first
+    ``quantized`` of them; all where None), the rest as float32."""
     writer = gguf.GGUFWriter(str(path), arch="wan")
-    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
+    for key, tensor in load_file(str(transformer_file(base))).items():
         name = original_name(key).removeprefix("model.diffusion_model.")
         array = tensor.to(torch.float32).numpy()
-        if _is_stored(key, tensor):
-            bf16 = gguf.quants.quantize(array, gguf.GGMLQuantizationType.BF16)
-            writer.add_tensor(name, bf16, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        if _is_stored(key, tensor) and (quantized is None or quantized > 0):
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            quantized = None if quantized is None else quantized - 1
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -34,6 +34,12 @@ def bf16_gguf(gguf_base, tmp_path_factory):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture(scope="module")
+def bf16_gguf(gguf_base, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf-bf16") / "wan2.1_t2v_tiny-BF16.gguf"
+    return _transformer_gguf(gguf_base, path, gguf.GGMLQuantizationType.BF16)
 
 
 def test_a_bf16_gguf_layers_dequantized_copies_are_covered_by_the_plan(
@@ -91,22 +97,8 @@ def test_a_type_diffusers_cannot_dequantize_is_refused_by_the_plan(
     before, the plan said "fits" and the first call failed after its text encoder ran."""
     from ondeck.loading import reads as reader
 
-    path = tmp_path / "wan-MXFP4.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="wan")
-    quantized = False
-    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
-        name = original_name(key).removeprefix("model.diffusion_model.")
-        array = tensor.to(torch.float32).numpy()
-        if not quantized and _is_stored(key, tensor):
-            kind = gguf.GGMLQuantizationType.MXFP4
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-            quantized = True
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    kind = gguf.GGMLQuantizationType.MXFP4
+    path = _transformer_gguf(gguf_base, tmp_path / "wan-MXFP4.gguf", kind, quantized=1)
     monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("read weights"))
 
     with pytest.raises(LoadError, match=r"component 'transformer': .*is quantized as MXFP4"):
