@@ -254,21 +254,27 @@ def _diffusers_rule(pipe: Any) -> ShapeRule:
 
 def _embedded_positions_side(pipeline: Any) -> tuple[int, str] | None:
     """The longest side in pixels an SD3-style transformer has learned positions for
-    (its ``pos_embed_max_size`` patches a side), and why; None where there is no such
-    limit. diffusers' forward would refuse a longer side once every component loaded."""
+    (its ``pos_embed_max_size`` patches a side; AuraFlow's, the side of a square grid of
+    that many), and why; None where there is no such limit. diffusers' forward would fail
+    on a longer side once every component loaded."""
     pipe = getattr(pipeline, "pipe", pipeline)
     model = getattr(pipe, "transformer", None)
     config = getattr(model, "config", None)
     positions = getattr(config, "pos_embed_max_size", None) if config is not None else None
-    # AuraFlow's pos_embed_max_size counts a whole grid's positions, not a side's.
     class_name = str(getattr(config, "_class_name", "") or type(model).__name__)
     spatial = _first_int(pipe, ("vae_scale_factor",))
-    if not isinstance(positions, int) or not class_name.startswith("SD3") or spatial is None:
+    if not isinstance(positions, int) or spatial is None:
+        return None
+    counted = "its pos_embed_max_size"
+    if class_name.startswith("AuraFlow"):
+        # Its pos_embed_max_size counts a whole square grid's positions, not a side's.
+        positions, counted = math.isqrt(positions), f"the side of its {positions}-position grid"
+    elif not class_name.startswith("SD3"):
         return None
     patch = _transformer_patch(pipe)
     most = positions * patch * spatial
     return most, (
-        f"more than the transformer's {positions} positions a side (its pos_embed_max_size) "
+        f"more than the transformer's {positions} positions a side ({counted}) "
         f"of {patch * spatial}-pixel patches; at most {most}"
     )
 

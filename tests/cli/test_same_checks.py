@@ -202,6 +202,34 @@ def test_a_wan_family_on_the_diffusers_path_is_held_to_its_rotary_positions(give
     assert str(caught.value).startswith(message)
 
 
+def test_auraflows_positions_are_a_grid_whose_side_bounds_each_side():
+    """AuraFlow's pos_embed_max_size counts a square grid's positions (64: 8 a side):
+    a longer side failed with an IndexError after every component loaded."""
+    from types import SimpleNamespace
+
+    class AuraFlow:
+        vae_scale_factor = 2
+        transformer = SimpleNamespace(
+            config=SimpleNamespace(
+                _class_name="AuraFlowTransformer2DModel", pos_embed_max_size=64, patch_size=2
+            )
+        )
+
+        def __call__(self, prompt=None, height: int = 32, width: int = 32):
+            pass
+
+    class Runtime:
+        pipe = AuraFlow()
+
+    check_generate_arguments(Runtime(), height=32, width=32)
+    with pytest.raises(ArgumentError) as caught:
+        check_generate_arguments(Runtime(), height=36)
+    assert str(caught.value).startswith(
+        "height: 36 is too large for this model: more than the transformer's 8 positions a "
+        "side (the side of its 64-position grid) of 4-pixel patches; at most 32"
+    )
+
+
 @pytest.mark.parametrize("policy", ["eager", "release"])
 @pytest.mark.parametrize("command", ["generate", "plan"])
 def test_a_budget_with_a_policy_that_ignores_it_is_refused(
