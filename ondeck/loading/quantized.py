@@ -200,8 +200,11 @@ class QuantizedComponentLoader(FolderLoader):
     @property
     def spec(self) -> ComponentSpec:
         config: Any = self.config
-        if self._nbytes is None and self.method == "gguf" and self.library == "diffusers":
-            _refuse_unsupported_types(_gguf_reader(self.path, self.name), self.path, self.name)
+        reader = None  # the GGUF file's header, parsed once here
+        if self._nbytes is None and self.method == "gguf":
+            reader = _gguf_reader(self.path, self.name)
+            if self.library == "diffusers":
+                _refuse_unsupported_types(reader, self.path, self.name)
         if self._nbytes is None and self.places_blocks:
             # The module diffusers builds from the header, tensor for tensor: the file's
             # names may be the original repository's, which the float32-kept modules'
@@ -209,7 +212,7 @@ class QuantizedComponentLoader(FolderLoader):
             self._nbytes = _module_bytes(self.template.module)
         if self._nbytes is None:
             if self.method == "gguf":
-                tensors = [t[:4] for t in _gguf_tensors(self.path, self.name)]
+                tensors = [t[:4] for t in _gguf_tensors(self.path, self.name, reader)]
                 if self.library == "transformers":  # dequantized as it loads
                     tensors = [(key, True, numel, stored) for key, _, numel, stored in tensors]
             else:
@@ -561,10 +564,8 @@ def _gguf_header(path: Path, name: str) -> list[tuple[str, torch.dtype, tuple[in
     """``(name, dtype, shape, quantization type)`` of each tensor as diffusers'
     ``load_gguf_checkpoint`` makes it: F32 and F16 as tensors of theirs (type None), any
     other type as its bytes (uint8), rows of quantized blocks. Reads the header only."""
-    import gguf
-
     reader = _gguf_reader(path, name)
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    plain = _plain_types()
     return [
         (
             tensor.name,
@@ -585,13 +586,12 @@ def _read_gguf(
     each tensor out of a memory map on one thread (about 4 s of a 15 GB file's 7 s
     reload). A type diffusers cannot dequantize is refused before anything is read, and
     so is a file that is not the one ``status`` (taken before its header is read) saw."""
-    import gguf
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
     from . import reads
     from .chunks import ReadJob
 
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    plain = _plain_types()
     identity = FileIdentity.of(path.stat() if status is None else status, b"")
     jobs = []
     checkpoint: dict[str, torch.Tensor] = {}
@@ -714,16 +714,19 @@ def _device_bytes(
     return numel * dtype.itemsize if is_float else stored
 
 
-def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int, torch.dtype]]:
+def _gguf_tensors(
+    path: Path, name: str, reader: Any = None
+) -> list[tuple[str, bool, int, int, torch.dtype]]:
     """``(name, plain, elements, bytes stored, dtype dequantized to)`` of each tensor in
-    the GGUF file's header. Plain (F32, F16): diffusers loads it as a float tensor. Every
-    other type, BF16 included, stays bytes that each forward dequantizes: BF16 to float32,
-    the quantized types to float16 (their scales' dtype)."""
+    the GGUF file's header (``reader``, where it is parsed already). Plain (F32, F16):
+    diffusers loads it as a float tensor. Every other type, BF16 included, stays bytes
+    that each forward dequantizes: BF16 to float32, the quantized types to float16 (their
+    scales' dtype)."""
     import gguf
 
-    reader = _gguf_reader(path, name)
+    reader = reader if reader is not None else _gguf_reader(path, name)
     types = gguf.GGMLQuantizationType
-    plain = {types.F32, types.F16}
+    plain = _plain_types()
     return [
         (
             tensor.name,
@@ -739,10 +742,9 @@ def _gguf_tensors(path: Path, name: str) -> list[tuple[str, bool, int, int, torc
 def _refuse_unsupported_types(reader: Any, path: Path, name: str) -> None:
     """A tensor quantized in a type diffusers cannot dequantize (MXFP4, say), refused
     from the header: a plan or a first call says so before anything is read."""
-    import gguf
     from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
 
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+    plain = _plain_types()
     for tensor in reader.tensors:
         if tensor.tensor_type not in plain and tensor.tensor_type not in SUPPORTED_GGUF_QUANT_TYPES:
             raise LoadError(
@@ -751,6 +753,13 @@ def _refuse_unsupported_types(reader: Any, path: Path, name: str) -> None:
                 component=name,
                 path=str(path),
             )
+
+
+def _plain_types() -> set[Any]:
+    """The GGUF types diffusers loads as float tensors (F32, F16); any other stays bytes."""
+    import gguf
+
+    return {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
 
 def _gguf_reader(path: Path, name: str) -> Any:
