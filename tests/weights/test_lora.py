@@ -250,5 +250,18 @@ def test_the_plan_counts_a_loras_layers_before_anything_loads(base, lora_files):
     pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
     planned = pipe.ondeck.plan().component_bytes["transformer"]
     assert not ondeck.is_loaded(pipe.transformer)
+    adapters = planned - without
+
+    # Moved before it loads (a new loader, a new spec), it still counts them.
+    plain = load(base, "release")
+    for each in (plain, pipe):
+        each.transformer.to(torch.float64)
+    moved = plain.ondeck.plan().component_bytes["transformer"]
+    assert (
+        moved != without and pipe.ondeck.plan().component_bytes["transformer"] == moved + adapters
+    )
+    for each in (plain, pipe):
+        each.transformer.to(torch.float32)
+
     frames(pipe)
     assert planned == pipe.ondeck.report()["component_bytes"]["transformer"] > without

@@ -720,8 +720,11 @@ class PipelineComponent(LazyModule):
         new_loader = make_loader(new_device, new_dtype)
         object.__setattr__(self, "_ondeck_loader", new_loader)
         self._changed()
-        object.__setattr__(self, "_ondeck_spec", new_loader.spec)
-        object.__setattr__(self, "_ondeck_adapter_bytes", 0)  # counted again at a load
+        # The recorded adapters replay on the new loader's loads: their bytes stay counted.
+        spec, adapters = new_loader.spec, object.__getattribute__(self, "_ondeck_adapter_bytes")
+        if spec.nbytes is not None:
+            spec = spec.with_updates(nbytes=spec.nbytes + adapters)
+        object.__setattr__(self, "_ondeck_spec", spec)
 
 
 def _resizes(module: Any, dtype: torch.dtype | None) -> bool:
