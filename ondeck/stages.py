@@ -31,7 +31,7 @@ from .loading.options import DeviceChoice
 from .memory import local_ranks, parse_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
-from .snapshot import Snapshot
+from .snapshot import Snapshot, Steps
 from .tracker import CallTimer, MemoryTracker, StageRecord
 
 __all__ = ["Stage", "Pipeline", "held_components"]
@@ -456,9 +456,8 @@ class Pipeline(HostMemory):
         if index is None or self._loading_bytes():
             # A load under way: making room would wait for it, then free it too.
             return None
-        steps = self.policy.recover_from_oom(self.snapshot(), index)
-        released = [name for name in steps.release if name not in keep] if steps else []
-        return self.tracker.reload_cost(released) if released else None
+        steps = self._recovery(index, frozenset(keep))
+        return self.tracker.reload_cost(steps.release) if steps and steps.release else None
 
     def activation_room(self) -> int | None:
         """Device bytes the running stage may still take for activations: the budget
@@ -609,16 +608,20 @@ class Pipeline(HostMemory):
         """Out of memory inside a stage: free what the policy lets go but ``keep``;
         whether to retry."""
         self.executor.cancel_prefetch()
-        steps = self.policy.recover_from_oom(self.snapshot(), index)
+        steps = self._recovery(index, keep)
         if steps is None:
             return False
-        if keep:
-            released = tuple(name for name in steps.release if name not in keep)
-            if not released:
-                return False
-            steps = replace(steps, release=released)
         self.executor.recover(steps)
         return True
+
+    def _recovery(self, index: int, keep: frozenset[str]) -> Steps | None:
+        """The policy's steps out of memory in stage ``index``, but ``keep``'s releases;
+        None where the policy has none, or where ``keep`` leaves them nothing to free."""
+        steps = self.policy.recover_from_oom(self.snapshot(), index)
+        if steps is None or not keep:
+            return steps
+        released = tuple(name for name in steps.release if name not in keep)
+        return replace(steps, release=released) if released else None
 
     def _loading_bytes(self) -> int:
         """Bytes of the components loading right now (a prefetch in the background)."""
