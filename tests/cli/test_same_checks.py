@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 from integrations.tiny_pipelines import FAMILIES
@@ -141,13 +142,11 @@ def test_an_allegro_like_pipeline_takes_any_frame_count():
         def __call__(self, prompt=None, num_frames: int = 88):
             pass
 
-    class Runtime:
-        pipe = Pipe()
-
-    check_generate_arguments(Runtime(), num_frames=8)
+    runtime = SimpleNamespace(pipe=Pipe())  # what check_generate_arguments reads of it
+    check_generate_arguments(runtime, num_frames=8)
     Pipe.__call__.__defaults__ = (None, 81)
     with pytest.raises(ArgumentError, match="num_frames: must be 4k\\+1"):
-        check_generate_arguments(Runtime(), num_frames=8)
+        check_generate_arguments(runtime, num_frames=8)
 
 
 def test_mochis_frames_are_6k_plus_1():
@@ -161,12 +160,10 @@ def test_mochis_frames_are_6k_plus_1():
         def __call__(self, prompt=None, num_frames: int = 19):
             pass
 
-    class Runtime:
-        pipe = Mochi()
-
-    check_generate_arguments(Runtime(), num_frames=13)
+    runtime = SimpleNamespace(pipe=Mochi())
+    check_generate_arguments(runtime, num_frames=13)
     with pytest.raises(ArgumentError, match="num_frames: must be 6k\\+1"):
-        check_generate_arguments(Runtime(), num_frames=8)
+        check_generate_arguments(runtime, num_frames=8)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +178,6 @@ def test_a_wan_family_on_the_diffusers_path_is_held_to_its_rotary_positions(give
     """Wan 2.2, Wan image-to-video and the other Wan families run on the diffusers path:
     a side past the transformer's rotary positions is refused before anything loads, as
     on ondeck's Wan stages, not by a shape error after every component loaded."""
-    from types import SimpleNamespace
 
     class Wan22:
         vae_scale_factor_spatial = 8
@@ -193,19 +189,16 @@ def test_a_wan_family_on_the_diffusers_path_is_held_to_its_rotary_positions(give
         def __call__(self, prompt=None, num_frames: int = 81):
             pass
 
-    class Runtime:
-        pipe = Wan22()
-
-    check_generate_arguments(Runtime(), width=512, num_frames=125)
+    runtime = SimpleNamespace(pipe=Wan22())
+    check_generate_arguments(runtime, width=512, num_frames=125)
     with pytest.raises(ArgumentError) as caught:
-        check_generate_arguments(Runtime(), **given)
+        check_generate_arguments(runtime, **given)
     assert str(caught.value).startswith(message)
 
 
 def test_auraflows_positions_are_a_grid_whose_side_bounds_each_side():
     """AuraFlow's pos_embed_max_size counts a square grid's positions (64: 8 a side):
     a longer side failed with an IndexError after every component loaded."""
-    from types import SimpleNamespace
 
     class AuraFlow:
         vae_scale_factor = 2
@@ -218,12 +211,10 @@ def test_auraflows_positions_are_a_grid_whose_side_bounds_each_side():
         def __call__(self, prompt=None, height: int = 32, width: int = 32):
             pass
 
-    class Runtime:
-        pipe = AuraFlow()
-
-    check_generate_arguments(Runtime(), height=32, width=32)
+    runtime = SimpleNamespace(pipe=AuraFlow())
+    check_generate_arguments(runtime, height=32, width=32)
     with pytest.raises(ArgumentError) as caught:
-        check_generate_arguments(Runtime(), height=36)
+        check_generate_arguments(runtime, height=36)
     assert str(caught.value).startswith(
         "height: 36 is too large for this model: more than the transformer's 8 positions a "
         "side (the side of its 64-position grid) of 4-pixel patches; at most 32"
