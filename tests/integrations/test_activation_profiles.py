@@ -67,6 +67,15 @@ def open_pipe(monkeypatch, folder, **options):
     return pipe
 
 
+def under_budget(folder, budget: str):
+    """The folder through ``from_pretrained`` under the budget policy, no bars."""
+    pipe = ondeck.diffusers.from_pretrained(
+        folder, device="cpu", policy="budget", budget=budget, progress=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def run(pipe, seed: int = 0, **overrides):
     arguments = {**CALL, "generator": torch.Generator().manual_seed(seed), **overrides}
     return pipe(**arguments, output_type="np").frames[0]
@@ -215,11 +224,7 @@ def test_stored_turns_that_would_refuse_a_command_that_fits_without_them_are_not
     from .tiny_pipelines import run
 
     def open_sd3():
-        pipe = ondeck.diffusers.from_pretrained(
-            folders["sd3"], device="cpu", policy="budget", budget="1450KiB", progress=False
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return under_budget(folders["sd3"], "1450KiB")
 
     first = open_sd3()
     run(first, ALL_FAMILIES["sd3"])
@@ -277,11 +282,7 @@ def test_turns_stored_in_another_order_never_free_the_vae_while_it_decodes(folde
     from .tiny_pipelines import run
 
     def open_flux():
-        pipe = ondeck.diffusers.from_pretrained(
-            folders["flux"], device="cpu", policy="budget", budget="700KiB", progress=False
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return under_budget(folders["flux"], "700KiB")
 
     first = open_flux()
     size = dict(height=32, width=32)  # a decode that needs more room than is left
