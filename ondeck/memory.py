@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,43 @@ def freeze_what_lives(*, collect: bool = True) -> None:
     if collect:
         gc.collect()
     gc.freeze()
+
+
+# Runs under way with the cyclic collector paused, and whether it ran before the first.
+_pause_lock = threading.Lock()
+_pauses = 0
+_collecting_before = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for one run, then left as it was.
+
+    A run that loads builds each component's module tree afresh (tens of thousands of
+    containers for a large transformer) and, under ``release``, drops it before the run
+    ends. Collected meanwhile, those trees are moved to the oldest generation, and
+    every few runs that makes the collector scan the whole heap: 0.28-0.37 s of a 2.6 s
+    SD3.5-shaped run. Paused, they stay young and go by their reference counts, and no
+    scan comes. What a run leaves alive is collected as usual after it; ondeck frees the
+    device memory of what it releases itself, and a ``gc.collect()`` still collects.
+    Runs in several threads pause once; ``ONDECK_GC_PAUSE=0`` turns it off.
+    """
+    global _pauses, _collecting_before
+    if os.environ.get("ONDECK_GC_PAUSE", "1") == "0":
+        yield
+        return
+    with _pause_lock:
+        if _pauses == 0:
+            _collecting_before = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _collecting_before:
+                gc.enable()
 
 
 def format_bytes(nbytes: int | float | None) -> str:

@@ -419,7 +419,7 @@ class Pipeline(HostMemory):
                 f"{type(self).__name__} was called again from inside its own run"
             )
         # Concurrent calls from other threads queue here and run one after another.
-        with self._run_lock:
+        with self._run_lock, memory.collector_paused():
             self._running_thread = me
             try:
                 return self._run(state)

@@ -228,7 +228,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         if self._running_thread == me:  # a pipeline calling itself: part of the outer call
             return call(*args, **kwargs)
         # Concurrent calls from other threads queue here and run one after another.
-        with self._run_lock:
+        with self._run_lock, memory.collector_paused():
             self._running_thread = me
             self._take_call(args, kwargs)
             self._signature = call_signature(args, kwargs)
