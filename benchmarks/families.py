@@ -159,11 +159,13 @@ def all_bytes_floor_ratio(row: dict, eager: dict | None) -> str:
 def collector_seconds(row: dict) -> str:
     """Seconds of the garbage collector's full passes in runs 2+ (each a scan of every
     object the process holds, 0.2-0.4 s where one lands): where a run's time went that
-    is neither the device's nor ondeck's loads."""
+    is neither the device's nor ondeck's loads; "+S" the seconds of those between them."""
     runs = (row.get("runs") or [])[1:]
     if not runs or any("gc" not in run for run in runs):
         return "-"
-    return f"{sum(run['gc'].get('full_seconds', 0.0) for run in runs):.2f}"
+    inside = sum(run["gc"].get("full_seconds", 0.0) for run in runs)
+    between = sum(run["gc"].get("between_full_seconds", 0.0) for run in runs)
+    return f"{inside:.2f}" + (f"+{between:.2f}" if between else "")
 
 
 def decoded(row: dict) -> str:
@@ -401,13 +403,17 @@ def load_events(tracker, run: int) -> list[list]:
 
 class GcTimer:
     """Seconds Python's cyclic garbage collector held the interpreter, per run, and how
-    many of its passes were full ones (the oldest generation), through ``gc.callbacks``."""
+    many of its passes were full ones (the oldest generation), through ``gc.callbacks``.
+    Full passes between runs (``inside`` false: after a run's timing, before the next
+    one's) are counted apart, as ``between_full_seconds``: a run that pauses the
+    collector moves what it would scan there."""
 
     def __init__(self) -> None:
         import gc
 
-        self.seconds = self.full_seconds = 0.0
+        self.seconds = self.full_seconds = self.between_full_seconds = 0.0
         self.passes = self.full_passes = 0
+        self.inside = False
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
@@ -416,6 +422,9 @@ class GcTimer:
             self._started = time.perf_counter()
             return
         seconds = time.perf_counter() - self._started
+        if info.get("generation") == 2 and not self.inside:
+            self.between_full_seconds += seconds
+            return
         self.seconds += seconds
         self.passes += 1
         if info.get("generation") == 2:
@@ -428,8 +437,9 @@ class GcTimer:
             "passes": self.passes,
             "full_seconds": round(self.full_seconds, 4),
             "full_passes": self.full_passes,
+            "between_full_seconds": round(self.between_full_seconds, 4),
         }
-        self.seconds = self.full_seconds = 0.0
+        self.seconds = self.full_seconds = self.between_full_seconds = 0.0
         self.passes = self.full_passes = 0
         return taken
 
@@ -492,6 +502,7 @@ def family_child(args) -> None:
         prompts = [PROMPTS[run % len(PROMPTS)] for run in range(args.runs)]
         for run, prompt in enumerate(prompts):
             started = time.perf_counter()
+            collector.inside = True
             # ONDECK_BENCH_STACKS=N: sample the threads' stacks, N frames deep (at least 4).
             depth = os.environ.get("ONDECK_BENCH_STACKS")
             stacks = StackSampler(depth=max(4, int(depth)), timed=True) if depth else None
@@ -512,6 +523,7 @@ def family_child(args) -> None:
                     output,
                 )
                 torch.cuda.synchronize()
+            collector.inside = False
             row = {
                 "seconds": time.perf_counter() - started,
                 "sampled_peak_reserved_bytes": sampler.peak,
@@ -793,7 +805,7 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - started:.0f}s; results in {out_dir() / 'families.json'}")
     print(
         f"\n{'card':<10} {'mode':<26} {'done':<5} {'policy':<8} {'runs 2+':>8} {'/eager':>7} "
-        f"{'last/eager':>10} {'run 1/eager 1':>13} {'/floor':>7} {'/all':>6} {'gc 2+':>6} {'reserved':>9} "
+        f"{'last/eager':>10} {'run 1/eager 1':>13} {'/floor':>7} {'/all':>6} {'gc 2+':>10} {'reserved':>9} "
         f"{'RSS':>7} "
         f"{'decode':<18} transfer floor"
     )
@@ -811,7 +823,7 @@ def main() -> None:
             f"{policy:<8} {later or float('nan'):>8.2f} {ratio:>7} {last:>10} {first:>13} "
             f"{floor_ratio(row, eager) if row is not eager else '-':>7} "
             f"{all_bytes_floor_ratio(row, eager) if row is not eager else '-':>6} "
-            f"{collector_seconds(row):>6} "
+            f"{collector_seconds(row):>10} "
             f"{(peak_reserved(row) or 0) / GiB:>8.1f}G {row.get('peak_rss_bytes', 0) / GiB:>6.1f}G "
             f"{decoded(row):<18} {transfer_floor(row)}"
         )
