@@ -153,3 +153,28 @@ def test_a_replaced_controlnet_leaves_no_room_on_the_turn_that_holds_it(folders)
     pipe.controlnet = controlnet
 
     assert runtime.snapshot().measured_activation.get("unet", 0) < 32 * estimated
+
+
+@pytest.mark.parametrize("policy", ["release", "budget"])
+@pytest.mark.parametrize("name", ["vae", "transformer", "text_encoder_3"])
+def test_a_component_replaced_after_calls_takes_its_turn_in_the_next(folders, name, policy):
+    """After calls have shown when each turn ends, ``pipe.<name> = module`` (or None, as
+    SD3's T5 often is) gives later calls what the same assignment before any call gives:
+    the turn that would have started early on the old component is not started on the
+    new one."""
+    family = ALL_FAMILIES["sd3"]
+    plain = family.pipeline_type().from_pretrained(folders["sd3"])
+    value = None if name == "text_encoder_3" else getattr(plain, name)
+    options = {"budget": "1GiB"} if policy == "budget" else {}
+    before = ondeck.diffusers.from_pretrained(folders["sd3"], policy=policy, **options)
+    setattr(before, name, value)
+    after = ondeck.diffusers.from_pretrained(folders["sd3"], policy=policy, **options)
+    for pipe in (before, after):
+        pipe.set_progress_bar_config(disable=True)
+    run(after, family)
+    run(after, family, seed=1)
+    setattr(after, name, value)
+
+    expected = run(before, family)
+    assert np.array_equal(run(after, family), expected)
+    assert np.array_equal(run(after, family), expected)

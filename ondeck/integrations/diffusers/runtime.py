@@ -188,10 +188,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         return any(name in held for turn, held in self._turns if turn != name)
 
     def _turn_index(self, name: str) -> int | None:
-        for index, stage in enumerate(self.stages):
-            if stage.name == name:
-                return index
-        return None
+        return next((i for i, stage in enumerate(self.stages) if stage.name == name), None)
 
     def _deferred_name(self, proxy: Any) -> str | None:
         """The name of ``proxy`` among the deferred components, by identity; None for a
@@ -508,9 +505,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         return sum(e.nbytes for e in events if e.kind == "load" and e.name not in own)
 
     def _hold_back(self) -> bool:
-        """Whether passed turns keep their components for now: under ``release``, while
-        the call order is not learned (the first call), so a component the call touches
-        again after its turn is not loaded twice."""
+        """Passed turns keep their components under ``release`` until the call order is
+        learned (the first call): one touched again after its turn is not loaded twice."""
         return self._learned_from is None and self.policy.name == "release"
 
     def _after_stage(self, index: int, failed: bool) -> None:
@@ -670,6 +666,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         self.check_assignment(name, value)
         self.cancel_prefetch_quietly()
         self.profile_model = None  # the peaks stored under its name were the old one's
+        self._turn_ends = TurnEnds()  # so were the calls it made
         self.components[name] = value  # releases the old proxy and stops observing it
         self.decoders.pop(name, None)
         if issubclass(type(old), PipelineComponent) and old.ondeck_runtime is self:
