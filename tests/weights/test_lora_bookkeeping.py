@@ -123,3 +123,14 @@ def test_a_loras_replay_waits_for_another_threads_adapter_call(flux_loras):
     load.join(30)
     assert loaded.is_set()
     assert "s" in pipe.transformer.peft_config
+
+
+def test_the_active_adapters_are_diffusers_and_nothing_stays_loaded(flux_loras):
+    """get_active_adapters reads each LoRA-loadable component in turn: under ``release``
+    what it loads is released as it goes, and it answers as diffusers does."""
+    plain, pipe = _plain_and_ours(flux_loras)
+    for each in (plain, pipe):
+        each.load_lora_weights(flux_loras / "transformer_only", adapter_name="s")
+        each.set_adapters(["s"], [0.5])
+    assert pipe.get_active_adapters() == plain.get_active_adapters() == ["s"]
+    assert not pipe.ondeck.tracker.resident

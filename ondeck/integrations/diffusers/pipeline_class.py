@@ -3,15 +3,17 @@ execution device and LoRA loading through the runtime."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ...errors import OndeckError
-from ...lazy import is_lazy, loaded_module
+from ...lazy import is_lazy, is_loaded, loaded_module
 from .pipeline_lora import deferred_hidden, lora_methods, runtime_of
 
 _PIPELINE_CLASSES: dict[type, type] = {}
@@ -39,6 +41,11 @@ def _build_pipeline_class(cls: type) -> type:
     base_to = cls.to
     base_setattr = cls.__setattr__
     base_components = cls.components
+    one_at_a_time = {
+        name: _loading_one_at_a_time(getattr(cls, name))
+        for name in ("save_pretrained", "get_active_adapters")
+        if callable(getattr(cls, name, None))
+    }
 
     @functools.wraps(base_call)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -104,7 +111,61 @@ def _build_pipeline_class(cls: type) -> type:
         "enable_group_offload": refuse_offload,
     }
     namespace.update(lora_methods(cls))
+    namespace.update(one_at_a_time)
     return type(cls.__name__, (cls,), namespace)
+
+
+def _loading_one_at_a_time(base: Any) -> Any:
+    """A pipeline method that reads each component in turn (``save_pretrained``,
+    ``get_active_adapters``): outside a call, what it loads is released before the next
+    component loads and when it returns, so it takes the largest component's memory, not
+    the sum, and leaves loaded only what was loaded before."""
+
+    @functools.wraps(base)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runtime = runtime_of(self)
+        if runtime is None or runtime.current_stage_index is not None:
+            return base(self, *args, **kwargs)
+        with _released_as_they_go(list(runtime.deferred.values())):
+            return base(self, *args, **kwargs)
+
+    return method
+
+
+class _LoadsOneAtATime:
+    """An observer of deferred components: each load first releases what loaded before
+    it while observed."""
+
+    def __init__(self) -> None:
+        self.loaded: list[Any] = []
+
+    def before_load(self, proxy: Any) -> None:
+        self.release(but=proxy)
+
+    def after_load(self, proxy: Any, nbytes: int, seconds: float) -> None:
+        self.loaded.append(proxy)
+
+    def after_release(self, proxy: Any, nbytes: int) -> None:
+        self.loaded = [other for other in self.loaded if other is not proxy]
+
+    def release(self, but: Any = None) -> None:
+        for proxy in list(self.loaded):
+            if proxy is not but and is_loaded(proxy):
+                proxy.release()
+        self.loaded = [proxy for proxy in self.loaded if proxy is but]
+
+
+@contextlib.contextmanager
+def _released_as_they_go(proxies: list[Any]) -> Iterator[None]:
+    observer = _LoadsOneAtATime()
+    for proxy in proxies:
+        proxy.add_observer(observer)
+    try:
+        yield
+    finally:
+        for proxy in proxies:
+            proxy.remove_observer(observer)
+        observer.release()
 
 
 def _asked_by_from_pipe() -> bool:
