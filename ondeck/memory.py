@@ -129,6 +129,19 @@ def resolve_device(device: Any = None) -> Any:
     return device
 
 
+def usable_device(device: Any = None) -> Any:
+    """``resolve_device(device)``; a ``ValueError`` for CUDA where torch has none."""
+    import torch
+
+    device = resolve_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} asked for, but CUDA is not available here (torch "
+            f"{torch.__version__}); use device='cpu'"
+        )
+    return device
+
+
 def device_name(device: Any) -> str:
     """The device's model name for a CUDA device ("NVIDIA H100 80GB HBM3"), else its type:
     what measured activation profiles are kept apart by."""

@@ -116,6 +116,16 @@ def test_a_deferred_component_of_another_pipeline_is_refused_and_both_keep_worki
     assert np.array_equal(run(pipe2, FAMILY), references["wan"][0])
 
 
+def test_a_deferred_component_of_another_pipeline_is_refused_by_from_pretrained(folders):
+    """``from_pretrained(..., vae=pipe1.vae)`` is refused as the assignment is, before
+    anything loads: pipe1's runtime frees that VAE, and a new pipeline's never would."""
+    pipe1 = load(folders["wan"])
+    with pytest.raises(OndeckError, match=r"'vae'.*another ondeck pipeline.*from_pretrained"):
+        ondeck.diffusers.from_pretrained(folders["wan"], policy="release", vae=pipe1.vae)
+    assert pipe1.vae.ondeck_runtime is pipe1.ondeck
+    assert not pipe1.ondeck.tracker.resident
+
+
 def test_a_replaced_vae_leaves_no_measurement_behind(folders):
     """What the runs measured of the old VAE's turn (its decode's activations, room kept
     after running out of memory) is not planned for the new one, which is sized as a VAE

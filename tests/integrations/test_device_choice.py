@@ -14,3 +14,17 @@ def test_cuda_without_cuda_says_so_and_what_to_use(folders, monkeypatch, device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"CUDA is not available here .*use device='cpu'"):
         ondeck.diffusers.from_pretrained(folders["flux"], device=device)
+
+
+def test_moving_a_pipeline_to_cuda_without_cuda_says_so_and_changes_nothing(folders, monkeypatch):
+    """``pipe.to("cuda")`` is refused as ``from_pretrained(device="cuda")`` is, at once
+    (diffusers' own ``to`` refuses it there too), and the pipeline stays usable."""
+    from .tiny_pipelines import FAMILIES, run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pipe = ondeck.diffusers.from_pretrained(folders["flux"], device="cpu", policy="release")
+    pipe.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match=r"CUDA is not available here"):
+        pipe.to("cuda")
+    assert pipe.ondeck.device == torch.device("cpu")
+    assert run(pipe, FAMILIES["flux"]) is not None

@@ -727,6 +727,24 @@ class PipelineComponent(LazyModule):
         object.__setattr__(self, "_ondeck_spec", spec)
 
 
+def owned_elsewhere(name: str, value: Any, runtime: Any = None) -> OndeckError | None:
+    """The error for giving ``value`` as component ``name`` of a pipeline (``runtime``'s,
+    or one being made) when it is a deferred component of another ondeck pipeline: its
+    runtime loads and frees it, and a proxy reports to one runtime."""
+    owner = value.ondeck_runtime if issubclass(type(value), PipelineComponent) else None
+    if owner is None or owner is runtime:
+        return None
+    return OndeckError(
+        f"component '{name}' is a deferred component of another ondeck pipeline (a "
+        f"{type(owner.pipe).__name__}), whose runtime loads and frees it; it belongs to one "
+        "pipeline at a time. Take it out of that pipeline first (assign None or another "
+        f"module to its '{owner.deferred_name(value) or name}'), load each pipeline with "
+        "ondeck.diffusers.from_pretrained (one host_cache=HostCache(...) given to both keeps "
+        "one host copy of the files they share), or give a module you loaded yourself (it "
+        "stays resident)"
+    )
+
+
 def _resizes(module: Any, dtype: torch.dtype | None) -> bool:
     """Whether casting ``module`` to ``dtype`` changes the bytes it holds."""
     if module is None or dtype is None or not dtype.is_floating_point:

@@ -32,11 +32,11 @@ from ...loading.quantized import quantization_method
 from ...loading.sharded import ShardedComponentLoader, check_shard, shardable_models
 from ...loading.single_file import SingleFileFolder
 from ...loading.skeleton import SkeletonBuildError, is_model_container, library_of
-from ...memory import resolve_device
+from ...memory import usable_device
 from ...parallel import ContextParallel, resolve_parallel, split_sequences
 from ...policy import Policy
 from .call_shape import profile_identity
-from .component import PipelineComponent, is_plain_value
+from .component import PipelineComponent, is_plain_value, owned_elsewhere
 from .encodings import caches_answers
 from .pipeline_class import ondeck_pipeline_class
 from .runtime import DiffusersRuntime
@@ -51,17 +51,6 @@ _HUB_OPTIONS = (
     "variant",
     "use_safetensors",
 )
-
-
-def _usable_device(device: DeviceChoice) -> torch.device:
-    """The device asked for; a ``ValueError`` for CUDA where torch has none."""
-    device = resolve_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device {str(device)!r} asked for, but CUDA is not available here (torch "
-            f"{torch.__version__}); use device='cpu'"
-        )
-    return device
 
 
 def from_pretrained(
@@ -116,6 +105,9 @@ def from_pretrained(
     """
     import diffusers
 
+    for name, value in kwargs.items():
+        if (error := owned_elsewhere(name, value)) is not None:
+            raise error
     dtype = _asked_dtype(path, torch_dtype, kwargs)
     path = _local_folder(path, kwargs)
     folder = _opened(path, components, libraries, kwargs)
@@ -124,7 +116,7 @@ def from_pretrained(
     stored = _stored(folder, storage_dtype, skip=kwargs)
     shard = _shard_names(folder, shard, stored, brought=bool(components or loras), skip=kwargs)
     parallel = _join_ranks(shard, resolve_parallel(parallel))
-    device = _usable_device(device)
+    device = usable_device(device)
     load = LoadOptions(device=device, host_cache=host_cache, progress=progress)
     found = _defer(folder, load, dtype, stored, skip=kwargs, shard=shard)
     if parallel is not None:

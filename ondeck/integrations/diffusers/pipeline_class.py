@@ -14,6 +14,7 @@ import torch
 
 from ...errors import OndeckError
 from ...lazy import is_lazy, is_loaded, loaded_module
+from ...memory import usable_device
 from .pipeline_lora import deferred_hidden, lora_methods, runtime_of
 
 _PIPELINE_CLASSES: dict[type, type] = {}
@@ -76,7 +77,7 @@ def _build_pipeline_class(cls: type) -> type:
         if runtime is None:
             return base_to(self, *args, **kwargs)
         device, dtype = _pipeline_placement(args, kwargs)
-        runtime.place(device, dtype)
+        runtime.place(None if device is None else usable_device(device), dtype)
         with deferred_hidden(runtime):
             base_to(self, *args, **kwargs)
         return self

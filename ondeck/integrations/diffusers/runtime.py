@@ -39,7 +39,7 @@ from .calls import (
     restore_generators,
     warn_if_truncated,
 )
-from .component import PipelineComponent
+from .component import PipelineComponent, owned_elsewhere
 from .decode import FittingDecode, is_vae
 from .turns import CallRecord, TurnEnds, call_signature, usable_turns, with_untouched
 
@@ -190,7 +190,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
     def _turn_index(self, name: str) -> int | None:
         return next((i for i, stage in enumerate(self.stages) if stage.name == name), None)
 
-    def _deferred_name(self, proxy: Any) -> str | None:
+    def deferred_name(self, proxy: Any) -> str | None:
         """The name of ``proxy`` among the deferred components, by identity; None for a
         proxy that is not one of them (one this pipeline replaced)."""
         for name, value in self.deferred.items():
@@ -205,7 +205,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
     def fitting_decode(self, proxy: PipelineComponent) -> FittingDecode | None:
         """``proxy.decode`` that decodes in tiles when whole frames would not fit; None
         for a proxy that is not one of this pipeline's deferred components."""
-        name = self._deferred_name(proxy)
+        name = self.deferred_name(proxy)
         if name is None:
             return None
         decoder = self.decoders.get(name)
@@ -397,7 +397,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             or self.executor.in_prefetch_thread()
         ):
             return
-        name = self._deferred_name(proxy)
+        name = self.deferred_name(proxy)
         if name is None:
             return
         self._record.touched(name)
@@ -432,7 +432,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             return
         if computed and self._in_calls:
             self._in_calls -= 1
-        name = self._deferred_name(proxy)
+        name = self.deferred_name(proxy)
         self._record.called(name)
         if self._turn_done(name):
             index = self._current_index + 1
@@ -463,7 +463,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             or self.executor.in_prefetch_thread()
         ):
             return False
-        held = [self._deferred_name(component) for component in self.stages[index].components]
+        held = [self.deferred_name(component) for component in self.stages[index].components]
         if name not in held:
             return False
         following = self.stages[index + 1].name
@@ -500,7 +500,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         """Bytes of other turns' components that arrived while turn ``index`` computed
         (the next call's, loaded ahead), those released again before it ended included:
         counted as weights, they may have come after its peak."""
-        own = {self._deferred_name(component) for component in self.stages[index].components}
+        own = {self.deferred_name(component) for component in self.stages[index].components}
         events = self.tracker.events[self._events_at_compute :]
         return sum(e.nbytes for e in events if e.kind == "load" and e.name not in own)
 
@@ -635,20 +635,8 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         if name in self.components and self.components[name] is not value:
             if self._running_thread is not None:
                 raise OndeckError(f"component '{name}' cannot be replaced while a call runs")
-        if not issubclass(type(value), PipelineComponent):
-            return
-        owner = value.ondeck_runtime
-        if owner is not None and owner is not self:
-            there = owner._deferred_name(value) or name
-            raise OndeckError(
-                f"component '{name}' is a deferred component of another ondeck pipeline "
-                f"(a {type(owner.pipe).__name__}), whose runtime loads and frees it; it "
-                "belongs to one pipeline at a time. Take it out of that pipeline first "
-                f"(assign None or another module to its '{there}'), load each "
-                "pipeline with ondeck.diffusers.from_pretrained (one host_cache="
-                "HostCache(...) given to both keeps one host copy of the files they "
-                "share), or assign a module you loaded yourself (it stays resident)"
-            )
+        if (error := owned_elsewhere(name, value, self)) is not None:
+            raise error
 
     def forget_measured(self, name: str) -> None:
         for stage in self.stages_holding(name):
