@@ -37,6 +37,8 @@ ERROR_TYPES = {
 }
 # Paths served without the key: the page carries no data and asks for the key itself.
 OPEN_PATHS = ("/", "/favicon.ico")
+# How long DELETE /v1/videos/{id} waits for a running job to stop at its next step.
+DELETE_WAIT_SECONDS = 30.0
 
 
 def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
@@ -296,12 +298,16 @@ class _Api:
                 f"the job is {job.status} ({job.progress}%); its {role} is not ready",
             )
         path = job.files.get(role)
+        gone = JobFailed(
+            404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
+        )
         if path is None:
+            # A timeline is drawn when first asked for: its folder may have gone before.
+            if job.files and not any(Path(made).is_file() for made in job.files.values()):
+                raise gone
             raise JobFailed(404, "no_content", f"the job {job.id!r} made no {role}")
         if not Path(path).is_file():
-            raise JobFailed(
-                404, "content_gone", f"the job's {role} was removed (the outputs folder's size cap)"
-            )
+            raise gone
         return FileResponse(path, media_type=media_type)
 
 
@@ -459,10 +465,15 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> dict:
+        # An unfinished job is cancelled and, once it stops (a running one at its next
+        # step, waited for a while), goes with its files; until then it is not deleted.
         job = find_job(video_id, "video")
-        if not job.cancel("cancelled"):  # over already: it and its files go
-            server.queue.remove(job.id)
-            server.outputs.remove(job.id)
+        if job.cancel("cancelled"):
+            await asyncio.to_thread(job.done_event.wait, DELETE_WAIT_SECONDS)
+        if not job.finished:
+            return {"id": job.id, "object": "video.deleted", "deleted": False}
+        server.queue.remove(job.id)
+        server.outputs.remove(job.id)
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 

@@ -7,6 +7,7 @@ The command line's own module calls ``add_parser`` and dispatches to ``serve`` a
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -80,6 +81,16 @@ def _instance(text: str) -> str:
             f"an instance name is letters, digits, '.' or '-' (at most 32), got {text!r}"
         )
     return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -177,10 +188,11 @@ def _add_outputs(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM, how long the running job may take to finish before it is stopped",
+        help="on SIGTERM or Ctrl-C, how long the running job may take to finish before it "
+        "is stopped at its next step; a second signal stops at once (default 30)",
     )
 
 
@@ -282,7 +294,7 @@ def serve(args: argparse.Namespace) -> int:
             "is missing)"
         ) from None
     config = _config(args)
-    server = Server(config)
+    server = Server(config, say=lambda line: print(line, flush=True))
     if args.plan:
         print(server.manager.plan())
         return 0
@@ -330,10 +342,53 @@ def serve(args: argparse.Namespace) -> int:
     }
     try:
         uv.run()
+    except SystemExit:
+        if uv.started:
+            raise
+        raise OndeckError(
+            f"could not listen on http://{args.host}:{args.port}/ (the line above says why; "
+            "another server on the port is the usual reason: --port chooses another)"
+        ) from None
     finally:
-        print("ondeck: stopping: the running job finishes, waiting ones fail", flush=True)
-        server.stop()
+        stopped = _stop(server, received, announce=uv.started)
         for number, handler in previous.items():
             signal.signal(number, handler)
     print(f"ondeck: stopped ({server.jobs_run} jobs done, {server.jobs_failed} failed)", flush=True)
-    return 0
+    return 0 if stopped else 1
+
+
+def _stop(server: Any, received: list[int], *, announce: bool) -> bool:
+    """Stop the server once its listener has: the waiting jobs fail, the running one
+    has its grace, then stops at its next step. A stop signal from now on (or a second
+    one before) ends the process at once, without waiting for that step. False where the
+    running job was still in a step well past its grace (``Server.stop``)."""
+
+    def at_once(number: int, frame: Any) -> None:
+        print("\nondeck: stopped without waiting for the running job", flush=True)
+        os._exit(128 + number)
+
+    from .server import STOP_MARGIN_SECONDS
+
+    for number in STOP_SIGNALS:
+        signal.signal(number, at_once)
+    if len(received) > 1:
+        at_once(received[-1], None)
+    running = server.queue.current
+    grace = server.config.shutdown_grace_seconds
+    if announce and running is not None:
+        print(
+            f"ondeck: stopping: waiting ones fail; the running job {running.id} "
+            f"({running.model}) has {grace:g} s to finish, then stops at its next step "
+            "(Ctrl-C again stops now)",
+            flush=True,
+        )
+    elif announce:
+        print("ondeck: stopping", flush=True)
+    stopped = server.stop()
+    if not stopped:
+        print(
+            f"ondeck: the running job {running.id if running else ''} is still in a step "
+            f"{grace + STOP_MARGIN_SECONDS:g} s after the stop began; stopping without it",
+            flush=True,
+        )
+    return stopped

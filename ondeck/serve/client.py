@@ -159,7 +159,7 @@ def _cancel(http: Any, job_id: str) -> None:
     """Ask the server to stop a job this client no longer waits for (best effort: the
     server may be gone, and the caller raises its own error)."""
     try:
-        http.delete(f"/videos/{job_id}", timeout=5.0)
+        http.delete(f"/ondeck/jobs/{job_id}", timeout=5.0)
     except Exception:
         pass
 

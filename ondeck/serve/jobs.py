@@ -81,6 +81,8 @@ class Job:
     done_event: threading.Event = field(default_factory=threading.Event)
     # A cancel and the job's start or completion: one or the other, never both.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Told once the job is over, whichever way (the queue counts how jobs ended).
+    on_finish: Callable[[Job], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -136,6 +138,8 @@ class Job:
         self.completed_at = int(time.time())
         self.input_image = None  # a kept job keeps no request payload, run or not
         self.done_event.set()
+        if self.on_finish is not None:
+            self.on_finish(self)
 
     @property
     def finished(self) -> bool:
@@ -155,8 +159,10 @@ class JobQueue:
         *,
         max_waiting: int = 64,
         max_kept: int = 1000,
+        told: Callable[[Job], None] | None = None,
     ):
         self._run = run
+        self._told = told  # each job once it is over, whichever way it ended
         self.max_waiting = max_waiting
         self.max_kept = max_kept
         self.jobs: dict[str, Job] = {}
@@ -165,6 +171,9 @@ class JobQueue:
         self._stopping = False
         self.current: Job | None = None
         self.last_finished: Job | None = None
+        # How the jobs submitted ended: completed, failed, and of those failed cancelled.
+        self.ended = {"completed": 0, "failed": 0, "cancelled": 0}
+        self._counting = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="ondeck-serve-device", daemon=True)
 
     def start(self) -> None:
@@ -178,11 +187,20 @@ class JobQueue:
             self._waiting = deque(j for j in self._waiting if not j.cancelled)
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} jobs are waiting already; try again later")
+            job.on_finish = self._count
             self.jobs[job.id] = job
             self._waiting.append(job)
             self._forget_old()
             self._condition.notify_all()
         return job
+
+    def _count(self, job: Job) -> None:
+        with self._counting:
+            self.ended[job.status] += 1
+            if job.error is not None and job.error.code == "cancelled":
+                self.ended["cancelled"] += 1
+        if self._told is not None:
+            self._told(job)
 
     def _forget_old(self) -> None:
         """Finished jobs past ``max_kept`` are forgotten, oldest first."""
@@ -228,6 +246,11 @@ class JobQueue:
                     self.current = None
                     self.last_finished = job
                     self._condition.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """The device thread is still on a job (or waiting for one, before ``close``)."""
+        return self._thread.is_alive()
 
     def stop(self, *, timeout: float | None = None) -> None:
         """``close``, then return once the device thread is idle."""

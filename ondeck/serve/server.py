@@ -113,6 +113,10 @@ class StepProgress:
             self.at_last_step()
 
 
+# How long a stop waits past the running job's grace for the step it is in.
+STOP_MARGIN_SECONDS = 10.0
+
+
 class Server:
     """Holds the served models under one budget and runs their jobs in order."""
 
@@ -134,11 +138,14 @@ class Server:
             self.models[name] = self._build(name, source)
         self.manager = ResidencyManager(self.models, self.budget_bytes)
         self.manager.plan()  # here, before any job runs: the status only reads it
-        self.queue = JobQueue(self._run_job, max_waiting=config.limits.waiting_jobs)
+        self.queue = JobQueue(
+            self._run_job, max_waiting=config.limits.waiting_jobs, told=self._tell_ended
+        )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
         self._writing: set[str] = set()
         self._drawing = threading.Lock()
         self._grace_timer: threading.Timer | None = None
+        self._stopping_since = 0.0
         # Set when the running job's grace is over: a caller waiting on it is answered
         # then, not when the job reaches its next step (which may come after the HTTP
         # server has stopped waiting for its answer).
@@ -146,7 +153,6 @@ class Server:
         self.last_report: dict[str, Any] | None = None
         self.last_job_id: str | None = None
         self.jobs_run = 0
-        self.jobs_failed = 0
 
     def _build(self, name: str, source: str) -> ServedModel:
         if not MODEL_NAME.match(name):
@@ -188,6 +194,21 @@ class Server:
         served.path = Path(path)  # type: ignore[attr-defined]
         return served
 
+    def _tell_ended(self, job: Job) -> None:
+        """One line in the server's log for each job that ends: done, or why not."""
+        if job.status == "completed":
+            seconds = f" in {job.run_seconds:.1f} s" if job.run_seconds is not None else ""
+            self.say(f"ondeck: job {job.id} ({job.model}) done{seconds}")
+        elif job.error is not None:
+            error = job.error
+            self.say(f"ondeck: job {job.id} ({job.model}) {error.code}: {error.message}")
+
+    @property
+    def jobs_failed(self) -> int:
+        """Jobs that ended failed, however: in their run, cancelled (waiting or
+        running), or waiting when the server stopped."""
+        return self.queue.ended["failed"]
+
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
@@ -198,6 +219,7 @@ class Server:
         is stopped at its next step."""
         if self._grace_timer is not None:
             return
+        self._stopping_since = time.monotonic()
         self.queue.close()
         current = self.queue.current
 
@@ -210,16 +232,22 @@ class Server:
         self._grace_timer.daemon = True
         self._grace_timer.start()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """``begin_shutdown``, then wait for the running job and the files being written,
-        and close every pipeline."""
+        and close every pipeline. A step cannot be cut short: where the running job is
+        still in one ``STOP_MARGIN_SECONDS`` after its grace, nothing more is waited for
+        or closed, and False says so."""
         self.begin_shutdown()
-        self.queue.stop()
+        deadline = self._stopping_since + self.config.shutdown_grace_seconds
+        self.queue.stop(timeout=max(0.0, deadline + STOP_MARGIN_SECONDS - time.monotonic()))
         self._grace_timer.cancel()
+        if self.queue.busy:
+            return False
         self._writer.shutdown(wait=True)
         self.manager.wait_for_prefetch()
         for model in self.models.values():
             model.pipeline.close()
+        return True
 
     # -- jobs -----------------------------------------------------------------------
 
@@ -260,8 +288,8 @@ class Server:
             raise JobFailed(
                 400,
                 "invalid_value",
-                f"{model.name}'s shortest video is {step + 1} frames, past this server's "
-                f"limit of {most}: ask for frames, not seconds",
+                f"the shortest {model.name} video seconds asks for is {step + 1} frames, past "
+                f"this server's limit of {most}: ask for frames, not seconds",
                 "seconds",
             )
         intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))
@@ -469,7 +497,6 @@ class Server:
         the next job starts from no more than the server held before."""
         self.manager.wait_for_prefetch()
         model.pipeline.release_all()
-        self.jobs_failed += 1
         gc.collect()
         if self.device.type == "cuda":
             import torch
@@ -505,6 +532,7 @@ class Server:
             "queue": [job_summary(job) for job in self.queue.waiting()],
             "jobs_run": self.jobs_run,
             "jobs_failed": self.jobs_failed,
+            "jobs_cancelled": self.queue.ended["cancelled"],
             "last_job": {"id": self.last_job_id, "report": _brief(self.last_report)},
             "plan": self.manager.plan().to_dict(),
             "outputs": {

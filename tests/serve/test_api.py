@@ -115,13 +115,26 @@ def test_cancel_stops_a_running_job_at_its_next_step_and_frees_its_model(server)
     with server.client() as http:
         job_id = submit_video(http, model="wan2", steps=200)
         wait_for(lambda: http.get(f"/v1/ondeck/jobs/{job_id}").json()["step"] >= 1)
-        deleted = http.delete(f"/v1/videos/{job_id}").json()
-        assert deleted == {"id": job_id, "object": "video.deleted", "deleted": True}
+        cancelled = http.delete(f"/v1/ondeck/jobs/{job_id}").json()
+        assert cancelled == {"id": job_id, "object": "job.cancelled", "cancelled": True}
         video = wait_finished(http, job_id, timeout=20)
         assert video["status"] == "failed" and video["error"]["code"] == "cancelled"
         assert http.get(f"/v1/ondeck/jobs/{job_id}").json()["step"] < 200
         refused = http.get(f"/v1/videos/{job_id}/content")
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "cancelled"
+        assert status(http)["resident"]["wan2"] == {}
+
+
+def test_deleting_a_running_video_stops_it_and_then_deletes_it(server):
+    """DELETE /v1/videos/{id} on a running job answers once the job has stopped at its
+    next step and is gone, as OpenAI's delete leaves nothing to read."""
+    with server.client() as http:
+        job_id = submit_video(http, model="wan2", steps=200)
+        wait_for(lambda: http.get(f"/v1/ondeck/jobs/{job_id}").json()["step"] >= 1)
+        deleted = http.delete(f"/v1/videos/{job_id}").json()
+        assert deleted == {"id": job_id, "object": "video.deleted", "deleted": True}
+        gone = http.get(f"/v1/videos/{job_id}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "video_not_found"
         assert status(http)["resident"]["wan2"] == {}
 
 

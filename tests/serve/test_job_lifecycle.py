@@ -36,20 +36,17 @@ def gate(monkeypatch):
     release.set()
 
 
-def test_a_video_deleted_while_its_files_are_written_is_cancelled_and_leaves_no_files(
-    models, tmp_path, gate
-):
-    """A cancel (DELETE /v1/videos/{id}) after the last denoising step, while the video
-    decodes or its MP4 is written, answers {"deleted": true} and is kept: the job fails
-    as cancelled, nothing is served and its folder goes (the cancel used to be ignored
-    once the steps were over)."""
+def test_a_video_cancelled_while_its_files_are_written_leaves_no_files(models, tmp_path, gate):
+    """A cancel after the last denoising step, while the video decodes or its MP4 is
+    written, holds: the job fails as cancelled, nothing is served and its folder goes (the
+    cancel used to be ignored once the steps were over)."""
     entered, release = gate
     server = make_server(models, tmp_path)
     try:
         job_id = call(server, "POST", "/v1/videos", json=VIDEO).json()["id"]
         assert entered.wait(60)
-        deleted = call(server, "DELETE", f"/v1/videos/{job_id}")
-        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        cancelled = call(server, "DELETE", f"/v1/ondeck/jobs/{job_id}")
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
         release.set()
         job = server.queue.get(job_id)
         wait_for(lambda: job.done_event.is_set())
@@ -112,7 +109,7 @@ def test_a_job_cancelled_while_it_waits_drops_its_decoded_input_image(models, tm
         job = Job(kind="video", model="wan", prompt="a fox", width=32, height=32, frames=5, steps=2)
         job.input_image = Image.new("RGB", (1024, 1024))
         server.submit(job)
-        assert call(server, "DELETE", f"/v1/videos/{job.id}").status_code == 200
+        assert call(server, "DELETE", f"/v1/ondeck/jobs/{job.id}").status_code == 200
         release.set()
         # The device thread reaches the cancelled job and skips it.
         wait_for(lambda: server.queue.current is None and not server.queue.waiting())
@@ -186,3 +183,34 @@ def test_the_waiting_images_call_answers_while_another_request_draws_the_jobs_ti
     assert drawn and drawn[0], "the timeline was not drawn"
     assert response.status_code == 200, response.text
     assert len(response.json()["data"]) == 2
+
+
+def test_a_stop_waits_no_longer_than_the_grace_and_its_margin_for_a_step(
+    models, tmp_path, monkeypatch
+):
+    """A step cannot be cut short: where the running job is still in one past its grace
+    and the margin, ``stop`` gives up on it and says so; every job is counted once."""
+    import time
+
+    monkeypatch.setattr(server_module, "STOP_MARGIN_SECONDS", 0.3)
+    server = make_server(models, tmp_path, shutdown_grace_seconds=0.2)
+    started, release = threading.Event(), threading.Event()
+
+    def a_step_that_does_not_end(job, upcoming):
+        job.start()
+        started.set()
+        release.wait(30)
+
+    monkeypatch.setattr(server, "_run", a_step_that_does_not_end)
+    stuck = server.submit(Job(kind="video", model="wan", prompt="a", width=32, height=32))
+    waiting = server.submit(Job(kind="video", model="wan", prompt="b", width=32, height=32))
+    assert started.wait(30)
+    begun = time.monotonic()
+    try:
+        assert server.stop() is False
+        assert time.monotonic() - begun < 3
+    finally:
+        release.set()
+    assert waiting.error.code == "server_shutdown"
+    assert stuck.cancel_event.is_set()  # stopped by the grace, at a next step it never reached
+    assert server.status()["jobs_failed"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -36,7 +37,60 @@ def test_sigterm_finishes_the_running_job_fails_the_waiting_and_exits_0(models, 
     outputs = tmp_path / "outputs"
     assert (outputs / running / "video.mp4").stat().st_size > 0
     assert not (outputs / waiting).exists()
-    assert "stopped (1 jobs done" in server.output()
+    log = server.output()
+    assert f"job {running} (wan) done" in log
+    assert f"job {waiting} (wan) server_shutdown" in log
+    assert "stopped (1 jobs done, 1 failed)" in log
+
+
+def test_a_second_stop_signal_stops_at_once_while_the_running_job_has_its_grace(models, tmp_path):
+    server = ServerProcess(
+        {"wan": models["wan"]}, "--steps", "2", "--shutdown-grace", "600", tmp=tmp_path
+    )
+    try:
+        with server.client() as http:
+            body = {"model": "wan", "prompt": "a fox", "size": "256x256", "frames": 33}
+            running = http.post("/v1/videos", json={**body, "steps": 200}).json()["id"]
+            wait_for(lambda: http.get(f"/v1/ondeck/jobs/{running}").json()["step"] >= 1)
+            server.process.terminate()
+            wait_for(lambda: "Ctrl-C again stops now" in server.output(), timeout=60)
+            assert server.process.poll() is None  # the running job has its 600 s
+            server.process.terminate()
+            code = server.process.wait(30)
+    finally:
+        server.stop()
+    assert code == 143, server.output()
+    assert "stopped without waiting for the running job" in server.output()
+    assert not (tmp_path / "outputs" / running / "video.mp4").exists()
+
+
+def test_a_port_in_use_is_one_error_naming_it(models, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "ondeck", "serve", "--device", "cpu", "--port", str(port)]
+            + ["--model", f"wan={models['wan']}", "--outputs", str(tmp_path / "outputs")],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"could not listen on http://127.0.0.1:{port}/" in done.stderr
+    assert "stopping" not in done.stdout
+
+
+def test_a_negative_grace_is_refused(models):
+    done = subprocess.run(
+        [sys.executable, "-m", "ondeck", "serve", "--shutdown-grace", "-5"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "'-5' is not a number of seconds" in done.stderr
 
 
 def test_generate_with_server_writes_the_folder_a_local_run_writes(server, models, tmp_path):

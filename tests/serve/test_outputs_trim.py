@@ -44,3 +44,20 @@ def test_past_the_cap_the_oldest_job_goes_first_though_its_timeline_was_drawn_la
         server.stop()
     assert newest in kept and len(kept) == 2
     assert oldest not in kept and newer_content == 200
+
+
+def test_a_timeline_never_drawn_of_a_job_the_cap_removed_is_content_gone(models, tmp_path):
+    """Past the cap, a job's timeline (drawn when first asked for) is gone as its video
+    is, not a timeline the job never made."""
+    server = make_server(models, tmp_path)
+    try:
+        first = _run(server)
+        server.outputs.cap_bytes = 1
+        _run(server)
+        answers = [
+            call(server, "GET", path).json()["error"]["code"]
+            for path in (f"/v1/videos/{first}/content", f"/v1/ondeck/jobs/{first}/timeline")
+        ]
+    finally:
+        server.stop()
+    assert answers == ["content_gone", "content_gone"]
