@@ -245,7 +245,7 @@ class _Api:
         try:
             return self.server.submit(job)
         except QueueFull as error:
-            raise JobFailed(503, "queue_full", str(error)) from None
+            raise JobFailed(503, error.code, str(error)) from None
 
     def video_object(self, job: Job) -> dict:
         error = None

@@ -12,6 +12,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -312,27 +314,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(server)
     freeze_what_lives()  # the models live as long as the server: no job rescans them
 
-    class Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # Before uvicorn waits for open connections: the waiting jobs fail at once
-            # (answering their callers), and no new job starts.
-            server.begin_shutdown()
-            super().handle_exit(sig, frame)
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=sockets)  # exits where the address is taken
-            print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
-
-    uv = Uvicorn(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            timeout_graceful_shutdown=int(config.shutdown_grace_seconds) + 5,
-            lifespan="off",
-        )
-    )
+    uv = _listener(uvicorn, server, app, args)
     server.start()
     # uvicorn turns SIGTERM and SIGINT into a graceful stop, then raises the signal again
     # with the handler it found: this one notes it, so the queue stops and the exit is 0.
@@ -350,42 +332,85 @@ def serve(args: argparse.Namespace) -> int:
             "another server on the port is the usual reason: --port chooses another)"
         ) from None
     finally:
-        stopped = _stop(server, received, announce=uv.started)
+        stopped = _stop(server, received)
         for number, handler in previous.items():
             signal.signal(number, handler)
     print(f"ondeck: stopped ({server.jobs_run} jobs done, {server.jobs_failed} failed)", flush=True)
     return 0 if stopped else 1
 
 
-def _stop(server: Any, received: list[int], *, announce: bool) -> bool:
-    """Stop the server once its listener has: the waiting jobs fail, the running one
-    has its grace, then stops at its next step. A stop signal from now on (or a second
-    one before) ends the process at once, without waiting for that step. False where the
-    running job was still in a step well past its grace (``Server.stop``)."""
+def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn's server for ``app``, stopping as a job server should: on the first stop
+    signal the waiting jobs fail and no new one starts, but it keeps answering while the
+    running job has its grace (its client can follow it and fetch what it made, for
+    ``LINGER_SECONDS`` after), then stops listening; a second signal ends the process."""
+    from .server import LINGER_SECONDS, STOP_MARGIN_SECONDS
 
-    def at_once(number: int, frame: Any) -> None:
-        print("\nondeck: stopped without waiting for the running job", flush=True)
-        os._exit(128 + number)
+    grace = server.config.shutdown_grace_seconds
 
+    class Uvicorn(uvicorn.Server):
+        stop_asked = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.stop_asked:
+                _exit_at_once(sig, None)
+            self.stop_asked = True
+            server.begin_shutdown()
+            running = server.queue.current
+            if running is None:
+                super().handle_exit(sig, frame)
+                return
+            print(
+                f"ondeck: stopping: waiting jobs fail; the running job {running.id} "
+                f"({running.model}) has {grace:g} s to finish, then stops at its next step "
+                "(Ctrl-C again stops now)",
+                flush=True,
+            )
+
+            def when_it_ends() -> None:
+                if running.done_event.wait(grace + STOP_MARGIN_SECONDS):
+                    if running.status == "completed":
+                        time.sleep(LINGER_SECONDS)  # its client fetches what it made
+                uvicorn.Server.handle_exit(self, sig, frame)
+
+            threading.Thread(target=when_it_ends, name="ondeck-serve-drain", daemon=True).start()
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)  # exits where the address is taken
+            print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
+
+    return Uvicorn(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(grace) + 5,
+            lifespan="off",
+        )
+    )
+
+
+def _exit_at_once(number: int, frame: Any) -> None:
+    print("\nondeck: stopped without waiting for the running job", flush=True)
+    os._exit(128 + number)
+
+
+def _stop(server: Any, received: list[int]) -> bool:
+    """Stop the server once its listener has (the running job has had its grace there):
+    what is left of the job, the files being written, the pipelines. A stop signal from
+    now on (or a second one before) ends the process at once. False where the running
+    job was still in a step well past its grace (``Server.stop``)."""
     from .server import STOP_MARGIN_SECONDS
 
     for number in STOP_SIGNALS:
-        signal.signal(number, at_once)
+        signal.signal(number, _exit_at_once)
     if len(received) > 1:
-        at_once(received[-1], None)
+        _exit_at_once(received[-1], None)
     running = server.queue.current
-    grace = server.config.shutdown_grace_seconds
-    if announce and running is not None:
-        print(
-            f"ondeck: stopping: waiting ones fail; the running job {running.id} "
-            f"({running.model}) has {grace:g} s to finish, then stops at its next step "
-            "(Ctrl-C again stops now)",
-            flush=True,
-        )
-    elif announce:
-        print("ondeck: stopping", flush=True)
     stopped = server.stop()
     if not stopped:
+        grace = server.config.shutdown_grace_seconds
         print(
             f"ondeck: the running job {running.id if running else ''} is still in a step "
             f"{grace + STOP_MARGIN_SECONDS:g} s after the stop began; stopping without it",

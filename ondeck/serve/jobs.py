@@ -147,7 +147,11 @@ class Job:
 
 
 class QueueFull(Exception):
-    pass
+    code = "queue_full"
+
+
+class ServerStopping(QueueFull):
+    code = "server_shutdown"
 
 
 class JobQueue:
@@ -182,7 +186,7 @@ class JobQueue:
     def submit(self, job: Job) -> Job:
         with self._condition:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ServerStopping("the server is shutting down: it takes no new job")
             # A job cancelled while it waits gives its place up at once.
             self._waiting = deque(j for j in self._waiting if not j.cancelled)
             if len(self._waiting) >= self.max_waiting:

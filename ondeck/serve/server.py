@@ -113,8 +113,10 @@ class StepProgress:
             self.at_last_step()
 
 
-# How long a stop waits past the running job's grace for the step it is in.
+# How long a stop waits past the running job's grace for the step it is in, and how long
+# the server keeps answering after a job that completed while it stopped.
 STOP_MARGIN_SECONDS = 10.0
+LINGER_SECONDS = 5.0
 
 
 class Server:

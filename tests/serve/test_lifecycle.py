@@ -30,12 +30,21 @@ def test_sigterm_finishes_the_running_job_fails_the_waiting_and_exits_0(models, 
             waiting = http.post("/v1/videos", json=body).json()["id"]
             wait_for(lambda: http.get(f"/v1/ondeck/jobs/{running}").json()["step"] >= 1)
             server.process.terminate()
+            # While the running job has its grace the server answers: its client follows it
+            # and fetches the video; a new job is refused.
+            refused = wait_for(
+                lambda: (r := http.post("/v1/videos", json=body)).status_code == 503 and r
+            )
+            wait_for(lambda: http.get(f"/v1/videos/{running}").json()["status"] == "completed")
+            video = http.get(f"/v1/videos/{running}/content")
             code = server.process.wait(60)
     finally:
         server.stop()
     assert code == 0, server.output()
+    assert refused.json()["error"]["code"] == "server_shutdown"
+    assert video.status_code == 200 and video.content[4:8] == b"ftyp"
     outputs = tmp_path / "outputs"
-    assert (outputs / running / "video.mp4").stat().st_size > 0
+    assert (outputs / running / "video.mp4").read_bytes() == video.content
     assert not (outputs / waiting).exists()
     log = server.output()
     assert f"job {running} (wan) done" in log
