@@ -16,7 +16,7 @@ from .pipelines import read_model_index
 from .pipelines.wan import WanTextToVideo, is_wan_folder
 from .planning import Plan
 
-__all__ = ["pipeline_for_folder", "plan"]
+__all__ = ["check_requirements", "pipeline_for_folder", "plan"]
 
 
 def pipeline_for_folder(
@@ -33,6 +33,13 @@ def pipeline_for_folder(
     if is_wan_folder(model_index) and not brought:
         return WanTextToVideo.from_folder(path, **options)
     return from_pretrained(path, prompt_cache=prompt_cache, **options).ondeck
+
+
+def check_requirements(pipeline: Any) -> None:
+    """``OndeckError`` for a package every call of ``pipeline`` needs and this host lacks
+    (the ftfy some diffusers pipelines clean their prompts with); Wan's stages need none."""
+    if not isinstance(pipeline, WanTextToVideo):
+        pipeline.check_requirements()
 
 
 def plan(source: Any, budget: int | str | None = None, **options: Any) -> Plan:

@@ -171,6 +171,10 @@ class Server:
             host_cache=self.host_cache,
             **({"storage_dtype": self.config.weights} if self.config.weights else {}),
         )
+        try:  # a model every job of which would fail is refused at start
+            folder_pipelines.check_requirements(pipeline)
+        except OndeckError as error:
+            raise OndeckError(f"model {name!r} ({source}): {error}") from None
         # Each job's timeline and report are its own: the tracker keeps the job's runs
         # (``_run`` counts them: an image job runs once for each image).
         # The residency manager releases a model's components to make room for another.

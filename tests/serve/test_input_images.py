@@ -97,3 +97,24 @@ def test_a_form_data_url_is_taken_up_to_the_image_limit(server):
     too_large = server(image_bytes=len(image) - 1)
     answer = video(too_large, image, as_form=True)
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "image_too_large"
+
+
+def test_a_model_whose_every_job_would_fail_is_refused_at_start(tmp_path):
+    """Wan's image-to-video cleans each prompt with ftfy, which this host lacks: serving
+    it is refused at start, naming the model and the package, not a 500 for every job."""
+    import importlib.util
+
+    from integrations.breadth_pipelines import ALL_FAMILIES
+
+    from ondeck.errors import OndeckError
+
+    if importlib.util.find_spec("ftfy") is not None:
+        pytest.skip("ftfy is installed here")
+
+    folder = tmp_path / "wan_i2v"
+    ALL_FAMILIES["wan_i2v"].build(folder)
+    config = ServeConfig(
+        models={"i2v": str(folder)}, device="cpu", budget_bytes=2**30, outputs=tmp_path / "out"
+    )
+    with pytest.raises(OndeckError, match=r"model 'i2v' .*ftfy.*pip install ftfy"):
+        Server(config, say=lambda *_: None)

@@ -725,7 +725,7 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             seed=seed,
             **{key: kwargs[key] for key in CHECKED_KEYWORDS if key in kwargs},
         )
-        check_prompt_cleaning(type(self.pipe))
+        self.check_requirements()
         warn_if_truncated(self.pipe, prompt, parameters, kwargs)
         arguments = self._generate_arguments(
             prompt,
@@ -738,6 +738,11 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             negative_prompt=negative_prompt,
         )
         return frames_of(call_with_progress(self.pipe, arguments, parameters, progress, kwargs))
+
+    def check_requirements(self) -> None:
+        """``OndeckError`` now for a package every call needs and this host lacks (the
+        ftfy a few pipelines clean their prompts with), before a weight loads."""
+        check_prompt_cleaning(type(self.pipe))
 
     def _generate_arguments(self, prompt: str, *, seed: int | None, **given: Any) -> dict:
         """The pipeline's call arguments for ``generate``'s (those it takes, the frame
