@@ -114,7 +114,7 @@ def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
     return path, True
 
 
-def _quiet_library_bars() -> None:
+def quiet_library_bars() -> None:
     """``ONDECK_PROGRESS=0`` hides diffusers' "Loading pipeline components" bar too (the
     command's process is its own: the setting is global)."""
     if os.environ.get("ONDECK_PROGRESS") == "0":
@@ -124,7 +124,7 @@ def _quiet_library_bars() -> None:
 
 
 def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
-    _quiet_library_bars()
+    quiet_library_bars()
     device = resolve_device(args.device)
     host_cache = HostCache.from_setting(args.host_cache)
     policy = "budget" if args.budget and args.policy == "auto" else args.policy

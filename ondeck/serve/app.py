@@ -180,17 +180,19 @@ class _Api:
                 f"{body.model!r} needs an input image, which this route takes none of",
                 "model",
             )
-        if (
-            len(body.prompt) > self.limits.prompt_chars
-            or len(body.negative_prompt) > self.limits.prompt_chars
-        ):
-            raise JobFailed(
-                413,
-                "prompt_too_long",
-                f"a prompt may hold at most {self.limits.prompt_chars} characters",
-                "prompt",
-            )
+        for field in ("prompt", "negative_prompt"):
+            if len(getattr(body, field)) > self.limits.prompt_chars:
+                raise JobFailed(
+                    413,
+                    "prompt_too_long",
+                    f"a prompt may hold at most {self.limits.prompt_chars} characters",
+                    field,
+                )
         own = model.own_shape  # what a local run of the model asks where no flag says
+        if body.size and (body.height is not None or body.width is not None):
+            raise JobFailed(
+                400, "invalid_value", "give size, or height and width, not both", "size"
+            )
         if body.size:
             width, height = parse_size(body.size)
         else:
@@ -528,9 +530,14 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
 async def _json(request: Request) -> Any:
     try:
-        return await request.json()
+        body = await request.json()
     except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
         raise JobFailed(400, "invalid_json", "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise JobFailed(
+            400, "invalid_json", f"the request body is a JSON {type(body).__name__}, not an object"
+        )
+    return body
 
 
 async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | None]:

@@ -295,6 +295,9 @@ def serve(args: argparse.Namespace) -> int:
             f"ondeck serve needs its extra: pip install -e '.[serve]' in the clone ({error.name} "
             "is missing)"
         ) from None
+    from ..cli.commands import quiet_library_bars
+
+    quiet_library_bars()
     config = _config(args)
     server = Server(config, say=lambda line: print(line, flush=True))
     if args.plan:
@@ -304,7 +307,15 @@ def serve(args: argparse.Namespace) -> int:
         total = sum(v or 0 for v in model.pipeline.component_bytes().values())
         print(f"ondeck: serving {name} ({model.kind}, {format_bytes(total)}) from {model.source}")
     print(f"ondeck: one budget of {format_bytes(server.budget_bytes)} on {server.device}")
-    print(server.manager.plan())
+    plan = server.manager.plan()
+    print(plan)
+    for name in (name for name, model in plan.models.items() if not model.fits):
+        print(
+            f"ondeck: warning: {name} does not fit the budget of "
+            f"{format_bytes(server.budget_bytes)}, even streaming: its jobs will be refused "
+            "(503); --budget or another --device may fit it",
+            file=sys.stderr,
+        )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(
             f"ondeck: warning: listening on {args.host} without --api-key: anyone who can "

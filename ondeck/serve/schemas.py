@@ -53,12 +53,6 @@ class _Request(BaseModel):
             parse_size(value)
         return value
 
-    @model_validator(mode="after")
-    def _one_size(self) -> _Request:
-        if self.size is not None and (self.height is not None or self.width is not None):
-            raise ValueError("give size, or height and width, not both")
-        return self
-
     @property
     def step_count(self) -> int | None:
         return self.steps if self.steps is not None else self.num_inference_steps

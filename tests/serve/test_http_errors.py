@@ -73,3 +73,31 @@ def test_an_input_reference_sent_as_a_form_text_field_is_taken_as_in_json(server
         )
     assert as_json.status_code == 400
     assert as_form.status_code == 400, as_form.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param", "says"),
+    [
+        ([{"model": "wan"}], 400, "invalid_json", None, "a JSON list, not an object"),
+        (
+            {"model": "wan", "prompt": "a", "size": "32x32", "height": 32},
+            400,
+            "invalid_value",
+            "size",
+            "give size, or height and width, not both",
+        ),
+        (
+            {"model": "wan", "prompt": "a", "negative_prompt": "n" * 5000},
+            413,
+            "prompt_too_long",
+            "negative_prompt",
+            "at most 4000 characters",
+        ),
+    ],
+)
+def test_a_refused_body_names_the_field_it_is_refused_for(server, body, status, code, param, says):
+    with server.client() as http:
+        response = http.post("/v1/videos", json=body)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (status, code, param)
+    assert says in error["message"]
