@@ -37,6 +37,9 @@ def is_the_command() -> bool:
 _interrupts = 0
 _deferring = 0
 _after_deferring: object = None
+# Signals ``interrupts_held`` delivers again once its block ends: each one a signal the
+# process received already, not a second interrupt.
+_raised_again: list[int] = []
 # The last interrupting signal: the status is 128 + its number (130 for Ctrl-C, 143 for
 # SIGTERM, what ``timeout``, ``docker stop`` and systemd send).
 _signal_number = int(signal.SIGINT)
@@ -89,6 +92,41 @@ def raise_interrupts() -> None:
             signal.signal(signal.SIGTERM, _note_and_raise_interrupt)
         if _interrupts:
             raise KeyboardInterrupt
+
+
+def stop_at_once_when_asked_again() -> None:
+    """In the command's process: a second Ctrl-C or SIGTERM ends it at once (status 130
+    or 143), even while the main thread is inside one long operation (a CPU attention
+    call can last minutes) that the first interrupt waits for. A thread reads the
+    signals' numbers as they arrive (``signal.set_wakeup_fd``), where the main thread's
+    handlers only run between operations. The first interrupt stops the run as before,
+    removing its temporary files; what a second one leaves is what it interrupts."""
+    if not _watching() or threading.current_thread() is not threading.main_thread():
+        return
+    reader, writer = os.pipe()
+    os.set_blocking(writer, False)
+    try:
+        signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter
+        os.close(reader)
+        os.close(writer)
+        return
+    stops = (int(signal.SIGINT), int(signal.SIGTERM))
+
+    def watch() -> None:
+        seen = 0
+        while received := os.read(reader, 64):
+            for number in (n for n in received if n in stops):
+                if number in _raised_again:
+                    _raised_again.remove(number)
+                    continue
+                seen += 1
+                if seen >= 2:
+                    print("\nondeck: interrupted again: stopping now", file=sys.stderr)
+                    _flush()
+                    os._exit(128 + number)
+
+    threading.Thread(target=watch, name="ondeck-interrupts", daemon=True).start()
 
 
 def interrupted() -> bool:
@@ -198,4 +236,5 @@ def interrupts_held() -> Iterator[None]:
         for number, handler in held.items():
             signal.signal(number, handler)
         for number in caught:
+            _raised_again.append(number)  # the same interrupt: not a second one
             signal.raise_signal(number)

@@ -22,6 +22,7 @@ from typing import Any
 from .. import distributed, output
 from ..arguments import MAX_BATCH
 from ..hub import model_label
+from ..interrupt import stop_at_once_when_asked_again
 from ..memory import format_bytes, freeze_what_lives
 from ..output import OutputError, atomic_path, check_writable_folder, write_frames, write_json
 from ..parallel import describe_split
@@ -36,6 +37,7 @@ EMBEDDED_MODELS = {"text_encoder", "transformer", "vae"}
 
 
 def generate(args: argparse.Namespace) -> int:
+    stop_at_once_when_asked_again()
     _check_flags(args)
     out = Path(args.output)
     # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.

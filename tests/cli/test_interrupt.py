@@ -275,3 +275,74 @@ def run_interrupted(command: list[str], hooks, module: str, **extra: str):
         timeout=300,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+SECOND_INTERRUPT = """
+import os, signal, sys
+sys.argv[0] = "ondeck"  # the command's own process
+from ondeck import interrupt
+interrupt.stop_at_once_when_asked_again()
+# What the first interrupt meets inside one long operation: nothing happens until it
+# returns (here it never does).
+signal.signal(signal.{name}, lambda *_: None)
+reader, _ = os.pipe()
+print("ready", flush=True)
+os.read(reader, 1)
+"""
+
+
+@pytest.mark.parametrize(("stop", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_second_interrupt_stops_the_command_inside_a_long_operation(stop, status):
+    """The first Ctrl-C (or SIGTERM) waits for the operation under way to return, which
+    on the CPU can take minutes; the second ends the process at once."""
+    process = interruptible(
+        [sys.executable, "-c", SECOND_INTERRUPT.format(name=stop.name)],
+        {**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert process.stdout.readline().strip() == "ready"
+    process.send_signal(stop)
+    time.sleep(0.5)
+    assert process.poll() is None  # the first waits
+    process.send_signal(stop)
+    try:
+        _, errors = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert process.returncode == status, errors
+    assert "ondeck: interrupted again: stopping now" in errors
+
+
+HELD_THEN_SECOND = """
+import os, signal, sys, time
+sys.argv[0] = "ondeck"
+from ondeck import interrupt
+interrupt.stop_at_once_when_asked_again()
+signal.signal(signal.SIGINT, lambda *_: print("handled", flush=True))
+with interrupt.interrupts_held():
+    print("holding", flush=True)
+    time.sleep(1.5)
+print("released", flush=True)
+reader, _ = os.pipe()
+os.read(reader, 1)
+"""
+
+
+def test_an_interrupt_held_over_a_rename_and_delivered_after_is_still_the_first():
+    """``interrupts_held`` delivers a Ctrl-C once its renames are done: that is the same
+    interrupt, not a second one, so the process goes on to handle it; another Ctrl-C
+    then ends it at once."""
+    process = interruptible(
+        [sys.executable, "-c", HELD_THEN_SECOND], {**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    try:
+        assert process.stdout.readline().strip() == "holding"
+        process.send_signal(signal.SIGINT)
+        assert process.stdout.readline().strip() == "handled"  # delivered after the block
+        assert process.stdout.readline().strip() == "released"
+        time.sleep(0.5)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert process.returncode == 130, errors
