@@ -63,3 +63,35 @@ def test_what_was_loaded_before_a_save_stays_loaded(folders, tmp_path):
     pipe.save_pretrained(tmp_path / "saved")
 
     assert set(pipe.ondeck.tracker.resident) == {"vae"}
+
+
+def test_a_load_from_another_thread_during_a_save_releases_nothing_the_save_holds(
+    folders, tmp_path, monkeypatch
+):
+    """Only the save's own loads release the save's earlier ones: a load made meanwhile
+    on another thread (the next call's encoders loading ahead) leaves the component being
+    written loaded."""
+    import threading
+
+    import diffusers.models.modeling_utils as modeling
+
+    from ondeck.lazy import is_loaded
+
+    pipe = ondeck.diffusers.from_pretrained(folders["sd3"], policy="release")
+    real, seen = modeling.safetensors.torch.save_file, {}
+
+    def save_file(tensors, *args, **kwargs):
+        if not seen:
+            saving = {name for name, p in pipe.ondeck.deferred.items() if is_loaded(p)}
+            loading = threading.Thread(target=lambda: pipe.text_encoder.text_model)
+            loading.start()
+            loading.join()
+            loaded = {name for name, p in pipe.ondeck.deferred.items() if is_loaded(p)}
+            seen.update(saving=saving, loaded=loaded)
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(modeling.safetensors.torch, "save_file", save_file)
+    pipe.save_pretrained(tmp_path / "saved")
+
+    assert seen["saving"] and "text_encoder" not in seen["saving"], seen
+    assert seen["loaded"] == seen["saving"] | {"text_encoder"}, seen

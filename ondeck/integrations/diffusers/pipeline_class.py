@@ -120,13 +120,15 @@ def _loading_one_at_a_time(base: Any) -> Any:
     """A pipeline method that reads each component in turn (``save_pretrained``,
     ``get_active_adapters``): outside a call, what it loads is released before the next
     component loads and when it returns, so it takes the largest component's memory, not
-    the sum, and leaves loaded only what was loaded before."""
+    the sum, and leaves loaded only what was loaded before. The loads ahead of the next
+    call are waited for first: they are what was loaded before."""
 
     @functools.wraps(base)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         runtime = runtime_of(self)
         if runtime is None or runtime.current_stage_index is not None:
             return base(self, *args, **kwargs)
+        runtime.cancel_prefetch_quietly()
         with _released_as_they_go(list(runtime.deferred.values())):
             return base(self, *args, **kwargs)
 
@@ -134,26 +136,36 @@ def _loading_one_at_a_time(base: Any) -> Any:
 
 
 class _LoadsOneAtATime:
-    """An observer of deferred components: each load first releases what loaded before
-    it while observed."""
+    """An observer of deferred components: each load this thread makes first releases
+    what this thread loaded before it while observed (loads from other threads, a call's
+    own, are left alone)."""
 
     def __init__(self) -> None:
+        self.thread = threading.get_ident()
         self.loaded: list[Any] = []
+        self._lock = threading.Lock()
 
     def before_load(self, proxy: Any) -> None:
-        self.release(but=proxy)
+        if threading.get_ident() == self.thread:
+            self.release(but=proxy)
 
     def after_load(self, proxy: Any, nbytes: int, seconds: float) -> None:
-        self.loaded.append(proxy)
+        if threading.get_ident() == self.thread:
+            with self._lock:
+                self.loaded.append(proxy)
 
     def after_release(self, proxy: Any, nbytes: int) -> None:
-        self.loaded = [other for other in self.loaded if other is not proxy]
+        with self._lock:
+            self.loaded = [other for other in self.loaded if other is not proxy]
 
     def release(self, but: Any = None) -> None:
-        for proxy in list(self.loaded):
-            if proxy is not but and is_loaded(proxy):
+        with self._lock:
+            going = [proxy for proxy in self.loaded if proxy is not but]
+        for proxy in going:
+            if is_loaded(proxy):
                 proxy.release()
-        self.loaded = [proxy for proxy in self.loaded if proxy is but]
+        with self._lock:
+            self.loaded = [proxy for proxy in self.loaded if proxy not in going]
 
 
 @contextlib.contextmanager
