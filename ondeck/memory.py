@@ -79,22 +79,38 @@ def collector_paused() -> Iterator[None]:
     device memory of what it releases itself, and a ``gc.collect()`` still collects.
     Runs in several threads pause once; ``ONDECK_GC_PAUSE=0`` turns it off.
     """
-    global _pauses, _collecting_before
     if os.environ.get("ONDECK_GC_PAUSE", "1") == "0":
         yield
         return
-    with _pause_lock:
-        if _pauses == 0:
-            _collecting_before = gc.isenabled()
-            gc.disable()
-        _pauses += 1
+    paused = False
     try:
+        # One call each way: an interrupt lands before or after the bookkeeping, never
+        # inside it (signal handlers run as a Python function starts, not in between).
+        paused = _pause()
         yield
     finally:
-        with _pause_lock:
-            _pauses -= 1
-            if _pauses == 0 and _collecting_before:
-                gc.enable()
+        if paused:
+            _resume()
+
+
+def _pause() -> bool:
+    global _pauses, _collecting_before
+    with _pause_lock:
+        _pauses += 1
+        if _pauses == 1:
+            # Still set where the last resume was cut short: the collector was on then.
+            _collecting_before = _collecting_before or gc.isenabled()
+            gc.disable()
+    return True
+
+
+def _resume() -> None:
+    global _pauses, _collecting_before
+    with _pause_lock:
+        _pauses -= 1
+        if _pauses == 0 and _collecting_before:
+            gc.enable()
+            _collecting_before = False
 
 
 def format_bytes(nbytes: int | float | None) -> str:

@@ -123,3 +123,23 @@ def test_overlapping_runs_pause_once_and_resume_after_the_last(eager_collector):
     thread.join(10)
     assert seen == {"inside both": False, "after the second ended": False}
     assert gc.isenabled()
+
+
+def test_a_resume_an_interrupt_cut_short_is_made_good_by_the_next_run(eager_collector, monkeypatch):
+    """Ctrl-C inside the turning back on leaves the collector off for that moment; the
+    next run ends with it on, as the caller had it."""
+    real, calls = gc.enable, []
+
+    def interrupted() -> None:
+        if not calls:
+            calls.append("interrupted")
+            raise KeyboardInterrupt
+        real()
+
+    monkeypatch.setattr(gc, "enable", interrupted)
+    with pytest.raises(KeyboardInterrupt), memory.collector_paused():
+        pass
+    assert not gc.isenabled()
+    with memory.collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
