@@ -305,7 +305,7 @@ class _Api:
         )
         if path is None:
             # A timeline is drawn when first asked for: its folder may have gone before.
-            if job.files and not any(Path(made).is_file() for made in job.files.values()):
+            if role == "timeline" and not any(Path(p).is_file() for p in job.files.values()):
                 raise gone
             raise JobFailed(404, "no_content", f"the job {job.id!r} made no {role}")
         if not Path(path).is_file():
@@ -471,7 +471,10 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
         # step, waited for a while), goes with its files; until then it is not deleted.
         job = find_job(video_id, "video")
         if job.cancel("cancelled"):
-            await asyncio.to_thread(job.done_event.wait, DELETE_WAIT_SECONDS)
+            waited = 0.0
+            while not job.finished and waited < DELETE_WAIT_SECONDS:
+                await asyncio.sleep(0.05)  # no thread of the pool held meanwhile
+                waited += 0.05
         if not job.finished:
             return {"id": job.id, "object": "video.deleted", "deleted": False}
         server.queue.remove(job.id)

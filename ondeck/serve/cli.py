@@ -363,28 +363,29 @@ def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> 
         stop_asked = False
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            # A signal handler, run between two operations of the main thread (which
+            # also serves the requests): it only starts what stops the server.
             if self.stop_asked:
                 _exit_at_once(sig, None)
             self.stop_asked = True
+            threading.Thread(
+                target=self._stop_when_done, args=(sig, frame), name="ondeck-serve-stop"
+            ).start()
+
+        def _stop_when_done(self, sig: int, frame: Any) -> None:
             server.begin_shutdown()
-            running = server.queue.current
-            if running is None:
-                super().handle_exit(sig, frame)
-                return
-            print(
-                f"ondeck: stopping: waiting jobs fail; the running job {running.id} "
-                f"({running.model}) has {grace:g} s to finish, then stops at its next step "
-                "(Ctrl-C again stops now)",
-                flush=True,
-            )
-
-            def when_it_ends() -> None:
-                if running.done_event.wait(grace + STOP_MARGIN_SECONDS):
-                    if running.status == "completed":
+            job = server.job_in_hand()
+            if job is not None:
+                print(
+                    f"ondeck: stopping: waiting jobs fail; the running job {job.id} "
+                    f"({job.model}) has {grace:g} s to finish, then stops at its next step "
+                    "(Ctrl-C again stops now)",
+                    flush=True,
+                )
+                if job.done_event.wait(grace + STOP_MARGIN_SECONDS):
+                    if job.status == "completed":
                         time.sleep(LINGER_SECONDS)  # its client fetches what it made
-                uvicorn.Server.handle_exit(self, sig, frame)
-
-            threading.Thread(target=when_it_ends, name="ondeck-serve-drain", daemon=True).start()
+            uvicorn.Server.handle_exit(self, sig, frame)
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)  # exits where the address is taken
@@ -403,7 +404,8 @@ def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> 
 
 
 def _exit_at_once(number: int, frame: Any) -> None:
-    print("\nondeck: stopped without waiting for the running job", flush=True)
+    # A signal handler: one write, where print could meet the stream mid-write.
+    os.write(1, b"\nondeck: stopped without waiting for the running job\n")
     os._exit(128 + number)
 
 
@@ -418,7 +420,7 @@ def _stop(server: Any, received: list[int]) -> bool:
         signal.signal(number, _exit_at_once)
     if len(received) > 1:
         _exit_at_once(received[-1], None)
-    running = server.queue.current
+    running = server.job_in_hand()
     stopped = server.stop()
     if not stopped:
         grace = server.config.shutdown_grace_seconds
@@ -427,4 +429,5 @@ def _stop(server: Any, received: list[int]) -> bool:
             f"{grace + STOP_MARGIN_SECONDS:g} s after the stop began; stopping without it",
             flush=True,
         )
+        os._exit(1)  # its threads are not waited for: one of them is still in that step
     return stopped

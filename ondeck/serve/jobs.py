@@ -80,7 +80,7 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     done_event: threading.Event = field(default_factory=threading.Event)
     # A cancel and the job's start or completion: one or the other, never both.
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # Told once the job is over, whichever way (the queue counts how jobs ended).
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False, compare=False)
 
@@ -126,20 +126,25 @@ class Job:
             return True
 
     def fail(self, error: JobFailed) -> None:
-        self.status = "failed"
-        self.error = error
-        self._finish()
+        """Failed with ``error``; nothing once the job is over (it ends once)."""
+        self._finish("failed", error)
 
     def complete(self) -> None:
-        self.status = "completed"
-        self._finish()
+        self._finish("completed", None)
 
-    def _finish(self) -> None:
-        self.completed_at = int(time.time())
-        self.input_image = None  # a kept job keeps no request payload, run or not
-        self.done_event.set()
+    def _finish(self, status: str, error: JobFailed | None) -> None:
+        with self._lock:
+            if self.finished:
+                return
+            self.status, self.error = status, error
+            self.completed_at = int(time.time())
+            self.input_image = None  # a kept job keeps no request payload, run or not
+            self.done_event.set()
         if self.on_finish is not None:
-            self.on_finish(self)
+            try:
+                self.on_finish(self)
+            except Exception:  # counting and the log line must not undo the job's end
+                pass
 
     @property
     def finished(self) -> bool:

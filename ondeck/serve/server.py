@@ -154,7 +154,6 @@ class Server:
         self.grace_over = threading.Event()
         self.last_report: dict[str, Any] | None = None
         self.last_job_id: str | None = None
-        self.jobs_run = 0
 
     def _build(self, name: str, source: str) -> ServedModel:
         if not MODEL_NAME.match(name):
@@ -210,10 +209,21 @@ class Server:
             self.say(f"ondeck: job {job.id} ({job.model}) {error.code}: {error.message}")
 
     @property
+    def jobs_run(self) -> int:
+        """Jobs that completed: run, and their files written."""
+        return self.queue.ended["completed"]
+
+    @property
     def jobs_failed(self) -> int:
         """Jobs that ended failed, however: in their run, cancelled (waiting or
         running), or waiting when the server stopped."""
         return self.queue.ended["failed"]
+
+    def job_in_hand(self) -> Job | None:
+        """The job the device thread runs, else the last one it ran while its files are
+        still being written; None when there is neither."""
+        job = self.queue.current or self.queue.last_finished
+        return job if job is not None and not job.finished else None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -244,8 +254,13 @@ class Server:
         still in one ``STOP_MARGIN_SECONDS`` after its grace, nothing more is waited for
         or closed, and False says so."""
         self.begin_shutdown()
+        job = self.job_in_hand()
         deadline = self._stopping_since + self.config.shutdown_grace_seconds
-        self.queue.stop(timeout=max(0.0, deadline + STOP_MARGIN_SECONDS - time.monotonic()))
+        left = deadline + STOP_MARGIN_SECONDS - time.monotonic()
+        if job is not None and not job.done_event.wait(max(0.0, left)):
+            return False
+        # What the device thread does after a job (freeing, measuring) has the margin again.
+        self.queue.stop(timeout=STOP_MARGIN_SECONDS)
         self._grace_timer.cancel()
         if self.queue.busy:
             return False
@@ -411,7 +426,6 @@ class Server:
             return
         finally:
             job.input_image = None  # a kept job keeps no request payload
-        self.jobs_run += 1
         report = self._report(job, model, plan.peak_bytes, resident_at_start)
         self.last_report = report
         self.last_job_id = job.id

@@ -45,6 +45,10 @@ def test_a_video_cancelled_while_its_files_are_written_leaves_no_files(models, t
     try:
         job_id = call(server, "POST", "/v1/videos", json=VIDEO).json()["id"]
         assert entered.wait(60)
+        # Its files are being written, the device thread done with it: a stop now waits
+        # for it as for a running job.
+        wait_for(lambda: server.queue.current is None)
+        assert server.job_in_hand() is server.queue.get(job_id)
         cancelled = call(server, "DELETE", f"/v1/ondeck/jobs/{job_id}")
         assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
         release.set()
@@ -58,6 +62,24 @@ def test_a_video_cancelled_while_its_files_are_written_leaves_no_files(models, t
     folder = tmp_path / "outputs" / job_id
     assert after.json()["status"] == "failed" and after.json()["error"]["code"] == "cancelled"
     assert content.status_code == 409 and not folder.exists()
+    assert (server.jobs_run, server.jobs_failed) == (0, 1)  # counted once, as it ended
+
+
+def test_a_job_ends_once_whatever_its_log_line_meets():
+    """The count and log line a job's end is told to cannot undo that end (a log whose
+    reader has gone raises), and a job over already is not failed again."""
+    from ondeck.serve.jobs import JobFailed
+
+    told = []
+
+    def broken_log(job):
+        told.append(job.status)
+        raise BrokenPipeError
+
+    job = Job(kind="video", model="wan", prompt="a", width=32, height=32, on_finish=broken_log)
+    job.complete()
+    job.fail(JobFailed(500, "output_failed", "too late"))
+    assert (job.status, job.error, told) == ("completed", None, ["completed"])
 
 
 def hold_device(server):
