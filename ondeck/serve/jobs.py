@@ -203,6 +203,12 @@ class JobQueue:
             self._condition.notify_all()
         return job
 
+    def adopt(self, job: Job) -> None:
+        """Keep ``job``, over already (an earlier server's): found by id, never run."""
+        with self._condition:
+            self.jobs[job.id] = job
+            self._forget_old()
+
     def _count(self, job: Job) -> None:
         with self._counting:
             self.ended[job.status] += 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,8 +64,42 @@ class OutputStore:
             removed.append(path.name)
         return removed
 
+    def finished(self) -> list[tuple[str, dict, dict[str, str], float]]:
+        """The job folders an earlier server left whole, oldest first: (job id, its
+        report, its files by role as ``write_job_files`` names them, the report's time).
+        A folder whose writing was cut short (no report, no video, fewer images than the
+        report's ``n``) is left out, and left to the cap."""
+        found = []
+        for made, path, _ in self._job_folders():
+            try:
+                report = json.loads((path / "report.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(report, dict):
+                continue
+            files = {"report": str(path / "report.json")}
+            if path.name.startswith("video_"):
+                contents = [path / "video.mp4"] if (path / "video.mp4").is_file() else []
+            else:
+                contents = sorted(path.glob("image*.png"), key=_image_number)
+                if len(contents) < int(report.get("n") or 1):
+                    contents = []
+            if not contents:
+                continue
+            files.update({content.stem: str(content) for content in contents})
+            if (path / "timeline.png").is_file():
+                files["timeline"] = str(path / "timeline.png")
+            found.append((path.name, report, files, made))
+        return found
+
     def total_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self._job_folders())
+
+
+def _image_number(path: Path) -> int:
+    """image.png first, then image-1.png, image-2.png ... in number order."""
+    found = re.fullmatch(r"image(?:-(\d+))?", path.stem)
+    return int(found.group(1) or 0) if found else 1 << 30
 
 
 def write_png(path: Path, pixels: Any) -> Path:

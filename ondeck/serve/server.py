@@ -143,6 +143,8 @@ class Server:
         self.queue = JobQueue(
             self._run_job, max_waiting=config.limits.waiting_jobs, told=self._tell_ended
         )
+        for job in recovered_jobs(self.outputs):  # an earlier server's, on the same folder
+            self.queue.adopt(job)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ondeck-serve-writer")
         self._writing: set[str] = set()
         self._drawing = threading.Lock()
@@ -448,6 +450,8 @@ class Server:
                 "steps": job.steps,
             },
             seed=job.seed,
+            n=job.n,
+            created_at=job.created_at,
             run_seconds=[job.run_seconds],
             sum_bytes=sum(v or 0 for v in report["component_bytes"].values()),
             predicted_peak_bytes=predicted_peak,
@@ -619,6 +623,36 @@ def _is_out_of_memory(error: BaseException) -> bool:
     import torch
 
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def recovered_jobs(outputs: OutputStore) -> list[Job]:
+    """The completed jobs whose files an earlier server left in ``outputs``: their
+    status, report and content answer as before the restart."""
+    jobs = []
+    for job_id, report, files, made in outputs.finished():
+        shape = report.get("shape") or {}
+        kind = "video" if job_id.startswith("video_") else "image"
+        fps = (report.get("output") or {}).get("fps") or 16
+        job = Job(
+            kind=kind,
+            model=str(report.get("model", "")),
+            prompt=str(report.get("prompt", "")),
+            width=shape.get("width"),
+            height=shape.get("height"),
+            frames=shape.get("frames"),
+            steps=shape.get("steps"),
+            seed=int(report.get("seed") or 0),
+            n=int(report.get("n") or 1),
+            seconds=seconds_of(shape.get("frames"), fps) if kind == "video" else None,
+            id=job_id,
+            status="completed",
+            created_at=int(report.get("created_at") or made),
+            completed_at=int(made),
+            files=files,
+        )
+        job.done_event.set()
+        jobs.append(job)
+    return jobs
 
 
 def seconds_of(frames: int | None, fps: float) -> str | None:

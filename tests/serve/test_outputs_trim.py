@@ -61,3 +61,60 @@ def test_a_timeline_never_drawn_of_a_job_the_cap_removed_is_content_gone(models,
     finally:
         server.stop()
     assert answers == ["content_gone", "content_gone"]
+
+
+def test_a_server_started_again_on_the_folder_answers_for_the_jobs_it_left_whole(models, tmp_path):
+    """A job that completed before a restart (a stop during its grace, a crash after its
+    files) answers as before: status, video and report. A folder whose writing was cut
+    short (its report, no video) stays unknown."""
+    first = make_server(models, tmp_path)
+    try:
+        job_id = _run(first)
+        before = call(first, "GET", f"/v1/videos/{job_id}").json()
+        video = call(first, "GET", f"/v1/videos/{job_id}/content").content
+    finally:
+        first.stop()
+    cut_short = tmp_path / "outputs" / ("video_" + "0" * 32)
+    cut_short.mkdir()
+    (cut_short / "report.json").write_text(
+        (tmp_path / "outputs" / job_id / "report.json").read_text()
+    )
+
+    again = make_server(models, tmp_path)
+    try:
+        after = call(again, "GET", f"/v1/videos/{job_id}").json()
+        content = call(again, "GET", f"/v1/videos/{job_id}/content")
+        report = call(again, "GET", f"/v1/ondeck/jobs/{job_id}/report")
+        unknown = call(again, "GET", f"/v1/videos/{cut_short.name}")
+        listed = [v["id"] for v in call(again, "GET", "/v1/videos").json()["data"]]
+    finally:
+        again.stop()
+    made = after.pop("completed_at")  # the report's time: within moments of the end
+    assert abs(made - before.pop("completed_at")) <= 2 and after == before
+    assert content.status_code == 200 and content.content == video
+    assert report.status_code == 200 and report.json()["prompt"] == VIDEO["prompt"]
+    assert unknown.status_code == 404 and listed == [job_id]
+
+
+def test_an_image_job_comes_back_only_with_every_image_it_made(models, tmp_path):
+    first = make_server(models, tmp_path, names=("sd3",))
+    body = {"model": "sd3", "prompt": "a fox", "size": "32x32", "n": 2}
+    try:
+        ids = [call(first, "POST", "/v1/ondeck/images", json=body).json()["id"] for _ in (1, 2)]
+        jobs = [first.queue.get(job_id) for job_id in ids]
+        wait_for(lambda: all(job.done_event.is_set() for job in jobs) and not first._writing)
+    finally:
+        first.stop()
+    whole, cut_short = ids
+    (tmp_path / "outputs" / cut_short / "image-2.png").unlink()
+
+    again = make_server(models, tmp_path, names=("sd3",))
+    try:
+        image = call(again, "GET", f"/v1/ondeck/jobs/{whole}/image")
+        files = call(again, "GET", f"/v1/ondeck/jobs/{whole}").json()["files"]
+        unknown = call(again, "GET", f"/v1/ondeck/jobs/{cut_short}")
+    finally:
+        again.stop()
+    assert image.status_code == 200 and image.content[:4] == b"\x89PNG"
+    assert files == ["image-1", "image-2", "report"]
+    assert unknown.status_code == 404
