@@ -101,7 +101,7 @@ def stop_at_once_when_asked_again() -> None:
     signals' numbers as they arrive (``signal.set_wakeup_fd``), where the main thread's
     handlers only run between operations. The first interrupt stops the run as before,
     removing its temporary files; what a second one leaves is what it interrupts."""
-    if not _watching() or threading.current_thread() is not threading.main_thread():
+    if not _watching():  # the command's main thread, as set_wakeup_fd needs
         return
     reader, writer = os.pipe()
     os.set_blocking(writer, False)

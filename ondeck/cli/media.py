@@ -65,13 +65,13 @@ def media_of(path: Path) -> Media:
 
     folder = ModelFolder.open(path)
     index = folder.model_index
-    name = "WanPipeline" if is_wan_folder(index) else str(index.get("_class_name"))
-    if name == "None":
+    name = "WanPipeline" if is_wan_folder(index) else index.get("_class_name")
+    if name is None:
         raise LoadError(
             f"{path}: its model_index.json has no _class_name (the pipeline class to run)",
             path=path,
         )
-    cls = _diffusers_class(name)
+    cls = _diffusers_class(str(name))
     if cls is None:
         raise LoadError(
             f"{path}: its model_index.json names {name!r}, which is not a diffusers pipeline "

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import folder_pipelines
 from ..arguments import MAX_SEED, ArgumentError, check_generate_arguments, shape_rule
-from ..cli.media import media_of
+from ..cli.media import FALLBACK_FPS, media_of
 from ..cli.shape import EMBEDDED_SHAPE, own_shape
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, OndeckError
@@ -632,7 +632,7 @@ def recovered_jobs(outputs: OutputStore) -> list[Job]:
     for job_id, report, files, made in outputs.finished():
         shape = report.get("shape") or {}
         kind = "video" if job_id.startswith("video_") else "image"
-        fps = (report.get("output") or {}).get("fps") or 16
+        fps = (report.get("output") or {}).get("fps") or FALLBACK_FPS
         job = Job(
             kind=kind,
             model=str(report.get("model", "")),
