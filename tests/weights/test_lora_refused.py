@@ -87,3 +87,47 @@ def test_a_kohya_named_lora_of_no_known_layout_says_its_keys_are_not_one(base, t
         LoadError, match=r"other_kohya\.safetensors: .*IndexError.*not a LoRA layout"
     ):
         load(base, "release", loras=[path])
+
+
+def test_a_lora_whose_name_has_dots_loads(base, lora_files, tmp_path, capsys):
+    """Downloaded LoRAs are named ``Wan2.1_style_v1.0.safetensors``: the adapter name
+    ondeck makes from the file's name holds no '.', which peft refuses in a module's name."""
+    import numpy as np
+
+    from .conftest import frames, reference_frames
+
+    dotted = tmp_path / "Wan2.1_T2V_style.v1.0.safetensors"
+    dotted.write_bytes(lora_files["diffusers"].read_bytes())
+    pipe = load(base, "release", loras=[(dotted, 0.7)])
+    assert np.array_equal(frames(pipe), reference_frames(base, loras=[(dotted, 0.7)]))
+    code, _, err = run(
+        capsys, "generate", base, "--lora", f"{dotted}:0.7", "--output", tmp_path / "o", *FAST
+    )
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    ("loras", "message"),
+    [
+        (lambda f: [(f, "abc")], r"lora_diffusers\.safetensors: its scale must be a finite number"),
+        (lambda f: [(f, float("nan"))], r"its scale must be a finite number, got nan"),
+        (lambda f: [(f, float("inf"))], r"its scale must be a finite number, got inf"),
+        (lambda f: [(f, True)], r"its scale must be a finite number, got True"),
+        (lambda f: str(f), r"not one path: write loras=\["),
+        (lambda f: [(f, 1.0, 2.0)], r"neither a file nor a \(file, scale\) pair"),
+        (lambda f: [3], r"neither a file nor a \(file, scale\) pair"),
+    ],
+)
+def test_loras_given_in_python_are_checked_before_anything_is_built(
+    base, lora_files, loras, message, monkeypatch
+):
+    """As ``--lora`` checks its scales: a scale that is not a finite number, one path for
+    the list, an entry of another shape: a ValueError naming what is wrong, before the
+    pipeline is built."""
+    import ondeck.integrations.diffusers.loading as loading
+
+    built = []
+    monkeypatch.setattr(loading, "_built", lambda *a, **k: built.append(a))
+    with pytest.raises(ValueError, match=message):
+        load(base, "release", loras=loras(lora_files["diffusers"]))
+    assert not built

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
+import numbers
 import os
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +111,7 @@ def from_pretrained(
     for name, value in kwargs.items():
         if (error := owned_elsewhere(name, value)) is not None:
             raise error
+    loras = checked_loras(loras)
     dtype = _asked_dtype(path, torch_dtype, kwargs)
     path = _local_folder(path, kwargs)
     folder = _opened(path, components, libraries, kwargs)
@@ -122,7 +126,8 @@ def from_pretrained(
     if parallel is not None:
         split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
-    identity = _identity(type(pipe), path, dtype, stored, components, loras, parallel, kwargs)
+    named = [(str(file), scale) for file, scale in loras]
+    identity = _identity(type(pipe), path, dtype, stored, components, named, parallel, kwargs)
     options = dict(policy=policy, budget=budget, prefetch=prefetch, host_memory=host_memory)
     options.update(device=device, containers=tuple(found.containers), profile_model=identity)
     pipe.ondeck = DiffusersRuntime(pipe, found.deferred, **options)
@@ -191,6 +196,32 @@ def _built(
     return pipe
 
 
+def checked_loras(loras: Any) -> list[tuple[Path, float]]:
+    """``loras=`` as ``(file, scale)`` pairs, checked before anything is built: a list of
+    files or ``(file, scale)`` pairs, each scale a finite number (as ``--lora`` takes)."""
+    if isinstance(loras, (str, bytes, os.PathLike)):
+        raise ValueError(
+            f"loras= takes a list of LoRA files or (file, scale) pairs, not one path: "
+            f"write loras=[{os.fspath(loras)!r}]"
+        )
+    checked: list[tuple[Path, float]] = []
+    for entry in loras:
+        if isinstance(entry, (str, os.PathLike)):
+            file, scale = entry, 1.0
+        elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+            file, scale = entry
+        else:
+            raise ValueError(f"loras=: {entry!r} is neither a file nor a (file, scale) pair")
+        if not isinstance(file, (str, os.PathLike)):
+            raise ValueError(f"loras=: {file!r} is not a file's path")
+        file = Path(os.fspath(file)).expanduser()
+        real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+        if not real or not math.isfinite(float(scale)):
+            raise ValueError(f"LoRA {file}: its scale must be a finite number, got {scale!r}")
+        checked.append((file, float(scale)))
+    return checked
+
+
 def load_loras(
     pipe: Any, loras: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]]
 ) -> list[str]:
@@ -200,9 +231,7 @@ def load_loras(
     names: list[str] = []
     scales: list[float] = []
     files: list[Path] = []
-    for entry in loras:
-        file, scale = entry if isinstance(entry, tuple) else (entry, 1.0)
-        file = Path(os.fspath(file)).expanduser()
+    for file, scale in checked_loras(loras):
         if not file.is_file():
             raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
         if not file.name.lower().endswith(".safetensors"):
@@ -211,7 +240,8 @@ def load_loras(
                 "read: unpickling can run code)",
                 path=str(file),
             )
-        name = f"lora_{len(names)}_{file.stem}"
+        # An adapter's name is a module's name in peft: no '.' (Wan2.1_style_v1.0).
+        name = f"lora_{len(names)}_{re.sub(r'[^0-9A-Za-z_]', '_', file.stem)}"
         # diffusers puts a LoRA on one expert a call: the first, or with
         # load_into_transformer_2 the second.
         experts = [{}]
