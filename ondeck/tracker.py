@@ -263,6 +263,13 @@ class MemoryTracker:
                 self._exposed += seconds
             self._record("load", name, nbytes, seconds)
 
+    def resized(self, name: str, nbytes: int) -> None:
+        """``name``, resident, now holds ``nbytes`` (adapters' layers added to it)."""
+        with self._lock:
+            if name in self.resident:
+                self.resident[name] = nbytes
+                self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
     def filled(self, name: str, seconds: float, *, setup_seconds: float = 0.0) -> None:
         """A pipelined load of ``name`` has every weight in place, ``seconds`` after it
         began (``setup_seconds`` of them as for ``loaded``); its ``load`` event marked

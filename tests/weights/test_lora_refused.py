@@ -131,3 +131,49 @@ def test_loras_given_in_python_are_checked_before_anything_is_built(
     with pytest.raises(ValueError, match=message):
         load(base, "release", loras=loras(lora_files["diffusers"]))
     assert not built
+
+
+def test_a_lora_added_to_a_resident_transformer_is_counted_and_kept_in_the_budget(
+    base, weights, tmp_path
+):
+    """A LoRA loaded between calls into a transformer the budget keeps resident: the
+    plans count its layers at once (as a pipeline given it before loading does), and
+    where they would take the pipeline over its budget the transformer is freed first;
+    its next load holds the LoRA, within the budget, and gives diffusers' frames."""
+    import numpy as np
+
+    import ondeck
+
+    from .conftest import frames, lora_state, reference_frames
+
+    lora = tmp_path / "wide.safetensors"
+    layers = lora_state(weights, rank=16)
+    state = {
+        f"transformer.{layer}.lora_{ab}.weight": tensor
+        for layer, pair in layers.items()
+        for ab, tensor in zip("AB", pair, strict=True)
+    }
+    save_file(state, str(lora))
+    with_lora = load(base, "release")
+    with_lora.load_lora_weights(str(lora), adapter_name="a")
+    counted = with_lora.ondeck.plan().component_bytes["transformer"]
+
+    roomy = load(base, "budget", budget="1GiB")
+    frames(roomy)
+    everything = roomy.ondeck.tracker.resident_bytes
+    roomy.load_lora_weights(str(lora), adapter_name="a")
+    assert ondeck.is_loaded(roomy.transformer), "room for it: kept"
+    assert roomy.ondeck.plan().component_bytes["transformer"] == counted
+    assert roomy.ondeck.tracker.resident["transformer"] == counted
+
+    budget = int(everything * 1.2)  # everything stays, with room for activations
+    assert roomy.ondeck.tracker.resident_bytes > budget, "the LoRA overruns it"
+    tight = load(base, "budget", budget=budget)
+    frames(tight)
+    assert ondeck.is_loaded(tight.transformer)
+    tight.load_lora_weights(str(lora), adapter_name="a")
+    assert not ondeck.is_loaded(tight.transformer), "freed before the LoRA went on it"
+    assert tight.ondeck.tracker.resident_bytes <= budget
+    expected = reference_frames(base, loras=[(lora, 1.0)])
+    assert np.array_equal(frames(tight), expected)
+    assert tight.ondeck.tracker.peak_resident_bytes <= budget

@@ -18,7 +18,15 @@ from ...loader import as_loader
 from ...loading.folder_loader import FolderLoader
 from .decode import is_vae
 from .encodings import EncodingCache
-from .fused_lora import ADAPTER_METHODS, FusedLora, is_adapter_call, mark_recorded
+from .fused_lora import (
+    ADAPTER_METHODS,
+    FusedLora,
+    adapter_bytes,
+    asked_by_lora_scaling,
+    budget_overrun,
+    is_adapter_call,
+    mark_recorded,
+)
 
 # Attributes diffusers reads to inspect a component (hooks, stateful caches), not to
 # use it: answering them must neither load the component nor start its turn.
@@ -118,28 +126,6 @@ def _device_probes() -> frozenset:
         except (ImportError, AttributeError):
             continue
     return frozenset(function.__code__ for function in functions)
-
-
-@functools.cache
-def _lora_scalings() -> dict:
-    """The code of diffusers' ``scale_lora_layers`` and ``unscale_lora_layers``, which a
-    pipeline calls on its text encoders around encoding a prompt at a LoRA scale."""
-    try:
-        from diffusers.utils import peft_utils
-    except ImportError:
-        return {}
-    return {
-        peft_utils.scale_lora_layers.__code__: "scale",
-        peft_utils.unscale_lora_layers.__code__: "unscale",
-    }
-
-
-def _asked_by_lora_scaling() -> tuple[str, Any] | None:
-    """("scale" or "unscale", its weight) when one of ``_lora_scalings`` reads the
-    attribute; None otherwise."""
-    caller = sys._getframe(2)  # this function, PipelineComponent.__getattr__, the asker
-    kind = _lora_scalings().get(caller.f_code)
-    return None if kind is None else (kind, caller.f_locals.get("weight"))
 
 
 def _one_adapter_call_at_a_time(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -332,7 +318,7 @@ class PipelineComponent(LazyModule):
         if attribute in _MODULE_WALKS:
             if module is None and _asked_by_device_probe():
                 return lambda: iter((self,))  # no offload hooks to find: nothing loads
-            scaling = _asked_by_lora_scaling()
+            scaling = asked_by_lora_scaling()
             if scaling is not None:
                 self._hold_lora_scale(*scaling)
                 return lambda: iter(())  # done here, on every load while it is held
@@ -545,15 +531,19 @@ class PipelineComponent(LazyModule):
         loader = object.__getattribute__(self, "_ondeck_loader")
         return isinstance(loader, FolderLoader) and loader.placement is not None
 
-    def try_on_skeleton(self, fn: Callable[[Any], Any]) -> tuple[set[str], Any] | None:
+    def try_on_skeleton(
+        self, fn: Callable[[Any], Any], *, loaded_too: bool = False
+    ) -> tuple[set[str], Any] | None:
         """Apply the adapter calls recorded so far (those marked ``on_skeleton``), then
         ``fn``, to a weightless copy of this unloaded component (its skeleton, on the
         meta device): a call that cannot apply (a LoRA for other shapes, an adapter name
         in use) fails now, as it would on a loaded module, not at a later load. Returns
         the adapters the copy had before ``fn`` and the copy after it; None where the
-        component is loaded (it applies the call for real) or has no skeleton to build."""
+        component is loaded (it applies the call for real; ``loaded_too``: tried all the
+        same) or has no skeleton to build."""
         loader = object.__getattribute__(self, "_ondeck_loader")
-        if loaded_module(self) is not None or not isinstance(loader, FolderLoader):
+        loaded = loaded_module(self) is not None and not loaded_too
+        if loaded or not isinstance(loader, FolderLoader):
             return None
         try:
             module = loader.folder.skeleton(loader.name, loader.dtype).module
@@ -575,13 +565,16 @@ class PipelineComponent(LazyModule):
         to the loaded module), and note the adapters it added there: none where the
         LoRA holds nothing for this component, and the name diffusers gives an unnamed
         one. Without a skeleton, ``name`` (None: named as it loads)."""
-        tried = self.try_on_skeleton(fn)
+        # Loaded under a budget, the copy sizes the adapters before they go on it.
+        tried = self.try_on_skeleton(fn, loaded_too=self._over_budget(None))
+        if tried is not None and self._over_budget(adapter_bytes(tried[1])):
+            self.release()  # before they are added to it: its next load holds them
         self.add_checked_transform(fn)
         module = loaded_module(self)
-        if tried is not None:
-            before, after = tried
-        elif module is not None:
+        if module is not None:
             before, after = set(), module  # added for real: what it has now
+        elif tried is not None:
+            before, after = tried
         else:
             self.record_adapter(name)
             return
@@ -592,19 +585,32 @@ class PipelineComponent(LazyModule):
 
     def _count_adapter_bytes(self, module: Any) -> None:
         """The plan counts the adapters' layers as a load will hold them: ``module`` (the
-        skeleton after every adapter load so far, or the loaded module) holds them all."""
-        adapters = sum(
-            tensor.numel() * tensor.element_size()
-            for name, tensor in module.named_parameters()
-            if ".lora_" in name
-        )
+        skeleton after every adapter load so far, or the loaded module) holds them all.
+        Added to the resident module, they count at once, and outside a call a budget
+        they overrun frees the module (its next load holds them)."""
+        adapters = adapter_bytes(module)
         spec = object.__getattribute__(self, "_ondeck_spec")
         counted = object.__getattribute__(self, "_ondeck_adapter_bytes")
-        if spec.nbytes is not None and adapters != counted:
-            object.__setattr__(
-                self, "_ondeck_spec", spec.with_updates(nbytes=spec.nbytes - counted + adapters)
-            )
-            object.__setattr__(self, "_ondeck_adapter_bytes", adapters)
+        if spec.nbytes is None or adapters == counted:
+            return
+        object.__setattr__(
+            self, "_ondeck_spec", spec.with_updates(nbytes=spec.nbytes - counted + adapters)
+        )
+        object.__setattr__(self, "_ondeck_adapter_bytes", adapters)
+        runtime = self.ondeck_runtime
+        name = runtime.deferred_name(self) if runtime is not None else None
+        if module is loaded_module(self) and name in runtime.tracker.resident:
+            runtime.tracker.resized(name, runtime.tracker.resident[name] - counted + adapters)
+            if budget_overrun(runtime, 0):
+                self.release()
+
+    def _over_budget(self, adapters: int | None) -> bool:
+        """Whether this module, resident, with adapters of ``adapters`` bytes in all (those
+        counted so far replaced), takes the pipeline over its budget outside a call
+        (None: whether a budget binds it so)."""
+        counted = object.__getattribute__(self, "_ondeck_adapter_bytes")
+        added = None if adapters is None else adapters - counted
+        return loaded_module(self) is not None and budget_overrun(self.ondeck_runtime, added)
 
     def added_rows(self, make: Callable[[], Any]) -> Any:
         """What textual inversions added to this encoder's embedding table, kept with

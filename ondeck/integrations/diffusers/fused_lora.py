@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ __all__ = [
     "ADAPTER_METHODS",
     "FusedLora",
     "FusedLoraRecipe",
+    "adapter_bytes",
+    "asked_by_lora_scaling",
+    "budget_overrun",
     "capture_fused_lora",
     "fused_span",
     "is_adapter_call",
@@ -438,3 +442,43 @@ class FusedLora:
         self.span = ()
         self.built = None
         self.full_next = False
+
+
+def adapter_bytes(module: Any) -> int:
+    """The bytes of the adapters' layers ``module`` holds."""
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for name, tensor in module.named_parameters()
+        if ".lora_" in name
+    )
+
+
+def budget_overrun(runtime: Any, added: int | None) -> bool:
+    """Whether ``added`` more resident bytes take ``runtime``'s pipeline over its policy's
+    budget, outside a call (None: whether a budget binds it there at all)."""
+    budget = getattr(runtime.policy, "budget_bytes", None) if runtime is not None else None
+    if budget is None or runtime.running:
+        return False
+    return added is None or runtime.tracker.resident_bytes + max(0, added) > budget
+
+
+@functools.cache
+def _lora_scalings() -> dict:
+    """The code of diffusers' ``scale_lora_layers`` and ``unscale_lora_layers``, which a
+    pipeline calls on its text encoders around encoding a prompt at a LoRA scale."""
+    try:
+        from diffusers.utils import peft_utils
+    except ImportError:
+        return {}
+    return {
+        peft_utils.scale_lora_layers.__code__: "scale",
+        peft_utils.unscale_lora_layers.__code__: "unscale",
+    }
+
+
+def asked_by_lora_scaling() -> tuple[str, Any] | None:
+    """("scale" or "unscale", its weight) when one of ``_lora_scalings`` reads the
+    attribute; None otherwise."""
+    caller = sys._getframe(2)  # this function, the component's __getattr__, the asker
+    kind = _lora_scalings().get(caller.f_code)
+    return None if kind is None else (kind, caller.f_locals.get("weight"))

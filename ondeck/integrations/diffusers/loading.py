@@ -126,8 +126,7 @@ def from_pretrained(
     if parallel is not None:
         split_sequences(parallel, found.components, device)
     pipe = _built(base_class, path, folder, found, dtype, device, kwargs)
-    named = [(str(file), scale) for file, scale in loras]
-    identity = _identity(type(pipe), path, dtype, stored, components, named, parallel, kwargs)
+    identity = _identity(type(pipe), path, dtype, stored, components, loras, parallel, kwargs)
     options = dict(policy=policy, budget=budget, prefetch=prefetch, host_memory=host_memory)
     options.update(device=device, containers=tuple(found.containers), profile_model=identity)
     pipe.ondeck = DiffusersRuntime(pipe, found.deferred, **options)
@@ -145,7 +144,7 @@ def _identity(
     dtype: Any,
     stored: Mapping[str, Any],
     components: Mapping[str, Any] | None,
-    loras: Sequence[Any],
+    loras: Sequence[tuple[Path, float]],
     parallel: ContextParallel | None,
     given: Mapping[str, Any],
 ) -> str:
@@ -157,7 +156,7 @@ def _identity(
         storage=stored,
         components=components,
         given=[name for name, value in given.items() if isinstance(value, torch.nn.Module)],
-        loras=loras,
+        loras=[(str(file), scale) for file, scale in loras],
         parallel_degree=parallel.degree if parallel is not None else None,
     )
 

@@ -219,6 +219,11 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         """Call the diffusers pipeline."""
         return self.pipe(*args, **kwargs)
 
+    @property
+    def running(self) -> bool:
+        """Whether a call of the pipeline is under way."""
+        return self._running_thread is not None
+
     def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one call of the pipeline (``call(*args, **kwargs)``) under the policy."""
         me = threading.get_ident()
