@@ -464,7 +464,7 @@ class ComponentLoader(FolderLoader):
             if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name)
             else {}
         )
-        scaled = {name.rpartition(".")[0] for name in scales}
+        scaled = {name.rpartition(".")[0] for name in [*scales, *fp8.tied_names(module, scales)]}
         if self.storage_dtype is not None:
             _, _, layers, kept = self._stored_template
             fp8.upcast_for_compute(

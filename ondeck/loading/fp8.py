@@ -47,6 +47,7 @@ __all__ = [
     "rounding_dtype",
     "storage_by_component",
     "stored_tensors",
+    "tied_names",
     "upcast_for_compute",
 ]
 
@@ -470,12 +471,12 @@ def apply_weight_scales(
     scale.to(compute)``, the dequantization that format defines (a float8 weight, and a
     float32 scale beside it, one per weight), and stays as stored. The layer's casting hook,
     if it has one, is replaced by one that also scales; its other stored tensors are upcast
-    as before. ``scales``: ``{tensor name: scale}``; their layers must have no casting
-    hook yet."""
+    as before. ``scales``: ``{tensor name: scale}``; their layers, and those holding the
+    same tensors under other names (``tied_names``), must have no casting hook yet."""
     from diffusers.hooks import HookRegistry
 
     by_layer: dict[str, dict[str, torch.Tensor]] = {}
-    for name, scale in scales.items():
+    for name, scale in {**scales, **tied_names(module, scales)}.items():
         layer, _, attribute = name.rpartition(".")
         by_layer.setdefault(layer, {})[attribute] = scale.to(device=device, dtype=compute)
     for name, layer_scales in by_layer.items():
@@ -484,6 +485,26 @@ def apply_weight_scales(
         registry = HookRegistry.check_if_exists_or_initialize(layer)
         hook = _scaling_hook_class()(storage or compute, compute, layer_scales)
         registry.register_hook(hook, _HOOK_NAME)
+
+
+def tied_names(module: torch.nn.Module, scales: Mapping[str, Any]) -> dict[str, Any]:
+    """Other names of the scaled tensors (a T5's ``shared.weight`` is its encoder's
+    ``embed_tokens.weight`` too), each with its tensor's scale: a layer computing through
+    one of them computes scaled as well."""
+    by_tensor = {}
+    for name, scale in scales.items():
+        layer, _, attribute = name.rpartition(".")
+        tensor = getattr(module.get_submodule(layer), attribute, None)
+        if tensor is not None:
+            by_tensor[id(tensor)] = scale
+    tied = {}
+    for prefix, layer in module.named_modules(remove_duplicate=False):
+        for table in (layer._parameters, layer._buffers):
+            for attribute, tensor in table.items():
+                name = f"{prefix}.{attribute}" if prefix else attribute
+                if tensor is not None and id(tensor) in by_tensor and name not in scales:
+                    tied[name] = by_tensor[id(tensor)]
+    return tied
 
 
 def _answer_adapter_dtype(layer: torch.nn.Module, compute: torch.dtype) -> None:

@@ -3,6 +3,8 @@ prefix, and conversions that pick the tensors they change by name."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -96,3 +98,42 @@ def test_an_fp8_scaled_file_through_a_conversion_that_picks_tensors_by_name(
     pipe = load(base, "release", components={"transformer": path})
 
     assert np.array_equal(frames(pipe), reference_frames(folder))
+
+
+@pytest.mark.parametrize("policy", ["release", None])
+def test_a_scaled_embedding_a_t5_shares_computes_scaled_under_both_names(base, tmp_path, policy):
+    """A UMT5 fp8_scaled file whose ``shared.weight`` has its scale: the encoder looks its
+    tokens up through ``encoder.embed_tokens``, the same tensor under another name,
+    which computes scaled too. The prompt's encoding equals diffusers' over the weights
+    the file stands for."""
+    from diffusers import WanPipeline
+
+    import ondeck.diffusers
+
+    tensors = load_file(str(base / "text_encoder" / "model.safetensors"))
+    stored, exact = {"scaled_fp8": torch.empty(0, dtype=FP8)}, {}
+    for key, tensor in tensors.items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            scale = (tensor.abs().max() / torch.finfo(FP8).max).float()
+            stored[key] = (tensor / scale).to(FP8)
+            stored[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+            exact[key] = stored[key].float() * scale
+        else:
+            stored[key] = exact[key] = tensor
+    assert "shared.weight" in exact and "shared.scale_weight" in stored
+    path = tmp_path / "umt5_fp8_scaled.safetensors"
+    save_file(stored, str(path))
+    folder = tmp_path / "exact"
+    shutil.copytree(base, folder)
+    save_file(exact, str(folder / "text_encoder" / "model.safetensors"))
+
+    def encoded(pipe):
+        return pipe.encode_prompt("a fox", negative_prompt="blurry", max_sequence_length=16)
+
+    expected = encoded(WanPipeline.from_pretrained(folder, dtype=torch.float32))
+    options = {} if policy is None else {"policy": policy}
+    pipe = ondeck.diffusers.from_pretrained(
+        base, dtype=torch.float32, device="cpu", components={"text_encoder": path}, **options
+    )
+    for got, want in zip(encoded(pipe), expected, strict=True):
+        assert torch.equal(got, want)
