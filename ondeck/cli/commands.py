@@ -4,6 +4,7 @@ checks made before anything loads), and the commands other than ``generate``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -115,12 +116,17 @@ def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
 
 
 def quiet_library_bars() -> None:
-    """``ONDECK_PROGRESS=0`` hides diffusers' "Loading pipeline components" bar too (the
-    command's process is its own: the setting is global)."""
+    """``ONDECK_PROGRESS=0`` hides diffusers' "Loading pipeline components" bar too, and
+    transformers' loading bars (a GGUF text encoder's); the command's process is its own:
+    the setting is global."""
     if os.environ.get("ONDECK_PROGRESS") == "0":
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
+        with contextlib.suppress(ImportError):
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
 
 
 def build_pipeline(args: argparse.Namespace, path: Path) -> Any:

@@ -3,6 +3,8 @@ the file: a pickle checkpoint, and a LoRA no layer of which belongs to the pipel
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from cli.helpers import FAST, run
@@ -177,3 +179,59 @@ def test_a_lora_added_to_a_resident_transformer_is_counted_and_kept_in_the_budge
     expected = reference_frames(base, loras=[(lora, 1.0)])
     assert np.array_equal(frames(tight), expected)
     assert tight.ondeck.tracker.peak_resident_bytes <= budget
+
+
+def test_a_lora_for_wider_layers_is_one_error_line_not_the_librarys_log(
+    capfd, base, weights, tmp_path
+):
+    """diffusers logs every mismatched tensor before it raises: a hundred lines ahead of
+    the error. Those are held while the LoRA loads and dropped when it fails; the one
+    error names the file and the mismatch."""
+    from .conftest import lora_state
+
+    wider = {
+        f"transformer.{layer}.lora_{ab}.weight": torch.cat([tensor, tensor], dim=1 - index)
+        for layer, pair in lora_state(weights).items()
+        for index, (ab, tensor) in enumerate(zip("AB", pair, strict=True))
+    }
+    path = tmp_path / "wider.safetensors"
+    save_file(wider, str(path))
+    records: list[logging.LogRecord] = []
+    collector = logging.Handler()
+    collector.emit = records.append  # what reaches a handler of diffusers' logger
+    logging.getLogger("diffusers").addHandler(collector)
+    try:
+        code, _, err = run(
+            capfd, "generate", base, "--lora", path, "--output", tmp_path / "o", *FAST
+        )
+    finally:
+        logging.getLogger("diffusers").removeHandler(collector)
+    assert not [r for r in records if "unsuccessful" in r.getMessage()], "the log came out"
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("ondeck: error:"), lines[:3]
+    assert "wider.safetensors" in lines[0] and "size mismatch" in lines[0]
+    assert len(lines) <= 2, lines
+
+
+def test_held_logs_come_out_where_the_block_ends_well_and_not_where_it_raises():
+    from ondeck.integrations.diffusers.loading import held_logs
+
+    records: list[str] = []
+    collector = logging.Handler()
+    collector.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("ondeck-test-library")
+    logger.addHandler(collector)
+    try:
+        with held_logs("ondeck-test-library"):
+            logger.warning("kept")
+            assert records == [], "held meanwhile"
+        assert records == ["kept"]
+        with pytest.raises(ValueError), held_logs("ondeck-test-library"):
+            logger.error("dropped")
+            raise ValueError
+        assert records == ["kept"]
+        logger.warning("after")
+        assert records == ["kept", "after"], "the handler is as it was"
+    finally:
+        logger.removeHandler(collector)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import numbers
 import os
@@ -247,8 +248,9 @@ def load_loras(
         if getattr(pipe, "transformer_2", None) is not None:
             experts.append({"load_into_transformer_2": True})
         try:
-            for expert in experts:
-                pipe.load_lora_weights(str(file), adapter_name=name, **expert)
+            with held_logs("diffusers", "peft"):
+                for expert in experts:
+                    pipe.load_lora_weights(str(file), adapter_name=name, **expert)
         except Exception as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             more = f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else ""
@@ -609,6 +611,30 @@ class _ConfigShape:
         # Plain data (numbers, flags, and lists, tuples and dicts of them, such as the Wan
         # VAE's temperal_downsample) is answered with a copy; modules and tensors load.
         return copy.deepcopy(value) if _is_plain_data(value) else None
+
+
+@contextlib.contextmanager
+def held_logs(*libraries: str) -> Iterator[None]:
+    """What the ``libraries``' loggers say meanwhile is held: emitted as it came where
+    the block ends well, dropped where it raises (the error raised instead says it once,
+    rather than a hundred lines of a library's log before it)."""
+    held: list[tuple[logging.Handler, logging.LogRecord]] = []
+    holds = []
+    for handler in {h for name in libraries for h in logging.getLogger(name).handlers}:
+
+        def hold(record: logging.LogRecord, handler: logging.Handler = handler) -> bool:
+            held.append((handler, record))
+            return False
+
+        handler.addFilter(hold)
+        holds.append((handler, hold))
+    try:
+        yield
+    finally:
+        for handler, hold in holds:
+            handler.removeFilter(hold)
+    for handler, record in held:
+        handler.handle(record)
 
 
 @contextlib.contextmanager
