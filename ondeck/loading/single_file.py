@@ -442,7 +442,18 @@ class SingleFileFolder(ModelFolder):
         # convert unless the keys are exactly the model's). A tied weight is the model's
         # under any of its names (T5's ``shared.weight`` for ``encoder.embed_tokens``).
         own_names = {key.removeprefix(MODEL_PREFIX) for key in weights}
-        own = slots is None or all(any(n in own_names for n in names) for names in slots)
+        missing = [names[0] for names in slots or () if not any(n in own_names for n in names)]
+        own = not missing
+        if missing and len(missing) < len(slots) / 2:  # the model's names, some of them absent
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if missing[5:] else ""
+            )
+            raise LoadError(
+                f"component '{name}' from {path}: its keys are the model's own names, but "
+                f"the file lacks {len(missing)} of the model's tensors: {shown}",
+                component=name,
+                path=path,
+            )
         if own or convert is None:
             if not own:
                 cls = self.component_class(name)

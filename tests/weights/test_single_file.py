@@ -100,6 +100,16 @@ def test_a_file_in_diffusers_names_is_taken_as_it_is(base, reference, tmp_path):
     assert np.array_equal(frames(pipe), reference)
 
 
+def test_a_file_in_diffusers_names_lacking_a_tensor_names_that_tensor(base, weights, tmp_path):
+    """Not an original-key file whose conversion then fails on names it holds: the file
+    lacks the model's ``proj_out.bias``, and the error says so."""
+    lacking = tmp_path / "transformer.safetensors"
+    save_file({k: v for k, v in weights.items() if k != "proj_out.bias"}, str(lacking))
+
+    with pytest.raises(LoadError, match=r"lacks 1 of the model's tensors: proj_out\.bias$"):
+        load(base, "release", components={"transformer": lacking}).ondeck.plan()
+
+
 @pytest.mark.parametrize("alias", [False, True], ids=["shared-only", "both-names"])
 def test_a_t5_file_with_a_tied_embedding_is_the_models_own(base, reference, tmp_path, alias):
     """UMT5/T5 files hold the tied embedding once, as ``shared.weight`` (transformers'
