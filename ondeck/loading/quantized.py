@@ -430,7 +430,7 @@ class QuantizedComponentLoader(FolderLoader):
                 local_files_only=True,
             )
         except Exception as error:
-            raise self._failed("building it from the GGUF header", error) from error
+            raise self._failed("building it from the GGUF header (this model's?)", error) from error
         missing = self._missing_from(module, checkpoint)
         if missing:
             shown = ", ".join(missing[:5]) + (
@@ -462,7 +462,7 @@ class QuantizedComponentLoader(FolderLoader):
         """The LoadError for ``doing`` (what failed) raising ``error``, naming the file."""
         return LoadError(
             f"component '{self.name}' from {self.path}: {doing} failed with "
-            f"{type(error).__name__}: {error}",
+            f"{type(error).__name__}: {str(error).split(' If you want to instead ')[0]}",
             component=self.name,
             path=str(self.path),
         )

@@ -392,8 +392,8 @@ class _SizeGuard:
                 )
             self.tripped = LoadError(
                 f"component '{self.component}': {self.config} and {self.files} disagree: "
-                f"the config makes {made} (a layer count, a width or a length in the config "
-                "is too large)",
+                f"the config makes {made} (the weights are another model's, or a layer "
+                "count, a width or a length in the config is too large)",
                 component=self.component,
                 path=self.config,
             )

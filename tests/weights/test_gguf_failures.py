@@ -103,3 +103,28 @@ def test_a_type_diffusers_cannot_dequantize_is_refused_by_the_plan(
 
     with pytest.raises(LoadError, match=r"component 'transformer': .*is quantized as MXFP4"):
         load(gguf_base, components={"transformer": path}).ondeck.plan()
+
+
+def test_a_gguf_of_narrower_layers_is_refused_without_advice_a_user_cannot_take(
+    gguf_base, tmp_path
+):
+    """A GGUF whose first stored matrix has half its rows: the error names the file and
+    the mismatch, without diffusers' advice to pass loading arguments ondeck makes."""
+    path = tmp_path / "narrower.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    narrowed = False
+    for key, tensor in load_file(str(transformer_file(gguf_base))).items():
+        name = original_name(key).removeprefix("model.diffusion_model.")
+        array = tensor.to(torch.float32).numpy()
+        if not narrowed and _is_stored(key, tensor):
+            array, narrowed = array[: array.shape[0] // 2], True
+        writer.add_tensor(name, array)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        write()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    with pytest.raises(LoadError, match=r"narrower\.gguf") as caught:
+        load(gguf_base, "release", components={"transformer": path}).transformer.materialize()
+    assert "shape" in str(caught.value)
+    assert "ignore_mismatched_sizes" not in str(caught.value)
