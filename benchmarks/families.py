@@ -25,8 +25,6 @@ run; ``--profiles DIR`` shares DIR between processes and calls, so a run 1 plans
 peaks an earlier process measured at its shape, as a later ``ondeck generate`` does.
 Each sd35/hunyuan run records the seconds Python's garbage collector took in it (``gc``);
 ``ONDECK_BENCH_GC_FREEZE=1`` collects and freezes what the set-up left (``gc.freeze``).
-``ONDECK_BENCH_SWITCH_MS=0.5`` sets the interpreter's thread switch interval for the runs
-(``sys.setswitchinterval``; 5 ms by default).
 
 ``--host-memory 32,16`` (Wan) adds, for each card other than the full one, a run per
 host budget given with ``host_memory=``, and ``--cgroup 16`` a run per budget set as a
@@ -498,10 +496,6 @@ def family_child(args) -> None:
 
             gc.collect()
             gc.freeze()  # what is alive after the set-up is never scanned again
-        switch_ms = os.environ.get("ONDECK_BENCH_SWITCH_MS")
-        if switch_ms:  # the interpreter's thread switch interval, for the runs
-            sys.setswitchinterval(float(switch_ms) / 1000)
-        result["switch_interval_ms"] = sys.getswitchinterval() * 1000
         result["setup_seconds"] = time.perf_counter() - started
         collector = GcTimer()
         # A new prompt each run; past three they come round again.
