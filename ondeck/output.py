@@ -14,7 +14,7 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -268,10 +268,17 @@ def _find_path(file: Any, box: tuple[int, int], kinds: tuple[bytes, ...]) -> tup
     return box
 
 
-def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image") -> list[Path]:
+def write_images(
+    folder: str | os.PathLike,
+    images: Any,
+    *,
+    stem: str = "image",
+    earlier: Collection[str] = (),
+) -> list[Path]:
     """``image.png``, or ``image-1.png`` … ``image-N.png`` for several, each complete
     (read back and checked) before any is renamed into place: a set is replaced whole or
-    not at all. Images of an earlier set that this one does not replace are removed."""
+    not at all. Images of an earlier set (``earlier``: the names an earlier run wrote)
+    that this one does not replace are removed."""
     from PIL import Image
 
     folder = Path(folder)
@@ -294,25 +301,45 @@ def write_images(folder: str | os.PathLike, images: Any, *, stem: str = "image")
                         raise OSError(f"read back as {check.size}, written as {picture.size}")
     except (OSError, ValueError, TypeError) as error:
         raise OutputError(f"could not write {path}: {_reason(error)}") from error
-    remove_earlier_results(folder, written, stem, video=False)
+    remove_earlier_results(folder, written, stem, video=False, earlier=earlier)
     return written
 
 
 def remove_earlier_results(
-    folder: Path, results: list[Path], stem: str = "image", *, video: bool = True
+    folder: Path,
+    results: list[Path],
+    stem: str = "image",
+    *,
+    video: bool = True,
+    earlier: Collection[str] = (),
 ) -> None:
     """Once ``results`` are written: an earlier run's results in ``folder`` that they do
     not replace (image-3.png after a run of two images; with ``video``, video.mp4 after
-    images and images after a video) go, so none passes for this run's."""
+    images and images after a video) go, so none passes for this run's. Only those an
+    earlier run wrote (``earlier``, the names its report listed): a file of such a name
+    that ondeck did not write is the user's, and stays."""
     keep = {path.name for path in results}
     stale = [path for path in folder.glob(f"{stem}*.png") if _is_image_name(path.name, stem)]
     if video:
         stale.append(folder / "video.mp4")
     for path in stale:
         # A folder of such a name is not a result (nothing here writes one): it stays.
-        if path.name not in keep and not path.is_dir():
+        if path.name in earlier and path.name not in keep and not path.is_dir():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+def earlier_results(folder: Path) -> set[str]:
+    """The results an earlier run wrote in ``folder``: the names its ``report.json`` lists
+    (``output.files``); none where there is no such report, or it cannot be read."""
+    try:
+        report = json.loads((folder / "report.json").read_text())
+        files = report["output"]["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if not isinstance(files, list):
+        return set()
+    return {name for name in files if isinstance(name, str) and Path(name).name == name}
 
 
 def image_names(count: int, stem: str = "image") -> list[str]:

@@ -184,6 +184,7 @@ def write_results(
     place. Frames that cannot be written, or are not finite, are kept as frames.npy
     and fail the command. report.json is then written again with the outcome: the files
     written (``output.files``), or the error and where the frames are kept."""
+    earlier = output.earlier_results(out)  # before this run's report replaces its report
     report_path = write_json(out / "report.json", report)
     plot_path = out / "timeline.png"
     written = [report_path]
@@ -201,7 +202,7 @@ def write_results(
         if media.video:
             results = [output.write_video(out / "video.mp4", pixels, fps=fps)]
         else:
-            results = output.write_images(out, pixels)
+            results = output.write_images(out, pixels, earlier=earlier)
     except OutputError as error:
         print(f"ondeck: wrote {_shown(written)}")
         outcome = {"error": str(error)}
@@ -213,7 +214,8 @@ def write_results(
         _record_outcome(report_path, report, {**outcome, "frames_kept": kept.name})
         raise OutputError(f"{error}; the frames are kept in {kept} (numpy.load)") from error
     (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
-    output.remove_earlier_results(out, results)  # an image beside this video, or the reverse
+    # An image beside this video, or the reverse: those an earlier run wrote.
+    output.remove_earlier_results(out, results, earlier=earlier)
     if not _record_outcome(report_path, report, {"files": [path.name for path in results]}):
         written.remove(report_path)  # the first one stays, listing no files: not this run's
     print(f"ondeck: wrote {_shown([*results, *written])}")

@@ -107,6 +107,26 @@ def test_one_image_after_several_leaves_no_numbered_image_of_the_earlier_run(
     assert listing(out) == {"image.png", "report.json", "timeline.png"}
 
 
+def test_files_of_result_names_that_no_run_wrote_are_the_users_and_stay(capsys, flux, tmp_path):
+    """A folder of the user's own image.png, image-12.png and video.mp4: no report of an
+    earlier run lists them, so a run writing two images there removes none of them."""
+    out = tmp_path / "photos"
+    out.mkdir()
+    own = {"image.png": b"mine", "image-12.png": b"mine too", "video.mp4": b"my video"}
+    for name, data in own.items():
+        (out / name).write_bytes(data)
+    code, _, err = generate_images(capsys, flux, out, "--images", "2")
+    assert code == 0, err
+    assert all((out / name).read_bytes() == data for name, data in own.items())
+    assert {"image-1.png", "image-2.png"} <= listing(out)
+    code, _, err = generate_images(capsys, flux, out)
+    assert code == 0, err
+    # image-1 and image-2 were the earlier run's (its report listed them); image.png is
+    # this run's now, the rest still the user's.
+    assert listing(out) == {"image.png", "image-12.png", "video.mp4", "report.json", "timeline.png"}
+    assert (out / "image-12.png").read_bytes() == b"mine too"
+
+
 # -- a set of images written part way -------------------------------------------------------
 
 

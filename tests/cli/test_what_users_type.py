@@ -30,7 +30,7 @@ def test_a_folder_named_as_an_earlier_image_is_left_and_the_earlier_images_go(tm
     written = [tmp_path / "image-1.png", tmp_path / "image-2.png"]
     for path in written:
         path.write_bytes(b"this run's")
-    remove_earlier_results(tmp_path, written)
+    remove_earlier_results(tmp_path, written, earlier={"image-3.png", "image-5.png"})
     assert (tmp_path / "image-5.png").is_dir()
     assert not (tmp_path / "image-3.png").exists()
     assert all(path.is_file() for path in written)
