@@ -92,6 +92,10 @@ def raise_interrupts() -> None:
             signal.signal(signal.SIGTERM, _note_and_raise_interrupt)
         if _interrupts:
             raise KeyboardInterrupt
+    elif _terminated_only() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # A background job (``cmd &`` in a script, nohup) ignores Ctrl-C; SIGTERM still
+        # stops its runs cleanly.
+        signal.signal(signal.SIGTERM, _note_and_raise_interrupt)
 
 
 def stop_at_once_when_asked_again() -> None:
@@ -101,7 +105,7 @@ def stop_at_once_when_asked_again() -> None:
     signals' numbers as they arrive (``signal.set_wakeup_fd``), where the main thread's
     handlers only run between operations. The first interrupt stops the run as before,
     removing its temporary files; what a second one leaves is what it interrupts."""
-    if not _watching():  # the command's main thread, as set_wakeup_fd needs
+    if not (_watching() or _terminated_only()):  # the main thread, as set_wakeup_fd needs
         return
     reader, writer = os.pipe()
     os.set_blocking(writer, False)
@@ -133,6 +137,16 @@ def interrupted() -> bool:
     """The command's process received Ctrl-C: a library that swallowed the
     ``KeyboardInterrupt`` (a bare ``except``) cannot make the command end otherwise."""
     return _interrupts > 0
+
+
+def _terminated_only() -> bool:
+    """The command's own process, its main thread, with SIGINT ignored."""
+    return (
+        is_the_command()
+        and not debugging(sys.argv[1:])
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    )
 
 
 def _watching() -> bool:

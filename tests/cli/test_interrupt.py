@@ -62,6 +62,43 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     assert sorted(path.name for path in out.iterdir()) == ["report.json", "video.mp4"]
 
 
+def test_sigterm_stops_a_background_run_that_ignores_ctrl_c(tiny_model, tmp_path):
+    """``cmd &`` in a script starts the command with SIGINT ignored: SIGTERM still stops
+    the run with its line and status 143, the previous results kept, no lock left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "video.mp4").write_bytes(b"previous complete video")
+    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
+    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
+    command += ["--policy", "release", "--output", str(out)]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    environment["ONDECK_CACHE"] = str(tmp_path / "cache")
+    process = subprocess.Popen(
+        command,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        for line in process.stdout:
+            if line.startswith("predicted component peak"):
+                break
+        process.send_signal(signal.SIGINT)  # ignored, as in a background job
+        time.sleep(0.5)
+        assert process.poll() is None, "SIGINT is ignored there"
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143
+    assert [line for line in err.splitlines() if line.strip()] == ["ondeck: interrupted"]
+    assert sorted(path.name for path in out.iterdir()) == ["video.mp4"]
+    assert (out / "video.mp4").read_bytes() == b"previous complete video"
+
+
 # Loaded at start-up (sitecustomize), it sends the process SIGINT as torch starts to be
 # imported: Ctrl-C in the seconds that import takes.
 INTERRUPT_TORCH_IMPORT = """
