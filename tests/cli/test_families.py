@@ -204,3 +204,14 @@ def test_a_second_run_of_a_command_answers_its_prompts_without_encoding_again(
     assert kept == dict.fromkeys(
         ("text_encoder", "text_encoder_2", "text_encoder_3"), {"hits": 2, "misses": 2, "kept": 2}
     )
+
+
+def test_a_vae_that_decodes_only_in_tiles_decodes_in_its_own(capsys, family, tmp_path):
+    """Allegro's VAE has no decode of whole frames (diffusers raises NotImplementedError
+    unless tiling is on, a setting no saved model keeps): the command turns its tiling on
+    and writes the video."""
+    out = tmp_path / "out"
+    argv = ["--height", "16", "--width", "16", "--frames", "9", "--output", out]
+    code, _, err = run(capsys, "generate", family("allegro"), *CPU, *argv)
+    assert code == 0, err
+    assert listing(out) == {"video.mp4", "report.json", "timeline.png"}

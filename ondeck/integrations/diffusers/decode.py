@@ -388,6 +388,13 @@ class FittingDecode:
                     pixels = output_pixels(latents, scale) * covered_area(tiles)
                     self._timing = (started, ended, pixels)
                 break
+            except NotImplementedError:
+                if tiles is not None or not hasattr(module, "enable_tiling"):
+                    raise
+                # A VAE that decodes only in tiles (Allegro's): at its own tile sizes.
+                module.enable_tiling()
+                result = module.decode(*args, **kwargs)
+                break
             except Exception as error:
                 if isinstance(error, LoadError) or not is_out_of_memory(error):
                     raise
