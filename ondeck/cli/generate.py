@@ -43,14 +43,34 @@ def generate(args: argparse.Namespace) -> int:
     # Every rank runs every stage on the same inputs; rank 0 alone prints and writes.
     joined = commands.start_distributed(args)
     main = distributed.is_main()
+    created = next((f for f in (out, *out.parents) if f.parent.exists()), None)
+    created = created if main and not out.exists() else None
     if main:  # before any work: a run that cannot write its result is not started
         images = min(args.images or 1, MAX_BATCH)  # a count past it is refused later
         if out.exists() and not out.is_dir():
             raise UsageError(f"argument --output: {out} is a file; give a folder")
         check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(images)))
     holding = output.holding_folder(out) if main else contextlib.nullcontext()
-    with holding:
-        return _generate(args, out, joined, main)
+    try:
+        with holding:
+            return _generate(args, out, joined, main)
+    except BaseException:
+        _remove_created(out, created)
+        raise
+
+
+def _remove_created(out: Path, created: Path | None) -> None:
+    """The folders this command made for its output (``created``, the outermost), where
+    it failed before writing anything in them."""
+    folder = out
+    while created is not None:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty, or not there
+            return
+        if folder == created:
+            return
+        folder = folder.parent
 
 
 def _check_flags(args: argparse.Namespace) -> None:

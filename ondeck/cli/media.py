@@ -52,6 +52,9 @@ class Media:
     # built without it, as FLUX.1 [schnell], ignores ``guidance_scale``), None unknown.
     true_cfg_default: float | None = None
     guidance_embedded: bool | None = None
+    # A second input the call needs that no flag gives (an inpainting pipeline's
+    # ``mask_image``, a ControlNet img2img pipeline's ``control_image``).
+    other_input: str | None = None
 
 
 def media_of(path: Path) -> Media:
@@ -96,7 +99,17 @@ def media_of(path: Path) -> Media:
         _whole_default(parameters, "height"), _whole_default(parameters, "width"),
         _whole_default(parameters, "num_inference_steps"), "max_area" in parameters,
         _number_default(parameters, "true_cfg_scale"), _guidance_embedded(configs[1]),
+        _other_input(name, parameters, image_argument),
     )  # fmt: skip
+
+
+def _other_input(name: str, parameters: dict, image_argument: str | None) -> str | None:
+    """The input besides ``--image``'s that the call cannot do without."""
+    if "mask_image" in parameters and re.search(r"Inpaint|Fill", name):
+        return "mask_image"
+    if image_argument == "image" and "control_image" in parameters:
+        return "control_image"
+    return None
 
 
 def _number_default(parameters: dict, name: str) -> float | None:
@@ -214,6 +227,11 @@ def check_media_flags(args: Any, media: Media, *, image_needed: bool = True) -> 
         raise UsageError(f"argument --image: {name} takes no input image")
     if args.image is None and media.needs_image and image_needed:
         raise UsageError(f"{name} needs an input image: give it with --image PATH")
+    if media.other_input is not None and image_needed:
+        raise UsageError(
+            f"{name} needs a {media.other_input} besides its image, which ondeck generate "
+            "cannot give; call the pipeline from Python (ondeck.diffusers.from_pretrained)"
+        )
     true_cfg = getattr(args, "true_cfg", None)
     if true_cfg is not None and media.true_cfg_default is None:
         raise UsageError(f"argument --true-cfg: {name} has no true_cfg_scale")

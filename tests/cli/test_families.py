@@ -85,7 +85,7 @@ def test_a_pipeline_that_cleans_prompts_with_ftfy_says_to_install_it(
     monkeypatch.delattr(module, "ftfy", raising=False)
     folder = family("wan_i2v")
     capsys.readouterr()  # what building the folder printed
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "nested" / "out"  # made for the run, and removed with it
     shape = ["--height", "16", "--width", "16", "--frames", "5", "--image", input_image]
     code, _, err = run(capsys, "generate", folder, *CPU, *shape, "--output", out)
     assert (code, [line for line in error_lines(err) if line.startswith("ondeck:")]) == (
@@ -215,3 +215,33 @@ def test_a_vae_that_decodes_only_in_tiles_decodes_in_its_own(capsys, family, tmp
     code, _, err = run(capsys, "generate", family("allegro"), *CPU, *argv)
     assert code == 0, err
     assert listing(out) == {"video.mp4", "report.json", "timeline.png"}
+
+
+@pytest.mark.parametrize(
+    ("family_name", "pipeline_class", "missing"),
+    [
+        ("sd3", "StableDiffusion3InpaintPipeline", "mask_image"),
+        ("flux", "FluxFillPipeline", "mask_image"),
+        ("sd_controlnet", "StableDiffusionControlNetImg2ImgPipeline", "control_image"),
+    ],
+)
+def test_a_pipeline_needing_an_input_no_flag_gives_is_refused_before_it_is_built(
+    capsys, family, tmp_path, input_image, family_name, pipeline_class, missing
+):
+    """An inpainting pipeline's mask, a ControlNet img2img pipeline's control image: one
+    line naming it, status 2, before anything loads (the call failed at the end with
+    diffusers' "Input is in incorrect format")."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(family(family_name), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": pipeline_class}))
+    capsys.readouterr()  # what building the folder printed
+    out = tmp_path / "new" / "nested" / "out"  # made for the run, and removed with it
+    argv = ["--image", input_image, "--height", "16", "--width", "16", "--output", out]
+    code, _, err = run(capsys, "generate", folder, *CPU, *argv)
+    assert code == 2
+    (line,) = error_lines(err)
+    assert f"{pipeline_class} needs a {missing} besides its image" in line
+    assert not (tmp_path / "new").exists()
