@@ -13,7 +13,7 @@ from typing import Any
 from .. import distributed, folder_pipelines
 from .. import embedded as embedded_module
 from ..arguments import ArgumentError, check_generate_arguments
-from ..errors import OndeckError
+from ..errors import LoadError, OndeckError
 from ..hub import model_label, resolve_model
 from ..lazy import loader_of
 from ..loading import (
@@ -101,7 +101,7 @@ def check_shape(
 
 
 def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
-    if args.model_dir:
+    if args.model_dir is not None:  # "" is no folder, not the embedded default
         return resolve_model(args.model_dir), False
     say("ondeck: no model folder given; using the embedded default (a small Wan-architecture")
     say("        model with random weights: its output is coloured noise). For a real video,")
@@ -414,6 +414,11 @@ def inspect(args: argparse.Namespace) -> int:
     files = weight_files(args).get("components") or {}
     if files:
         folder = SingleFileFolder(folder, files)
+    if not folder.pipeline_class_name:
+        raise LoadError(
+            f"{folder.path}: its model_index.json has no _class_name (the pipeline class)",
+            path=str(folder.path),
+        )
     print(f"{folder.path}: {folder.pipeline_class_name}")
     rows: list[tuple[str, str, str, int | None, str]] = []  # name, class, dtype, bytes, note
     for name in folder.component_names:

@@ -240,3 +240,27 @@ def test_a_folder_whose_model_index_names_no_class_says_so(capsys, tmp_path):
     code, _, err = run(capsys, "plan", folder, "--device", "cpu")
     assert code == 1
     assert "its model_index.json has no _class_name" in err and "'None'" not in err
+
+
+def test_inspect_refuses_a_folder_that_names_no_pipeline_class(capsys, tmp_path):
+    """As plan and generate refuse it: not a listing of "None" and "sum 0 B"."""
+    from .helpers import error_lines
+
+    (tmp_path / "model_index.json").write_text('{"_diffusers_version": "0.42.1"}')
+    code, out, err = run(capsys, "inspect", tmp_path)
+    assert code == 1 and not out
+    (line,) = error_lines(err)
+    assert "has no _class_name" in line and str(tmp_path) in line
+
+
+def test_an_empty_model_argument_is_no_folder_not_the_embedded_default(
+    capsys, tmp_path, monkeypatch
+):
+    from .helpers import error_lines
+
+    monkeypatch.setenv("ONDECK_CACHE", str(tmp_path / "cache"))
+    code, _, err = run(capsys, "generate", "", "--device", "cpu", "--output", tmp_path / "o")
+    assert code == 1
+    (line,) = error_lines(err)
+    assert "no model_index.json" in line
+    assert not (tmp_path / "cache").exists(), "nothing built"
