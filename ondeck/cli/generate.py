@@ -120,6 +120,9 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         model_dir=str(path),
         embedded_default=embedded,
         prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        seed=args.seed,  # every run's
+        guidance=args.guidance,  # None: the pipeline's own
         shape={"height": shape.height, "width": shape.width, "frames": shape.frames,
                "steps": shape.steps},
         run_seconds=timings,

@@ -245,3 +245,16 @@ def test_a_pipeline_needing_an_input_no_flag_gives_is_refused_before_it_is_built
     (line,) = error_lines(err)
     assert f"{pipeline_class} needs a {missing} besides its image" in line
     assert not (tmp_path / "new").exists()
+
+
+def test_the_report_holds_what_reproduces_the_run(capsys, family, tmp_path):
+    """The seed, the negative prompt and the guidance asked for, beside the prompt and
+    the shape: the same command again makes the same images."""
+    out = tmp_path / "out"
+    argv = ["--height", "8", "--width", "8", "--seed", "7", "--negative-prompt", "blurry"]
+    code, _, err = run(
+        capsys, "generate", family("flux"), *CPU, *argv, "--guidance", "2.5", "--output", out
+    )
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert (report["seed"], report["negative_prompt"], report["guidance"]) == (7, "blurry", 2.5)
