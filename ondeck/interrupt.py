@@ -139,25 +139,25 @@ def interrupted() -> bool:
     return _interrupts > 0
 
 
-def _terminated_only() -> bool:
-    """The command's own process, its main thread, with SIGINT ignored."""
+def _the_commands_main_thread() -> bool:
+    """The command's own process, not ``--debug``, its main thread."""
     return (
         is_the_command()
         and not debugging(sys.argv[1:])
         and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     )
+
+
+def _terminated_only() -> bool:
+    """The command's main thread, with SIGINT ignored (``nohup``, a background job)."""
+    return _the_commands_main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
 
 
 def _watching() -> bool:
     """Interrupts are the command's to handle: its own process, not ``--debug``, the
     main thread, and SIGINT not ignored (``nohup``, a background job)."""
-    return (
-        is_the_command()
-        and not debugging(sys.argv[1:])
-        and threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None)
-    )
+    ignored = (signal.SIG_IGN, None)
+    return _the_commands_main_thread() and signal.getsignal(signal.SIGINT) not in ignored
 
 
 def _note_interrupt(signum: int, frame: object) -> None:

@@ -464,7 +464,8 @@ class ComponentLoader(FolderLoader):
             if isinstance(self.folder, SingleFileFolder) and self.folder.has_scales(self.name)
             else {}
         )
-        scaled = {name.rpartition(".")[0] for name in [*scales, *fp8.tied_names(module, scales)]}
+        scales = {**scales, **fp8.tied_names(module, scales)}  # a tied tensor's other names
+        scaled = {name.rpartition(".")[0] for name in scales}
         if self.storage_dtype is not None:
             _, _, layers, kept = self._stored_template
             fp8.upcast_for_compute(

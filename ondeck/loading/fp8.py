@@ -471,12 +471,12 @@ def apply_weight_scales(
     scale.to(compute)``, the dequantization that format defines (a float8 weight, and a
     float32 scale beside it, one per weight), and stays as stored. The layer's casting hook,
     if it has one, is replaced by one that also scales; its other stored tensors are upcast
-    as before. ``scales``: ``{tensor name: scale}``; their layers, and those holding the
-    same tensors under other names (``tied_names``), must have no casting hook yet."""
+    as before. ``scales``: ``{tensor name: scale}``, a tensor held under several names
+    under each (``tied_names``); their layers must have no casting hook yet."""
     from diffusers.hooks import HookRegistry
 
     by_layer: dict[str, dict[str, torch.Tensor]] = {}
-    for name, scale in {**scales, **tied_names(module, scales)}.items():
+    for name, scale in scales.items():
         layer, _, attribute = name.rpartition(".")
         by_layer.setdefault(layer, {})[attribute] = scale.to(device=device, dtype=compute)
     for name, layer_scales in by_layer.items():
@@ -491,6 +491,8 @@ def tied_names(module: torch.nn.Module, scales: Mapping[str, Any]) -> dict[str, 
     """Other names of the scaled tensors (a T5's ``shared.weight`` is its encoder's
     ``embed_tokens.weight`` too), each with its tensor's scale: a layer computing through
     one of them computes scaled as well."""
+    if not scales:
+        return {}  # no walk of the module's tensors at every load of an unscaled one
     by_tensor = {}
     for name, scale in scales.items():
         layer, _, attribute = name.rpartition(".")

@@ -16,17 +16,29 @@ from .helpers import listing
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def interruptible(command: list[str], environment: dict) -> subprocess.Popen:
-    """``command`` started with SIGINT at its default: a shell running tests in the
-    background ignores it, and children inherit that."""
+def interruptible(
+    command: list[str], environment: dict, sigint: signal.Handlers = signal.SIG_DFL
+) -> subprocess.Popen:
+    """``command`` started with SIGINT at its default (``sigint``): a shell running tests
+    in the background ignores it, and children inherit that."""
     return subprocess.Popen(
         command,
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
+
+
+def long_run(tiny_model: Path, tmp_path: Path, out: Path) -> tuple[list[str], dict]:
+    """A run of ten thousand steps into ``out``: the command and its environment."""
+    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
+    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
+    command += ["--policy", "release", "--output", str(out)]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    environment["ONDECK_CACHE"] = str(tmp_path / "cache")
+    return command, environment
 
 
 @pytest.mark.parametrize(
@@ -41,12 +53,7 @@ def test_ctrl_c_during_a_run_prints_one_line_exits_130_and_keeps_the_previous_re
     out.mkdir()
     (out / "video.mp4").write_bytes(b"previous complete video")
     (out / "report.json").write_text('{"previous": "run"}')
-    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
-    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
-    command += ["--policy", "release", "--output", str(out)]
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    environment["ONDECK_CACHE"] = str(tmp_path / "cache")
-    process = interruptible(command, environment)
+    process = interruptible(*long_run(tiny_model, tmp_path, out))
     try:
         for line in process.stdout:  # the plan is printed just before the run starts
             if line.startswith("predicted component peak"):
@@ -68,19 +75,7 @@ def test_sigterm_stops_a_background_run_that_ignores_ctrl_c(tiny_model, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / "video.mp4").write_bytes(b"previous complete video")
-    command = [sys.executable, "-m", "ondeck", "generate", str(tiny_model), "--device", "cpu"]
-    command += ["--height", "32", "--width", "32", "--frames", "5", "--steps", "10000"]
-    command += ["--policy", "release", "--output", str(out)]
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    environment["ONDECK_CACHE"] = str(tmp_path / "cache")
-    process = subprocess.Popen(
-        command,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
+    process = interruptible(*long_run(tiny_model, tmp_path, out), sigint=signal.SIG_IGN)
     try:
         for line in process.stdout:
             if line.startswith("predicted component peak"):
