@@ -209,12 +209,24 @@ def test_a_second_run_of_a_command_answers_its_prompts_without_encoding_again(
 def test_a_vae_that_decodes_only_in_tiles_decodes_in_its_own(capsys, family, tmp_path):
     """Allegro's VAE has no decode of whole frames (diffusers raises NotImplementedError
     unless tiling is on, a setting no saved model keeps): the command turns its tiling on
-    and writes the video."""
+    and writes the video. Allegro takes any frame count (its own is 88), so an even one is
+    not refused by the k·t+1 rule of the models whose own count is k·t+1."""
+    import imageio.v3 as iio
+
     out = tmp_path / "out"
-    argv = ["--height", "16", "--width", "16", "--frames", "9", "--output", out]
+    argv = ["--height", "16", "--width", "16", "--frames", "8", "--output", out]
     code, _, err = run(capsys, "generate", family("allegro"), *CPU, *argv)
     assert code == 0, err
     assert listing(out) == {"video.mp4", "report.json", "timeline.png"}
+    assert len(iio.imread(out / "video.mp4")) == 8
+
+
+def test_a_model_whose_own_frame_count_is_kt_plus_1_is_held_to_it(capsys, family, tmp_path):
+    """CogVideoX's call gives no default; its transformer's ``sample_frames`` (49) does."""
+    argv = ["--height", "16", "--width", "16", "--frames", "8", "--output", tmp_path / "out"]
+    code, _, err = run(capsys, "generate", family("cogvideox"), *CPU, *argv)
+    assert code == 2
+    assert "--frames: must be 4k+1 for this model (1, 5, 9, ...), got 8 (try 5 or 9)" in err
 
 
 @pytest.mark.parametrize(
