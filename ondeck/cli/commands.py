@@ -277,17 +277,21 @@ def check_call(args: argparse.Namespace, pipe: Any, shape: Shape, media: Media) 
     )
 
 
-def call_extra(args: argparse.Namespace, media: Media, image: Any) -> dict[str, Any]:
+def call_extra(
+    args: argparse.Namespace, media: Media, image: Any, pipe: Any = None
+) -> dict[str, Any]:
     """The call's arguments beyond ``call_options``: the input image under the name the
-    pipeline takes it by, and the image count where it makes several."""
+    pipeline takes it by, the image count where it makes several, and the area cap of a
+    pipeline that sizes its output from one (the side not asked for is the built
+    ``pipe``'s own)."""
     extra = {} if image is None else {media.image_argument or "image": image}
     if getattr(args, "true_cfg", None) is not None:  # a pipeline that takes it: checked
         extra["true_cfg_scale"] = args.true_cfg
     if args.images is not None and media.takes_count:
         extra["num_images_per_prompt"] = args.images
     if media.takes_max_area and (args.height is not None or args.width is not None):
-        # The size asked for, not a megapixel of the input image's shape.
-        shape = call_shape(args, media)
+        # The size asked for, not a megapixel at the shape of the sides asked for.
+        shape = asked_shape(own_shape(media, pipe), args.height, args.width, None, None)
         if shape.height is not None and shape.width is not None:
             extra["max_area"] = shape.height * shape.width
     return extra
@@ -341,7 +345,7 @@ def plan(args: argparse.Namespace) -> int:
     shape = call_shape(args, media)
     if args.budget is None:
         print(f"ondeck: {pipe.policy.reason}")
-    extra = call_extra(args, media, image)
+    extra = call_extra(args, media, image, pipe)
     result = first_plan(args, pipe, shape, extra)
     print(result)
     if args.budget is not None:

@@ -107,7 +107,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")
     pipe.more_runs = args.runs > 1  # the plan shown is the first run's
-    extra = commands.call_extra(args, media, image)
+    extra = commands.call_extra(args, media, image, pipe)
     plan = commands.first_plan(args, pipe, shape, extra)
     say(plan)
     if split is not None:

@@ -39,6 +39,9 @@ class ServedModel:
     takes_image: bool = False  # an input image (image-to-video, image edits)
     needs_image: bool = False  # a call without one fails (image-to-video)
     image_argument: str = "image"  # the call's name for it (a ControlNet's control_image)
+    # The call sizes its output from an area cap (Flux Kontext's max_area), which a job's
+    # size sets.
+    takes_max_area: bool = False
     # What a job asks where its request names none: the pipeline's own size, frames and
     # steps (``cli.shape.own_shape``; None where the call computes one it cannot tell).
     own_shape: Any = None

@@ -194,6 +194,7 @@ class Server:
             takes_image=media.takes_image,
             needs_image=media.needs_image,
             image_argument=media.image_argument or "image",
+            takes_max_area=media.takes_max_area,
             own_shape=EMBEDDED_SHAPE
             if name == self.config.embedded
             else own_shape(media, pipeline),
@@ -405,7 +406,7 @@ class Server:
                         # One seed after another, back to 0 past the largest.
                         seed=(job.seed + index) % (MAX_SEED + 1),
                         progress=progress,
-                        **_asked_beyond_defaults(job, model),
+                        **asked_beyond_defaults(job, model),
                     )
                 )
             job.run_seconds = time.perf_counter() - started
@@ -676,7 +677,7 @@ def _fill_shape(job: Job, made: Any, fps: float) -> None:
         job.seconds = seconds_of(frames, fps)
 
 
-def _asked_beyond_defaults(job: Job, model: ServedModel) -> dict[str, Any]:
+def asked_beyond_defaults(job: Job, model: ServedModel) -> dict[str, Any]:
     """Only what the request set: each pipeline keeps its own defaults for the rest."""
     extra: dict[str, Any] = {}
     if job.input_image is not None:
@@ -685,4 +686,6 @@ def _asked_beyond_defaults(job: Job, model: ServedModel) -> dict[str, Any]:
         extra["guidance_scale"] = job.guidance
     if job.kind == "video":
         extra["num_frames"] = job.frames
+    if model.takes_max_area and job.height is not None and job.width is not None:
+        extra["max_area"] = job.height * job.width  # the size asked, not a megapixel's
     return extra

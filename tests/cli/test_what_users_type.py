@@ -70,6 +70,22 @@ def test_a_size_asked_of_flux_kontext_is_its_output_area(family):
     assert "max_area" not in call_extra(args, media, image=None)  # the pipeline's own
 
 
+def test_one_side_asked_of_flux_kontext_keeps_the_other_its_own(family):
+    """Kontext makes a megapixel (its max_area) at the shape of the height and width it
+    is given, its own 1024x1024 (here, a tiny one's) for a side not given: ``--width``
+    alone must not stretch the other side to fill that area."""
+    import ondeck.diffusers
+
+    folder = family("flux_kontext")
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    own_side = 128 * 2 ** (len(vae["block_out_channels"]) - 1)  # default_sample_size × scale
+    pipe = ondeck.diffusers.from_pretrained(folder, device="cpu")  # nothing loads
+    for height, width in ((None, 32), (48, None)):
+        args = argparse.Namespace(height=height, width=width, frames=None, steps=2, images=None)
+        extra = call_extra(args, media_of(folder), None, pipe)
+        assert extra["max_area"] == (height or own_side) * (width or own_side)
+
+
 def test_a_side_past_sd3s_learned_positions_is_refused_before_anything_loads(family, capsys):
     folder = family("sd3")
     transformer = json.loads((folder / "transformer" / "config.json").read_text())

@@ -4,6 +4,8 @@ run takes."""
 
 from __future__ import annotations
 
+import base64
+
 from .inprocess import call, make_server
 
 IMAGES = "/v1/images/generations"
@@ -46,3 +48,36 @@ def test_the_largest_seed_makes_every_image_of_the_request(models, tmp_path):
     assert response.status_code == 200, response.text
     first, second = (image["b64_json"] for image in response.json()["data"])
     assert first != second
+
+
+def test_an_image_edit_model_makes_the_size_asked(tmp_path):
+    """Flux Kontext makes a megapixel (its max_area) at the shape of the size it is
+    given unless the area is passed too: a request's size is its output's. The call a
+    queued job would make is read first (a megapixel would take minutes here), then the
+    job runs."""
+    import io
+
+    from PIL import Image
+
+    from ondeck.serve.server import ServeConfig, Server, asked_beyond_defaults
+    from tests.integrations.breadth_pipelines import ALL_FAMILIES
+
+    ALL_FAMILIES["flux_kontext"].build(tmp_path / "kontext")
+    waiting = Server(
+        ServeConfig(models={"kontext": str(tmp_path / "kontext")}, device="cpu", steps=2),
+        say=lambda *_: None,
+    )
+    body = {"model": "kontext", "prompt": "a fox", "size": "32x16"}
+    queued = call(waiting, "POST", "/v1/ondeck/images", json=body)
+    job = waiting.queue.jobs[queued.json()["id"]]
+    assert asked_beyond_defaults(job, waiting.models["kontext"])["max_area"] == 32 * 16
+    waiting.models["kontext"].pipeline.close()  # never started: nothing else to stop
+    server = make_server({"kontext": tmp_path / "kontext"}, tmp_path, names=("kontext",))
+    try:
+        response = call(server, "POST", IMAGES, json=body)
+    finally:
+        server.stop()
+    assert response.status_code == 200, response.text
+    data = base64.b64decode(response.json()["data"][0]["b64_json"])
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.size == (32, 16)
