@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 
 class OndeckError(Exception):
     """Base of every error ondeck raises deliberately."""
@@ -30,3 +34,27 @@ class BudgetError(OndeckError):
 
 class ConcurrentRunError(OndeckError):
     """A pipeline was called while another thread was running it."""
+
+
+@contextlib.contextmanager
+def held_logs(*libraries: str) -> Iterator[None]:
+    """What the ``libraries``' loggers say meanwhile is held: emitted as it came where
+    the block ends well, dropped where it raises (the error raised instead says it once,
+    rather than a hundred lines of a library's log before it)."""
+    held: list[tuple[logging.Handler, logging.LogRecord]] = []
+    holds = []
+    for handler in {h for name in libraries for h in logging.getLogger(name).handlers}:
+
+        def hold(record: logging.LogRecord, handler: logging.Handler = handler) -> bool:
+            held.append((handler, record))
+            return False
+
+        handler.addFilter(hold)
+        holds.append((handler, hold))
+    try:
+        yield
+    finally:
+        for handler, hold in holds:
+            handler.removeFilter(hold)
+    for handler, record in held:
+        handler.handle(record)

@@ -23,9 +23,8 @@ quantization type, so the layers dequantize as they do loaded whole. ondeck's ow
 pipelined loading, fp8 storage and sharding do not apply to quantized components, and
 asking for them is refused before anything loads.
 
-A ``.gguf`` single file given for a component (``ondeck.loading.single_file``) loads the
-same way, with the base folder's config.
-"""
+A ``.gguf`` file given for a component (``loading.single_file``) loads so, with the
+base folder's config."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import LoadError
+from ..errors import LoadError, held_logs
 from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
 from .host_cache import file_key
@@ -420,28 +419,30 @@ class QuantizedComponentLoader(FolderLoader):
             checkpoint[name] = (
                 GGUFParameter(meta, quant_type=quant_type) if quant_type is not None else meta
             )
-        try:
-            module = self.cls.from_single_file(
-                dict(checkpoint),  # its conversion takes the keys out of what it is given
-                config=str(self.directory),
-                quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
-                torch_dtype=self.dtype,
-                device="meta",
-                local_files_only=True,
-            )
-        except Exception as error:
-            raise self._failed("building it from the GGUF header (this model's?)", error) from error
-        missing = self._missing_from(module, checkpoint)
-        if missing:
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            )
-            raise LoadError(
-                f"component '{self.name}' from {self.path}: the GGUF file lacks {len(missing)} "
-                f"of {self.cls.__name__}'s tensors ({shown}); is it another model's?",
-                component=self.name,
-                path=str(self.path),
-            )
+        # Another model's file: one error, not diffusers' list of every name it left out.
+        with held_logs("diffusers"):
+            try:
+                module = self.cls.from_single_file(
+                    dict(checkpoint),  # its conversion takes the keys out of what it is given
+                    config=str(self.directory),
+                    quantization_config=GGUFQuantizationConfig(compute_dtype=self.dtype),
+                    torch_dtype=self.dtype,
+                    device="meta",
+                    local_files_only=True,
+                )
+            except Exception as error:
+                doing = "building it from the GGUF header (this model's?)"
+                raise self._failed(doing, error) from error
+            missing = self._missing_from(module, checkpoint)
+            if missing:
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                raise LoadError(
+                    f"component '{self.name}' from {self.path}: the GGUF file lacks "
+                    f"{len(missing)} of {self.cls.__name__}'s tensors "
+                    f"({', '.join(missing[:5])}{more}); is it another model's?",
+                    component=self.name,
+                    path=str(self.path),
+                )
         return _skeleton_of(module, self.dtype)
 
     def _missing_from(self, module: torch.nn.Module, checkpoint: dict[str, Any]) -> list[str]:

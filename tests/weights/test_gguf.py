@@ -352,8 +352,9 @@ def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, t
     assert _read_gguf(path, "transformer"), "read as it is now"
 
 
-def _gguf_without(gguf_base, path, drop):
-    """The transformer as an F32 GGUF file in the original key names, less ``drop``."""
+def _gguf_without(gguf_base, path, drop, extra=None):
+    """The transformer as an F32 GGUF file in the original key names, less ``drop``,
+    with the arrays of ``extra`` (name: array) beside them."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -365,6 +366,8 @@ def _gguf_without(gguf_base, path, drop):
         if key not in drop:
             name = original_name(key).removeprefix("model.diffusion_model.")
             writer.add_tensor(name, tensor.to(torch.float32).numpy())
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -384,6 +387,32 @@ def test_a_gguf_file_missing_tensors_is_refused_naming_them_before_anything_load
     with pytest.raises(LoadError, match=r"lacks 2 of .*blocks\.0\.attn1\.to_q\.weight") as error:
         load(gguf_base, "release", components={"transformer": path}).ondeck.plan()
     assert "missing.gguf" in str(error.value) and "'transformer'" in str(error.value)
+
+
+def test_another_models_gguf_is_one_error_without_the_librarys_log(gguf_base, tmp_path):
+    """Tensors the model has not (and lacking its own): diffusers logs every unused
+    name before ondeck's error names the missing ones; the error alone is said."""
+    import logging
+
+    from ondeck.errors import LoadError
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    extra = {f"other_model.layers.{i}.weight": np.ones((32, 32), np.float32) for i in range(3)}
+    path = _gguf_without(gguf_base, tmp_path / "other.gguf", ("blocks.0.norm2.weight",), extra)
+    logger = logging.getLogger("diffusers")
+    collector = Collect(level=logging.DEBUG)
+    logger.addHandler(collector)
+    try:
+        with pytest.raises(LoadError, match=r"lacks 1 of .*blocks\.0\.norm2\.weight"):
+            load(gguf_base, "release", components={"transformer": path}).ondeck.plan()
+    finally:
+        logger.removeHandler(collector)
+    assert not [r for r in records if "other_model" in r.getMessage()]
 
 
 def test_a_gguf_load_that_fails_keeps_nothing_in_the_host_cache(

@@ -215,7 +215,7 @@ def test_a_lora_for_wider_layers_is_one_error_line_not_the_librarys_log(
 
 
 def test_held_logs_come_out_where_the_block_ends_well_and_not_where_it_raises():
-    from ondeck.integrations.diffusers.loading import held_logs
+    from ondeck.errors import held_logs
 
     records: list[str] = []
     collector = logging.Handler()

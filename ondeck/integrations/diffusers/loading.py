@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import logging
 import math
 import numbers
 import os
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from ... import distributed
-from ...errors import LoadError
+from ...errors import LoadError, held_logs
 from ...hub import resolve_model
 from ...lazy import is_lazy
 from ...loading import (
@@ -611,30 +610,6 @@ class _ConfigShape:
         # Plain data (numbers, flags, and lists, tuples and dicts of them, such as the Wan
         # VAE's temperal_downsample) is answered with a copy; modules and tensors load.
         return copy.deepcopy(value) if _is_plain_data(value) else None
-
-
-@contextlib.contextmanager
-def held_logs(*libraries: str) -> Iterator[None]:
-    """What the ``libraries``' loggers say meanwhile is held: emitted as it came where
-    the block ends well, dropped where it raises (the error raised instead says it once,
-    rather than a hundred lines of a library's log before it)."""
-    held: list[tuple[logging.Handler, logging.LogRecord]] = []
-    holds = []
-    for handler in {h for name in libraries for h in logging.getLogger(name).handlers}:
-
-        def hold(record: logging.LogRecord, handler: logging.Handler = handler) -> bool:
-            held.append((handler, record))
-            return False
-
-        handler.addFilter(hold)
-        holds.append((handler, hold))
-    try:
-        yield
-    finally:
-        for handler, hold in holds:
-            handler.removeFilter(hold)
-    for handler, record in held:
-        handler.handle(record)
 
 
 @contextlib.contextmanager
