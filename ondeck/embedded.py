@@ -255,8 +255,9 @@ def _problem(folder: Path) -> str | None:
 
 
 def _damage(folder: Path, files: Any) -> str | None:
-    """Which file the build wrote differs now (its size, or a JSON file that no longer
-    parses): a damaged cache is rebuilt, not loaded into an error every run."""
+    """Which file the build wrote differs now (its size, or a JSON file or safetensors
+    header that no longer parses): a damaged cache is rebuilt, not loaded into an error
+    every run."""
     if not isinstance(files, dict) or not files:
         return "is from an older ondeck"  # built before its files were listed
     for relative, size in files.items():
@@ -266,9 +267,22 @@ def _damage(folder: Path, files: Any) -> str | None:
                 return f"is damaged ({relative} has changed size)"
             if path.suffix == ".json":
                 json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                _check_header(path, size)
         except (OSError, ValueError, TypeError):
             return f"is damaged ({relative} is missing or unreadable)"
     return None
+
+
+def _check_header(path: Path, size: int) -> None:
+    """A safetensors file's header is JSON that ends inside the file (ValueError if not):
+    bytes overwritten at its start leave the size as it was."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if not 0 < length <= size - 8:
+            raise ValueError(f"a header of {length} bytes")
+        if not isinstance(json.loads(file.read(length)), dict):
+            raise ValueError("a header that is not a JSON object")
 
 
 def _write_marker(folder: Path, preset: str) -> None:

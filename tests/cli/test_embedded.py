@@ -50,6 +50,12 @@ def _truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+def _overwrite_start(path):
+    """Zeros over the safetensors header's length and the header's start: same size."""
+    with open(path, "r+b") as file:
+        file.write(bytes(16))
+
+
 def _garble(path):
     """The same number of bytes, no longer JSON."""
     path.write_bytes(b"{" + b" " * (path.stat().st_size - 1))
@@ -84,6 +90,10 @@ def built(tmp_path):
             "is damaged (vae/config.json is missing or unreadable)",
         ),
         (
+            lambda f: _overwrite_start(next((f / "text_encoder").glob("*.safetensors"))),
+            "is damaged (text_encoder/model.safetensors is missing or unreadable)",
+        ),
+        (
             lambda f: (f / "scheduler" / "scheduler_config.json").unlink(),
             "is incomplete (scheduler/scheduler_config.json is missing)",
         ),
@@ -95,6 +105,7 @@ def built(tmp_path):
         "older-version",
         "truncated-weights",
         "broken-config",
+        "overwritten-weights-header",
         "no-scheduler",
     ],
 )
