@@ -99,7 +99,7 @@ def main() -> None:
 
     from ondeck.loading import ComponentLoader, HostCache, ModelFolder
 
-    folder = ModelFolder(build(args.folder))
+    folder = ModelFolder.open(build(args.folder))
     cache = HostCache(2 * 1024**3)
     loader = ComponentLoader(
         folder, "text_encoder", device="cuda", dtype=torch.bfloat16, host_cache=cache,
