@@ -240,7 +240,8 @@ class _Api:
             # The length of the video it makes, not the request's words: the frames asked
             # for, or the seconds fitted to the frame counts the model takes.
             job.seconds = seconds_of(job.frames, model.fps)
-        self.server.check_shape(model, job)
+        unnamed = not body.size and body.height is None and body.width is None
+        self.server.check_shape(model, job, own_size=unnamed)
         return job
 
     def submit(self, job: Job) -> Job:
@@ -558,7 +559,9 @@ async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | No
                 if key != "input_reference":
                     raise JobFailed(400, "invalid_value", f"unexpected file field {key!r}", key)
                 image = await value.read(limits.image_bytes + 1)
-            elif key == "input_reference":  # a data: URL as a text field, as JSON takes it
+            elif key in ("input_reference", "input_reference[image_url]"):
+                # A data: URL as a text field, as JSON takes it; the second name is how
+                # openai-python's form writes ``{"image_url": ...}`` given in extra_body.
                 image = _data_url(str(value), limits)
             else:
                 data[key] = value

@@ -299,6 +299,8 @@ def serve(args: argparse.Namespace) -> int:
 
     quiet_library_bars()
     config = _config(args)
+    if not args.plan:
+        _check_port(args.host, args.port)  # before the models are built, not after
     server = Server(config, say=lambda line: print(line, flush=True))
     if args.plan:
         print(server.manager.plan())
@@ -348,6 +350,29 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(number, handler)
     print(f"ondeck: stopped ({server.jobs_run} jobs done, {server.jobs_failed} failed)", flush=True)
     return 0 if stopped else 1
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on now, naming it. A host that does not
+    resolve is left to uvicorn's own error; a port taken between this and uvicorn's
+    bind is too."""
+    import socket
+
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )[0]
+    except (OSError, IndexError):
+        return
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise OndeckError(
+                f"could not listen on http://{host}:{port}/ ({error.strerror or error}): "
+                "another server on the port is the usual reason; --port chooses another"
+            ) from None
 
 
 def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> Any:

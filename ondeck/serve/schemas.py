@@ -62,6 +62,17 @@ class ImageRequest(_Request):
     n: int = Field(default=1, ge=1)
     response_format: str = "b64_json"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_video_fields(cls, data: Any) -> Any:
+        # ondeck's own video fields, not OpenAI's unused ones: refused, not ignored, as
+        # `ondeck generate --frames` is for an image model.
+        if isinstance(data, dict):
+            for field in ("frames", "seconds", "input_reference"):
+                if data.get(field) is not None:
+                    raise ValueError(f"{field} is a video request's field, not an image's")
+        return data
+
     @field_validator("response_format")
     @classmethod
     def _format(cls, value: str) -> str:

@@ -319,18 +319,20 @@ class Server:
         intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))
         return intervals * step + 1
 
-    def check_shape(self, model: ServedModel, job: Job) -> None:
+    def check_shape(self, model: ServedModel, job: Job, *, own_size: bool = False) -> None:
         """Refuse, before queueing, a shape the model cannot take: sides that are not a
         multiple of what its VAE and patches divide, frames its VAE does not take
         (``ondeck.arguments``, as ``generate`` checks them), and Wan's rotary positions.
-        Other inputs the pipeline checks when the job runs."""
+        Other inputs the pipeline checks when the job runs. ``own_size``: the request
+        named no size, the job's is the model's own (the error says so)."""
         try:
             check_generate_arguments(
                 model.pipeline, height=job.height, width=job.width, num_frames=job.frames
             )
         except ArgumentError as error:
             param = "frames" if error.argument == "num_frames" else "size"
-            raise JobFailed(400, "invalid_value", str(error), param) from None
+            own = f" ({job.model}'s own size: ask for another)" if own_size else ""
+            raise JobFailed(400, "invalid_value", f"{error}{own}", param) from None
         geometry = getattr(model.pipeline, "geometry", None)
         if geometry is None or job.height is None or job.width is None:
             return

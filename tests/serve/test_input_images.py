@@ -99,6 +99,22 @@ def test_a_form_data_url_is_taken_up_to_the_image_limit(server):
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "image_too_large"
 
 
+def test_the_image_url_form_of_a_form_field_is_taken(server):
+    """openai-python sends a video request as a form: ``{"image_url": ...}`` given in its
+    extra_body arrives as the field ``input_reference[image_url]``."""
+    served = server()
+    url = f"data:image/png;base64,{base64.b64encode(png(6, 2)).decode()}"
+    answer = call(
+        served,
+        "POST",
+        "/v1/videos",
+        data={**FIELDS, "input_reference[image_url]": url},
+        files={"unused": ("", b"")},
+    )
+    assert answer.status_code == 200, answer.text
+    assert served.queue.jobs[answer.json()["id"]].input_image.size == (6, 2)
+
+
 def test_a_model_whose_every_job_would_fail_is_refused_at_start(tmp_path):
     """Wan's image-to-video cleans each prompt with ftfy, which this host lacks: serving
     it is refused at start, naming the model and the package, not a 500 for every job."""

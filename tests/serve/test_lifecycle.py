@@ -89,6 +89,8 @@ def test_a_port_in_use_is_one_error_naming_it(models, tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"could not listen on http://127.0.0.1:{port}/" in done.stderr
     assert "stopping" not in done.stdout
+    # Said before the models are built and planned, not after a long load.
+    assert "ondeck: serving" not in done.stdout and "budget" not in done.stdout
 
 
 def test_a_negative_grace_is_refused(models):

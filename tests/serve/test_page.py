@@ -106,3 +106,49 @@ def test_the_page_cancels_a_running_job(browser, server):
     page.click(".job .cancel")
     page.wait_for_selector(".job .error", timeout=30_000)
     assert "cancelled" in page.inner_text(".job .error")
+
+
+def test_the_page_sends_the_input_image_of_a_model_that_takes_one(browser, models, tmp_path):
+    """The image field shows for a video model that takes an image (here the tiny Wan,
+    told it does) and not for an image model; the chosen file goes as input_reference.
+    The server's queue is not started: the job waits, and the test reads its image."""
+    from PIL import Image
+
+    from ondeck.serve.server import ServeConfig, Server
+
+    from .helpers import LiveServer
+
+    names = ("wan", "sd3")
+    config = ServeConfig(
+        models={name: str(models[name]) for name in names}, device="cpu", steps=2,
+        outputs=tmp_path / "outputs",
+    )  # fmt: skip
+    live = LiveServer(Server(config, say=lambda *_: None))
+    live.server.models["wan"].takes_image = True
+    picture = tmp_path / "cat.png"
+    Image.new("RGB", (6, 2), (200, 30, 30)).save(picture)
+    errors: list[str] = []
+    try:
+        page = browser.new_page()
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(live.url + "/")
+        page.wait_for_selector("#model option[value=sd3]", state="attached", timeout=10_000)
+        page.select_option("#model", "sd3")
+        assert not page.is_visible("#image")
+        page.select_option("#model", "wan")
+        assert page.is_visible("#image")
+        page.set_input_files("#image", str(picture))
+        page.fill("#size", "32x32")
+        page.fill("#seconds", "0.25")
+        with page.expect_response("**/v1/videos") as answered:
+            page.click("#go")
+        response = answered.value
+        assert response.status == 200, response.text()
+        job = live.server.queue.jobs[response.json()["id"]]
+        assert job.input_image is not None and job.input_image.size == (6, 2)
+        assert errors == []
+    finally:
+        live.uvicorn.should_exit = True
+        live.thread.join(10)
+        for model in live.server.models.values():  # never started: nothing else to stop
+            model.pipeline.close()

@@ -50,6 +50,14 @@ def test_the_largest_seed_makes_every_image_of_the_request(models, tmp_path):
     assert first != second
 
 
+def test_a_video_field_in_an_image_request_is_refused(models, tmp_path):
+    """As ``ondeck generate --frames`` is for an image model: not ignored."""
+    for field, value in (("frames", 5), ("seconds", "2")):
+        response = post(models, tmp_path, "sd3", IMAGES, {"size": "32x32", field: value})
+        assert response.status_code == 400, response.text
+        assert f"{field} is a video request's field" in response.json()["error"]["message"]
+
+
 def test_an_image_edit_model_makes_the_size_asked(tmp_path):
     """Flux Kontext makes a megapixel (its max_area) at the shape of the size it is
     given unless the area is passed too: a request's size is its output's. The call a
@@ -81,3 +89,14 @@ def test_an_image_edit_model_makes_the_size_asked(tmp_path):
     data = base64.b64decode(response.json()["data"][0]["b64_json"])
     with Image.open(io.BytesIO(data)) as image:
         assert image.size == (32, 16)
+
+
+def test_a_model_whose_own_size_it_cannot_take_says_the_size_was_its_own(models, tmp_path):
+    """The tiny Wan's call defaults to 480x832, past its 32 rotary positions a side: a
+    request that named no size is told the size was the model's own."""
+    response = post(models, tmp_path, "wan", "/v1/videos", {"frames": 5})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "too large" in message and message.endswith("(wan's own size: ask for another)")
+    named = post(models, tmp_path, "wan", "/v1/videos", {"frames": 5, "size": "832x480"})
+    assert named.status_code == 400 and "own size" not in named.json()["error"]["message"]
