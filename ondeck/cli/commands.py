@@ -133,7 +133,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
     quiet_library_bars()
     device = resolve_device(args.device)
     host_cache = HostCache.from_setting(args.host_cache)
-    policy = "budget" if args.budget and args.policy == "auto" else args.policy
+    policy = args.policy  # auto with a budget is budget, and says so
     shard = shard_names(args)
     parallel = _parallel(args)
     check_shard_names(shard, path, tuple(getattr(args, "library", None) or ()))
@@ -497,6 +497,7 @@ def bench(args: argparse.Namespace) -> int:
     """Each policy on the same folder, runs back to back: time, peak resident, bytes loaded."""
     check_device(args.device)
     path, embedded = model_dir(args)
+    frames = args.frames if media_of(path).video else None
     rows = []
     for policy in ("eager", "release", "budget"):
         namespace = argparse.Namespace(
@@ -508,12 +509,16 @@ def bench(args: argparse.Namespace) -> int:
             host_cache=None,
         )
         pipe = build_pipeline(namespace, path)
+        shape = dict(height=args.height, width=args.width, num_inference_steps=args.steps)
+        try:  # before anything loads, naming the flag
+            check_shape(pipe, frames=frames, **shape)
+        except UsageError:
+            pipe.release_all()
+            raise
         seconds = []
         for _ in range(args.runs):
             started = time.perf_counter()
-            pipe.generate(
-                "bench", height=128, width=128, num_frames=9, num_inference_steps=2, seed=0
-            )
+            pipe.generate("bench", num_frames=frames, seed=0, **shape)
             seconds.append(time.perf_counter() - started)
         rows.append((policy, seconds, pipe.tracker.peak_resident_bytes, pipe.tracker.bytes_loaded))
         pipe.release_all()

@@ -94,6 +94,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("give --context-parallel N or --parallel context, not both")
 
 
+def _given_files(args: argparse.Namespace) -> dict[str, Any]:
+    """The single files and LoRAs the flags gave, as report.json holds them."""
+    given = weight_files(args)
+    return {
+        "components": {name: str(file) for name, file in given.get("components", {}).items()},
+        "loras": [[str(file), scale] for file, scale in given.get("loras", [])],
+    }
+
+
 def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> int:
     say = print if main else (lambda *_, **__: None)
     image = read_input_image(args.image) if args.image is not None else None
@@ -123,6 +132,10 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         negative_prompt=args.negative_prompt,
         seed=args.seed,  # every run's
         guidance=args.guidance,  # None: the pipeline's own
+        true_cfg=getattr(args, "true_cfg", None),
+        images=args.images,
+        dtype=args.dtype,  # None: the folder's own
+        files=_given_files(args),
         shape={"height": shape.height, "width": shape.width, "frames": shape.frames,
                "steps": shape.steps},
         run_seconds=timings,

@@ -372,6 +372,11 @@ def add_bench(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("model_dir", nargs="?")
     bench.add_argument("--runs", type=_positive, default=2)
     bench.add_argument("--device")
+    # A short run by default: the policies' loads and peaks, not the model's compute.
+    bench.add_argument("--height", type=_positive, default=128)
+    bench.add_argument("--width", type=_positive, default=128)
+    bench.add_argument("--frames", type=_positive, default=9, help="for a video model")
+    bench.add_argument("--steps", type=_positive, default=2)
 
 
 def check_policy_flags(args: argparse.Namespace) -> None:

@@ -260,13 +260,17 @@ def test_a_pipeline_needing_an_input_no_flag_gives_is_refused_before_it_is_built
 
 
 def test_the_report_holds_what_reproduces_the_run(capsys, family, tmp_path):
-    """The seed, the negative prompt and the guidance asked for, beside the prompt and
-    the shape: the same command again makes the same images."""
+    """The seed, the negative prompt, the guidance, true CFG, the image count and dtype
+    asked for, beside the prompt and the shape: the same command again makes the same
+    images."""
     out = tmp_path / "out"
     argv = ["--height", "8", "--width", "8", "--seed", "7", "--negative-prompt", "blurry"]
+    argv += ["--true-cfg", "1.5", "--images", "2", "--dtype", "fp32"]
     code, _, err = run(
         capsys, "generate", family("flux"), *CPU, *argv, "--guidance", "2.5", "--output", out
     )
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert (report["seed"], report["negative_prompt"], report["guidance"]) == (7, "blurry", 2.5)
+    assert (report["true_cfg"], report["images"], report["dtype"]) == (1.5, 2, "fp32")
+    assert report["files"] == {"components": {}, "loras": []}

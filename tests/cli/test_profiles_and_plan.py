@@ -201,3 +201,29 @@ def test_plan_shows_the_plan_generate_would_print_with_the_same_flags(cache, fam
     # Another call (a guidance that changes what the pipeline calls) stored nothing.
     code, other, _ = run(capsys, "plan", folder, *call, "--guidance", "1")
     assert "text_encoder_3 text_encoder_3" in stages(other)
+
+
+def test_bench_runs_an_image_family_at_a_size_it_takes_and_names_the_flag_otherwise(
+    cache, family, capsys
+):
+    """The tiny SD3 takes at most 96 pixels a side: bench's default 128 is refused
+    naming --height before anything loads (status 2); --height/--width it takes run."""
+    folder = family("sd3")
+    capsys.readouterr()
+    code, _, err = run(capsys, "bench", folder, "--device", "cpu", "--runs", "1")
+    assert code == 2
+    assert "argument --height: 128 is too large for this model" in err
+    code, out, err = run(
+        capsys, "bench", folder, "--device", "cpu", "--runs", "1", "--height", "32", "--width", "32"
+    )
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["eager", "release", "budget"]
+
+
+def test_a_budget_with_the_default_policy_says_auto_chose_budget(
+    cache, tiny_model, capsys, tmp_path
+):
+    argv = [*FAST, "--budget", "1GiB", "--output", tmp_path / "out"]
+    code, out, err = run(capsys, "generate", tiny_model, *argv)
+    assert code == 0, err
+    assert "ondeck: auto chose 'budget': a budget was given" in out.splitlines()

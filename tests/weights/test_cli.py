@@ -61,6 +61,10 @@ def test_generate_with_an_original_key_transformer_and_a_lora(
     assert report["pipeline"] == "WanPipeline", "through diffusers' own pipeline and LoRA loading"
     assert report["component_bytes"]["transformer"] > 0
     assert (out / "video.mp4").is_file()
+    assert report["files"] == {
+        "components": {"transformer": str(original_file)},
+        "loras": [[str(lora_files["musubi"]), 0.7]],
+    }
 
 
 def test_plan_with_a_single_file_reads_no_weights(capsys, base, original_file, monkeypatch):
