@@ -97,10 +97,15 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _given_files(args: argparse.Namespace) -> dict[str, Any]:
     """The single files and LoRAs the flags gave, as report.json holds them."""
     given = weight_files(args)
+    where = {name: _absolute(file) for name, file in given.get("components", {}).items()}
     return {
-        "components": {name: str(file) for name, file in given.get("components", {}).items()},
-        "loras": [[str(file), scale] for file, scale in given.get("loras", [])],
+        "components": where,
+        "loras": [[_absolute(file), scale] for file, scale in given.get("loras", [])],
     }
+
+
+def _absolute(file: Any) -> str:
+    return os.path.abspath(os.path.expanduser(os.fspath(file)))
 
 
 def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> int:
@@ -116,6 +121,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")
     pipe.more_runs = args.runs > 1  # the plan shown is the first run's
+    files = _given_files(args)  # as checked before the runs: not checked again after
     extra = commands.call_extra(args, media, image, pipe)
     plan = commands.first_plan(args, pipe, shape, extra)
     say(plan)
@@ -135,7 +141,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         true_cfg=getattr(args, "true_cfg", None),
         images=args.images,
         dtype=args.dtype,  # None: the folder's own
-        files=_given_files(args),
+        files=files,
         shape={"height": shape.height, "width": shape.width, "frames": shape.frames,
                "steps": shape.steps},
         run_seconds=timings,

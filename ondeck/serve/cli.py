@@ -298,9 +298,9 @@ def serve(args: argparse.Namespace) -> int:
     from ..cli.commands import quiet_library_bars
 
     quiet_library_bars()
-    config = _config(args)
     if not args.plan:
-        _check_port(args.host, args.port)  # before the models are built, not after
+        _check_port(args.host, args.port)  # before any model is built, not after
+    config = _config(args)
     server = Server(config, say=lambda line: print(line, flush=True))
     if args.plan:
         print(server.manager.plan())
@@ -353,26 +353,33 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _check_port(host: str, port: int) -> None:
-    """Refuse a port another process listens on now, naming it. A host that does not
-    resolve is left to uvicorn's own error; a port taken between this and uvicorn's
-    bind is too."""
+    """Refuse a port another process listens on now, naming it: each address ``host``
+    resolves to is bound as uvicorn's listener binds it (address reuse on, an IPv6
+    socket IPv6 only, a family this host cannot make skipped), then let go. A host that
+    does not resolve is left to uvicorn's own error, and so is a port taken after this."""
     import socket
 
     try:
-        family, kind, protocol, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM
-        )[0]
-    except (OSError, IndexError):
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
         return
-    with socket.socket(family, kind, protocol) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    for family, kind, protocol, _, address in dict.fromkeys(found):
         try:
-            probe.bind(address)
-        except OSError as error:
-            raise OndeckError(
-                f"could not listen on http://{host}:{port}/ ({error.strerror or error}): "
-                "another server on the port is the usual reason; --port chooses another"
-            ) from None
+            probe = socket.socket(family, kind, protocol)
+        except OSError:
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                shown = f"[{host}]" if ":" in host else host
+                raise OndeckError(
+                    f"could not listen on http://{shown}:{port}/ ({error.strerror or error}): "
+                    "another server on the port is the usual reason; --port chooses another"
+                ) from None
 
 
 def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> Any:

@@ -331,7 +331,11 @@ class Server:
             )
         except ArgumentError as error:
             param = "frames" if error.argument == "num_frames" else "size"
-            own = f" ({job.model}'s own size: ask for another)" if own_size else ""
+            own = (
+                f" ({job.model}'s own size: ask for another)"
+                if own_size and param == "size"
+                else ""
+            )
             raise JobFailed(400, "invalid_value", f"{error}{own}", param) from None
         geometry = getattr(model.pipeline, "geometry", None)
         if geometry is None or job.height is None or job.width is None:

@@ -100,3 +100,19 @@ def test_a_model_whose_own_size_it_cannot_take_says_the_size_was_its_own(models,
     assert "too large" in message and message.endswith("(wan's own size: ask for another)")
     named = post(models, tmp_path, "wan", "/v1/videos", {"frames": 5, "size": "832x480"})
     assert named.status_code == 400 and "own size" not in named.json()["error"]["message"]
+
+
+def test_a_frame_count_refused_is_not_said_to_be_the_models_own_size(models, tmp_path):
+    import dataclasses
+
+    server = make_server(models, tmp_path, names=("wan",))
+    try:
+        model = server.models["wan"]
+        model.own_shape = dataclasses.replace(model.own_shape, height=32, width=32)
+        body = {"model": "wan", "prompt": "a fox", "frames": 8}
+        response = call(server, "POST", "/v1/videos", json=body)
+    finally:
+        server.stop()
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "4k+1" in message and "own size" not in message
