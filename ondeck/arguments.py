@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,75 @@ def check_generate_arguments(
     for name, most, why in _rotary_limits(pipeline) if geometry is None else ():
         if given[name] is not None and given[name] > most:
             raise ArgumentError(name, f"{given[name]} is too large for this model: {why}")
+    for name, fits, why in _tiles(pipeline) if geometry is None else ():
+        if given[name] is not None and not fits(given[name]):
+            below = next((v for v in range(given[name] - 1, 0, -1) if fits(v)), 0)
+            above = next(v for v in range(given[name] + 1, 2 * given[name] + 10**4) if fits(v))
+            raise ArgumentError(name, f"{given[name]} {why} (try {_either(below, above)})")
+
+
+def _tiles(pipeline: Any) -> list[tuple[str, Callable[[int], bool], str]]:
+    """``(argument, fits, why)`` per dimension of a VAE that decodes only in fixed
+    tiles (Allegro's: ``kernel`` a tile, ``stride`` between tiles, in pixels and frames):
+    latents past the last whole tile are never decoded, and the video comes out grey
+    there. Frames map to latent frames as Allegro's ``prepare_latents`` maps them."""
+    pipe = getattr(pipeline, "pipe", pipeline)
+    vae = getattr(pipe, "vae", None)
+    config = getattr(vae, "config", None)
+    name = getattr(config, "_class_name", None) or type(vae).__name__
+    if name != "AutoencoderKLAllegro":
+        return []
+    if type(vae).__name__ != name:  # deferred: its tiles from a skeleton, nothing loads
+        vae = _skeleton_from_config(name, config)
+    kernel, stride = getattr(vae, "kernel", None), getattr(vae, "stride", None)
+    spatial = _first_int(pipe, ("vae_scale_factor_spatial",))
+    temporal = _first_int(pipe, ("vae_scale_factor_temporal",))
+    if not (_ints(kernel, 3) and _ints(stride, 3) and spatial and temporal):
+        return []
+
+    def whole_tiles(latent: int, axis: int, scale: int) -> bool:
+        tile, step = kernel[axis] // scale, stride[axis] // scale
+        return step > 0 and latent >= tile and (latent - tile) % step == 0
+
+    def frames_fit(frames: int) -> bool:
+        latent = -(-frames // temporal) if frames % 2 == 0 else -(-(frames - 1) // temporal) + 1
+        return whole_tiles(latent, 0, temporal)
+
+    def why(axis: int, unit: str) -> str:
+        return (
+            f"leaves part of the video undecoded: this model's VAE decodes only whole "
+            f"tiles of {kernel[axis]} {unit}, {stride[axis]} apart"
+        )
+
+    return [
+        ("num_frames", frames_fit, why(0, "frames")),
+        ("height", lambda v: v % spatial == 0 and whole_tiles(v // spatial, 1, spatial),
+         why(1, "pixels")),
+        ("width", lambda v: v % spatial == 0 and whole_tiles(v // spatial, 2, spatial),
+         why(2, "pixels")),
+    ]  # fmt: skip
+
+
+def _skeleton_from_config(class_name: str, config: Any) -> Any:
+    """diffusers' ``class_name`` built from ``config`` on the meta device (no memory, no
+    weights), or None where it cannot be."""
+    import torch
+
+    try:
+        import diffusers
+
+        with torch.device("meta"):
+            return getattr(diffusers, class_name).from_config(dict(config))
+    except Exception:  # an older diffusers, a config it does not take: no check
+        return None
+
+
+def _ints(value: Any, count: int) -> bool:
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == count
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    )
 
 
 def _rotary_limits(pipeline: Any) -> list[tuple[str, int, str]]:

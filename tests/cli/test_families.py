@@ -209,16 +209,30 @@ def test_a_second_run_of_a_command_answers_its_prompts_without_encoding_again(
 def test_a_vae_that_decodes_only_in_tiles_decodes_in_its_own(capsys, family, tmp_path):
     """Allegro's VAE has no decode of whole frames (diffusers raises NotImplementedError
     unless tiling is on, a setting no saved model keeps): the command turns its tiling on
-    and writes the video. Allegro takes any frame count (its own is 88), so an even one is
-    not refused by the k·t+1 rule of the models whose own count is k·t+1."""
+    and writes the video. Its tiles decode only whole: a frame count or side that leaves
+    latents past the last tile (grey in the video) is refused naming the ones that fit;
+    one that fits (not k·t+1: 24) makes a decoded video, not grey."""
     import imageio.v3 as iio
 
+    folder = family("allegro")
     out = tmp_path / "out"
-    argv = ["--height", "16", "--width", "16", "--frames", "8", "--output", out]
-    code, _, err = run(capsys, "generate", family("allegro"), *CPU, *argv)
+    for flag, value, told in (
+        ("--frames", "8", "--frames: 8 leaves part of the video undecoded"),
+        ("--height", "64", "--height: 64 leaves part of the video undecoded"),
+    ):
+        argv = {"--height": "128", "--width": "128", "--frames": "24", flag: value}
+        code, _, err = run(capsys, "generate", folder, *CPU, *_flags(argv), "--output", out)
+        assert code == 2 and told in err, err
+    argv = ["--height", "128", "--width", "128", "--frames", "24", "--output", out]
+    code, _, err = run(capsys, "generate", folder, *CPU, *argv)
     assert code == 0, err
     assert listing(out) == {"video.mp4", "report.json", "timeline.png"}
-    assert len(iio.imread(out / "video.mp4")) == 8
+    video = iio.imread(out / "video.mp4")
+    assert len(video) == 24 and video.std() > 1  # decoded, not the grey of zeros
+
+
+def _flags(values: dict) -> list:
+    return [part for flag, value in values.items() for part in (flag, value)]
 
 
 def test_a_model_whose_own_frame_count_is_kt_plus_1_is_held_to_it(capsys, family, tmp_path):

@@ -280,3 +280,15 @@ def test_an_empty_model_argument_is_no_folder_not_the_embedded_default(
     (line,) = error_lines(err)
     assert "no model_index.json" in line
     assert not (tmp_path / "cache").exists(), "nothing built"
+
+
+def test_allegros_tiles_are_checked_without_loading_its_vae(family):
+    """Reading the tiles off the deferred VAE would load it: a skeleton answers."""
+    import ondeck.diffusers
+    from ondeck.arguments import ArgumentError, check_generate_arguments
+
+    pipe = ondeck.diffusers.from_pretrained(family("allegro"), device="cpu")
+    with pytest.raises(ArgumentError, match="64 leaves part of the video undecoded"):
+        check_generate_arguments(pipe, height=64, width=128, num_frames=24)
+    check_generate_arguments(pipe, height=144, width=176, num_frames=40)  # whole tiles
+    assert pipe.ondeck.tracker.resident == {}

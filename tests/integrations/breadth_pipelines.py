@@ -244,6 +244,9 @@ def build_allegro(path: Path) -> None:
         up_block_types=("AllegroUpBlock3D",) * 4,
         block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1,
         norm_num_groups=2, temporal_compression_ratio=4,
+        # Its tiles, sample_size pixels less a fixed overlap of 120 and 80 apart: 128
+        # makes them 8 and 48 apart, and a 128x128 video of 24 frames one whole tile.
+        sample_size=128,
     )  # fmt: skip
     AllegroPipeline(
         tokenizer=_byt5(),
