@@ -497,7 +497,10 @@ def bench(args: argparse.Namespace) -> int:
     """Each policy on the same folder, runs back to back: time, peak resident, bytes loaded."""
     check_device(args.device)
     path, embedded = model_dir(args)
-    frames = args.frames if media_of(path).video else None
+    media = media_of(path)
+    if args.frames is not None and not media.video:
+        raise UsageError(f"argument --frames: {media.pipeline_class} makes images, not a video")
+    frames = (args.frames or 9) if media.video else None
     rows = []
     for policy in ("eager", "release", "budget"):
         namespace = argparse.Namespace(

@@ -375,7 +375,7 @@ def add_bench(bench: argparse.ArgumentParser) -> None:
     # A short run by default: the policies' loads and peaks, not the model's compute.
     bench.add_argument("--height", type=_positive, default=128)
     bench.add_argument("--width", type=_positive, default=128)
-    bench.add_argument("--frames", type=_positive, default=9, help="for a video model")
+    bench.add_argument("--frames", type=_positive, help="a video model's (default 9)")
     bench.add_argument("--steps", type=_positive, default=2)
 
 

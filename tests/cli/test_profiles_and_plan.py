@@ -218,6 +218,8 @@ def test_bench_runs_an_image_family_at_a_size_it_takes_and_names_the_flag_otherw
     )
     assert code == 0, err
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["eager", "release", "budget"]
+    code, _, err = run(capsys, "bench", folder, "--device", "cpu", "--frames", "5")
+    assert code == 2 and "argument --frames: " in err and "makes images, not a video" in err
 
 
 def test_a_budget_with_the_default_policy_says_auto_chose_budget(
