@@ -167,9 +167,38 @@ class Spans:
 def apply_variant(variant: str) -> None:
     """The variants compared: ``no-spare`` builds a pipelined load's skeleton when it
     starts instead of on the filling's thread after the last load; ``largest-first``
-    starts the next run's largest component first, then the rest in turn order."""
+    starts the next run's largest component first, then the rest in turn order;
+    ``own-stream`` loads the next run's components with a stream of their own current
+    (their memory from that stream's pool, their copies fenced on it, not on the
+    computing stream's queued decode), each tensor then marked used on the computing
+    stream so that the allocator reuses none of it before that stream is past it."""
     from ondeck.executor import Executor
     from ondeck.loading.components import ComponentLoader
+
+    if "own-stream" in variant:
+        import threading
+
+        import torch
+
+        from ondeck.lazy import LazyModule
+
+        materialize = LazyModule.materialize
+        streams: dict = {}
+
+        def on_own_stream(self, *, complete: bool = True):
+            if threading.current_thread().name != "ondeck-next-run":
+                return materialize(self, complete=complete)
+            device = torch.cuda.current_device()
+            computing = torch.cuda.default_stream(device)
+            own = streams.setdefault(device, torch.cuda.Stream(device))
+            with torch.cuda.stream(own):
+                module = materialize(self, complete=complete)
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.device.type == "cuda":
+                    tensor.record_stream(computing)
+            return module
+
+        LazyModule.materialize = on_own_stream
 
     if "no-spare" in variant:
         ComponentLoader._prepare_spare = lambda self, template: None
@@ -253,6 +282,7 @@ def child(args) -> None:
         seconds = time.perf_counter() - host
         row = {
             "seconds": seconds,
+            "peak_reserved": torch.cuda.max_memory_reserved(),  # the process's so far
             "traced": traced,
             "calls": calls.take(run_start, host),
             "spans": spans.take(host),
@@ -312,11 +342,15 @@ def main() -> None:
         last = (row.get("runs") or [{}])[-1]
         if "summary" in last:
             print(f"  traced: {json.dumps(last['summary'])[:1500]}")
-    print(f"\n{'mode':<32} {'runs 2+ (median s)':>18} {'/ eager':>8}")
+    print(f"\n{'mode':<32} {'runs 2+ (median s)':>18} {'/ eager':>8} {'peak reserved':>14}")
     for row in rows:
         later = median_later(row)
         ratio = f"{later / eager_later:.3f}" if later and eager_later else "-"
-        print(f"{row.get('mode', '?'):<32} {later or float('nan'):>18.3f} {ratio:>8}")
+        peak = max((r.get("peak_reserved") or 0 for r in row.get("runs") or []), default=0)
+        print(
+            f"{row.get('mode', '?'):<32} {later or float('nan'):>18.3f} {ratio:>8} "
+            f"{peak / 2**30:>10.2f} GiB"
+        )
 
 
 def median_later(row: dict) -> float | None:
