@@ -487,9 +487,13 @@ class Server:
             job.fail(JobFailed(500, "output_failed", f"writing the job's files failed: {error}"))
             self.outputs.remove(job.id)
         finally:
-            self._writing.discard(job.id)
-            # The job just written stays until the next one: its client is about to read it.
-            self.outputs.trim(keep={*self._writing, job.id})
+            try:
+                # The job just written stays until the next one: its client is about to
+                # read it. Trimmed before the job stops counting as written: whoever
+                # waits for the writing to end finds the folder within its cap.
+                self.outputs.trim(keep={*self._writing, job.id})
+            finally:
+                self._writing.discard(job.id)
 
     def timeline(self, job: Job) -> str | None:
         """The path of the job's timeline.png, drawn now if it was not yet; None when
