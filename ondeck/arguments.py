@@ -185,9 +185,12 @@ def _tiles(pipeline: Any) -> list[tuple[str, Callable[[int], bool], str]]:
     if not (_ints(kernel, 3) and _ints(stride, 3) and spatial and temporal):
         return []
 
+    if any(stride[axis] // scale < 1 for axis, scale in enumerate((temporal, spatial, spatial))):
+        return []  # tiles under a latent apart: no count fits, none to suggest
+
     def whole_tiles(latent: int, axis: int, scale: int) -> bool:
         tile, step = kernel[axis] // scale, stride[axis] // scale
-        return step > 0 and latent >= tile and (latent - tile) % step == 0
+        return latent >= tile and (latent - tile) % step == 0
 
     def frames_fit(frames: int) -> bool:
         latent = -(-frames // temporal) if frames % 2 == 0 else -(-(frames - 1) // temporal) + 1

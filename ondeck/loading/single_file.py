@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import LoadError
 from .model_folder import TRUSTED_LIBRARIES, ModelFolder
 from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
+from .skeleton import some_names
 
 __all__ = [
     "AssembledTensor",
@@ -445,12 +446,10 @@ class SingleFileFolder(ModelFolder):
         missing = [names[0] for names in slots or () if not any(n in own_names for n in names)]
         own = not missing
         if missing and len(missing) < len(slots) / 2:  # the model's names, some of them absent
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if missing[5:] else ""
-            )
             raise LoadError(
                 f"component '{name}' from {path}: its keys are the model's own names, but "
-                f"the file lacks {len(missing)} of the model's tensors: {shown}",
+                f"the file lacks {len(missing)} of the model's tensors: "
+                f"{some_names(missing, quoted=False)}",
                 component=name,
                 path=path,
             )

@@ -38,6 +38,7 @@ __all__ = [
     "library_of",
     "match_tensors",
     "module_paths",
+    "some_names",
 ]
 
 # Building a module under a dtype changes torch's process-wide default dtype for a moment;
@@ -428,7 +429,7 @@ def _check_computed_buffers(
         largest = sorted(sizes, key=sizes.get, reverse=True)
         raise LoadError(
             f"component '{component}': {config} asks for {format_bytes(computed)} of tables "
-            f"the model computes for itself ({_some(largest, 3)}), against "
+            f"the model computes for itself ({some_names(largest, 3)}), against "
             f"{format_bytes(file_bytes)} of weights in {_files_of(tensors)}; a length in the "
             "config (a maximum sequence length?) is implausible",
             component=component,
@@ -480,7 +481,7 @@ def match_tensors(
             )
         raise LoadError(
             f"component '{component}' from {files}: {len(missing)} tensor(s) the model needs "
-            f"are missing: {_some(missing)}{disagree}",
+            f"are missing: {some_names(missing)}{disagree}",
             component=component,
         )
     extra_names = {name for names in skeleton.extra_buffers.values() for name in names}
@@ -497,7 +498,7 @@ def match_tensors(
         info = tensors[unexpected[0]]
         raise LoadError(
             f"component '{component}' from {info.path}: {len(unexpected)} tensor(s) the model "
-            f"does not have: {_some(unexpected)}{disagree}",
+            f"does not have: {some_names(unexpected)}{disagree}",
             component=component,
             path=info.path,
         )
@@ -531,8 +532,9 @@ def _count_text(count: int) -> str:
     return str(count)
 
 
-def _some(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(f"'{name}'" for name in names[:limit])
+def some_names(names: list[str], limit: int = 5, *, quoted: bool = True) -> str:
+    """The first ``limit`` of ``names`` and how many more, for an error message."""
+    shown = ", ".join(f"'{name}'" if quoted else name for name in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 

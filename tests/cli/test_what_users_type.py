@@ -292,3 +292,23 @@ def test_allegros_tiles_are_checked_without_loading_its_vae(family):
         check_generate_arguments(pipe, height=64, width=128, num_frames=24)
     check_generate_arguments(pipe, height=144, width=176, num_frames=40)  # whole tiles
     assert pipe.ondeck.tracker.resident == {}
+
+
+def test_allegro_tiles_under_a_latent_apart_are_not_checked():
+    """Tiles closer than a latent pixel apart (a VAE's sample_size just past its fixed
+    overlap) leave no size that fits to suggest: no check, not a StopIteration."""
+    from types import SimpleNamespace
+
+    from ondeck.arguments import check_generate_arguments
+
+    class AutoencoderKLAllegro:
+        config = SimpleNamespace(_class_name="AutoencoderKLAllegro")
+        kernel, stride = (24, 124, 124), (16, 4, 44)  # 4 pixels: under one latent's 8
+
+    class AllegroPipeline:
+        vae, vae_scale_factor_spatial, vae_scale_factor_temporal = AutoencoderKLAllegro(), 8, 4
+
+        def __call__(self, prompt=None, height=None, width=None, num_frames=88):
+            raise NotImplementedError
+
+    check_generate_arguments(AllegroPipeline(), height=64, width=64, num_frames=88)

@@ -599,7 +599,7 @@ class PipelineComponent(LazyModule):
         object.__setattr__(self, "_ondeck_adapter_bytes", adapters)
         runtime = self.ondeck_runtime
         name = runtime.deferred_name(self) if runtime is not None else None
-        if module is loaded_module(self) and name in runtime.tracker.resident:
+        if name is not None and module is loaded_module(self) and name in runtime.tracker.resident:
             runtime.tracker.resized(name, runtime.tracker.resident[name] - counted + adapters)
             if budget_overrun(runtime, 0):
                 self.release()
