@@ -317,18 +317,19 @@ def _diffusers_rule(pipe: Any) -> ShapeRule:
         )
         # Frames k·t+1 only where the pipeline's own default count is one (Wan 81, LTX
         # 161): Allegro's 88 shows a pipeline that takes any count.
-        if temporal and not any(n % temporal == 1 % temporal for n in _own_frames(pipe, temporal)):
-            temporal = None
+        if temporal:
+            own = _own_frames(pipe, parameters["num_frames"].default, temporal)
+            if not any(n % temporal == 1 % temporal for n in own):
+                temporal = None
     step = spatial * patch
     return ShapeRule(step, step, temporal if temporal and temporal > 1 else None, takes_frames)
 
 
-def _own_frames(pipe: Any, temporal: int) -> tuple[int, ...]:
+def _own_frames(pipe: Any, default: Any, temporal: int) -> tuple[int, ...]:
     """The frame counts the pipeline's call makes when given none: its signature's
-    default, else what its transformer's ``sample_frames`` makes, in latent frames
+    ``default``, else what its transformer's ``sample_frames`` makes, in latent frames
     (Allegro's 22, 88 frames) or in frames (CogVideoX's 49). Both where not known:
     ``(1,)``, so that the k·t+1 rule holds."""
-    default = inspect.signature(type(pipe).__call__).parameters["num_frames"].default
     if isinstance(default, int) and not isinstance(default, bool):
         return (default,)
     model = getattr(pipe, "transformer", None)  # a deferred component answers .config
