@@ -42,11 +42,27 @@ import torch
 from ..errors import LoadError, held_logs
 from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
+from .gguf_file import (
+    find_gguf,
+    gguf_header,
+    gguf_reader,
+    gguf_tensors,
+    read_gguf,
+    refuse_unsupported_types,
+)
 from .host_cache import file_key
 from .model_folder import ModelFolder
 from .options import LoadOptions
-from .safetensors_format import FileIdentity, TensorInfo
-from .skeleton import Skeleton, Slot, build_skeleton, get_tensor, module_paths, set_tensor
+from .safetensors_format import TensorInfo
+from .skeleton import (
+    Skeleton,
+    Slot,
+    build_skeleton,
+    get_tensor,
+    module_paths,
+    set_tensor,
+    some_names,
+)
 
 if TYPE_CHECKING:
     from .host_cache import HostCache
@@ -180,7 +196,7 @@ class QuantizedComponentLoader(FolderLoader):
                     component=name,
                     path=str(config_path),
                 )
-            self.path = given if given is not None else _gguf_file(self.directory, name)
+            self.path = given if given is not None else find_gguf(self.directory, name)
         else:
             self.host_cache = None
             self.folder.require_weights(name)
@@ -201,9 +217,9 @@ class QuantizedComponentLoader(FolderLoader):
         config: Any = self.config
         reader = None  # the GGUF file's header, parsed once here
         if self._nbytes is None and self.method == "gguf":
-            reader = _gguf_reader(self.path, self.name)
+            reader = gguf_reader(self.path, self.name)
             if self.library == "diffusers":
-                _refuse_unsupported_types(reader, self.path, self.name)
+                refuse_unsupported_types(reader, self.path, self.name)
         if self._nbytes is None and self.places_blocks:
             # The module diffusers builds from the header, tensor for tensor: the file's
             # names may be the original repository's, which the float32-kept modules'
@@ -211,7 +227,7 @@ class QuantizedComponentLoader(FolderLoader):
             self._nbytes = _module_bytes(self.template.module)
         if self._nbytes is None:
             if self.method == "gguf":
-                tensors = [t[:4] for t in _gguf_tensors(self.path, self.name, reader)]
+                tensors = [t[:4] for t in gguf_tensors(self.path, self.name, reader)]
                 if self.library == "transformers":  # dequantized as it loads
                     tensors = [(key, True, numel, stored) for key, _, numel, stored in tensors]
             else:
@@ -240,7 +256,7 @@ class QuantizedComponentLoader(FolderLoader):
             return 0
         if self._gguf_upcast is None:
             copies = [0]
-            for _, plain, numel, _, dequantized in _gguf_tensors(self.path, self.name):
+            for _, plain, numel, _, dequantized in gguf_tensors(self.path, self.name):
                 if not plain:
                     cast = 0 if self.dtype == dequantized else self.dtype.itemsize
                     copies.append(numel * (dequantized.itemsize + cast))
@@ -312,7 +328,7 @@ class QuantizedComponentLoader(FolderLoader):
             source, keep = (
                 self._cached_gguf()
                 if self.host_cache is not None
-                else (_read_gguf(self.path, self.name, self.progress), None)
+                else (read_gguf(self.path, self.name, self.progress), None)
             )
             placement = self.placement
             try:
@@ -414,7 +430,7 @@ class QuantizedComponentLoader(FolderLoader):
         from diffusers.quantizers.gguf.utils import GGUFParameter
 
         checkpoint = {}
-        for name, dtype, shape, quant_type in _gguf_header(self.path, self.name):
+        for name, dtype, shape, quant_type in gguf_header(self.path, self.name):
             meta = torch.empty(shape, dtype=dtype, device="meta")
             checkpoint[name] = (
                 GGUFParameter(meta, quant_type=quant_type) if quant_type is not None else meta
@@ -435,11 +451,10 @@ class QuantizedComponentLoader(FolderLoader):
                 raise self._failed(doing, error) from error
             missing = self._missing_from(module, checkpoint)
             if missing:
-                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
                 raise LoadError(
                     f"component '{self.name}' from {self.path}: the GGUF file lacks "
                     f"{len(missing)} of {self.cls.__name__}'s tensors "
-                    f"({', '.join(missing[:5])}{more}); is it another model's?",
+                    f"({some_names(missing, quoted=False)}); is it another model's?",
                     component=self.name,
                     path=str(self.path),
                 )
@@ -511,7 +526,7 @@ class QuantizedComponentLoader(FolderLoader):
                     else tensor
                 )
             return checkpoint, None
-        checkpoint = _read_gguf(self.path, self.name, self.progress, status)
+        checkpoint = read_gguf(self.path, self.name, self.progress, status)
         plain = {name: tensor.as_subclass(torch.Tensor) for name, tensor in checkpoint.items()}
         layout = {
             name: (tensor.dtype, tuple(tensor.shape), getattr(checkpoint[name], "quant_type", None))
@@ -546,86 +561,6 @@ class QuantizedComponentLoader(FolderLoader):
             self._gguf_layout = layout
 
         return checkpoint, keep
-
-
-def _gguf_file(directory: Path, name: str) -> Path:
-    found = sorted(directory.glob("*.gguf"))
-    if len(found) != 1:
-        what = "no .gguf file" if not found else f"{len(found)} .gguf files"
-        raise LoadError(
-            f"component '{name}': its config asks for gguf quantization and {directory} "
-            f"holds {what}; one is needed",
-            component=name,
-            path=str(directory),
-        )
-    return found[0]
-
-
-def _gguf_header(path: Path, name: str) -> list[tuple[str, torch.dtype, tuple[int, ...], Any]]:
-    """``(name, dtype, shape, quantization type)`` of each tensor as diffusers'
-    ``load_gguf_checkpoint`` makes it: F32 and F16 as tensors of theirs (type None), any
-    other type as its bytes (uint8), rows of quantized blocks. Reads the header only."""
-    reader = _gguf_reader(path, name)
-    plain = _plain_types()
-    return [
-        (
-            tensor.name,
-            _torch_dtype(tensor.data.dtype),
-            tuple(int(size) for size in tensor.data.shape),
-            None if tensor.tensor_type in plain else tensor.tensor_type,
-        )
-        for tensor in reader.tensors
-    ]
-
-
-def _read_gguf(
-    path: Path, name: str, progress: bool = False, status: os.stat_result | None = None
-) -> dict[str, torch.Tensor]:
-    """The GGUF file's tensors as diffusers' ``load_gguf_checkpoint`` makes them (F32 and
-    F16 as tensors of theirs, any other type as a ``GGUFParameter`` of its bytes), read
-    by ondeck's reader: in parallel straight into host memory, where diffusers copies
-    each tensor out of a memory map on one thread (about 4 s of a 15 GB file's 7 s
-    reload). A type diffusers cannot dequantize is refused before anything is read, and
-    so is a file that is not the one ``status`` (taken before its header is read) saw."""
-    from diffusers.quantizers.gguf.utils import GGUFParameter
-
-    from . import reads
-    from .chunks import ReadJob
-
-    plain = _plain_types()
-    identity = FileIdentity.of(path.stat() if status is None else status, b"")
-    jobs = []
-    checkpoint: dict[str, torch.Tensor] = {}
-    reader = _gguf_reader(path, name)
-    _refuse_unsupported_types(reader, path, name)
-    for tensor in reader.tensors:
-        quant_type = None if tensor.tensor_type in plain else tensor.tensor_type
-        shape = tuple(int(size) for size in tensor.data.shape)  # the header's, not read
-        destination = torch.empty(shape, dtype=_torch_dtype(tensor.data.dtype))
-        start = int(tensor.data_offset)
-        end = start + int(tensor.n_bytes)
-        info = TensorInfo(tensor.name, destination.dtype, shape, start, end, str(path), identity)
-        if info.nbytes != destination.nbytes:
-            raise LoadError(
-                f"component '{name}': {path}: tensor {tensor.name!r} holds {info.nbytes} "
-                f"bytes where its shape needs {destination.nbytes}",
-                component=name,
-                path=str(path),
-            )
-        jobs.append(ReadJob(info, destination))
-        checkpoint[tensor.name] = (
-            GGUFParameter(destination, quant_type=quant_type)
-            if quant_type is not None
-            else destination
-        )
-    reads.read_into(jobs, progress=progress, component=name)
-    return checkpoint
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype:
-    import numpy
-
-    return torch.from_numpy(numpy.empty(0, dtype=dtype)).dtype
 
 
 def _skeleton_of(module: torch.nn.Module, dtype: torch.dtype) -> Skeleton:
@@ -713,69 +648,6 @@ def _device_bytes(
     if any(module in name.split(".") for module in kept):
         return numel * torch.float32.itemsize
     return numel * dtype.itemsize if is_float else stored
-
-
-def _gguf_tensors(
-    path: Path, name: str, reader: Any = None
-) -> list[tuple[str, bool, int, int, torch.dtype]]:
-    """``(name, plain, elements, bytes stored, dtype dequantized to)`` of each tensor in
-    the GGUF file's header (``reader``, where it is parsed already). Plain (F32, F16):
-    diffusers loads it as a float tensor. Every other type, BF16 included, stays bytes
-    that each forward dequantizes: BF16 to float32, the quantized types to float16 (their
-    scales' dtype)."""
-    import gguf
-
-    reader = reader if reader is not None else _gguf_reader(path, name)
-    types = gguf.GGMLQuantizationType
-    plain = _plain_types()
-    return [
-        (
-            tensor.name,
-            tensor.tensor_type in plain,
-            int(tensor.n_elements),
-            int(tensor.n_bytes),
-            torch.float32 if tensor.tensor_type == types.BF16 else torch.float16,
-        )
-        for tensor in reader.tensors
-    ]
-
-
-def _refuse_unsupported_types(reader: Any, path: Path, name: str) -> None:
-    """A tensor quantized in a type diffusers cannot dequantize (MXFP4, say), refused
-    from the header: a plan or a first call says so before anything is read."""
-    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
-
-    plain = _plain_types()
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in plain and tensor.tensor_type not in SUPPORTED_GGUF_QUANT_TYPES:
-            raise LoadError(
-                f"component '{name}': {path}: tensor {tensor.name!r} is quantized as "
-                f"{tensor.tensor_type.name}, which diffusers cannot dequantize",
-                component=name,
-                path=str(path),
-            )
-
-
-def _plain_types() -> set[Any]:
-    """The GGUF types diffusers loads as float tensors (F32, F16); any other stays bytes."""
-    import gguf
-
-    return {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
-
-
-def _gguf_reader(path: Path, name: str) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as error:
-        size = path.stat().st_size if path.exists() else 0
-        raise LoadError(
-            f"component '{name}': {path} is not a readable GGUF file: a truncated "
-            f"download, or not GGUF ({size} bytes; {type(error).__name__}: {error})",
-            component=name,
-            path=str(path),
-        ) from error
 
 
 def _module_bytes(module: torch.nn.Module) -> int:

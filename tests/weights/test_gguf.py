@@ -317,7 +317,7 @@ def test_a_gguf_type_diffusers_cannot_dequantize_is_refused_naming_the_tensor(tm
     import gguf
 
     from ondeck.errors import LoadError
-    from ondeck.loading.quantized import _read_gguf
+    from ondeck.loading.gguf_file import read_gguf
 
     path = tmp_path / "odd.gguf"
     writer = gguf.GGUFWriter(str(path), arch="wan")
@@ -330,7 +330,7 @@ def test_a_gguf_type_diffusers_cannot_dequantize_is_refused_naming_the_tensor(tm
     writer.close()
 
     with pytest.raises(LoadError, match=r"odd\.gguf.*'blocks\.0\.q\.weight'.*Q8_1"):
-        _read_gguf(path, "transformer")
+        read_gguf(path, "transformer")
 
 
 def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, tmp_path):
@@ -338,7 +338,7 @@ def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, t
     import shutil
 
     from ondeck.errors import LoadError
-    from ondeck.loading.quantized import _read_gguf
+    from ondeck.loading.gguf_file import read_gguf
 
     path = tmp_path / "transformer.gguf"
     shutil.copy(gguf_file[0], path)
@@ -348,8 +348,8 @@ def test_a_gguf_file_replaced_after_its_header_was_read_is_not_read(gguf_file, t
     os.replace(replacement, path)  # the same bytes, another file
 
     with pytest.raises(LoadError, match="transformer.gguf.*changed"):
-        _read_gguf(path, "transformer", status=as_read)
-    assert _read_gguf(path, "transformer"), "read as it is now"
+        read_gguf(path, "transformer", status=as_read)
+    assert read_gguf(path, "transformer"), "read as it is now"
 
 
 def _gguf_without(gguf_base, path, drop, extra=None):
