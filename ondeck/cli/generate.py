@@ -21,6 +21,7 @@ from typing import Any
 # where tests replace them.
 from .. import distributed, output
 from ..arguments import MAX_BATCH
+from ..errors import BudgetError
 from ..hub import model_label
 from ..interrupt import stop_at_once_when_asked_again
 from ..memory import format_bytes, freeze_what_lives
@@ -129,7 +130,13 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     watch = FiniteWatch()
     watch.attach(pipe)
-    frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
+    try:
+        frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
+    except BudgetError as error:
+        if not main or error.plan is None:
+            raise
+        # The plan is printed above: the error says its own line, not the plan again.
+        raise BudgetError(str(error).split("\n", 1)[0], plan=error.plan) from error
     report = pipe.report()
     report.update(
         model_dir=str(path),

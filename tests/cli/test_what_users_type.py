@@ -312,3 +312,20 @@ def test_allegro_tiles_under_a_latent_apart_are_not_checked():
             raise NotImplementedError
 
     check_generate_arguments(AllegroPipeline(), height=64, width=64, num_frames=88)
+
+
+def test_a_budget_too_small_prints_its_plan_once_and_one_error_line(family, tmp_path, capsys):
+    """The plan goes to stdout before the first run; the BudgetError of that run is one
+    line on stderr, not the plan a second time."""
+    code, out, err = run(
+        capsys, "generate", family("sd3"), *IMAGE_ARGS, "--budget", "100KiB",
+        "--output", tmp_path / "out",
+    )  # fmt: skip
+    assert code == 1, err
+    assert out.count("does not fit 100.00 KiB") == 1
+    assert "stages:" in out
+    said = err[err.index("ondeck: error:") :].splitlines()  # the fixture's build logs before
+    assert len(said) == 1, err
+    assert said[0].startswith("ondeck: error: BudgetError: stage ")
+    assert "nothing was loaded" in said[0]
+    assert not (tmp_path / "out").exists()
