@@ -315,9 +315,10 @@ class HostPlan:
             lines.append(
                 f"host: over by {format_bytes(self.peak_bytes - self.budget_bytes)}; a run "
                 "stops with a HostMemoryError before the kernel would kill it once dropping "
-                "the host cache is not enough. What would fit: fp8 storage (--weights fp8) "
-                "halves the streamed blocks' host memory, a lower resolution keeps more "
-                "blocks on the device, a smaller --host-cache, a larger --host-memory, or a "
+                "the host cache is not enough. What would fit: fp8 storage (--weights fp8, "
+                "storage_dtype=) halves the streamed blocks' host memory, a lower resolution "
+                "keeps more blocks on the device, a smaller host cache (--host-cache, "
+                "host_cache=), a larger host budget (--host-memory, host_memory=), or a "
                 "larger card"
             )
         return lines

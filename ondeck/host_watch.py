@@ -135,6 +135,8 @@ class HostWatch:
                 f"host memory: the process holds {format_bytes(self.exceeded)}, more than its "
                 f"host budget of {format_bytes(self.budget_bytes)}, after dropping the host "
                 f"cache and idle streaming copies ({format_bytes(self.relieved_bytes)}); "
-                "stopped before the kernel would kill it. Give a larger --host-memory, a "
-                "smaller --host-cache, or fp8 storage (--weights fp8) to stream half the bytes"
+                "stopped before the kernel would kill it. Give a larger host budget "
+                "(--host-memory, host_memory=), a smaller host cache (--host-cache, "
+                "host_cache=), or fp8 storage (--weights fp8, storage_dtype=) to stream half "
+                "the bytes"
             )

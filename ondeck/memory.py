@@ -45,6 +45,15 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def positive_bytes(value: str | int | float | None, what: str) -> int | None:
+    """``parse_bytes(value)``, refusing a size of no bytes or fewer; ``what`` names the
+    argument in the error ("a budget", "host_memory")."""
+    size = parse_bytes(value)
+    if size is not None and size <= 0:
+        raise ValueError(f"{what} holds at least one byte; got {value!r}")
+    return size
+
+
 def freeze_what_lives(*, collect: bool = True) -> None:
     """For a command that owns its process, once its pipelines are built and before its
     runs: collect once (unless ``collect`` is false), then keep every object alive now out
@@ -146,10 +155,13 @@ def resolve_device(device: Any = None) -> Any:
 
 
 def usable_device(device: Any = None) -> Any:
-    """``resolve_device(device)``; a ``ValueError`` for CUDA where torch has none."""
+    """``resolve_device(device)``; a ``ValueError`` for CUDA where torch has none, and for
+    the meta device."""
     import torch
 
     device = resolve_device(device)
+    if device.type == "meta":
+        raise ValueError("device 'meta' holds no weights to compute with; use 'cuda' or 'cpu'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device {str(device)!r} asked for, but CUDA is not available here (torch "

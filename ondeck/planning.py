@@ -166,6 +166,8 @@ class Plan:
     # Components whose blocks stream because their stage cannot hold them whole.
     streamed: dict[str, StreamLayout] = field(default_factory=dict)
     streaming_notes: list[str] = field(default_factory=list)
+    # Stages that do not fit even streaming every block, and the bytes they lack then.
+    streaming_short: dict[str, int] = field(default_factory=dict)
     # Activations kept free for stages that stream before their activations are measured.
     reserved_activation_bytes: dict[str, int] = field(default_factory=dict)
     transfer_bytes_per_second: float | None = None
@@ -564,6 +566,7 @@ def _planned(
         activation_note=activation_note,
         streamed=choice.layouts,
         streaming_notes=list(choice.notes),
+        streaming_short=dict(choice.short),
         reserved_activation_bytes=choice.reserved,
     )
     if choice.layouts and streaming is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import memory
 from .errors import BudgetError
-from .memory import format_bytes, parse_bytes
+from .memory import format_bytes, positive_bytes
 from .planning import (
     Plan,
     build_plan,
@@ -367,7 +367,9 @@ class BudgetPolicy(Policy):
         streaming: bool | StreamOptions = True,
     ):
         super().__init__()
-        self.budget_bytes = parse_bytes(budget)
+        if budget is None:
+            raise ValueError("BudgetPolicy needs a budget: bytes, or a size such as '24GiB'")
+        self.budget_bytes = positive_bytes(budget, "a budget")
         self.prefetch = prefetch
         self.streaming: BlockStreaming | None = None
         if streaming:
@@ -394,6 +396,7 @@ class BudgetPolicy(Policy):
         overflow = plan.overflow()
         if overflow is not None:
             stage, short = overflow
+            short = plan.streaming_short.get(stage, short)  # what streaming leaves it short
             raise BudgetError(
                 f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
                 f"{format_bytes(self.budget_bytes)} even streaming what can stream; nothing "
@@ -570,7 +573,8 @@ class AutoBudgetPolicy(BudgetPolicy):
     memory there runs the whole call again."""
 
     def __init__(self, budget: int, *, measured_budget: int, prefetch: bool = True):
-        super().__init__(budget, prefetch=prefetch)
+        # A device with nothing free still plans, and its run refuses with a BudgetError.
+        super().__init__(max(budget, 1), prefetch=prefetch)
         self.estimated_budget_bytes = self.budget_bytes
         self.measured_budget_bytes = max(measured_budget, self.budget_bytes)
 
@@ -747,10 +751,16 @@ def make_policy(
     """Turn ``policy=`` (a name or a Policy) into a policy object. ``auto`` with a
     budget is ``budget``; without one, the pipeline chooses (``choose_auto``)."""
     if isinstance(policy, Policy):
+        # A policy object carries its own budget and prefetch: one given beside it would
+        # be ignored without a word.
+        if budget is not None or not prefetch:
+            given = "budget=" if budget is not None else "prefetch=False"
+            raise ValueError(
+                f"{given} is for a policy given by name; {type(policy).__name__} "
+                "takes it itself (BudgetPolicy(budget, prefetch=...))"
+            )
         return policy
-    given, budget = budget, parse_bytes(budget)
-    if budget is not None and budget <= 0:
-        raise ValueError(f"a budget holds at least one byte; got {given!r}")
+    budget = positive_bytes(budget, "a budget")
     if policy == "auto":
         if budget is None:
             raise ValueError("auto without a budget is chosen by choose_auto(pipeline)")
@@ -765,6 +775,7 @@ def make_policy(
         return ReleasePolicy()
     if policy == "budget":
         if budget is None:
-            budget, _ = auto_budget_bytes(device)
+            # What the device has free; where that is nothing, the plan refuses the run.
+            budget = max(auto_budget_bytes(device)[0], 1)
         return BudgetPolicy(budget, prefetch=prefetch)
     raise ValueError(f"unknown policy {policy!r}; choose auto, eager, release or budget")

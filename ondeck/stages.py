@@ -28,7 +28,7 @@ from .lazy import (
 )
 from .loader import as_loader
 from .loading.options import DeviceChoice
-from .memory import local_ranks, parse_bytes, resolve_device
+from .memory import local_ranks, positive_bytes, resolve_device
 from .planning import HostPlan, Plan, StageUse, release_schedule
 from .policy import RETRY_RESERVE_MIN_RETRIES, Policy, choose_auto, make_policy
 from .snapshot import Snapshot, Steps
@@ -177,7 +177,7 @@ class Pipeline(HostMemory):
         host_memory: int | str | None = None,
     ):
         self.device = resolve_device(device)
-        self.init_host_memory(parse_bytes(host_memory))
+        self.init_host_memory(positive_bytes(host_memory, "host_memory"))
         timer = CallTimer.for_device(self.device)
         self.tracker = MemoryTracker(device=str(self.device), call_timer=timer)
         self.training = False
@@ -334,7 +334,7 @@ class Pipeline(HostMemory):
 
     def plan(self, budget: int | str | None = None) -> Plan:
         """Predicted residency under the policy this pipeline (or ``budget``) implies."""
-        planned = self.policy.plan_for(self.snapshot(), parse_bytes(budget))
+        planned = self.policy.plan_for(self.snapshot(), positive_bytes(budget, "a budget"))
         streaming = getattr(self.policy, "streaming", None)
         runs = self.tracker.runs
         if streaming is not None and runs:

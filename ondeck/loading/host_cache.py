@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..memory import aligned, host_facts, is_unified, pinned_host_bytes
+from ..memory import aligned, host_facts, is_unified, pinned_host_bytes, positive_bytes
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
@@ -102,10 +102,15 @@ class HostCache:
     """
 
     def __init__(
-        self, budget_bytes: int | None = None, *, pin: bool | None = None, elastic: bool = False
+        self,
+        budget_bytes: int | str | None = None,
+        *,
+        pin: bool | None = None,
+        elastic: bool = False,
     ):
         # The most it may hold: given, else ``default_budget_bytes``.
-        self.cap_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
+        given = positive_bytes(budget_bytes, "a host cache")
+        self.cap_bytes = default_budget_bytes() if given is None else given
         # Elastic: the pipelines using it set its budget to the host room their plans
         # leave (``fit``; nothing until one does): it gives way to the streamed blocks'
         # pinned copies, takes nothing of a component no run will load again, and takes

@@ -130,7 +130,7 @@ class Server:
         budget = config.budget_bytes
         if budget is None:
             budget, _ = auto_budget_bytes(self.device)
-        self.budget_bytes = int(budget)
+        self.budget_bytes = max(int(budget), 1)  # nothing free: each plan refuses its job
         self.host_cache = HostCache.from_setting(config.host_cache_bytes)
         outputs = config.outputs or default_cache_dir() / "serve-outputs"
         self.outputs = OutputStore(outputs, config.outputs_cap_bytes)

@@ -267,6 +267,8 @@ class StreamingChoice:
     # bytes kept free for them, in the layout and in every residency decision.
     reserved: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Stages that do not fit even streaming every block: the bytes they lack then.
+    short: dict[str, int] = field(default_factory=dict)
 
 
 def plan_streaming(
@@ -324,6 +326,8 @@ def plan_streaming(
             smallest = sizes.other_bytes + max(1, min(inputs.slots, sizes.block_count)) * max(
                 sizes.packed_bytes
             )
+            lack = smallest - max(0, available)
+            choice.short[stage] = max(choice.short.get(stage, 0), lack)
             notes.append(
                 f"stage '{stage}': even streaming every block, '{component}' needs "
                 f"{format_bytes(smallest)} on the device (its non-block parts and "

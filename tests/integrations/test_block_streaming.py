@@ -81,3 +81,34 @@ def test_every_block_list_streams_with_diffusers_outputs(
 def test_a_two_list_transformer_is_found_with_both_lists(family, folders):
     sizes = candidates(load(folders[family], "release"))["transformer"]
     assert len(sizes.groups()) == 2, sizes.path
+
+
+def test_a_budget_short_even_streaming_says_what_streaming_leaves_it_short(folders):
+    """Below what streaming every block needs, the BudgetError's first line gives the
+    bytes missing then (the plan's note: needs X, Y left), not the whole component's
+    overflow."""
+    import re
+
+    from ondeck.errors import BudgetError
+    from ondeck.memory import parse_bytes
+
+    probe = load(folders["flux"], "release")
+    run(probe, ALL_FAMILIES["flux"])
+    _, largest = forcing_budget(probe)
+    sizes = candidates(probe)[largest]
+    below = sizes.other_bytes + max(sizes.packed_bytes)  # one slot's worth, of two
+    pipe = load(folders["flux"], BudgetPolicy(below, streaming=OPTIONS))
+    with pytest.raises(BudgetError) as caught:
+        run(pipe, ALL_FAMILIES["flux"])
+    headline, *rest = str(caught.value).splitlines()
+
+    def size(text: str) -> int:
+        return parse_bytes(text.replace(" ", ""))
+
+    (note,) = [line for line in rest if "even streaming every block" in line]
+    needs, left = re.search(
+        r"needs ([\d.]+ \w+) on the device.*only ([\d.]+ \w+) is", note
+    ).groups()
+    said = size(re.search(r"needs ([\d.]+ \w+) more than the budget", headline).group(1))
+    assert abs(said - (size(needs) - size(left))) <= 16, (headline, note)
+    assert said < pipe.ondeck.plan().overflow()[1]
