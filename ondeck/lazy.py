@@ -682,6 +682,15 @@ class LazyModule:
             self._changed()
         return self
 
+    def remove_transform(self, fn: Callable[[Any], Any]) -> None:
+        """Stop applying ``fn`` at later loads (nothing where it is not registered); the
+        module loaded now stays as it is."""
+        with object.__getattribute__(self, "_ondeck_lock"):
+            transforms = object.__getattribute__(self, "_ondeck_transforms")
+            if fn in transforms:
+                transforms.remove(fn)
+                self._changed()
+
     def _changed(self) -> None:
         """What a load makes changed (see ``changes``)."""
         changes = object.__getattribute__(self, "_ondeck_changes")

@@ -146,6 +146,31 @@ def test_a_transform_survives_release_and_reload(folders):
     assert pipe.transformer.load_count == 2
 
 
+def test_a_transform_that_fails_its_first_load_is_not_kept(folders):
+    """Given to a component not loaded yet, a transform that fails where it is first
+    applied fails that call alone; one that applied once stays through a later failure."""
+    pipe = load(folders["wan"], policy="release")
+    pipe.ondeck.add_transform("transformer", lambda module: None)
+    with pytest.raises(OndeckError, match="returned None"):
+        run(pipe, FAMILIES["wan"])
+    expected = run(pipe, FAMILIES["wan"])  # loads without it
+
+    calls = {"n": 0}
+
+    def fails_on_its_second_load(module):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("out of room, once")
+        return module
+
+    pipe.ondeck.add_transform("transformer", fails_on_its_second_load)
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    with pytest.raises(OndeckError, match="out of room, once"):
+        run(pipe, FAMILIES["wan"])
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+    assert calls["n"] == 3, "applied once it stays"
+
+
 @pytest.fixture(scope="module")
 def wan_lora(folders, tmp_path_factory):
     pytest.importorskip("peft")
@@ -534,3 +559,60 @@ def test_a_budget_too_small_for_one_component_fails_before_loading(folders):
     with pytest.raises(ondeck.BudgetError):
         run(pipe, FAMILIES["wan"])
     assert set(loads(pipe).values()) == {0}
+
+
+def test_a_call_stopped_by_its_callback_teaches_no_turn_ends(folders):
+    """A callback that sets the pipeline's ``_interrupt`` stops the loop after one of its
+    two transformer calls: the next full call ends the transformer's turn after its last
+    call, not after one, so under a budget that holds one of the transformer and the VAE
+    it loads each component once and never holds the two together."""
+
+    def go_on(pipe, step, timestep, values):
+        return values
+
+    def stop(pipe, step, timestep, values):
+        pipe._interrupt = True
+        return values
+
+    sizes = load(folders["wan"], policy="release").ondeck.component_bytes()
+    budget = max(sizes.values()) + 1024
+    assert sizes["transformer"] + sizes["vae"] > budget
+    pipe = load(folders["wan"], device="cpu", policy="budget", budget=budget)
+    first = run(pipe, FAMILIES["wan"], callback_on_step_end=go_on)  # calls alike but for
+    run(pipe, FAMILIES["wan"], callback_on_step_end=stop)  # what their callbacks do
+    before, seen = loads(pipe), len(pipe.ondeck.tracker.events)
+    assert np.array_equal(run(pipe, FAMILIES["wan"], callback_on_step_end=go_on), first)
+    counts = {name: n - before[name] for name, n in loads(pipe).items()}
+    assert counts == dict.fromkeys(pipe.ondeck.deferred, 1), counts
+    held = [event.resident_bytes for event in pipe.ondeck.tracker.events[seen:]]
+    assert max(held) <= budget
+
+
+def test_budget_loads_no_vae_ahead_for_calls_returning_latents(folders):
+    """Under a budget that holds the encoder and the transformer but not the VAE beside
+    them, calls returning latents load the VAE ahead only until a call has shown they do
+    not decode: the later ones keep the rest and load nothing."""
+    sizes = load(folders["wan"], policy="release").ondeck.component_bytes()
+    budget = sum(sizes.values()) - 1
+    pipe = load(folders["wan"], device="cpu", policy="budget", budget=budget)
+    counts = []
+    for _ in range(3):
+        before = loads(pipe)
+        run(pipe, FAMILIES["wan"], output_type="latent")
+        counts.append({name: n - before[name] for name, n in loads(pipe).items()})
+    assert counts[2] == dict.fromkeys(pipe.ondeck.deferred, 0), counts
+    assert sum(count["vae"] for count in counts) <= 1, counts
+
+
+def test_a_recorded_call_failing_in_a_load_ahead_fails_the_call(folders):
+    """A call recorded on an unloaded VAE that fails when it is applied: the prefetch
+    that loads the VAE ahead meets it first, and the call fails naming it, rather than
+    decoding with a VAE loaded again without it. The call after loads without it."""
+    sizes = load(folders["wan"], policy="release").ondeck.component_bytes()
+    pipe = load(folders["wan"], device="cpu", policy="budget", budget=sum(sizes.values()) - 1)
+    expected = run(pipe, FAMILIES["wan"])
+    pipe.ondeck.release_all()
+    pipe.vae.enable_tiling(no_such_setting=1)
+    with pytest.raises(OndeckError, match="no_such_setting"):
+        run(pipe, FAMILIES["wan"])
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)

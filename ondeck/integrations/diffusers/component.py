@@ -431,7 +431,9 @@ class PipelineComponent(LazyModule):
             try:
                 return fn(module)
             except BaseException:
-                if guarded in transforms:
+                # Not from a load ahead, whose error is a warning: the stage's own load
+                # would then succeed without the call. It fails there too, and says so.
+                if guarded in transforms and not self.loading_ahead():
                     transforms.remove(guarded)
                 raise
 
@@ -453,6 +455,11 @@ class PipelineComponent(LazyModule):
             transforms.append(guarded)
             self._changed()
             object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
+
+    def loading_ahead(self) -> bool:
+        """Whether this thread loads ahead of the call (a prefetch, the next call's)."""
+        runtime = object.__getattribute__(self, "_ondeck_runtime")
+        return runtime is not None and runtime.executor.in_prefetch_thread()
 
     def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
         """:meth:`LazyModule.add_transform`; a module made by a fused LoRA's recipe is
@@ -546,7 +553,7 @@ class PipelineComponent(LazyModule):
         if loaded or not isinstance(loader, FolderLoader):
             return None
         try:
-            module = loader.folder.skeleton(loader.name, loader.dtype).module
+            module = loader.weightless_module()
         except LoadError:
             return None  # the load itself reports what is wrong with the folder
         with ADAPTER_CALLS:

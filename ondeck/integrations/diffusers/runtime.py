@@ -26,7 +26,6 @@ from ...loading.options import DeviceChoice
 from ...memory import format_bytes, resolve_device
 from ...policy import AutoBudgetPolicy, Policy
 from ...stages import Pipeline, Stage
-from ...tiles import TILE_SAFETY
 from ...token_room import CountsTokens, TokenRoom
 from .call_shape import call_batch, call_profile_shape, call_sizes, token_activations
 from .calls import (
@@ -41,54 +40,20 @@ from .calls import (
 )
 from .component import PipelineComponent, owned_elsewhere
 from .decode import FittingDecode, is_vae
-from .turns import CallRecord, TurnEnds, call_signature, usable_turns, with_untouched
+from .transforms import FirstApplied
+from .turns import (
+    CallRecord,
+    ComponentTurn,
+    TurnEnds,
+    call_signature,
+    usable_turns,
+    with_untouched,
+)
 
 # A call whose component ran out of memory runs again at most this many times, each
 # keeping twice the room for that turn's activations, the first a tenth of the budget.
 OOM_RETRIES = 2
 OOM_FIRST_ROOM_FRACTION = 0.1
-
-
-class ComponentTurn(Stage):
-    """The stretch of a diffusers call that starts when ``name`` is first touched.
-
-    It holds every component the call touches before the next turn starts. The call
-    itself runs the work; this stage only marks where residency decisions fall.
-    """
-
-    def __init__(self, name: str, components: list[LazyModule]):
-        super().__init__()
-        self.name = name
-        self.components = components
-
-    def forward(self, state: Any) -> Any:
-        return state
-
-    def _decoder(self) -> FittingDecode | None:
-        pipeline = self._ondeck_pipeline
-        return pipeline.decoders.get(self.name) if pipeline is not None else None
-
-    def whole_activations(self, measured: int) -> int | None:
-        decoder = self._decoder()
-        if decoder is None or not decoder.decoded:  # a turn that only encodes: as measured
-            return measured
-        whole = decoder.whole_activations(measured)
-        if whole is not None:
-            decoder.measured(whole)
-        return whole
-
-    def fit_activations(self, need: int, room: int) -> int:
-        decoder = self._decoder()
-        if decoder is None or decoder.style is None:
-            return need
-        # The VAE tiles down to what the room holds, and no finer than it can: a need
-        # measured (an estimate alone never refuses) that its finest tiles do not fit
-        # overflows the plan, refused before any load.
-        fitted = min(need, max(0, int(room * TILE_SAFETY)))
-        if decoder.bytes_per_element is None:
-            return fitted
-        finest = decoder.finest_area(self._ondeck_pipeline._call_arguments)
-        return max(fitted, int(need * finest)) if finest is not None else fitted
 
 
 class DiffusersRuntime(CountsTokens, Pipeline):
@@ -446,6 +411,19 @@ class DiffusersRuntime(CountsTokens, Pipeline):
                 # As its first touch would: the turn's own component, not those it holds.
                 self.components[self.stages[index].name].materialize(complete=False)
 
+    @property
+    def call_arguments(self) -> dict[str, Any]:
+        """The sizes of the call under way (or planned): the pipeline's own, then given."""
+        return self._call_arguments
+
+    def turn_needed(self, name: str) -> bool:
+        """Whether the call under way will touch turn ``name``'s component: not where the
+        last complete call of its kind did not (``TurnEnds.untouched``)."""
+        record = self._record
+        if record is None or name in record.held:
+            return True
+        return not self._turn_ends.untouched(name, self._signature)
+
     def _passes_untouched(self, index: int) -> bool:
         """Whether starting turn ``index`` now passes a turn this call has not touched."""
         start = 0 if self._current_index is None else self._current_index + 1
@@ -556,6 +534,9 @@ class DiffusersRuntime(CountsTokens, Pipeline):
                 super()._after_stage(index, failed=False, keep=ahead)
             self._after_run()
         self.tracker.run_finished()
+        # A call stopped early (its callback set ``_interrupt``) teaches no turns.
+        if getattr(self.pipe, "_interrupt", False) is True:
+            return
         if self._record is not None:
             self._turn_ends.learn(self._record, self._signature)
         self._learn(self._record)
@@ -628,6 +609,13 @@ class DiffusersRuntime(CountsTokens, Pipeline):
             self.tracker.device = str(self.device)
             self._choose_policy()
 
+    def choose_again(self) -> None:
+        """``auto`` without a budget chooses again, against the sizes known now (a LoRA's
+        layers given after the pipeline was made); any other policy stays."""
+        policy, budget, _ = self._requested_policy
+        if policy == "auto" and budget is None:
+            self._choose_policy()
+
     def _choose_policy(self) -> None:
         if getattr(self, "policy", None) is not None:
             self.cancel_prefetch_quietly()
@@ -674,10 +662,12 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         """Apply ``fn(module) -> module`` to component ``name`` now and after every load.
 
         A component passed in ready-made is never released, so ``fn`` runs on it once.
+        One not loaded yet is given ``fn`` at its next load, and where it fails there
+        (raises, or returns None) it is not kept, as it would not be on a loaded one.
         """
         component = getattr(self.pipe, name)
         if is_lazy(component):
-            component.add_transform(fn)
+            component.add_transform(FirstApplied(fn, component))
             return
         transformed = fn(component)
         if transformed is None:

@@ -7,14 +7,29 @@ device between its encoders and its loop, drawing its noise on the host). That i
 guess from the last call; ``TurnEnds`` makes it only where a wrong guess is unlikely:
 the same kind of call (``call_signature``), components called as often as then, none
 used after its last call then, and the next turn's component touched then.
+``ComponentTurn`` is the stage each turn is to the runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CallRecord", "TurnEnds", "call_signature", "usable_turns", "with_untouched"]
+from ...stages import Stage
+from ...tiles import TILE_SAFETY
+
+if TYPE_CHECKING:
+    from ...lazy import LazyModule
+    from .decode import FittingDecode
+
+__all__ = [
+    "CallRecord",
+    "ComponentTurn",
+    "TurnEnds",
+    "call_signature",
+    "usable_turns",
+    "with_untouched",
+]
 
 
 class CallRecord:
@@ -101,6 +116,12 @@ class TurnEnds:
         kept = self.used_after_last_call - set(record.last_use)
         self.used_after_last_call = kept | record.used_after_last_call()
 
+    def untouched(self, name: str, signature: tuple) -> bool:
+        """Whether the last complete call, of the same kind, did not touch ``name``: a
+        later call of that kind loads nothing ahead for it (the VAE of calls returning
+        latents). A call stopped early by its callback is not learned from."""
+        return signature == self.signature and bool(self.touched) and name not in self.touched
+
     def ends(self, record: CallRecord, signature: tuple, held: list[str], following: str) -> bool:
         """Whether the turn holding ``held`` has made its last call, the next one being
         ``following``'s."""
@@ -150,3 +171,50 @@ def with_untouched(
                 break
         turns.insert(at, (name, (name,)))
     return turns
+
+
+class ComponentTurn(Stage):
+    """The stretch of a diffusers call that starts when ``name`` is first touched.
+
+    It holds every component the call touches before the next turn starts. The call
+    itself runs the work; this stage only marks where residency decisions fall.
+    """
+
+    def __init__(self, name: str, components: list[LazyModule]):
+        super().__init__()
+        self.name = name
+        self.components = components
+
+    def forward(self, state: Any) -> Any:
+        return state
+
+    def needs_components(self, state: Any) -> bool:
+        """Not where the last call of this kind did not touch it (a VAE, for latents)."""
+        pipeline = self._ondeck_pipeline
+        return pipeline is None or pipeline.turn_needed(self.name)
+
+    def _decoder(self) -> FittingDecode | None:
+        pipeline = self._ondeck_pipeline
+        return pipeline.decoders.get(self.name) if pipeline is not None else None
+
+    def whole_activations(self, measured: int) -> int | None:
+        decoder = self._decoder()
+        if decoder is None or not decoder.decoded:  # a turn that only encodes: as measured
+            return measured
+        whole = decoder.whole_activations(measured)
+        if whole is not None:
+            decoder.measured(whole)
+        return whole
+
+    def fit_activations(self, need: int, room: int) -> int:
+        decoder = self._decoder()
+        if decoder is None or decoder.style is None:
+            return need
+        # The VAE tiles down to what the room holds, and no finer than it can: a need
+        # measured (an estimate alone never refuses) that its finest tiles do not fit
+        # overflows the plan, refused before any load.
+        fitted = min(need, max(0, int(room * TILE_SAFETY)))
+        if decoder.bytes_per_element is None:
+            return fitted
+        finest = decoder.finest_area(self._ondeck_pipeline.call_arguments)
+        return max(fitted, int(need * finest)) if finest is not None else fitted
