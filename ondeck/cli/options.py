@@ -171,6 +171,9 @@ def weight_files(args: argparse.Namespace) -> dict[str, Any]:
         components[name] = file
     loras = list(getattr(args, "lora", None) or [])
     for file, _ in loras:
+        before, equals, after = file.rpartition("=")
+        if equals and os.path.exists(os.path.expanduser(before)) and not os.path.exists(file):
+            raise UsageError(f"argument --lora: {file}: a scale follows a ':' ({before}:{after})")
         _require_file("--lora", file)
     return {
         **({"components": components} if components else {}),

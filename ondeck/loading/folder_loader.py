@@ -67,6 +67,11 @@ class FolderLoader(DeclaredLoader):
         """What its host-cache keys start with (``host_cache.component_owner``)."""
         return component_owner(self.folder.path, self.name)
 
+    def weightless_module(self) -> torch.nn.Module:
+        """A fresh module of this component on the meta device: what a call that changes
+        its layers (a LoRA's) is tried on before any weight loads."""
+        return self.folder.skeleton(self.name, self.dtype).module
+
     @property
     def setup_seconds(self) -> float:
         """The last load's allocating and host-copy filling, where it filled host copies

@@ -282,6 +282,16 @@ class QuantizedComponentLoader(FolderLoader):
             self._template = self._gguf_template()
         return self._template
 
+    def weightless_module(self) -> torch.nn.Module:
+        """The model its config builds, unquantized, on the meta device: a LoRA meets the
+        layers' shapes there as it meets the quantized layers'. A transformers model's
+        quantized skeleton is not built so (the base class's, which its files refuse)."""
+        if self.library != "diffusers":
+            return super().weightless_module()
+        plain = {key: value for key, value in self.config.items() if key != "quantization_config"}
+        with torch.device("meta"):
+            return self.cls.from_config(plain).to(self.dtype)
+
     def unload(self, module: Any) -> None:
         if self.placement is not None:
             self.placement.unload(module)

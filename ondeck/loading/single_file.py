@@ -40,9 +40,12 @@ from .safetensors_format import SafetensorsHeader, TensorInfo, read_header
 from .skeleton import some_names
 
 __all__ = [
+    "PICKLE_SUFFIXES",
+    "SAFETENSORS_SUFFIXES",
     "AssembledTensor",
     "SingleFileFolder",
     "converted_tensors",
+    "pickle_note",
     "pieces_of",
     "single_file_kind",
 ]
@@ -58,18 +61,32 @@ _MARKERS = ("scaled_fp8",)
 MODEL_PREFIX = "model.diffusion_model."
 
 
+# A safetensors file's names: Black Forest Labs ship theirs as .sft (flux1-dev.sft).
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+
+
 def single_file_kind(path: str | os.PathLike) -> str:
     """``"safetensors"`` or ``"gguf"``, from the file's name; a LoadError otherwise."""
     name = os.fspath(path).lower()
-    if name.endswith(".safetensors"):
+    if os.path.isdir(path):
+        raise LoadError(f"{path} is a folder; a single-file component is one file")
+    if name.endswith(SAFETENSORS_SUFFIXES):
         return "safetensors"
     if name.endswith(".gguf"):
         return "gguf"
     raise LoadError(
-        f"{path}: a single-file component is a .safetensors or a .gguf file "
-        "(pickle checkpoints are not read: unpickling can run code)",
+        f"{path}: a single-file component is a .safetensors (or .sft) or a .gguf file"
+        + pickle_note(path),
         path=os.fspath(path),
     )
+
+
+def pickle_note(path: str | os.PathLike) -> str:
+    """Why a pickle checkpoint is not read, for a file named as one; else nothing."""
+    if not os.fspath(path).lower().endswith(PICKLE_SUFFIXES):
+        return ""
+    return " (pickle checkpoints are not read: unpickling can run code)"
 
 
 @dataclasses.dataclass(frozen=True)

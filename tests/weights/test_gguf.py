@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ondeck
+from ondeck.errors import LoadError
 
 from .conftest import frames, load, reference_frames, stored_blocks, streamed_passes
 
@@ -99,6 +100,26 @@ def test_a_lora_on_a_gguf_transformer(gguf_base, gguf_file, gguf_lora, policy):
     assert np.array_equal(frames(pipe), expected)
     if policy == "streaming":
         assert streamed_passes(pipe) > 0
+
+
+def test_a_lora_for_other_shapes_on_a_gguf_transformer_is_refused_before_loading(
+    gguf_base, gguf_file, lora_files
+):
+    """The LoRA is tried on the model its config builds, unquantized and weightless, as
+    on a safetensors component: one made for another width is a LoRA error when the
+    pipeline is made, not a load that fails (or one that prefetches, warns and runs
+    without it)."""
+    with pytest.raises(LoadError, match="lora_diffusers.safetensors: loading it into"):
+        load(gguf_base, components={"transformer": gguf_file[0]}, loras=[lora_files["diffusers"]])
+
+
+def test_a_loras_layers_on_a_gguf_transformer_are_in_its_plan(gguf_base, gguf_file, gguf_lora):
+    without = load(gguf_base, components={"transformer": gguf_file[0]})
+    given = load(gguf_base, components={"transformer": gguf_file[0]}, loras=[gguf_lora])
+    planned = given.ondeck.component_bytes()["transformer"]
+    assert planned > without.ondeck.component_bytes()["transformer"]
+    frames(given)
+    assert given.ondeck.tracker.peak_resident_bytes >= planned
 
 
 def _file_bytes_of_blocks(path, blocks) -> tuple[int, int]:

@@ -265,3 +265,15 @@ def test_the_plan_counts_a_loras_layers_before_anything_loads(base, lora_files):
 
     frames(pipe)
     assert planned == pipe.ondeck.report()["component_bytes"]["transformer"] > without
+
+
+def test_autos_reason_counts_a_loras_layers(base, lora_files):
+    """``auto`` chooses once the LoRAs given are on the components: the sizes its reason
+    quotes are the plan's, the LoRA's layers in them."""
+    from ondeck.memory import format_bytes
+
+    pipe = load(base, "auto", loras=[lora_files["diffusers"]])
+    without = load(base, "auto")
+    total = sum(pipe.ondeck.component_bytes().values())
+    assert total > sum(without.ondeck.component_bytes().values())
+    assert f"components ({format_bytes(total)})" in pipe.ondeck.policy.reason

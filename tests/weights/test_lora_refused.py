@@ -135,6 +135,25 @@ def test_loras_given_in_python_are_checked_before_anything_is_built(
     assert not built
 
 
+def test_a_lora_scale_after_an_equals_sign_is_shown_the_colon(capsys, lora_files, base, tmp_path):
+    file = lora_files["diffusers"]
+    code, _, err = run(
+        capsys, "generate", base, "--lora", f"{file}=0.8", "--output", tmp_path / "o", *FAST
+    )
+    assert code == 2
+    assert f"a scale follows a ':' ({file}:0.8)" in err
+
+
+def test_loras_given_as_a_mapping_take_their_scales(base, lora_files):
+    """``loras={file: scale}`` is the pairs it maps, not its files at scale 1."""
+    from ondeck.integrations.diffusers.loading import checked_loras
+
+    file = lora_files["diffusers"]
+    assert checked_loras({file: 0.3}) == checked_loras([(file, 0.3)]) == [(file, 0.3)]
+    with pytest.raises(ValueError, match="its scale must be a finite number"):
+        checked_loras({file: "strong"})
+
+
 def test_a_lora_added_to_a_resident_transformer_is_counted_and_kept_in_the_budget(
     base, weights, tmp_path
 ):
@@ -235,3 +254,10 @@ def test_held_logs_come_out_where_the_block_ends_well_and_not_where_it_raises():
         assert records == ["kept", "after"], "the handler is as it was"
     finally:
         logger.removeHandler(collector)
+
+
+def test_a_truncated_lora_is_said_to_be_one(base, lora_files, tmp_path):
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(lora_files["diffusers"].read_bytes()[:-100])
+    with pytest.raises(LoadError, match=r"LoRA .*cut\.safetensors.*\(truncated download\?\)"):
+        load(base, "release", loras=[cut])

@@ -141,8 +141,21 @@ def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_p
         load(base, components={"transformer": tmp_path / "absent.safetensors"})
     with pytest.raises(LoadError, match="component 'transformer_9' is not in"):
         load(base, components={"transformer_9": original_file})
-    with pytest.raises(LoadError, match=r"\.safetensors or a \.gguf file"):
+    with pytest.raises(LoadError, match=r"\.safetensors \(or \.sft\) or a \.gguf file \(pickle"):
         load(base, components={"transformer": tmp_path / "x.ckpt"})
+    with pytest.raises(LoadError, match=r"x\.onnx: a single-file component is .* file$"):
+        load(base, components={"transformer": tmp_path / "x.onnx"})
+    with pytest.raises(LoadError, match="is a folder; a single-file component is one file"):
+        load(base, components={"transformer": tmp_path})
+
+
+def test_a_safetensors_file_named_sft_is_read_as_one(base, original_file, reference, tmp_path):
+    """Black Forest Labs' own checkpoints are safetensors named .sft."""
+    copy = tmp_path / "flux1-dev-like.sft"
+    copy.write_bytes(original_file.read_bytes())
+    assert np.array_equal(
+        frames(load(base, "release", components={"transformer": copy})), reference
+    )
 
 
 # -- the conversion's splits and joins ----------------------------------------------------

@@ -32,8 +32,9 @@ from ...loading import (
 )
 from ...loading.options import DeviceChoice, StorageChoice
 from ...loading.quantized import quantization_method
+from ...loading.safetensors_format import read_header
 from ...loading.sharded import ShardedComponentLoader, check_shard, shardable_models
-from ...loading.single_file import SingleFileFolder
+from ...loading.single_file import SAFETENSORS_SUFFIXES, SingleFileFolder, pickle_note
 from ...loading.skeleton import SkeletonBuildError, is_model_container, library_of
 from ...memory import usable_device
 from ...parallel import ContextParallel, resolve_parallel, split_sequences
@@ -197,7 +198,10 @@ def _built(
 
 def checked_loras(loras: Any) -> list[tuple[Path, float]]:
     """``loras=`` as ``(file, scale)`` pairs, checked before anything is built: a list of
-    files or ``(file, scale)`` pairs, each scale a finite number (as ``--lora`` takes)."""
+    files or ``(file, scale)`` pairs, or a ``{file: scale}`` mapping, each scale a finite
+    number (as ``--lora`` takes)."""
+    if isinstance(loras, Mapping):
+        loras = list(loras.items())
     if isinstance(loras, (str, bytes, os.PathLike)):
         raise ValueError(
             f"loras= takes a list of LoRA files or (file, scale) pairs, not one path: "
@@ -233,12 +237,15 @@ def load_loras(
     for file, scale in checked_loras(loras):
         if not file.is_file():
             raise LoadError(f"LoRA {file} does not exist or is not a file", path=str(file))
-        if not file.name.lower().endswith(".safetensors"):
+        if not file.name.lower().endswith(SAFETENSORS_SUFFIXES):
             raise LoadError(
-                f"LoRA {file}: a LoRA is a .safetensors file (pickle checkpoints are not "
-                "read: unpickling can run code)",
+                f"LoRA {file}: a LoRA is a .safetensors file{pickle_note(file)}",
                 path=str(file),
             )
+        try:
+            read_header(file)  # a truncated or damaged file, said as for a component's
+        except LoadError as error:
+            raise LoadError(f"LoRA {error}", path=str(file)) from None
         # An adapter's name is a module's name in peft: no '.' (Wan2.1_style_v1.0).
         name = f"lora_{len(names)}_{re.sub(r'[^0-9A-Za-z_]', '_', file.stem)}"
         # diffusers puts a LoRA on one expert a call: the first, or with
@@ -258,7 +265,7 @@ def load_loras(
             layout = (
                 "; its keys are not a LoRA layout diffusers converts for this pipeline"
                 if isinstance(error, (IndexError, KeyError))
-                else ""
+                else "; is it a LoRA for another model, or another size of this one?"
             )
             raise LoadError(
                 f"LoRA {file}: loading it into {type(pipe).__name__} failed with "
@@ -280,6 +287,7 @@ def load_loras(
             "LoRAs into here); is it for another model?",
             path=unused[0] if unused else str(files[0]),
         ) from None
+    pipe.ondeck.choose_again()  # auto weighs the LoRAs' layers too
     return names
 
 
