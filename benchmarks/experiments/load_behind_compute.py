@@ -12,6 +12,14 @@ load from the host cache on a second thread in three arms, each ``--repeats`` ti
   behind    the main thread has queued ``--compute-ms`` of matrix products on its stream
             (the default one, as a pipeline's call runs) just before the load starts
   private   the same, the loading thread's current stream a stream of its own
+  ops       nothing queued; the main thread issues small device operations in a loop
+            while the load runs (as it issues a decode's), the load on its own stream
+  ops-fast  the same, with the interpreter's thread switch interval at 0.5 ms (5 ms is
+            Python's default) while the load runs
+  python    the main thread runs pure Python while the load runs
+
+``--source file`` loads from the safetensors file (the page cache, as ``release`` does)
+instead of from a host cache.
 
 Writes load_behind_compute.json to $OUT; prints a table last.
 """
@@ -66,7 +74,9 @@ def queue_compute(milliseconds: float, a, b) -> None:
         a @ b
 
 
-def timed_load(loader, stream) -> float:
+def timed_load(loader, stream, busy: str | None = None) -> float:
+    """One load on a thread of its own; meanwhile the main thread idles (``busy`` None),
+    issues small device operations (``"ops"``) or runs pure Python (``"python"``)."""
     import contextlib
 
     import torch
@@ -83,7 +93,16 @@ def timed_load(loader, stream) -> float:
         del module
 
     thread = threading.Thread(target=load)
+    small = torch.zeros(1 << 16, device="cuda") if busy == "ops" else None
     thread.start()
+    while busy is not None and thread.is_alive():
+        if small is not None:
+            for _ in range(64):
+                small.add_(1.0)
+        else:
+            total = 0
+            for value in range(2000):
+                total += value * value
     thread.join()
     return seconds[0]
 
@@ -93,6 +112,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=Path("/tmp/clip_l"))
     parser.add_argument("--compute-ms", type=float, default=300.0)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--source", choices=("cache", "file"), default="cache")
     args = parser.parse_args()
 
     import torch
@@ -100,30 +120,39 @@ def main() -> None:
     from ondeck.loading import ComponentLoader, HostCache, ModelFolder
 
     folder = ModelFolder.open(build(args.folder))
-    cache = HostCache(2 * 1024**3)
+    cache = HostCache(2 * 1024**3) if args.source == "cache" else None
     loader = ComponentLoader(
         folder, "text_encoder", device="cuda", dtype=torch.bfloat16, host_cache=cache,
         progress=False,
     )  # fmt: skip
-    loader()  # fills the host cache: every timed load copies from pinned memory
+    loader()  # fills the host cache (or the page cache): every timed load reads from it
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     private = torch.cuda.Stream()
-    arms: dict[str, list[float]] = {"idle": [], "behind": [], "private": []}
+    names = ("idle", "behind", "private", "ops", "ops-fast", "python")
+    arms: dict[str, list[float]] = {arm: [] for arm in names}
     for _ in range(args.repeats):
         for arm in arms:
             torch.cuda.synchronize()
-            if arm != "idle":
+            if arm in ("behind", "private"):
                 queue_compute(args.compute_ms, a, b)
-            arms[arm].append(timed_load(loader, private if arm == "private" else None))
+            stream = None if arm in ("idle", "behind") else private
+            busy = {"ops": "ops", "ops-fast": "ops", "python": "python"}.get(arm)
+            interval = sys.getswitchinterval()
+            if arm == "ops-fast":
+                sys.setswitchinterval(0.0005)
+            try:
+                arms[arm].append(timed_load(loader, stream, busy))
+            finally:
+                sys.setswitchinterval(interval)
             torch.cuda.synchronize()
     rows = {arm: statistics.median(values) for arm, values in arms.items()}
     write_document(
         "load_behind_compute",
-        {"compute_ms": args.compute_ms, "arms": arms, "medians": rows, "source": cache.__repr__()},
+        {"compute_ms": args.compute_ms, "arms": arms, "medians": rows, "source": args.source},
     )
     print(
-        f"\nCLIP-L-shaped load from the host cache beside {args.compute_ms:g} ms of queued compute"
+        f"\nCLIP-L-shaped load from the {args.source} ({args.compute_ms:g} ms queued where queued)"
     )
     print(f"{'arm':<10} {'median s':>9}  runs")
     for arm, values in arms.items():
