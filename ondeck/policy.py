@@ -756,8 +756,8 @@ def make_policy(
         if budget is not None or not prefetch:
             given = "budget=" if budget is not None else "prefetch=False"
             raise ValueError(
-                f"{given} is for a policy given by name; {type(policy).__name__} "
-                "takes it itself (BudgetPolicy(budget, prefetch=...))"
+                f"{given} is for a policy given by name; a {type(policy).__name__} object "
+                "carries its own (BudgetPolicy(budget, prefetch=...))"
             )
         return policy
     budget = positive_bytes(budget, "a budget")

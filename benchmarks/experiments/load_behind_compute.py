@@ -19,7 +19,8 @@ load from the host cache on a second thread in three arms, each ``--repeats`` ti
   python    the main thread runs pure Python while the load runs
 
 ``--source file`` loads from the safetensors file (the page cache, as ``release`` does)
-instead of from a host cache.
+instead of from a host cache. ``--calls`` also counts the calls into C one idle load
+makes on its thread, by name (each may hand the GIL over and wait to get it back).
 
 Writes load_behind_compute.json to $OUT; prints a table last.
 """
@@ -107,12 +108,38 @@ def timed_load(loader, stream, busy: str | None = None) -> float:
     return seconds[0]
 
 
+def count_calls(loader) -> dict[str, int]:
+    """The calls into C one load on a thread of its own makes, by name, most first."""
+    import collections
+
+    counts: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg) -> None:
+        if event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            owner = type(owner).__name__ if owner is not None else ""
+            counts[f"{owner}.{getattr(arg, '__name__', str(arg))}"] += 1
+
+    def load() -> None:
+        sys.setprofile(profile)
+        try:
+            loader()
+        finally:
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    return dict(counts.most_common())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, default=Path("/tmp/clip_l"))
     parser.add_argument("--compute-ms", type=float, default=300.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--source", choices=("cache", "file"), default="cache")
+    parser.add_argument("--calls", action="store_true", help="count one load's calls into C")
     args = parser.parse_args()
 
     import torch
@@ -147,9 +174,20 @@ def main() -> None:
                 sys.setswitchinterval(interval)
             torch.cuda.synchronize()
     rows = {arm: statistics.median(values) for arm, values in arms.items()}
+    calls = count_calls(loader) if args.calls else {}
+    if calls:
+        print(f"\ncalls into C in one idle load: {sum(calls.values())}; the most made:")
+        for name, count in list(calls.items())[:40]:
+            print(f"{count:>7}  {name}")
     write_document(
         "load_behind_compute",
-        {"compute_ms": args.compute_ms, "arms": arms, "medians": rows, "source": args.source},
+        {
+            "compute_ms": args.compute_ms,
+            "arms": arms,
+            "medians": rows,
+            "source": args.source,
+            "calls": calls,
+        },
     )
     print(
         f"\nCLIP-L-shaped load from the {args.source} ({args.compute_ms:g} ms queued where queued)"

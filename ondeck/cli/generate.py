@@ -130,13 +130,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     watch = FiniteWatch()
     watch.attach(pipe)
-    try:
-        frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
-    except BudgetError as error:
-        if not main or error.plan is None:
-            raise
-        # The plan is printed above: the error says its own line, not the plan again.
-        raise BudgetError(str(error).split("\n", 1)[0], plan=error.plan) from error
+    frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
     report = pipe.report()
     report.update(
         model_dir=str(path),
@@ -204,14 +198,20 @@ def _run_all(
         label = f"run {run + 1}/{args.runs} denoising"
         quiet = not main or os.environ.get("ONDECK_PROGRESS") == "0"
         with tqdm(total=shape.steps, desc=label, unit="step", disable=quiet) as bar:
-            frames = pipe.generate(
-                args.prompt,
-                **commands.call_options(args, shape),
-                progress=bar,
-                # Only rank 0 writes the video; the others decode only when sharing the VAE.
-                output_type="np" if main or "vae" in commands.shard_names(args) else "latent",
-                **extra,
-            )
+            try:
+                frames = pipe.generate(
+                    args.prompt,
+                    **commands.call_options(args, shape),
+                    progress=bar,
+                    # Only rank 0 writes the video; the others decode only when sharing the VAE.
+                    output_type="np" if main or "vae" in commands.shard_names(args) else "latent",
+                    **extra,
+                )
+            except BudgetError as error:
+                if run or not main or error.plan is None:
+                    raise  # a later run's plan is not the one printed: it comes with it
+                # The first run's plan is printed above: its own line, not the plan again.
+                raise BudgetError(str(error).split("\n", 1)[0], plan=error.plan) from error
         timings.append(time.perf_counter() - started)
         if main and not np.isfinite(np.asarray(frames, dtype=np.float32)).all():
             return frames, timings, watch.first_bad_stage(pipe)

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from ..memory import aligned, host_facts, is_unified, pinned_host_bytes, positive_bytes
+from ..memory import (
+    aligned,
+    host_facts,
+    is_unified,
+    parse_bytes,
+    pinned_host_bytes,
+    positive_bytes,
+)
 from .chunks import ReadStats, progress_bar
 from .safetensors_format import TensorInfo
 
@@ -134,7 +141,8 @@ class HostCache:
         size a fixed one of that budget, None or 0 none."""
         if setting == "auto":
             return cls(elastic=True)
-        return cls(int(setting)) if setting else None
+        size = parse_bytes(setting)
+        return cls(size) if size else None
 
     def __repr__(self) -> str:
         return (

@@ -290,7 +290,9 @@ class QuantizedComponentLoader(FolderLoader):
             return super().weightless_module()
         plain = {key: value for key, value in self.config.items() if key != "quantization_config"}
         with torch.device("meta"):
-            return self.cls.from_config(plain).to(self.dtype)
+            module = self.cls.from_config(plain)
+        # torch's own move: diffusers' would warn of the modules its model keeps in float32.
+        return torch.nn.Module.to(module, self.dtype)
 
     def unload(self, module: Any) -> None:
         if self.placement is not None:

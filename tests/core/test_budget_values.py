@@ -86,17 +86,27 @@ def test_a_plan_for_no_bytes_is_refused():
         pipe.plan("0GiB")
 
 
-def test_the_meta_device_is_refused_when_the_pipeline_is_made():
+def test_the_meta_device_is_not_a_device_to_compute_on():
+    """``from_pretrained`` resolves its device so (after joining a launch's ranks)."""
     from ondeck.memory import usable_device
 
     with pytest.raises(ValueError, match="device 'meta' holds no weights"):
         usable_device("meta")
 
 
-def test_budget_on_a_device_with_nothing_free_is_made_and_refuses_in_its_plan(monkeypatch):
+def test_a_host_cache_setting_reads_a_size_as_text():
+    from ondeck.loading import HostCache
+
+    assert HostCache.from_setting("1GiB").cap_bytes == 2**30
+    assert HostCache.from_setting("0") is None
+    assert HostCache.from_setting(0) is None
+
+
+def test_budget_on_a_device_with_nothing_free_is_made_at_one_byte(monkeypatch):
     """``policy="budget"`` without a budget takes what the device has free; where that
-    is nothing (or less, after the reserve), the policy is still made, at one byte, so a
-    run refuses with a BudgetError rather than the budget's ValueError."""
+    is nothing (or less, after the reserve), the policy is still made, at one byte,
+    whose plan refuses the run as any budget too small does, rather than the budget's
+    ValueError when the pipeline is made."""
     from ondeck import policy
 
     monkeypatch.setattr(policy, "auto_budget_bytes", lambda *a, **k: (-(2**20), False))

@@ -171,6 +171,24 @@ def test_a_transform_that_fails_its_first_load_is_not_kept(folders):
     assert calls["n"] == 3, "applied once it stays"
 
 
+def test_a_transform_that_fails_in_a_load_ahead_fails_the_call(folders):
+    """Under a budget the VAE is loaded ahead, on the prefetch thread, where a failing
+    transform is only a warning: the call's own load meets it again and fails, rather
+    than decoding with the transform silently gone; the call after runs without it."""
+    sizes = load(folders["wan"], policy="release").ondeck.component_bytes()
+    pipe = load(folders["wan"], device="cpu", policy="budget", budget=sum(sizes.values()) - 1)
+    expected = run(pipe, FAMILIES["wan"])
+    pipe.ondeck.release_all()
+
+    def broken(module):
+        raise RuntimeError("a broken transform")
+
+    pipe.ondeck.add_transform("vae", broken)
+    with pytest.raises(OndeckError, match="a broken transform"):
+        run(pipe, FAMILIES["wan"])
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
+
+
 @pytest.fixture(scope="module")
 def wan_lora(folders, tmp_path_factory):
     pytest.importorskip("peft")

@@ -261,3 +261,14 @@ def test_a_truncated_lora_is_said_to_be_one(base, lora_files, tmp_path):
     cut.write_bytes(lora_files["diffusers"].read_bytes()[:-100])
     with pytest.raises(LoadError, match=r"LoRA .*cut\.safetensors.*\(truncated download\?\)"):
         load(base, "release", loras=[cut])
+
+
+def test_a_lora_named_sft_is_read_as_safetensors(base, lora_files, tmp_path):
+    import numpy as np
+
+    from .conftest import frames, reference_frames
+
+    copy = tmp_path / "style.sft"
+    copy.write_bytes(lora_files["diffusers"].read_bytes())
+    expected = reference_frames(base, loras=[(lora_files["diffusers"], 0.5)])
+    assert np.array_equal(frames(load(base, "release", loras=[(copy, 0.5)])), expected)

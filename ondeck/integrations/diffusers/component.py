@@ -433,7 +433,7 @@ class PipelineComponent(LazyModule):
             except BaseException:
                 # Not from a load ahead, whose error is a warning: the stage's own load
                 # would then succeed without the call. It fails there too, and says so.
-                if guarded in transforms and not self.loading_ahead():
+                if guarded in transforms and not self.in_load_ahead():
                     transforms.remove(guarded)
                 raise
 
@@ -456,7 +456,7 @@ class PipelineComponent(LazyModule):
             self._changed()
             object.__getattribute__(self, "_ondeck_fused_lora").keep_only_for(transforms)
 
-    def loading_ahead(self) -> bool:
+    def in_load_ahead(self) -> bool:
         """Whether this thread loads ahead of the call (a prefetch, the next call's)."""
         runtime = object.__getattribute__(self, "_ondeck_runtime")
         return runtime is not None and runtime.executor.in_prefetch_thread()

@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...lazy import LazyModule
+from ...lazy import LazyModule, is_out_of_memory
 
 __all__ = ["FirstApplied"]
 
 
 class FirstApplied:
     """A transform that takes itself off ``component`` where its first application fails:
-    a mistake in it then fails one load, not every load after. Once applied it stays,
-    and a later failure (out of memory, say) fails that load alone."""
+    a mistake in it then fails one call, not every call after. Once applied it stays, and
+    a later failure fails that load alone. Running out of memory, an interrupt, or a
+    failure in a load ahead of the call (whose error is only a warning: the call's own
+    load meets it again and says so) do not take it off."""
 
     def __init__(self, fn: Callable[[Any], Any], component: LazyModule):
         self.fn = fn
@@ -23,14 +25,19 @@ class FirstApplied:
     def __call__(self, module: Any) -> Any:
         try:
             result = self.fn(module)
-        except BaseException:
-            if not self.applied:
-                self.component.remove_transform(self)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                self._failed()
             raise
-        if result is None and not self.applied:
-            self.component.remove_transform(self)
-        self.applied = result is not None
+        if result is None:
+            self._failed()
+        self.applied = self.applied or result is not None
         return result
+
+    def _failed(self) -> None:
+        ahead = getattr(self.component, "in_load_ahead", None)
+        if not self.applied and not (ahead is not None and ahead()):
+            self.component.remove_transform(self)
 
     def __repr__(self) -> str:
         return repr(self.fn)
