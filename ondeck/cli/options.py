@@ -132,7 +132,7 @@ def _component_file(text: str) -> tuple[str, str]:
     return name, file
 
 
-def _require_file(flag: str, file: str) -> None:
+def require_file(flag: str, file: str) -> None:
     path = Path(os.path.expanduser(file))
     if not path.exists():
         raise UsageError(f"argument {flag}: {file} does not exist")
@@ -140,7 +140,7 @@ def _require_file(flag: str, file: str) -> None:
         raise UsageError(f"argument {flag}: {file} is not a file")
 
 
-def _lora(text: str) -> tuple[str, float]:
+def lora_argument(text: str) -> tuple[str, float]:
     """FILE or FILE:SCALE. A whole text that names a file is a file (a ':' in its name);
     one whose part before the last ':' names a file has a scale, which must be a number."""
     file, _, scale = text.rpartition(":")
@@ -167,14 +167,14 @@ def weight_files(args: argparse.Namespace) -> dict[str, Any]:
                 f"argument --component: {name} is given twice ({components[name]} and "
                 f"{file}; --transformer FILE is --component transformer=FILE)"
             )
-        _require_file(flag, file)
+        require_file(flag, file)
         components[name] = file
     loras = list(getattr(args, "lora", None) or [])
     for file, _ in loras:
         before, equals, after = file.rpartition("=")
         if equals and os.path.exists(os.path.expanduser(before)) and not os.path.exists(file):
             raise UsageError(f"argument --lora: {file}: a scale follows a ':' ({before}:{after})")
-        _require_file("--lora", file)
+        require_file("--lora", file)
     return {
         **({"components": components} if components else {}),
         **({"loras": loras} if loras else {}),
@@ -236,7 +236,7 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         "--lora",
         action="append",
         default=[],
-        type=_lora,
+        type=lora_argument,
         metavar="FILE[:SCALE]",
         help="apply this LoRA (default scale 1.0; repeat for more; on both experts of a "
         "two-transformer model)",

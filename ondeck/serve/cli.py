@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli.options import host_cache_argument
+from ..cli.options import UsageError, host_cache_argument, lora_argument, require_file
 from ..errors import LoadError, OndeckError
 from ..loading.fp8 import parse_storage_dtype
 from ..memory import format_bytes, freeze_what_lives, parse_bytes
@@ -170,9 +170,78 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="print what stays resident across the models and what a switch loads, then exit",
     )
+    _add_model_files(serve)
     serve.add_argument("--debug", action="store_true", help="show Python tracebacks")
     _add_server_to_generate(commands)
     return serve
+
+
+def _add_model_files(serve: argparse.ArgumentParser) -> None:
+    """``generate``'s single files and LoRAs, each for one served model by its name."""
+    flags = (
+        ("--transformer", _model_file, "MODEL=FILE", "MODEL's transformer from one file"),
+        (
+            "--component",
+            _model_component,
+            "MODEL:NAME=FILE",
+            "MODEL's component NAME from one file",
+        ),
+        ("--lora", _model_lora, "MODEL=FILE[:SCALE]", "apply this LoRA to MODEL (scale 1.0)"),
+    )
+    for flag, parse, metavar, help in flags:
+        serve.add_argument(
+            flag,
+            action="append",
+            default=[],
+            type=parse,
+            metavar=metavar,
+            help=help + "; repeatable",
+        )
+
+
+def _model_file(text: str) -> tuple[str, str]:
+    model, _, file = text.partition("=")
+    if not model or not file:
+        raise argparse.ArgumentTypeError(f"expected MODEL=FILE, got {text!r}")
+    return model, file
+
+
+def _model_component(text: str) -> tuple[str, str, str]:
+    named, _, file = text.partition("=")
+    model, _, component = named.rpartition(":")
+    if not model or not component or not file:
+        raise argparse.ArgumentTypeError(f"expected MODEL:NAME=FILE, got {text!r}")
+    return model, component, file
+
+
+def _model_lora(text: str) -> tuple[str, tuple[str, float]]:
+    model, file = _model_file(text)
+    return model, lora_argument(file)
+
+
+def _brought(args: argparse.Namespace, models: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``--transformer``, ``--component`` and ``--lora`` by served model, as each model's
+    pipeline takes them; a model not served, a file not there or a component given twice
+    is the flag's error, before anything is built."""
+    given = [("--transformer", model, "transformer", file) for model, file in args.transformer]
+    given += [("--component", *entry) for entry in args.component]
+    given += [("--lora", model, None, lora) for model, lora in args.lora]
+    brought: dict[str, dict[str, Any]] = {}
+    for flag, model, component, file in given:
+        if model not in models:
+            raise UsageError(
+                f"argument {flag}: no model named {model!r} is served ({', '.join(models)})"
+            )
+        require_file(flag, file[0] if component is None else file)
+        files = brought.setdefault(model, {})
+        if component is None:
+            files.setdefault("loras", []).append(file)
+            continue
+        components = files.setdefault("components", {})
+        if component in components:
+            raise UsageError(f"argument {flag}: {model}'s {component} is given twice")
+        components[component] = file
+    return brought
 
 
 def _add_outputs(serve: argparse.ArgumentParser) -> None:
@@ -259,9 +328,11 @@ def _config(args: argparse.Namespace) -> Any:
         )
         embedded = "wan-embedded"
         models[embedded] = str(path)
+    brought = _brought(args, models)
     api_key = args.api_key or os.environ.get("ONDECK_API_KEY") or None
     return ServeConfig(
         models=models,
+        brought=brought,
         budget_bytes=args.budget,
         device=args.device,
         dtype=args.dtype,

@@ -22,7 +22,7 @@ from ..arguments import MAX_SEED, ArgumentError, check_generate_arguments, shape
 from ..cli.media import FALLBACK_FPS, media_of
 from ..cli.shape import EMBEDDED_SHAPE, own_shape
 from ..embedded import default_cache_dir
-from ..errors import BudgetError, OndeckError
+from ..errors import BudgetError, LoadError, OndeckError
 from ..hub import resolve_model
 from ..loading import HostCache
 from ..memory import format_bytes, resolve_device
@@ -72,6 +72,9 @@ class ServeConfig:
     # The name of the model served as the embedded default (no model given): a request
     # naming no shape gets its small one, as `ondeck generate` with no model asks.
     embedded: str | None = None
+    # By model name: the single files (``components``) and LoRAs (``loras``) its pipeline
+    # takes, as ``ondeck.diffusers.from_pretrained`` takes them.
+    brought: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def models_from_root(root: str | os.PathLike) -> dict[str, str]:
@@ -164,14 +167,22 @@ class Server:
             )
         path = resolve_model(source)
         policy = BudgetPolicy(self.budget_bytes)
-        pipeline = folder_pipelines.pipeline_for_folder(
-            path,
-            device=self.device,
-            dtype=self.dtype,
-            policy=policy,
-            host_cache=self.host_cache,
-            **({"storage_dtype": self.config.weights} if self.config.weights else {}),
-        )
+        brought = self.config.brought.get(name, {})
+        try:
+            pipeline = folder_pipelines.pipeline_for_folder(
+                path,
+                device=self.device,
+                dtype=self.dtype,
+                policy=policy,
+                host_cache=self.host_cache,
+                **({"storage_dtype": self.config.weights} if self.config.weights else {}),
+                **brought,
+            )
+        except LoadError as error:
+            if not brought:
+                raise
+            # Which model a file given for one failed for.
+            raise LoadError(f"model {name!r}: {error}", path=error.path) from error
         try:  # a model every job of which would fail is refused at start
             folder_pipelines.check_requirements(pipeline)
         except OndeckError as error:
