@@ -551,6 +551,12 @@ def auto_budget_bytes(device: Any, host_memory: int | None = None) -> tuple[int,
     return available, facts.unified
 
 
+def device_budget_bytes(device: Any) -> int:
+    """What ``device`` has free as a budget (``auto_budget_bytes``), at least one byte: a
+    device with nothing free still plans, and a plan against it refuses its runs."""
+    return max(auto_budget_bytes(device)[0], 1)
+
+
 def measured_headroom_relief(device: Any) -> int:
     """Bytes ``auto``'s budget grows by once every stage's activations are measured: the
     estimate's reserve less the measured one (0 on unified memory)."""
@@ -775,7 +781,6 @@ def make_policy(
         return ReleasePolicy()
     if policy == "budget":
         if budget is None:
-            # What the device has free; where that is nothing, the plan refuses the run.
-            budget = max(auto_budget_bytes(device)[0], 1)
+            budget = device_budget_bytes(device)
         return BudgetPolicy(budget, prefetch=prefetch)
     raise ValueError(f"unknown policy {policy!r}; choose auto, eager, release or budget")

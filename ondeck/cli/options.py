@@ -172,7 +172,11 @@ def weight_files(args: argparse.Namespace) -> dict[str, Any]:
     loras = list(getattr(args, "lora", None) or [])
     for file, _ in loras:
         before, equals, after = file.rpartition("=")
-        if equals and os.path.exists(os.path.expanduser(before)) and not os.path.exists(file):
+        if (
+            equals
+            and not os.path.exists(os.path.expanduser(file))
+            and os.path.exists(os.path.expanduser(before))
+        ):
             raise UsageError(f"argument --lora: {file}: a scale follows a ':' ({before}:{after})")
         require_file("--lora", file)
     return {

@@ -288,9 +288,7 @@ class QuantizedComponentLoader(FolderLoader):
         quantized skeleton is not built so (the base class's, which its files refuse)."""
         if self.library != "diffusers":
             return super().weightless_module()
-        plain = {key: value for key, value in self.config.items() if key != "quantization_config"}
-        with torch.device("meta"):
-            module = self.cls.from_config(plain)
+        module = _unquantized_on_meta(self.cls, self.config)
         # torch's own move: diffusers' would warn of the modules its model keeps in float32.
         return torch.nn.Module.to(module, self.dtype)
 
@@ -673,12 +671,18 @@ def _computed_buffer_bytes(cls: type, library: str, config: dict) -> int:
     holds: the module built on the meta device from its config, quantization left out."""
     if library != "diffusers":
         return 0  # transformers models' computed buffers are counted when loaded
-    plain = {key: value for key, value in config.items() if key != "quantization_config"}
-    with torch.device("meta"):
-        module = cls.from_config(plain)
+    module = _unquantized_on_meta(cls, config)
     persistent = set(module.state_dict())
     return sum(
         buffer.numel() * buffer.element_size()
         for name, buffer in module.named_buffers()
         if name not in persistent
     )
+
+
+def _unquantized_on_meta(cls: type, config: dict) -> torch.nn.Module:
+    """The diffusers model ``config`` builds, its quantization left out, on the meta
+    device: no memory, no weights."""
+    plain = {key: value for key, value in config.items() if key != "quantization_config"}
+    with torch.device("meta"):
+        return cls.from_config(plain)

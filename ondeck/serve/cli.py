@@ -223,24 +223,24 @@ def _brought(args: argparse.Namespace, models: dict[str, str]) -> dict[str, dict
     """``--transformer``, ``--component`` and ``--lora`` by served model, as each model's
     pipeline takes them; a model not served, a file not there or a component given twice
     is the flag's error, before anything is built."""
-    given = [("--transformer", model, "transformer", file) for model, file in args.transformer]
-    given += [("--component", *entry) for entry in args.component]
-    given += [("--lora", model, None, lora) for model, lora in args.lora]
     brought: dict[str, dict[str, Any]] = {}
-    for flag, model, component, file in given:
+
+    def files_of(flag: str, model: str, file: str) -> dict[str, Any]:
         if model not in models:
             raise UsageError(
                 f"argument {flag}: no model named {model!r} is served ({', '.join(models)})"
             )
-        require_file(flag, file[0] if component is None else file)
-        files = brought.setdefault(model, {})
-        if component is None:
-            files.setdefault("loras", []).append(file)
-            continue
-        components = files.setdefault("components", {})
+        require_file(flag, file)
+        return brought.setdefault(model, {})
+
+    given = [("--transformer", model, "transformer", file) for model, file in args.transformer]
+    for flag, model, component, file in given + [("--component", *e) for e in args.component]:
+        components = files_of(flag, model, file).setdefault("components", {})
         if component in components:
             raise UsageError(f"argument {flag}: {model}'s {component} is given twice")
         components[component] = file
+    for model, (file, scale) in args.lora:
+        files_of("--lora", model, file).setdefault("loras", []).append((file, scale))
     return brought
 
 

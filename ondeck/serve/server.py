@@ -26,7 +26,7 @@ from ..errors import BudgetError, LoadError, OndeckError
 from ..hub import resolve_model
 from ..loading import HostCache
 from ..memory import format_bytes, resolve_device
-from ..policy import BudgetPolicy, auto_budget_bytes
+from ..policy import BudgetPolicy, device_budget_bytes
 from .jobs import Job, JobCancelled, JobFailed, JobQueue
 from .outputs import OutputStore, draw_timeline, timeline_view, write_job_files
 from .residency import ResidencyManager, ServedModel
@@ -131,9 +131,10 @@ class Server:
         self.device = resolve_device(config.device)
         self.dtype = _torch_dtype(config.dtype, self.device)
         budget = config.budget_bytes
-        if budget is None:
-            budget, _ = auto_budget_bytes(self.device)
-        self.budget_bytes = max(int(budget), 1)  # nothing free: each plan refuses its job
+        # At least one byte: a budget of none plans, and each plan refuses its job.
+        self.budget_bytes = (
+            device_budget_bytes(self.device) if budget is None else max(int(budget), 1)
+        )
         self.host_cache = HostCache.from_setting(config.host_cache_bytes)
         outputs = config.outputs or default_cache_dir() / "serve-outputs"
         self.outputs = OutputStore(outputs, config.outputs_cap_bytes)

@@ -102,10 +102,10 @@ def from_pretrained(
     original repository's key names or diffusers' (float8 and fp8_scaled included), or a
     ``.gguf`` file; the rest comes from ``path`` (``ondeck.loading.single_file``). ``loras``
     lists LoRA files (or ``(file, scale)`` pairs, or maps files to scales) loaded with
-    ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``. ``shard`` names models split over a ``torchrun`` launch's
-    ranks (FSDP2; ``docs/multi-gpu.md``). ``prompt_cache``: encoders answer a call made before
-    from host memory, without loading (:func:`keep_encoders_answers`; ``ondeck generate`` and
-    ``ondeck serve`` turn it on).
+    ``pipe.load_lora_weights`` and set with ``pipe.set_adapters``. ``shard`` names models
+    split over a ``torchrun`` launch's ranks (FSDP2; ``docs/multi-gpu.md``).
+    ``prompt_cache``: encoders answer a call made before from host memory, without loading
+    (:func:`keep_encoders_answers`; ``ondeck generate`` and ``ondeck serve`` turn it on).
     """
     import diffusers
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...lazy import LazyModule, is_out_of_memory
+from ...lazy import is_out_of_memory
+from .component import PipelineComponent
 
 __all__ = ["FirstApplied"]
 
@@ -17,7 +18,7 @@ class FirstApplied:
     failure in a load ahead of the call (whose error is only a warning: the call's own
     load meets it again and says so) do not take it off."""
 
-    def __init__(self, fn: Callable[[Any], Any], component: LazyModule):
+    def __init__(self, fn: Callable[[Any], Any], component: PipelineComponent):
         self.fn = fn
         self.component = component
         self.applied = False
@@ -35,8 +36,7 @@ class FirstApplied:
         return result
 
     def _failed(self) -> None:
-        ahead = getattr(self.component, "in_load_ahead", None)
-        if not self.applied and not (ahead is not None and ahead()):
+        if not self.applied and not self.component.in_load_ahead():
             self.component.remove_transform(self)
 
     def __repr__(self) -> str:
