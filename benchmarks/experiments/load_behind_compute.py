@@ -19,8 +19,9 @@ load from the host cache on a second thread in three arms, each ``--repeats`` ti
   python    the main thread runs pure Python while the load runs
 
 ``--source file`` loads from the safetensors file (the page cache, as ``release`` does)
-instead of from a host cache. ``--calls`` also counts the calls into C one idle load
-makes on its thread, by name (each may hand the GIL over and wait to get it back).
+instead of from a host cache. ``--calls`` also finds which calls into C give up the
+interpreter's lock in one load (``attribute_waits``), by name and calling function, on
+every thread the load starts; with ``--repeats 0`` it does only that.
 
 Writes load_behind_compute.json to $OUT; prints a table last.
 """
@@ -108,17 +109,37 @@ def timed_load(loader, stream, busy: str | None = None) -> float:
     return seconds[0]
 
 
-def count_calls(loader) -> dict[str, int]:
-    """The calls into C one load on a thread of its own makes, by name, most first."""
+def attribute_waits(loader, interval: float = 0.02) -> dict[str, dict[str, int]]:
+    """Which calls into C give up the interpreter's lock in one load, by name and caller.
+
+    The load runs on a thread of its own while the main thread runs pure Python with a
+    thread switch interval of ``interval``: a call that gives the lock up then takes
+    about ``interval`` to get it back, so each call that took more than half of it is
+    counted as a wait (a handover). Every thread the load starts is profiled too."""
     import collections
 
-    counts: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    waits: collections.Counter = collections.Counter()
+    local = threading.local()
 
     def profile(frame, event, arg) -> None:
         if event == "c_call":
+            stack = getattr(local, "stack", None)
+            if stack is None:
+                stack = local.stack = []
+            stack.append(time.perf_counter())
+        elif event in ("c_return", "c_exception"):
+            stack = getattr(local, "stack", None)
+            if not stack:
+                return
+            took = time.perf_counter() - stack.pop()
             owner = getattr(arg, "__self__", None)
             owner = type(owner).__name__ if owner is not None else ""
-            counts[f"{owner}.{getattr(arg, '__name__', str(arg))}"] += 1
+            code = frame.f_code
+            name = f"{owner}.{getattr(arg, '__name__', str(arg))} ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_name})"
+            calls[name] += 1
+            if took > interval / 2:
+                waits[name] += 1
 
     def load() -> None:
         sys.setprofile(profile)
@@ -127,10 +148,24 @@ def count_calls(loader) -> dict[str, int]:
         finally:
             sys.setprofile(None)
 
-    thread = threading.Thread(target=load)
-    thread.start()
-    thread.join()
-    return dict(counts.most_common())
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    threading.setprofile(profile)  # the threads the load starts
+    try:
+        thread = threading.Thread(target=load)
+        thread.start()
+        while thread.is_alive():
+            total = 0
+            for value in range(2000):
+                total += value * value
+        thread.join()
+    finally:
+        threading.setprofile(None)
+        sys.setswitchinterval(previous)
+    return {name: {"waits": waits[name], "calls": calls[name]} for name, _ in waits.most_common()}
+
+
+ARMS = ("idle", "behind", "private", "ops", "ops-fast", "python")
 
 
 def main() -> None:
@@ -140,6 +175,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--source", choices=("cache", "file"), default="cache")
     parser.add_argument("--calls", action="store_true", help="count one load's calls into C")
+    parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
+    parser.add_argument(
+        "--slot-mib", type=int, default=None, help="the reading ring's slot size (its default)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -150,14 +189,16 @@ def main() -> None:
     cache = HostCache(2 * 1024**3) if args.source == "cache" else None
     loader = ComponentLoader(
         folder, "text_encoder", device="cuda", dtype=torch.bfloat16, host_cache=cache,
-        progress=False,
+        progress=False, buffer_bytes=args.slot_mib and args.slot_mib * 2**20,
     )  # fmt: skip
     loader()  # fills the host cache (or the page cache): every timed load reads from it
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     private = torch.cuda.Stream()
-    names = ("idle", "behind", "private", "ops", "ops-fast", "python")
-    arms: dict[str, list[float]] = {arm: [] for arm in names}
+    wanted = args.arms.split(",")
+    if unknown := set(wanted) - set(ARMS):
+        parser.error(f"unknown arms: {sorted(unknown)}; known: {', '.join(ARMS)}")
+    arms: dict[str, list[float]] = {arm: [] for arm in ARMS if arm in wanted}
     for _ in range(args.repeats):
         for arm in arms:
             torch.cuda.synchronize()
@@ -173,12 +214,13 @@ def main() -> None:
             finally:
                 sys.setswitchinterval(interval)
             torch.cuda.synchronize()
-    rows = {arm: statistics.median(values) for arm, values in arms.items()}
-    calls = count_calls(loader) if args.calls else {}
+    rows = {arm: statistics.median(values) for arm, values in arms.items() if values}
+    calls = attribute_waits(loader) if args.calls else {}
     if calls:
-        print(f"\ncalls into C in one idle load: {sum(calls.values())}; the most made:")
-        for name, count in list(calls.items())[:40]:
-            print(f"{count:>7}  {name}")
+        total = sum(row["waits"] for row in calls.values())
+        print(f"\none load beside pure Python: {total} calls gave up the lock; by call:")
+        for name, row in list(calls.items())[:40]:
+            print(f"{row['waits']:>6} of {row['calls']:>6}  {name}")
     write_document(
         "load_behind_compute",
         {
@@ -186,6 +228,7 @@ def main() -> None:
             "arms": arms,
             "medians": rows,
             "source": args.source,
+            "slot_mib": args.slot_mib,
             "calls": calls,
         },
     )
@@ -194,6 +237,8 @@ def main() -> None:
     )
     print(f"{'arm':<10} {'median s':>9}  runs")
     for arm, values in arms.items():
+        if not values:
+            continue
         print(f"{arm:<10} {rows[arm]:>9.3f}  {', '.join(f'{v:.3f}' for v in values)}")
     print(f"json: {out_dir() / 'load_behind_compute.json'}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
 
 from ..errors import LoadError
@@ -77,9 +77,9 @@ def feed(state: ring.ReadState, lease: process_pool.Lease) -> None:
 def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> None:
     streams = {}
     casts = {}
-    # slot -> the chunk being read into it, and its number in the plan
-    reading: dict[int, tuple[int, Chunk]] = {}
-    requested = 0
+    # slot -> the chunks being read into it, and the number in the plan of the first
+    reading: dict[int, tuple[int, list[Chunk]]] = {}
+    requested = 0  # chunks asked for
     opened = False
     try:
         streams = ring.side_streams(state.fences)
@@ -96,18 +96,20 @@ def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> 
             slots = [ring.DriverSlot(pool.slot(i), driver, stream) for i in range(pool.slot_count)]
         free = deque(range(pool.slot_count))
         copying: deque[int] = deque()  # slots whose copies run, in the order issued
-        chunks = iter(state.chunks)
+        reads = read_runs(state.chunks, pool.slot_bytes)
         left = len(state.chunks)
         while left and not state.stop.is_set():
             while copying and slots[copying[0]].finished():
                 free.append(copying.popleft())
-            while free and len(reading) < left:
-                chunk = next(chunks)
+            while free and requested < len(state.chunks):
+                run = next(reads)
                 slot = free.popleft()
-                info = chunk.job.info
-                pool.request(slot, file_ids[info.path], info.start + chunk.lo, chunk.hi - chunk.lo)
-                reading[slot] = (requested, chunk)
-                requested += 1
+                first, last = run[0], run[-1]
+                start = first.job.info.start + first.lo
+                length = last.job.info.start + last.hi - start
+                pool.request(slot, file_ids[first.job.info.path], start, length)
+                reading[slot] = (requested, run)
+                requested += len(run)
             if not reading:  # every slot waits for its copy
                 slots[copying[0]].wait()
                 continue
@@ -121,20 +123,16 @@ def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> 
             # In plan order: a tensor's chunks answered together are staged side by side
             # and cast as one.
             answered.sort(key=itemgetter(0))
-            for _, chunk, slot, status, reached in answered:
+            for _, run, slot, status, reached in answered:
                 if status:
                     reason = None if status == FILE_ENDED else os.strerror(status)
-                    raise ring.read_error(chunk.job.info, state.component, reached, reason)
-                stream = ring.deliver(chunk, slots[slot].buffer, streams, casts, driver)
-                if stream is None:
-                    free.append(slot)
-                else:
-                    slots[slot].mark_copying(stream)
+                    info = _reaching(run, reached).job.info
+                    raise ring.read_error(info, state.component, reached, reason)
+                if _deliver_run(state, run, slots[slot], streams, casts, driver):
                     copying.append(slot)
-                state.delivered_chunk(chunk, streams, casts)
-                left -= 1
-                if state.bar is not None:
-                    state.bar.update(chunk.hi - chunk.lo)
+                else:
+                    free.append(slot)
+                left -= len(run)
     except process_pool.ReadingProcessExited as error:
         where = f"component '{state.component}': " if state.component else ""
         state.fail(LoadError(f"{where}{error}", component=state.component))
@@ -144,6 +142,57 @@ def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> 
         _settle(state, pool, reading, opened)
         casting.finish_casts(casts, state)
         ring.wait_for(streams, state)
+
+
+def read_runs(chunks: Iterable[Chunk], slot_bytes: int) -> Iterator[list[Chunk]]:
+    """The chunks in plan order, grouped into the reads the processes are asked for: a
+    chunk alone, or chunks that follow one another in one file and fit a slot together
+    (a model's biases and norms, a few KiB each), read as one. Each read costs the
+    copying thread a request, an answer and a wait, and each wait hands the interpreter's
+    lock to a thread that may keep it for milliseconds. A chunk that is cast is read
+    alone: its elements must start where the slot does."""
+    run: list[Chunk] = []
+    size = 0
+    for chunk in chunks:
+        nbytes = chunk.hi - chunk.lo
+        if run:
+            last = run[-1]
+            follows = (
+                chunk.job.info.path == last.job.info.path
+                and chunk.job.info.start + chunk.lo == last.job.info.start + last.hi
+            )
+            if chunk.cast or last.cast or not follows or size + nbytes > slot_bytes:
+                yield run
+                run, size = [], 0
+        run.append(chunk)
+        size += nbytes
+    if run:
+        yield run
+
+
+def _reaching(run: list[Chunk], reached: int) -> Chunk:
+    """The chunk of ``run`` whose bytes include file byte ``reached`` (else the last)."""
+    for chunk in run:
+        if chunk.job.info.start + chunk.lo <= reached < chunk.job.info.start + chunk.hi:
+            return chunk
+    return run[-1]
+
+
+def _deliver_run(state: ring.ReadState, run: list[Chunk], slot, streams, casts, driver) -> bool:
+    """Issue the copies of a read's chunks out of its slot; whether any runs on a
+    stream (the slot is free again once the last has finished)."""
+    offset = 0
+    stream = None
+    for chunk in run:
+        issued = ring.deliver(chunk, slot.buffer, streams, casts, driver, offset)
+        stream = issued or stream
+        offset += chunk.hi - chunk.lo
+        state.delivered_chunk(chunk, streams, casts)
+        if state.bar is not None:
+            state.bar.update(chunk.hi - chunk.lo)
+    if stream is not None:
+        slot.mark_copying(stream)
+    return stream is not None
 
 
 def _settle(state: ring.ReadState, pool: process_pool.ReadingProcesses, reading, opened) -> None:

@@ -242,12 +242,14 @@ def deliver(
     streams: dict,
     casts: dict,
     driver: Driver | None = None,
+    offset: int = 0,
 ) -> torch.cuda.Stream | None:
     """Copy staged file bytes into the chunk's target, casting if needed. ``staged``:
-    pinned host bytes starting with the chunk's (a ring slot may be longer). A device
-    copy is issued on this thread's stream for the device, which is returned, through
-    ``driver`` if given (every CUDA destination is then on that stream's device).
-    ``casts``: this thread's :class:`DeviceCasts` on each device that casts."""
+    pinned host bytes holding the chunk's from byte ``offset`` (a ring slot may be longer,
+    and hold other chunks' before it; a cast's start it). A device copy is issued on this
+    thread's stream for the device, which is returned, through ``driver`` if given (every
+    CUDA destination is then on that stream's device). ``casts``: this thread's
+    :class:`DeviceCasts` on each device that casts."""
     device = chunk.target.device
     stream = streams.get(device)
     if chunk.cast and stream is not None:
@@ -257,10 +259,10 @@ def deliver(
         return stream
     nbytes = chunk.hi - chunk.lo
     if driver is not None and stream is not None:
-        driver.copy(chunk.address, staged.data_ptr(), nbytes, stream.cuda_stream)
+        driver.copy(chunk.address, staged.data_ptr() + offset, nbytes, stream.cuda_stream)
         return stream
-    if staged.numel() != nbytes:
-        staged = staged[:nbytes]
+    if offset or staged.numel() != nbytes:
+        staged = staged[offset : offset + nbytes]
     source = staged.view(chunk.job.info.dtype) if chunk.cast else staged
     if chunk.cast and chunk.job.via is not None:
         source = source.to(chunk.job.via)

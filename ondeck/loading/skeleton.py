@@ -156,7 +156,7 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
             )
         elif key in ("_parameters", "_buffers"):
             state[key] = kind(
-                (name, None if tensor is None else copy.deepcopy(tensor, memo))
+                (name, None if tensor is None else _copy_tensor(tensor, memo))
                 for name, tensor in value.items()
             )
         elif kind in _ATOMS:
@@ -170,6 +170,19 @@ def _copy_module(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modu
             state[key] = copy.deepcopy(value, memo)
     new.__setstate__(state)
     return new
+
+
+def _copy_tensor(tensor: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+    """deepcopy's copy of a module's tensor. A plain parameter on the meta device (a
+    skeleton's weight, replaced when the module is installed) is made without a torch
+    operation: an operation gives up the interpreter's lock, and a load on a thread of its
+    own beside a running pipeline then waits to get it back, once per tensor."""
+    if type(tensor) is torch.nn.Parameter and tensor.is_meta and not tensor.__dict__:
+        found = memo.get(id(tensor))
+        if found is None:
+            found = memo[id(tensor)] = torch.nn.Parameter(tensor.data, tensor.requires_grad)
+        return found
+    return copy.deepcopy(tensor, memo)
 
 
 _COPY_METHODS = (

@@ -71,6 +71,68 @@ def test_unaligned_and_cast_reads_by_processes(tmp_path):
     assert torch.equal(cast["w"], tensors["w"].double())
 
 
+def small_and_large(tmp_path):
+    """Small tensors between larger ones, as a model's biases and norms lie in its file."""
+    tensors = {}
+    for index in range(6):
+        tensors[f"b{index}.bias"] = random_tensor(torch.float32, (5 + index,), index)
+        tensors[f"b{index}.norm"] = random_tensor(torch.bfloat16, (7,), 10 + index)
+        tensors[f"b{index}.weight"] = random_tensor(torch.float32, (40, 10 + index), 20 + index)
+    return save_file(tensors, str(tmp_path / "m.safetensors")) or tmp_path / "m.safetensors"
+
+
+def count_requests(monkeypatch) -> list[tuple[int, int]]:
+    """The (offset, length) of every read the processes are asked for, from now on."""
+    asked: list[tuple[int, int]] = []
+    original = process_pool.ReadingProcesses.request
+
+    def request(self, slot, file_id, offset, length):
+        asked.append((offset, length))
+        return original(self, slot, file_id, offset, length)
+
+    monkeypatch.setattr(process_pool.ReadingProcesses, "request", request)
+    return asked
+
+
+def test_small_tensors_that_follow_one_another_are_read_together(tmp_path, monkeypatch):
+    path = small_and_large(tmp_path)
+    asked = count_requests(monkeypatch)
+    loaded = read_by_processes(path, buffer_bytes=1024)
+    for name, tensor in load_file(str(path)).items():
+        assert same_bits(loaded[name], tensor), name
+    header = read_header(path)
+    chunks = sum(-(-info.nbytes // 1024) for info in header.tensors.values())
+    assert len(asked) < chunks * 2 // 3
+    assert all(length <= 1024 for _, length in asked)
+    assert sum(length for _, length in asked) == sum(i.nbytes for i in header.tensors.values())
+    # Each read is one range of the file, and together they cover every tensor once.
+    covered = sorted(asked)
+    assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:], strict=False))
+
+
+def test_a_cast_is_read_alone_and_still_exact(tmp_path, monkeypatch):
+    path = small_and_large(tmp_path)
+    asked = count_requests(monkeypatch)
+    loaded = read_by_processes(path, dtype=torch.float64, buffer_bytes=1024)
+    for name, tensor in load_file(str(path)).items():
+        assert same_bits(loaded[name], tensor.double()), name
+    header = read_header(path)
+    assert len(asked) == sum(-(-info.nbytes // 1024) for info in header.tensors.values())
+
+
+def test_a_file_ending_inside_a_joint_read_names_the_tensor_it_ended_in(tmp_path, monkeypatch):
+    from ondeck.loading import reads
+
+    path = small_and_large(tmp_path)
+    jobs = jobs_for(path)
+    norm = read_header(path).tensors["b5.norm"]
+    # The file ends while it is read, inside b5.norm.
+    monkeypatch.setattr(reads, "check_unchanged", lambda *_, **__: None)
+    os.truncate(path, norm.start + 3)  # read in one with the other norms
+    with pytest.raises(LoadError, match=r"tensor 'b5\.norm': file ended at byte"):
+        read_into(jobs, progress=False, processes=True, threads=3, buffer_bytes=1024)
+
+
 def test_processes_stay_for_the_next_load(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.randn(300, 20)})
     read_by_processes(path)
