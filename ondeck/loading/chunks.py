@@ -64,10 +64,11 @@ class Chunk:
     """One read: a byte range of a job's tensor, and where in the destination it goes."""
 
     job: ReadJob
-    # The destination (or its contiguous temporary), all of it, flat: its raw bytes when
-    # the file's dtype is kept, its elements when cast. ``part`` is this chunk's. The
-    # copying thread of a read through the processes needs no view per chunk: it copies
-    # to an address, and casts make one view per run of chunks.
+    # The destination (or its contiguous temporary), all of it: as it is when the file's
+    # dtype is kept, flat (its elements) when cast. ``part`` is this chunk's. The copying
+    # thread of a read through the processes makes no view per chunk or per tensor: it
+    # copies to an address (a view is a torch operation, which gives up the interpreter's
+    # lock), and casts make one view per run of chunks.
     target: torch.Tensor
     lo: int  # byte range within the tensor's file data, element aligned
     hi: int
@@ -78,7 +79,7 @@ class Chunk:
     def part(self) -> torch.Tensor:
         """This chunk's part of the target."""
         if not self.cast:
-            return self.target[self.lo : self.hi]
+            return self.target.reshape(-1).view(torch.uint8)[self.lo : self.hi]
         itemsize = self.job.info.dtype.itemsize
         return self.target[self.lo // itemsize : self.hi // itemsize]
 
@@ -154,12 +155,10 @@ class _JobChunks:
 
     def chunks(self) -> list[Chunk]:
         info = self.job.info
-        flat = self.target.reshape(-1)
-        if not self.cast:
-            flat = flat.view(torch.uint8)
+        target = self.target.reshape(-1) if self.cast else self.target
         job, direct, cast, group, nbytes = self.job, self.direct, self.cast, self.group, info.nbytes
         return [
-            Chunk(job, flat, lo, min(lo + self.step, nbytes), direct, cast, group)
+            Chunk(job, target, lo, min(lo + self.step, nbytes), direct, cast, group)
             for lo in range(0, nbytes, self.step)
         ]
 

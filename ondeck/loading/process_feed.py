@@ -101,15 +101,18 @@ def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> 
         while left and not state.stop.is_set():
             while copying and slots[copying[0]].finished():
                 free.append(copying.popleft())
+            asked = []
             while free and requested < len(state.chunks):
                 run = next(reads)
                 slot = free.popleft()
                 first, last = run[0], run[-1]
                 start = first.job.info.start + first.lo
                 length = last.job.info.start + last.hi - start
-                pool.request(slot, file_ids[first.job.info.path], start, length)
+                asked.append((slot, file_ids[first.job.info.path], start, length))
                 reading[slot] = (requested, run)
                 requested += len(run)
+            if asked:
+                pool.request(asked)
             if not reading:  # every slot waits for its copy
                 slots[copying[0]].wait()
                 continue

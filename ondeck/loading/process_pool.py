@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..memory import register_host_memory
-from .read_worker import OPEN, READ, READY, REPLY
+from .read_worker import MAX_READS, OPEN, READ, READY, REPLY
 from .ring import read_path
 
 __all__ = ["Lease", "ReadingProcesses", "ReadingProcessExited", "acquire"]
@@ -47,7 +47,7 @@ START_SECONDS = 10.0
 CLOSE_SECONDS = 5.0
 # Requests waiting at one process, at most: its unread answers must fit its socket's send
 # buffer, or it blocks sending an answer while this process blocks sending it a request.
-MAX_SLOTS_PER_PROCESS = 32
+MAX_SLOTS_PER_PROCESS = MAX_READS  # and one message asks a process for them all
 
 
 class ReadingProcessExited(RuntimeError):
@@ -158,10 +158,16 @@ class ReadingProcesses:
         for channel in self._channels:
             self._send(channel, b"C")
 
-    def request(self, slot: int, file_id: int, offset: int, length: int) -> None:
-        """Read ``length`` bytes at ``offset`` into ``slot``; answered by :meth:`replies`."""
-        message = READ.pack(b"R", file_id, slot * self.slot_bytes, offset, length, slot)
-        self._send(self._channels[slot % self.count], message)
+    def request(self, reads: list[tuple[int, int, int, int]]) -> None:
+        """For each ``(slot, file id, offset, length)``, read ``length`` bytes at
+        ``offset`` into ``slot``; each is answered by :meth:`replies`. One message per
+        process: each send can hand the interpreter's lock to another thread."""
+        messages: dict[int, list[bytes]] = {}
+        for slot, file_id, offset, length in reads:
+            message = READ.pack(b"R", file_id, slot * self.slot_bytes, offset, length, slot)
+            messages.setdefault(slot % self.count, []).append(message)
+        for index, parts in messages.items():
+            self._send(self._channels[index], b"".join(parts))
 
     def _send(self, channel: socket.socket, message: bytes, fds: list[int] = ()) -> None:
         try:

@@ -6,9 +6,10 @@ and holds a few MiB. It first sends ``READY``. Messages on the socket (SOCK_SEQP
 per datagram):
 
 - ``b"O" + file id`` with a file descriptor attached: keep that file open under the id;
-- ``READ`` (``b"R"``, file id, ring offset, file offset, length, tag): read the range
-  into the ring and answer ``REPLY`` (tag, status, byte reached): status 0 when done,
-  an errno when the read failed, -1 when the file ended first;
+- one ``READ`` or more, back to back (each ``b"R"``, file id, ring offset, file offset,
+  length, tag): read each range into the ring in turn and answer each with ``REPLY``
+  (tag, status, byte reached): status 0 when done, an errno when the read failed, -1 when
+  the file ended first;
 - ``b"C"``: close every file. The process exits when the socket closes.
 """
 
@@ -24,6 +25,8 @@ READ = struct.Struct("<cIQQQI")
 REPLY = struct.Struct("<Iiq")
 OPEN = struct.Struct("<cI")
 READY = b"ready"
+# The most reads one message asks for: a process holds at most this many slots.
+MAX_READS = 32
 FILE_ENDED = -1
 
 
@@ -35,19 +38,19 @@ def serve(ring_fd: int, socket_fd: int) -> None:
     files: dict[int, int] = {}
     while True:
         try:
-            message, fds, _, _ = socket.recv_fds(channel, 64, 4)
+            message, fds, _, _ = socket.recv_fds(channel, READ.size * MAX_READS, 4)
         except (ConnectionError, OSError):
             return
         if not message:
             return
         kind = message[:1]
         if kind == b"R":
-            _, file_id, ring_offset, offset, length, tag = READ.unpack(message)
-            status, reached = read_range(files[file_id], view, ring_offset, offset, length)
-            try:
-                channel.send(REPLY.pack(tag, status, reached))
-            except OSError:  # the loading process is gone
-                return
+            for _, file_id, ring_offset, offset, length, tag in READ.iter_unpack(message):
+                status, reached = read_range(files[file_id], view, ring_offset, offset, length)
+                try:
+                    channel.send(REPLY.pack(tag, status, reached))
+                except OSError:  # the loading process is gone
+                    return
         elif kind == b"O":
             _, file_id = OPEN.unpack(message)
             if file_id in files:  # a load that failed before closing its files

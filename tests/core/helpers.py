@@ -121,3 +121,19 @@ class FixedEvent:
 
     def elapsed_time(self, end):
         return self.MILLISECONDS
+
+
+class TorchOperations(torch.overrides.TorchFunctionMode):
+    """The torch functions this thread calls meanwhile, attribute reads left out. Each
+    one gives up the interpreter's lock, which a load beside a running pipeline then waits
+    to get back."""
+
+    def __init__(self):
+        super().__init__()
+        self.called: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in ("__get__", "__set__"):
+            self.called.append(name)
+        return func(*args, **(kwargs or {}))

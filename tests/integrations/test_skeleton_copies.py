@@ -14,6 +14,7 @@ import torch
 
 from ondeck.loading.model_folder import ModelFolder
 from ondeck.loading.skeleton import copy_module, set_tensor
+from tests.core.helpers import TorchOperations
 
 from .breadth_pipelines import ALL_FAMILIES
 
@@ -145,27 +146,13 @@ def test_what_is_shared_inside_stays_shared_in_the_copy():
     assert not mutable_objects(template).keys() & mutable_objects(copied).keys()
 
 
-class _Operations(torch.overrides.TorchFunctionMode):
-    """The torch functions called meanwhile, attribute reads left out."""
-
-    def __init__(self):
-        super().__init__()
-        self.called: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name not in ("__get__", "__set__"):
-            self.called.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_skeletons_weights_are_copied_without_a_torch_operation():
     # Each operation gives up the interpreter's lock: a load beside a running pipeline
     # then waits to get it back, once per weight.
     with torch.device("meta"):
         template = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     template[0].weight.requires_grad_(False)
-    with _Operations() as operations:
+    with TorchOperations() as operations:
         copied = copy_module(template)
     assert operations.called == []
     assert copied[0].weight is not template[0].weight

@@ -86,9 +86,9 @@ def count_requests(monkeypatch) -> list[tuple[int, int]]:
     asked: list[tuple[int, int]] = []
     original = process_pool.ReadingProcesses.request
 
-    def request(self, slot, file_id, offset, length):
-        asked.append((offset, length))
-        return original(self, slot, file_id, offset, length)
+    def request(self, reads):
+        asked.extend((offset, length) for _, _, offset, length in reads)
+        return original(self, reads)
 
     monkeypatch.setattr(process_pool.ReadingProcesses, "request", request)
     return asked
@@ -108,6 +108,26 @@ def test_small_tensors_that_follow_one_another_are_read_together(tmp_path, monke
     # Each read is one range of the file, and together they cover every tensor once.
     covered = sorted(asked)
     assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:], strict=False))
+
+
+def test_the_reads_a_process_is_asked_for_at_once_go_in_one_message(tmp_path, monkeypatch):
+    from ondeck.loading.read_worker import READ
+
+    sent: list[int] = []
+    original = process_pool.ReadingProcesses._send
+
+    def send(self, channel, message, fds=()):
+        if message[:1] == b"R":
+            sent.append(len(message) // READ.size)
+        return original(self, channel, message, fds)
+
+    monkeypatch.setattr(process_pool.ReadingProcesses, "_send", send)
+    tensor = random_tensor(torch.float32, (3000,), 1)
+    path = write_safetensors(tmp_path / "w.safetensors", {"w": tensor})
+    loaded = read_by_processes(path, buffer_bytes=1024, buffer_count=6, threads=3)
+    assert same_bits(loaded["w"], tensor)
+    assert sent[0] == 2  # the first round: two slots for each of three processes
+    assert sum(sent) == -(-tensor.nbytes // 1024)
 
 
 def test_a_cast_is_read_alone_and_still_exact(tmp_path, monkeypatch):

@@ -156,6 +156,24 @@ def test_staging_never_exceeds_the_ring(tmp_path, monkeypatch):
     assert 1 <= len(buffers) <= 3 and set(buffers) == {1024}
 
 
+def test_chunks_of_the_files_dtype_are_made_without_a_torch_operation(tmp_path):
+    # The copying thread of a read through the processes copies each chunk to an
+    # address; a view per tensor gives up the interpreter's lock once a tensor.
+    from ondeck.loading.chunks import plan_chunks
+    from tests.core.helpers import TorchOperations
+
+    tensors = {"w": torch.randn(40, 30), "b": torch.randn(30), "s": torch.tensor(2.0)}
+    path = write_safetensors(tmp_path / "w.safetensors", tensors)
+    plan, _ = plan_chunks(jobs_for(path), 1024, None)
+    with TorchOperations() as operations:
+        chunks = list(plan)
+    assert operations.called == []
+    for chunk in chunks:
+        start = chunk.job.destination.data_ptr() + chunk.lo
+        assert chunk.address == start == chunk.part().data_ptr()
+        assert chunk.part().numel() == chunk.hi - chunk.lo
+
+
 def test_shape_mismatch_is_a_load_error(tmp_path):
     path = write_safetensors(tmp_path / "w.safetensors", {"w": torch.zeros(4)})
     info = read_header(path).tensors["w"]
