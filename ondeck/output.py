@@ -330,16 +330,27 @@ def remove_earlier_results(
 
 
 def earlier_results(folder: Path) -> set[str]:
-    """The results an earlier run wrote in ``folder``: the names its ``report.json`` lists
-    (``output.files``); none where there is no such report, or it cannot be read."""
+    """The results an earlier run wrote in ``folder``: the names its ``report.json`` lists,
+    as written (``output.files``) or as perhaps written (``output.pending``: a run that
+    failed or stopped while writing its result); none where there is no such report, or
+    it cannot be read."""
     try:
         report = json.loads((folder / "report.json").read_text())
-        files = report["output"]["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        found = report["output"]
+        names = [*found.get("files", ()), *found.get("pending", ())]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
-    if not isinstance(files, list):
-        return set()
-    return {name for name in files if isinstance(name, str) and Path(name).name == name}
+    return {name for name in names if isinstance(name, str) and Path(name).name == name}
+
+
+def pending_results(folder: Path, earlier: Collection[str], names: Collection[str]) -> list[str]:
+    """What a report written before a run's result is in place lists as ``pending``: the
+    results an earlier run wrote (``earlier``), and this run's ``names`` not in the folder
+    yet. Should the run fail or stop before its report lists its files, the next run into
+    the folder removes those of them it does not replace; a file of such a name there
+    now, not an earlier run's, is the user's and is left out."""
+    new = {name for name in names if not (folder / name).exists()}
+    return sorted({*earlier, *new})
 
 
 def image_names(count: int, stem: str = "image") -> list[str]:

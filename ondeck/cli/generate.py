@@ -234,10 +234,12 @@ def write_results(
     and fail the command. report.json is then written again with the outcome: the files
     written (``output.files``), or the error and where the frames are kept."""
     earlier = output.earlier_results(out)  # before this run's report replaces its report
+    pixels = frames[0] if media.video else _images(frames)
+    names = ["video.mp4"] if media.video else output.image_names(len(pixels))
+    report.setdefault("output", {})["pending"] = output.pending_results(out, earlier, names)
     report_path = write_json(out / "report.json", report)
     plot_path = out / "timeline.png"
     written = [report_path]
-    pixels = frames[0] if media.video else _images(frames)
     if draw_timeline(pipe, plot_path, title):
         written.append(plot_path)
     else:  # an earlier run's timeline would pass for this run's
@@ -265,6 +267,7 @@ def write_results(
     (out / "frames.npy").unlink(missing_ok=True)  # an earlier run's, kept when it failed
     # An image beside this video, or the reverse: those an earlier run wrote.
     output.remove_earlier_results(out, results, earlier=earlier)
+    del report["output"]["pending"]  # every result is in place, an earlier run's gone
     if not _record_outcome(report_path, report, {"files": [path.name for path in results]}):
         written.remove(report_path)  # the first one stays, listing no files: not this run's
     print(f"ondeck: wrote {_shown([*results, *written])}")

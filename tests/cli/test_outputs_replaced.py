@@ -127,6 +127,55 @@ def test_files_of_result_names_that_no_run_wrote_are_the_users_and_stay(capsys, 
     assert (out / "image-12.png").read_bytes() == b"mine too"
 
 
+def test_an_earlier_runs_images_still_go_after_a_run_that_failed_to_write_between(
+    capsys, flux, tmp_path, monkeypatch
+):
+    """A run whose result is not written keeps the one before it in place; its report
+    still names those images, so the next run written removes them."""
+    out = tmp_path / "out"
+    code, _, err = generate_images(capsys, flux, out, "--images", "2")
+    assert code == 0, err
+
+    def full(*_, **__):
+        raise output.OutputError("could not write image.png: No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(output, "write_images", full)
+        code, _, _ = generate_images(capsys, flux, out)
+    assert code == 1
+    assert {"image-1.png", "image-2.png", "frames.npy"} <= listing(out)
+    code, _, err = generate_images(capsys, flux, out)
+    assert code == 0, err
+    assert listing(out) == {"image.png", "report.json", "timeline.png"}
+
+
+def test_a_run_stopped_while_writing_its_result_leaves_a_report_the_next_run_cleans_by(
+    capsys, flux, tmp_path, monkeypatch
+):
+    """Stopped after its report but before its images are in place (a Ctrl-C, a killed
+    process): the report names the earlier run's images and those this one was writing,
+    so the next run removes what it does not replace, and keeps the user's own."""
+    out = tmp_path / "out"
+    code, _, err = generate_images(capsys, flux, out, "--images", "2")
+    assert code == 0, err
+    (out / "image-3.png").write_bytes(b"mine")
+
+    def stopped(folder, images, **_):
+        (out / "image-4.png").write_bytes(b"this run's, half written")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(output, "write_images", stopped)
+        code, _, _ = generate_images(capsys, flux, out, "--images", "4")
+    assert code == 130
+    pending = json.loads((out / "report.json").read_text())["output"]["pending"]
+    assert pending == ["image-1.png", "image-2.png", "image-4.png"]
+    code, _, err = generate_images(capsys, flux, out)
+    assert code == 0, err
+    assert listing(out) == {"image.png", "image-3.png", "report.json", "timeline.png"}
+    assert "pending" not in json.loads((out / "report.json").read_text())["output"]
+
+
 # -- a set of images written part way -------------------------------------------------------
 
 
