@@ -488,8 +488,28 @@ class SingleFileFolder(ModelFolder):
                 path=path,
                 config=dict(self.config_dict(name)),
             )
+            self._check_converted(name, path, converted, slots, weights)
         self._scale_keys[name] = _scale_owners(converted, scales, header.tensors, name, path)
         return {key: info for key, info in converted.items() if not _is_scale_name(key)}
+
+    def _check_converted(self, name, path, converted, slots, weights) -> None:
+        """A file whose converted keys name under half of the model's tensors is another
+        model's (another component's file, say): said here, naming the file, rather than
+        as the config and the weights disagreeing."""
+        if not slots:
+            return
+        found = sum(any(n in converted for n in names) for names in slots)
+        if found * 2 >= len(slots):
+            return
+        cls = self.component_class(name).__name__
+        raise LoadError(
+            f"component '{name}' from {path}: its tensors are not {cls}'s: diffusers' "
+            f"conversion finds {found} of the model's {len(slots)} tensors in its "
+            f"{len(weights)} keys ({some_names(sorted(weights), 3, quoted=True)}); is it "
+            f"another component's or another model's file?",
+            component=name,
+            path=path,
+        )
 
     def _model_slots(self, name: str) -> list[list[str]] | None:
         """The names of each of the model's tensors (several where weights are tied),

@@ -68,7 +68,7 @@ def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
     def spying(checkpoint, **kwargs):
         converted = registered(checkpoint, **kwargs)
         calls.append(sorted(converted))
-        return {f"{key}.seen": value for key, value in converted.items()}
+        return {**converted, "seen.by.the.spy": next(iter(converted.values()))}
 
     monkeypatch.setitem(entry, "checkpoint_mapping_fn", spying)
     folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
@@ -76,7 +76,7 @@ def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
     tensors = folder.tensors("transformer")
 
     assert len(calls) == 1
-    assert sorted(tensors) == [f"{key}.seen" for key in calls[0]], "its output, as it is"
+    assert sorted(tensors) == sorted([*calls[0], "seen.by.the.spy"]), "its output, as it is"
 
 
 def test_the_plan_reads_no_weights_and_counts_the_files_bytes(base, original_file, monkeypatch):
@@ -134,6 +134,17 @@ def test_a_file_of_another_model_is_refused_before_anything_loads(base, tmp_path
     with pytest.raises(LoadError, match=r"component 'transformer'.*other\.safetensors"):
         pipe = load(base, "release", components={"transformer": wrong})
         pipe.ondeck.plan()
+
+
+def test_another_components_file_is_named_as_not_this_models(base, original_file):
+    """The transformer's file given as the VAE: the VAE's conversion finds none of its
+    tensors there; the error names the file given, not the folder's config."""
+    with pytest.raises(LoadError) as raised:
+        pipe = load(base, "release", components={"vae": original_file})
+        pipe.ondeck.plan()
+    message = str(raised.value)
+    assert message.startswith(f"component 'vae' from {original_file}: its tensors are not ")
+    assert "finds 0 of the model's" in message and "config.json" not in message
 
 
 def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_path):
