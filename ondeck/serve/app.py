@@ -146,7 +146,8 @@ class _Api:
             "created": int(self.server.started_at),
             "owned_by": "ondeck",
             "kind": model.kind,
-            "takes_image": model.takes_image,
+            # Whether a request can give it an input image: only a video's input_reference.
+            "takes_image": model.takes_image and model.kind == "video",
             **({"fps": model.fps} if model.kind == "video" else {}),
         }
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import folder_pipelines
 from ..arguments import MAX_SEED, ArgumentError, check_generate_arguments, shape_rule
-from ..cli.media import FALLBACK_FPS, media_of
+from ..cli.media import FALLBACK_FPS, Media, media_of
 from ..cli.shape import EMBEDDED_SHAPE, own_shape
 from ..embedded import default_cache_dir
 from ..errors import BudgetError, LoadError, OndeckError
@@ -98,6 +98,24 @@ def _torch_dtype(name: str | None, device: Any) -> Any:
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def check_inputs(media: Media) -> None:
+    """``OndeckError`` for a pipeline that needs an input no request can give it: an
+    image model's input image (the images route takes none; a video request gives its
+    ``input_reference``), or a second input beside the image (a mask, a control image)."""
+    name = media.pipeline_class
+    if media.other_input is not None:
+        raise OndeckError(
+            f"{name} needs a {media.other_input} besides its image, which no request to "
+            "ondeck serve can give; call the pipeline from Python "
+            "(ondeck.diffusers.from_pretrained)"
+        )
+    if media.needs_image and not media.video:
+        raise OndeckError(
+            f"{name} needs an input image, which the images route takes none of; "
+            "ondeck generate --image runs it"
+        )
 
 
 class StepProgress:
@@ -184,8 +202,10 @@ class Server:
                 raise
             # Which model a file given for one failed for.
             raise LoadError(f"model {name!r}: {error}", path=error.path) from error
+        media = media_of(Path(path))  # what it makes and takes, as `ondeck generate` reads it
         try:  # a model every job of which would fail is refused at start
             folder_pipelines.check_requirements(pipeline)
+            check_inputs(media)
         except OndeckError as error:
             raise OndeckError(f"model {name!r} ({source}): {error}") from None
         # Each job's timeline and report are its own: the tracker keeps the job's runs
@@ -194,7 +214,6 @@ class Server:
         pipeline.released_between_runs = True
         pipeline.tracker.keep_runs = 1
         pipeline.tracker.reset_peaks = True  # the server owns its process's peak counters
-        media = media_of(Path(path))  # what it makes and takes, as `ondeck generate` reads it
         served = ServedModel(
             name=name,
             source=str(source),

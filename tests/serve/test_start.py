@@ -1,0 +1,42 @@
+"""What ``ondeck serve`` checks as it starts: a model no request could run is refused,
+naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ondeck.errors import OndeckError
+from ondeck.serve.server import ServeConfig, Server
+
+from .inprocess import call, make_server
+
+
+def test_an_image_model_that_needs_an_input_image_is_refused_at_start(tmp_path):
+    """A ControlNet's every call needs its control image, which the images route takes
+    none of: serving it is refused, naming the model and why, not a 400 for every job."""
+    from tests.integrations.breadth_pipelines import ALL_FAMILIES
+
+    folder = tmp_path / "controlnet"
+    ALL_FAMILIES["sd_controlnet"].build(folder)
+    config = ServeConfig(
+        models={"cn": str(folder)}, device="cpu", budget_bytes=2**30, outputs=tmp_path / "out"
+    )
+    with pytest.raises(OndeckError) as refused:
+        Server(config, say=lambda *_: None)
+    message = str(refused.value)
+    assert message.startswith("model 'cn' (")
+    assert "StableDiffusionControlNetPipeline needs an input image" in message
+    assert "images route takes none" in message and "\n" not in message
+
+
+def test_an_image_model_is_listed_as_taking_no_input_image(models, tmp_path):
+    """An image model whose call takes an optional image (Flux Kontext's) is served, but
+    no request to it can give one: /v1/models says it takes none."""
+    server = make_server(models, tmp_path, names=("sd3", "wan"))
+    try:
+        server.models["sd3"].takes_image = True  # as Kontext's call takes one
+        server.models["wan"].takes_image = True  # image-to-video: input_reference gives it
+        listed = call(server, "GET", "/v1/models").json()["data"]
+    finally:
+        server.stop()
+    assert {model["id"]: model["takes_image"] for model in listed} == {"sd3": False, "wan": True}
