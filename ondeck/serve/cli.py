@@ -310,6 +310,18 @@ def remote_or(local: Any) -> Any:
 def _config(args: argparse.Namespace) -> Any:
     from .server import Limits, ServeConfig, models_from_root
 
+    limits = Limits(
+        body_bytes=args.max_body,
+        prompt_chars=args.max_prompt,
+        side=args.max_side,
+        frames=args.max_frames,
+    )
+    if args.steps is not None and args.steps > limits.steps:
+        # A request naming no steps would ask for them, past what any request may.
+        raise UsageError(
+            f"argument --steps: at most {limits.steps} (the most a request may ask for), "
+            f"got {args.steps}"
+        )
     models: dict[str, str] = {}
     embedded = None  # the name of the embedded default, where it is served
     if args.model_root:
@@ -346,12 +358,7 @@ def _config(args: argparse.Namespace) -> Any:
         lookahead=not args.no_lookahead,
         instance=args.instance,
         embedded=embedded,
-        limits=Limits(
-            body_bytes=args.max_body,
-            prompt_chars=args.max_prompt,
-            side=args.max_side,
-            frames=args.max_frames,
-        ),
+        limits=limits,
     )
 
 

@@ -146,6 +146,12 @@ class Server:
     def __init__(self, config: ServeConfig, *, say: Any = print):
         self.config = config
         self.say = say
+        most = config.limits.steps
+        if config.steps is not None and not 0 < config.steps <= most:
+            # Every request naming no steps would be refused with steps past the limit.
+            raise OndeckError(
+                f"steps must be from 1 to {most} (a request's limit), got {config.steps}"
+            )
         self.device = resolve_device(config.device)
         self.dtype = _torch_dtype(config.dtype, self.device)
         budget = config.budget_bytes

@@ -1,12 +1,13 @@
 """What ``ondeck serve`` checks as it starts: a model no request could run is refused,
-naming it."""
+naming it, and a ``--steps`` past what a request may ask for is the flag's error."""
 
 from __future__ import annotations
 
 import pytest
 
 from ondeck.errors import OndeckError
-from ondeck.serve.server import ServeConfig, Server
+from ondeck.serve.server import Limits, ServeConfig, Server
+from tests.cli.helpers import run
 
 from .inprocess import call, make_server
 
@@ -40,3 +41,16 @@ def test_an_image_model_is_listed_as_taking_no_input_image(models, tmp_path):
     finally:
         server.stop()
     assert {model["id"]: model["takes_image"] for model in listed} == {"sd3": False, "wan": True}
+
+
+def test_steps_past_a_requests_limit_are_refused_at_start(capsys, models, tmp_path):
+    """Every request naming no steps would be refused with them: the flag is the error."""
+    base = ["serve", "--model", f"sd3={models['sd3']}", "--device", "cpu", "--plan"]
+    code, _, err = run(capsys, *base, "--steps", str(Limits.steps + 1))
+    assert code == 2, err
+    assert f"argument --steps: at most {Limits.steps}" in err
+    code, _, err = run(capsys, *base, "--steps", str(Limits.steps))
+    assert code == 0, err
+    config = ServeConfig(models={}, device="cpu", steps=Limits.steps + 1, outputs=tmp_path)
+    with pytest.raises(OndeckError, match=f"steps must be from 1 to {Limits.steps}"):
+        Server(config, say=lambda *_: None)
