@@ -419,7 +419,7 @@ def serve(args: argparse.Namespace) -> int:
         if uv.started:
             raise
         raise OndeckError(
-            f"could not listen on http://{args.host}:{args.port}/ (the line above says why; "
+            f"could not listen on {_url(args.host, args.port)} (the line above says why; "
             "another server on the port is the usual reason: --port chooses another)"
         ) from None
     finally:
@@ -428,6 +428,11 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(number, handler)
     print(f"ondeck: stopped ({server.jobs_run} jobs done, {server.jobs_failed} failed)", flush=True)
     return 0 if stopped else 1
+
+
+def _url(host: str, port: int) -> str:
+    """The server's address as a URL: an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
 def _check_port(host: str, port: int) -> None:
@@ -453,9 +458,8 @@ def _check_port(host: str, port: int) -> None:
             try:
                 probe.bind(address)
             except OSError as error:
-                shown = f"[{host}]" if ":" in host else host
                 raise OndeckError(
-                    f"could not listen on http://{shown}:{port}/ ({error.strerror or error}): "
+                    f"could not listen on {_url(host, port)} ({error.strerror or error}): "
                     "another server on the port is the usual reason; --port chooses another"
                 ) from None
 
@@ -499,7 +503,12 @@ def _listener(uvicorn: Any, server: Any, app: Any, args: argparse.Namespace) -> 
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)  # exits where the address is taken
-            print(f"ondeck: listening on http://{args.host}:{args.port}/", flush=True)
+            # The port bound, which --port 0 leaves to the system.
+            bound = [s.getsockname()[1] for each in self.servers for s in each.sockets]
+            print(
+                f"ondeck: listening on {_url(args.host, bound[0] if bound else args.port)}",
+                flush=True,
+            )
 
     return Uvicorn(
         uvicorn.Config(

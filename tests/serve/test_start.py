@@ -1,7 +1,13 @@
-"""What ``ondeck serve`` checks as it starts: a model no request could run is refused,
-naming it, and a ``--steps`` past what a request may ask for is the flag's error."""
+"""What ``ondeck serve`` checks and says as it starts: a model no request could run is
+refused naming it, a ``--steps`` past what a request may ask for is the flag's error, and
+the address it listens on is the one bound (``--port 0``'s, an IPv6 host in brackets)."""
 
 from __future__ import annotations
+
+import argparse
+import re
+import socket
+import threading
 
 import pytest
 
@@ -9,6 +15,7 @@ from ondeck.errors import OndeckError
 from ondeck.serve.server import Limits, ServeConfig, Server
 from tests.cli.helpers import run
 
+from .helpers import wait_for
 from .inprocess import call, make_server
 
 
@@ -54,3 +61,49 @@ def test_steps_past_a_requests_limit_are_refused_at_start(capsys, models, tmp_pa
     config = ServeConfig(models={}, device="cpu", steps=Limits.steps + 1, outputs=tmp_path)
     with pytest.raises(OndeckError, match=f"steps must be from 1 to {Limits.steps}"):
         Server(config, say=lambda *_: None)
+
+
+class _Stub:
+    """What the listener reads of a server: its shutdown grace."""
+
+    class config:
+        shutdown_grace_seconds = 0.0
+
+
+async def _app(scope, receive, send):  # never called: the test only starts listening
+    raise AssertionError("no request is made")
+
+
+def listening_port(capsys, host: str) -> int:
+    """The port ``ondeck serve``'s listener says it listens on, started on ``host`` port 0;
+    fails where the line does not write ``host`` as a URL does."""
+    import uvicorn
+
+    from ondeck.serve.cli import _listener
+
+    listener = _listener(uvicorn, _Stub, _app, argparse.Namespace(host=host, port=0))
+    thread = threading.Thread(target=listener.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: listener.started, 30, 0.02)
+    finally:
+        listener.should_exit = True
+        thread.join(10)
+    shown = f"[{host}]" if ":" in host else host
+    said = re.findall(rf"^ondeck: listening on http://{re.escape(shown)}:([0-9]+)/$",
+                      capsys.readouterr().out, flags=re.M)  # fmt: skip
+    assert len(said) == 1, said
+    return int(said[0])
+
+
+def test_port_0_says_the_port_bound(capsys):
+    assert listening_port(capsys, "127.0.0.1") != 0
+
+
+def test_an_ipv6_host_is_said_in_brackets(capsys):
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host cannot listen on ::1")
+    assert listening_port(capsys, "::1") != 0
