@@ -336,6 +336,15 @@ class Server:
             raise JobFailed(
                 400, "invalid_value", f"seconds {seconds!r} is not a number", "seconds"
             ) from None
+        # First where no seconds fit: a range of them would name lengths that never do.
+        if (most - 1) // step < 1:
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"the shortest {model.name} video seconds asks for is {step + 1} frames, past "
+                f"this server's limit of {most}: ask for frames, not seconds",
+                "seconds",
+            )
         longest = (most - 1) / model.fps
         if not 0 < duration <= longest:
             raise JobFailed(
@@ -343,14 +352,6 @@ class Server:
                 "invalid_value",
                 f"seconds must be more than 0 and at most {longest:g} ({model.name} makes "
                 f"{model.fps:g} frames a second)",
-                "seconds",
-            )
-        if (most - 1) // step < 1:
-            raise JobFailed(
-                400,
-                "invalid_value",
-                f"the shortest {model.name} video seconds asks for is {step + 1} frames, past "
-                f"this server's limit of {most}: ask for frames, not seconds",
                 "seconds",
             )
         intervals = max(1, min(round(duration * model.fps / step), (most - 1) // step))

@@ -81,6 +81,16 @@ def test_seconds_under_a_limit_shorter_than_the_models_shortest_video_are_refuse
         ltx_server.frames_for(model, "0.1", None)
 
 
+def test_seconds_are_refused_first_under_a_limit_no_video_length_fits(ltx_server, monkeypatch):
+    """Under --max-frames 3 no seconds fit LTX's 5 frames: a request for 1 s is told that,
+    not to ask for at most 0.08 s, which would be refused in turn."""
+    monkeypatch.setattr(ltx_server.config.limits, "frames", 3)
+    model = ltx_server.models["ltx"]
+    for seconds in ("1", "0.08"):
+        with pytest.raises(JobFailed, match="shortest ltx video seconds asks for is 5 frames"):
+            ltx_server.frames_for(model, seconds, None)
+
+
 def test_the_embedded_default_is_asked_its_small_shape_as_generate_asks_it(tmp_path, monkeypatch):
     """Served as the embedded default (``ondeck serve`` with no model), a request naming
     no shape gets what `ondeck generate` with no model asks: 192x320, 17 frames, 6 steps,
