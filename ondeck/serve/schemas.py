@@ -21,6 +21,14 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def not_boolean(value: Any) -> Any:
+    """A number field's value, refused where it is a boolean: pydantic takes true as 1,
+    and a client that sends it means something else."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not {str(value).lower()}")
+    return value
+
+
 class _Request(BaseModel):
     # Fields OpenAI defines that ondeck does not use (quality, style, user) are accepted
     # and ignored, so a client written for OpenAI works unchanged.
@@ -46,6 +54,13 @@ class _Request(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
+    @field_validator(
+        "height", "width", "steps", "num_inference_steps", "seed", "guidance_scale", mode="before"
+    )
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        return not_boolean(value)
+
     @field_validator("size")
     @classmethod
     def _size(cls, value: str | None) -> str | None:
@@ -61,6 +76,12 @@ class _Request(BaseModel):
 class ImageRequest(_Request):
     n: int = Field(default=1, ge=1)
     response_format: str = "b64_json"
+    output_format: str = "png"
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        return not_boolean(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -80,13 +101,25 @@ class ImageRequest(_Request):
             raise ValueError("response_format must be b64_json (ondeck serves no image URLs)")
         return value
 
+    @field_validator("output_format")
+    @classmethod
+    def _output_format(cls, value: str) -> str:
+        if value != "png":
+            raise ValueError("output_format must be png (ondeck writes its images as PNG)")
+        return value
+
 
 class VideoRequest(_Request):
     seconds: str | None = None
     frames: int | None = Field(default=None, ge=1)
     input_reference: Any = None
 
+    @field_validator("frames", mode="before")
+    @classmethod
+    def _frames(cls, value: Any) -> Any:
+        return not_boolean(value)
+
     @field_validator("seconds", mode="before")
     @classmethod
     def _seconds(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, (int, float)) else value
+        return str(value) if isinstance(not_boolean(value), (int, float)) else value

@@ -58,6 +58,30 @@ def test_a_video_field_in_an_image_request_is_refused(models, tmp_path):
         assert f"{field} is a video request's field" in response.json()["error"]["message"]
 
 
+def test_an_output_format_other_than_png_is_refused_naming_the_field(models, tmp_path):
+    """ondeck writes PNG: a request for JPEG is a 400, not PNG bytes it did not ask for."""
+    response = post(models, tmp_path, "sd3", IMAGES, {"size": "32x32", "output_format": "jpeg"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "output_format" and "must be png" in error["message"]
+
+
+def test_a_boolean_for_a_number_field_is_refused(models, tmp_path):
+    """pydantic would take true as 1: a boolean where a number goes is a 400."""
+    for route, model, field in (
+        (IMAGES, "sd3", "n"),
+        (IMAGES, "sd3", "seed"),
+        (IMAGES, "sd3", "guidance_scale"),
+        ("/v1/videos", "wan", "frames"),
+        ("/v1/videos", "wan", "steps"),
+        ("/v1/videos", "wan", "seconds"),
+    ):
+        response = post(models, tmp_path, model, route, {"size": "32x32", field: True})
+        assert response.status_code == 400, (field, response.text)
+        error = response.json()["error"]
+        assert error["param"] == field and "not true" in error["message"], error
+
+
 def test_an_image_edit_model_makes_the_size_asked(tmp_path):
     """Flux Kontext makes a megapixel (its max_area) at the shape of the size it is
     given unless the area is passed too: a request's size is its output's. The call a
