@@ -358,6 +358,7 @@ class BudgetPolicy(Policy):
 
     name = "budget"
     plan_name = "budget"
+    budget_note = ""  # where the budget comes from, said beside it in a BudgetError
 
     def __init__(
         self,
@@ -399,7 +400,8 @@ class BudgetPolicy(Policy):
             short = plan.streaming_short.get(stage, short)  # what streaming leaves it short
             raise BudgetError(
                 f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
-                f"{format_bytes(self.budget_bytes)} even streaming what can stream; nothing "
+                f"{format_bytes(self.budget_bytes)}{self.budget_note} even streaming what can "
+                "stream; nothing "
                 "was loaded. Try a lower resolution, fewer frames, or a larger budget.\n"
                 + (f"({self.reason})\n" if self.reason.startswith("auto") else "")
                 + f"{plan}",
@@ -698,6 +700,12 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
         return chosen
     relief = measured_headroom_relief(pipeline.device)
     budget = AutoBudgetPolicy(available, measured_budget=available + relief, prefetch=prefetch)
+    host = memory.host_facts() if unified and pipeline.host_memory is not None else None
+    if host is not None and pipeline.host_memory - host.process_bytes <= available:
+        budget.budget_note = (  # the host budget given is what bounds it
+            f" (the host memory given, {format_bytes(pipeline.host_memory)}, less the "
+            f"{format_bytes(host.process_bytes)} this process holds)"
+        )
     plan = budget.plan_for(pipeline)
     has = f"the {format_bytes(available)} {where} has free"
     overflow = plan.overflow()

@@ -50,6 +50,9 @@ def generate(args: argparse.Namespace) -> int:
         images = min(args.images or 1, MAX_BATCH)  # a count past it is refused later
         if out.exists() and not out.is_dir():
             raise UsageError(f"argument --output: {out} is a file; give a folder")
+        under = next((f for f in out.parents if f.exists()), None)
+        if under is not None and not under.is_dir():
+            raise UsageError(f"argument --output: {under} is a file; {out} cannot be a folder")
         check_writable_folder(out, (*OUTPUT_NAMES, *output.image_names(images)))
     holding = output.holding_folder(out) if main else contextlib.nullcontext()
     try:
@@ -152,7 +155,9 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         output={"kind": "video" if media.video else "images", "pipeline": media.pipeline_class,
                 **({"fps": args.fps or media.fps,
                     "fps_from": "--fps" if args.fps else media.fps_from} if media.video else {}),
-                "input_image": args.image, "finite": bad_stage is None},
+                # As a path from anywhere: the report runs the same command again.
+                "input_image": args.image and str(Path(args.image).expanduser().resolve()),
+                "finite": bad_stage is None},
     )  # fmt: skip
     if split is not None:
         report["context_parallel"] = split

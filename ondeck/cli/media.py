@@ -257,9 +257,40 @@ def _warn_of_unused(args: Any, media: Media, true_cfg: float | None) -> None:
         )
 
 
+class ImageRangeError(ValueError):
+    """An image of numbers whose range cannot be told (a float image past 0..255)."""
+
+
+def upright_rgb(image: Any) -> Any:
+    """A PIL image upright, as its camera's orientation tag says (a phone's portrait
+    photo is stored sideways), as diffusers' own ``load_image`` turns it, in 8-bit RGB.
+    A 16-bit image (a depth map, say) is scaled from 0..65535, and a float one from 0..1
+    (or taken as 0..255 where its values are), where a plain conversion would clip every
+    value above 255 to white, or every value below 1 to black."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        values = np.asarray(image, dtype=np.float64)
+        top = float(values.max()) if values.size else 0.0
+        if image.mode == "F":
+            if values.size and (float(values.min()) < 0 or top > 255 or not np.isfinite(top)):
+                raise ImageRangeError(
+                    f"its values run from {float(values.min()):g} to {top:g}; a float "
+                    "image is read as 0..1 or 0..255"
+                )
+            scale = 255.0 if top <= 1.0 else 1.0
+        else:
+            scale = 255.0 / 65535.0 if top > 255 or image.mode.startswith("I;16") else 1.0
+        eight = np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+        image = Image.fromarray(eight)  # 8-bit grey
+    return image.convert("RGB")
+
+
 def read_input_image(path_text: str) -> Any:
     """The ``--image`` file as an RGB PIL image, or one line saying why not."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     path = Path(path_text).expanduser()  # `--image=~/cat.png`: the shell leaves ~ alone
     if not path.is_file():
@@ -274,11 +305,11 @@ def read_input_image(path_text: str) -> Any:
                         f"argument --image: {path} is {width}x{height}, more than "
                         f"{MAX_INPUT_PIXELS // 2**20} Mpixels"
                     )
-                # Upright, as the camera's orientation tag says (a phone's portrait
-                # photo is stored sideways), as diffusers' own load_image turns it.
-                return ImageOps.exif_transpose(image).convert("RGB")
+                return upright_rgb(image)
     except UsageError:
         raise
+    except ImageRangeError as error:
+        raise UsageError(f"argument --image: {path}: {error}") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Warning) as error:
         raise UsageError(
             f"argument --image: cannot read {path} as an image ({type(error).__name__}: "

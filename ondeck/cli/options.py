@@ -56,6 +56,11 @@ def _seed(text: str) -> int:
 
 
 def _folder(text: str) -> str:
+    if not text.strip():
+        # `--output "$OUT"` with OUT unset: not the current folder, written over unasked.
+        raise argparse.ArgumentTypeError(
+            "an empty folder name (an unset shell variable?); leave it out for ondeck-out/"
+        )
     # `--output=~/x`, or an argument no shell expanded, is the folder x in the home folder.
     return os.path.expanduser(text)
 

@@ -631,7 +631,9 @@ def _data_url(url: str, limits: Any) -> bytes:
 
 def _open_image(data: bytes, limits: Any) -> Any:
     """The input image, upright as its camera's orientation tag says, in RGB."""
-    from PIL import Image, ImageOps
+    from PIL import Image
+
+    from ..cli.media import ImageRangeError, upright_rgb
 
     too_large = JobFailed(
         413,
@@ -646,9 +648,13 @@ def _open_image(data: bytes, limits: Any) -> Any:
         if image.width * image.height > limits.image_pixels:
             raise too_large
         image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
+        return upright_rgb(image)
     except JobFailed:
         raise
+    except ImageRangeError as error:
+        raise JobFailed(
+            400, "invalid_value", f"input_reference: {error}", "input_reference"
+        ) from None
     except Image.DecompressionBombError:
         raise too_large from None
     except Exception:

@@ -122,6 +122,27 @@ def test_an_output_that_is_a_file_is_refused_before_generating(capsys, nothing_m
     assert existing.read_text() == "keep me"
 
 
+def test_an_output_under_a_file_is_refused_as_an_argument(capsys, nothing_may_load, tmp_path):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    code, _, err = run(capsys, "generate", "--output", existing / "run1")
+    assert code == 2
+    assert error_lines(err) == [
+        f"ondeck: error: argument --output: {existing} is a file; {existing / 'run1'} cannot "
+        "be a folder"
+    ]
+
+
+def test_an_empty_output_is_refused_not_the_current_folder(
+    capsys, nothing_may_load, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # `--output "$OUT"` with OUT unset
+    code, _, err = run(capsys, "generate", "--output", "")
+    assert code == 2
+    assert "argument --output: an empty folder name (an unset shell variable?)" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_output_that_cannot_be_created_is_refused_before_generating(capsys, nothing_may_load):
     # /proc refuses new folders even to root, unlike a chmod'ed folder.
     code, _, err = run(capsys, "generate", "--output", "/proc/ondeck-out")

@@ -56,19 +56,21 @@ def test_several_images_are_numbered(capsys, family, tmp_path):
 
 
 def test_an_image_to_video_pipeline_takes_its_image_from_the_flag(
-    capsys, family, tmp_path, input_image, without_ftfy
+    capsys, family, tmp_path, input_image, without_ftfy, monkeypatch
 ):
     import imageio_ffmpeg
 
     out = tmp_path / "out"
     shape = ["--height", "16", "--width", "16", "--frames", "5"]
+    monkeypatch.chdir(input_image.parent)  # the image named as typed, from its folder
     code, _, err = run(
-        capsys, "generate", family("wan_i2v"), *CPU, *shape, "--image", input_image, "--output", out
-    )
+        capsys, "generate", family("wan_i2v"), *CPU, *shape, "--image", input_image.name,
+        "--output", out,
+    )  # fmt: skip
     assert code == 0, err
     assert listing(out) == {"video.mp4", "report.json", "timeline.png"}
     report = json.loads((out / "report.json").read_text())["output"]
-    assert report["input_image"] == str(input_image)
+    assert report["input_image"] == str(input_image.resolve())  # the same from anywhere
     # Wan's pipelines are documented exporting at 16 fps: 5 frames last 5/16 s.
     assert report["fps"] == 16
     frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(out / "video.mp4"))

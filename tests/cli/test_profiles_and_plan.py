@@ -145,6 +145,18 @@ def test_plan_shows_the_host_pool_against_host_memory(cache, tiny_model, capsys)
     assert code == 0 and "host:" in out and "(given)" not in out
 
 
+def test_a_host_memory_below_the_process_says_so_beside_its_budget(cache, tiny_model, capsys):
+    """On the CPU the device's budget is the host's given, less what the process holds:
+    below that, the error says where its one byte comes from."""
+    code, _, err = run(
+        capsys, "generate", tiny_model, *FAST, "--device", "cpu", "--host-memory", "1MiB",
+        "--output", cache / "out",
+    )  # fmt: skip
+    assert code == 1
+    assert "budget of 1 B (the host memory given, 1.00 MiB, less the " in err
+    assert "this process holds) even streaming" in err
+
+
 def test_plan_on_a_diffusers_folder_scales_a_stored_call(cache, family, capsys):
     """`ondeck plan` on a folder the diffusers path runs: the activations of the nearest
     call stored for that model, scaled to the size asked for."""

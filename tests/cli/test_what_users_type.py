@@ -12,6 +12,7 @@ import pytest
 
 from ondeck.cli.commands import call_extra
 from ondeck.cli.media import media_of, read_input_image
+from ondeck.cli.options import UsageError
 from ondeck.hub import model_label
 from ondeck.output import remove_earlier_results
 
@@ -22,6 +23,26 @@ def test_an_input_image_path_with_a_tilde_is_the_home_folders(input_image, tmp_p
     monkeypatch.setenv("HOME", str(input_image.parent))
     image = read_input_image(f"~/{input_image.name}")
     assert image.size == (16, 16)
+
+
+def test_a_16_bit_or_float_input_image_keeps_its_range(tmp_path):
+    """A 16-bit PNG (a depth map) is scaled from 0..65535 and a float TIFF from 0..1:
+    converted plainly, the first turns white and the second black."""
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.arange(64 * 64, dtype=np.float64).reshape(64, 64) / (64 * 64 - 1)
+    deep = tmp_path / "depth.png"
+    Image.fromarray(np.rint(ramp * 65535).astype(np.uint16)).save(deep)
+    floats = tmp_path / "depth.tiff"
+    Image.fromarray(ramp.astype(np.float32)).save(floats)
+    for path in (deep, floats):
+        read = np.asarray(read_input_image(str(path)), dtype=np.float64)
+        assert read.shape == (64, 64, 3)
+        assert np.abs(read[..., 0] - ramp * 255).max() <= 1, path.name
+    Image.fromarray((ramp * 1000).astype(np.float32)).save(floats)
+    with pytest.raises(UsageError, match=r"depth\.tiff: its values run from 0 to 1000"):
+        read_input_image(str(floats))
 
 
 def test_a_folder_named_as_an_earlier_image_is_left_and_the_earlier_images_go(tmp_path):
