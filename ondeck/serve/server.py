@@ -550,6 +550,8 @@ class Server:
             path = str(draw_timeline(folder, timeline_view(report), title=title))
             # A new dict, never the one a route may be reading on another thread.
             job.files = {**job.files, "timeline": path}
+            # The plot grows the folder: back within its cap, this job's kept.
+            self.outputs.trim(keep={*self._writing, job.id})
             return path
 
     @staticmethod

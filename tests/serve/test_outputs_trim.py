@@ -46,6 +46,24 @@ def test_past_the_cap_the_oldest_job_goes_first_though_its_timeline_was_drawn_la
     assert oldest not in kept and newer_content == 200
 
 
+def test_a_timeline_drawn_trims_the_folder_towards_its_cap(models, tmp_path):
+    """A timeline is drawn when first asked for, after its job was written: the folder
+    is trimmed back towards its cap then (the older job goes; the job asked about stays),
+    not at the next job's end."""
+    server = make_server(models, tmp_path)
+    outputs = tmp_path / "outputs"
+    try:
+        older = _run(server)
+        newer = _run(server)
+        server.outputs.cap_bytes = _folder_bytes(outputs / older) + _folder_bytes(outputs / newer)
+        before = (outputs / older).exists()
+        drawn = call(server, "GET", f"/v1/ondeck/jobs/{newer}/timeline").status_code
+    finally:
+        server.stop()
+    assert before and drawn == 200
+    assert (outputs / newer / "timeline.png").exists() and not (outputs / older).exists()
+
+
 def test_a_timeline_never_drawn_of_a_job_the_cap_removed_is_content_gone(models, tmp_path):
     """Past the cap, a job's timeline (drawn when first asked for) is gone as its video
     is, not a timeline the job never made."""
