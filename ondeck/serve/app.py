@@ -292,9 +292,8 @@ class _Api:
         return job
 
     def content_of(self, job: Job, role: str, media_type: str) -> Any:
-        if job.error is not None:
-            status = 409 if job.error.code == "cancelled" else 400
-            raise JobFailed(status, job.error.code, f"the job has no {role}: {job.error.message}")
+        if job.error is not None:  # a request about a job in a state with no content
+            raise JobFailed(409, job.error.code, f"the job has no {role}: {job.error.message}")
         if job.status != "completed":
             raise JobFailed(
                 409,

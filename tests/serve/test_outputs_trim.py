@@ -136,3 +136,18 @@ def test_an_image_job_comes_back_only_with_every_image_it_made(models, tmp_path)
     assert image.status_code == 200 and image.content[:4] == b"\x89PNG"
     assert files == ["image-1", "image-2", "report"]
     assert unknown.status_code == 404
+
+
+def test_the_content_of_a_job_that_failed_is_a_conflict_naming_why(models, tmp_path):
+    """A GET of a failed job's video is no bad request: 409, its code the job's error."""
+    server = make_server(models, tmp_path, budget_bytes=1024)
+    try:
+        job_id = call(server, "POST", "/v1/videos", json=VIDEO).json()["id"]
+        job = server.queue.get(job_id)
+        wait_for(lambda: job.done_event.is_set() and not server._writing)
+        content = call(server, "GET", f"/v1/videos/{job_id}/content")
+    finally:
+        server.stop()
+    assert job.status == "failed" and job.error.code != "cancelled"
+    assert content.status_code == 409
+    assert content.json()["error"]["code"] == job.error.code
