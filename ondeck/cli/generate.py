@@ -261,7 +261,8 @@ def write_results(
             results = output.write_images(out, pixels, earlier=earlier)
     except OutputError as error:
         print(f"ondeck: wrote {_shown(written)}")
-        outcome = {"error": str(error)}
+        # A result is written whole or not at all: none of this run's is in the folder.
+        outcome = {"error": str(error), "pending": sorted(earlier)}
         try:
             kept = write_frames(out / "frames.npy", pixels)
         except OutputError as second:

@@ -150,10 +150,10 @@ def feed_claimed(state: ring.ReadState, pool: process_pool.ReadingProcesses) -> 
 def read_runs(chunks: Iterable[Chunk], slot_bytes: int) -> Iterator[list[Chunk]]:
     """The chunks in plan order, grouped into the reads the processes are asked for: a
     chunk alone, or chunks that follow one another in one file and fit a slot together
-    (a model's biases and norms, a few KiB each), read as one. Each read costs the
-    copying thread a request, an answer and a wait, and each wait hands the interpreter's
-    lock to a thread that may keep it for milliseconds. A chunk that is cast is read
-    alone: its elements must start where the slot does."""
+    (a model's biases and norms, a few KiB each) and go to one device, read as one.
+    Each read costs the copying thread a request, an answer and a wait, and each wait
+    hands the interpreter's lock to a thread that may keep it for milliseconds. A chunk
+    that is cast is read alone: its elements must start where the slot does."""
     run: list[Chunk] = []
     size = 0
     for chunk in chunks:
@@ -163,6 +163,8 @@ def read_runs(chunks: Iterable[Chunk], slot_bytes: int) -> Iterator[list[Chunk]]
             follows = (
                 chunk.job.info.path == last.job.info.path
                 and chunk.job.info.start + chunk.lo == last.job.info.start + last.hi
+                # One device: a slot is free again once its copies on one stream are done.
+                and chunk.target.device == last.target.device
             )
             if chunk.cast or last.cast or not follows or size + nbytes > slot_bytes:
                 yield run

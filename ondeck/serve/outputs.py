@@ -48,11 +48,14 @@ class OutputStore:
                 continue
         return sorted(found, key=lambda item: item[0])
 
-    def trim(self, keep: set[str] = frozenset()) -> list[str]:
+    def trim(self, keep: set[str] = frozenset(), *, keep_newest: bool = False) -> list[str]:
         """Remove the oldest job folders until the folder is within its cap; returns the
-        job ids removed. ``keep`` names folders being written now."""
+        job ids removed. ``keep`` names folders being written or read now; with
+        ``keep_newest`` the newest job's stays too (its client may be about to read it)."""
         folders = self._job_folders()
         total = sum(nbytes for _, _, nbytes in folders)
+        if keep_newest and folders:
+            keep = {*keep, folders[-1][1].name}
         removed = []
         for _, path, nbytes in folders:
             if total <= self.cap_bytes:

@@ -550,8 +550,9 @@ class Server:
             path = str(draw_timeline(folder, timeline_view(report), title=title))
             # A new dict, never the one a route may be reading on another thread.
             job.files = {**job.files, "timeline": path}
-            # The plot grows the folder: back within its cap, this job's kept.
-            self.outputs.trim(keep={*self._writing, job.id})
+            # The plot grows the folder: back towards its cap, this job's and the newest
+            # kept (a timeline asked of an older job must not take the newest's results).
+            self.outputs.trim(keep={*self._writing, job.id}, keep_newest=True)
             return path
 
     @staticmethod

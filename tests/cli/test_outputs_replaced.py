@@ -141,12 +141,15 @@ def test_an_earlier_runs_images_still_go_after_a_run_that_failed_to_write_betwee
 
     with monkeypatch.context() as patch:
         patch.setattr(output, "write_images", full)
-        code, _, _ = generate_images(capsys, flux, out)
+        code, _, _ = generate_images(capsys, flux, out, "--images", "3")
     assert code == 1
     assert {"image-1.png", "image-2.png", "frames.npy"} <= listing(out)
+    # Of the failed run's names none was written: an image-3.png put there now is the
+    # user's, and stays.
+    (out / "image-3.png").write_bytes(b"mine")
     code, _, err = generate_images(capsys, flux, out)
     assert code == 0, err
-    assert listing(out) == {"image.png", "report.json", "timeline.png"}
+    assert listing(out) == {"image.png", "image-3.png", "report.json", "timeline.png"}
 
 
 def test_a_run_stopped_while_writing_its_result_leaves_a_report_the_next_run_cleans_by(

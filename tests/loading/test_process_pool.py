@@ -130,6 +130,27 @@ def test_the_reads_a_process_is_asked_for_at_once_go_in_one_message(tmp_path, mo
     assert sum(sent) == -(-tensor.nbytes // 1024)
 
 
+def test_tensors_for_two_devices_are_never_read_together(tmp_path):
+    """A slot is free again once its copies on one stream are done: a read whose
+    tensors go to two devices would free it while the other device still copies."""
+    from ondeck.loading import ReadJob
+    from ondeck.loading.chunks import plan_chunks
+    from ondeck.loading.process_feed import read_runs
+
+    path = small_and_large(tmp_path)
+    infos = sorted(read_header(path).tensors.values(), key=lambda info: info.start)
+    # In file order: the weights and biases alternate devices, the norms (last) share one.
+    devices = ["cpu", "meta"] * 6 + ["cpu"] * 6
+    jobs = [
+        ReadJob(info, torch.empty(info.shape, dtype=info.dtype, device=device))
+        for info, device in zip(infos, devices, strict=True)
+    ]
+    plan, _ = plan_chunks(jobs, 1024, None)
+    runs = list(read_runs(plan, 1024))
+    assert all(len({chunk.target.device for chunk in run}) == 1 for run in runs)
+    assert any(len(run) > 1 for run in runs)  # what follows on one device still joins
+
+
 def test_a_cast_is_read_alone_and_still_exact(tmp_path, monkeypatch):
     path = small_and_large(tmp_path)
     asked = count_requests(monkeypatch)

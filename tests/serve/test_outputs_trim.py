@@ -48,20 +48,22 @@ def test_past_the_cap_the_oldest_job_goes_first_though_its_timeline_was_drawn_la
 
 def test_a_timeline_drawn_trims_the_folder_towards_its_cap(models, tmp_path):
     """A timeline is drawn when first asked for, after its job was written: the folder
-    is trimmed back towards its cap then (the older job goes; the job asked about stays),
-    not at the next job's end."""
+    is trimmed back towards its cap then, not at the next job's end. Asked of an older
+    job, the oldest goes; the job asked about and the newest (whose client may be about
+    to read it) stay."""
     server = make_server(models, tmp_path)
     outputs = tmp_path / "outputs"
     try:
-        older = _run(server)
-        newer = _run(server)
-        server.outputs.cap_bytes = _folder_bytes(outputs / older) + _folder_bytes(outputs / newer)
-        before = (outputs / older).exists()
-        drawn = call(server, "GET", f"/v1/ondeck/jobs/{newer}/timeline").status_code
+        oldest, older, newest = _run(server), _run(server), _run(server)
+        server.outputs.cap_bytes = sum(_folder_bytes(outputs / j) for j in (older, newest))
+        before = [(outputs / job_id).exists() for job_id in (oldest, older, newest)]
+        drawn = call(server, "GET", f"/v1/ondeck/jobs/{older}/timeline").status_code
+        after = [(outputs / job_id).exists() for job_id in (oldest, older, newest)]
     finally:
         server.stop()
-    assert before and drawn == 200
-    assert (outputs / newer / "timeline.png").exists() and not (outputs / older).exists()
+    assert before == [True, True, True] and drawn == 200
+    assert after == [False, True, True]
+    assert (outputs / older / "timeline.png").exists()
 
 
 def test_a_timeline_never_drawn_of_a_job_the_cap_removed_is_content_gone(models, tmp_path):
