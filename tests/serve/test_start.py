@@ -74,9 +74,10 @@ async def _app(scope, receive, send):  # never called: the test only starts list
     raise AssertionError("no request is made")
 
 
-def listening_port(capsys, host: str) -> int:
-    """The port ``ondeck serve``'s listener says it listens on, started on ``host`` port 0;
-    fails where the line does not write ``host`` as a URL does."""
+def listening_port(capsys, host: str) -> tuple[int, int]:
+    """The port ``ondeck serve``'s listener says it listens on, started on ``host`` port 0,
+    and the port its socket is bound to; fails where the line does not write ``host`` as
+    a URL does."""
     import uvicorn
 
     from ondeck.serve.cli import _listener
@@ -86,6 +87,7 @@ def listening_port(capsys, host: str) -> int:
     thread.start()
     try:
         wait_for(lambda: listener.started, 30, 0.02)
+        (bound,) = {s.getsockname()[1] for each in listener.servers for s in each.sockets}
     finally:
         listener.should_exit = True
         thread.join(10)
@@ -93,11 +95,12 @@ def listening_port(capsys, host: str) -> int:
     said = re.findall(rf"^ondeck: listening on http://{re.escape(shown)}:([0-9]+)/$",
                       capsys.readouterr().out, flags=re.M)  # fmt: skip
     assert len(said) == 1, said
-    return int(said[0])
+    return int(said[0]), bound
 
 
 def test_port_0_says_the_port_bound(capsys):
-    assert listening_port(capsys, "127.0.0.1") != 0
+    said, bound = listening_port(capsys, "127.0.0.1")
+    assert said == bound != 0
 
 
 def test_an_ipv6_host_is_said_in_brackets(capsys):
@@ -106,4 +109,5 @@ def test_an_ipv6_host_is_said_in_brackets(capsys):
             probe.bind(("::1", 0))
     except OSError:
         pytest.skip("this host cannot listen on ::1")
-    assert listening_port(capsys, "::1") != 0
+    said, bound = listening_port(capsys, "::1")
+    assert said == bound != 0
