@@ -154,6 +154,25 @@ def test_loras_given_as_a_mapping_take_their_scales(base, lora_files):
         checked_loras({file: "strong"})
 
 
+def test_one_lora_given_twice_is_refused_not_applied_twice(base, lora_files, capsys, tmp_path):
+    from ondeck.integrations.diffusers.loading import checked_loras
+
+    file = lora_files["diffusers"]
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(file.read_bytes())
+    assert len(checked_loras([copy, file])) == 2  # two files of the same bytes: two LoRAs
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(file)  # the same file by another name
+    with pytest.raises(ValueError, match=rf"{link} is given twice \(as {file} too\); give"):
+        checked_loras([file, (link, 0.5)])
+    code, _, err = run(
+        capsys, "generate", base, "--lora", file, "--lora", f"{file}:0.5",
+        "--output", tmp_path / "o", *FAST,
+    )  # fmt: skip
+    assert code == 2 and "argument --lora: LoRA " in err and "is given twice" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_lora_added_to_a_resident_transformer_is_counted_and_kept_in_the_budget(
     base, weights, tmp_path
 ):

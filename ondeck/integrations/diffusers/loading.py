@@ -199,7 +199,7 @@ def _built(
 def checked_loras(loras: Any) -> list[tuple[Path, float]]:
     """``loras=`` as ``(file, scale)`` pairs, checked before anything is built: a list of
     files or ``(file, scale)`` pairs, or a ``{file: scale}`` mapping, each scale a finite
-    number (as ``--lora`` takes)."""
+    number (as ``--lora`` takes), each file once."""
     if isinstance(loras, Mapping):
         loras = list(loras.items())
     if isinstance(loras, (str, bytes, os.PathLike)):
@@ -221,6 +221,13 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
         real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
         if not real or not math.isfinite(float(scale)):
             raise ValueError(f"LoRA {file}: its scale must be a finite number, got {scale!r}")
+        twice = [given for given, _ in checked if given.resolve() == file.resolve()]
+        if twice:
+            # Each entry is applied: one file twice doubles its effect without a word.
+            spelled = f" (as {twice[0]} too)" if twice[0] != file else ""
+            raise ValueError(
+                f"LoRA {file} is given twice{spelled}; give it once, with the scale you want"
+            )
         checked.append((file, float(scale)))
     return checked
 
