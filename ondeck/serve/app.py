@@ -146,8 +146,8 @@ class _Api:
             "created": int(self.server.started_at),
             "owned_by": "ondeck",
             "kind": model.kind,
-            # Whether a request can give it an input image: only a video's input_reference.
-            "takes_image": model.takes_image and model.kind == "video",
+            # A video's input_reference, an image model's /v1/images/edits.
+            "takes_image": model.takes_image,
             **({"fps": model.fps} if model.kind == "video" else {}),
         }
 
@@ -172,13 +172,18 @@ class _Api:
             )
         return model
 
-    def job_from(self, body: ImageRequest | VideoRequest, kind: str) -> Job:
+    def job_from(
+        self, body: ImageRequest | VideoRequest, kind: str, image: bytes | None = None
+    ) -> Job:
+        """The job a request asks for, checked; ``image``: an image edit's input."""
         model = self.served_model(body.model, kind)
-        if kind == "image" and model.needs_image:
+        if kind == "image" and image is not None and not model.takes_image:
+            raise JobFailed(400, "invalid_value", f"{body.model!r} takes no input image", "image")
+        if kind == "image" and image is None and model.needs_image:
             raise JobFailed(
                 400,
                 "invalid_value",
-                f"{body.model!r} needs an input image, which this route takes none of",
+                f"{body.model!r} makes an image from an image: give it to /v1/images/edits",
                 "model",
             )
         for field in ("prompt", "negative_prompt"):
@@ -375,14 +380,31 @@ def _model_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
 
 def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
-    """``/v1/images/generations``."""
+    """``/v1/images/generations`` and ``/v1/images/edits`` (an image model's input
+    image, as openai-python's ``images.edit`` sends it)."""
     job_from = api.job_from
     submit = api.submit
+    limits = server.config.limits
 
     @app.post("/v1/images/generations")
     async def generate_images(request: Request) -> Any:
         body = ImageRequest.model_validate(await _json(request))
-        job = submit(job_from(body, "image"))
+        return await answer_images(request, submit(job_from(body, "image")))
+
+    @app.post("/v1/images/edits")
+    async def edit_images(request: Request) -> Any:
+        data, image = await _request_fields(request, limits, "image")
+        if "mask" in data:
+            raise JobFailed(400, "invalid_value", "ondeck serve takes no mask", "mask")
+        body = ImageRequest.model_validate(data)
+        if image is None:
+            raise JobFailed(400, "invalid_value", "an edit needs its image", "image")
+        job = job_from(body, "image", image)
+        job.input_image = _open_image(image, limits, "image")
+        return await answer_images(request, submit(job))
+
+    async def answer_images(request: Request, job: Job) -> Any:
+        """The images of ``job`` once it ends, as OpenAI's images API answers."""
         # A waiting call: a client that leaves stops its job at the next step.
         while not job.done_event.is_set():
             if await request.is_disconnected():
@@ -423,7 +445,7 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> dict:
-        data, image = await _video_fields(request, limits)
+        data, image = await _request_fields(request, limits)
         body = VideoRequest.model_validate(data)
         model = api.served_model(body.model, "video")
         if image is not None and not model.takes_image:
@@ -544,28 +566,31 @@ async def _json(request: Request) -> Any:
     return body
 
 
-async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | None]:
-    """The fields of a video request and its input image's bytes (or None), from JSON
-    or from a multipart form (what openai-python sends)."""
+async def _request_fields(
+    request: Request, limits: Any, field: str = "input_reference"
+) -> tuple[dict, bytes | None]:
+    """The fields of a request and its input image's bytes (or None), from JSON or from
+    a multipart form (what openai-python sends). ``field``: the image's name, a video's
+    ``input_reference`` or an edit's ``image``."""
     kind = request.headers.get("content-type", "")
     image: bytes | None = None
-    if kind.startswith("multipart/form-data"):
+    if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         # A text field may be the image as a data: URL: base64's 4/3 and its prefix.
         longest_field = limits.image_bytes * 4 // 3 + 1024
         form = await request.form(max_files=1, max_fields=32, max_part_size=longest_field)
         data: dict = {}
         for key, value in form.multi_items():
             if hasattr(value, "read"):
-                if key != "input_reference":
+                if key not in (field, f"{field}[]"):
                     raise JobFailed(400, "invalid_value", f"unexpected file field {key!r}", key)
                 image = await value.read(limits.image_bytes + 1)
-            elif key in ("input_reference", "input_reference[image_url]"):
+            elif key in (field, f"{field}[image_url]"):
                 # A data: URL as a text field, as JSON takes it; the second name is how
                 # openai-python's form writes ``{"image_url": ...}`` given in extra_body.
-                image = _data_url(str(value), limits)
+                image = _data_url(str(value), limits, field)
             else:
                 data[key] = value
-        for key in ("steps", "num_inference_steps", "seed", "frames"):
+        for key in ("n", "steps", "num_inference_steps", "seed", "frames"):
             if key in data:
                 data[key] = _integer(data[key], key)
         if "guidance_scale" in data:
@@ -579,22 +604,22 @@ async def _video_fields(request: Request, limits: Any) -> tuple[dict, bytes | No
         data = await _json(request)
         if not isinstance(data, dict):
             raise JobFailed(400, "invalid_value", "the request body must be a JSON object")
-        reference = data.pop("input_reference", None)
+        reference = data.pop(field, None)
         if isinstance(reference, dict) and reference.get("image_url"):
-            image = _data_url(str(reference["image_url"]), limits)
+            image = _data_url(str(reference["image_url"]), limits, field)
         elif reference is not None:
             raise JobFailed(
                 400,
                 "invalid_value",
-                "input_reference must be {image_url: a data: URL} or a file upload",
-                "input_reference",
+                f"{field} must be {{image_url: a data: URL}} or a file upload",
+                field,
             )
     if image is not None and len(image) > limits.image_bytes:
         raise JobFailed(
             413,
             "image_too_large",
             f"the input image is larger than {limits.image_bytes} bytes",
-            "input_reference",
+            field,
         )
     return data, image
 
@@ -606,29 +631,25 @@ def _integer(value: str, key: str) -> int:
         raise JobFailed(400, "invalid_value", f"{key} must be a whole number", key) from None
 
 
-def _data_url(url: str, limits: Any) -> bytes:
+def _data_url(url: str, limits: Any, field: str) -> bytes:
     # Only inline images: a URL the server would fetch could reach anything it can.
     if not url.startswith("data:") or ";base64," not in url:
-        raise JobFailed(
-            400, "invalid_value", "image_url must be a base64 data: URL", "input_reference"
-        )
+        raise JobFailed(400, "invalid_value", "image_url must be a base64 data: URL", field)
     encoded = url.split(";base64,", 1)[1]
     if len(encoded) > limits.image_bytes * 4 // 3 + 4:
         raise JobFailed(
             413,
             "image_too_large",
             f"the input image is larger than {limits.image_bytes} bytes",
-            "input_reference",
+            field,
         )
     try:
         return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise JobFailed(
-            400, "invalid_value", "image_url is not valid base64", "input_reference"
-        ) from None
+        raise JobFailed(400, "invalid_value", "image_url is not valid base64", field) from None
 
 
-def _open_image(data: bytes, limits: Any) -> Any:
+def _open_image(data: bytes, limits: Any, field: str = "input_reference") -> Any:
     """The input image, upright as its camera's orientation tag says, in RGB."""
     from PIL import Image
 
@@ -638,7 +659,7 @@ def _open_image(data: bytes, limits: Any) -> Any:
         413,
         "image_too_large",
         f"the input image has more than {limits.image_pixels} pixels",
-        "input_reference",
+        field,
     )
     try:
         with warnings.catch_warnings():
@@ -651,15 +672,13 @@ def _open_image(data: bytes, limits: Any) -> Any:
     except JobFailed:
         raise
     except ImageRangeError as error:
-        raise JobFailed(
-            400, "invalid_value", f"input_reference: {error}", "input_reference"
-        ) from None
+        raise JobFailed(400, "invalid_value", f"{field}: {error}", field) from None
     except Image.DecompressionBombError:
         raise too_large from None
     except Exception:
         raise JobFailed(
             400,
             "invalid_value",
-            "input_reference is not an image ondeck can read",
-            "input_reference",
+            f"{field} is not an image ondeck can read",
+            field,
         ) from None

@@ -101,20 +101,14 @@ def _torch_dtype(name: str | None, device: Any) -> Any:
 
 
 def check_inputs(media: Media) -> None:
-    """``OndeckError`` for a pipeline that needs an input no request can give it: an
-    image model's input image (the images route takes none; a video request gives its
-    ``input_reference``), or a second input beside the image (a mask, a control image)."""
-    name = media.pipeline_class
+    """``OndeckError`` for a pipeline that needs an input no request can give it: a
+    second input beside its image (a mask, a control image). Its image comes with the
+    request (a video's ``input_reference``, an image edit's ``image``)."""
     if media.other_input is not None:
         raise OndeckError(
-            f"{name} needs a {media.other_input} besides its image, which no request to "
-            "ondeck serve can give; call the pipeline from Python "
+            f"{media.pipeline_class} needs a {media.other_input} besides its image, which "
+            "no request to ondeck serve can give; call the pipeline from Python "
             "(ondeck.diffusers.from_pretrained)"
-        )
-    if media.needs_image and not media.video:
-        raise OndeckError(
-            f"{name} needs an input image, which the images route takes none of; "
-            "ondeck generate --image runs it"
         )
 
 

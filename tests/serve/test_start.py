@@ -5,49 +5,73 @@ the address it listens on is the one bound (``--port 0``'s, an IPv6 host in brac
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import re
 import socket
 import threading
 
 import pytest
+from PIL import Image
 
 from ondeck.errors import OndeckError
 from ondeck.serve.server import Limits, ServeConfig, Server
 from tests.cli.helpers import run
 
-from .helpers import wait_for
+from .helpers import LiveServer, wait_for
 from .inprocess import call, make_server
+from .test_input_images import png
 
 
-def test_an_image_model_that_needs_an_input_image_is_refused_at_start(tmp_path):
-    """A ControlNet's every call needs its control image, which the images route takes
-    none of: serving it is refused, naming the model and why, not a 400 for every job."""
+def test_an_image_model_that_needs_an_input_image_takes_it_as_an_edit(tmp_path):
+    """A ControlNet's every call needs its control image: /v1/images/edits gives it (as
+    openai-python's ``images.edit`` sends it), and /v1/images/generations, which takes
+    none, says where to send it instead of running a job that would fail."""
+    import openai
+
     from tests.integrations.breadth_pipelines import ALL_FAMILIES
 
     folder = tmp_path / "controlnet"
     ALL_FAMILIES["sd_controlnet"].build(folder)
-    config = ServeConfig(
-        models={"cn": str(folder)}, device="cpu", budget_bytes=2**30, outputs=tmp_path / "out"
-    )
-    with pytest.raises(OndeckError) as refused:
-        Server(config, say=lambda *_: None)
-    message = str(refused.value)
-    assert message.startswith("model 'cn' (")
-    assert "StableDiffusionControlNetPipeline needs an input image" in message
-    assert "images route takes none" in message and "\n" not in message
-
-
-def test_an_image_model_is_listed_as_taking_no_input_image(models, tmp_path):
-    """An image model whose call takes an optional image (Flux Kontext's) is served, but
-    no request to it can give one: /v1/models says it takes none."""
-    server = make_server(models, tmp_path, names=("sd3", "wan"))
+    live = LiveServer(make_server({"cn": folder}, tmp_path, names=("cn",), budget_bytes=2**30))
+    server = live.server
+    fields = {"model": "cn", "prompt": "a fox", "size": "32x32", "steps": "1"}
     try:
-        server.models["sd3"].takes_image = True  # as Kontext's call takes one
-        server.models["wan"].takes_image = True  # image-to-video: input_reference gives it
         listed = call(server, "GET", "/v1/models").json()["data"]
+        refused = call(server, "POST", "/v1/images/generations", json=fields)
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        edit = client.images.edit(
+            model="cn", image=("edge.png", png(40, 24), "image/png"), prompt="a fox",
+            size="32x32", extra_body={"steps": 1},
+        )  # fmt: skip
+        without = call(server, "POST", "/v1/images/edits", data=fields)
+        kept = server.queue.get(edit.ondeck_job)
+    finally:
+        live.stop()
+    assert listed[0]["takes_image"] is True
+    assert refused.status_code == 400 and "/v1/images/edits" in refused.text
+    (image,) = edit.data
+    assert Image.open(io.BytesIO(base64.b64decode(image.b64_json))).size == (32, 32)
+    assert kept.status == "completed"
+    assert without.status_code == 400 and without.json()["error"]["param"] == "image"
+
+
+def test_an_edit_of_a_model_that_takes_no_image_is_refused(models, tmp_path):
+    server = make_server(models, tmp_path, names=("sd3",))
+    fields = {"model": "sd3", "prompt": "a fox", "size": "32x32"}
+    try:
+        listed = call(server, "GET", "/v1/models").json()["data"]
+        edit = call(
+            server, "POST", "/v1/images/edits", data=fields,
+            files={"image": ("a.png", png(8, 8), "image/png")},
+        )  # fmt: skip
+        masked = call(server, "POST", "/v1/images/edits", data={**fields, "mask": "x"})
     finally:
         server.stop()
-    assert {model["id"]: model["takes_image"] for model in listed} == {"sd3": False, "wan": True}
+    assert listed[0]["takes_image"] is False
+    assert edit.status_code == 400 and "takes no input image" in edit.text
+    assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
+    assert not server.queue.jobs
 
 
 def test_steps_past_a_requests_limit_are_refused_at_start(capsys, models, tmp_path):
