@@ -516,10 +516,14 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.post("/v1/ondeck/images")
     async def queue_images(request: Request) -> dict:
-        # The images route's body, answered at once with the queued job, as a video job
-        # is: the page shows its steps and can cancel it; its image is at .../image.
-        body = ImageRequest.model_validate(await _json(request))
-        return api.job_object(api.submit(api.job_from(body, "image")))
+        # The images route's body (an edit's image too), answered at once with the queued
+        # job, as a video job is: the page shows its steps and can cancel it; its image is
+        # at .../image.
+        data, image = await _request_fields(request, server.config.limits, "image")
+        job = api.job_from(ImageRequest.model_validate(data), "image", image)
+        if image is not None:
+            job.input_image = _open_image(image, server.config.limits, "image")
+        return api.job_object(api.submit(job))
 
     @app.get("/v1/ondeck/jobs/{job_id}")
     async def job_status(job_id: str) -> dict:

@@ -146,6 +146,21 @@ def test_the_page_sends_the_input_image_of_a_model_that_takes_one(browser, model
         assert response.status == 200, response.text()
         job = live.server.queue.jobs[response.json()["id"]]
         assert job.input_image is not None and job.input_image.size == (6, 2)
+        # An image model whose call takes an image (an edit): its image goes as one.
+        live.server.models["sd3"].takes_image = True
+        page.reload()
+        page.wait_for_selector("#model option[value=sd3]", state="attached", timeout=10_000)
+        page.select_option("#model", "wan")
+        page.select_option("#model", "sd3")
+        assert page.is_visible("#image")
+        page.set_input_files("#image", str(picture))
+        page.fill("#size", "32x32")
+        with page.expect_response("**/v1/ondeck/images") as answered:
+            page.click("#go")
+        response = answered.value
+        assert response.status == 200, response.text()
+        job = live.server.queue.jobs[response.json()["id"]]
+        assert job.input_image is not None and job.input_image.size == (6, 2)
         assert errors == []
     finally:
         live.uvicorn.should_exit = True
