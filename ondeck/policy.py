@@ -401,8 +401,8 @@ class BudgetPolicy(Policy):
             raise BudgetError(
                 f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
                 f"{format_bytes(self.budget_bytes)}{self.budget_note} even streaming what can "
-                "stream; nothing "
-                "was loaded. Try a lower resolution, fewer frames, or a larger budget.\n"
+                "stream; nothing was loaded. Try a lower resolution, fewer frames, or a "
+                "larger budget.\n"
                 + (f"({self.reason})\n" if self.reason.startswith("auto") else "")
                 + f"{plan}",
                 plan=plan,

@@ -184,12 +184,13 @@ def weight_files(args: argparse.Namespace) -> dict[str, Any]:
         ):
             raise UsageError(f"argument --lora: {file}: a scale follows a ':' ({before}:{after})")
         require_file("--lora", file)
-    from ..integrations.diffusers.loading import checked_loras
+    if loras:
+        from ..integrations.diffusers.loading import checked_loras
 
-    try:
-        checked_loras(loras)  # the library's own checks: a file given twice, say
-    except ValueError as error:
-        raise UsageError(f"argument --lora: {error}") from None
+        try:
+            checked_loras(loras)  # the library's own checks: a file given twice, say
+        except ValueError as error:
+            raise UsageError(f"argument --lora: {error}") from None
     return {
         **({"components": components} if components else {}),
         **({"loras": loras} if loras else {}),

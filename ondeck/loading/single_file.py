@@ -460,7 +460,7 @@ class SingleFileFolder(ModelFolder):
         # convert unless the keys are exactly the model's). A tied weight is the model's
         # under any of its names (T5's ``shared.weight`` for ``encoder.embed_tokens``).
         own_names = {key.removeprefix(MODEL_PREFIX) for key in weights}
-        missing = [names[0] for names in slots or () if not any(n in own_names for n in names)]
+        missing = _absent(slots or (), own_names)
         own = not missing
         if missing and len(missing) < len(slots) / 2:  # the model's names, some of them absent
             raise LoadError(
@@ -498,7 +498,7 @@ class SingleFileFolder(ModelFolder):
         as the config and the weights disagreeing."""
         if not slots:
             return
-        found = sum(any(n in converted for n in names) for names in slots)
+        found = len(slots) - len(_absent(slots, converted))
         if found * 2 >= len(slots):
             return
         cls = self.component_class(name).__name__
@@ -543,6 +543,12 @@ class SingleFileFolder(ModelFolder):
         if jobs:
             read_into(jobs, progress=False, component=name)
         return scales
+
+
+def _absent(slots, names) -> list[str]:
+    """The first name of each of the model's tensors (its ``slots``' names, several where
+    weights are tied) that ``names`` holds under none of its names."""
+    return [slot[0] for slot in slots if not any(n in names for n in slot)]
 
 
 def _file_key(info: TensorInfo) -> str:

@@ -175,17 +175,11 @@ class _Api:
     def job_from(
         self, body: ImageRequest | VideoRequest, kind: str, image: bytes | None = None
     ) -> Job:
-        """The job a request asks for, checked; ``image``: an image edit's input."""
+        """The job a request asks for, checked; ``image``: its input image's bytes (a
+        video's ``input_reference``, an image edit's ``image``), opened once all else is
+        checked."""
         model = self.served_model(body.model, kind)
-        if kind == "image" and image is not None and not model.takes_image:
-            raise JobFailed(400, "invalid_value", f"{body.model!r} takes no input image", "image")
-        if kind == "image" and image is None and model.needs_image:
-            raise JobFailed(
-                400,
-                "invalid_value",
-                f"{body.model!r} makes an image from an image: give it to /v1/images/edits",
-                "model",
-            )
+        _check_image(body.model, model, kind, image)
         for field in ("prompt", "negative_prompt"):
             if len(getattr(body, field)) > self.limits.prompt_chars:
                 raise JobFailed(
@@ -248,6 +242,8 @@ class _Api:
             job.seconds = seconds_of(job.frames, model.fps)
         unnamed = not body.size and body.height is None and body.width is None
         self.server.check_shape(model, job, own_size=unnamed)
+        if image is not None:
+            job.input_image = _open_image(image, self.limits, IMAGE_FIELDS[kind])
         return job
 
     def submit(self, job: Job) -> Job:
@@ -393,15 +389,11 @@ def _image_routes(app: FastAPI, server: Server, api: _Api) -> None:
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> Any:
-        data, image = await _request_fields(request, limits, "image")
-        if "mask" in data:
-            raise JobFailed(400, "invalid_value", "ondeck serve takes no mask", "mask")
+        data, image = await _image_fields(request, limits)
         body = ImageRequest.model_validate(data)
         if image is None:
             raise JobFailed(400, "invalid_value", "an edit needs its image", "image")
-        job = job_from(body, "image", image)
-        job.input_image = _open_image(image, limits, "image")
-        return await answer_images(request, submit(job))
+        return await answer_images(request, submit(job_from(body, "image", image)))
 
     async def answer_images(request: Request, job: Job) -> Any:
         """The images of ``job`` once it ends, as OpenAI's images API answers."""
@@ -446,23 +438,7 @@ def _video_routes(app: FastAPI, server: Server, api: _Api) -> None:
     @app.post("/v1/videos")
     async def create_video(request: Request) -> dict:
         data, image = await _request_fields(request, limits)
-        body = VideoRequest.model_validate(data)
-        model = api.served_model(body.model, "video")
-        if image is not None and not model.takes_image:
-            raise JobFailed(
-                400, "invalid_value", f"{body.model!r} takes no input image", "input_reference"
-            )
-        if image is None and model.needs_image:
-            raise JobFailed(
-                400,
-                "invalid_value",
-                f"{body.model!r} makes a video from an image: give it as input_reference",
-                "input_reference",
-            )
-        job = job_from(body, "video")
-        if image is not None:
-            job.input_image = _open_image(image, limits)
-        return video_object(submit(job))
+        return video_object(submit(job_from(VideoRequest.model_validate(data), "video", image)))
 
     @app.get("/v1/videos")
     async def list_videos() -> dict:
@@ -519,10 +495,8 @@ def _ondeck_routes(app: FastAPI, server: Server, api: _Api) -> None:
         # The images route's body (an edit's image too), answered at once with the queued
         # job, as a video job is: the page shows its steps and can cancel it; its image is
         # at .../image.
-        data, image = await _request_fields(request, server.config.limits, "image")
+        data, image = await _image_fields(request, server.config.limits)
         job = api.job_from(ImageRequest.model_validate(data), "image", image)
-        if image is not None:
-            job.input_image = _open_image(image, server.config.limits, "image")
         return api.job_object(api.submit(job))
 
     @app.get("/v1/ondeck/jobs/{job_id}")
@@ -628,6 +602,41 @@ async def _request_fields(
     return data, image
 
 
+async def _image_fields(request: Request, limits: Any) -> tuple[dict, bytes | None]:
+    """An image request's fields and its input image (an edit's ``image``); a mask, which
+    no served pipeline takes, is a 400."""
+    data, image = await _request_fields(request, limits, IMAGE_FIELDS["image"])
+    if "mask" in data:
+        raise JobFailed(400, "invalid_value", "ondeck serve takes no mask", "mask")
+    return data, image
+
+
+# A request's input image by the kind of its job: the field it comes in.
+IMAGE_FIELDS = {"video": "input_reference", "image": "image"}
+
+
+def _check_image(name: str, model: Any, kind: str, image: bytes | None) -> None:
+    """A 400 for an input image ``model`` takes none of, or for none where it needs one
+    (saying where it goes)."""
+    field = IMAGE_FIELDS[kind]
+    if image is not None and not model.takes_image:
+        raise JobFailed(400, "invalid_value", f"{name!r} takes no input image", field)
+    if image is None and model.needs_image:
+        if kind == "video":
+            raise JobFailed(
+                400,
+                "invalid_value",
+                f"{name!r} makes a video from an image: give it as input_reference",
+                field,
+            )
+        raise JobFailed(
+            400,
+            "invalid_value",
+            f"{name!r} makes an image from an image: give it to /v1/images/edits",
+            "model",
+        )
+
+
 def _integer(value: str, key: str) -> int:
     try:
         return int(value)
@@ -653,7 +662,7 @@ def _data_url(url: str, limits: Any, field: str) -> bytes:
         raise JobFailed(400, "invalid_value", "image_url is not valid base64", field) from None
 
 
-def _open_image(data: bytes, limits: Any, field: str = "input_reference") -> Any:
+def _open_image(data: bytes, limits: Any, field: str) -> Any:
     """The input image, upright as its camera's orientation tag says, in RGB."""
     from PIL import Image
 

@@ -55,8 +55,10 @@ class _Request(BaseModel):
         return data
 
     @field_validator(
-        "height", "width", "steps", "num_inference_steps", "seed", "guidance_scale", mode="before"
-    )
+        "height", "width", "steps", "num_inference_steps", "seed", "guidance_scale",
+        "n", "frames",  # an image request's, a video request's
+        mode="before", check_fields=False,
+    )  # fmt: skip
     @classmethod
     def _number(cls, value: Any) -> Any:
         return not_boolean(value)
@@ -77,11 +79,6 @@ class ImageRequest(_Request):
     n: int = Field(default=1, ge=1)
     response_format: str = "b64_json"
     output_format: str = "png"
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _count(cls, value: Any) -> Any:
-        return not_boolean(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -113,11 +110,6 @@ class VideoRequest(_Request):
     seconds: str | None = None
     frames: int | None = Field(default=None, ge=1)
     input_reference: Any = None
-
-    @field_validator("frames", mode="before")
-    @classmethod
-    def _frames(cls, value: Any) -> Any:
-        return not_boolean(value)
 
     @field_validator("seconds", mode="before")
     @classmethod

@@ -108,6 +108,18 @@ def test_the_page_cancels_a_running_job(browser, server):
     assert "cancelled" in page.inner_text(".job .error")
 
 
+def send_with_image(page, server, picture, route: str):
+    """Submit the model chosen with ``picture`` as its input image at 32x32; the job
+    queued through ``route``."""
+    page.set_input_files("#image", str(picture))
+    page.fill("#size", "32x32")
+    with page.expect_response(route) as answered:
+        page.click("#go")
+    response = answered.value
+    assert response.status == 200, response.text()
+    return server.queue.jobs[response.json()["id"]]
+
+
 def test_the_page_sends_the_input_image_of_a_model_that_takes_one(browser, models, tmp_path):
     """The image field shows for a video model that takes an image (here the tiny Wan,
     told it does) and not for an image model; the chosen file goes as input_reference.
@@ -137,14 +149,8 @@ def test_the_page_sends_the_input_image_of_a_model_that_takes_one(browser, model
         assert not page.is_visible("#image")
         page.select_option("#model", "wan")
         assert page.is_visible("#image")
-        page.set_input_files("#image", str(picture))
-        page.fill("#size", "32x32")
         page.fill("#seconds", "0.25")
-        with page.expect_response("**/v1/videos") as answered:
-            page.click("#go")
-        response = answered.value
-        assert response.status == 200, response.text()
-        job = live.server.queue.jobs[response.json()["id"]]
+        job = send_with_image(page, live.server, picture, "**/v1/videos")
         assert job.input_image is not None and job.input_image.size == (6, 2)
         # An image model whose call takes an image (an edit): its image goes as one.
         live.server.models["sd3"].takes_image = True
@@ -153,13 +159,7 @@ def test_the_page_sends_the_input_image_of_a_model_that_takes_one(browser, model
         page.select_option("#model", "wan")
         page.select_option("#model", "sd3")
         assert page.is_visible("#image")
-        page.set_input_files("#image", str(picture))
-        page.fill("#size", "32x32")
-        with page.expect_response("**/v1/ondeck/images") as answered:
-            page.click("#go")
-        response = answered.value
-        assert response.status == 200, response.text()
-        job = live.server.queue.jobs[response.json()["id"]]
+        job = send_with_image(page, live.server, picture, "**/v1/ondeck/images")
         assert job.input_image is not None and job.input_image.size == (6, 2)
         assert errors == []
     finally:

@@ -208,6 +208,7 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
             f"write loras=[{os.fspath(loras)!r}]"
         )
     checked: list[tuple[Path, float]] = []
+    given: dict[Path, Path] = {}  # each file as it resolves -> as it was given
     for entry in loras:
         if isinstance(entry, (str, os.PathLike)):
             file, scale = entry, 1.0
@@ -221,10 +222,10 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
         real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
         if not real or not math.isfinite(float(scale)):
             raise ValueError(f"LoRA {file}: its scale must be a finite number, got {scale!r}")
-        twice = [given for given, _ in checked if given.resolve() == file.resolve()]
-        if twice:
+        earlier = given.setdefault(file.resolve(), file)
+        if earlier is not file:
             # Each entry is applied: one file twice doubles its effect without a word.
-            spelled = f" (as {twice[0]} too)" if twice[0] != file else ""
+            spelled = f" (as {earlier} too)" if earlier != file else ""
             raise ValueError(
                 f"LoRA {file} is given twice{spelled}; give it once, with the scale you want"
             )
