@@ -62,13 +62,15 @@ def build_wan_folder(
     preset: str = "tiny",
     seed: int = 0,
     max_shard_size: str = "5GB",
-    vivid: bool = False,
+    vivid: bool = True,
 ) -> Path:
     """Write a Wan 2.1 text-to-video folder in diffusers format with random weights.
 
-    Small random weights decode to values near zero: a flat grey video. ``vivid`` scales
-    the VAE decoder's output layer so that its output spans the pixel range, and the
-    video shows seeded coloured noise instead (what the embedded default does).
+    Small random weights decode to values near zero: a flat grey video, the same for
+    any latents. ``vivid`` (the default) gives the VAE decoder unit-gain weights and
+    scales its output layer so that its output spans the pixel range: the video shows
+    seeded coloured noise that follows the latents, so two runs that differ anywhere
+    before the decode give different frames.
     """
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel

@@ -316,7 +316,9 @@ def test_streamed_blocks_split_the_sequence_with_the_same_frames(ranks, one_proc
         assert streamed["stats"]["streamed_blocks"] and streamed["stats"]["copies"] > 0
         assert streamed["tokens"] and set(streamed["tokens"]) == {TOKENS // WORLD_SIZE}
         for prompt, frames in seen["streamed_frames"].items():
-            assert np.array_equal(frames, one_process["six blocks"][prompt])
+            # Each rank's products run on half the sequence: the same to float32's
+            # rounding (2e-6 of pixels in 0..1), which the tiny VAE now carries out.
+            np.testing.assert_allclose(frames, one_process["six blocks"][prompt], atol=1e-5)
 
 
 @needs_gloo

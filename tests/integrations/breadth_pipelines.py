@@ -753,7 +753,10 @@ BREADTH: dict[str, Family] = {
         Family("mochi", "MochiPipeline", build_mochi,
                {**_VIDEO, "num_frames": 7, "guidance_scale": 4.5, "negative_prompt": ""}),
         Family("allegro", "AllegroPipeline", build_allegro,
-               {**_VIDEO, "num_frames": 8, "guidance_scale": 6.0, "negative_prompt": ""},
+               # One whole tile (128x128, 24 frames): its tiled decode gives no pixels
+               # for a smaller video, whatever the latents.
+               {**_VIDEO, "num_frames": 24, "height": 128, "width": 128,
+                "guidance_scale": 6.0, "negative_prompt": ""},
                prepare=_allegro_tiling),
         Family("flux_kontext", "FluxKontextPipeline", build_flux_kontext,
                {**_STEPS, "image": _image(32), "height": 8, "width": 8, "max_area": 64,

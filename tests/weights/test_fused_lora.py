@@ -200,6 +200,20 @@ def test_asking_for_the_adapters_after_a_reload_from_the_factors_finds_them(
     assert injections[0] == 2, "the module from the factors was rebuilt with peft's layers"
 
 
+def _plain_unfused(base, lora):
+    """Plain diffusers: the LoRA loaded, fused at 0.5 and unfused. The adapter stays
+    active, so its layers compute it beside the restored weights."""
+    from diffusers import WanPipeline
+    from references import in_fresh_tensors
+
+    pipe = WanPipeline.from_pretrained(base, dtype=torch.float32)
+    pipe.load_lora_weights(str(lora), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.transformer.unfuse_lora()
+    pipe.set_progress_bar_config(disable=True)
+    return frames(in_fresh_tensors(pipe))
+
+
 def test_an_adapter_call_on_a_module_from_the_factors_gets_peft_layers_to_act_on(
     base, lora_files, weights, reference
 ):
@@ -214,7 +228,9 @@ def test_an_adapter_call_on_a_module_from_the_factors_gets_peft_layers_to_act_on
     # Unfusing subtracts what fusing added, to rounding.
     file_weight = weights["blocks.0.attn1.to_q.weight"]
     assert torch.allclose(getattr(layer, "base_layer", layer).weight, file_weight, atol=1e-6)
-    assert np.allclose(frames(pipe), reference, atol=1e-5)
+    expected = _plain_unfused(base, lora_files["diffusers"])
+    assert not np.allclose(expected, reference, atol=1e-2), "the unfused adapter still acts"
+    assert np.array_equal(frames(pipe), expected)
 
 
 def test_a_transform_of_your_own_after_the_fuse_sees_peft_layers(base, lora_files):

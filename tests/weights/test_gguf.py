@@ -39,7 +39,10 @@ def diffusers_gguf_frames(base, path, lora=None):
 
 
 def test_the_gguf_file_holds_the_weights_it_was_written_from(gguf_file, gguf_reference):
-    assert np.allclose(reference_frames(gguf_file[1]), gguf_reference, atol=1e-5)
+    # The folder holds the file's weights dequantized once; diffusers dequantizes them
+    # at every forward: the same values to float32's rounding, 2e-5 apart in the latents
+    # after two steps (a LoRA or another transformer moves them by tenths).
+    assert np.allclose(reference_frames(gguf_file[1]), gguf_reference, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["eager", "release", "budget"])
