@@ -150,10 +150,15 @@ def test_a_transform_that_fails_its_first_load_is_not_kept(folders):
     """Given to a component not loaded yet, a transform that fails where it is first
     applied fails that call alone; one that applied once stays through a later failure."""
     pipe = load(folders["wan"], policy="release")
-    pipe.ondeck.add_transform("transformer", lambda module: None)
-    with pytest.raises(OndeckError, match="returned None"):
+    expected = run(pipe, FAMILIES["wan"])
+
+    def broken(module):
+        raise RuntimeError("a broken transform")
+
+    pipe.ondeck.add_transform("transformer", broken)
+    with pytest.raises(OndeckError, match="a broken transform"):
         run(pipe, FAMILIES["wan"])
-    expected = run(pipe, FAMILIES["wan"])  # loads without it
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)  # loads without it
 
     calls = {"n": 0}
 
@@ -169,6 +174,24 @@ def test_a_transform_that_fails_its_first_load_is_not_kept(folders):
         run(pipe, FAMILIES["wan"])
     assert np.array_equal(run(pipe, FAMILIES["wan"]), expected)
     assert calls["n"] == 3, "applied once it stays"
+
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["at its load", "loaded"])
+def test_a_transform_that_changes_the_module_in_place_and_returns_none_is_kept(folders, loaded):
+    policy = "eager" if loaded else "release"
+    pipe = load(folders["wan"], policy=policy)
+    expected = run(pipe, FAMILIES["wan"])
+
+    def silence(module):  # in place, returning nothing, as list.sort does
+        with torch.no_grad():
+            module.proj_out.weight.zero_()
+            module.proj_out.bias.zero_()
+
+    pipe.ondeck.add_transform("transformer", silence)
+    first, second = run(pipe, FAMILIES["wan"]), run(pipe, FAMILIES["wan"])
+    assert not np.array_equal(first, expected), "the change took"
+    assert np.array_equal(second, first), "and stays through a reload"
+    assert pipe.transformer.materialize() is not None
 
 
 def test_a_transform_that_fails_in_a_load_ahead_fails_the_call(folders):
@@ -513,6 +536,26 @@ def test_a_failed_call_releases_everything_and_the_next_call_works(folders, refe
 
     assert resident(pipe) == set()
     assert np.array_equal(run(pipe, FAMILIES["wan"]), references["wan"][0])
+
+
+@pytest.mark.parametrize("policy", ["eager", "budget"])
+@pytest.mark.parametrize(
+    "wrong", [{"num_inference_step": 2}, {"height": 15}], ids=["misspelt", "refused"]
+)
+def test_a_call_refused_before_it_uses_a_component_keeps_what_is_loaded(
+    folders, references, policy, wrong
+):
+    pipe = load(folders["wan"], policy=policy)
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), references["wan"][0])
+    kept, before = resident(pipe), loads(pipe)
+    assert kept, "the policy keeps components between calls"
+
+    with pytest.raises((TypeError, ValueError)):
+        run(pipe, FAMILIES["wan"], **wrong)
+
+    assert resident(pipe) == kept
+    assert np.array_equal(run(pipe, FAMILIES["wan"]), references["wan"][1])
+    assert loads(pipe) == before, "nothing loaded again"
 
 
 def test_offload_hooks_are_refused_with_a_reason(folders):

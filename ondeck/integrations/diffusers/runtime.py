@@ -542,14 +542,20 @@ class DiffusersRuntime(CountsTokens, Pipeline):
         self._learn(self._record)
 
     def _abort_call(self) -> None:
+        """After a call raised: everything goes, unless the call used no component (its
+        arguments were refused): then what is loaded stays, whole (loads under way end)."""
         self._held_back = []
+        untouched = self._record is not None and not self._record.first_touch
         with self._deciding():
             if self._current_index is not None:
                 self.tracker.stage_finished(self.stages[self._current_index].name)
             try:
                 self.executor.cancel_prefetch()
             finally:
-                self._release_deferred_quietly()
+                if untouched:
+                    self._forget_what_is_not_loaded()
+                else:
+                    self._release_deferred_quietly()
 
     def _learn(self, record: CallRecord | None) -> None:
         """Take the turns a complete call showed as the model for the next calls.
@@ -659,20 +665,20 @@ class DiffusersRuntime(CountsTokens, Pipeline):
     # -- transforms ---------------------------------------------------------------------
 
     def add_transform(self, name: str, fn: Callable[[Any], Any]) -> None:
-        """Apply ``fn(module) -> module`` to component ``name`` now and after every load.
+        """Apply ``fn(module) -> module`` to component ``name`` now and after every load
+        (an ``fn`` that returns None changed the module in place).
 
         A component passed in ready-made is never released, so ``fn`` runs on it once.
-        One not loaded yet is given ``fn`` at its next load, and where it fails there
-        (raises, or returns None) it is not kept, as it would not be on a loaded one.
+        One not loaded yet is given ``fn`` at its next load, and where it raises there
+        it is not kept, as it would not be on a loaded one.
         """
         component = getattr(self.pipe, name)
         if is_lazy(component):
             component.add_transform(FirstApplied(fn, component))
             return
         transformed = fn(component)
-        if transformed is None:
-            raise OndeckError(f"component '{name}': transform {fn!r} returned None")
-        setattr(self.pipe, name, transformed)
+        if transformed is not None:
+            setattr(self.pipe, name, transformed)
 
     def close(self) -> None:
         """Pipeline.close, and each component's fused-LoRA recipe is dropped: the next
