@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,48 @@ def test_a_lora_file_gives_diffusers_frames_under_each_policy(
     assert np.array_equal(frames(pipe), lora_reference), "the same after a reload"
     if policy == "streaming":
         assert streamed_passes(pipe) > 0
+
+
+def test_a_lora_file_written_again_after_loading_changes_nothing(base, lora_files, tmp_path):
+    """As plain diffusers: the LoRA is what the file held when it was loaded, at every
+    reload (a trainer writes its LoRA file again at each checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "lora.safetensors"
+    tensors = load_file(str(lora_files["diffusers"]))
+    save_file(tensors, str(path))
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(path), adapter_name="style")
+    first = frames(pipe)
+
+    other = tmp_path / "other.safetensors"
+    save_file({name: tensor * 3 for name, tensor in tensors.items()}, str(other))
+    with open(path, "r+b") as file:  # the same file, its bytes written again
+        file.write(other.read_bytes())
+    assert np.array_equal(frames(pipe), first)
+    assert pipe.transformer.load_count == 2, "the transformer was loaded again"
+
+
+def test_what_diffusers_logs_loading_a_lora_is_said_once_not_at_every_reload(
+    base, lora_files, caplog, tmp_path
+):
+    """diffusers warns of keys a second adapter left (each name's own) when it loads; a
+    plain pipeline says it once, and so does a pipeline that loads it again per call."""
+    second = tmp_path / "second.safetensors"
+    second.write_bytes(lora_files["diffusers"].read_bytes())
+    pipe = load(base, "release")
+
+    def said() -> int:
+        return sum("Loading adapter weights" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="diffusers"):
+        pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="a")
+        pipe.load_lora_weights(str(second), adapter_name="b")
+        assert said() == 1, "said when loaded"
+        frames(pipe)
+        frames(pipe)
+        assert said() == 1, "not again at each reload"
+    assert pipe.transformer.load_count == 2
 
 
 def test_a_lora_on_an_original_key_single_file(base, original_file, lora_files, lora_reference):

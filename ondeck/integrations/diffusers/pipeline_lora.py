@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -290,6 +292,40 @@ def _unfuse_component(component: PipelineComponent) -> None:
     component.add_transform(unmerge)
 
 
+# Where diffusers logs what it met loading a LoRA (keys of it no layer took, say).
+_LORA_LOGGERS = ("diffusers.utils.peft_utils", "diffusers.loaders.peft")
+
+
+class _OtherThreads(logging.Filter):
+    """Passes the records of every thread but the one that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _logged_once(applications: list[int]) -> Iterator[None]:
+    """diffusers' log lines of a LoRA's loading at its first application only (when it
+    is loaded, as a plain pipeline says them), not again at every reload."""
+    applications[0] += 1
+    if applications[0] == 1:
+        yield
+        return
+    quiet = _OtherThreads()
+    loggers = [logging.getLogger(name) for name in _LORA_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
 def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``load_lora_into_<component>``: aimed at a deferred component, the loading
     becomes a transform of that component (applied at every load, loading nothing now)."""
@@ -306,15 +342,23 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
         if not targets:
             return function(cls, *args, **kwargs)
         key, proxy = targets[0]
-        arguments = dict(bound.arguments)
+        # The LoRA's tensors as they are now, in memory of their own: safetensors hands
+        # out views of the file, which a trainer may write again before the next load.
+        arguments = {
+            name: value if name == key else fresh_copy(value)
+            for name, value in bound.arguments.items()
+        }
         if "_pipeline" in signature.parameters:
             arguments["_pipeline"] = None  # its offload probes would load every component
+
+        applications = [0]
 
         def apply(module: Any) -> Any:
             fresh = {name: fresh_copy(value) for name, value in arguments.items()}
             fresh[key] = module
             call = inspect.BoundArguments(signature, fresh)
-            function(*call.args, **call.kwargs)
+            with _logged_once(applications):
+                function(*call.args, **call.kwargs)
             return module
 
         apply.__qualname__ = f"{function.__name__} (recorded)"
