@@ -692,7 +692,7 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
     sizes = pipeline.component_bytes()
     total = sum(size or 0 for size in sizes.values())
     if None in sizes.values():
-        chosen: Policy = ReleasePolicy()
+        chosen: Policy = ReleasePolicy(prefetch_next_run=prefetch)
         chosen.reason = (
             f"auto chose 'release': some components have unknown sizes, so no budget "
             f"can be planned for the {format_bytes(available)} {where} has free"
@@ -739,7 +739,7 @@ def choose_auto(pipeline: Snapshot | Any, *, prefetch: bool = True) -> Policy:
             f"budget loads {format_bytes(by_budget)} per run, release {format_bytes(by_release)}"
         )
         if by_release < by_budget:
-            chosen = ReleasePolicy()
+            chosen = ReleasePolicy(prefetch_next_run=prefetch)
             chosen.reason = f"auto chose 'release': {per_run}"
             return chosen
         budget.reason = f"auto chose 'budget' with prefetch: {per_run}"
@@ -786,7 +786,7 @@ def make_policy(
     if policy == "eager":
         return EagerPolicy()
     if policy == "release":
-        return ReleasePolicy()
+        return ReleasePolicy(prefetch_next_run=prefetch)
     if policy == "budget":
         if budget is None:
             budget = device_budget_bytes(device)

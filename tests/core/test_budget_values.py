@@ -111,3 +111,8 @@ def test_budget_on_a_device_with_nothing_free_is_made_at_one_byte(monkeypatch):
 
     monkeypatch.setattr(policy, "auto_budget_bytes", lambda *a, **k: (-(2**20), False))
     assert make_policy("budget").budget_bytes == 1
+
+
+def test_prefetch_off_reaches_release_however_it_is_chosen():
+    assert make_policy("release").prefetch_next_run
+    assert not make_policy("release", prefetch=False).prefetch_next_run

@@ -112,6 +112,8 @@ def test_unknown_sizes_release(monkeypatch):
     pipe = ThreeStages(three_loaders())
     assert pipe.policy.name == "release"
     assert "unknown sizes" in pipe.policy.reason
+    assert pipe.policy.prefetch_next_run
+    assert not ThreeStages(three_loaders(), prefetch=False).policy.prefetch_next_run
 
 
 def test_device_facts_is_the_seam(monkeypatch):
