@@ -4,6 +4,7 @@ the file: a pickle checkpoint, and a LoRA no layer of which belongs to the pipel
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -165,6 +166,10 @@ def test_one_lora_given_twice_is_refused_not_applied_twice(base, lora_files, cap
     link.symlink_to(file)  # the same file by another name
     with pytest.raises(ValueError, match=rf"{link} is given twice \(as {file} too\); give"):
         checked_loras([file, (link, 0.5)])
+    hard = tmp_path / "hard.safetensors"
+    os.link(file, hard)  # the same file again, no link to follow
+    with pytest.raises(ValueError, match=rf"{hard} is given twice \(as {file} too\)"):
+        checked_loras([file, hard])
     code, _, err = run(
         capsys, "generate", base, "--lora", file, "--lora", f"{file}:0.5",
         "--output", tmp_path / "o", *FAST,

@@ -208,7 +208,7 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
             f"write loras=[{os.fspath(loras)!r}]"
         )
     checked: list[tuple[Path, float]] = []
-    given: dict[Path, Path] = {}  # each file as it resolves -> as it was given
+    given: dict[Any, Path] = {}  # each file (its inode, or as it resolves) -> as given
     for entry in loras:
         if isinstance(entry, (str, os.PathLike)):
             file, scale = entry, 1.0
@@ -222,7 +222,7 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
         real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
         if not real or not math.isfinite(float(scale)):
             raise ValueError(f"LoRA {file}: its scale must be a finite number, got {scale!r}")
-        earlier = given.setdefault(file.resolve(), file)
+        earlier = given.setdefault(_same_file_key(file), file)
         if earlier is not file:
             # Each entry is applied: one file twice doubles its effect without a word.
             spelled = f" (as {earlier} too)" if earlier != file else ""
@@ -231,6 +231,16 @@ def checked_loras(loras: Any) -> list[tuple[Path, float]]:
             )
         checked.append((file, float(scale)))
     return checked
+
+
+def _same_file_key(file: Path) -> Any:
+    """What makes two paths one file: its device and inode (a hard link, a symbolic
+    one), or where a file not there yet would resolve to."""
+    try:
+        status = file.stat()
+    except OSError:
+        return file.resolve()
+    return (status.st_dev, status.st_ino)
 
 
 def load_loras(
