@@ -534,11 +534,10 @@ class LazyModule:
                 filling = None
             for transform in transforms:
                 if filling is not None and hasattr(transform, "while_filling"):
-                    module = transform.while_filling(module, filling)
+                    returned = transform.while_filling(module, filling)
                 else:
-                    module = transform(module)
-                if module is None:
-                    raise LoadError(f"component '{name}': transform {transform!r} returned None")
+                    returned = transform(module)
+                module = module if returned is None else returned  # None: changed in place
             for method, args, kwargs in replay:
                 result = getattr(module, method)(*args, **kwargs)
                 if method != "requires_grad_" and result is not None:
@@ -656,7 +655,8 @@ class LazyModule:
     # -- hooks --------------------------------------------------------------------------
 
     def add_transform(self, fn: Callable[[Any], Any], *, reads_weights: bool = True) -> LazyModule:
-        """Apply ``fn(module) -> module`` after every load, in registration order.
+        """Apply ``fn(module) -> module`` after every load, in registration order; an
+        ``fn`` that returns None changed the module in place, which is kept.
 
         If the component is already loaded, ``fn`` is applied to it now as well.
         ``reads_weights=False`` declares that ``fn`` only adds hooks or attributes and
@@ -672,12 +672,8 @@ class LazyModule:
             module = object.__getattribute__(self, "_ondeck_module")
             if module is not None:  # a transform that fails here is not kept
                 transformed = self._apply_or_release(fn, module)
-                if transformed is None:
-                    self.release()
-                    raise LoadError(
-                        f"component '{self._ondeck_name}': transform {fn!r} returned None"
-                    )
-                object.__setattr__(self, "_ondeck_module", transformed)
+                if transformed is not None:
+                    object.__setattr__(self, "_ondeck_module", transformed)
             object.__getattribute__(self, "_ondeck_transforms").append(fn)
             self._changed()
         return self

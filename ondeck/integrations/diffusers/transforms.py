@@ -30,10 +30,8 @@ class FirstApplied:
             if not is_out_of_memory(error):
                 self._failed()
             raise
-        if result is None:
-            self._failed()
-        self.applied = self.applied or result is not None
-        return result
+        self.applied = True
+        return result  # None: the module changed in place
 
     def _failed(self) -> None:
         if not self.applied and not self.component.in_load_ahead():
