@@ -15,6 +15,7 @@ from ..errors import LoadError
 from .safetensors_format import FileIdentity, TensorInfo
 
 __all__ = [
+    "check_transformers_gguf",
     "find_gguf",
     "gguf_header",
     "gguf_reader",
@@ -167,3 +168,30 @@ def gguf_reader(path: Path, name: str) -> Any:
             component=name,
             path=str(path),
         ) from error
+
+
+def check_transformers_gguf(path: Path, name: str, config: dict) -> None:
+    """A LoadError, before anything loads, where transformers' GGUF support would refuse
+    ``path`` for component ``name`` at its first load: a file of an architecture it does
+    not read, or of another model type than the component's ``config``. Reads the
+    header through transformers' own parsing."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+    except (ValueError, NotImplementedError, KeyError) as error:
+        raise LoadError(
+            f"component '{name}': transformers cannot load {path}: {error}",
+            component=name,
+            path=str(path),
+        ) from error
+    held = str(parsed.get("config", {}).get("model_type") or "")
+    wanted = str(config.get("model_type") or "")
+    # umt5 and t5 (T5's GGUF files serve both) hold one within the other.
+    if held and wanted and held not in wanted and wanted not in held:
+        raise LoadError(
+            f"component '{name}': {path} holds a {held} model, and the component is a "
+            f"{wanted} model (its config.json's model_type)",
+            component=name,
+            path=str(path),
+        )

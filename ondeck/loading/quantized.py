@@ -43,6 +43,7 @@ from ..errors import LoadError, held_logs
 from ..lazy import ComponentSpec
 from .folder_loader import FolderLoader
 from .gguf_file import (
+    check_transformers_gguf,
     find_gguf,
     gguf_header,
     gguf_reader,
@@ -197,6 +198,8 @@ class QuantizedComponentLoader(FolderLoader):
                     path=str(config_path),
                 )
             self.path = given if given is not None else find_gguf(self.directory, name)
+            if through_transformers:
+                check_transformers_gguf(self.path, name, self.config)
         else:
             self.host_cache = None
             self.folder.require_weights(name)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -236,6 +239,24 @@ def test_a_gguf_text_encoder_loads_through_transformers(base, text_encoder_gguf,
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
     assert pipe.ondeck.plan().component_bytes["text_encoder"] > 0
+
+
+def test_a_gguf_file_transformers_cannot_load_for_the_component_is_refused_when_given(
+    base, gguf_file, text_encoder_gguf, tmp_path
+):
+    with pytest.raises(LoadError, match=r"component 'text_encoder': transformers cannot load "):
+        load(base, "release", components={"text_encoder": gguf_file[0]})  # the transformer's
+
+    folder = tmp_path / "t5"  # the same encoder's file, for a component said to be CLIP's
+    shutil.copytree(base, folder)
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    (folder / "text_encoder" / "config.json").write_text(
+        json.dumps({**config, "model_type": "clip_text_model"})
+    )
+    with pytest.raises(
+        LoadError, match=r"holds a umt5 model, and the component is a clip_text_model model"
+    ):
+        load(folder, "release", components={"text_encoder": text_encoder_gguf})
 
 
 def test_a_gguf_text_encoder_reloads_from_the_host_cache_without_reading_the_file(
