@@ -154,6 +154,9 @@ class MemoryTracker:
     runs: int = 0
     runs_completed: int = 0  # of those, the ones that completed (``run_finished``)
     peak_measured_bytes: int = 0
+    # Seconds computing waited for loads, over every stage of every run (``stages`` keeps
+    # the last ``keep_runs`` runs' own).
+    exposed_load_total: float = 0.0
     # The process's highest RSS while runs were on (the host watch's samples).
     host_peak_bytes: int = 0
     # How far the process, besides the host memory a plan counts on its own, rose in the
@@ -185,6 +188,7 @@ class MemoryTracker:
         self._start = time.perf_counter()
         self._stage_started: float | None = None
         self._exposed: float = 0.0
+        self._event_peak = 0  # the most measured at any event, the dropped runs' included
         self._stage_resident_at_start = 0
         self._compute_resident = 0
         # The fewest weights resident since the stage began computing (its compute mark,
@@ -229,6 +233,8 @@ class MemoryTracker:
             return None
 
     def _record(self, kind: str, name: str, nbytes: int, duration: float | None = None) -> None:
+        measured = self._measure()
+        self._event_peak = max(self._event_peak, measured or 0)
         self.events.append(
             Event(
                 seconds=time.perf_counter() - self._start,
@@ -236,7 +242,7 @@ class MemoryTracker:
                 name=name,
                 nbytes=nbytes,
                 resident_bytes=self.resident_bytes,
-                measured_bytes=self._measure(),
+                measured_bytes=measured,
                 duration_seconds=duration,
                 run=self.runs,
             )
@@ -468,6 +474,7 @@ class MemoryTracker:
                 activation_bound_bytes=bound,
             )
             self.stages.append(record)
+            self.exposed_load_total += self._exposed
             self._stage_started = None
             self._peak_at_mark = self._allocated_at_mark = self._peak_before_reset = None
             self._least_resident = None
@@ -506,9 +513,9 @@ class MemoryTracker:
             "seconds_per_call": dict(self.seconds_per_call),
             "load_bytes_per_second": dict(self.load_bytes_per_second),
             "reload_bytes_per_second": dict(self.reload_bytes_per_second),
-            "peak_measured_bytes": max((e.measured_bytes or 0 for e in self.events), default=0),
+            "peak_measured_bytes": max(self.peak_measured_bytes, self._event_peak),
             "process_peak_rss_bytes": process_peak_rss_bytes(),
-            "exposed_load_seconds": self.exposed_load_seconds(),
+            "exposed_load_seconds": self.exposed_load_total,
             "stages": [asdict(s) for s in self.stages],
             "events": [asdict(e) for e in self.events],
         }

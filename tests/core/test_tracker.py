@@ -395,3 +395,23 @@ def test_load_rates_price_reloading_once_a_later_run_has_loaded_the_component():
     tracker.loaded("text_encoder", GiB, 0.25)
     tracker.run_finished()
     assert tracker.later_load_bytes_per_second == {"text_encoder": 4 * GiB, "transformer": 4 * GiB}
+
+
+def test_the_reports_totals_cover_every_run_and_its_timeline_the_last_ones(monkeypatch):
+    """``keep_runs`` trims the timeline, not the totals: the seconds computing waited
+    for loads and the peak measured at an event stay the whole process's figures."""
+    tracker = MemoryTracker(device="cpu", keep_runs=1)
+    measured = lambda device: 5 * GiB if tracker.runs == 1 else 1 * GiB  # noqa: E731
+    monkeypatch.setattr("ondeck.tracker.measured_device_bytes", measured)
+    for _ in range(3):
+        tracker.run_started()
+        tracker.stage_started("Denoise")
+        tracker.waited("transformer", 0.25)
+        tracker.stage_finished("Denoise")
+        tracker.run_finished()
+
+    report = tracker.to_dict()
+    assert [s["run"] for s in report["stages"]] == [3], "the timeline keeps the last run"
+    assert report["exposed_load_seconds"] == pytest.approx(0.75)
+    assert report["peak_measured_bytes"] == 5 * GiB
+    assert report["runs"] == 3

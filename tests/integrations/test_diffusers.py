@@ -560,7 +560,9 @@ def test_a_call_refused_before_it_uses_a_component_keeps_what_is_loaded(
 
 def test_offload_hooks_are_refused_with_a_reason(folders):
     pipe = load(folders["wan"], policy="release")
-    with pytest.raises(OndeckError, match="policy"):
+    with pytest.raises(
+        OndeckError, match=r"freed by its ondeck policy \(it runs under 'release'\); offload"
+    ):
         pipe.enable_model_cpu_offload()
 
 

@@ -92,10 +92,14 @@ def _build_pipeline_class(cls: type) -> type:
         return base_components.fget(self)
 
     def refuse_offload(self: Any, *args: Any, **kwargs: Any) -> None:
+        runtime = runtime_of(self)
+        policy = getattr(getattr(runtime, "policy", None), "name", None)
+        now = f" (it runs under '{policy}')" if policy else ""
         raise OndeckError(
             "this pipeline's components already load when a call first needs them and "
-            "are freed by its ondeck policy; offload hooks would load every component "
-            "now. Choose policy='release' or a budget in ondeck.diffusers.from_pretrained"
+            f"are freed by its ondeck policy{now}; offload hooks would load every "
+            "component now. For less device memory, give ondeck.diffusers.from_pretrained "
+            "policy='release', or a budget= that streams what does not fit"
         )
 
     namespace: dict[str, Any] = {
