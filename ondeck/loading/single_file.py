@@ -27,6 +27,7 @@ import dataclasses
 import math
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -489,6 +490,7 @@ class SingleFileFolder(ModelFolder):
                 config=dict(self.config_dict(name)),
             )
             self._check_converted(name, path, converted, slots, weights)
+            converted = _only_the_models(name, path, converted, slots)
         self._scale_keys[name] = _scale_owners(converted, scales, header.tensors, name, path)
         return {key: info for key, info in converted.items() if not _is_scale_name(key)}
 
@@ -543,6 +545,24 @@ class SingleFileFolder(ModelFolder):
         if jobs:
             read_into(jobs, progress=False, component=name)
         return scales
+
+
+def _only_the_models(name: str, path: str, converted: dict, slots) -> dict:
+    """What diffusers' conversion left that the model does not have goes, as diffusers'
+    own single-file loading leaves it out: the other parts of a checkpoint that holds a
+    whole pipeline (its VAE's ``first_stage_model.*``, its text encoders'), said once."""
+    if not slots:
+        return converted
+    names = {n for slot in slots for n in slot}
+    other = [key for key in converted if key not in names and not _is_scale_name(key)]
+    if other:
+        warnings.warn(
+            f"ondeck: component '{name}' from {path}: {len(other)} tensor(s) the model does "
+            f"not have are left out ({some_names(other, 3, quoted=True)}): another "
+            "component's, in a checkpoint that holds more than this one",
+            stacklevel=4,
+        )
+    return {key: info for key, info in converted.items() if key not in set(other)}
 
 
 def _absent(slots, names) -> list[str]:

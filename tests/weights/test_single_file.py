@@ -67,8 +67,8 @@ def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
 
     def spying(checkpoint, **kwargs):
         converted = registered(checkpoint, **kwargs)
-        calls.append(sorted(converted))
-        return {**converted, "seen.by.the.spy": next(iter(converted.values()))}
+        calls.append(converted)
+        return {**converted, "proj_out.bias": converted["proj_out.weight"]}  # marked
 
     monkeypatch.setitem(entry, "checkpoint_mapping_fn", spying)
     folder = SingleFileFolder(ModelFolder.open(base), {"transformer": original_file})
@@ -76,7 +76,8 @@ def test_the_conversion_is_the_one_diffusers_from_single_file_uses(
     tensors = folder.tensors("transformer")
 
     assert len(calls) == 1
-    assert sorted(tensors) == sorted([*calls[0], "seen.by.the.spy"]), "its output, as it is"
+    assert sorted(tensors) == sorted(calls[0]), "its output, as it is"
+    assert tuple(tensors["proj_out.bias"].shape) == tuple(calls[0]["proj_out.weight"].shape)
 
 
 def test_the_plan_reads_no_weights_and_counts_the_files_bytes(base, original_file, monkeypatch):
@@ -145,6 +146,23 @@ def test_another_components_file_is_named_as_not_this_models(base, original_file
     message = str(raised.value)
     assert message.startswith(f"component 'vae' from {original_file}: its tensors are not ")
     assert "finds 0 of the model's" in message and "config.json" not in message
+
+
+def test_a_checkpoint_holding_the_whole_pipeline_gives_the_transformer_its_part(
+    base, original_file, reference, tmp_path
+):
+    """A file that holds the VAE's and the text encoders' tensors beside the
+    transformer's (in their own prefixes) loads the transformer, the rest left out with
+    a warning, as diffusers' own single-file loading leaves them."""
+    tensors = load_file(str(original_file))
+    tensors["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4)
+    tensors["text_encoders.t5xxl.shared.weight"] = torch.zeros(8, 4)
+    path = tmp_path / "all-in-one.safetensors"
+    save_file(tensors, str(path))
+
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) the model does not have are left out"):
+        pipe = load(base, "release", components={"transformer": path})
+        assert np.array_equal(frames(pipe), reference)
 
 
 def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_path):
