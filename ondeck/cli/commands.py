@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..profiles import ActivationProfiles, profiles_path
 from ..serve.residency import ServedModel, plan_models
-from .media import Media, check_media_flags, media_of, read_input_image
+from .media import Media, check_input_image, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags, weight_files
 from .shape import EMBEDDED_SHAPE, Shape, asked_shape, own_shape
 
@@ -89,15 +90,42 @@ def check_text(option: str, text: str) -> None:
 
 
 def check_shape(
-    pipe: Any, height: Any = None, width: Any = None, frames: Any = None, **more: Any
+    pipe: Any,
+    height: Any = None,
+    width: Any = None,
+    frames: Any = None,
+    *,
+    defaults: dict[str, str] | None = None,
+    **more: Any,
 ) -> None:
     """The arguments suit the model, by the one check ``generate()`` makes too (from the
-    configs; nothing loads), with the flag's name in the message."""
+    configs; nothing loads), with the flag's name in the message. ``defaults``: where a
+    value the command line did not give came from, by ``generate()``'s argument name
+    ("height": "the pipeline's default"), said beside the value it refuses."""
     try:
         check_generate_arguments(pipe, height=height, width=width, num_frames=frames, **more)
     except ArgumentError as error:
         flag = FLAGS.get(error.argument, error.argument)
-        raise UsageError(f"argument {flag}: {error.problem}") from None
+        origin = (defaults or {}).get(error.argument)
+        problem = error.problem
+        if origin is not None:
+            given = {"height": height, "width": width, "num_frames": frames, **more}
+            problem = _untyped_problem(problem, given.get(error.argument), flag, origin)
+        raise UsageError(f"argument {flag}: {problem}") from None
+
+
+def _untyped_problem(problem: str, value: Any, flag: str, origin: str) -> str:
+    """``problem`` with ``origin`` beside the refused ``value`` (the flag was not typed),
+    and which flag gives another."""
+    shown, count = re.subn(
+        rf"(^|got ){re.escape(str(value))}\b",
+        lambda found: f"{found.group(0)} ({origin})",
+        problem,
+        count=1,
+    )
+    if not count:
+        shown = f"{problem} ({value} is {origin})"
+    return f"{shown}; give a smaller {flag}" if "too large" in problem else f"{shown}; give {flag}"
 
 
 def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
@@ -263,13 +291,20 @@ def call_shape(args: argparse.Namespace, media: Media, *, embedded: bool = False
     return asked_shape(own, args.height, args.width, args.frames, args.steps)
 
 
-def check_call(args: argparse.Namespace, pipe: Any, shape: Shape, media: Media) -> None:
-    """The call the flags make suits the model (``check_shape``), before anything loads."""
+def check_call(
+    args: argparse.Namespace, pipe: Any, shape: Shape, media: Media, *, embedded: bool = False
+) -> None:
+    """The call the flags make suits the model (``check_shape``), before anything loads;
+    a value not typed is said to be the pipeline's own (the ``embedded`` default's)."""
+    typed = {"height": args.height, "width": args.width, "num_frames": args.frames,
+             "num_inference_steps": args.steps}  # fmt: skip
+    origin = "the embedded default's" if embedded else "the pipeline's default"
     check_shape(
         pipe,
         shape.height,
         shape.width,
         shape.frames,
+        defaults={name: origin for name, value in typed.items() if value is None},
         num_inference_steps=shape.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
@@ -493,38 +528,40 @@ def profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+# Short runs by default: the policies' loads and peaks, not the model's compute.
+BENCH_SHAPE = Shape(height=128, width=128, frames=9, steps=2)
+BENCH_POLICIES = ("eager", "release", "budget")
+
+
 def bench(args: argparse.Namespace) -> int:
     """Each policy on the same folder, runs back to back: time, peak resident, bytes loaded."""
     check_device(args.device)
-    path, embedded = model_dir(args)
+    image = read_input_image(args.image) if args.image is not None else None
+    path, _ = model_dir(args)
     media = media_of(path)
     if args.frames is not None and not media.video:
         raise UsageError(f"argument --frames: {media.pipeline_class} makes images, not a video")
-    frames = (args.frames or 9) if media.video else None
+    check_input_image(args.image, media)
+    shape = asked_shape(BENCH_SHAPE, args.height, args.width, args.frames, args.steps)
+    if not media.video:
+        shape.frames = None
+    typed = {"height": args.height, "width": args.width, "num_frames": args.frames,
+             "num_inference_steps": args.steps}  # fmt: skip
+    defaults = {name: "bench's default" for name, value in typed.items() if value is None}
+    extra = {} if image is None else {media.image_argument or "image": image}
+    if media.takes_max_area:  # Flux Kontext sizes its output from an area, not the sides
+        extra["max_area"] = shape.height * shape.width
     rows = []
-    for policy in ("eager", "release", "budget"):
-        namespace = argparse.Namespace(
-            device=args.device,
-            dtype=None,
-            policy=policy,
-            budget=None,
-            no_prefetch=False,
-            host_cache=None,
-        )
-        pipe = build_pipeline(namespace, path)
-        shape = dict(height=args.height, width=args.width, num_inference_steps=args.steps)
-        try:  # before anything loads, naming the flag
-            check_shape(pipe, frames=frames, **shape)
-        except UsageError:
+    for policy in BENCH_POLICIES:
+        pipe = build_pipeline(_bench_namespace(args.device, policy), path)
+        try:
+            # Before anything loads, naming the flag.
+            check_shape(pipe, shape.height, shape.width, shape.frames, defaults=defaults,
+                        num_inference_steps=shape.steps)  # fmt: skip
+            seconds = _bench_runs(pipe, policy, args.runs, shape, extra)
+        finally:
             pipe.release_all()
-            raise
-        seconds = []
-        for _ in range(args.runs):
-            started = time.perf_counter()
-            pipe.generate("bench", num_frames=frames, seed=0, **shape)
-            seconds.append(time.perf_counter() - started)
         rows.append((policy, seconds, pipe.tracker.peak_resident_bytes, pipe.tracker.bytes_loaded))
-        pipe.release_all()
     print(f"{'policy':<10} {'run 1':>8} {'last run':>9} {'peak resident':>14} {'loaded':>12}")
     for policy, seconds, peak, loaded in rows:
         print(
@@ -532,6 +569,39 @@ def bench(args: argparse.Namespace) -> int:
             f"{format_bytes(peak):>14} {format_bytes(loaded):>12}"
         )
     return 0
+
+
+def _bench_namespace(device: str | None, policy: str) -> argparse.Namespace:
+    """``build_pipeline``'s flags for one policy of ``bench``: the folder's own dtype and
+    weights, no budget, prefetch on, no host cache."""
+    return argparse.Namespace(
+        device=device, dtype=None, policy=policy, budget=None, no_prefetch=False, host_cache=None
+    )
+
+
+def _bench_runs(pipe: Any, policy: str, runs: int, shape: Shape, extra: dict) -> list[float]:
+    """Each run's seconds, every run at seed 0; the steps' bar as ``generate``'s is shown
+    (none under ``ONDECK_PROGRESS=0``), the pipeline's own off."""
+    from tqdm import tqdm
+
+    quiet = os.environ.get("ONDECK_PROGRESS") == "0"
+    seconds = []
+    for run in range(runs):
+        label = f"{policy} run {run + 1}/{runs} denoising"
+        with tqdm(total=shape.steps, desc=label, unit="step", disable=quiet) as bar:
+            started = time.perf_counter()
+            pipe.generate(
+                "bench",
+                height=shape.height,
+                width=shape.width,
+                num_frames=shape.frames,
+                num_inference_steps=shape.steps,
+                seed=0,
+                progress=bar,
+                **extra,
+            )
+            seconds.append(time.perf_counter() - started)
+    return seconds
 
 
 def first_line(error: BaseException) -> str:

@@ -121,7 +121,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
     check_media_flags(args, media)  # before the pipeline is built: nothing loads
     pipe = commands.build_pipeline(args, path)
     shape = commands.call_shape(args, media, embedded=embedded)
-    commands.check_call(args, pipe, shape, media)
+    commands.check_call(args, pipe, shape, media, embedded=embedded)
     split = commands.context_split(pipe, shape.height, shape.width, shape.frames)
     say(f"ondeck: {pipe.policy.reason}")
     pipe.more_runs = args.runs > 1  # the plan shown is the first run's

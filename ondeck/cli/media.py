@@ -223,19 +223,28 @@ def check_media_flags(args: Any, media: Media, *, image_needed: bool = True) -> 
                 raise UsageError(f"argument {flag}: {name} makes images, not a video")
         if args.images is not None and args.images > 1 and not media.takes_count:
             raise UsageError(f"argument --images: {name} makes one image per prompt")
-    if args.image is not None and not media.takes_image:
-        raise UsageError(f"argument --image: {name} takes no input image")
-    if args.image is None and media.needs_image and image_needed:
-        raise UsageError(f"{name} needs an input image: give it with --image PATH")
-    if media.other_input is not None and image_needed:
-        raise UsageError(
-            f"{name} needs a {media.other_input} besides its image, which ondeck generate "
-            "cannot give; call the pipeline from Python (ondeck.diffusers.from_pretrained)"
-        )
+    check_input_image(args.image, media, needed=image_needed)
     true_cfg = getattr(args, "true_cfg", None)
     if true_cfg is not None and media.true_cfg_default is None:
         raise UsageError(f"argument --true-cfg: {name} has no true_cfg_scale")
     _warn_of_unused(args, media, true_cfg)
+
+
+def check_input_image(image: str | None, media: Media, *, needed: bool = True) -> None:
+    """``--image`` (``image``, its path) fits the pipeline: refused where it takes none,
+    and, where ``needed``, missing where it cannot run without one, or where it needs an
+    input no flag gives. One line each, exit 2; the image is read by
+    ``read_input_image``."""
+    name = media.pipeline_class
+    if image is not None and not media.takes_image:
+        raise UsageError(f"argument --image: {name} takes no input image")
+    if image is None and media.needs_image and needed:
+        raise UsageError(f"{name} needs an input image: give it with --image PATH")
+    if media.other_input is not None and needed:
+        raise UsageError(
+            f"{name} needs a {media.other_input} besides its image, which the command line "
+            "cannot give; call the pipeline from Python (ondeck.diffusers.from_pretrained)"
+        )
 
 
 def _warn_of_unused(args: Any, media: Media, true_cfg: float | None) -> None:

@@ -388,14 +388,28 @@ def add_profiles(profiles: argparse.ArgumentParser) -> None:
 
 
 def add_bench(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("model_dir", nargs="?")
-    bench.add_argument("--runs", type=_positive, default=2)
-    bench.add_argument("--device")
+    bench.add_argument(
+        "model_dir",
+        nargs="?",
+        help="diffusers-format folder or Hub repo id (owner/name); default: embedded",
+    )
+    bench.add_argument(
+        "--runs",
+        type=_positive,
+        default=2,
+        help="runs per policy, back to back, each with the same seed (default 2)",
+    )
+    bench.add_argument("--device", help="cuda, cuda:1, cpu, mps (default: cuda if present)")
+    bench.add_argument(
+        "--image",
+        metavar="PATH",
+        help="the input image of an image-to-video or image-edit pipeline (PNG, JPEG, ...)",
+    )
     # A short run by default: the policies' loads and peaks, not the model's compute.
-    bench.add_argument("--height", type=_positive, default=128)
-    bench.add_argument("--width", type=_positive, default=128)
+    bench.add_argument("--height", type=_positive, help="pixels (default 128)")
+    bench.add_argument("--width", type=_positive, help="pixels (default 128)")
     bench.add_argument("--frames", type=_positive, help="a video model's (default 9)")
-    bench.add_argument("--steps", type=_positive, default=2)
+    bench.add_argument("--steps", type=_positive, help="denoising steps (default 2)")
 
 
 def check_policy_flags(args: argparse.Namespace) -> None:

@@ -70,3 +70,21 @@ def test_the_embedded_default_runs_at_its_small_shape(shape_of, cache, monkeypat
     real = embedded.embedded_default
     monkeypatch.setattr(embedded, "embedded_default", lambda **kw: real(preset="tiny", **kw))
     assert shape_of(None) == {"height": 192, "width": 320, "frames": 17, "steps": 6}
+
+
+def test_a_default_the_model_cannot_take_is_said_to_be_the_pipelines_not_the_flags(
+    capsys, tiny_model, tmp_path
+):
+    """No --width given: Wan's own 832 is more than the tiny model's rotary positions
+    span, and the line says the value is the pipeline's, not one typed."""
+    argv = ["--device", "cpu", "--steps", "2", "--output", tmp_path / "out"]
+    code, _, err = run(capsys, "generate", tiny_model, *argv)
+    [line] = err.splitlines()
+    assert code == 2
+    assert line.startswith(
+        "ondeck: error: argument --width: 832 (the pipeline's default) is too large for this "
+        "model: "
+    )
+    assert line.endswith("; give a smaller --width")
+    code, _, err = run(capsys, "generate", tiny_model, *argv, "--width", "832")
+    assert code == 2 and "argument --width: 832 is too large for this model" in err

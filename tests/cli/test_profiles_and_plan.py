@@ -224,7 +224,11 @@ def test_bench_runs_an_image_family_at_a_size_it_takes_and_names_the_flag_otherw
     capsys.readouterr()
     code, _, err = run(capsys, "bench", folder, "--device", "cpu", "--runs", "1")
     assert code == 2
-    assert "argument --height: 128 is too large for this model" in err
+    [line] = err.splitlines()
+    assert line.startswith(
+        "ondeck: error: argument --height: 128 (bench's default) is too large for this model"
+    )
+    assert line.endswith("; give a smaller --height")
     code, out, err = run(
         capsys, "bench", folder, "--device", "cpu", "--runs", "1", "--height", "32", "--width", "32"
     )
@@ -232,6 +236,44 @@ def test_bench_runs_an_image_family_at_a_size_it_takes_and_names_the_flag_otherw
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["eager", "release", "budget"]
     code, _, err = run(capsys, "bench", folder, "--device", "cpu", "--frames", "5")
     assert code == 2 and "argument --frames: " in err and "makes images, not a video" in err
+
+
+def test_bench_takes_the_input_image_a_pipeline_needs_and_refuses_to_start_without_it(
+    cache, family, capsys, input_image, monkeypatch
+):
+    """The tiny SD3 ControlNet needs an input image: without --image one line names the
+    flag before anything is built (status 2), as `generate` says it; with it every policy
+    runs, and under ONDECK_PROGRESS=0 no step bar is drawn, the pipeline's own neither."""
+    monkeypatch.setenv("ONDECK_PROGRESS", "0")
+    folder = family("sd3_controlnet")
+    capsys.readouterr()
+    bench = ["bench", folder, "--device", "cpu", "--runs", "1", "--height", "32", "--width", "32"]
+    code, out, err = run(capsys, *bench)
+    assert (code, out, err.splitlines()) == (
+        2,
+        "",
+        [
+            "ondeck: error: StableDiffusion3ControlNetPipeline needs an input image: "
+            "give it with --image PATH"
+        ],
+    )
+    code, out, err = run(capsys, *bench, "--image", input_image)
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["eager", "release", "budget"]
+    code, _, err = run(capsys, "bench", family("sd3"), "--device", "cpu", "--image", input_image)
+    assert code == 2 and "argument --image: StableDiffusion3Pipeline takes no input image" in err
+
+
+def test_bench_shows_its_own_step_bars_unless_told_not_to(cache, family, capsys, monkeypatch):
+    monkeypatch.setenv("ONDECK_PROGRESS", "1")
+    argv = ["bench", family("sd3"), "--device", "cpu", "--runs", "1", "--height", "32"]
+    code, _, err = run(capsys, *argv, "--width", "32")
+    assert code == 0, err
+    # Each policy's bar, as tqdm redraws it, ends at its 2 steps; diffusers' own is off.
+    lines = err.replace("\r", "\n").splitlines()
+    assert [line for line in lines if "%|" in line and "denoising" not in line] == []
+    done = {line.split(" denoising")[0] for line in lines if "denoising" in line and "2/2" in line}
+    assert done == {"eager run 1/1", "release run 1/1", "budget run 1/1"}
 
 
 def test_a_budget_with_the_default_policy_says_auto_chose_budget(
