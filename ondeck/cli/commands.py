@@ -137,6 +137,7 @@ def model_dir(args: argparse.Namespace, say: Any = print) -> tuple[Path, bool]:
         "        point it at a diffusers-format checkpoint or a Hub repo id: ondeck generate "
         "Wan-AI/Wan2.1-T2V-14B-Diffusers"
     )
+    quiet_library_bars()  # the build saves through the libraries, with their bars
     path, built = embedded_module.embedded_default(say=say)
     if built:
         say(f"ondeck: built the embedded default in {path}")

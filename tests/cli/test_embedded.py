@@ -222,3 +222,29 @@ def test_a_build_that_fails_half_way_leaves_nothing_and_says_so(tmp_path, monkey
         "set ONDECK_CACHE to another folder, or give a model folder"
     )
     assert listing(tmp_path) == {f"{TINY}.lock"}
+
+
+def test_a_quiet_first_run_builds_the_embedded_default_without_library_bars(
+    capsys, cache, tmp_path, monkeypatch
+):
+    """ONDECK_PROGRESS=0 quiets the libraries' bars before the embedded default is built:
+    transformers' "Writing model shards" as it saves the text encoder, too."""
+    from transformers.utils import logging as transformers_logging
+
+    import ondeck.embedded
+
+    real = ondeck.embedded.embedded_default
+    monkeypatch.setattr(ondeck.embedded, "embedded_default", lambda **kw: real(preset="tiny", **kw))
+    monkeypatch.setenv("ONDECK_PROGRESS", "0")
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()  # as a new process finds it
+    try:
+        shape = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+        argv = ["generate", "--device", "cpu", *shape, "--output", tmp_path / "o"]
+        code, _, err = run(capsys, *argv)
+    finally:
+        if not was_on:
+            transformers_logging.disable_progress_bar()
+    assert code == 0, err
+    assert "Writing model shards" not in err
+    assert os.path.isdir(cache / TINY)
