@@ -234,10 +234,13 @@ class ActivationProfiles:
     (the ranks of one launch, two commands at once) wrote meanwhile.
     """
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(self, path: str | os.PathLike | None, *, warn: bool = True):
+        """``warn``: what is wrong with the file is a warning as it is read (False: the
+        caller says it, from ``problem``, what was wrong when it was last read)."""
         self.path = Path(path) if path else None
         self._lock = threading.Lock()
-        self._warned = False
+        self._warned = not warn
+        self.problem: str | None = None
         self._data: dict[str, dict[str, dict[str, Any]]] = self._read()
 
     def _warn(self, message: str) -> None:
@@ -251,6 +254,7 @@ class ActivationProfiles:
 
     def _read(self) -> dict:
         models, problem = _load(self.path)
+        self.problem = problem
         if problem:
             self._warn(problem)
         return models

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -504,12 +505,18 @@ def _single_file_facts(folder: Any, name: str) -> tuple[type, str, int]:
 def profiles(args: argparse.Namespace) -> int:
     """Where activation profiles live, what they hold; ``--clear`` deletes them."""
     path = profiles_path()
+    store = ActivationProfiles(path, warn=False)  # what is wrong is said here, or cleared
     if args.clear:
-        removed = ActivationProfiles(path).clear()
+        removed = store.clear()
         print(f"ondeck: {'deleted' if removed else 'no profiles at'} {path}")
         return 0
-    store = ActivationProfiles(path)
     print(f"ondeck: activation profiles in {path}" + ("" if path.exists() else " (none yet)"))
+    if store.problem is not None:
+        print(
+            f"ondeck: warning: activation profiles {path}: {store.problem}; "
+            "`ondeck profiles --clear` removes the file",
+            file=sys.stderr,
+        )
     for model, shape, stages in store.entries():
         measured = ", ".join(f"{stage} {format_bytes(n)}" for stage, n in stages.items())
         print(f"  {model}  {shape}: {measured}")

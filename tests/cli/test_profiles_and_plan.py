@@ -25,6 +25,23 @@ def test_profiles_shows_where_they_live_and_clear_deletes_them(cache, capsys):
     assert "(none yet)" in out
 
 
+def test_profiles_says_what_is_wrong_with_a_damaged_file_and_clear_deletes_it_quietly(
+    cache, capsys
+):
+    path = cache / "activation-profiles.json"
+    cache.mkdir()
+    path.write_text('{"garbage":\n')
+    code, out, err = run(capsys, "profiles")
+    assert (code, out) == (0, f"ondeck: activation profiles in {path}\n")
+    assert err.splitlines() == [
+        f"ondeck: warning: activation profiles {path}: ignored (Expecting value: line 2 "
+        "column 1 (char 12)); `ondeck profiles --clear` removes the file"
+    ]
+    code, out, err = run(capsys, "profiles", "--clear")
+    assert (code, out, err) == (0, f"ondeck: deleted {path}\n", "")
+    assert not path.exists()
+
+
 def test_clear_where_the_file_cannot_be_deleted_is_one_line(cache, capsys):
     # A folder in the file's place (an IsADirectoryError with --debug's hint before).
     path = cache / "activation-profiles.json"
