@@ -56,6 +56,8 @@ RETRY_RESERVE_MIN_RETRIES = 8
 # of the largest such copy (``ComponentLoader.upcast_bytes``). Dropped, with the retry
 # reserve, where it alone would make a run refuse.
 UPCAST_RESERVE_COPIES = 2
+# What a BudgetError suggests; the command line puts one that fits its pipeline here.
+OVER_BUDGET_HINT = "Try a lower resolution, fewer frames, or a larger budget."
 
 
 def _view(source: Any) -> Snapshot:
@@ -401,8 +403,7 @@ class BudgetPolicy(Policy):
             raise BudgetError(
                 f"stage '{stage}' needs {format_bytes(short)} more than the budget of "
                 f"{format_bytes(self.budget_bytes)}{self.budget_note} even streaming what can "
-                "stream; nothing was loaded. Try a lower resolution, fewer frames, or a "
-                "larger budget.\n"
+                f"stream; nothing was loaded. {OVER_BUDGET_HINT}\n"
                 + (f"({self.reason})\n" if self.reason.startswith("auto") else "")
                 + f"{plan}",
                 plan=plan,

@@ -17,7 +17,6 @@ from .. import embedded as embedded_module
 from ..arguments import ArgumentError, check_generate_arguments
 from ..errors import LoadError, OndeckError
 from ..hub import model_label, resolve_model
-from ..lazy import loader_of
 from ..loading import (
     FolderLoader,
     HostCache,
@@ -31,6 +30,7 @@ from ..memory import format_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..profiles import ActivationProfiles, profiles_path
 from ..serve.residency import ServedModel, plan_models
+from .budget_hint import pipeline_loaders
 from .media import Media, check_input_image, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags, weight_files
 from .shape import EMBEDDED_SHAPE, Shape, asked_shape, own_shape
@@ -437,9 +437,7 @@ def _print_storage_choices(
 
 def _stored_names(pipe: Any, weights: Any) -> str:
     """The components a ``--weights`` choice stores in fp8, as the pipeline's loaders say."""
-    loaders = getattr(pipe, "loaders", None) or {
-        name: loader_of(proxy) for name, proxy in getattr(pipe, "deferred", {}).items()
-    }
+    loaders = pipeline_loaders(pipe)
     names = [
         n
         for n, loader in loaders.items()

@@ -28,6 +28,7 @@ from ..memory import format_bytes, freeze_what_lives
 from ..output import OutputError, atomic_path, check_writable_folder, write_frames, write_json
 from ..parallel import describe_split
 from . import commands
+from .budget_hint import fitting_hint, fp8_would_shrink
 from .finite import FiniteWatch
 from .media import Media, check_media_flags, media_of, read_input_image
 from .options import UsageError, check_policy_flags, weight_files
@@ -133,7 +134,11 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         say(f"ondeck: {describe_split(split, pipe.component_bytes())}")
     watch = FiniteWatch()
     watch.attach(pipe)
-    frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
+    try:
+        frames, timings, bad_stage = _run_all(args, pipe, shape, extra, watch, main)
+    except BudgetError as error:
+        fp8 = fp8_would_shrink(pipe, error.plan, args.weights)
+        raise fitting_hint(error, video=media.video, fp8=fp8) from error
     report = pipe.report()
     report.update(
         model_dir=str(path),
