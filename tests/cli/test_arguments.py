@@ -280,3 +280,19 @@ def test_host_cache_auto_asks_for_an_elastic_cache_on_both_command_lines():
         fixed = HostCache.from_setting(parse([*command, "--host-cache", "40GiB"]).host_cache)
         assert not fixed.elastic and fixed.budget_bytes == 40 * 2**30
         assert HostCache.from_setting(parse([*command, "--host-cache", "0"]).host_cache) is None
+
+
+def test_every_bench_option_says_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for option, said in (
+        ("model_dir", "diffusers-format folder or Hub repo id"),
+        ("--runs RUNS", "runs per policy, back to back, each with the same seed (default 2)"),
+        ("--device DEVICE", "cuda, cuda:1, cpu, mps"),
+        ("--image PATH", "the input image of an image-to-video"),
+        ("--height HEIGHT", "pixels (default 128)"),
+        ("--width WIDTH", "pixels (default 128)"),
+        ("--steps STEPS", "denoising steps (default 2)"),
+    ):
+        assert f"{option} {said}" in text, option
