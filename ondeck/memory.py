@@ -167,6 +167,12 @@ def usable_device(device: Any = None) -> Any:
             f"device {str(device)!r} asked for, but CUDA is not available here (torch "
             f"{torch.__version__}); use device='cpu'"
         )
+    mps = getattr(torch.backends, "mps", None)
+    if device.type == "mps" and not (mps is not None and mps.is_available()):
+        raise ValueError(
+            f"device {str(device)!r} asked for, but Apple's Metal (mps) is not available "
+            f"here (torch {torch.__version__}); use device='cpu'"
+        )
     return device
 
 

@@ -28,3 +28,9 @@ def test_moving_a_pipeline_to_cuda_without_cuda_says_so_and_changes_nothing(fold
         pipe.to("cuda")
     assert pipe.ondeck.device == torch.device("cpu")
     assert run(pipe, FAMILIES["flux"]) is not None
+
+
+def test_mps_without_mps_says_so_before_anything_is_deferred(folders, monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"'mps' asked for, but Apple's Metal \(mps\) is not"):
+        ondeck.diffusers.from_pretrained(folders["flux"], device="mps")
