@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run multi-stage generative pipelines in the memory of their largest stage.",
     )
     add_debug(parser)  # before the command too: `ondeck --debug generate`
-    commands = parser.add_subparsers(dest="command", required=True)
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"ondeck {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         sub = commands.add_parser(name, help=command.help)
         command.add_arguments(sub)

@@ -30,6 +30,16 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, with an unknown option sent to the help of the command it was
+        given to (``ondeck generate --stpes 4``: ``ondeck generate --help``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            where = f"{self.prog} {command}" if command else self.prog
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)} (see `{where} --help`)")
+        return parsed
+
 
 def _whole_number(text: str, low: int, high: int | None = None) -> int:
     try:

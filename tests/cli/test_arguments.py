@@ -77,6 +77,8 @@ def test_a_wrong_generate_argument_is_one_line_and_status_2(
         (["bench", "--device", "tpu9"], "'tpu9' is not a device"),
         (["inspect"], "the following arguments are required: model_dir"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: COMMAND (see `ondeck --help`)"),
+        (["plan", "m", "--stpes", "4"], "--stpes 4 (see `ondeck plan --help`)"),
     ],
     ids=lambda v: str(v),
 )
@@ -296,3 +298,12 @@ def test_every_bench_option_says_what_it_does(capsys):
         ("--steps STEPS", "denoising steps (default 2)"),
     ):
         assert f"{option} {said}" in text, option
+
+
+def test_the_version_is_one_line(capsys):
+    from ondeck import __version__
+
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"ondeck {__version__}\n"
