@@ -11,8 +11,15 @@ from typing import Any
 __all__ = ["plot"]
 
 
-def plot(tracker: Any, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
-    """A PNG: resident bytes per component, stacked, over time, with the stages marked."""
+def plot(
+    tracker: Any,
+    path: str | os.PathLike,
+    *,
+    title: str = "ondeck memory timeline",
+    budget_bytes: int | None = None,
+) -> Path:
+    """A PNG: resident bytes per component, stacked, over time, with the stages marked,
+    and ``budget_bytes`` (the policy's budget) as a line where given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,7 +27,16 @@ def plot(tracker: Any, path: str | os.PathLike, *, title: str = "ondeck memory t
 
     # Text from a folder is drawn as given: never TeX (a user's matplotlibrc may ask).
     with matplotlib.rc_context({"text.usetex": False}):
-        return _draw(plt, tracker, Path(path), drawable(title))
+        return _draw(plt, tracker, Path(path), drawable(title), budget_bytes)
+
+
+def unit_for(largest: float) -> tuple[str, int]:
+    """The unit the plot's bytes read in: the largest of GiB, MiB and KiB that ``largest``
+    bytes are at least one of (a tiny model reads in KiB, not as 0.0005 GiB)."""
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, size
+    return "bytes", 1
 
 
 def drawable(text: str) -> str:
@@ -30,10 +46,13 @@ def drawable(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-def _draw(plt: Any, tracker: Any, path: Path, title: str) -> Path:
-
+def _draw(plt: Any, tracker: Any, path: Path, title: str, budget: int | None) -> Path:
     end = tracker.events[-1].seconds if tracker.events else 1.0
     names = list(dict.fromkeys(e.name for e in tracker.events if e.kind == "load"))
+    on_cuda = str(tracker.device).startswith("cuda")
+    seen = [e.nbytes for e in tracker.events if e.kind == "load"]
+    seen += [e.measured_bytes or 0 for e in tracker.events if on_cuda]
+    unit, scale = unit_for(max([*seen, budget or 0, 1]))
     times = sorted({0.0, end, *(e.seconds for e in tracker.events)})
     sizes: dict[str, list[float]] = {name: [] for name in names}
     current = dict.fromkeys(names, 0.0)
@@ -42,7 +61,7 @@ def _draw(plt: Any, tracker: Any, path: Path, title: str) -> Path:
     for moment in times:
         while event is not None and event.seconds <= moment:
             if event.kind == "load":
-                current[event.name] = event.nbytes / 2**30
+                current[event.name] = event.nbytes / scale
             elif event.kind == "release":
                 current[event.name] = 0.0
             event = next(pending, None)
@@ -55,23 +74,25 @@ def _draw(plt: Any, tracker: Any, path: Path, title: str) -> Path:
         labels = [drawable(name) for name in names]
         axes.stackplot(times, *[sizes[n] for n in names], labels=labels, step="post", alpha=0.8)
     measured = [(e.seconds, e.measured_bytes) for e in tracker.events if e.measured_bytes]
-    if measured and str(tracker.device).startswith("cuda"):
+    if measured and on_cuda:
         axes.plot(
             [t for t, _ in measured],
-            [b / 2**30 for _, b in measured],
+            [b / scale for _, b in measured],
             "k.",
             markersize=3,
             label="device bytes allocated",
         )
+    if budget:
+        axes.axhline(budget / scale, color="tab:red", linestyle="--", linewidth=1, label="budget")
     _plot_lanes(tracker, lanes, names)
     starts = [e for e in tracker.events if e.kind == "stage_start"]
     for event in starts:
         axes.axvline(event.seconds, color="grey", alpha=0.35, linewidth=0.8)
     axes.set_xlim(0, end)
     lanes.set_xlabel("seconds")
-    axes.set_ylabel("resident GiB")
+    axes.set_ylabel(f"resident {unit}")
     axes.set_title(title)
-    if names:
+    if names or budget:
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     try:
         figure.tight_layout()

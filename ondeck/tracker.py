@@ -525,6 +525,13 @@ class MemoryTracker:
         path.write_text(json.dumps({**self.to_dict(), **extra}, indent=2))
         return path
 
-    def plot(self, path: str | os.PathLike, *, title: str = "ondeck memory timeline") -> Path:
-        """A PNG of the timeline (``ondeck.timeline``; needs matplotlib)."""
-        return timeline.plot(self, path, title=title)
+    def plot(
+        self,
+        path: str | os.PathLike,
+        *,
+        title: str = "ondeck memory timeline",
+        budget_bytes: int | None = None,
+    ) -> Path:
+        """A PNG of the timeline (``ondeck.timeline``; needs matplotlib), with the
+        policy's ``budget_bytes`` as a line where given."""
+        return timeline.plot(self, path, title=title, budget_bytes=budget_bytes)

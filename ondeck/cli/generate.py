@@ -316,7 +316,7 @@ def draw_timeline(pipe: Any, path: Path, title: str) -> bool:
     """The timeline PNG, or a warning: a plot that fails never costs the frames."""
     try:
         with atomic_path(path) as temporary:
-            pipe.tracker.plot(temporary, title=title)
+            pipe.tracker.plot(temporary, title=title, budget_bytes=pipe.policy.budget_bytes)
         return True
     except Exception as error:  # matplotlib's failures are of every kind
         warnings.warn(

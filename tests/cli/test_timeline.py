@@ -54,3 +54,35 @@ def test_any_name_is_drawn_as_it_is(text, tmp_path):
     tracker = tracker_with([(text, 0.0, 1.0)])
     path = timeline.plot(tracker, tmp_path / "t.png", title=f"ondeck: {text}")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bytes_read_in_the_unit_of_their_size():
+    assert timeline.unit_for(48 * 2**30) == ("GiB", 2**30)
+    assert timeline.unit_for(300 * 2**20) == ("MiB", 2**20)
+    assert timeline.unit_for(700 * 2**10) == ("KiB", 2**10)
+    assert timeline.unit_for(12) == ("bytes", 1)
+
+
+def test_a_tiny_models_plot_reads_in_kib_with_the_budget_drawn(monkeypatch, tmp_path):
+    import matplotlib.axes
+
+    tracker = tracker_with([("Denoise", 0.1, 0.9)])
+    tracker.events[0].nbytes = 300 * 2**10
+    seen = {}
+    real = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "set_ylabel",
+        lambda axes, label, **kw: seen.setdefault("label", label) and real(axes, label, **kw),
+    )
+    lines = []
+    real_line = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "axhline",
+        lambda axes, y=0, **kw: lines.append((y, kw.get("label"))) or real_line(axes, y, **kw),
+    )
+    timeline.plot(tracker, tmp_path / "t.png", budget_bytes=512 * 2**10)
+    assert seen["label"] == "resident KiB"
+    assert lines == [(512.0, "budget")]
+    assert (tmp_path / "t.png").stat().st_size > 0
