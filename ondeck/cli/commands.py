@@ -26,7 +26,7 @@ from ..loading import (
 )
 from ..loading.sharded import shardable_models
 from ..loading.single_file import SingleFileFolder
-from ..memory import format_bytes, resolve_device
+from ..memory import format_bytes, process_rss_bytes, resolve_device
 from ..parallel import resolve_parallel, sequence_split
 from ..profiles import ActivationProfiles, profiles_path
 from ..serve.residency import ServedModel, plan_models
@@ -168,6 +168,7 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
     parallel = _parallel(args)
     check_shard_names(shard, path, tuple(getattr(args, "library", None) or ()))
     check_weight_names(args, path, tuple(getattr(args, "library", None) or ()))
+    check_host_memory(getattr(args, "host_memory", None))
     pipe = folder_pipelines.pipeline_for_folder(
         path,
         device=device,
@@ -188,6 +189,19 @@ def build_pipeline(args: argparse.Namespace, path: Path) -> Any:
         # activation peak is measured exactly (resetting torch's peak statistics per stage).
         pipe.tracker.reset_peaks = True
     return pipe
+
+
+def check_host_memory(budget: int | None) -> None:
+    """``--host-memory`` leaves the run some room: not at most what this process holds
+    before a weight is read (every figure the plan would print after it is nothing)."""
+    if not budget:
+        return
+    held = process_rss_bytes()
+    if budget <= held:
+        raise UsageError(
+            f"argument --host-memory: {format_bytes(budget)} is no more than the "
+            f"{format_bytes(held)} this process holds before reading a weight; give more"
+        )
 
 
 def check_shard_names(shard: tuple[str, ...], path: Path, libraries: tuple[str, ...]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from integrations.breadth_pipelines import ALL_FAMILIES
 
 from ondeck.memory import parse_bytes
@@ -162,16 +163,29 @@ def test_plan_shows_the_host_pool_against_host_memory(cache, tiny_model, capsys)
     assert code == 0 and "host:" in out and "(given)" not in out
 
 
-def test_a_host_memory_below_the_process_says_so_beside_its_budget(cache, tiny_model, capsys):
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_a_host_memory_below_the_process_is_a_wrong_argument(cache, tiny_model, capsys, command):
+    extra = [*FAST, "--output", str(cache / "out")] if command == "generate" else []
+    code, out, err = run(
+        capsys, command, tiny_model, "--device", "cpu", "--host-memory", "1MiB", *extra
+    )
+    assert code == 2 and out == ""
+    assert "argument --host-memory: 1.00 MiB is no more than the " in err
+    assert "this process holds before reading a weight; give more" in err
+    assert not (cache / "out").exists()
+
+
+def test_a_host_memory_below_the_process_says_so_beside_its_budget(tiny_model):
     """On the CPU the device's budget is the host's given, less what the process holds:
     below that, the error says where its one byte comes from."""
-    code, _, err = run(
-        capsys, "generate", tiny_model, *FAST, "--device", "cpu", "--host-memory", "1MiB",
-        "--output", cache / "out",
-    )  # fmt: skip
-    assert code == 1
-    assert "budget of 1 B (the host memory given, 1.00 MiB, less the " in err
-    assert "this process holds) even streaming" in err
+    import ondeck.diffusers
+    from ondeck.errors import BudgetError
+
+    pipe = ondeck.diffusers.from_pretrained(tiny_model, device="cpu", host_memory=2**20)
+    with pytest.raises(BudgetError) as refused:
+        pipe("a fox", num_inference_steps=1, height=64, width=64, num_frames=5)
+    assert "budget of 1 B (the host memory given, 1.00 MiB, less the " in str(refused.value)
+    assert "this process holds) even streaming" in str(refused.value)
 
 
 def test_plan_on_a_diffusers_folder_scales_a_stored_call(cache, family, capsys):
