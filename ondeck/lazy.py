@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import LoadError
+from .errors import LoadError, OndeckError
 from .loader import as_loader
 
 __all__ = [
@@ -544,6 +544,9 @@ class LazyModule:
                     module = result
         except LoadError as error:
             error.component = name
+            self._discard(module, filling)
+            raise
+        except OndeckError:  # a refusal a transform made (a fuse into streamed blocks)
             self._discard(module, filling)
             raise
         except Exception as error:
