@@ -146,6 +146,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
         seed=args.seed,  # every run's
+        policy_reason=pipe.policy.reason or None,  # auto's choice and why
         guidance=args.guidance,  # None: the pipeline's own
         true_cfg=getattr(args, "true_cfg", None),
         images=args.images,
