@@ -35,7 +35,7 @@ def fp8_would_shrink(pipe: Any, plan: Any, weights: Any) -> bool:
 def _stored_as_computed(loader: Any) -> bool:
     if not isinstance(loader, FolderLoader) or isinstance(loader, QuantizedComponentLoader):
         return False
-    cls = getattr(getattr(loader, "spec", None), "cls", None)
+    cls = loader.spec.cls
     return loader.storage_dtype is None and cls is not None and not is_autoencoder(cls)
 
 

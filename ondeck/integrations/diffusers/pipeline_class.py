@@ -91,17 +91,6 @@ def _build_pipeline_class(cls: type) -> type:
             raise _from_pipe_refused(self)
         return base_components.fget(self)
 
-    def refuse_offload(self: Any, *args: Any, **kwargs: Any) -> None:
-        runtime = runtime_of(self)
-        policy = getattr(getattr(runtime, "policy", None), "name", None)
-        now = f" (it runs under '{policy}')" if policy else ""
-        raise OndeckError(
-            "this pipeline's components already load when a call first needs them and "
-            f"are freed by its ondeck policy{now}; offload hooks would load every "
-            "component now. For less device memory, give ondeck.diffusers.from_pretrained "
-            "policy='release', or a budget= that streams what does not fit"
-        )
-
     namespace: dict[str, Any] = {
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
@@ -111,9 +100,9 @@ def _build_pipeline_class(cls: type) -> type:
         "to": to,
         "_execution_device": property(_execution_device),
         "components": property(components),
-        "enable_model_cpu_offload": refuse_offload,
-        "enable_sequential_cpu_offload": refuse_offload,
-        "enable_group_offload": refuse_offload,
+        "enable_model_cpu_offload": _refuse_offload,
+        "enable_sequential_cpu_offload": _refuse_offload,
+        "enable_group_offload": _refuse_offload,
     }
     namespace.update(lora_methods(cls))
     namespace.update(one_at_a_time)
@@ -192,6 +181,18 @@ def _asked_by_from_pipe() -> bool:
     caller = sys._getframe(2)  # this function, the property, the reader
     module = caller.f_globals.get("__name__", "")
     return caller.f_code.co_name == "from_pipe" and module.startswith("diffusers.")
+
+
+def _refuse_offload(self: Any, *args: Any, **kwargs: Any) -> None:
+    """diffusers' offload methods on a pipeline whose components ondeck loads."""
+    policy = getattr(getattr(runtime_of(self), "policy", None), "name", None)
+    now = f" (it runs under '{policy}')" if policy else ""
+    raise OndeckError(
+        "this pipeline's components already load when a call first needs them and "
+        f"are freed by its ondeck policy{now}; offload hooks would load every "
+        "component now. For less device memory, give ondeck.diffusers.from_pretrained "
+        "policy='release', or a budget= that streams what does not fit"
+    )
 
 
 def _from_pipe_refused(pipe: Any) -> OndeckError:
