@@ -52,7 +52,11 @@ def _draw(plt: Any, tracker: Any, path: Path, title: str, budget: int | None) ->
     on_cuda = str(tracker.device).startswith("cuda")
     seen = [e.nbytes for e in tracker.events if e.kind == "load"]
     seen += [e.measured_bytes or 0 for e in tracker.events if on_cuda]
-    unit, scale = unit_for(max([*seen, budget or 0, 1]))
+    largest = max([*seen, 1])
+    unit, scale = unit_for(largest)
+    # A budget far above what the run held (auto's: the device's free memory) would
+    # flatten the plot to nothing: it is said in the legend instead of drawn.
+    drawn = budget if budget and budget <= 4 * largest else None
     times = sorted({0.0, end, *(e.seconds for e in tracker.events)})
     sizes: dict[str, list[float]] = {name: [] for name in names}
     current = dict.fromkeys(names, 0.0)
@@ -82,8 +86,10 @@ def _draw(plt: Any, tracker: Any, path: Path, title: str, budget: int | None) ->
             markersize=3,
             label="device bytes allocated",
         )
-    if budget:
-        axes.axhline(budget / scale, color="tab:red", linestyle="--", linewidth=1, label="budget")
+    if drawn:
+        axes.axhline(drawn / scale, color="tab:red", linestyle="--", linewidth=1, label="budget")
+    elif budget:
+        axes.plot([], [], " ", label=f"budget {budget / scale:,.1f} {unit} (off the scale)")
     _plot_lanes(tracker, lanes, names)
     starts = [e for e in tracker.events if e.kind == "stage_start"]
     for event in starts:

@@ -42,6 +42,8 @@ def _stored_as_computed(loader: Any) -> bool:
 def fitting_hint(error: BudgetError, *, video: bool, fp8: bool) -> BudgetError:
     """``error`` with its hint of what to try fitted: fewer frames only for a ``video``,
     ``--weights fp8`` where it would make the overflowing stage smaller (``fp8``)."""
+    if OVER_BUDGET_HINT not in str(error):
+        return error  # another kind (the host's memory, say): as it is
     tries = ["a lower resolution", *(["fewer frames"] if video else []), "a larger budget"]
     if fp8:
         tries.append("--weights fp8 (`ondeck plan` with the same flags shows what fits)")

@@ -5,6 +5,7 @@ is refused from it, before anything is read."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -174,24 +175,33 @@ def check_transformers_gguf(path: Path, name: str, config: dict) -> None:
     """A LoadError, before anything loads, where transformers' GGUF support would refuse
     ``path`` for component ``name`` at its first load: a file of an architecture it does
     not read, or of another model type than the component's ``config``. Reads the
-    header through transformers' own parsing."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
+    header through transformers' own parsing, once per file as it is now."""
     try:
-        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    except (ValueError, NotImplementedError, KeyError) as error:
+        held = _gguf_model_type(str(path), os.stat(path).st_mtime_ns)
+    except Exception as error:  # transformers' refusal, or a header it cannot parse
         raise LoadError(
             f"component '{name}': transformers cannot load {path}: {error}",
             component=name,
             path=str(path),
         ) from error
-    held = str(parsed.get("config", {}).get("model_type") or "")
     wanted = str(config.get("model_type") or "")
-    # umt5 and t5 (T5's GGUF files serve both) hold one within the other.
-    if held and wanted and held not in wanted and wanted not in held:
+    # Only types of no kinship are refused: umt5 and t5 (T5's files serve both) hold one
+    # within the other, a family's versions begin alike (qwen2_vl, qwen2_5_vl).
+    kin = held in wanted or wanted in held or held[:4] == wanted[:4]
+    if held and wanted and not kin:
         raise LoadError(
             f"component '{name}': {path} holds a {held} model, and the component is a "
             f"{wanted} model (its config.json's model_type)",
             component=name,
             path=str(path),
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_model_type(path: str, modified: int) -> str:
+    """The model type transformers reads from a GGUF file's header (a large tokenizer
+    makes this seconds: kept per file and modification time)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(path, return_tensors=False)
+    return str(parsed.get("config", {}).get("model_type") or "")

@@ -553,16 +553,18 @@ def _only_the_models(name: str, path: str, converted: dict, slots) -> dict:
     whole pipeline (its VAE's ``first_stage_model.*``, its text encoders'), said once."""
     if not slots:
         return converted
-    names = {n for slot in slots for n in slot}
-    other = [key for key in converted if key not in names and not _is_scale_name(key)]
+    # Only under names the model has no part of: ``blocks.40.*`` beside a 40-block config
+    # is a config that disagrees with the file, refused as before by the skeleton's check.
+    roots = {n.split(".")[0] for slot in slots for n in slot}
+    other = {key for key in converted if key.split(".")[0] not in roots}
     if other:
         warnings.warn(
-            f"ondeck: component '{name}' from {path}: {len(other)} tensor(s) the model does "
-            f"not have are left out ({some_names(other, 3, quoted=True)}): another "
+            f"ondeck: component '{name}' from {path}: {len(other)} tensor(s) outside the "
+            f"model are left out ({some_names(sorted(other), 3, quoted=True)}): another "
             "component's, in a checkpoint that holds more than this one",
             stacklevel=4,
         )
-    return {key: info for key, info in converted.items() if key not in set(other)}
+    return {key: info for key, info in converted.items() if key not in other}
 
 
 def _absent(slots, names) -> list[str]:

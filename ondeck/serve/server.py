@@ -478,7 +478,12 @@ class Server:
     ) -> dict:
         """The job's report.json: the pipeline's report and what a local run's adds."""
         report = model.pipeline.report()
+        tracker = model.pipeline.tracker
         report.update(
+            # The job's own, from the runs the tracker keeps (``keep_runs``): not the
+            # totals since the server started.
+            exposed_load_seconds=tracker.exposed_load_seconds(),
+            peak_measured_bytes=max((e.measured_bytes or 0 for e in tracker.events), default=0),
             model=job.model,
             model_dir=str(model.path),  # type: ignore[attr-defined]
             prompt=job.prompt,

@@ -50,3 +50,11 @@ def test_a_video_pipeline_is_told_fewer_frames_and_a_vae_stage_no_fp8(
     assert line.endswith(
         "nothing was loaded. Try a lower resolution, fewer frames, or a larger budget."
     )
+
+
+def test_a_budget_error_without_the_hint_stays_what_it_is():
+    from ondeck.cli.budget_hint import fitting_hint
+    from ondeck.host_watch import HostMemoryError
+
+    error = HostMemoryError("the process's host memory outgrew its budget of 8.00 GiB")
+    assert fitting_hint(error, video=True, fp8=True) is error

@@ -86,3 +86,20 @@ def test_a_tiny_models_plot_reads_in_kib_with_the_budget_drawn(monkeypatch, tmp_
     assert seen["label"] == "resident KiB"
     assert lines == [(512.0, "budget")]
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_a_budget_far_above_the_run_is_named_not_drawn(monkeypatch, tmp_path):
+    import matplotlib.axes
+
+    tracker = tracker_with([("Denoise", 0.1, 0.9)])
+    tracker.events[0].nbytes = 200 * 2**20
+    labels, lines = [], []
+    real_label, real_line = matplotlib.axes.Axes.set_ylabel, matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "set_ylabel", lambda a, t, **k: labels.append(t) or real_label(a, t)
+    )
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "axhline", lambda a, y=0, **k: lines.append(y) or real_line(a, y)
+    )
+    timeline.plot(tracker, tmp_path / "t.png", budget_bytes=75 * 2**30)
+    assert labels == ["resident MiB"] and lines == []

@@ -192,7 +192,9 @@ def test_an_image_jobs_report_holds_every_images_run(models, tmp_path):
 
     server = make_server(models, tmp_path, names=("sd3",))
     try:
+        tracker = server.models["sd3"].pipeline.tracker
         for n in (2, 3):
+            tracker.exposed_load_total += 100.0  # as if earlier jobs had waited long
             answer = call(
                 server,
                 "POST",
@@ -206,5 +208,10 @@ def test_an_image_jobs_report_holds_every_images_run(models, tmp_path):
             assert sorted({stage["run"] for stage in report["stages"]}) == list(
                 range(report["runs"] - n + 1, report["runs"] + 1)
             ), "every image's run, and none of the job before"
+            waited = sum(stage["exposed_load_seconds"] for stage in report["stages"])
+            assert report["exposed_load_seconds"] == pytest.approx(waited), "the job's own"
+            assert report["peak_measured_bytes"] == max(
+                (event["measured_bytes"] or 0 for event in report["events"]), default=0
+            )
     finally:
         server.stop()

@@ -325,3 +325,22 @@ def test_autos_reason_counts_a_loras_layers(base, lora_files):
     total = sum(pipe.ondeck.component_bytes().values())
     assert total > sum(without.ondeck.component_bytes().values())
     assert f"components ({format_bytes(total)})" in pipe.ondeck.policy.reason
+
+
+def test_the_calls_of_one_load_share_one_copy_of_each_lora_tensor():
+    """diffusers hands an SD pipeline's UNet and each text encoder the whole state dict:
+    the recorded calls own one copy of each tensor between them, not one each."""
+    import gc
+
+    from ondeck.integrations.diffusers import pipeline_lora
+
+    state = {"unet.a.lora_A.weight": torch.ones(4, 2), "alpha": 4.0}
+    first, second = pipeline_lora._owned(state), pipeline_lora._owned([state])[0]
+    assert first["unet.a.lora_A.weight"] is second["unet.a.lora_A.weight"]
+    assert first["unet.a.lora_A.weight"].data_ptr() != state["unet.a.lora_A.weight"].data_ptr()
+    assert first["alpha"] == 4.0
+    before = len(pipeline_lora._owned_copies)
+    del state, second
+    gc.collect()
+    assert len(pipeline_lora._owned_copies) == before - 1, "the entry goes with its source"
+    assert torch.equal(first["unet.a.lora_A.weight"], torch.ones(4, 2)), "the copy stays"

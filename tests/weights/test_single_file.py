@@ -160,9 +160,15 @@ def test_a_checkpoint_holding_the_whole_pipeline_gives_the_transformer_its_part(
     path = tmp_path / "all-in-one.safetensors"
     save_file(tensors, str(path))
 
-    with pytest.warns(UserWarning, match=r"2 tensor\(s\) the model does not have are left out"):
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) outside the model are left out"):
         pipe = load(base, "release", components={"transformer": path})
         assert np.array_equal(frames(pipe), reference)
+
+    # A block the config does not have is the model's part all the same: refused.
+    tensors["model.diffusion_model.blocks.6.self_attn.q.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(path))
+    with pytest.raises(LoadError, match=r"the model does not have: 'blocks\.6\.attn1"):
+        load(base, "release", components={"transformer": path}).transformer.materialize()
 
 
 def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_path):

@@ -187,11 +187,12 @@ def _refuse_offload(self: Any, *args: Any, **kwargs: Any) -> None:
     """diffusers' offload methods on a pipeline whose components ondeck loads."""
     policy = getattr(getattr(runtime_of(self), "policy", None), "name", None)
     now = f" (it runs under '{policy}')" if policy else ""
+    release = "" if policy == "release" else "policy='release', or "
     raise OndeckError(
         "this pipeline's components already load when a call first needs them and "
         f"are freed by its ondeck policy{now}; offload hooks would load every "
         "component now. For less device memory, give ondeck.diffusers.from_pretrained "
-        "policy='release', or a budget= that streams what does not fit"
+        f"{release}a budget= that streams what does not fit"
     )
 
 

@@ -19,6 +19,7 @@ import functools
 import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -292,8 +293,40 @@ def _unfuse_component(component: PipelineComponent) -> None:
     component.add_transform(unmerge)
 
 
+# A LoRA's tensors as recorded calls own them, by the tensor diffusers handed out: the
+# calls one load_lora_weights makes for each component (an SD pipeline's UNet and each
+# text encoder get the whole state dict) share one copy. An entry goes with its source.
+_owned_copies: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+_owned_lock = threading.Lock()
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with each tensor replaced by a copy of its own (one per source tensor
+    while that tensor lives), containers rebuilt; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        key = id(value)
+        with _owned_lock:
+            known = _owned_copies.get(key)
+            if known is not None and known[0]() is value:
+                return known[1]
+            copy = value.detach().clone()
+            source = weakref.ref(value, lambda _, key=key: _owned_copies.pop(key, None))
+            _owned_copies[key] = (source, copy)
+            return copy
+    if isinstance(value, dict):
+        return type(value)((name, _owned(item)) for name, item in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_owned(item) for item in value)
+    return value
+
+
 # Where diffusers logs what it met loading a LoRA (keys of it no layer took, say).
-_LORA_LOGGERS = ("diffusers.utils.peft_utils", "diffusers.loaders.peft")
+_LORA_LOGGERS = (
+    "diffusers.utils.peft_utils",
+    "diffusers.loaders.peft",
+    "diffusers.loaders.lora_base",
+    "diffusers.loaders.lora_pipeline",
+)
 
 
 class _OtherThreads(logging.Filter):
@@ -345,8 +378,7 @@ def _lora_into_component(function: Callable[..., Any]) -> Callable[..., Any]:
         # The LoRA's tensors as they are now, in memory of their own: safetensors hands
         # out views of the file, which a trainer may write again before the next load.
         arguments = {
-            name: value if name == key else fresh_copy(value)
-            for name, value in bound.arguments.items()
+            name: value if name == key else _owned(value) for name, value in bound.arguments.items()
         }
         if "_pipeline" in signature.parameters:
             arguments["_pipeline"] = None  # its offload probes would load every component
