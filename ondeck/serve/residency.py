@@ -303,6 +303,8 @@ class ModelPlan:
     # (host copies of streamed blocks stay across evictions: not counted).
     run_bytes: int = 0
     first_run_bytes: int = 0
+    # Where it does not fit: the stage that overflows the budget most, and by how much.
+    overflow: tuple[str, int] | None = None
 
 
 @dataclass
@@ -349,6 +351,13 @@ class ServePlan:
                 f"{format_bytes(plan.peak_bytes):>12} {format_bytes(plan.kept_bytes):>12}  "
                 f"{'yes' if plan.fits else 'NO'}"
             )
+        for name, plan in self.models.items():
+            if plan.overflow is not None:
+                stage, over = plan.overflow
+                lines.append(
+                    f"  {name}: its stage '{stage}' needs {format_bytes(over)} more than the "
+                    f"budget (`ondeck plan` of it alone, with this budget, says what would fit)"
+                )
         if self.all_resident:
             lines.append("every model stays resident: a switch loads nothing")
         else:
@@ -389,6 +398,7 @@ def plan_models(models: Mapping[str, ServedModel], budget_bytes: int) -> ServePl
             fits=plan.fits(budget_bytes),
             run_bytes=bytes_loaded_per_run(plan),
             first_run_bytes=loads_from(plan, ())[0],
+            overflow=plan.overflow(budget_bytes),
         )
     all_resident = sum(p.peak_bytes for p in plans.values()) <= budget_bytes
     switch = {

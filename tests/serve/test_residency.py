@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ondeck.memory import format_bytes
 from ondeck.serve.server import ServeConfig, Server
 
 WAN = 132736 + 101152 + 283212  # text encoder, transformer, VAE
@@ -185,6 +186,20 @@ def test_ondeck_plan_of_several_models_answers_for_the_set(models, capsys):
     printed = capsys.readouterr().out
     assert "one budget of 1.76 MiB for 2 models" in printed
     assert all(line in printed for line in switch_lines(models, 1800 * KIB))
+
+
+def test_a_model_of_the_set_that_does_not_fit_names_its_stage(models, capsys):
+    from ondeck.cli import main
+
+    budget = ["--device", "cpu", "--budget", "1MiB"]
+    assert main(["plan", str(models["wan"]), str(models["sd3"]), *budget]) == 1  # one left out
+    printed = capsys.readouterr().out
+    plan = served(models, 1024 * KIB, names=("wan", "sd3")).manager.plan()
+    refused = [name for name, model in plan.models.items() if not model.fits]
+    assert refused, "the budget leaves one out"
+    for name in refused:
+        stage, over = plan.models[name].overflow
+        assert f"  {name}: its stage '{stage}' needs {format_bytes(over)} more" in printed
 
 
 def test_model_root_serves_each_model_folder_by_its_name(models, tmp_path):
