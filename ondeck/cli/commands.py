@@ -307,20 +307,26 @@ def call_shape(args: argparse.Namespace, media: Media, *, embedded: bool = False
     return asked_shape(own, args.height, args.width, args.frames, args.steps)
 
 
+def untyped_sizes(args: argparse.Namespace, origin: str) -> dict[str, str]:
+    """``origin`` by ``generate()``'s argument name for each size flag not typed
+    (``check_shape``'s ``defaults``)."""
+    typed = {"height": args.height, "width": args.width, "num_frames": args.frames,
+             "num_inference_steps": args.steps}  # fmt: skip
+    return {name: origin for name, value in typed.items() if value is None}
+
+
 def check_call(
     args: argparse.Namespace, pipe: Any, shape: Shape, media: Media, *, embedded: bool = False
 ) -> None:
     """The call the flags make suits the model (``check_shape``), before anything loads;
     a value not typed is said to be the pipeline's own (the ``embedded`` default's)."""
-    typed = {"height": args.height, "width": args.width, "num_frames": args.frames,
-             "num_inference_steps": args.steps}  # fmt: skip
     origin = "the embedded default's" if embedded else "the pipeline's default"
     check_shape(
         pipe,
         shape.height,
         shape.width,
         shape.frames,
-        defaults={name: origin for name, value in typed.items() if value is None},
+        defaults=untyped_sizes(args, origin),
         num_inference_steps=shape.steps,
         guidance_scale=args.guidance,
         seed=args.seed,
@@ -335,7 +341,7 @@ def call_extra(
     pipeline takes it by, the image count where it makes several, and the area cap of a
     pipeline that sizes its output from one (the side not asked for is the built
     ``pipe``'s own)."""
-    extra = {} if image is None else {media.image_argument or "image": image}
+    extra = media.image_arguments(image)
     if getattr(args, "true_cfg", None) is not None:  # a pipeline that takes it: checked
         extra["true_cfg_scale"] = args.true_cfg
     if args.images is not None and media.takes_count:
@@ -565,10 +571,8 @@ def bench(args: argparse.Namespace) -> int:
     shape = asked_shape(BENCH_SHAPE, args.height, args.width, args.frames, args.steps)
     if not media.video:
         shape.frames = None
-    typed = {"height": args.height, "width": args.width, "num_frames": args.frames,
-             "num_inference_steps": args.steps}  # fmt: skip
-    defaults = {name: "bench's default" for name, value in typed.items() if value is None}
-    extra = {} if image is None else {media.image_argument or "image": image}
+    defaults = untyped_sizes(args, "bench's default")
+    extra = media.image_arguments(image)
     if media.takes_max_area:  # Flux Kontext sizes its output from an area, not the sides
         extra["max_area"] = shape.height * shape.width
     rows = []

@@ -56,6 +56,10 @@ class Media:
     # ``mask_image``, a ControlNet img2img pipeline's ``control_image``).
     other_input: str | None = None
 
+    def image_arguments(self, image: Any) -> dict[str, Any]:
+        """The call's argument for the input ``image`` (none where there is none)."""
+        return {} if image is None else {self.image_argument or "image": image}
+
 
 def media_of(path: Path) -> Media:
     """For the model folder at ``path``, from its model_index.json and configs alone

@@ -615,26 +615,22 @@ async def _image_fields(request: Request, limits: Any) -> tuple[dict, bytes | No
 IMAGE_FIELDS = {"video": "input_reference", "image": "image"}
 
 
+# Where a model that needs an input image is told to give it, by the kind of its job:
+# the message and the request field it names.
+_IMAGE_NEEDED = {
+    "video": ("makes a video from an image: give it as input_reference", "input_reference"),
+    "image": ("makes an image from an image: give it to /v1/images/edits", "model"),
+}
+
+
 def _check_image(name: str, model: Any, kind: str, image: bytes | None) -> None:
     """A 400 for an input image ``model`` takes none of, or for none where it needs one
     (saying where it goes)."""
-    field = IMAGE_FIELDS[kind]
     if image is not None and not model.takes_image:
-        raise JobFailed(400, "invalid_value", f"{name!r} takes no input image", field)
+        raise JobFailed(400, "invalid_value", f"{name!r} takes no input image", IMAGE_FIELDS[kind])
     if image is None and model.needs_image:
-        if kind == "video":
-            raise JobFailed(
-                400,
-                "invalid_value",
-                f"{name!r} makes a video from an image: give it as input_reference",
-                field,
-            )
-        raise JobFailed(
-            400,
-            "invalid_value",
-            f"{name!r} makes an image from an image: give it to /v1/images/edits",
-            "model",
-        )
+        message, field = _IMAGE_NEEDED[kind]
+        raise JobFailed(400, "invalid_value", f"{name!r} {message}", field)
 
 
 def _integer(value: str, key: str) -> int:

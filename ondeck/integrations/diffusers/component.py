@@ -156,15 +156,16 @@ def is_plain_value(value: Any) -> bool:
     return isinstance(value, _PLAIN_TYPES)
 
 
-def fresh_copy(value: Any) -> Any:
-    """Tensors copied, containers rebuilt: a replayed call must not share storage with
-    the module it built before, since a release frees that module's storage."""
+def fresh_copy(value: Any, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Tensors copied (by ``copy``, else a clone each), containers rebuilt: a replayed
+    call must not share storage with the module it built before, since a release frees
+    that module's storage."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().clone() if copy is None else copy(value)
     if isinstance(value, dict):
-        return type(value)((key, fresh_copy(item)) for key, item in value.items())
+        return type(value)((key, fresh_copy(item, copy)) for key, item in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(fresh_copy(item) for item in value)
+        return type(value)(fresh_copy(item, copy) for item in value)
     return value
 
 

@@ -303,21 +303,19 @@ _owned_lock = threading.Lock()
 def _owned(value: Any) -> Any:
     """``value`` with each tensor replaced by a copy of its own (one per source tensor
     while that tensor lives), containers rebuilt; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        key = id(value)
-        with _owned_lock:
-            known = _owned_copies.get(key)
-            if known is not None and known[0]() is value:
-                return known[1]
-            copy = value.detach().clone()
-            source = weakref.ref(value, lambda _, key=key: _owned_copies.pop(key, None))
-            _owned_copies[key] = (source, copy)
-            return copy
-    if isinstance(value, dict):
-        return type(value)((name, _owned(item)) for name, item in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_owned(item) for item in value)
-    return value
+    return fresh_copy(value, _owned_tensor)
+
+
+def _owned_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    key = id(tensor)
+    with _owned_lock:
+        known = _owned_copies.get(key)
+        if known is not None and known[0]() is tensor:
+            return known[1]
+        copy = tensor.detach().clone()
+        source = weakref.ref(tensor, lambda _, key=key: _owned_copies.pop(key, None))
+        _owned_copies[key] = (source, copy)
+        return copy
 
 
 # Where diffusers logs what it met loading a LoRA (keys of it no layer took, say).
