@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .memory import format_bytes
+
 __all__ = ["plot"]
 
 
@@ -89,7 +91,7 @@ def _draw(plt: Any, tracker: Any, path: Path, title: str, budget: int | None) ->
     if drawn:
         axes.axhline(drawn / scale, color="tab:red", linestyle="--", linewidth=1, label="budget")
     elif budget:
-        axes.plot([], [], " ", label=f"budget {budget / scale:,.1f} {unit} (off the scale)")
+        axes.plot([], [], " ", label=f"budget {format_bytes(budget)} (off the scale)")
     _plot_lanes(tracker, lanes, names)
     starts = [e for e in tracker.events if e.kind == "stage_start"]
     for event in starts:
