@@ -55,6 +55,12 @@ loading); one LoRA under release at most 1.03x the run without.
 Run 1's frames of every mode are compared with eager's (same prompt and seed) where eager
 ran, and each file mode's with its folder mode's (0: the same bf16 weights).
 
+With ``ONDECK_BENCH_TRACE=1`` each ondeck mode's last run runs under the device's
+profiler, and the table ends with its stages: seconds, the computing stream's busy and
+idle time (idle while copies ran, and not), and its busy time by kernel kind (products,
+attention, float8 upcasts, conversions, the rest). Every run records the allocator's
+retries and cudaMalloc/cudaFree calls.
+
 Needs diffusers, transformers, gguf and peft where it runs. Writes weights-PART.json to
 $OUT after every mode and prints the table last.
 """
@@ -646,7 +652,7 @@ def run_mode(args) -> dict:
     import numpy as np
     import torch
     from common import peak_rss_bytes
-    from wan_modes import emulate_device
+    from wan_modes import allocator_counts, emulate_device
 
     cuda = args.device.startswith("cuda")
     mode = MODES[args.child]
@@ -668,14 +674,19 @@ def run_mode(args) -> dict:
     runtime = getattr(pipe, "ondeck", None)
     if runtime is not None:
         result["policy_reason"] = runtime.policy.reason
+    traced = cuda and runtime is not None and os.environ.get("ONDECK_BENCH_TRACE") == "1"
     result["setup_seconds"] = time.perf_counter() - started
     for run, prompt in enumerate(PROMPTS[: args.runs]):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+            counted = allocator_counts()
         started = time.perf_counter()
         try:
             generator = torch.Generator("cpu").manual_seed(run)
-            output = pipe(prompt, generator=generator, **shape)
+            if traced and run == args.runs - 1:
+                output = trace_last_run(pipe, prompt, generator, shape, run + 1, result)
+            else:
+                output = pipe(prompt, generator=generator, **shape)
             if cuda:
                 torch.cuda.synchronize()
         except Exception as error:
@@ -689,6 +700,7 @@ def run_mode(args) -> dict:
             result["frames_file"] = str(frames_path)
         if cuda:
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            row["allocator"] = allocator_counts(since=counted)
         if runtime is not None:
             loader = object.__getattribute__(pipe.transformer, "_ondeck_loader")
             row["transformer_source"] = getattr(loader, "last_source", None)
@@ -705,6 +717,21 @@ def run_mode(args) -> dict:
     if runtime is not None:  # what each run loaded, waited for and computed, event by event
         result["report"] = runtime.report()
     return result
+
+
+def trace_last_run(pipe, prompt, generator, shape: dict, run: int, result: dict):
+    """The run under the device's profiler (``ONDECK_BENCH_TRACE=1``): its output, and in
+    ``result["trace"]`` each stage's device time by kernel kind and its idle time
+    (``experiments/run_trace.py``'s analysis)."""
+    import tempfile
+
+    from experiments.run_trace import analyse, traced_run
+
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    entry = traced_run(pipe, lambda: pipe(prompt, generator=generator, **shape), run, path)
+    result["trace"] = analyse(json.loads(path.read_text()), entry)
+    shutil.rmtree(path.parent, ignore_errors=True)
+    return entry["output"]
 
 
 def reload_rates(args) -> dict:
@@ -1027,6 +1054,28 @@ def print_table(rows: dict, summary: dict, skipped: list[str]) -> None:
             print(f"  {pair:<30} {gap['max']:.3e} / {gap['mean']:.3e}")
     if skipped:
         print(f"skipped for time: {', '.join(skipped)}")
+    print_traces(rows)
+
+
+def print_traces(rows: dict) -> None:
+    """The traced last runs (``ONDECK_BENCH_TRACE=1``): per stage, seconds, the compute
+    stream's busy and idle seconds, and its busy seconds by kernel kind."""
+    for mode, row in rows.items():
+        trace = row.get("trace")
+        if not trace:
+            continue
+        counts = [run.get("allocator") for run in row.get("runs", [])]
+        print(f"\ntraced last run of {mode}: copies {trace['copies']}; allocator by run {counts}")
+        for stage in trace["stages"]:
+            kinds = " ".join(
+                f"{kind} {seconds:.3f}/{stage['kernels'][kind]}"
+                for kind, seconds in stage["kinds"].items()
+            )
+            print(
+                f"  {stage['stage']:<13} {stage['seconds']:7.3f} s, busy {stage['gpu_busy_s']:.3f},"
+                f" idle {stage['idle_copying_s']:.3f} copying + {stage['idle_no_copy_s']:.3f}; "
+                f"{kinds}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:

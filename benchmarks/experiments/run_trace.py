@@ -50,53 +50,69 @@ def child(args) -> None:
         args.folder, torch_dtype=torch.bfloat16, device="cuda", progress=False
     )
     pipe.set_progress_bar_config(disable=True)
-    tracker = pipe.ondeck.tracker
     _, call, _ = CALLS[args.family]
     result: dict = {"runs": []}
     trace_path = Path(tempfile.mkdtemp()) / "trace.json"
     for run in range(args.runs):
-        last = run == args.runs - 1
-        profiler = stacks = None
-        if last:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            profiler.__enter__()
-            stacks = StackSampler(interval=0.002, timed=True).__enter__()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        torch.cuda._sleep(1000)  # the spin kernel: its start is ``started`` on the device
-        pipe(
-            PROMPTS[run % len(PROMPTS)],
-            num_inference_steps=args.steps,
-            generator=torch.Generator("cpu").manual_seed(run),
-            output_type="np",
-            **call,
+        entry = traced_run(
+            pipe,
+            lambda run=run: pipe(
+                PROMPTS[run % len(PROMPTS)],
+                num_inference_steps=args.steps,
+                generator=torch.Generator("cpu").manual_seed(run),
+                output_type="np",
+                **call,
+            ),
+            run + 1,
+            trace_path if run == args.runs - 1 else None,
         )
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        events = [
-            [
-                round(e.seconds + tracker.started_at - started, 5),
-                e.kind,
-                e.name,
-                e.nbytes,
-                e.duration_seconds,
-            ]
-            for e in tracker.events
-            if e.run == run + 1
-        ]
-        entry = {"seconds": seconds, "events": events}
-        if last:
-            stacks.__exit__(None, None, None)
-            profiler.__exit__(None, None, None)
-            profiler.export_chrome_trace(str(trace_path))
-            entry["stacks"] = [
-                (round(t - started, 5), name, chain) for t, name, chain in stacks.samples
-            ]
+        entry.pop("output")
         result["runs"].append(entry)
-        print(f"run {run + 1}: {seconds:.2f}s", file=sys.stderr, flush=True)
+        print(f"run {run + 1}: {entry['seconds']:.2f}s", file=sys.stderr, flush=True)
     result["plan_after"] = str(pipe.ondeck.plan())
     result["trace"] = str(trace_path)
     emit(result)
+
+
+def traced_run(pipe, call, run: int, trace_path: Path | None) -> dict:
+    """``call()`` (the pipeline's ``run``-th call), timed from a synchronised device: its
+    seconds and the tracker's events of that run, in seconds from its start. With
+    ``trace_path``, the device's timeline goes there too (a chrome trace, beginning with
+    a spin kernel at the run's start) and the threads' stacks into the entry."""
+    import torch
+
+    tracker = pipe.ondeck.tracker
+    profiler = stacks = None
+    if trace_path is not None:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+        stacks = StackSampler(interval=0.002, timed=True).__enter__()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.cuda._sleep(1000)  # the spin kernel: its start is ``started`` on the device
+    output = call()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    events = [
+        [
+            round(e.seconds + tracker.started_at - started, 5),
+            e.kind,
+            e.name,
+            e.nbytes,
+            e.duration_seconds,
+        ]
+        for e in tracker.events
+        if e.run == run
+    ]
+    entry = {"seconds": seconds, "events": events, "output": output}
+    if trace_path is not None:
+        stacks.__exit__(None, None, None)
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(str(trace_path))
+        entry["stacks"] = [
+            (round(t - started, 5), name, chain) for t, name, chain in stacks.samples
+        ]
+    return entry
 
 
 def union_seconds(spans: list[tuple[float, float]], begin: float, end: float) -> float:
@@ -114,6 +130,23 @@ def union_seconds(spans: list[tuple[float, float]], begin: float, end: float) ->
     return covered
 
 
+KERNEL_KINDS = (
+    ("upcast", ("widen",)),
+    ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("conversion", ("copy_kernel", "direct_copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel does, by its name: ``KERNEL_KINDS``' first match, else "other"."""
+    lowered = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "other"
+
+
 def analyse(trace: dict, run: dict) -> dict:
     """The figures the module's docstring lists (trace times in microseconds, turned into
     seconds from the run's start)."""
@@ -129,14 +162,14 @@ def analyse(trace: dict, run: dict) -> dict:
         span = ((e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
         if e["cat"] == "kernel" and "spin" not in e["name"].lower():
             stream = e.get("args", {}).get("stream")
-            kernels.append((*span, stream))
+            kernels.append((*span, stream, kernel_kind(e["name"])))
             streams[stream] += e["dur"]
         elif e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]:
             copies.append((*span, e.get("args", {}).get("bytes", 0)))
     compute = streams.most_common(1)[0][0] if streams else None
     lane = sorted((k for k in kernels if k[2] == compute), key=lambda k: k[0])
     busy = []  # the compute stream's busy spans, merged
-    for lo, hi, _ in lane:
+    for lo, hi, _, _ in lane:
         if busy and lo <= busy[-1][1]:
             busy[-1] = (busy[-1][0], max(busy[-1][1], hi))
         else:
@@ -178,8 +211,16 @@ def analyse(trace: dict, run: dict) -> dict:
                         "main_thread": [f"{n}x {c}" for c, n in seen.most_common(3)],
                     }
                 )
+        kinds: Counter = Counter()
+        counts: Counter = Counter()
+        for lo, hi, _, kind in lane:
+            if begin <= lo < end:
+                kinds[kind] += min(hi, end) - lo
+                counts[kind] += 1
         rows.append(
             {
+                "kinds": {k: round(v, 4) for k, v in sorted(kinds.items())},
+                "kernels": dict(sorted(counts.items())),
                 "stage": name,
                 "start_s": round(begin, 4),
                 "seconds": round(end - begin, 4),
@@ -248,7 +289,8 @@ def main() -> None:
         print(
             f"{row['stage']:16s} {row['start_s']:7.3f} {row['seconds']:7.3f} "
             f"{row['gpu_busy_s']:7.3f} {row['copy_busy_s']:7.3f} {row['idle_copying_s']:8.3f} "
-            f"{row['idle_no_copy_s']:7.3f}"
+            f"{row['idle_no_copy_s']:7.3f}  "
+            + " ".join(f"{kind} {sec:.3f}" for kind, sec in row["kinds"].items())
         )
     for gap in summary["gaps"][:15]:
         print(
