@@ -150,7 +150,7 @@ def _generate(args: argparse.Namespace, out: Path, joined: bool, main: bool) -> 
         guidance=args.guidance,  # None: the pipeline's own
         true_cfg=getattr(args, "true_cfg", None),
         images=args.images,
-        dtype=args.dtype,  # None: the folder's own
+        dtype=args.dtype,  # None: not given (bf16 on CUDA, float32 elsewhere)
         files=files,
         shape={"height": shape.height, "width": shape.width, "frames": shape.frames,
                "steps": shape.steps},
