@@ -232,8 +232,14 @@ def test_an_interrupt_between_the_renames_of_a_set_waits_for_the_last(tmp_path, 
 
     monkeypatch.setattr(output.os, "replace", replace)
     images = np.full((3, 4, 4, 3), 200, dtype=np.uint8)
-    with pytest.raises(KeyboardInterrupt):
-        output.write_images(out, images)
+    # Ctrl-C as a terminal delivers it, also where the suite runs in the background (a
+    # shell starts background jobs with SIGINT ignored).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            output.write_images(out, images)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sorted(renamed) == ["image-1.png", "image-2.png", "image-3.png"]
     assert not any((out / name).read_bytes().startswith(b"previous") for name in renamed)
 

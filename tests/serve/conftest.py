@@ -60,3 +60,24 @@ def live_server(models, tmp_path):
     yield start
     for live in started:
         live.stop()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds the writer thread inside write_job_files until released (a real video of
+    a real model takes seconds to encode and write; this widens that window)."""
+    import threading
+
+    import ondeck.serve.server as server_module
+
+    entered, release = threading.Event(), threading.Event()
+    real = server_module.write_job_files
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "write_job_files", held)
+    yield entered, release
+    release.set()

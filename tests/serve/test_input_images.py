@@ -134,3 +134,28 @@ def test_a_model_whose_every_job_would_fail_is_refused_at_start(tmp_path):
     )
     with pytest.raises(OndeckError, match=r"model 'i2v' .*ftfy.*pip install ftfy"):
         Server(config, say=lambda *_: None)
+
+
+def test_an_image_past_the_servers_pixel_limit_is_too_large(server):
+    """Counted from the header, before the pixels are decoded."""
+    answer = video(server(image_pixels=399), png(20, 20))
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"]["code"] == "image_too_large"
+    assert "more than 399 pixels" in answer.json()["error"]["message"]
+    assert video(server(image_pixels=400), png(20, 20)).status_code == 200
+
+
+def test_a_file_under_another_name_is_refused_not_taken_as_the_image(server):
+    """A mask (or any file) beside the input image is a 400 naming it: it never replaces
+    the image."""
+    url = f"data:image/png;base64,{base64.b64encode(png(6, 2)).decode()}"
+    answer = call(
+        server(),
+        "POST",
+        "/v1/videos",
+        data={**FIELDS, "input_reference": url},
+        files=[("mask", ("mask.png", png(4, 4), "image/png"))],
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "mask" and "unexpected file field 'mask'" in error["message"]

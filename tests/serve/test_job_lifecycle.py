@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
 from PIL import Image
 
 import ondeck.serve.server as server_module
@@ -17,23 +16,6 @@ from .helpers import wait_for
 from .inprocess import Limits, call, make_server
 
 VIDEO = {"model": "wan", "prompt": "a fox", "size": "32x32", "frames": 5}
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    """Holds the writer thread inside write_job_files until released (a real video of
-    a real model takes seconds to encode and write; this widens that window)."""
-    entered, release = threading.Event(), threading.Event()
-    real = server_module.write_job_files
-
-    def held(*args, **kwargs):
-        entered.set()
-        assert release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(server_module, "write_job_files", held)
-    yield entered, release
-    release.set()
 
 
 def test_a_video_cancelled_while_its_files_are_written_leaves_no_files(models, tmp_path, gate):
