@@ -98,3 +98,40 @@ def test_trimming_the_served_outputs_leaves_folders_that_are_not_jobs(tmp_path):
     (job / "report.json").write_bytes(b"y" * 100)
     assert store.trim() == [job.name]
     assert (mine / "keep.txt").exists() and not job.exists()
+
+
+def test_ctrl_c_while_frames_go_to_the_encoder_ends_it_and_leaves_no_file(tmp_path, monkeypatch):
+    import subprocess
+
+    started = []
+    real = subprocess.Popen
+
+    class Interrupted:
+        def __init__(self, pipe):
+            self.pipe, self.writes = pipe, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 2:
+                raise KeyboardInterrupt
+            return self.pipe.write(data)
+
+        def close(self):
+            self.pipe.close()
+
+    def popen(*args, **kwargs):
+        process = real(*args, **kwargs)
+        if process.stdin is not None:  # the encoder, fed frames (not a version check)
+            process.stdin = Interrupted(process.stdin)
+            started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    path = tmp_path / "video.mp4"
+    path.write_bytes(PREVIOUS)
+    with pytest.raises(KeyboardInterrupt):
+        output.write_video(path, np.zeros((4, 16, 16, 3), dtype=np.float32))
+    (process,) = started
+    assert process.returncode is not None  # ended and waited for: no encoder left behind
+    assert path.read_bytes() == PREVIOUS
+    assert [p.name for p in tmp_path.iterdir()] == ["video.mp4"]

@@ -5,6 +5,7 @@ queue's forgetting of old jobs."""
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,25 @@ def test_the_queue_forgets_only_finished_jobs():
     queue.adopt(job())
     assert queue.get(old.id) is None and all(queue.get(j.id) is j for j in waiting)
     queue.stop(timeout=1)
+
+
+def test_an_image_gone_before_the_waiting_call_reads_it_is_a_404(models, tmp_path, monkeypatch):
+    """Removed by the folder's cap between its writing and its reading: 404
+    ``content_gone`` in OpenAI's error shape, not a 500."""
+    real = server_module.write_job_files
+
+    def then_trimmed(*args, **kwargs):
+        files = real(*args, **kwargs)
+        for role, path in files.items():
+            if role.startswith("image"):
+                Path(path).unlink()
+        return files
+
+    monkeypatch.setattr(server_module, "write_job_files", then_trimmed)
+    server = make_server(models, tmp_path, names=("sd3",))
+    try:
+        response = call(server, "POST", "/v1/images/generations", json=IMAGE)
+    finally:
+        server.stop()
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "content_gone"
