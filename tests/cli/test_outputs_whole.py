@@ -135,3 +135,29 @@ def test_ctrl_c_while_frames_go_to_the_encoder_ends_it_and_leaves_no_file(tmp_pa
     assert process.returncode is not None  # ended and waited for: no encoder left behind
     assert path.read_bytes() == PREVIOUS
     assert [p.name for p in tmp_path.iterdir()] == ["video.mp4"]
+
+
+def test_a_lock_file_removed_between_its_open_and_its_lock_is_taken_again(tmp_path, monkeypatch):
+    """The run before ends (and removes its lock file) between this run's open and its
+    flock: the lock then held is on a name no one sees, so a third run would get the
+    folder too. The lock is taken again, on the file that is there."""
+    fcntl = pytest.importorskip("fcntl")
+    lock = tmp_path / ".ondeck-run.lock"
+    real = fcntl.flock
+    calls = []
+
+    def flock(descriptor, operation):
+        calls.append(descriptor)
+        if len(calls) == 1:
+            lock.unlink()  # the previous holder's end, just now
+        return real(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with output.holding_folder(tmp_path):
+        assert len(calls) == 2
+        held = os.fstat(calls[-1])
+        assert os.path.samestat(held, os.stat(lock))
+        monkeypatch.undo()
+        with pytest.raises(output.FolderInUse):  # a third run is refused
+            with output.holding_folder(tmp_path):
+                pass
