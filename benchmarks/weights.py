@@ -55,8 +55,8 @@ loading); one LoRA under release at most 1.03x the run without.
 Run 1's frames of every mode are compared with eager's (same prompt and seed) where eager
 ran, and each file mode's with its folder mode's (0: the same bf16 weights).
 
-With ``ONDECK_BENCH_TRACE=1`` each ondeck mode's last run runs under the device's
-profiler, and the table ends with its stages: seconds, the computing stream's busy and
+With ``ONDECK_BENCH_TRACE=1`` each ondeck mode makes one more run after its timed ones,
+under the device's profiler, and the table ends with its stages: seconds, the computing stream's busy and
 idle time (idle while copies ran, and not), and its busy time by kernel kind (products,
 attention, float8 upcasts, conversions, the rest). Every run records the allocator's
 retries and cudaMalloc/cudaFree calls.
@@ -683,10 +683,7 @@ def run_mode(args) -> dict:
         started = time.perf_counter()
         try:
             generator = torch.Generator("cpu").manual_seed(run)
-            if traced and run == args.runs - 1:
-                output = trace_last_run(pipe, prompt, generator, shape, run + 1, result)
-            else:
-                output = pipe(prompt, generator=generator, **shape)
+            output = pipe(prompt, generator=generator, **shape)
             if cuda:
                 torch.cuda.synchronize()
         except Exception as error:
@@ -713,16 +710,19 @@ def run_mode(args) -> dict:
                     row[f"{name}_{part}_seconds"] = seconds
         result["runs"].append(row)
         print(f"{args.child} run {run + 1}: {row['seconds']:.2f}s", file=sys.stderr, flush=True)
+    if traced and "error" not in result:  # one more run, traced: the timed ones are not
+        generator = torch.Generator("cpu").manual_seed(args.runs)
+        trace_run(pipe, PROMPTS[-1], generator, shape, len(result["runs"]) + 1, result)
     result["peak_rss_bytes"] = peak_rss_bytes()
     if runtime is not None:  # what each run loaded, waited for and computed, event by event
         result["report"] = runtime.report()
     return result
 
 
-def trace_last_run(pipe, prompt, generator, shape: dict, run: int, result: dict):
-    """The run under the device's profiler (``ONDECK_BENCH_TRACE=1``): its output, and in
-    ``result["trace"]`` each stage's device time by kernel kind and its idle time
-    (``experiments/run_trace.py``'s analysis)."""
+def trace_run(pipe, prompt, generator, shape: dict, run: int, result: dict) -> None:
+    """The pipeline's ``run``-th call under the device's profiler (``ONDECK_BENCH_TRACE=1``),
+    after the timed runs and apart from them: in ``result["trace"]`` each stage's device
+    time by kernel kind and its idle time (``experiments/run_trace.py``'s analysis)."""
     import tempfile
 
     from experiments.run_trace import analyse, traced_run
@@ -730,8 +730,8 @@ def trace_last_run(pipe, prompt, generator, shape: dict, run: int, result: dict)
     path = Path(tempfile.mkdtemp()) / "trace.json"
     entry = traced_run(pipe, lambda: pipe(prompt, generator=generator, **shape), run, path)
     result["trace"] = analyse(json.loads(path.read_text()), entry)
+    result["trace"]["seconds"] = entry["seconds"]
     shutil.rmtree(path.parent, ignore_errors=True)
-    return entry["output"]
 
 
 def reload_rates(args) -> dict:
@@ -1058,14 +1058,17 @@ def print_table(rows: dict, summary: dict, skipped: list[str]) -> None:
 
 
 def print_traces(rows: dict) -> None:
-    """The traced last runs (``ONDECK_BENCH_TRACE=1``): per stage, seconds, the compute
+    """The traced runs (``ONDECK_BENCH_TRACE=1``): per stage, seconds, the compute
     stream's busy and idle seconds, and its busy seconds by kernel kind."""
     for mode, row in rows.items():
         trace = row.get("trace")
         if not trace:
             continue
         counts = [run.get("allocator") for run in row.get("runs", [])]
-        print(f"\ntraced last run of {mode}: copies {trace['copies']}; allocator by run {counts}")
+        print(
+            f"\ntraced run of {mode} ({trace['seconds']:.2f} s): copies {trace['copies']}; "
+            f"allocator by timed run {counts}"
+        )
         for stage in trace["stages"]:
             kinds = " ".join(
                 f"{kind} {seconds:.3f}/{stage['kernels'][kind]}"
