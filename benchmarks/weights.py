@@ -56,10 +56,10 @@ Run 1's frames of every mode are compared with eager's (same prompt and seed) wh
 ran, and each file mode's with its folder mode's (0: the same bf16 weights).
 
 With ``ONDECK_BENCH_TRACE=1`` each ondeck mode makes one more run after its timed ones,
-under the device's profiler, and the table ends with its stages: seconds, the computing stream's busy and
-idle time (idle while copies ran, and not), and its busy time by kernel kind (products,
-attention, float8 upcasts, conversions, the rest). Every run records the allocator's
-retries and cudaMalloc/cudaFree calls.
+under the device's profiler, and the table ends with its stages: seconds, the computing
+stream's busy and idle time (idle while copies ran, and not), and its busy time by
+kernel kind (products, attention, float8 upcasts, conversions, the rest). Every run
+records the allocator's retries and cudaMalloc/cudaFree calls.
 
 Needs diffusers, transformers, gguf and peft where it runs. Writes weights-PART.json to
 $OUT after every mode and prints the table last.
