@@ -1079,6 +1079,10 @@ def print_traces(rows: dict) -> None:
                 f" idle {stage['idle_copying_s']:.3f} copying + {stage['idle_no_copy_s']:.3f}; "
                 f"{kinds}"
             )
+        for gap in trace["gaps"][:3]:  # the longest idle spans with no copy under way
+            print(
+                f"  gap {gap['ms']} ms at {gap['at_s']} s ({gap['stage']}): {gap['main_thread'][:1]}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
