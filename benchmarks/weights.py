@@ -20,7 +20,9 @@ of its own (clean peaks), ``--runs`` prompts each, 480x832, 33 frames, 4 steps:
   policy on a card emulated at 24 and 8 GiB (``set_per_process_memory_fraction``).
 - ``fp8file-release``, ``fp8file-8``: the float8 file (stored fp8, computed in bf16);
   ``fp8file-8-torchcast`` with each layer upcast by torch's conversion
-  (``ONDECK_TRITON_UPCAST=0``), not ondeck's kernel.
+  (``ONDECK_TRITON_UPCAST=0``), not ondeck's kernel; ``fp8file-8-scratch`` with each
+  layer's upcast copies written into one device buffer kept for the run instead of
+  allocated at every forward (an experiment: what the allocator's part is).
 - ``reload``: the transformer loaded from the page cache, from the bf16 file and from the
   float8 file in turns: file GB/s and seconds per load.
 - ``gguf-full``, ``gguf-16``, ``gguf-8``: the Q8_0 file through ondeck (auto);
@@ -113,6 +115,8 @@ MODES = {
     "fp8file-8": Mode(55, 8, files=("fp8",)),
     # "-torchcast": each layer upcast by torch's conversion, not ondeck's Triton kernel.
     "fp8file-8-torchcast": Mode(55, 8, files=("fp8",)),
+    # "-scratch": each layer's upcast copies written into one buffer kept for the run.
+    "fp8file-8-scratch": Mode(55, 8, files=("fp8",)),
     # "-cached": the encoders keep their answers, as `ondeck generate`'s do.
     "fp8file-8-cached": Mode(55, 8, files=("fp8",)),
     "folder-8-cached": Mode(55, 8, layout="folder"),
@@ -626,6 +630,8 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         options["prompt_cache"] = True
     if mode.endswith("-torchcast"):
         os.environ["ONDECK_TRITON_UPCAST"] = "0"
+    if mode.endswith("-scratch"):
+        upcast_into_scratch()
     if mode.endswith("-elastic"):
         from ondeck.loading import HostCache
 
@@ -646,6 +652,45 @@ def pipeline_for(mode: str, work: Work, device: str, tiny: bool):
         backend = {"backend": "eager"} if tiny else {}
         pipe.transformer.compile_repeated_blocks(fullgraph=True, **backend)
     return pipe
+
+
+def upcast_into_scratch() -> None:
+    """``-scratch``: the stored layers' hooks write their upcast copies into one device
+    buffer per dtype, reused by every layer, rather than ask the allocator for new ones
+    at each forward. Sound only where nothing keeps a copy past its layer's forward
+    (inference, one stream): an experiment, in the benchmark only."""
+    import torch
+
+    import ondeck.loading.fp8 as fp8
+    from ondeck.loading import upcast as kernel
+
+    buffers: dict = {}
+
+    def swap_in(layers, storage, compute, stored) -> None:
+        used = 0
+        for layer in layers:
+            for table in (layer._parameters, layer._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or tensor.dtype != storage:
+                        continue
+                    stored.append((table, name, tensor))
+                    key = (tensor.device.index, tensor.dtype, compute)
+                    if key not in kernel._built:
+                        table[name] = kernel.upcast(tensor, compute)  # builds the kernel
+                        continue
+                    count = tensor.numel()
+                    buffer = buffers.get((tensor.device, compute))
+                    if buffer is None or buffer.numel() < used + count:
+                        # Views made from the buffer it replaces keep theirs alive.
+                        buffer = buffers[(tensor.device, compute)] = torch.empty(
+                            used + count, dtype=compute, device=tensor.device
+                        )
+                    out = buffer[used : used + count].view(tensor.shape)
+                    kernel._launch(kernel._kernel(), tensor.contiguous(), out)
+                    table[name] = out
+                    used += count
+
+    fp8._swap_in = swap_in
 
 
 def run_mode(args) -> dict:
