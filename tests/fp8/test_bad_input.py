@@ -110,6 +110,17 @@ def test_computing_in_fp8_is_refused(wan_bf16, no_reads):
         ComponentLoader(wan_bf16, "transformer", dtype=torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("compute", [torch.int16, torch.uint8])
+def test_fp8_storage_with_a_compute_dtype_that_is_not_a_wider_float_is_refused(
+    compute, wan_bf16, no_reads
+):
+    with pytest.raises(LoadError) as error:
+        ComponentLoader(wan_bf16, "transformer", dtype=compute, storage_dtype="fp8")
+    assert one_line(error) == (
+        f"component 'transformer': fp8 storage needs a wider compute dtype than {compute}"
+    )
+
+
 def test_storage_for_a_component_the_folder_lacks_is_refused(wan_bf16, no_reads):
     with pytest.raises(LoadError, match="storage_dtype names 'unet', not a model component"):
         WanTextToVideo.from_folder(wan_bf16, device="cpu", storage_dtype={"unet": "fp8"})

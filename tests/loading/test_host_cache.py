@@ -216,3 +216,27 @@ def test_a_reservation_that_cannot_fit_evicts_nothing():
     assert cache.reserve("too big beside it", [info("t", 30)]) is None
 
     assert "held" in cache, "an entry was evicted for a reservation that was then refused"
+
+
+def test_a_copy_into_the_cache_that_fails_leaves_no_reservation_behind():
+    """A stored tensor that cannot be copied into its host buffer: the error goes to the
+    load, and the bytes reserved for the entry are given back."""
+    from types import SimpleNamespace
+
+    from ondeck.loading import fp8
+
+    cache = HostCache(budget_bytes=1 << 20, pin=False)
+    good = SimpleNamespace(
+        info=TensorInfo("a", torch.uint8, (64,), 0, 64),
+        destination=torch.ones(64, dtype=torch.uint8),
+    )
+    unreadable = torch.empty(64, dtype=torch.uint8, device="meta")
+    bad = SimpleNamespace(info=TensorInfo("b", torch.uint8, (64,), 64, 128), destination=unreadable)
+
+    with pytest.raises(NotImplementedError):
+        fp8.keep_in_cache(cache, "component", [good, bad])
+
+    assert "component" not in cache
+    assert cache.held_bytes == 0, "the failed load's reservation is still held"
+    fp8.keep_in_cache(cache, "component", [good])
+    assert cache.get("component")["a"].tolist() == [1] * 64, "a later load is kept"

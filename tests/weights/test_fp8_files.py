@@ -14,6 +14,7 @@ from .conftest import (
     fp8_scaled_file,
     frames,
     load,
+    original_name,
     reference_frames,
     streamed_passes,
 )
@@ -99,6 +100,31 @@ def test_the_scales_are_applied_once_however_often_the_layer_runs(base, fp8_scal
     assert layer.weight.dtype == FP8
 
 
+def test_a_scaled_layers_unscaled_float8_tensors_are_upcast_for_its_forward(
+    base, fp8_scaled, tmp_path
+):
+    """A layer whose weight has a scale and whose bias is float8 as well, with none: the
+    forward computes with the weight times its scale and the bias upcast."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(fp8_scaled[0]))
+    bias_key = next(key for key in tensors if key.endswith("blocks.1.ffn.2.bias"))
+    tensors[bias_key] = tensors[bias_key].to(FP8)
+    path = tmp_path / "fp8_bias.safetensors"
+    save_file(tensors, str(path))
+    pipe = load(base, "release", components={"transformer": path})
+    layer = loaded_transformer(pipe).blocks[1].ffn.net[2]
+    assert layer.bias.dtype == FP8
+    scale = tensors[bias_key.removesuffix(".bias") + ".scale_weight"]
+    inputs = torch.randn(3, layer.in_features)
+
+    expected = torch.nn.functional.linear(
+        inputs, layer.weight.float() * scale, tensors[bias_key].float()
+    )
+    assert torch.equal(layer(inputs), expected)
+    assert layer.bias.dtype == FP8, "the stored bias is put back"
+
+
 @pytest.fixture
 def cache_on_cpu(monkeypatch):
     """Let the host cache serve CPU loads, which it normally refuses, so its path runs."""
@@ -135,3 +161,44 @@ def test_an_fp8_scaled_file_with_weight_scale_names_computes_each_weight_times_i
     assert np.array_equal(frames(pipe), expected)
     assert np.array_equal(frames(pipe), expected)
     assert loaded_transformer(pipe).blocks[0].attn1.to_q.weight.dtype == FP8
+
+
+def _resolved(base, path, dtype=None):
+    """(compute dtype, storage dtype) ondeck takes for ``path`` as the transformer."""
+    from ondeck.loading import ModelFolder
+    from ondeck.loading.fp8 import resolve
+    from ondeck.loading.single_file import SingleFileFolder
+
+    folder = SingleFileFolder(ModelFolder.open(base), {"transformer": path})
+    return resolve(folder, "transformer", dtype, None, torch.device("cpu"))
+
+
+def _file_of(tensors, path):
+    from safetensors.torch import save_file
+
+    save_file({original_name(key): tensor for key, tensor in tensors.items()}, str(path))
+    return path
+
+
+def test_a_float8_file_given_no_dtype_computes_in_the_dtype_of_its_other_tensors(
+    base, float8, weights, tmp_path
+):
+    assert _resolved(base, float8[0]) == (torch.float32, FP8), "its biases and norms: float32"
+    every = {key: t.to(FP8) if t.is_floating_point() else t for key, t in weights.items()}
+    everything_float8 = _file_of(every, tmp_path / "all_fp8.safetensors")
+    assert _resolved(base, everything_float8) == (torch.bfloat16, FP8), "none wider: bf16"
+
+
+def test_a_file_mixing_float8_dtypes_is_stored_in_the_one_holding_most_bytes(
+    base, weights, tmp_path
+):
+    mixed = {}
+    for key, tensor in weights.items():
+        if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            mixed[key] = tensor.to(FP8)
+        else:
+            mixed[key] = tensor
+    smallest = min((k for k, t in mixed.items() if t.dtype == FP8), key=lambda k: mixed[k].numel())
+    mixed[smallest] = weights[smallest].to(torch.float8_e5m2)
+    path = _file_of(mixed, tmp_path / "mixed.safetensors")
+    assert _resolved(base, path, torch.float32) == (torch.float32, FP8)

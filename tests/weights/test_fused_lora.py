@@ -233,6 +233,21 @@ def test_an_adapter_call_on_a_module_from_the_factors_gets_peft_layers_to_act_on
     assert np.array_equal(frames(pipe), expected)
 
 
+def test_the_pipelines_unfuse_lora_holds_at_every_reload(base, lora_files, reference):
+    """``pipe.unfuse_lora()`` (the pipeline's, not the component's) on a transformer that
+    is not loaded: every later load unfuses again, so each call computes the adapter
+    beside the restored weights, as plain diffusers does."""
+    expected = _plain_unfused(base, lora_files["diffusers"])
+    pipe = load(base, "release")
+    pipe.load_lora_weights(str(lora_files["diffusers"]), adapter_name="style")
+    pipe.fuse_lora(lora_scale=0.5)
+    pipe.ondeck.release_all()
+    pipe.unfuse_lora()
+
+    for call, output in enumerate(_frames_of_calls(pipe)):
+        assert np.array_equal(output.numpy(), expected), f"call {call + 1}"
+
+
 def test_a_transform_of_your_own_after_the_fuse_sees_peft_layers(base, lora_files):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
