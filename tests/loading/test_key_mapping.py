@@ -75,3 +75,21 @@ def test_a_converted_key_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr("transformers.core_model_loading.rename_source_key", rename)
     with pytest.raises(LoadError, match="component 'text_encoder'.*lm_head.weight.*converted"):
         ComponentLoader(ModelFolder.open(folder), "text_encoder", dtype=torch.float32)()
+
+
+def test_two_keys_renamed_onto_one_name_keep_the_checkpoints_names(monkeypatch, tmp_path):
+    """Rather than one tensor silently replacing the other, the names stay the file's, and
+    matching them to the model says what is wrong."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from ondeck.loading.key_mapping import library_names
+
+    folder = _tiny_qwen_vl(tmp_path)
+    module = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "text_encoder")
+    tensors = {"model.embed_tokens.weight": "first", "lm_head.weight": "second", "x": "third"}
+
+    def onto_one(key, renamings, converters, *args, **kwargs):
+        return ("shared.weight" if key != "x" else key), None
+
+    monkeypatch.setattr("transformers.core_model_loading.rename_source_key", onto_one)
+    assert library_names(module, tensors, "text_encoder") == tensors

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ondeck.errors import LoadError
 from ondeck.loading import HostCache
 
 from .conftest import (
@@ -202,3 +203,33 @@ def test_a_file_mixing_float8_dtypes_is_stored_in_the_one_holding_most_bytes(
     mixed[smallest] = weights[smallest].to(torch.float8_e5m2)
     path = _file_of(mixed, tmp_path / "mixed.safetensors")
     assert _resolved(base, path, torch.float32) == (torch.float32, FP8)
+
+
+def test_an_fp8_scaled_file_with_a_scale_of_several_values_is_refused(base, fp8_scaled, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(fp8_scaled[0]))
+    key = next(key for key in tensors if key.endswith(".scale_weight"))
+    tensors[key] = tensors[key].reshape(1).repeat(4)  # one scale per row: not this format
+    path = tmp_path / "per_row.safetensors"
+    save_file(tensors, str(path))
+
+    with pytest.raises(LoadError, match=rf"scale '{key}' holds 4 values; ondeck applies one"):
+        load(base, "release", components={"transformer": path}).transformer.materialize()
+
+
+def test_a_tensor_joined_from_weights_of_two_scales_is_refused(base, fp8_scaled, monkeypatch):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from ondeck.loading import single_file
+
+    def joining(checkpoint, **kwargs):
+        converted = convert_wan_transformer_to_diffusers(checkpoint, **kwargs)
+        q, k = converted["blocks.0.attn1.to_q.weight"], converted["blocks.0.attn1.to_k.weight"]
+        half = q.shape[0] // 2
+        converted["blocks.0.attn1.to_q.weight"] = torch.cat([q[:half], k[half:]])
+        return converted
+
+    monkeypatch.setattr(single_file, "conversion_for", lambda cls: joining)
+    with pytest.raises(LoadError, match="'blocks.0.attn1.to_q.weight' joins weights with diff"):
+        load(base, "release", components={"transformer": fp8_scaled[0]}).transformer.materialize()

@@ -182,6 +182,21 @@ def test_a_missing_file_or_unknown_component_is_named(base, original_file, tmp_p
         load(base, components={"transformer": tmp_path / "x.onnx"})
     with pytest.raises(LoadError, match="is a folder; a single-file component is one file"):
         load(base, components={"transformer": tmp_path})
+    with pytest.raises(LoadError, match="component 'scheduler' holds no weights"):
+        load(base, components={"scheduler": original_file})
+
+
+def test_a_file_in_foreign_names_for_a_class_diffusers_cannot_convert_says_so(
+    base, original_file, monkeypatch
+):
+    from ondeck.loading import single_file
+
+    monkeypatch.setattr(single_file, "conversion_for", lambda cls: None)
+    with pytest.raises(LoadError) as error:
+        load(base, "release", components={"transformer": original_file}).transformer.materialize()
+    assert "its keys are not WanTransformer3DModel's, and diffusers has no single-file" in str(
+        error.value
+    )
 
 
 def test_a_safetensors_file_named_sft_is_read_as_one(base, original_file, reference, tmp_path):
@@ -269,6 +284,32 @@ def test_a_conversion_that_computes_with_values_is_refused_naming_the_tensor(tmp
         converted_tensors(
             adding, read_header(path).tensors, component="transformer", path=str(path)
         )
+
+
+def test_a_conversion_joining_tensors_it_cannot_read_as_byte_ranges_is_refused(tmp_path):
+    """A join along a later dimension interleaves its parts' bytes, and a join of two dtypes
+    has no one dtype to read them in: each is refused, naming the tensor."""
+    from ondeck.loading import read_header
+
+    path = tmp_path / "t.safetensors"
+    save_file(
+        {"a": torch.randn(4, 3), "b": torch.randn(4, 3), "c": torch.randn(4, 3).half()},
+        str(path),
+    )
+
+    def convert(dim, second):
+        def conversion(checkpoint, **kwargs):
+            return {"w": torch.cat([checkpoint["a"], checkpoint[second]], dim=dim)}
+
+        return converted_tensors(
+            conversion, read_header(path).tensors, component="transformer", path=str(path)
+        )
+
+    assert convert(0, "b")["w"].shape == (8, 3), "rows after rows: one byte range after another"
+    with pytest.raises(LoadError, match=r"computes tensor 'w' \(cat along dim 1 .*interleave"):
+        convert(1, "b")
+    with pytest.raises(LoadError, match=r"tensor 'w' joins file tensors of different dtypes"):
+        convert(0, "c")
 
 
 def test_single_file_tensors_match_the_original_after_a_round_trip(weights, original_file):
