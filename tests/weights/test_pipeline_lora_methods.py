@@ -81,11 +81,12 @@ def test_setting_adapters_asks_no_component_to_load_and_names_a_missing_one(flux
     assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
 
 
-def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux_loras):
+@pytest.mark.parametrize("call", ["delete_adapters", "unload_lora_weights"])
+def test_a_deleted_adapter_is_no_longer_listed_and_cannot_be_set(flux_loras, call):
     pipe = _with_lora(
         ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
     )
-    pipe.delete_adapters("style")
+    CALLS[call](pipe)
     assert pipe.get_list_adapters() == {}
     with pytest.raises(ValueError, match="not in the list of present adapters"):
         pipe.set_adapters("style")
@@ -100,6 +101,17 @@ def test_a_fuse_on_a_deferred_text_encoder_is_counted_as_diffusers_counts_it(flu
         each.fuse_lora(components=["text_encoder"], lora_scale=0.6)
     assert pipe.fused_loras == plain.fused_loras == {"style"}
     assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
+
+
+def test_a_fuse_naming_the_transformer_alone_leaves_the_text_encoder_unfused(flux_loras):
+    plain = _plain(flux_loras)
+    pipe = _with_lora(
+        ondeck.diffusers.from_pretrained(flux_loras / "flux", policy="release"), flux_loras
+    )
+    for each in (plain, pipe):
+        each.fuse_lora(components=["transformer"], lora_scale=0.6)
+    for _ in range(2):
+        assert np.array_equal(run(pipe, FLUX), run(plain, FLUX))
 
 
 @pytest.mark.parametrize(
