@@ -260,3 +260,156 @@ def test_a_quanto_transformer_loads_through_from_pretrained_and_is_released(wan_
     # int8 weights with a scale per output row: close to float32's latents, not equal.
     difference = (latents - reference).abs().max().item()
     assert 0 < difference < 0.05 * reference.abs().max().item()
+
+
+def with_quantization_config(folder: Path, destination: Path, name: str, settings) -> Path:
+    """A copy of ``folder`` whose component ``name`` has ``settings`` as its config's
+    ``quantization_config``."""
+    shutil.copytree(folder, destination)
+    config_path = destination / name / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = settings
+    config_path.write_text(json.dumps(config))
+    return destination
+
+
+def test_a_quant_method_in_upper_case_loads_as_gguf(wan_gguf, tmp_path):
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    folder = with_quantization_config(
+        wan_gguf, tmp_path / "upper", "transformer", {"quant_method": "GGUF"}
+    )
+    loader = component_loader(folder, "transformer", dtype=torch.float32)
+
+    assert isinstance(loader, QuantizedComponentLoader) and loader.method == "gguf"
+    assert any(isinstance(p, GGUFParameter) for p in loader().parameters())
+
+
+def test_a_gguf_config_without_a_compute_dtype_computes_in_float32(wan_gguf, tmp_path):
+    folder = with_quantization_config(
+        wan_gguf, tmp_path / "no-dtype", "transformer", {"quant_method": "gguf"}
+    )
+    loader = component_loader(folder, "transformer")
+    module = loader()
+
+    assert loader.dtype == torch.float32
+    assert module.blocks[0].attn1.to_q.compute_dtype == torch.float32
+    assert {p.dtype for p in module.parameters() if p.is_floating_point()} == {torch.float32}
+
+
+def test_a_gguf_config_on_a_model_without_single_file_loading_is_refused_naming_it(
+    wan_fp32, tmp_path
+):
+    """A transformers text encoder whose folder's config asks for gguf: refused when its
+    loader is made, not an AttributeError at its first load."""
+    folder = with_quantization_config(
+        wan_fp32, tmp_path / "te-gguf", "text_encoder", {"quant_method": "gguf"}
+    )
+    with pytest.raises(
+        LoadError,
+        match=r"component 'text_encoder': gguf weights load through diffusers' single-file "
+        r"loading, which transformers\.UMT5EncoderModel does not have",
+    ):
+        component_loader(folder, "text_encoder")
+
+
+@pytest.mark.parametrize(("dtype", "bytes_per_element"), [(torch.float16, 2), (torch.float32, 6)])
+def test_a_gguf_layers_cast_copy_is_counted_only_where_it_computes_in_another_dtype(
+    wan_gguf, dtype, bytes_per_element
+):
+    """A Q8_0 weight dequantizes to float16 (2 bytes an element): computing in float16
+    makes no second copy, computing in float32 casts it (4 bytes an element more)."""
+    loader = component_loader(wan_gguf, "transformer", dtype=dtype)
+    path = next((wan_gguf / "transformer").glob("*.gguf"))
+    quantized = [t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type.name == "Q8_0"]
+    largest = max(int(t.n_elements) for t in quantized)
+
+    assert loader.upcast_bytes == largest * bytes_per_element
+
+
+def test_a_gguf_load_whose_file_cannot_be_read_raises_that_error_unwrapped(wan_gguf, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(wan_gguf, folder)
+    (folder / "transformer" / "transformer-Q8_0.gguf").write_bytes(b"not gguf")
+    loader = component_loader(folder, "transformer")
+
+    with pytest.raises(LoadError) as caught:
+        loader()
+    message = str(caught.value)
+    assert message.startswith("component 'transformer': ") and "not a readable GGUF" in message
+    assert "failed with LoadError" not in message
+
+
+def test_a_failed_copy_into_the_host_cache_leaves_no_reservation(wan_gguf, monkeypatch):
+    """The copy of the file's bytes into the cache fails (one buffer too short): the
+    reservation goes, and the next load fills the cache."""
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    reserve = HostCache.reserve
+
+    def one_buffer_short(self, key, infos, **options):
+        buffers = reserve(self, key, infos, **options)
+        name = next(iter(buffers))
+        return {**buffers, name: buffers[name][:-1]}
+
+    monkeypatch.setattr(HostCache, "reserve", one_buffer_short)
+    loader = component_loader(wan_gguf, "transformer", dtype=torch.float32, host_cache=cache)
+    with pytest.raises(LoadError, match="RuntimeError"):
+        loader()
+    assert cache.held_bytes == 0
+
+    monkeypatch.setattr(HostCache, "reserve", reserve)
+    loader()
+    assert [key for key in cache.keys() if key[0] == "gguf"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_quanto_component_keeps_no_host_cache(wan_quanto, monkeypatch):
+    """Its weights come from its files every load, so a host cache given to it would
+    only be counted by the host plan (its budget taken from the room for streaming)."""
+    from ondeck.loading import HostCache
+
+    monkeypatch.setattr(HostCache, "enabled_for", staticmethod(lambda device: True))
+    cache = HostCache(budget_bytes=2**30, pin=False)
+    loader = component_loader(wan_quanto, "transformer", host_cache=cache)
+
+    assert loader.method == "quanto" and loader.host_cache is None
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds: a quantized tensor's own (quanto's int8 data and
+    scales), not its numel at the element size of the dtype it dequantizes to."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_quanto_component_in_bf16_is_sized_with_its_float32_modules_in_float32(
+    wan_wide, tmp_path
+):
+    """diffusers keeps the Wan transformer's norms and time embedder in float32 whatever
+    the dtype: the plan counts them at 4 bytes an element, as they load. (The embedders'
+    layers are left unquantized: quanto would store the time embedder's in int8.)"""
+    pytest.importorskip("optimum.quanto")
+    from diffusers import QuantoConfig, WanTransformer3DModel
+
+    folder = tmp_path / "wan"
+    shutil.copytree(wan_wide, folder)
+    quantization = QuantoConfig(
+        weights_dtype="int8", modules_to_not_convert=["linear_1", "linear_2"]
+    )
+    model = WanTransformer3DModel.from_pretrained(
+        wan_wide / "transformer", quantization_config=quantization, torch_dtype=torch.float32
+    )
+    shutil.rmtree(folder / "transformer")
+    model.save_pretrained(folder / "transformer")
+    loader = component_loader(folder, "transformer", dtype=torch.bfloat16)
+    module = loader()
+
+    assert module.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    assert any(t.dtype == torch.float32 for t in module.blocks[0].norm2.parameters())
+    assert loader.spec.nbytes == sum(map(stored_bytes, [*module.parameters(), *module.buffers()]))
