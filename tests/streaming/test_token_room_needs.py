@@ -72,3 +72,12 @@ def test_a_stage_of_two_estimated_components_keeps_the_larger_estimate():
     for order in (estimates, dict(reversed(list(estimates.items())))):
         needs = TokenRoom().needs(pipeline(stages), snapshot(), lambda order=order: order)
         assert needs == {"denoise": BUDGET // 2}
+
+
+def test_the_reserve_for_a_streaming_stage_stands_in_only_where_nothing_is_known():
+    from ondeck.streaming import BlockStreaming
+
+    streaming = BlockStreaming()
+    streaming.reserved = {"denoise": 1_000, "decode": 2_000}
+    merged = streaming.with_reserved({"denoise": 3_000, "decode": None, "encode": 500})
+    assert merged == {"denoise": 3_000, "decode": 2_000, "encode": 500}
