@@ -502,3 +502,24 @@ def test_the_switch_counts_the_copies_only_the_resident_plan_pins_and_the_loads_
     # A component kept loaded between runs now loads again once, to stream.
     again = switch_cost(resident, reloading, inputs, {"enc": 500}, 1.0)
     assert again.seconds == pytest.approx(switch.seconds + 500 / 1000)
+
+
+def test_a_stage_streams_its_largest_component_first_where_that_alone_is_enough():
+    uses = [StageUse("Denoise", ("text_encoder", "transformer"))]
+    sizes = {"text_encoder": T5.total_bytes, "transformer": WAN14B.total_bytes}
+    inputs = StreamingInputs(
+        {"text_encoder": T5, "transformer": WAN14B}, unmeasured_activation_fraction=0.0
+    )
+    budget = T5.total_bytes + 12 * GiB
+    choice = plan_streaming(uses, sizes, budget=budget, activation={"Denoise": 0}, inputs=inputs)
+    assert set(choice.layouts) == {"transformer"}, "the encoder stays whole"
+
+
+def test_a_component_in_two_stages_is_laid_out_for_the_tighter_one():
+    uses = [StageUse("alone", ("transformer",)), StageUse("beside", ("transformer", "vae"))]
+    sizes = {"transformer": WAN14B.total_bytes, "vae": 4 * GiB}
+    budget = 16 * GiB
+    choice = plan_streaming(
+        uses, sizes, budget=budget, activation={"alone": 0, "beside": 0}, inputs=INPUTS
+    )
+    assert choice.layouts["transformer"].device_bytes <= budget - 4 * GiB
