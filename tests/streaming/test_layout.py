@@ -523,3 +523,16 @@ def test_a_component_in_two_stages_is_laid_out_for_the_tighter_one():
         uses, sizes, budget=budget, activation={"alone": 0, "beside": 0}, inputs=INPUTS
     )
     assert choice.layouts["transformer"].device_bytes <= budget - 4 * GiB
+
+
+def test_a_streaming_candidate_is_planned_at_its_blocks_whole_size_whatever_its_load_says():
+    """A component loaded streamed counts the bytes of the layout it was loaded in; the
+    plan weighs the whole of it, as any other layout would take it from there."""
+    loaded_streamed = {**SIZES, "transformer": 8 * GiB}  # its previous layout's bytes
+    budget = 22 * GiB
+    plan = build_plan(
+        USES, loaded_streamed, policy="budget", budget=budget, activation={}, streaming=INPUTS
+    )
+    assert "transformer" in plan.streamed
+    assert plan.streamed["transformer"].device_bytes < WAN14B.total_bytes
+    assert plan.overflow() is None
