@@ -663,3 +663,133 @@ def test_a_first_decode_tiles_from_the_need_an_earlier_process_stored(
     run(scaled, ALL_FAMILIES["flux"], height=16)
     assert scaled.ondeck.activation_profile()[0].get("vae")  # scaled from the stored one
     assert scaled.ondeck.decoders["vae"].stored_bytes_per_element == 0.0
+
+
+def test_a_load_that_fails_during_the_decode_is_raised_not_retried_in_tiles(folders):
+    """A LoadError caused by running out of memory is the policy's to handle: the
+    decode does not take it for its own, free room and retry in tiles."""
+    from ondeck.errors import LoadError
+
+    attempts = []
+
+    def transform(vae):
+        decode = vae.decode
+
+        def failing(*args, **kwargs):
+            attempts.append(getattr(vae, "use_tiling", False))
+            if not attempts[-1]:
+                try:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                except torch.OutOfMemoryError as error:
+                    raise LoadError("component 'vae': out of memory while loading") from error
+            return decode(*args, **kwargs)
+
+        vae.decode = failing
+        return vae
+
+    pipe = load(folders["wan"])
+    pipe.ondeck.add_transform("vae", transform)
+    with pytest.raises(LoadError, match="vae"):
+        run(pipe, ALL_FAMILIES["wan"])
+    assert attempts == [False]
+    assert pipe.ondeck.decoders["vae"].last_retries == 0
+
+
+def _latents_needing_more_than_the_room(pipe):
+    """Latents for the VAE, and its measured need set to half its weights below the budget:
+    the decode fits the budget alone, not beside the VAE's weights. Called outside a
+    pipeline call, whose plan would refuse it first."""
+    from ondeck.tiles import spatial_scale
+
+    decoder = pipe.ondeck.decoders["vae"]
+    weights = object.__getattribute__(pipe.ondeck.deferred["vae"], "_ondeck_spec").nbytes
+    assert weights > 0
+    latents = torch.zeros(1, decoder.config["latent_channels"], 8, 8)
+    elements = (8 * spatial_scale(decoder.config)) ** 2
+    decoder.bytes_per_element = (pipe.ondeck.policy.budget_bytes - weights // 2) / elements
+    return latents
+
+
+def test_a_vae_that_cannot_tile_is_refused_when_its_weights_and_need_exceed_the_budget(
+    folders, monkeypatch
+):
+    from ondeck.integrations.diffusers import decode
+
+    pipe = load(folders["flux"], "budget", budget="1GiB")
+    monkeypatch.setattr(decode, "tiling_style", lambda cls: None)
+    decoder = pipe.ondeck.decoders["vae"] = decode.FittingDecode(
+        pipe.ondeck.deferred["vae"], pipe.ondeck, "vae"
+    )
+    latents = _latents_needing_more_than_the_room(pipe)
+    with pytest.raises(BudgetError, match="cannot decode in tiles"):
+        decoder(latents, return_dict=False)
+    assert not ondeck.is_loaded(pipe.ondeck.deferred["vae"])
+
+
+def test_a_vae_that_can_tile_is_not_refused_at_the_same_sizes_and_tiles(folders):
+    from ondeck.tiles import spatial_scale
+
+    pipe = load(folders["flux"], "budget", budget="1GiB")
+    latents = _latents_needing_more_than_the_room(pipe)
+    decoder = pipe.ondeck.decoders["vae"]
+    (image,) = decoder(latents, return_dict=False)
+    assert decoder.last_tiles is not None and decoder.last_tiles.count > 1
+    assert decoder.last_retries == 0
+    scale = spatial_scale(decoder.config)
+    assert image.shape[-2:] == (latents.shape[-2] * scale, latents.shape[-1] * scale)
+
+
+class _OverlapVae:
+    """A VAE taking overlap factors whose whole-frame decode runs out of memory."""
+
+    use_tiling = False
+    tile_sample_min_height = tile_sample_min_width = 0
+    tile_overlap_factor_height = tile_overlap_factor_width = 0.0
+
+    def __init__(self):
+        self.attempts = []
+
+    def enable_tiling(
+        self,
+        tile_sample_min_height=None,
+        tile_sample_min_width=None,
+        tile_overlap_factor_height=None,
+        tile_overlap_factor_width=None,
+    ):
+        self.use_tiling = True
+        self.tile_sample_min_height = tile_sample_min_height
+
+    def decode(self, latents, return_dict=True):
+        self.attempts.append(self.tile_sample_min_height if self.use_tiling else None)
+        if not self.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return (torch.zeros(1, 3, 64, 112),)
+
+
+def test_planned_tiles_the_vae_cannot_use_start_at_the_finest_it_can(monkeypatch):
+    """At 64x112 with 16x latents, the tiles planned for a need 5% above the room cannot be
+    cut in quarters' overlap; the first decode is already in the finest tiles the VAE
+    decodes, not whole frames that run out of memory first."""
+    from types import SimpleNamespace
+
+    from ondeck.integrations.diffusers.decode import FittingDecode
+    from ondeck.tiles import estimated_need, smallest_tiles, tiles_for
+
+    vae, config = _OverlapVae(), {"spatial_compression_ratio": 16, "block_out_channels": [8]}
+    latents = torch.zeros(1, 4, 4, 7)
+    need = estimated_need(config, tuple(latents.shape), latents.element_size())
+    runtime = SimpleNamespace(
+        activation_room=lambda: int(need / 1.05),
+        make_room=lambda keep=(): False,
+        held_by_another_turn=lambda name: False,
+        activation_profile=lambda: ({}, None),
+    )
+    spec = SimpleNamespace(cls=_OverlapVae, config=config, nbytes=0, dtype=None)
+    proxy = SimpleNamespace(_ondeck_spec=spec, materialize=lambda: vae)
+    decoder = FittingDecode(proxy, runtime, "vae")
+    planned = tiles_for(64, 112, need, int(need / 1.05), scale=16)
+    assert planned is not None and decoder.style.usable(planned, 64, 112, 16) is None
+    finest = decoder.style.usable(smallest_tiles(64, 112, scale=16), 64, 112, 16)
+    decoder(latents, return_dict=False)
+    assert vae.attempts == [finest.height] and decoder.last_retries == 0
+    assert decoder.last_tiles == finest

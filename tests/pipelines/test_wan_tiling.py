@@ -382,3 +382,127 @@ def test_a_decode_out_of_memory_first_frees_what_the_policy_lets_go(
     stage = decode_stage(pipe)
     assert stage.last_tiles is None and stage.last_retries == 1
     assert close(frames, whole_frames) < 1e-6
+
+
+@pytest.mark.parametrize("height, width", [(64, 64), (256, 256)])
+def test_first_tiles_keep_a_safety_share_of_the_room_free(height, width):
+    """Whole frames needing twice the room: tiles of at most TILE_SAFETY of half the frame,
+    where half the frame alone would leave nothing for what the estimate does not see."""
+    from types import SimpleNamespace
+
+    from ondeck.tiles import TILE_SAFETY
+
+    room = 2**30
+    assert decode_tiles(height, width, 0.5).area > TILE_SAFETY / 2  # half is not enough
+    stage = Decode(vae=None, geometry=SimpleNamespace(scale_spatial=8))
+    for tiles in (
+        tiles_for(height, width, 2 * room, room),
+        stage._tiles(height, width, 2 * room, room),
+    ):
+        assert tiles is not None and tiles.area <= TILE_SAFETY * room / (2 * room)
+
+
+def test_the_estimated_need_counts_the_widest_level_of_the_vae():
+    shape = (1, 4, 8, 8)  # an image's latents: 64x64 pixels at 8x
+    need = {
+        tuple(channels): estimated_need(
+            {"spatial_compression_ratio": 8, "block_out_channels": channels}, shape, 2
+        )
+        for channels in ([32, 32], [32, 128], [128, 32], [128, 128])
+    }
+    assert need[(32, 128)] == need[(128, 32)] == need[(128, 128)] == 4 * need[(32, 32)]
+    wan_like = {"scale_factor_spatial": 8, "base_dim": 32, "dim_mult": [1, 2, 4, 4]}
+    assert estimated_need(wan_like, shape, 2) == need[(128, 128)]
+
+
+def test_a_wan_config_without_a_spatial_scale_compresses_once_per_downsampling_level():
+    """Wan's VAE halves each side at every level, whether that level also halves time:
+    ``temperal_downsample`` [False, True, True] is 8x per side. (diffusers 0.42's
+    AutoencoderKLWan always has ``scale_factor_spatial`` in its config; an older config
+    read as it is has only this.)"""
+    from ondeck.tiles import spatial_scale
+
+    assert spatial_scale({"temperal_downsample": [False, True, True]}) == 8
+    assert spatial_scale({"temperal_downsample": [False, False, False, True]}) == 16
+
+
+def test_out_of_memory_even_in_the_finest_tiles_is_raised_after_a_few_attempts(
+    wan_folder, monkeypatch
+):
+    from diffusers import AutoencoderKLWan
+
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        attempts.append(self.use_tiling)
+        if len(attempts) > 50:
+            raise AssertionError("the decode is retried without end")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release")
+    with pytest.raises(torch.OutOfMemoryError, match="even in 8x8 tiles"):
+        pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts[0] is False and attempts[-1] is True
+    assert len(attempts) <= 10
+
+
+def test_a_load_that_fails_during_the_decode_is_raised_not_retried_in_tiles(
+    wan_folder, monkeypatch
+):
+    """A LoadError caused by running out of memory is the policy's to handle: the
+    decode does not take it for its own and retry in tiles that would have fitted."""
+    from diffusers import AutoencoderKLWan
+
+    from ondeck.errors import LoadError
+
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        attempts.append(self.use_tiling)
+        if not self.use_tiling:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+            except torch.OutOfMemoryError as error:
+                raise LoadError("component 'vae': out of memory while loading") from error
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release")
+    with pytest.raises(LoadError, match="vae"):
+        pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [False]
+    assert decode_stage(pipe).last_retries == 0
+
+
+def test_tiles_that_decoded_after_running_out_are_planned_again_with_the_same_room(
+    wan_folder, monkeypatch
+):
+    """The room is as large as when the decode ran out: the tiles it decoded in then are
+    where the next run starts, not the whole frames the config's estimate asks for."""
+    from diffusers import AutoencoderKLWan
+
+    real_decode = AutoencoderKLWan.decode
+    attempts = []
+
+    def decode(self, *args, **kwargs):
+        attempts.append(self.use_tiling)  # fits only in tiles of less than half the frame
+        area = 1.0
+        if self.use_tiling:
+            area = self.tile_sample_min_height * self.tile_sample_min_width / (64 * 64)
+        if area > 0.4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLWan, "decode", decode)
+    pipe = wan(wan_folder, "release")
+    monkeypatch.setattr(pipe, "activation_room", lambda: 2**30)  # whole frames' estimate fits
+    pipe.generate("a fox", seed=3, **SHAPE)
+    stage = decode_stage(pipe)
+    assert attempts[0] is False and stage.last_retries >= 1
+    worked = stage.last_tiles
+    attempts.clear()
+    pipe.generate("a fox", seed=3, **SHAPE)
+    assert attempts == [True] and stage.last_retries == 0
+    assert stage.last_tiles == worked
