@@ -323,15 +323,15 @@ def plan_streaming(
         )
         if layout is None:
             stage, others, headroom = tightest
-            smallest = sizes.other_bytes + max(1, min(inputs.slots, sizes.block_count)) * max(
-                sizes.packed_bytes
-            )
+            slots = max(1, min(inputs.slots, sizes.block_count))
+            smallest = sizes.other_bytes + slots * max(sizes.packed_bytes)
             lack = smallest - max(0, available)
             choice.short[stage] = max(choice.short.get(stage, 0), lack)
             notes.append(
                 f"stage '{stage}': even streaming every block, '{component}' needs "
                 f"{format_bytes(smallest)} on the device (its non-block parts and "
-                f"{inputs.slots} slots), and only {format_bytes(max(0, available))} is left "
+                f"{slots} slot{'s' if slots > 1 else ''}), and only "
+                f"{format_bytes(max(0, available))} is left "
                 f"beside {format_bytes(others)} of other components and "
                 f"{format_bytes(headroom)} of activations"
             )

@@ -536,3 +536,16 @@ def test_a_streaming_candidate_is_planned_at_its_blocks_whole_size_whatever_its_
     assert "transformer" in plan.streamed
     assert plan.streamed["transformer"].device_bytes < WAN14B.total_bytes
     assert plan.overflow() is None
+
+
+def test_a_component_of_fewer_blocks_than_slots_is_short_by_what_its_blocks_need():
+    """Two blocks never fill four slots: what the component lacks, and the note, count the
+    two it can use."""
+    pair = BlockSizes("blocks", (4 * GiB,) * 2, (4 * GiB,) * 2, GiB)
+    inputs = StreamingInputs({"transformer": pair}, slots=4, unmeasured_activation_fraction=0.0)
+    uses = [StageUse("denoise", ("transformer",))]
+    choice = plan_streaming(
+        uses, {"transformer": pair.total_bytes}, budget=4 * GiB, activation={}, inputs=inputs
+    )
+    assert choice.short == {"denoise": 5 * GiB}
+    assert "needs 9.00 GiB on the device (its non-block parts and 2 slots)" in choice.notes[0]
