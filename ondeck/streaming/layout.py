@@ -68,6 +68,14 @@ class BlockSizes:
     def total_bytes(self) -> int:
         return self.other_bytes + sum(self.block_bytes)
 
+    def usable_slots(self, slots: int) -> int:
+        """The slots of a ring of ``slots`` these blocks can fill: no more than there are."""
+        return max(1, min(slots, self.block_count))
+
+    def least_device_bytes(self, slots: int) -> int:
+        """Device bytes with every block streamed: the non-block parts and a full ring."""
+        return self.other_bytes + self.usable_slots(slots) * max(self.packed_bytes)
+
 
 @dataclass(frozen=True)
 class StreamLayout:
@@ -323,8 +331,8 @@ def plan_streaming(
         )
         if layout is None:
             stage, others, headroom = tightest
-            slots = max(1, min(inputs.slots, sizes.block_count))
-            smallest = sizes.other_bytes + slots * max(sizes.packed_bytes)
+            slots = sizes.usable_slots(inputs.slots)
+            smallest = sizes.least_device_bytes(inputs.slots)
             lack = smallest - max(0, available)
             choice.short[stage] = max(choice.short.get(stage, 0), lack)
             notes.append(
@@ -398,11 +406,7 @@ def _streamed_in_stage(
     picked: list[str] = []
     for pick in sorted(streamable, key=lambda c: (-nbytes[c], c)):
         picked.append(pick)
-        least = 0
-        for component in picked:
-            sizes = inputs.candidates[component]
-            slots = max(1, min(inputs.slots, sizes.block_count))
-            least += sizes.other_bytes + slots * max(sizes.packed_bytes)
+        least = sum(inputs.candidates[c].least_device_bytes(inputs.slots) for c in picked)
         rest = sum(nbytes[c] for c in held if c not in picked)
         if rest + least + headroom <= budget:
             return picked
